@@ -212,15 +212,25 @@ class ParallelPlan:
             out[(m.stage, m.replica, m.mb)] = m.to
         return out
 
+    @cached_property
+    def _moves_by_executor(self) -> tuple[dict, dict]:
+        out: dict[tuple[int, int], set[int]] = {}
+        into: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for m in self.migrations:
+            out.setdefault((m.replica, m.stage), set()).add(m.mb)
+            into.setdefault((m.to, m.stage), []).append((m.replica, m.mb))
+        return out, into
+
     def work(self, replica: int, stage: int) -> list[tuple[int, int]]:
-        """(owner replica, mb) pairs that ``(replica, stage)`` executes, local first."""
-        local = [
-            (replica, j)
-            for j in range(self.num_microbatches)
-            if self.executor(stage, replica, j) == replica
-        ]
-        migrated = sorted((m.replica, m.mb) for m in self.migrations if m.stage == stage and m.to == replica)
-        return local + migrated
+        """(owner replica, mb) pairs that ``(replica, stage)`` executes, ordered by
+        (mb, owner): one global order at every stage keeps pipelines deadlock-free."""
+        out, into = self._moves_by_executor
+        gone = out.get((replica, stage), ())
+        local = [(replica, j) for j in range(self.num_microbatches) if j not in gone]
+        moved = into.get((replica, stage))
+        if not moved:
+            return local
+        return sorted(local + moved, key=lambda x: (x[1], x[0]))
 
     def location(self, device: int) -> tuple[int, int, int] | None:
         """(replica, stage, tp index) of ``device``, or None when it runs nothing."""
