@@ -6,6 +6,7 @@ for the words used throughout.
 
 from __future__ import annotations
 
+from resihp_core.hookspecs import hookimpl
 from resihp_core.plan import (
     Device,
     Migration,
@@ -31,5 +32,6 @@ __all__ = [
     "Topology",
     "check_programs",
     "format_grid",
+    "hookimpl",
     "parse_plan",
 ]

@@ -1,0 +1,1 @@
+"""A minimal ResiHP adapter plugin (see README.md)."""
