@@ -1,0 +1,370 @@
+"""The reference Megatron-style adapter: one instance per worker process.
+
+It holds this device's stage (a :class:`StageModule` shard) and AdamW state, runs
+per-executor programs (GPipe / 1F1B / ZB-H1 / migrated work) with heterogeneous-TP
+P2P and exact DP reduction, and reconfigures live: new communicators for a plan
+generation, parameters and optimizer state moved or re-sharded component by
+component, checkpoints written and restored.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from resihp_core.adapter import Adapter, Capabilities
+from resihp_core.plan import ParallelPlan
+from resihp_core.program import (
+    Backward,
+    BackwardWeight,
+    Forward,
+    LoadMicroBatch,
+    OptimizerStep,
+    Program,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+)
+from resihp_core.protocol import IterationProfile, MicroBatchProfile
+from resihp_adapters.megatron_ref import comm, state
+from resihp_adapters.megatron_ref.data import DataSpec, label_count, lengths_of, micro_batch
+from resihp_adapters.megatron_ref.model import ModelConfig, StageModule, TPContext, shard_dim
+from resihp_adapters.megatron_ref.plugin import CAPABILITIES, NAME
+
+__all__ = ["MegatronRefAdapter", "IterationStats"]
+
+Tensors3 = tuple[Tensor, Tensor, Tensor]  # parameter, exp_avg, exp_avg_sq
+
+
+@dataclass
+class IterationStats:
+    """What one executor did in one iteration (for accounting and profiles)."""
+
+    iteration: int
+    loss: float = 0.0  # this executor's share of the global mean loss (last stage only)
+    computed: list[tuple[int, int, int]] = field(default_factory=list)  # (stage, owner, mb)
+    forward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    backward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    comm_s: float = 0.0
+    iteration_s: float = 0.0
+
+
+class MegatronRefAdapter(Adapter):
+    """Worker-side execution of ResiHP plans on the pure-torch reference model."""
+
+    name = NAME
+    capabilities: Capabilities = CAPABILITIES
+
+    def __init__(self, device: int, model: ModelConfig, data: DataSpec, store: dist.Store,
+                 *, lr: float = 1e-3, timeout_s: float = 10.0, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 0, slowdown: float = 1.0) -> None:
+        self.device = device
+        self.config = model
+        self.data = data
+        self.store = store
+        self.timeout_s = timeout_s
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.slowdown = slowdown  # fault injection: >1 stretches every compute chunk
+        self.optimizer = state.AdamW(lr=lr)
+        self.plan: ParallelPlan | None = None
+        self.devices: list[int] = []
+        self.comms: comm.Communicators | None = None
+        self.module: StageModule | None = None
+        self.where: tuple[int, int, int] | None = None  # (replica, stage, tp rank)
+        self.iteration = 0  # iterations whose optimizer step this worker applied
+        self._snapshot: dict[str, Tensors3] | None = None
+        self._last: IterationStats | None = None
+
+    # ------------------------------------------------------------- state access
+    def _params(self) -> dict[str, Tensor]:
+        return dict(self.module.named_parameters()) if self.module is not None else {}
+
+    def tensors(self) -> dict[str, Tensors3]:
+        """Parameter and AdamW tensors of every shard this worker holds, by global name."""
+        out = {}
+        for name, p in self._params().items():
+            m, v = self.optimizer.ensure(name, p)
+            out[name] = (p.data, m, v)
+        return out
+
+    def snapshot(self) -> None:
+        """Remember the state at the start of an iteration, for rollback."""
+        self._snapshot = {k: tuple(t.clone() for t in v) for k, v in self.tensors().items()}
+
+    def rollback(self) -> None:
+        """Return to the last snapshot (an iteration that was not committed everywhere)."""
+        if self._snapshot is None:
+            return
+        with torch.no_grad():
+            for name, (p, m, v) in self.tensors().items():
+                sp, sm, sv = self._snapshot[name]
+                p.copy_(sp), m.copy_(sm), v.copy_(sv)
+        for p in self._params().values():
+            p.grad = None
+
+    # ------------------------------------------------------------- reconfiguration
+    def rebuild_communicators(self, plan: ParallelPlan, generation: int,
+                              devices: list[int] | None = None) -> None:
+        self.release()  # the stage's TPContext still points at the old TP group
+        self.devices = sorted(devices if devices is not None else plan.devices())
+        self.comms = comm.build_communicators(
+            self.store, generation, self.devices, self.device, plan, self.timeout_s
+        )
+
+    def release(self) -> None:
+        """Drop every reference to the current communicators (after a failure)."""
+        self.comms = None
+        if self.module is not None:
+            self._set_tp_group(None)
+        comm.release()
+
+    def _set_tp_group(self, group: dist.ProcessGroup | None) -> None:
+        self.module.tp.group = group  # one TPContext shared by every module of the stage
+
+    def _new_module(self, plan: ParallelPlan) -> StageModule | None:
+        loc = plan.location(self.device)
+        self.where = loc
+        if loc is None:
+            return None
+        r, s, t = loc
+        k = plan.degree(r, s)
+        tp = TPContext(self.comms.tp.get((r, s)), t, k)  # shared by every module of the stage
+        a, b = plan.layer_ranges[s]
+        return StageModule(self.config, range(a, b), s == 0, s == plan.pp - 1, tp)
+
+    def start_fresh(self, plan: ParallelPlan) -> None:
+        """Generation 0: this rank's shard of the seeded initial weights."""
+        from resihp_adapters.megatron_ref.model import init_parameter
+
+        self.plan = plan
+        self.module = self._new_module(plan)
+        self.optimizer.state.clear()
+        with torch.no_grad():
+            for name, p in self._params().items():
+                full = init_parameter(self.config, name)
+                d = shard_dim(name)
+                p.copy_(full if d is None else full.chunk(self.module.tp.size, d)[self.module.tp.rank])
+        self.iteration = 0
+
+    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan,
+                   alive: list[int] | None = None) -> int:
+        """Re-shard/move every component to ``new_plan``'s layout; returns bytes received."""
+        alive = self.devices if alive is None else alive
+        plan = state.transfer_plan(old_plan, new_plan, alive)
+        old = self.tensors()
+        self.module = self._new_module(new_plan)
+        # Fresh AdamW tensors in the new shard shapes; every one is filled below.
+        self.optimizer.state = {
+            name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in self._params().items()
+        }
+        new = {name: (p.data, *self.optimizer.state[name]) for name, p in self._params().items()}
+        # Keep shards this device already holds in exactly the needed layout.
+        moved = {(tr.component, tr.dst) for tr in plan}
+        with torch.no_grad():
+            for name, ts in new.items():
+                if (state.component_of(name), self.device) not in moved:
+                    for dst, src in zip(ts, old[name]):
+                        dst.copy_(src)
+        works, recvd, nbytes = [], [], 0
+        for i, tr in enumerate(plan):
+            tag = 1_000_000 + i
+            if tr.src == self.device and tr.dst == self.device:
+                state.unpack(self.config, tr, state.pack(self.config, tr, old), new)
+            elif tr.src == self.device:
+                works.append(dist.isend(state.pack(self.config, tr, old), self.comms.rank_of[tr.dst], tag=tag))
+            elif tr.dst == self.device:
+                buf = torch.empty(state.transfer_numel(self.config, tr), dtype=self.config.torch_dtype)
+                works.append(dist.irecv(buf, self.comms.rank_of[tr.src], tag=tag))
+                recvd.append((tr, buf))
+        for w in works:
+            w.wait()
+        with torch.no_grad():
+            for tr, buf in recvd:
+                state.unpack(self.config, tr, buf, new)
+                nbytes += buf.numel() * buf.element_size()
+        self.plan = new_plan
+        return nbytes
+
+    # ------------------------------------------------------------- checkpoints
+    def _writes_checkpoint(self) -> bool:
+        if self.where is None:
+            return False
+        r, s, _ = self.where
+        return r == min(rr for rr in range(self.plan.dp) if self.plan.group(rr, s))
+
+    def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Collective inside the writing TP group: the lowest replica holding each stage
+        gathers full tensors; its TP rank 0 writes one verified file per component."""
+        root = Path(path or self.checkpoint_dir)
+        if not self._writes_checkpoint():
+            return
+        tp = self.module.tp
+        full: dict[str, dict[str, Tensors3]] = {}
+        for name, ts in self.tensors().items():
+            d = shard_dim(name)
+            if tp.size > 1 and d is not None:
+                gathered = []
+                for t in ts:
+                    parts = [torch.empty_like(t) for _ in range(tp.size)]
+                    dist.all_gather(parts, t.contiguous(), group=tp.group)
+                    gathered.append(torch.cat(parts, d))
+                ts = tuple(gathered)
+            full.setdefault(state.component_of(name), {})[name] = ts
+        if tp.rank == 0:
+            for comp, tensors in full.items():
+                state.save_component(root, self.iteration - 1, comp, tensors)
+
+    def load_checkpoint(self, path: str | os.PathLike[str] | None = None,
+                        iteration: int | None = None, plan: ParallelPlan | None = None) -> None:
+        """Build this worker's shards of ``plan`` from checkpoint ``iteration``."""
+        root = Path(path or self.checkpoint_dir)
+        self.plan = plan or self.plan
+        self.module = self._new_module(self.plan)
+        self.optimizer.state.clear()
+        if self.module is not None:
+            tp = self.module.tp
+            comps: dict[str, dict[str, list[Tensor]]] = {}
+            with torch.no_grad():
+                for name, p in self._params().items():
+                    comp = state.component_of(name)
+                    if comp not in comps:
+                        comps[comp] = state.load_component(root, iteration, comp)
+                    d = shard_dim(name)
+                    fp, fm, fv = (t.to(p.dtype) for t in comps[comp][name])
+                    pick = (lambda t: t) if d is None else (lambda t: t.chunk(tp.size, d)[tp.rank])
+                    p.copy_(pick(fp))
+                    self.optimizer.state[name] = (pick(fm).clone(), pick(fv).clone())
+        self.iteration = iteration + 1
+
+    # ------------------------------------------------------------- execution
+    def emit(self, program: Program) -> None:
+        self._last = self.run(program, self.iteration)
+
+    def profile(self) -> IterationProfile | None:
+        st = self._last
+        if st is None or self.where is None:
+            return None
+        r, s, _ = self.where
+        mbs = tuple(
+            MicroBatchProfile(owner=o, mb=j, forward_s=st.forward_s[(o, j)],
+                              backward_s=st.backward_s.get((o, j), 0.0),
+                              doc_lengths=lengths_of(self.data, st.iteration, o, j))
+            for (o, j) in st.forward_s
+        )
+        return IterationProfile(
+            rank=self.comms.rank_of[self.device] if self.comms else 0, device=self.device,
+            generation=self.comms.generation if self.comms else 0, iteration=st.iteration,
+            stage=s, replica=r, microbatches=mbs, comm_s=st.comm_s, iteration_s=st.iteration_s,
+        )
+
+    def _stretch(self, t0: float) -> float:
+        """Measure a compute chunk; under injected slowdown, sleep so it takes longer."""
+        dt = time.perf_counter() - t0
+        if self.slowdown > 1.0:
+            time.sleep(dt * (self.slowdown - 1.0))
+            dt *= self.slowdown
+        return dt
+
+    def run(self, program: Program, iteration: int) -> IterationStats:
+        """Execute one iteration of ``program`` (this executor's share of the work)."""
+        plan, comms, mod = self.plan, self.comms, self.module
+        r, s, t = self.where
+        me = plan.group(r, s)
+        tp_group = comms.tp.get((r, s))
+        denom = float(label_count(self.data, iteration))
+        st = IterationStats(iteration)
+        acts: dict[tuple[int, int], Tensor] = {}  # received inputs (need grad)
+        outs: dict[tuple[int, int], Tensor] = {}
+        grads_out: dict[tuple[int, int], Tensor] = {}
+        grads_in: dict[tuple[int, int], Tensor] = {}
+        params = list(mod.parameters())
+        shape = lambda o, j: (sum(lengths_of(self.data, iteration, o, j)), self.config.hidden)  # noqa: E731
+        t_iter = time.perf_counter()
+        for op in program.ops:
+            if isinstance(op, LoadMicroBatch):
+                continue
+            key = (getattr(op, "owner", -1), getattr(op, "mb", -1))
+            if isinstance(op, RecvActivation):
+                t0 = time.perf_counter()
+                src = plan.group(op.peer, s - 1)
+                x = comm.recv_chunks(shape(*key), self.config.torch_dtype, src, t, me, comms, tp_group,
+                                     comm.p2p_tag(0, s - 1, op.owner, op.mb, 0, plan))
+                acts[key] = x.requires_grad_()
+                st.comm_s += time.perf_counter() - t0
+            elif isinstance(op, Forward):
+                t0 = time.perf_counter()
+                mbatch = micro_batch(self.data, iteration, op.owner, op.mb)
+                x = mbatch.tokens if s == 0 else acts[key]
+                if s == plan.pp - 1:
+                    out = mod(x, mbatch.lengths, mbatch.labels) / denom
+                    st.loss += float(out.detach())
+                else:
+                    out = mod(x, mbatch.lengths)
+                outs[key] = out
+                st.forward_s[key] = self._stretch(t0)
+                st.computed.append((s, op.owner, op.mb))
+            elif isinstance(op, SendActivation):
+                comm.send_chunks(outs[key].detach(), me, t, plan.group(op.peer, s + 1), comms,
+                                 comm.p2p_tag(0, s, op.owner, op.mb, 0, plan))
+            elif isinstance(op, RecvGrad):
+                t0 = time.perf_counter()
+                grads_out[key] = comm.recv_chunks(
+                    shape(*key), self.config.torch_dtype, plan.group(op.peer, s + 1), t, me, comms,
+                    tp_group, comm.p2p_tag(1, s + 1, op.owner, op.mb, 0, plan))
+                st.comm_s += time.perf_counter() - t0
+            elif isinstance(op, Backward):
+                t0 = time.perf_counter()
+                out, g = outs[key], grads_out.pop(key, None)
+                if not op.split:
+                    torch.autograd.backward(out, g)
+                    if s > 0:
+                        grads_in[key] = acts[key].grad
+                elif s > 0:
+                    (grads_in[key],) = torch.autograd.grad(out, acts[key], g, retain_graph=True)
+                if op.split:
+                    grads_out[key] = g  # kept for W
+                else:
+                    outs.pop(key), acts.pop(key, None)
+                st.backward_s[key] = st.backward_s.get(key, 0.0) + self._stretch(t0)
+            elif isinstance(op, BackwardWeight):
+                t0 = time.perf_counter()
+                out, g = outs.pop(key), grads_out.pop(key)
+                torch.autograd.backward(out, g, inputs=params)
+                acts.pop(key, None)
+                st.backward_s[key] = st.backward_s.get(key, 0.0) + self._stretch(t0)
+            elif isinstance(op, SendGrad):
+                comm.send_chunks(grads_in.pop(key).detach(), me, t, plan.group(op.peer, s - 1), comms,
+                                 comm.p2p_tag(1, s, op.owner, op.mb, 0, plan))
+            elif isinstance(op, ReduceGrads):
+                t0 = time.perf_counter()
+                comm.wait_pending(comms)
+                named = self._params()
+                grads = []
+                for name in sorted(named):
+                    p = named[name]
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grads.append((p.grad, shard_dim(name)))
+                comm.reduce_grads(s, self.device, t, len(me), grads, comms)
+                st.comm_s += time.perf_counter() - t0
+            elif isinstance(op, OptimizerStep):
+                self.optimizer.step(self._params(), iteration + 1)
+                for p in params:
+                    p.grad = None
+            else:
+                raise TypeError(f"megatron_ref cannot execute primitive {op!r}")
+        comm.wait_pending(comms)
+        self.iteration = iteration + 1
+        if self.checkpoint_every and self.checkpoint_dir and self.iteration % self.checkpoint_every == 0:
+            self.save_checkpoint()
+        st.iteration_s = time.perf_counter() - t_iter
+        return st

@@ -1,0 +1,166 @@
+"""Communicators of one plan generation, heterogeneous-TP point-to-point and DP reduction.
+
+Rebuild (SPEC §5.3): every generation gets a fresh default process group rendezvousing
+under the store prefix ``gen<g>/``, with an explicit short timeout, plus the TP groups
+of every executor and the DP *chunk* groups of every stage. All old groups are
+destroyed and every Python reference to them dropped first: gloo closes sockets only
+when the last reference goes, and peers blocked on a dead generation only fail fast
+once their neighbours actually close (ENVIRONMENT.md).
+
+P2P (SPEC §5.1): between a sender TP group of degree ks and a receiver group of degree
+kr, with N = max(ks, kr) the tensor is split into N chunks along tokens; chunk i goes
+once from sender ``i*ks//N`` to receiver ``i*kr//N``; receivers then all-gather inside
+their group. DP reduction (SPEC §5.2): with K the largest TP degree among a stage's
+replicas, chunk c of every parameter is reduced by the group holding it in each
+replica — the finest common sharding — so replicas of different TP degree stay exact.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from resihp_core.plan import ParallelPlan
+
+__all__ = ["Communicators", "build_communicators", "release", "p2p_tag"]
+
+
+@dataclass
+class Communicators:
+    """Everything one worker needs to talk in generation ``generation``."""
+
+    generation: int
+    rank_of: dict[int, int]  # device -> rank
+    tp: dict[tuple[int, int], dist.ProcessGroup | None] = field(default_factory=dict)
+    dp_chunks: dict[int, list[tuple[tuple[int, ...], dist.ProcessGroup | None]]] = field(default_factory=dict)
+    pending: list = field(default_factory=list)
+
+
+def build_communicators(
+    store: dist.Store, generation: int, devices: list[int], me: int, plan: ParallelPlan,
+    timeout_s: float, backend: str = "gloo",
+) -> Communicators:
+    """Init the generation's default group over ``devices`` (sorted: rank = index) and
+    create every TP and DP-chunk group in the same order on every rank."""
+    release()
+    devices = sorted(devices)
+    rank_of = {d: i for i, d in enumerate(devices)}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"gen{generation}/", store),
+        rank=rank_of[me],
+        world_size=len(devices),
+        timeout=timeout,
+    )
+    comms = Communicators(generation, rank_of)
+    for r, s in plan.executors():
+        g = plan.group(r, s)
+        comms.tp[(r, s)] = _group([rank_of[d] for d in g], timeout) if len(g) > 1 else None
+    for s in range(plan.pp):
+        holders = [(r, plan.group(r, s)) for r in range(plan.dp) if plan.group(r, s)]
+        k = max(len(g) for _, g in holders)
+        chunks = []
+        for c in range(k):
+            members = tuple(sorted({g[c * len(g) // k] for _, g in holders}))
+            pg = _group([rank_of[d] for d in members], timeout) if len(members) > 1 else None
+            chunks.append((members, pg))
+        comms.dp_chunks[s] = chunks
+    return comms
+
+
+def _group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
+    return dist.new_group(sorted(ranks), timeout=timeout, use_local_synchronization=False)
+
+
+def release() -> None:
+    """Destroy every process group and collect them, so gloo closes their sockets."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group still has to go
+            pass
+    gc.collect()
+
+
+def p2p_tag(kind: int, stage: int, owner: int, mb: int, chunk: int, plan: ParallelPlan) -> int:
+    """A tag unique per message of one iteration (kind 0 = activation, 1 = gradient)."""
+    return ((((kind * plan.pp + stage) * plan.dp + owner) * plan.num_microbatches + mb) * 64) + chunk
+
+
+def send_chunks(x: Tensor, src_group: tuple[int, ...], my_tp: int, dst_group: tuple[int, ...],
+                comms: Communicators, tag: int) -> None:
+    """Issue (non-blocking) this sender's chunks of ``x`` per the SPEC §5.1 rule."""
+    ks, kr = len(src_group), len(dst_group)
+    n = max(ks, kr)
+    parts = x.chunk(n, 0)
+    for i in range(n):
+        if i * ks // n == my_tp:
+            dst = comms.rank_of[dst_group[i * kr // n]]
+            comms.pending.append(dist.isend(parts[i].contiguous(), dst, tag=tag + i))
+
+
+def recv_chunks(shape: tuple[int, ...], dtype: torch.dtype, src_group: tuple[int, ...],
+                my_tp: int, dst_group: tuple[int, ...], comms: Communicators,
+                tp_group: dist.ProcessGroup | None, tag: int) -> Tensor:
+    """Receive this rank's chunks and all-gather the full tensor inside the TP group."""
+    ks, kr = len(src_group), len(dst_group)
+    n = max(ks, kr)
+    if shape[0] % n:
+        raise ValueError(f"{shape[0]} tokens do not split into {n} P2P chunks")
+    rows = shape[0] // n
+    mine = [i for i in range(n) if i * kr // n == my_tp]
+    local = torch.empty((rows * len(mine),) + tuple(shape[1:]), dtype=dtype)
+    works = []
+    for j, i in enumerate(mine):
+        src = comms.rank_of[src_group[i * ks // n]]
+        works.append(dist.irecv(local[j * rows : (j + 1) * rows], src, tag=tag + i))
+    for w in works:
+        w.wait()
+    if kr == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(kr)]
+    dist.all_gather(parts, local, group=tp_group)
+    return torch.cat(parts, 0)
+
+
+def reduce_grads(stage: int, my_device: int, my_tp: int, my_deg: int,
+                 grads: list[tuple[Tensor, int | None]], comms: Communicators) -> None:
+    """Sum ``grads`` (this rank's shard gradients with their shard dims, None =
+    replicated) over every replica of ``stage``, chunk group by chunk group."""
+    chunks = comms.dp_chunks[stage]
+    k = len(chunks)
+    per = k // my_deg  # chunks this rank's shard holds
+    # Replicated gradients enter every chunk group with their local value; the sum
+    # from the first group is kept (the others only serve peers of other degrees).
+    local = [g.clone() if d is None else None for g, d in grads]
+    first = True
+    for c in range(my_tp * per, (my_tp + 1) * per):
+        members, pg = chunks[c]
+        if pg is None:
+            continue
+        i = c - my_tp * per
+        flat = torch.cat([
+            (lv if d is None else g.chunk(per, d)[i]).reshape(-1)
+            for (g, d), lv in zip(grads, local)
+        ])
+        dist.all_reduce(flat, group=pg)
+        pos = 0
+        for g, d in grads:
+            view = g if d is None else g.chunk(per, d)[i]
+            n = view.numel()
+            if d is not None or first:
+                view.copy_(flat[pos : pos + n].view_as(view))
+            pos += n
+        first = False
+
+
+def wait_pending(comms: Communicators) -> None:
+    for w in comms.pending:
+        w.wait()
+    comms.pending.clear()

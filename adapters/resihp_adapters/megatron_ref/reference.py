@@ -1,0 +1,43 @@
+"""Single-process reference training: the whole model, every micro-batch of every
+replica, the same data, loss normalisation and AdamW as the distributed backend.
+Training semantics are proven by comparing a distributed run against this."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from resihp_adapters.megatron_ref.data import DataSpec, label_count, micro_batch
+from resihp_adapters.megatron_ref.model import ModelConfig, build_model
+from resihp_adapters.megatron_ref.state import AdamW
+
+__all__ = ["reference_run"]
+
+
+def reference_run(model: ModelConfig, data: DataSpec, iterations: int, lr: float = 1e-3,
+                  ) -> tuple[dict[str, tuple[Tensor, Tensor, Tensor]], list[float]]:
+    """Train ``iterations`` iterations; returns full (param, exp_avg, exp_avg_sq) by
+    global name and the per-iteration mean loss."""
+    torch.manual_seed(0)
+    net = build_model(model)
+    opt = AdamW(lr=lr)
+    losses = []
+    for it in range(iterations):
+        denom = float(label_count(data, it))
+        total = 0.0
+        for owner in range(data.dp):
+            for mb in range(data.num_microbatches):
+                b = micro_batch(data, it, owner, mb)
+                loss = net(b.tokens, b.lengths, b.labels) / denom
+                loss.backward()
+                total += float(loss.detach())
+        params = dict(net.named_parameters())
+        opt.step(params, it + 1)
+        for p in params.values():
+            p.grad = None
+        losses.append(total)
+    out = {}
+    for name, p in net.named_parameters():
+        m, v = opt.ensure(name, p)
+        out[name] = (p.detach().clone(), m.clone(), v.clone())
+    return out, losses

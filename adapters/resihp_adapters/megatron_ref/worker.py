@@ -1,0 +1,163 @@
+"""Worker process of the reference backend: ``python -m resihp_adapters.megatron_ref.worker``.
+
+Lives across plan generations. For each generation posted in the job store it rolls
+back an uncommitted iteration, rebuilds communicators, moves/re-shards or restores
+state, then trains iteration by iteration, committing each through the store. When a
+peer dies its collectives fail; the worker drops every reference to the broken groups
+*outside* the ``except`` block (a live traceback would keep gloo's sockets open and
+stall other survivors) and waits for the next generation.
+
+Environment: ``RESIHP_STORE`` (host:port of the job store), ``RESIHP_DEVICE`` (this
+worker's device id), ``RESIHP_JOB`` (path of the job JSON, see :class:`JobSpec`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from resihp_core.plan import parse_plan
+from resihp_core.predictor.corpus import CorpusSpec
+from resihp_core.predictor.schedules import emit_programs
+from resihp_core.runtime import jobstore
+from resihp_adapters.megatron_ref.adapter import MegatronRefAdapter
+from resihp_adapters.megatron_ref.data import DataSpec
+from resihp_adapters.megatron_ref.model import ModelConfig
+
+__all__ = ["JobSpec", "main"]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a worker needs besides the plan; written once as JSON by the launcher."""
+
+    model: dict = field(default_factory=dict)  # ModelConfig fields
+    corpus: dict = field(default_factory=dict)  # CorpusSpec fields
+    dp: int = 2  # data shards (replicas of the initial plan)
+    num_microbatches: int = 4
+    data_seed: int = 0
+    lr: float = 1e-3
+    timeout_s: float = 10.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    dump_dir: str | None = None  # on stop, each worker saves its shards here (tests)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls(**json.loads(text))
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.model)
+
+    def data_spec(self) -> DataSpec:
+        cfg = self.model_config()
+        return DataSpec(CorpusSpec(**self.corpus), cfg.vocab_size, self.dp, self.num_microbatches, self.data_seed)
+
+
+def _wait_new_generation(store: dist.Store, seen: int) -> int:
+    while True:
+        g = jobstore.latest_generation(store)
+        if g > seen:
+            return g
+        time.sleep(0.002)
+
+
+def run_worker(store: dist.Store, device: int, job: JobSpec) -> None:
+    torch.set_num_threads(1)
+    adapter = MegatronRefAdapter(
+        device, job.model_config(), job.data_spec(), store, lr=job.lr, timeout_s=job.timeout_s,
+        checkpoint_dir=job.checkpoint_dir, checkpoint_every=job.checkpoint_every,
+    )
+    store.set(f"worker/{device}/pid", str(os.getpid()))
+    seen = -1
+    while True:
+        g = _wait_new_generation(store, seen)
+        seen = g
+        msg = jobstore.read_plan(store, g)
+        if msg.stop:
+            if job.dump_dir and adapter.where is not None:
+                torch.save({"where": adapter.where, "iteration": adapter.iteration,
+                            "plan": adapter.plan.to_text(),
+                            "tensors": {k: list(v) for k, v in adapter.tensors().items()}},
+                           os.path.join(job.dump_dir, f"device{device}.pt"))
+            return
+        if device not in msg.devices:
+            continue  # excluded but alive: wait to be brought back
+        t0 = time.perf_counter()
+        plan = parse_plan(msg.plan)
+        old = adapter.plan
+        adapter.slowdown = float(msg.slow.get(str(device), 1.0))
+        if adapter.iteration > msg.resume:
+            adapter.rollback()  # stepped an iteration that did not commit everywhere
+            adapter.iteration = msg.resume
+        adapter.rebuild_communicators(plan, g, msg.devices)
+        if msg.restore is not None:
+            adapter.load_checkpoint(iteration=msg.restore, plan=plan)
+        elif old is None:
+            adapter.start_fresh(plan)
+        else:
+            adapter.move_state(old, plan, msg.devices)
+        adapter.iteration = msg.resume
+        programs = {(p.replica, p.stage): p for p in emit_programs(plan)}
+        executors = len(plan.devices())
+        store.set(f"ctl{g}/ready/{device}", json.dumps({"seconds": time.perf_counter() - t0}))
+        if adapter.where is None:
+            continue  # a standby: wait for a plan that uses it
+        program = programs[adapter.where[:2]]
+        i = msg.resume
+        while i < msg.iterations and jobstore.latest_generation(store) == g:
+            adapter.snapshot()
+            failed = None
+            try:
+                stats = adapter.run(program, i)
+            except Exception as e:  # noqa: BLE001 - a peer died: any collective may raise
+                failed = f"{type(e).__name__}: {e}"
+            if failed is not None:
+                # Outside the except block: no traceback pins the broken groups.
+                store.set(f"ctl{g}/failed/{device}", failed[:500])
+                adapter.rollback()
+                adapter.iteration = i
+                adapter.release()
+                break
+            jobstore.put_report(store, g, i, device, {
+                "loss": stats.loss if adapter.where[2] == 0 else 0.0,
+                "computed": stats.computed if adapter.where[2] == 0 else [], "iteration_s": stats.iteration_s,
+                "comm_s": stats.comm_s, "forward_s": sum(stats.forward_s.values()),
+                "backward_s": sum(stats.backward_s.values()), "replica": adapter.where[0],
+                "stage": adapter.where[1],
+            })
+            if jobstore.commit(store, g, i, executors, timeout_s=job.timeout_s * 6) != jobstore.CommitResult.COMMITTED:
+                adapter.rollback()
+                adapter.iteration = i
+                adapter.release()
+                break
+            i += 1
+
+
+def main() -> int:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    host, _, port = os.environ["RESIHP_STORE"].rpartition(":")
+    device = int(os.environ["RESIHP_DEVICE"])
+    with open(os.environ["RESIHP_JOB"]) as f:
+        job = JobSpec.from_json(f.read())
+    store = dist.TCPStore(host, int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=max(30.0, job.timeout_s * 3)))
+    run_worker(store, device, job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

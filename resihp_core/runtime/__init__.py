@@ -1,0 +1,22 @@
+"""Processes and the wire (DESIGN "Processes and the wire").
+
+* :mod:`.heartbeat` — :class:`~.heartbeat.WorkerClient`, used inside a worker: liveness
+  beats with progress and per-iteration profiles to the node agent, from a background
+  thread (``beat()`` costs an attribute store).
+* :mod:`.agent` — :class:`~.agent.NodeAgent`, one per node: watches its workers
+  (:class:`~resihp_core.detector.failstop.FailStopMonitor`), keeps one persistent,
+  authenticated connection to the controller. ``python -m resihp_core.runtime.agent``.
+* :mod:`.controller` — :class:`~.controller.Controller`, one per job: aggregates the
+  agents' node states, declares fail-stops (including a whole node when its agent's
+  connection drops), runs the fail-slow pipeline on the profiles, and emits
+  :class:`~resihp_core.protocol.FailureReport` s to a callback, a queue and the observer
+  plugins. ``python -m resihp_core.runtime.controller``.
+* :mod:`.launcher` / :mod:`.jobstore` — starting and steering this machine's training
+  workers, and the job's control keys in the ``TCPStore``.
+* :mod:`.loop` — running an asyncio service on a background thread.
+* :mod:`.synthetic` — a stand-in worker for the detector's tests, demos and benchmarks.
+
+Importing this package imports nothing; import the submodules.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,111 @@
+"""The job's control keys in the controller-hosted ``TCPStore``, one place for both sides.
+
+Keys (all under the job store, generation ``g``):
+
+- ``plan/latest``: the newest generation number; ``plan/<g>``: a JSON :class:`PlanMessage`.
+- ``gen<g>/...``: torch.distributed rendezvous of that generation (``PrefixStore``).
+- ``ctl<g>/done<i>``: commit counter of iteration ``i``: each executor adds 1 after its
+  optimizer step. ``ctl<g>/verdict<i>``: the executor whose add completes the count
+  writes ``commit``, a coordinator aborting the generation writes ``abort``, both with
+  an atomic compare-and-set on an absent key, so exactly one verdict exists and every
+  worker and the coordinator read the same one.
+- ``ctl<g>/ready/<device>``, ``ctl<g>/report/<i>/<device>``: reconfiguration done,
+  per-iteration reports (loss share, accounting, timings).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["PlanMessage", "post_plan", "latest_generation", "read_plan",
+           "commit", "CommitResult", "abort_generation", "put_report", "get_report"]
+
+
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """What every worker needs to enter a generation."""
+
+    generation: int
+    plan: str  # ParallelPlan text form
+    devices: list[int]  # every live worker in this generation's world (executors + standbys)
+    resume: int  # first iteration to run
+    iterations: int  # run until this iteration count
+    restore: int | None = None  # load checkpoint of this completed iteration first
+    stop: bool = False
+    slow: dict[str, float] = field(default_factory=dict)  # device -> injected slowdown
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> PlanMessage:
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"malformed plan message: {e}") from None
+
+
+def post_plan(store: Any, msg: PlanMessage) -> None:
+    store.set(f"plan/{msg.generation}", msg.to_json())
+    store.set("plan/latest", str(msg.generation))
+
+
+def latest_generation(store: Any) -> int:
+    """Newest posted generation, -1 if none (never blocks)."""
+    if not store.check(["plan/latest"]):
+        return -1
+    return int(store.get("plan/latest"))
+
+
+def read_plan(store: Any, generation: int) -> PlanMessage:
+    return PlanMessage.from_json(store.get(f"plan/{generation}"))
+
+
+class CommitResult:
+    COMMITTED = "commit"
+    ABORTED = "abort"
+
+
+def _verdict(store: Any, generation: int, iteration: int, proposal: str) -> str:
+    got = store.compare_set(f"ctl{generation}/verdict{iteration}", "", proposal)
+    return got.decode() if isinstance(got, bytes) else str(got)
+
+
+def commit(store: Any, generation: int, iteration: int, executors: int,
+           poll_s: float = 0.0005, timeout_s: float = 600.0) -> str:
+    """Add this executor to the iteration's commit counter and wait for the verdict."""
+    if store.add(f"ctl{generation}/done{iteration}", 1) == executors:
+        return _verdict(store, generation, iteration, CommitResult.COMMITTED)
+    key = f"ctl{generation}/verdict{iteration}"
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            return _verdict(store, generation, iteration, CommitResult.ABORTED)
+        time.sleep(poll_s)
+    got = store.get(key)
+    return got.decode() if isinstance(got, bytes) else str(got)
+
+
+def abort_generation(store: Any, generation: int, first: int) -> int:
+    """Abort ``generation`` at its first uncommitted iteration (from ``first`` on);
+    returns that iteration: every iteration before it committed everywhere."""
+    i = first
+    while _verdict(store, generation, i, CommitResult.ABORTED) == CommitResult.COMMITTED:
+        i += 1
+    return i
+
+
+def put_report(store: Any, generation: int, iteration: int, device: int, report: dict) -> None:
+    store.set(f"ctl{generation}/report/{iteration}/{device}", json.dumps(report))
+
+
+def get_report(store: Any, generation: int, iteration: int, device: int) -> dict | None:
+    key = f"ctl{generation}/report/{iteration}/{device}"
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key))

@@ -1,0 +1,191 @@
+"""Launch and steer the worker processes of one job on this machine (our own launcher,
+not torchrun: torchrun tears every worker down when one dies, we must shrink in place).
+
+:class:`LocalJob` hosts the job's ``TCPStore`` (rendezvous with a fresh key prefix per
+plan generation), starts one worker process per device, posts plan generations,
+aborts a generation when a worker dies, and collects per-iteration reports. Every
+process it starts is tracked by pid and reaped by :meth:`LocalJob.close`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from resihp_core.plan import ParallelPlan
+from resihp_core.runtime import jobstore
+
+__all__ = ["LocalJob", "JobError"]
+
+
+class JobError(RuntimeError):
+    """The job could not make progress; the message says which device or iteration."""
+
+
+class LocalJob:
+    """One training job's workers on this machine, steered through the job store."""
+
+    def __init__(self, job_json: str, devices: Iterable[int], *,
+                 worker_module: str = "resihp_adapters.megatron_ref.worker",
+                 workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
+                 env: dict[str, str] | None = None) -> None:
+        import torch.distributed as dist
+
+        self.devices = sorted(devices)
+        self._tmp = tempfile.TemporaryDirectory(prefix="resihp-job-") if workdir is None else None
+        self.workdir = Path(workdir or self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.job_path = self.workdir / "job.json"
+        self.job_path.write_text(job_json)
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60))
+        self.address = f"{host}:{self.store.port}"
+        self.worker_module = worker_module
+        self.env = env or {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.generation = -1
+        self.plan: ParallelPlan | None = None
+        self.committed = 0  # iterations known committed
+        self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
+        self.message: jobstore.PlanMessage | None = None
+        self.plans: dict[int, ParallelPlan] = {}
+        for d in self.devices:
+            self.spawn(d)
+
+    # ------------------------------------------------------------ processes
+    def spawn(self, device: int) -> None:
+        env = dict(os.environ)
+        env.update(self.env)
+        env.update(RESIHP_STORE=self.address, RESIHP_DEVICE=str(device),
+                   RESIHP_JOB=str(self.job_path), OMP_NUM_THREADS="1")
+        log = open(self.workdir / f"worker{device}.log", "ab")
+        self.procs[device] = subprocess.Popen(
+            [sys.executable, "-m", self.worker_module], env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+
+    def alive(self) -> list[int]:
+        return sorted(d for d, p in self.procs.items() if p.poll() is None)
+
+    def dead(self) -> list[int]:
+        return sorted(d for d, p in self.procs.items() if p.poll() is not None)
+
+    def kill(self, device: int, sig: int = signal.SIGKILL, *, reap: bool = True) -> None:
+        """Send ``sig`` to the device's worker; for SIGKILL, wait until it is gone so
+        the next generation does not count it alive."""
+        self.procs[device].send_signal(sig)
+        if reap and sig == signal.SIGKILL:
+            self.procs[device].wait(10)
+
+    def log(self, device: int) -> str:
+        path = self.workdir / f"worker{device}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # ------------------------------------------------------------ generations
+    def post(self, plan: ParallelPlan, *, iterations: int, resume: int | None = None,
+             restore: int | None = None, slow: dict[int, float] | None = None) -> int:
+        """Post the next generation: ``plan`` on every live worker."""
+        g = self.generation + 1
+        plan = plan.with_(generation=g) if plan.generation != g else plan
+        msg = jobstore.PlanMessage(
+            generation=g, plan=plan.to_text(), devices=self.alive(),
+            resume=self.committed if resume is None else resume, iterations=iterations,
+            restore=restore, slow={str(k): v for k, v in (slow or {}).items()},
+        )
+        missing = [d for d in plan.devices() if d not in msg.devices]
+        if missing:
+            raise JobError(f"plan generation {g} uses devices {missing} that have no live worker")
+        jobstore.post_plan(self.store, msg)
+        self.generation, self.plan, self.message = g, plan, msg
+        self.plans[g] = plan
+        return g
+
+    def abort(self) -> int:
+        """Abort the current generation; returns the iteration to resume from."""
+        self.committed = jobstore.abort_generation(self.store, self.generation, self.committed)
+        return self.committed
+
+    def committed_through(self) -> int:
+        """Advance :attr:`committed` over iterations whose verdict is ``commit``."""
+        g = self.generation
+        while self.store.check([f"ctl{g}/verdict{self.committed}"]):
+            if self.store.get(f"ctl{g}/verdict{self.committed}") != b"commit":
+                break
+            self.committed_in[self.committed] = g
+            self.committed += 1
+        return self.committed
+
+    def wait(self, iteration: int, *, timeout: float = 120.0, on_death: str = "raise") -> list[int]:
+        """Wait until ``iteration`` iterations are committed. Returns the devices that
+        died meanwhile (``on_death='return'``), or raises :class:`JobError`."""
+        deadline = time.monotonic() + timeout
+        while self.committed_through() < iteration:
+            dead = [d for d in self.dead() if self.message and d in self.message.devices]
+            if dead:
+                if on_death == "return":
+                    return dead
+                raise JobError(f"worker(s) {dead} died during generation {self.generation}:\n"
+                               + "\n".join(self.log(d)[-2000:] for d in dead))
+            if time.monotonic() > deadline:
+                raise JobError(f"iteration {self.committed} did not commit in {timeout:.0f}s "
+                               f"(generation {self.generation}); logs in {self.workdir}")
+            time.sleep(0.002)
+        return []
+
+    def ready_times(self, generation: int | None = None) -> dict[int, float]:
+        g = self.generation if generation is None else generation
+        out = {}
+        for d in self.message.devices if self.message else []:
+            key = f"ctl{g}/ready/{d}"
+            if self.store.check([key]):
+                out[d] = json.loads(self.store.get(key))["seconds"]
+        return out
+
+    def report(self, iteration: int, generation: int | None = None) -> dict[int, dict[str, Any]]:
+        """Per-device reports of ``iteration`` in ``generation`` (default: the one that
+        committed it)."""
+        g = self.committed_in.get(iteration, self.generation) if generation is None else generation
+        out = {}
+        plan = self.plans[g]
+        for d in plan.devices():
+            r = jobstore.get_report(self.store, g, iteration, d)
+            if r is not None:
+                out[d] = r
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Tell workers to stop, then reap every process we started (by pid)."""
+        try:
+            g = self.generation + 1
+            jobstore.post_plan(self.store, jobstore.PlanMessage(g, "", [], 0, 0, stop=True))
+            self.generation = g
+        except Exception:  # noqa: BLE001 - the store may be gone; still reap
+            pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
