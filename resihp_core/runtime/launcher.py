@@ -149,6 +149,16 @@ class LocalJob:
                 out[d] = json.loads(self.store.get(key))["seconds"]
         return out
 
+    def ready_info(self, generation: int | None = None) -> dict[int, dict[str, float]]:
+        """Per-device reconfiguration breakdown of a generation (rebuild, state, bytes)."""
+        g = self.generation if generation is None else generation
+        out = {}
+        for d in self.message.devices if self.message else []:
+            key = f"ctl{g}/ready/{d}"
+            if self.store.check([key]):
+                out[d] = json.loads(self.store.get(key))
+        return out
+
     def report(self, iteration: int, generation: int | None = None) -> dict[int, dict[str, Any]]:
         """Per-device reports of ``iteration`` in ``generation`` (default: the one that
         committed it)."""

@@ -39,7 +39,12 @@ from resihp_adapters.megatron_ref.data import DataSpec, label_count, lengths_of,
 from resihp_adapters.megatron_ref.model import ModelConfig, StageModule, TPContext, shard_dim
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES, NAME
 
-__all__ = ["MegatronRefAdapter", "IterationStats"]
+__all__ = ["MegatronRefAdapter", "IterationStats", "GenerationAborted"]
+
+
+class GenerationAborted(RuntimeError):
+    """A newer plan generation was posted while this iteration ran: stop at once so
+    peers blocked on this worker fail fast and everyone moves on."""
 
 Tensors3 = tuple[Tensor, Tensor, Tensor]  # parameter, exp_avg, exp_avg_sq
 
@@ -83,6 +88,7 @@ class MegatronRefAdapter(Adapter):
         self.iteration = 0  # iterations whose optimizer step this worker applied
         self._snapshot: dict[str, Tensors3] | None = None
         self._last: IterationStats | None = None
+        self.abort_requested = lambda: False  # set by the worker: a newer generation exists
 
     # ------------------------------------------------------------- state access
     def _params(self) -> dict[str, Tensor]:
@@ -290,6 +296,8 @@ class MegatronRefAdapter(Adapter):
         shape = lambda o, j: (sum(lengths_of(self.data, iteration, o, j)), self.config.hidden)  # noqa: E731
         t_iter = time.perf_counter()
         for op in program.ops:
+            if self.abort_requested():
+                raise GenerationAborted(f"generation {comms.generation} was superseded")
             if isinstance(op, LoadMicroBatch):
                 continue
             key = (getattr(op, "owner", -1), getattr(op, "mb", -1))

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "ATTENTION_QUERY_BLOCK",
     "IGNORE_INDEX",
     "ColumnParallelLinear",
     "DecoderLayer",
@@ -266,28 +267,40 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.tp)
 
 
+#: Queries per attention block. Blocking bounds the score matrix of a long document to
+#: heads x 512 x l, which stays cache-resident on CPUs, so the cost per score element
+#: does not grow with l and the attention cost stays proportional to l².
+ATTENTION_QUERY_BLOCK = 512
+
+
 def document_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int]) -> Tensor:
     """Causal attention within each document of a packed sequence.
 
     ``q, k, v``: ``[N, heads, head_dim]``; ``lengths`` sums to N. Each document segment is
-    attended on its own with plain batched matmuls (scores, causal bias, softmax,
-    weighted sum), so the work is exactly proportional to Σ l_i², not N², and the fixed
-    cost per document stays small. (On CPU, fused SDPA kernels are not quadratic in l
-    at these sizes and cost more per call.)
+    attended on its own with plain batched matmuls (scores + causal bias, softmax,
+    weighted sum), one block of :data:`ATTENTION_QUERY_BLOCK` queries at a time against
+    all the document's keys (no block skipping), so the work is exactly proportional to
+    Σ l_i², not N², and the fixed cost per document stays small. (On CPU, PyTorch's
+    fused SDPA kernels are not quadratic in l at these sizes and cost more per call.)
 
-    ``split`` (not indexing) cuts the segments: the backward of one split is a single
-    concatenation, while each indexed slice would materialise a full-size zero gradient,
-    an O(#documents · N) overhead that swamps short documents.
+    ``split`` (not indexing) cuts segments and blocks: the backward of one split is a
+    single concatenation, while each indexed slice would materialise a full-size zero
+    gradient, an O(#documents · N) overhead that swamps short documents.
     """
     scale = q.shape[-1] ** -0.5
     lengths = [int(n) for n in lengths]
     qs, ks, vs = (t.transpose(0, 1).split(lengths, dim=1) for t in (q, k, v))
     outs = []
-    for a, b, c in zip(qs, ks, vs):
-        n = a.shape[1]
-        bias = torch.full((n, n), float("-inf"), dtype=a.dtype).triu_(1)
-        scores = torch.baddbmm(bias, a, b.transpose(1, 2), alpha=scale)
-        outs.append(torch.bmm(scores.softmax(-1), c))
+    for qd, kd, vd in zip(qs, ks, vs):
+        n = qd.shape[1]
+        kt = kd.transpose(1, 2)
+        start = 0
+        for qb in qd.split(ATTENTION_QUERY_BLOCK, dim=1):
+            rows = qb.shape[1]
+            bias = torch.full((rows, n), float("-inf"), dtype=qd.dtype).triu_(start + 1)
+            scores = torch.baddbmm(bias, qb, kt, alpha=scale)
+            outs.append(torch.bmm(scores.softmax(-1), vd))
+            start += rows
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return out.transpose(0, 1)
 

@@ -14,6 +14,7 @@ worker's device id), ``RESIHP_JOB`` (path of the job JSON, see :class:`JobSpec`)
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import sys
@@ -72,18 +73,46 @@ def _wait_new_generation(store: dist.Store, seen: int) -> int:
         time.sleep(0.002)
 
 
-def run_worker(store: dist.Store, device: int, job: JobSpec) -> None:
+class GenerationWatch:
+    """Background thread on its own store connection: notices a newer generation within
+    milliseconds so a worker stops mid-iteration instead of finishing doomed work."""
+
+    def __init__(self, host: str, port: int, timeout: datetime.timedelta, poll_s: float = 0.003) -> None:
+        import threading
+
+        self.latest = -1
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        self._poll_s = poll_s
+        threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch").start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.latest = jobstore.latest_generation(self._store)
+            except Exception:  # noqa: BLE001 - the job store went away: the job is over
+                return
+            time.sleep(self._poll_s)
+
+
+def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWatch | None = None) -> None:
     torch.set_num_threads(1)
     adapter = MegatronRefAdapter(
         device, job.model_config(), job.data_spec(), store, lr=job.lr, timeout_s=job.timeout_s,
         checkpoint_dir=job.checkpoint_dir, checkpoint_every=job.checkpoint_every,
     )
+    # Everything imported so far lives for the whole process: keep it out of the
+    # collections that release broken process groups (0.4 s -> milliseconds).
+    gc.freeze()
+    current = [-1]
+    if watch is not None:
+        adapter.abort_requested = lambda: watch.latest > current[0]
     store.set(f"worker/{device}/pid", str(os.getpid()))
     seen = -1
     while True:
         g = _wait_new_generation(store, seen)
         seen = g
         msg = jobstore.read_plan(store, g)
+        current[0] = g
         if msg.stop:
             if job.dump_dir and adapter.where is not None:
                 torch.save({"where": adapter.where, "iteration": adapter.iteration,
@@ -94,23 +123,30 @@ def run_worker(store: dist.Store, device: int, job: JobSpec) -> None:
         if device not in msg.devices:
             continue  # excluded but alive: wait to be brought back
         t0 = time.perf_counter()
+        print(f"[{time.time():.3f}] device {device} entering generation {g}", file=sys.stderr, flush=True)
         plan = parse_plan(msg.plan)
         old = adapter.plan
         adapter.slowdown = float(msg.slow.get(str(device), 1.0))
         if adapter.iteration > msg.resume:
             adapter.rollback()  # stepped an iteration that did not commit everywhere
             adapter.iteration = msg.resume
+        t1 = time.perf_counter()
         adapter.rebuild_communicators(plan, g, msg.devices)
+        t2 = time.perf_counter()
+        moved = 0
         if msg.restore is not None:
             adapter.load_checkpoint(iteration=msg.restore, plan=plan)
         elif old is None:
             adapter.start_fresh(plan)
         else:
-            adapter.move_state(old, plan, msg.devices)
+            moved = adapter.move_state(old, plan, msg.devices)
         adapter.iteration = msg.resume
         programs = {(p.replica, p.stage): p for p in emit_programs(plan)}
         executors = len(plan.devices())
-        store.set(f"ctl{g}/ready/{device}", json.dumps({"seconds": time.perf_counter() - t0}))
+        t3 = time.perf_counter()
+        store.set(f"ctl{g}/ready/{device}", json.dumps({
+            "seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved,
+        }))
         if adapter.where is None:
             continue  # a standby: wait for a plan that uses it
         program = programs[adapter.where[:2]]
@@ -125,6 +161,8 @@ def run_worker(store: dist.Store, device: int, job: JobSpec) -> None:
             if failed is not None:
                 # Outside the except block: no traceback pins the broken groups.
                 store.set(f"ctl{g}/failed/{device}", failed[:500])
+                print(f"[{time.time():.3f}] device {device} left generation {g} in iteration {i}: {failed[:200]}",
+                      file=sys.stderr, flush=True)
                 adapter.rollback()
                 adapter.iteration = i
                 adapter.release()
@@ -134,6 +172,8 @@ def run_worker(store: dist.Store, device: int, job: JobSpec) -> None:
                 "computed": stats.computed if adapter.where[2] == 0 else [], "iteration_s": stats.iteration_s,
                 "comm_s": stats.comm_s, "forward_s": sum(stats.forward_s.values()),
                 "backward_s": sum(stats.backward_s.values()), "replica": adapter.where[0],
+                "microbatches": [[o, j, stats.forward_s[(o, j)], stats.backward_s.get((o, j), 0.0)]
+                                 for (o, j) in stats.forward_s],
                 "stage": adapter.where[1],
             })
             if jobstore.commit(store, g, i, executors, timeout_s=job.timeout_s * 6) != jobstore.CommitResult.COMMITTED:
@@ -153,9 +193,9 @@ def main() -> int:
     device = int(os.environ["RESIHP_DEVICE"])
     with open(os.environ["RESIHP_JOB"]) as f:
         job = JobSpec.from_json(f.read())
-    store = dist.TCPStore(host, int(port), is_master=False,
-                          timeout=datetime.timedelta(seconds=max(30.0, job.timeout_s * 3)))
-    run_worker(store, device, job)
+    timeout = datetime.timedelta(seconds=max(30.0, job.timeout_s * 3))
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    run_worker(store, device, job, GenerationWatch(host, int(port), timeout))
     return 0
 
 
