@@ -19,6 +19,7 @@ Arrays are indexed ``[kind, stage, owner replica, mb]`` with kind 0/1/2 = F/B/W.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -69,8 +70,25 @@ def order_matrix(
     """Executors, their compute orders as vertex ids (padded with -1), and lengths.
 
     Without ``orders`` the matrix is built from the emitter's per-stage templates
-    directly (fast path); with ``orders`` (e.g. read back from programs) it is built
+    directly (fast path, cached per plan); with ``orders`` (e.g. read back from programs) it is built
     from them, so tests can prove both are the same."""
+    if orders is None:
+        return _default_order_matrix(plan)
+    return _order_matrix(plan, orders)
+
+
+@lru_cache(maxsize=32)
+def _default_order_matrix(plan: ParallelPlan) -> tuple[tuple[tuple[int, int], ...], np.ndarray, np.ndarray]:
+    execs, mat, lengths = _order_matrix(plan, None)
+    mat.flags.writeable = False
+    lengths.flags.writeable = False
+    return execs, mat, lengths
+
+
+def _order_matrix(
+    plan: ParallelPlan,
+    orders: Mapping[tuple[int, int], Sequence[tuple[int, int, int]]] | None,
+) -> tuple[tuple[tuple[int, int], ...], np.ndarray, np.ndarray]:
     pp, dp, m = plan.pp, plan.dp, plan.num_microbatches
     if orders is None and plan.migrations:
         orders = dynamic_orders(plan)
@@ -169,36 +187,47 @@ def simulate(
     dflat = dur.ravel()
 
     execs, mat, lengths = order_matrix(plan, orders)
-    ne = len(execs)
+    ne, width = mat.shape
+    # Per order-matrix slot: vertex, data predecessor, edge time, duration (flat, so a
+    # round does one gather per quantity). Padding slots are never reached.
+    slot_v = mat.ravel()
+    safe = np.where(slot_v >= 0, slot_v, 0)
+    slot_pred = pred[safe]
+    slot_comm = comm[safe]
+    slot_dur = dflat[safe]
     fin = np.full(nv + 1, np.nan)
     fin[nv] = 0.0
-    start = np.full(nv, np.nan)
-    data_bound = np.zeros(nv, dtype=bool)
     free = np.zeros(ne)
-    ptr = np.zeros(ne, dtype=np.int64)
+    pos = np.arange(ne, dtype=np.int64) * width  # next slot of each executor
+    end = pos + lengths
     active = np.nonzero(lengths > 0)[0]
     while active.size:
-        v = mat[active, ptr[active]]
-        ready = fin[pred[v]] + comm[v]  # NaN while the data predecessor has not run
-        ok = ~np.isnan(ready)
-        a = active[ok]
-        if not a.size:
-            e = execs[active[0]]
-            raise SimulationError(
-                f"orders deadlock: executor replica {e[0]} stage {e[1]} waits on "
-                f"{_name(int(pred[v[0]]), pp, dp, m)} which can never run"
-            )
-        v, ready = v[ok], ready[ok]
-        fa = free[a]
-        st = np.maximum(fa, ready)
-        f = st + dflat[v]
-        start[v] = st
-        fin[v] = f
-        data_bound[v] = ready > fa
-        free[a] = f
-        ptr[a] += 1
-        if (ptr[a] == lengths[a]).any():
-            active = active[ptr[active] < lengths[active]]
+        lin = pos[active]
+        ready = fin[slot_pred[lin]] + slot_comm[lin]  # NaN while the predecessor has not run
+        ok = ready == ready
+        n_ok = np.count_nonzero(ok)
+        partial = n_ok != len(ok)
+        if partial:
+            active, lin, ready = active[ok], lin[ok], ready[ok]
+            if not active.size:
+                e = execs[int(np.nonzero(pos < end)[0][0])]
+                raise SimulationError(
+                    f"orders deadlock: executor replica {e[0]} stage {e[1]} waits on a chunk "
+                    "that can never run"
+                )
+        f = np.maximum(free[active], ready) + slot_dur[lin]
+        fin[slot_v[lin]] = f
+        free[active] = f
+        lin += 1
+        pos[active] = lin
+        if partial or np.count_nonzero(lin == end[active]):
+            active = np.nonzero(pos < end)[0]
+    start = np.full(nv, np.nan)
+    done = slot_v[slot_v >= 0]
+    start[done] = fin[done] - dflat[done]
+    ready_all = fin[pred[done]] + comm[done]
+    data_bound = np.zeros(nv, dtype=bool)
+    data_bound[done] = ready_all >= start[done] - 1e-12 * np.maximum(1.0, np.abs(start[done]))
 
     finish = fin[:nv]
     fin4 = finish.reshape(shape)
