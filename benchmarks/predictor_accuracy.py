@@ -5,11 +5,21 @@ process, one CPU thread) on packed variable-length micro-batches drawn from a
 long-tailed synthetic corpus, fits α and β (forward and backward separately) on a
 warm-up set, and reports the MAPE of predictions on held-out micro-batches.
 
-Measurement discipline (the machine is shared): a few discarded passes first (allocator
-and kernel warm-up), then every micro-batch is measured ``--repeats`` times in
-interleaved, shuffled rounds so slow spells hit all micro-batches alike, and the median
-per micro-batch is used. For comparison, a "naive" predictor that ignores document
-lengths (the mean warm-up time: all micro-batches have the same N) is scored too.
+Measurement discipline (the machine is shared with other jobs):
+
+* a few discarded passes first (allocator and kernel warm-up);
+* every micro-batch is measured ``--repeats`` times in interleaved, shuffled rounds so
+  slow spells hit all micro-batches alike, and the median per micro-batch is used;
+  micro-batches whose median is still uncertain (standard error above
+  ``--target-se-pct``) are measured again, up to ``--max-repeats``;
+* the primary clock is the thread's CPU time (one intra-op thread, so all the work runs
+  on this thread): it excludes the spells when other tenants hold the core. Wall-clock
+  results are reported next to it.
+
+Scored on held-out micro-batches: the SPEC's two-term model α·N + β·Σl², the same with
+a per-document term δ·D (this backend launches attention once per document), and a
+"naive" predictor that ignores document lengths (the mean warm-up time; every
+micro-batch has the same N).
 
     python benchmarks/predictor_accuracy.py [--quick] [--json PATH]
 
@@ -54,16 +64,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, help="decoder layers in the stage")
     ap.add_argument("--warmup-mbs", type=int, help="micro-batches used to fit α, β")
     ap.add_argument("--test-mbs", type=int, help="held-out micro-batches scored")
-    ap.add_argument("--repeats", type=int, help="measurements per micro-batch (median)")
+    ap.add_argument("--repeats", type=int, help="measurements of every micro-batch (median)")
+    ap.add_argument("--max-repeats", type=int, help="cap for noisy micro-batches")
+    ap.add_argument("--target-se-pct", type=float,
+                    help="re-measure a micro-batch while its median's standard error exceeds this")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 
-def _settings(a: argparse.Namespace) -> dict[str, int]:
+def _settings(a: argparse.Namespace) -> dict[str, float]:
     base = (
-        dict(tokens=1024, hidden=128, layers=1, warmup_mbs=16, test_mbs=16, repeats=3)
+        dict(tokens=1024, hidden=128, layers=1, warmup_mbs=12, test_mbs=12, repeats=3,
+             max_repeats=3, target_se_pct=0.5)
         if a.quick
-        else dict(tokens=2048, hidden=128, layers=2, warmup_mbs=32, test_mbs=32, repeats=7)
+        else dict(tokens=2048, hidden=128, layers=2, warmup_mbs=32, test_mbs=32, repeats=7,
+                  max_repeats=15, target_se_pct=0.5)
     )
     for k in base:
         if getattr(a, k) is not None:
@@ -90,12 +105,20 @@ def _time_pass(
     return c1 - c0, c2 - c1, w1 - w0, w2 - w1
 
 
+def _median_rel_se(xs: list[float]) -> float:
+    """Standard error of the median relative to it, from the median absolute deviation
+    (normal approximation: 1.253 · 1.4826 · MAD / √n)."""
+    m = statistics.median(xs)
+    mad = statistics.median(abs(x - m) for x in xs)
+    return 1.2533 * 1.4826 * mad / len(xs) ** 0.5 / m
+
+
 def run(argv: list[str] | None = None) -> dict[str, object]:
     args = _parse(argv)
     cfg = _settings(args)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    n, hidden, layers = cfg["tokens"], cfg["hidden"], cfg["layers"]
+    n, hidden, layers = int(cfg["tokens"]), int(cfg["hidden"]), int(cfg["layers"])
     heads = max(1, hidden // 64)
     model_cfg = ModelConfig(
         vocab_size=256, hidden=hidden, num_heads=heads, ffn_hidden=(8 * hidden // 3) // 16 * 16,
@@ -105,8 +128,8 @@ def run(argv: list[str] | None = None) -> dict[str, object]:
         distribution="lognormal", scale=n / 8, shape=1.2, min_len=32, max_len=4 * n,
         token_budget=n, seed=args.seed,
     )
-    warm = packed_microbatches(corpus, cfg["warmup_mbs"], stream="warmup")
-    test = packed_microbatches(corpus, cfg["test_mbs"], stream="heldout")
+    warm = packed_microbatches(corpus, int(cfg["warmup_mbs"]), stream="warmup")
+    test = packed_microbatches(corpus, int(cfg["test_mbs"]), stream="heldout")
     mbs = warm + test
 
     stage = build_stage(model_cfg, (0, layers), False, False)
@@ -124,9 +147,17 @@ def run(argv: list[str] | None = None) -> dict[str, object]:
     gc.disable()  # no collector pauses inside a timed pass (collected between passes)
     t_start = time.perf_counter()
     try:
-        for _ in range(cfg["repeats"]):
-            shuffle.shuffle(order)
-            for i in order:
+        for rnd in range(int(max(cfg["max_repeats"], cfg["repeats"]))):
+            # Every micro-batch gets `repeats` rounds; after that only those whose median
+            # is still uncertain (noisy spells on the shared machine) are measured again.
+            todo = order if rnd < cfg["repeats"] else [
+                i for i in order
+                if _median_rel_se([f + b for f, b in times["cpu"][i]]) > cfg["target_se_pct"] / 100
+            ]
+            if not todo:
+                break
+            shuffle.shuffle(todo)
+            for i in todo:
                 cf, cb, wf, wb = _time_pass(stage, x, grad, mbs[i])
                 times["cpu"][i].append((cf, cb))
                 times["wall"][i].append((wf, wb))
@@ -142,7 +173,7 @@ def run(argv: list[str] | None = None) -> dict[str, object]:
         {"set": "warmup" if i < k else "heldout", "lengths": list(mbs[i]), "sum_sq": ssq[i]}
         for i in range(len(mbs))
     ]
-    for clock, suffix in (("cpu", ""), ("wall", "_wall")):
+    for clock, csuf in (("cpu", ""), ("wall", "_wall")):
         per_mb = times[clock]
         mf = [statistics.median(f for f, _ in t) for t in per_mb]
         mb = [statistics.median(b for _, b in t) for t in per_mb]
@@ -151,36 +182,45 @@ def run(argv: list[str] | None = None) -> dict[str, object]:
             raise RuntimeError(f"a measured {clock} time was not positive")
         # Noise: median relative deviation of one repeat from its micro-batch's median.
         noise = statistics.median(abs(f + b - m) / m for t, m in zip(per_mb, tot) for f, b in t)
-        cost = fit_stage([(warm[i], mf[i], mb[i]) for i in range(k)], ref_layers=layers, ref_tp=1)
-        pf = [cost.forward(l) for l in mbs]
-        pb = [cost.backward(l) for l in mbs]
-        pt = [f + b for f, b in zip(pf, pb)]
-        out.update({
-            f"mape_forward{suffix}_pct": mape(pf[k:], mf[k:]),
-            f"mape_backward{suffix}_pct": mape(pb[k:], mb[k:]),
-            f"mape_total{suffix}_pct": mape(pt[k:], tot[k:]),
-            f"mape_total_naive{suffix}_pct": mape([statistics.fmean(tot[:k])] * len(test), tot[k:]),
-            f"mape_total_fit{suffix}_pct": mape(pt[:k], tot[:k]),
-            f"repeat_noise{suffix}_pct": 100 * noise,
-            f"alpha_f{suffix}": cost.alpha_f,
-            f"beta_f{suffix}": cost.beta_f,
-            f"alpha_b{suffix}": cost.alpha_b,
-            f"beta_b{suffix}": cost.beta_b,
-            f"measured_total_min{suffix}_s": min(tot),
-            f"measured_total_max{suffix}_s": max(tot),
-        })
-        if clock == "cpu":
-            out["attention_share_of_time"] = statistics.fmean(
-                (cost.beta_f + cost.beta_b) * s / t for s, t in zip(ssq, pt)
-            )
+        out[f"repeat_noise{csuf}_pct"] = 100 * noise
+        out[f"measured_total_min{csuf}_s"] = min(tot)
+        out[f"measured_total_max{csuf}_s"] = max(tot)
+        out[f"mape_total_naive{csuf}_pct"] = mape([statistics.fmean(tot[:k])] * len(test), tot[k:])
         for i, d in enumerate(details):
-            d.update({f"forward{suffix}_s": mf[i], f"backward{suffix}_s": mb[i],
-                      f"repeats{suffix}_s": [list(fb) for fb in per_mb[i]],
-                      f"predicted_forward{suffix}_s": pf[i], f"predicted_backward{suffix}_s": pb[i]})
+            d.update({f"forward{csuf}_s": mf[i], f"backward{csuf}_s": mb[i],
+                      f"repeats{csuf}_s": [list(fb) for fb in per_mb[i]]})
+        # The SPEC's two-term model, then with the per-document term δ·D.
+        for per_doc, msuf in ((False, ""), (True, "_perdoc")):
+            suffix = msuf + csuf
+            cost = fit_stage([(warm[i], mf[i], mb[i]) for i in range(k)], ref_layers=layers,
+                             ref_tp=1, per_document=per_doc)
+            pf = [cost.forward(l) for l in mbs]
+            pb = [cost.backward(l) for l in mbs]
+            pt = [f + b for f, b in zip(pf, pb)]
+            out.update({
+                f"mape_forward{suffix}_pct": mape(pf[k:], mf[k:]),
+                f"mape_backward{suffix}_pct": mape(pb[k:], mb[k:]),
+                f"mape_total{suffix}_pct": mape(pt[k:], tot[k:]),
+                f"mape_total_fit{suffix}_pct": mape(pt[:k], tot[:k]),
+                f"alpha_f{suffix}": cost.alpha_f,
+                f"beta_f{suffix}": cost.beta_f,
+                f"alpha_b{suffix}": cost.alpha_b,
+                f"beta_b{suffix}": cost.beta_b,
+            })
+            if per_doc:
+                out[f"delta_f{suffix}"] = cost.delta_f
+                out[f"delta_b{suffix}"] = cost.delta_b
+            elif clock == "cpu":
+                out["attention_share_of_time"] = statistics.fmean(
+                    (cost.beta_f + cost.beta_b) * s / t for s, t in zip(ssq, pt)
+                )
+            for i, d in enumerate(details):
+                d.update({f"predicted_forward{suffix}_s": pf[i], f"predicted_backward{suffix}_s": pb[i]})
     out["target_pct"] = TARGET_PCT
     out["meets_target"] = out["mape_total_pct"] <= TARGET_PCT  # type: ignore[operator]
     out["sum_sq_min"], out["sum_sq_max"] = min(ssq), max(ssq)
     out["measure_elapsed_s"] = elapsed
+    out["repeats_mean"] = statistics.fmean(len(t) for t in times["cpu"])
     out["microbatches"] = details
     out["config"] = {
         **cfg,
@@ -206,12 +246,15 @@ def _table(r: dict[str, object]) -> str:
         return f"{r[key]:6.2f} %"
 
     rows = [
-        ("", "CPU time", "wall clock"),
-        ("forward MAPE (held-out)", pct("mape_forward_pct"), pct("mape_forward_wall_pct")),
-        ("backward MAPE (held-out)", pct("mape_backward_pct"), pct("mape_backward_wall_pct")),
-        ("total MAPE (held-out)", pct("mape_total_pct"), pct("mape_total_wall_pct")),
-        ("total MAPE, naive (ignores lengths)", pct("mape_total_naive_pct"), pct("mape_total_naive_wall_pct")),
-        ("total MAPE on warm-up (fit)", pct("mape_total_fit_pct"), pct("mape_total_fit_wall_pct")),
+        ("held-out MAPE", "CPU time", "wall clock"),
+        ("α·N + β·Σl²: forward", pct("mape_forward_pct"), pct("mape_forward_wall_pct")),
+        ("α·N + β·Σl²: backward", pct("mape_backward_pct"), pct("mape_backward_wall_pct")),
+        ("α·N + β·Σl²: total", pct("mape_total_pct"), pct("mape_total_wall_pct")),
+        ("+ δ·docs: forward", pct("mape_forward_perdoc_pct"), pct("mape_forward_perdoc_wall_pct")),
+        ("+ δ·docs: backward", pct("mape_backward_perdoc_pct"), pct("mape_backward_perdoc_wall_pct")),
+        ("+ δ·docs: total", pct("mape_total_perdoc_pct"), pct("mape_total_perdoc_wall_pct")),
+        ("naive (ignores lengths): total", pct("mape_total_naive_pct"), pct("mape_total_naive_wall_pct")),
+        ("α·N + β·Σl², on warm-up: total", pct("mape_total_fit_pct"), pct("mape_total_fit_wall_pct")),
         ("repeat noise (median deviation)", pct("repeat_noise_pct"), pct("repeat_noise_wall_pct")),
         ("micro-batch time range (ms)",
          f"{r['measured_total_min_s'] * 1e3:.0f}-{r['measured_total_max_s'] * 1e3:.0f}",
@@ -220,18 +263,21 @@ def _table(r: dict[str, object]) -> str:
          f"{r['alpha_f_wall']:.3e}, {r['beta_f_wall']:.3e}"),
         ("α_b, β_b (s/token, s/token²)", f"{r['alpha_b']:.3e}, {r['beta_b']:.3e}",
          f"{r['alpha_b_wall']:.3e}, {r['beta_b_wall']:.3e}"),
+        ("δ_f, δ_b (s/document)", f"{r['delta_f_perdoc']:.2e}, {r['delta_b_perdoc']:.2e}",
+         f"{r['delta_f_perdoc_wall']:.2e}, {r['delta_b_perdoc_wall']:.2e}"),
     ]
     widths = [max(len(row[j]) for row in rows) for j in range(3)]
     head = (
         f"predictor accuracy: N={c['tokens']} hidden={c['hidden']} layers={c['layers']} "
-        f"warm-up={c['warmup_mbs']} held-out={c['test_mbs']} repeats={c['repeats']}"
+        f"warm-up={c['warmup_mbs']} held-out={c['test_mbs']} repeats={c['repeats']}-"
+        f"{c['max_repeats']} (mean {r['repeats_mean']:.1f})"
     )
     lines = [head, "-" * len(head)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [
         f"attention share of predicted time: {100 * r['attention_share_of_time']:.0f} %, "
         f"Σ l² range {r['sum_sq_min']:,}-{r['sum_sq_max']:,}",
-        f"target: total MAPE <= {TARGET_PCT} % (CPU time): "
+        f"target: total MAPE of α·N + β·Σl² <= {TARGET_PCT} % (CPU time): "
         + ("met" if r["meets_target"] else "NOT met"),
         f"measured in {r['measure_elapsed_s']:.0f} s; load average {c['loadavg_1min_before']:.1f} "
         f"-> {c['loadavg_1min_after']:.1f} on {c['cpu_count']} CPUs",

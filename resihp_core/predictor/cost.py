@@ -5,14 +5,17 @@ the *healthy* time of every pipeline chunk for the actual documents of an iterat
 For a packed micro-batch of N tokens made of documents of lengths l_i with per-document
 causal attention (§3.3)::
 
-    T = α·N + β·Σ l_i² + γ
+    T = α·N + β·Σ l_i² + γ + δ·D
 
 α·N covers projections, MLP, norms (linear in tokens); β·Σ l_i² covers attention,
-which is quadratic in each document's length. γ is an optional per-micro-batch
-constant (launch and framework overhead). With packing every warm-up micro-batch has
-the same N, so γ cannot be told apart from α·N; it is then folded into α (γ = 0) and
-predictions at that N are unaffected. Forward and backward are fitted separately, per
-stage, by least squares on warm-up measurements (:func:`fit_stage`).
+which is quadratic in each document's length. Two optional terms help fidelity where
+the backend has fixed overheads: γ per micro-batch (launch and framework overhead) and
+δ per document D (backends that launch attention once per document, such as the CPU
+reference backend, pay a fixed cost per call; a fused variable-length kernel has
+δ ≈ 0). With packing every warm-up micro-batch has the same N, so γ cannot be told
+apart from α·N; it is then folded into α (γ = 0) and predictions at that N are
+unaffected. Forward and backward are fitted separately, per stage, by least squares
+on warm-up measurements (:func:`fit_stage`).
 
 Scaling to other plans (:meth:`StageCost.forward` etc.): time is linear in the number
 of layers a stage holds, inversely proportional to the TP degree (compute splits
@@ -59,7 +62,8 @@ class CostModelError(ValueError):
     """The cost model cannot be fitted or evaluated; the message says why."""
 
 
-def _features(lengths: Sequence[int]) -> tuple[int, int]:
+def _features(lengths: Sequence[int]) -> tuple[int, int, int]:
+    """(N, Σ l², D) of a micro-batch."""
     if len(lengths) == 0:
         raise CostModelError("a micro-batch must hold at least one document")
     n = s = 0
@@ -68,7 +72,7 @@ def _features(lengths: Sequence[int]) -> tuple[int, int]:
             raise CostModelError(f"document lengths must be ints >= 1, got {l!r}")
         n += l
         s += l * l
-    return n, s
+    return n, s, len(lengths)
 
 
 def _positive(name: str, value: float) -> None:
@@ -92,12 +96,16 @@ class StageCost:
     beta_b: float
     gamma_f: float = 0.0
     gamma_b: float = 0.0
+    delta_f: float = 0.0
+    delta_b: float = 0.0
     ref_layers: int = 1
     ref_tp: int = 1
     w_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("alpha_f", "beta_f", "gamma_f", "alpha_b", "beta_b", "gamma_b"):
+        for name in (
+            "alpha_f", "beta_f", "gamma_f", "delta_f", "alpha_b", "beta_b", "gamma_b", "delta_b"
+        ):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v)):
                 raise CostModelError(f"{name} must be a finite number, got {v!r}")
@@ -123,16 +131,18 @@ class StageCost:
         speed: float = 1.0,
     ) -> float:
         """Forward seconds of one micro-batch with these document lengths."""
-        n, s = _features(lengths)
-        return (self.alpha_f * n + self.beta_f * s + self.gamma_f) * self._scale(layers, tp, speed)
+        n, s, d = _features(lengths)
+        t = self.alpha_f * n + self.beta_f * s + self.gamma_f + self.delta_f * d
+        return t * self._scale(layers, tp, speed)
 
     def backward(
         self, lengths: Sequence[int], *, layers: int | None = None, tp: int | None = None,
         speed: float = 1.0,
     ) -> float:
         """Full backward (input + weight gradients) seconds."""
-        n, s = _features(lengths)
-        return (self.alpha_b * n + self.beta_b * s + self.gamma_b) * self._scale(layers, tp, speed)
+        n, s, d = _features(lengths)
+        t = self.alpha_b * n + self.beta_b * s + self.gamma_b + self.delta_b * d
+        return t * self._scale(layers, tp, speed)
 
     def backward_input(
         self, lengths: Sequence[int], *, layers: int | None = None, tp: int | None = None,
@@ -155,23 +165,24 @@ def fit_stage(
     ref_layers: int = 1,
     ref_tp: int = 1,
     intercept: bool | None = None,
+    per_document: bool = False,
     w_fraction: float = 0.5,
     min_samples: int = 3,
 ) -> StageCost:
-    """Least-squares fit of α, β (and γ) for forward and backward from warm-up samples.
+    """Least-squares fit of α, β (and γ, δ) for forward and backward from warm-up samples.
 
     ``intercept``: None fits γ only when N varies across samples (otherwise γ and α·N
-    are the same column); True insists on γ; False never fits it. Raises
-    :class:`CostModelError` when there are too few samples or the design cannot
-    identify β (e.g. every micro-batch has the same Σ l², or all documents have the
-    same length so Σ l² is proportional to N).
+    are the same column); True insists on γ; False never fits it. ``per_document``
+    also fits δ, the cost per document. Raises :class:`CostModelError` when there are
+    too few samples or the design cannot identify β (e.g. every micro-batch has the
+    same Σ l², or all documents have the same length so Σ l² is proportional to N).
     """
     import numpy as np
 
     samples = list(samples)
     if min_samples < 1:
         raise CostModelError(f"min_samples must be >= 1, got {min_samples}")
-    feats: list[tuple[int, int]] = []
+    feats: list[tuple[int, int, int]] = []
     tf: list[float] = []
     tb: list[float] = []
     for i, sample in enumerate(samples):
@@ -187,11 +198,12 @@ def fit_stage(
         feats.append(_features(lengths))
         tf.append(float(f))
         tb.append(float(b))
-    ns = [n for n, _ in feats]
-    ss = [s for _, s in feats]
+    ns = [f[0] for f in feats]
+    ss = [f[1] for f in feats]
+    ds = [f[2] for f in feats]
     if intercept is None:
         intercept = len(set(ns)) > 1
-    k = 3 if intercept else 2
+    k = 2 + int(intercept) + int(per_document)
     need = max(min_samples, k)
     if len(samples) < need:
         raise CostModelError(
@@ -203,14 +215,19 @@ def fit_stage(
             "cannot be separated from α; warm up on micro-batches with varied document lengths"
         )
     cols = [np.asarray(ns, dtype=float), np.asarray(ss, dtype=float)]
+    names = ["N", "Σ l²"]
+    if per_document:
+        cols.append(np.asarray(ds, dtype=float))
+        names.append("the document count")
     if intercept:
         cols.append(np.ones(len(ns)))
+        names.append("the constant")
     x = np.stack(cols, axis=1)
     norms = np.abs(x).max(axis=0)  # scale columns so the rank test is unit-free
     xs = x / norms
     sv = np.linalg.svd(xs, compute_uv=False)
     if sv[-1] <= 1e-9 * sv[0]:
-        what = "N, Σ l² and the constant" if intercept else "N and Σ l²"
+        what = ", ".join(names[:-1]) + " and " + names[-1]
         raise CostModelError(
             f"warm-up design is rank-deficient: {what} are linearly dependent across the "
             f"{len(samples)} samples (e.g. all documents have the same length), so β cannot "
@@ -218,13 +235,17 @@ def fit_stage(
         )
     coef_f = np.linalg.lstsq(xs, np.asarray(tf), rcond=None)[0] / norms
     coef_b = np.linalg.lstsq(xs, np.asarray(tb), rcond=None)[0] / norms
+    fw = dict(zip(names, (float(c) for c in coef_f)))
+    bw = dict(zip(names, (float(c) for c in coef_b)))
     return StageCost(
-        alpha_f=float(coef_f[0]),
-        beta_f=float(coef_f[1]),
-        gamma_f=float(coef_f[2]) if intercept else 0.0,
-        alpha_b=float(coef_b[0]),
-        beta_b=float(coef_b[1]),
-        gamma_b=float(coef_b[2]) if intercept else 0.0,
+        alpha_f=fw["N"],
+        beta_f=fw["Σ l²"],
+        gamma_f=fw.get("the constant", 0.0),
+        delta_f=fw.get("the document count", 0.0),
+        alpha_b=bw["N"],
+        beta_b=bw["Σ l²"],
+        gamma_b=bw.get("the constant", 0.0),
+        delta_b=bw.get("the document count", 0.0),
         ref_layers=ref_layers,
         ref_tp=ref_tp,
         w_fraction=w_fraction,

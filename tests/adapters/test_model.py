@@ -89,9 +89,13 @@ def test_two_stages_match_unsplit_model() -> None:
         assert torch.allclose(g, ref_grads[name], rtol=0, atol=1e-12), name
 
 
-def test_document_attention_equals_dense_masked_reference() -> None:
+@pytest.mark.parametrize("block", [512, 4])  # 4: long documents span several query blocks
+def test_document_attention_equals_dense_masked_reference(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import resihp_adapters.megatron_ref.model as model
+
+    monkeypatch.setattr(model, "ATTENTION_QUERY_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
-    lengths = [4, 1, 6, 3]
+    lengths = [4, 1, 11, 3]
     n, heads, d = sum(lengths), 3, 8
     q, k, v = (torch.randn(n, heads, d, generator=gen, dtype=torch.float64) for _ in range(3))
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))

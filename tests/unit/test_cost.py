@@ -47,6 +47,18 @@ def test_least_squares_recovers_coefficients_exactly() -> None:
     assert c.gamma_f == 0.0 and c.ref_layers == 2  # constant N: γ folded into α
 
 
+def test_per_document_term_is_recovered() -> None:
+    mbs = packed_microbatches(CorpusSpec(token_budget=2048, scale=256), 12)
+    delta = 1e-4
+    samples = [(l, f + delta * len(l), b + 2 * delta * len(l)) for l, f, b in _samples(mbs)]
+    c = fit_stage(samples, per_document=True)
+    assert c.delta_f == pytest.approx(delta, rel=1e-6)
+    assert c.delta_b == pytest.approx(2 * delta, rel=1e-6)
+    assert c.beta_f == pytest.approx(B_F, rel=1e-6)
+    assert c.forward((1000, 1000, 48)) == pytest.approx(A_F * 2048 + B_F * 2_002_304 + 3 * delta)
+    assert fit_stage(_samples(mbs)).delta_f == 0.0  # off unless asked for
+
+
 def test_least_squares_with_noise_and_intercept() -> None:
     spec_a = CorpusSpec(token_budget=2048, scale=256)
     spec_b = CorpusSpec(token_budget=1024, scale=128)
