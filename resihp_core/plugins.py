@@ -74,7 +74,7 @@ ENV_BLOCK = "RESIHP_BLOCK_PLUGINS"
 
 #: Modules (dotted paths, imported when a :class:`Plugins` is built) that provide the
 #: built-in hook implementations; each implementation must be ``trylast``.
-BUILTINS: list[str] = []
+BUILTINS: list[str] = ["resihp_core.scheduler.builtin"]
 
 #: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
 BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300}

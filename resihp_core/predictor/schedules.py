@@ -106,7 +106,7 @@ def _caps(kind: ScheduleKind, stage: int, pp: int, n: int) -> tuple[int, int]:
     return pp - stage, pp - stage
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=8)  # a 16k-device plan's orders are ~19 MB
 def dynamic_orders(plan: ParallelPlan) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
     """Deadlock-free orders for any plan (see the module docstring), computed in
     lock-step rounds vectorised over executors. Each round an executor runs one chunk:
