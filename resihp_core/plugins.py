@@ -51,6 +51,8 @@ __all__ = [
     "ENV_BLOCK",
     "ENV_DISABLE_AUTOLOAD",
     "AdaptationStage",
+    "CommandRegistry",
+    "PluginCommand",
     "DuplicateNameError",
     "FactoryRegistry",
     "PluginError",
@@ -74,7 +76,7 @@ ENV_BLOCK = "RESIHP_BLOCK_PLUGINS"
 
 #: Modules (dotted paths, imported when a :class:`Plugins` is built) that provide the
 #: built-in hook implementations; each implementation must be ``trylast``.
-BUILTINS: list[str] = ["resihp_core.scheduler.builtin"]
+BUILTINS: list[str] = ["resihp_core.detector.builtin", "resihp_core.scheduler.builtin"]
 
 #: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
 BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300}
@@ -145,6 +147,28 @@ class StageRegistry(Registry[AdaptationStage]):
 
     def ordered(self) -> list[AdaptationStage]:
         return sorted(self.list(), key=lambda s: (s.order, s.name))
+
+
+@dataclass(frozen=True)
+class PluginCommand:
+    """A ``resihp`` subcommand contributed by a plugin."""
+
+    name: str
+    help: str
+    configure: Callable[[Any], None]
+    run: Callable[[Any], int]
+
+
+class CommandRegistry(Registry[PluginCommand]):
+    """Subcommands plugins add to the ``resihp`` command line."""
+
+    kind = "command"
+
+    def register(self, name: str, help: str, configure: Callable[[Any], None],
+                 run: Callable[[Any], int]) -> None:
+        if not callable(configure) or not callable(run):
+            raise RegistryError(f"{self.kind} {name!r}: configure and run must be callable")
+        self._add(name, PluginCommand(name, help, configure, run))
 
 
 # ----------------------------------------------------------------- the facade
@@ -352,6 +376,10 @@ class Plugins:
     def adaptation_stages(self) -> StageRegistry:
         """The planner's stages; run them in ``.ordered()`` order."""
         return self._fill("resihp_register_adaptation_stages", StageRegistry)
+
+    def commands(self) -> CommandRegistry:
+        """Subcommands contributed by plugins (``resihp demo``, ...)."""
+        return self._fill("resihp_register_commands", CommandRegistry)
 
     def notify_failure(self, report: FailureReport) -> None:
         self._notify("resihp_failure_reported", report=report)

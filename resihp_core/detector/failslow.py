@@ -1,0 +1,426 @@
+"""Fail-slow detectors: the workload-aware one (ResiHP) and the change-point-only baseline.
+
+Both consume one iteration at a time — the per-rank
+:class:`~resihp_core.protocol.IterationProfile` s of that iteration — and may return a
+:class:`~resihp_core.protocol.FailureReport` inside the :class:`~resihp_core.detector.Detection`.
+
+:class:`WorkloadAwareDetector` (SPEC §3.2)::
+
+    iteration time --> change-point detector --(change)--> predict healthy time of the
+    iterations since the change, for their documents and the current plan
+        measured <= (1 + slow_threshold) x predicted  -> benign: rebase the series, no verification
+        otherwise                                      -> verification -> FailureReport
+
+The healthy time comes from ``predict_healthy(iteration, profiles) -> seconds`` (any
+callable; by default the detector's own :class:`~.model.WorkloadModel`, fitted on the
+first ``warmup_iterations`` iterations of each plan generation). The ratio is the
+median over the iterations since the change, so one odd iteration decides nothing.
+``min_gap`` iterations must separate two verifications (benign change points are
+removed from the series and do not count).
+
+By default the change-point detector watches the iteration time *normalised* by its
+healthy prediction (``series="normalised"``) rather than the raw time: the workload's
+own fluctuation then no longer hides or imitates a slowdown, and the filter above still
+decides what is worth verifying. ``series="raw"`` is the literal reading of SPEC §3.2
+(predictions only at change points); the benchmark reports both.
+
+:class:`ChangePointOnlyDetector` is the Greyhound-like baseline: every change point
+(:class:`~.changepoint.GreyhoundChangePoint`) is verified
+(:class:`~.verify.GreyhoundVerifier`).
+
+A failure already reported (same devices and cause, throughput within 10 %) is not
+reported again; after a report its devices' throughput is given to the model, so the
+prediction of later iterations expects them to be slow.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from resihp_core.detector import (
+    ChangePoint,
+    ChangePointDetector,
+    Detection,
+    DetectorStats,
+    Prober,
+    ProfileSet,
+    VerificationContext,
+    VerificationStrategy,
+    Verdict,
+)
+from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
+
+if TYPE_CHECKING:
+    from resihp_core.config import DetectorConfig
+    from resihp_core.plan import ParallelPlan
+    from resihp_core.plugins import Plugins
+    from resihp_core.protocol import FailureReport
+
+__all__ = [
+    "ChangePointOnlyDetector",
+    "WorkloadAwareDetector",
+    "build_baseline_detector",
+    "build_failslow_detector",
+    "changepoint_options",
+]
+
+logger = logging.getLogger("resihp.detector")
+
+PredictHealthy = Callable[[int, ProfileSet], float]
+
+
+class _Base:
+    """Bookkeeping shared by both detectors: history, observation -> iteration map,
+    generation, report de-duplication."""
+
+    name = "base"
+
+    def __init__(
+        self,
+        changepoint: ChangePointDetector,
+        verifier: VerificationStrategy,
+        *,
+        prober: Prober | None = None,
+        generation: int = 0,
+        plan: ParallelPlan | None = None,
+        skip_first: int = 1,
+        history: int = 32,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if skip_first < 0 or history < 4:
+            raise ValueError("need skip_first >= 0 and history >= 4")
+        self.changepoint, self.verifier, self.prober = changepoint, verifier, prober
+        self.skip_first, self.clock = skip_first, clock
+        self.stats = DetectorStats()
+        self._history_len = history
+        self._reset_state(generation, plan)
+
+    def _reset_state(self, generation: int, plan: ParallelPlan | None) -> None:
+        self.generation, self.plan = generation, plan
+        self.changepoint.reset()
+        self._seen = 0
+        self._hist: deque[tuple[int, float, ProfileSet]] = deque(maxlen=self._history_len)
+        self._fed: deque[tuple[int, int]] = deque(maxlen=4096)  # (observation, iteration)
+        self._obs = 0
+        self._reported: dict[tuple[int, str], float] = {}
+        self._last_retained: int | None = None
+
+    def _feed(self, iteration: int, measured: float) -> Any:
+        self._fed.append((self._obs, iteration))
+        self._obs += 1
+        return self.changepoint.update(measured)
+
+    def _iteration_of(self, obs: int) -> int:
+        for o, it in self._fed:
+            if o >= obs:
+                return it
+        return self._fed[-1][1]
+
+    def _obs_of(self, iteration: int) -> int:
+        for o, it in self._fed:
+            if it >= iteration:
+                return o
+        return self._fed[-1][0]
+
+    def _verify(self, iterations: list[ProfileSet], before: list[ProfileSet], model: object | None,
+                threshold: float) -> Verdict:
+        ctx = VerificationContext(
+            generation=self.generation, iterations=iterations, before=before, model=model,
+            prober=self.prober, plan=self.plan, threshold=threshold,
+        )
+        t0 = time.process_time()
+        verdict = self.verifier.verify(ctx)
+        self.stats.verify_cpu_s += time.process_time() - t0
+        self.stats.verifications += 1
+        self.stats.probe_rounds += verdict.probe_rounds
+        self.stats.probe_s += verdict.probe_s
+        return verdict
+
+    def _known(self, verdict: Verdict) -> bool:
+        return all(
+            (d, verdict.cause) in self._reported and p >= 0.9 * self._reported[(d, verdict.cause)]
+            for d, p in verdict.slow.items()
+        )
+
+    def _report(self, verdict: Verdict) -> FailureReport:
+        from resihp_core.protocol import FailureReport
+
+        for d, p in verdict.slow.items():
+            self._reported[(d, verdict.cause)] = p
+        self.stats.reports += 1
+        report = FailureReport(
+            generation=self.generation,
+            failure="fail-slow",
+            devices=tuple(sorted(verdict.slow)),
+            cause=verdict.cause,
+            throughput={d: float(p) for d, p in verdict.slow.items()},
+            evidence=verdict.evidence[:4000],
+            time=max(0.0, self.clock()),
+        )
+        logger.warning(
+            "event=failure_report generation=%d failure=fail-slow detector=%s devices=%s cause=%s throughput=%s",
+            report.generation, self.name, list(report.devices), report.cause,
+            {d: round(p, 3) for d, p in report.throughput.items()},
+        )
+        return report
+
+    def _window(self, onset: int) -> tuple[list[tuple[int, float, ProfileSet]], list[ProfileSet]]:
+        after = [h for h in self._hist if h[0] >= onset]
+        before = [h[2] for h in self._hist if h[0] < onset][-3:]
+        return after, before
+
+
+class WorkloadAwareDetector(_Base):
+    """ResiHP's fail-slow detector (see the module docstring).
+
+    :param changepoint: the change-point detector.
+    :param verifier: the verification strategy (:class:`~.verify.ProfileVerifier`).
+    :param predict_healthy: ``(iteration, profiles) -> healthy seconds``; default: ``model``.
+    :param model: the healthy model used by verification (and by default for the
+        prediction); default: a :class:`~.model.WorkloadModel` fitted on the warm-up.
+    :param prober: active prober for verification, if any.
+    :param slow_threshold: verify only if measured > (1 + this) x predicted.
+    :param min_gap: iterations between two verifications; also how long a change judged
+        benign stays under watch (see below).
+    :param series: what the change-point detector watches: ``"normalised"`` (default)
+        the measured / predicted-healthy ratio of every iteration, ``"raw"`` the
+        iteration time itself (SPEC §3.2 read literally; predictions only at change
+        points). Normalising first removes the workload's fluctuation from the series,
+        so a slowdown that starts while the documents happen to get shorter is not
+        masked; a prediction costs milliseconds on the controller.
+    :param skip_first: iterations of each generation ignored (start-up, compilation).
+
+    A change judged benign is removed from the series (the detector is rebased) but
+    stays under watch for ``min_gap`` iterations: if the median ratio since its onset
+    climbs above the threshold as more iterations arrive, it is verified then.
+    """
+
+    name = "resihp"
+
+    def __init__(
+        self,
+        changepoint: ChangePointDetector,
+        verifier: VerificationStrategy,
+        *,
+        predict_healthy: PredictHealthy | None = None,
+        model: WorkloadModel | None = None,
+        prober: Prober | None = None,
+        slow_threshold: float = 0.25,
+        min_gap: int = 10,
+        warmup_iterations: int = 3,
+        series: str = "normalised",
+        skip_first: int = 1,
+        history: int = 32,
+        generation: int = 0,
+        plan: ParallelPlan | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not slow_threshold > 0 or min_gap < 1:
+            raise ValueError("need slow_threshold > 0 and min_gap >= 1")
+        if series not in ("normalised", "raw"):
+            raise ValueError(f"series must be 'normalised' or 'raw', got {series!r}")
+        self.slow_threshold, self.min_gap, self.series = slow_threshold, min_gap, series
+        self.model = model if model is not None else WorkloadModel(plan=plan, warmup_iterations=warmup_iterations)
+        self._predict = predict_healthy
+        super().__init__(changepoint, verifier, prober=prober, generation=generation, plan=plan,
+                         skip_first=skip_first, history=history, clock=clock)
+
+    def _reset_state(self, generation: int, plan: ParallelPlan | None) -> None:
+        super()._reset_state(generation, plan)
+        self._pred: dict[int, float] = {}
+        self._watch: tuple[int, int] | None = None  # (onset, until iteration) of a benign change
+
+    def predict_healthy(self, iteration: int, profiles: ProfileSet) -> float:
+        """Healthy seconds of ``iteration`` (cached per iteration)."""
+        if iteration in self._pred:
+            return self._pred[iteration]
+        self.stats.predictions += 1
+        if self._predict is not None:
+            t = float(self._predict(iteration, profiles))
+        else:
+            t = self.model.predict_healthy(iteration, profiles)
+        self._pred[iteration] = t
+        if len(self._pred) > 2 * self._history_len:
+            for k in sorted(self._pred)[: len(self._pred) - self._history_len]:
+                del self._pred[k]
+        return t
+
+    def reset(self, generation: int, *, plan: ParallelPlan | None = None,
+              speeds: Mapping[int, float] | None = None) -> None:
+        """A new plan generation: new series, new warm-up (the model is refitted)."""
+        self.model.reset(plan=plan, speeds=speeds)
+        self._reset_state(generation, plan)
+
+    def _ratio_since(self, onset: int) -> tuple[float, float | None]:
+        after, _ = self._window(onset)
+        ratios = []
+        predicted = None
+        for it, m, ps in after:
+            predicted = self.predict_healthy(it, ps)
+            ratios.append(m / predicted)
+        return (statistics.median(ratios) if ratios else 1.0), predicted
+
+    def observe(self, iteration: int, profiles: ProfileSet) -> Detection:
+        self.stats.iterations += 1
+        measured = measured_iteration_time(profiles)
+        if self._seen < self.skip_first:
+            self._seen += 1
+            return Detection(iteration, measured, "warmup")
+        self._hist.append((iteration, measured, profiles))
+        if not self.model.ready:
+            self.model.add_warmup(profiles)
+            if self.series == "raw":
+                cp = self._feed(iteration, measured)
+                if cp is not None:
+                    self.changepoint.rebase(cp.index)
+            return Detection(iteration, measured, "warmup")
+        try:
+            if self.series == "normalised":
+                cp = self._feed(iteration, measured / self.predict_healthy(iteration, profiles))
+            else:
+                cp = self._feed(iteration, measured)
+        except ModelNotReady as e:
+            return Detection(iteration, measured, "warmup", notes=(str(e),))
+        if cp is None:
+            return self._watching(iteration, measured)
+        self.stats.change_points += 1
+        onset = self._iteration_of(cp.index)
+        if self._last_retained is not None and iteration - self._last_retained < self.min_gap:
+            self.changepoint.rebase(cp.index)
+            return Detection(iteration, measured, "suppressed", cp, onset=onset)
+        try:
+            ratio, predicted = self._ratio_since(onset)
+        except ModelNotReady as e:
+            self.changepoint.rebase(cp.index)
+            return Detection(iteration, measured, "warmup", cp, onset=onset, notes=(str(e),))
+        self.changepoint.rebase(cp.index)
+        if ratio <= 1.0 + self.slow_threshold:
+            self.stats.benign += 1
+            self._watch = (onset, iteration + self.min_gap)
+            return Detection(iteration, measured, "benign", cp, predicted, ratio, onset=onset)
+        return self._verify_change(iteration, measured, cp, onset, ratio, predicted)
+
+    def _watching(self, iteration: int, measured: float) -> Detection:
+        """Re-judge a recent benign change as its iterations accumulate."""
+        if self._watch is None:
+            return Detection(iteration, measured)
+        onset, until = self._watch
+        if iteration > until:
+            self._watch = None
+            return Detection(iteration, measured)
+        try:
+            ratio, predicted = self._ratio_since(onset)
+        except ModelNotReady:
+            return Detection(iteration, measured)
+        if ratio <= 1.0 + self.slow_threshold:
+            return Detection(iteration, measured)
+        return self._verify_change(iteration, measured, None, onset, ratio, predicted)
+
+    def _verify_change(self, iteration: int, measured: float, cp: ChangePoint | None, onset: int,
+                       ratio: float, predicted: float | None) -> Detection:
+        self._watch = None
+        after, before = self._window(onset)
+        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold)
+        self._last_retained = iteration
+        if not verdict.confirmed:
+            return Detection(iteration, measured, "cleared", cp, predicted, ratio, verdict, onset=onset)
+        if self._known(verdict):
+            return Detection(iteration, measured, "known", cp, predicted, ratio, verdict, onset=onset)
+        report = self._report(verdict)
+        if verdict.cause == "compute":
+            self.model.set_speeds(verdict.slow)
+            self._pred.clear()
+        return Detection(iteration, measured, "reported", cp, predicted, ratio, verdict, report, onset=onset)
+
+
+class ChangePointOnlyDetector(_Base):
+    """The Greyhound-like baseline: every change point is verified."""
+
+    name = "greyhound"
+
+    def reset(self, generation: int, *, plan: ParallelPlan | None = None,
+              speeds: Mapping[int, float] | None = None) -> None:
+        self._reset_state(generation, plan)
+
+    def observe(self, iteration: int, profiles: ProfileSet) -> Detection:
+        self.stats.iterations += 1
+        measured = measured_iteration_time(profiles)
+        if self._seen < self.skip_first:
+            self._seen += 1
+            return Detection(iteration, measured, "warmup")
+        self._hist.append((iteration, measured, profiles))
+        cp = self._feed(iteration, measured)
+        if cp is None:
+            return Detection(iteration, measured)
+        self.stats.change_points += 1
+        onset = self._iteration_of(cp.index)
+        after, before = self._window(onset)
+        verdict = self._verify([h[2] for h in after] or [profiles], before, None, 0.0)
+        self.changepoint.rebase(cp.index)
+        if not verdict.confirmed:
+            return Detection(iteration, measured, "cleared", cp, verdict=verdict, onset=onset)
+        if self._known(verdict):
+            return Detection(iteration, measured, "known", cp, verdict=verdict, onset=onset)
+        report = self._report(verdict)
+        return Detection(iteration, measured, "reported", cp, verdict=verdict, report=report, onset=onset)
+
+
+# ------------------------------------------------------------------ construction
+def changepoint_options(config: DetectorConfig) -> dict[str, Any]:
+    """What the configuration says to every change-point factory (hook contract)."""
+    return {"threshold": config.changepoint_threshold, "hazard": config.changepoint_hazard}
+
+
+def build_failslow_detector(
+    config: DetectorConfig | None = None,
+    *,
+    plugins: Plugins | None = None,
+    predict_healthy: PredictHealthy | None = None,
+    model: WorkloadModel | None = None,
+    prober: Prober | None = None,
+    plan: ParallelPlan | None = None,
+    verification: str = "resihp",
+    generation: int = 0,
+    **changepoint_extra: Any,
+) -> WorkloadAwareDetector:
+    """The configured workload-aware detector: change-point method
+    ``config.changepoint_method`` and verification strategy ``verification``, looked up
+    in the plugin registries (so a plugin can replace either)."""
+    from resihp_core.config import DetectorConfig
+    from resihp_core.plugins import get_plugins
+
+    config = config or DetectorConfig()
+    plugins = plugins or get_plugins()
+    cpd = plugins.changepoint_detectors().create(
+        config.changepoint_method, **changepoint_options(config), **changepoint_extra
+    )
+    verifier = plugins.verification_strategies().create(verification)
+    if model is None:
+        model = WorkloadModel(plan=plan, warmup_iterations=config.warmup_iterations)
+    return WorkloadAwareDetector(
+        cpd, verifier, predict_healthy=predict_healthy, model=model, prober=prober,
+        slow_threshold=config.slow_threshold, min_gap=config.min_changepoint_gap,
+        warmup_iterations=config.warmup_iterations, generation=generation, plan=plan,
+    )
+
+
+def build_baseline_detector(
+    config: DetectorConfig | None = None,
+    *,
+    plugins: Plugins | None = None,
+    prober: Prober | None = None,
+    generation: int = 0,
+) -> ChangePointOnlyDetector:
+    """The Greyhound-like baseline (its published parameters; ``hazard`` from config)."""
+    from resihp_core.config import DetectorConfig
+    from resihp_core.plugins import get_plugins
+
+    config = config or DetectorConfig()
+    plugins = plugins or get_plugins()
+    cpd = plugins.changepoint_detectors().create("greyhound", hazard=config.changepoint_hazard)
+    verifier = plugins.verification_strategies().create("greyhound")
+    return ChangePointOnlyDetector(cpd, verifier, prober=prober, generation=generation)

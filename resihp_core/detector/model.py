@@ -1,0 +1,313 @@
+"""The healthy-time model the fail-slow filter and the verification use (SPEC §3.2-3.4).
+
+A :class:`WorkloadModel` is fitted per plan generation from the profiles of the first
+``warmup_iterations`` observed iterations: for every executor (replica, stage) the
+micro-batch cost ``T = α·N + β·Σ l²`` (forward and backward separately,
+:func:`~resihp_core.predictor.cost.fit_stage`) from the micro-batches it ran, with their
+documents. Then, for any later iteration and *its* documents:
+
+* :meth:`WorkloadModel.rank_compute` — the healthy compute seconds of one rank
+  (what verification compares a rank's measured compute with);
+* :meth:`WorkloadModel.predict_healthy` — the healthy iteration time. With a plan and a
+  topology/shape (an :class:`~resihp_core.predictor.predict.IterationPredictor`), the
+  pipeline DAG is simulated for this iteration's micro-batches; without one, the
+  slowest executor's predicted compute stands in for the critical path. Either way the
+  raw prediction is multiplied by a calibration factor, the median of measured / raw
+  over the warm-up iterations, which absorbs what the model does not see (framework
+  overhead, a link model that does not match the machine).
+
+Known slow devices (``speeds``: device -> p from earlier reports) are divided out of the
+warm-up samples and put back into predictions, so a device that is already reported
+does not keep looking slow.
+
+numpy is needed (the fit and the simulator); import this module lazily.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import TYPE_CHECKING, Mapping
+
+from resihp_core.predictor.cost import CostModel, CostModelError, StageCost, fit_stage
+from resihp_core.predictor.simulator import SimulationError
+
+if TYPE_CHECKING:
+    from resihp_core.detector import ProfileSet
+    from resihp_core.plan import ParallelPlan, Topology
+    from resihp_core.predictor.cost import LinkModel
+    from resihp_core.predictor.predict import IterationPredictor, ModelShape
+    from resihp_core.protocol import IterationProfile
+
+__all__ = ["ModelNotReady", "WorkloadModel", "measured_iteration_time"]
+
+Executor = tuple[int, int]  # (replica, stage)
+
+
+class ModelNotReady(RuntimeError):
+    """The model has not seen its warm-up iterations yet (or could not fit them)."""
+
+
+def measured_iteration_time(profiles: ProfileSet) -> float:
+    """The iteration's wall time: the slowest rank's (ranks end together at the DP sync)."""
+    if not profiles:
+        raise ValueError("no profiles for this iteration")
+    return max(p.iteration_s for p in profiles.values())
+
+
+def _mean_cost(samples: list[tuple[tuple[int, ...], float, float]], layers: int, tp: int) -> StageCost:
+    """Linear-only fallback (β = 0) when α and β cannot be separated."""
+    n = sum(sum(l) for l, _, _ in samples)
+    f = sum(x for _, x, _ in samples)
+    b = sum(x for _, _, x in samples)
+    return StageCost(alpha_f=f / n, beta_f=0.0, alpha_b=b / n, beta_b=0.0, ref_layers=layers, ref_tp=tp)
+
+
+def _one_column(xs: list[float], ts: list[float]) -> float:
+    den = sum(x * x for x in xs)
+    return max(0.0, sum(x * t for x, t in zip(xs, ts)) / den) if den > 0 else 0.0
+
+
+def _fit_nonnegative(samples: list[tuple[tuple[int, ...], float, float]], layers: int, tp: int) -> StageCost:
+    """Least squares of T = α·N + β·Σl² with α, β >= 0 (noisy warm-ups can make an
+    unconstrained fit negative, which would predict negative times)."""
+    c = fit_stage(samples, ref_layers=layers, ref_tp=tp, intercept=False)
+    if min(c.alpha_f, c.beta_f, c.alpha_b, c.beta_b) >= 0:
+        return c
+    ns = [float(sum(l)) for l, _, _ in samples]
+    ss = [float(sum(x * x for x in l)) for l, _, _ in samples]
+    out = {}
+    for key, idx in (("f", 1), ("b", 2)):
+        ts = [s[idx] for s in samples]
+        a, b = getattr(c, f"alpha_{key}"), getattr(c, f"beta_{key}")
+        if b < 0:
+            a, b = _one_column(ns, ts), 0.0
+        elif a < 0:
+            a, b = 0.0, _one_column(ss, ts)
+        out[f"alpha_{key}"], out[f"beta_{key}"] = a, b
+    return StageCost(**out, ref_layers=layers, ref_tp=tp)
+
+
+class WorkloadModel:
+    """Healthy compute and iteration time for an iteration's actual documents.
+
+    :param plan: the current plan (layers per stage, TP degrees; with ``predictor`` the
+        pipeline is simulated).
+    :param predictor: an :class:`IterationPredictor` whose topology, shape and links are
+        used (its cost model is replaced by the fitted one); or give ``topology`` and
+        ``shape`` (and optionally ``links``).
+    :param warmup_iterations: iterations fitted before predictions are available.
+    :param speeds: known normalised throughput of slow devices (device -> p).
+    :param calibrate: multiply predictions by median(measured / raw) over the warm-up.
+    """
+
+    def __init__(
+        self,
+        *,
+        plan: ParallelPlan | None = None,
+        predictor: IterationPredictor | None = None,
+        topology: Topology | None = None,
+        shape: ModelShape | None = None,
+        links: LinkModel | None = None,
+        warmup_iterations: int = 3,
+        speeds: Mapping[int, float] | None = None,
+        calibrate: bool = True,
+    ) -> None:
+        if warmup_iterations < 1:
+            raise ValueError(f"warmup_iterations must be >= 1, got {warmup_iterations}")
+        if predictor is not None:
+            topology, shape, links = predictor.topology, predictor.shape, predictor.links
+        self.topology, self.shape, self.links = topology, shape, links
+        self.warmup_iterations = warmup_iterations
+        self.calibrate = calibrate
+        self.reset(plan=plan, speeds=speeds)
+
+    # ------------------------------------------------------------ state
+    def reset(self, *, plan: ParallelPlan | None = None, speeds: Mapping[int, float] | None = None) -> None:
+        """Start a new generation: forget the fit, collect a new warm-up."""
+        self.plan = plan
+        self.speeds: dict[int, float] = dict(speeds or {})
+        self._warm: list[ProfileSet] = []
+        self.costs: dict[Executor, StageCost] = {}
+        self.calibration = 1.0
+        self.fit_error: str | None = None
+        self._predictor: IterationPredictor | None = None
+        self._group: dict[Executor, tuple[int, ...]] = {}
+
+    def set_speeds(self, speeds: Mapping[int, float]) -> None:
+        """Known slow devices changed (a report): predictions include them from now on."""
+        self.speeds.update(speeds)
+        self._predictor = None
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.costs)
+
+    def add_warmup(self, profiles: ProfileSet) -> bool:
+        """Collect one warm-up iteration; fits when enough are collected. Returns ready."""
+        if self.ready:
+            return True
+        if profiles:
+            self._warm.append(dict(profiles))
+        if len(self._warm) >= self.warmup_iterations:
+            self._fit()
+        return self.ready
+
+    # ------------------------------------------------------------ fitting
+    def _executor_group(self, ex: Executor) -> tuple[int, ...]:
+        r, s = ex
+        if self.plan is not None and r < self.plan.dp and s < self.plan.pp and self.plan.group(r, s):
+            return self.plan.group(r, s)
+        return self._group.get(ex, ())
+
+    def _degree(self, ex: Executor) -> int:
+        r, s = ex
+        if self.plan is not None and r < self.plan.dp and s < self.plan.pp and self.plan.group(r, s):
+            return self.plan.degree(r, s)
+        return 1
+
+    def _layers(self, stage: int) -> int:
+        return self.plan.layers(stage) if self.plan is not None and stage < self.plan.pp else 1
+
+    def _group_speed(self, ex: Executor) -> float:
+        g = self._executor_group(ex)
+        return min((self.speeds.get(d, 1.0) for d in g), default=1.0)
+
+    def _fit(self) -> None:
+        samples: dict[Executor, list[tuple[tuple[int, ...], float, float]]] = defaultdict(list)
+        devices: dict[Executor, set[int]] = defaultdict(set)
+        for profiles in self._warm:
+            for p in profiles.values():
+                ex = (p.replica, p.stage)
+                devices[ex].add(p.device)
+                for mb in p.microbatches:
+                    if mb.doc_lengths:
+                        samples[ex].append((tuple(mb.doc_lengths), mb.forward_s, mb.backward_s))
+        self._group = {ex: tuple(sorted(ds)) for ex, ds in devices.items()}
+        costs: dict[Executor, StageCost] = {}
+        problems: list[str] = []
+        for ex, ss in samples.items():
+            speed = self._group_speed(ex)
+            healthy = [(l, f * speed, b * speed) for l, f, b in ss]  # as if at p = 1
+            layers, tp = self._layers(ex[1]), self._degree(ex)
+            try:
+                costs[ex] = _fit_nonnegative(healthy, layers, tp)
+            except CostModelError as e:
+                problems.append(f"replica {ex[0]} stage {ex[1]}: {e}")
+                if healthy:
+                    costs[ex] = _mean_cost(healthy, layers, tp)
+        if not costs:
+            self.fit_error = "no micro-batch profiles with document lengths in the warm-up"
+            self._warm.clear()
+            return
+        self.costs = costs
+        self.fit_error = "; ".join(problems) or None
+        if self.calibrate:
+            ratios = []
+            for profiles in self._warm:
+                try:
+                    raw = self._raw_prediction(profiles)
+                except (ModelNotReady, CostModelError, SimulationError, KeyError, ValueError):
+                    continue
+                if raw > 0:
+                    ratios.append(measured_iteration_time(profiles) / raw)
+            if ratios:
+                self.calibration = statistics.median(ratios)
+        self._warm.clear()
+
+    # ------------------------------------------------------------ predictions
+    def _cost(self, ex: Executor) -> StageCost:
+        c = self.costs.get(ex)
+        if c is not None:
+            return c
+        same_stage = [v for (r, s), v in self.costs.items() if s == ex[1]]
+        if not same_stage:
+            raise ModelNotReady(f"no fitted cost for replica {ex[0]} stage {ex[1]}")
+        return same_stage[0]
+
+    def rank_chunks(self, profile: IterationProfile) -> list[tuple[float, float]]:
+        """Healthy (forward, backward) seconds of each micro-batch in ``profile``."""
+        if not self.ready:
+            raise ModelNotReady("the model is still in warm-up")
+        ex = (profile.replica, profile.stage)
+        c = self._cost(ex)
+        kw = dict(layers=self._layers(profile.stage), tp=self._degree(ex), speed=self._group_speed(ex))
+        out = []
+        for mb in profile.microbatches:
+            if not mb.doc_lengths:
+                raise ModelNotReady(f"rank {profile.rank}: micro-batch {mb.mb} has no document lengths")
+            out.append((c.forward(mb.doc_lengths, **kw), c.backward(mb.doc_lengths, **kw)))
+        return out
+
+    def rank_compute(self, profile: IterationProfile) -> float:
+        """Healthy compute seconds (all forward + backward) of this rank's micro-batches."""
+        return sum(f + b for f, b in self.rank_chunks(profile))
+
+    def _iteration_predictor(self) -> IterationPredictor | None:
+        if self.plan is None or self.topology is None or self.shape is None:
+            return None
+        if self._predictor is None:
+            from resihp_core.predictor.predict import IterationPredictor
+
+            stages = []
+            for s in range(self.plan.pp):
+                fitted = [(self._cost((r, s)), self._degree((r, s))) for r in range(self.plan.dp)
+                          if self.plan.group(r, s) and (r, s) in self.costs]
+                if not fitted:
+                    fitted = [(self._cost((0, s)), 1)]
+                k = len(fitted)
+                # Normalise to TP degree 1 and average across replicas.
+                avg = lambda f: sum(f(c) * c.ref_tp for c, _ in fitted) / k  # noqa: E731
+                stages.append(
+                    StageCost(
+                        alpha_f=avg(lambda c: c.alpha_f), beta_f=avg(lambda c: c.beta_f),
+                        gamma_f=avg(lambda c: c.gamma_f), alpha_b=avg(lambda c: c.alpha_b),
+                        beta_b=avg(lambda c: c.beta_b), gamma_b=avg(lambda c: c.gamma_b),
+                        ref_layers=fitted[0][0].ref_layers, ref_tp=1,
+                        w_fraction=fitted[0][0].w_fraction,
+                    )
+                )
+            self._predictor = IterationPredictor(CostModel(tuple(stages)), self.topology, self.shape, self.links)
+        return self._predictor
+
+    def _workload(self, profiles: ProfileSet) -> dict[tuple[int, int], tuple[int, ...]]:
+        out: dict[tuple[int, int], tuple[int, ...]] = {}
+        for p in profiles.values():
+            for mb in p.microbatches:
+                if mb.doc_lengths and (mb.owner, mb.mb) not in out:
+                    out[(mb.owner, mb.mb)] = tuple(mb.doc_lengths)
+        return out
+
+    def _raw_prediction(self, profiles: ProfileSet) -> float:
+        if not self.ready:
+            raise ModelNotReady("the model is still in warm-up")
+        pred = self._iteration_predictor()
+        if pred is not None:
+            assert self.plan is not None
+            workload = self._workload(profiles)
+            need = {(r, j) for r in range(self.plan.dp) for j in range(self.plan.num_microbatches)}
+            if need <= workload.keys():
+                speeds = {d: p for d, p in self.speeds.items() if p < 1.0} or None
+                try:
+                    return pred.predict(self.plan, workload, speeds).iteration_time
+                except (CostModelError, SimulationError) as e:
+                    raise ModelNotReady(f"cannot simulate the plan: {e}") from e
+        # Without a plan (or with micro-batches missing): the slowest executor's compute.
+        per_ex: dict[Executor, float] = {}
+        for p in profiles.values():
+            ex = (p.replica, p.stage)
+            if ex not in per_ex:
+                per_ex[ex] = self.rank_compute(p)
+        return max(per_ex.values())
+
+    def predict_healthy(self, iteration: int, profiles: ProfileSet) -> float:
+        """Healthy wall time of this iteration for its documents, under the current plan
+        and the known device speeds (seconds). Raises :class:`ModelNotReady` in warm-up."""
+        raw = self._raw_prediction(profiles)
+        t = raw * self.calibration
+        if not (math.isfinite(t) and t > 0):
+            raise ModelNotReady(f"prediction is not a positive number: {t!r}")
+        return t
+
+    __call__ = predict_healthy

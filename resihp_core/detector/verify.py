@@ -1,0 +1,325 @@
+"""Verification: localise a suspected fail-slow to device(s) and a cause (SPEC §3.2).
+
+Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
+
+:class:`ProfileVerifier` (``"resihp"``) works from the per-rank profiles of the
+iterations since the change point and the healthy model, and probes only where the
+profiles cannot decide:
+
+1. **compute** — each rank's measured compute (Σ forward + backward of its
+   micro-batches) over its healthy prediction for the same documents gives a slowdown
+   ``q``. Executors (replica, stage) with ``q > 1 + compute_margin`` and at least half
+   the worst executor's excess are suspects.
+
+   * TP degree 1: the device is found, ``p = 1 / q``.
+   * TP > 1 and the ranks of the group differ (the adapter timed pure compute): the
+     ranks well above the group's fastest are the slow ones.
+   * TP > 1 and the whole group is uniformly slow — what a TP group looks like when one
+     member drags the per-layer collectives — the profiles cannot decide: a compute
+     probe on the group's devices names the slow one(s); if every device computes at
+     full speed the group's intra-node link is probed instead (a TP-communication
+     slowdown looks like compute in per-chunk timings).
+
+2. **communication** — no executor is slow in compute, yet the iteration is: each
+   rank's time outside compute is compared with what the healthy model expects. If the
+   excess sits on a few ranks (loosely coupled work), those are the devices; if it is
+   spread over the job (pipelines and the DP sync make everyone wait for one slow
+   link), a link probe over all devices finds the slow link(s).
+
+Normalised throughput: compute ``p = healthy / measured`` compute time; communication
+``p`` is the device's link throughput relative to healthy (from the probe), or, when
+the profiles localise it, expected / measured time outside compute.
+
+:class:`GreyhoundVerifier` (``"greyhound"``) is the baseline's (SPEC §7): it profiles
+every device — a compute probe on all of them and a link probe per kind of
+communication group — and calls a device a compute straggler above 2x the median
+probe time and a communication straggler above 1.1x. Without a prober it applies the
+same ratios to the per-rank profile totals.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from resihp_core.detector import VerificationContext, Verdict, _clip_p
+
+if TYPE_CHECKING:
+    from resihp_core.protocol import IterationProfile
+
+__all__ = ["GreyhoundVerifier", "ProfileVerifier", "make_greyhound_verifier", "make_profile_verifier"]
+
+
+def _fmt(ps: dict[int, float]) -> str:
+    return ", ".join(f"device {d}: p={p:.2f}" for d, p in sorted(ps.items()))
+
+
+class _Totals:
+    """Per-rank sums over the iterations being verified."""
+
+    def __init__(self, ctx: VerificationContext) -> None:
+        self.measured: dict[int, float] = defaultdict(float)  # compute seconds
+        self.predicted: dict[int, float] = defaultdict(float)
+        self.outside: dict[int, float] = defaultdict(float)  # iteration - compute
+        self.expected_outside: dict[int, float] = defaultdict(float)
+        self.iteration_measured = 0.0
+        self.iteration_predicted = 0.0
+        self.device: dict[int, int] = {}
+        self.executor: dict[int, tuple[int, int]] = {}
+        self.have_model = True
+        model: Any = ctx.model
+        ready = model is not None and getattr(model, "ready", False)
+        for profiles in ctx.iterations:
+            it_meas = max(p.iteration_s for p in profiles.values())
+            it_pred = None
+            if ready:
+                try:
+                    it_pred = model.predict_healthy(next(iter(profiles.values())).iteration, profiles)
+                except Exception:  # noqa: BLE001 - a model that cannot predict: fall back to peers
+                    it_pred = None
+            self.iteration_measured += it_meas
+            self.iteration_predicted += it_pred or 0.0
+            for rank, p in profiles.items():
+                comp = sum(mb.forward_s + mb.backward_s for mb in p.microbatches)
+                self.measured[rank] += comp
+                self.outside[rank] += max(0.0, p.iteration_s - comp)
+                self.device[rank] = p.device
+                self.executor[rank] = (p.replica, p.stage)
+                pred = None
+                if ready:
+                    try:
+                        pred = model.rank_compute(p)
+                    except Exception:  # noqa: BLE001
+                        pred = None
+                if pred is None:
+                    self.have_model = False
+                else:
+                    self.predicted[rank] += pred
+                    if it_pred is not None:
+                        self.expected_outside[rank] += max(0.0, it_pred - pred)
+        if not self.have_model:
+            self._peer_predictions(ctx)
+
+    def _peer_predictions(self, ctx: VerificationContext) -> None:
+        """No model: a rank's "healthy" compute is the median of its stage's ranks."""
+        by_stage: dict[int, list[float]] = defaultdict(list)
+        for r, m in self.measured.items():
+            by_stage[self.executor[r][1]].append(m)
+        self.predicted = defaultdict(float, {
+            r: statistics.median(by_stage[self.executor[r][1]]) for r in self.measured
+        })
+        med_out = statistics.median(self.outside.values()) if self.outside else 0.0
+        self.expected_outside = defaultdict(float, {r: med_out for r in self.outside})
+
+    def q(self, rank: int) -> float:
+        pred = self.predicted.get(rank, 0.0)
+        return self.measured[rank] / pred if pred > 0 else 1.0
+
+
+class ProfileVerifier:
+    """ResiHP's verification: profiles first, targeted probes only when they cannot decide.
+
+    :param compute_margin: an executor is a compute suspect when its compute is this
+        much (relative) above healthy.
+    :param spread: ranks of one TP group are told apart when their slowdowns differ by
+        more than this (relative).
+    :param probe_margin: a probed device is slow when its throughput is below 1 - this.
+    :param concentrated: communication excess is "localised by profiles" when the ranks
+        holding at least half of the largest excess are at most this fraction of all.
+    :param share: an executor is a compute suspect only if its excess slowdown is at
+        least this fraction of the worst executor's.
+    """
+
+    name = "resihp"
+
+    def __init__(
+        self,
+        *,
+        compute_margin: float = 0.15,
+        spread: float = 0.15,
+        probe_margin: float = 0.15,
+        concentrated: float = 0.25,
+        share: float = 0.5,
+    ) -> None:
+        for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin)):
+            if not 0 < v < 1:
+                raise ValueError(f"{n} must be in (0, 1), got {v!r}")
+        self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
+        self.concentrated, self.share = concentrated, share
+
+    def verify(self, ctx: VerificationContext) -> Verdict:
+        if not ctx.iterations:
+            return Verdict({}, "unknown", "no profiles to verify")
+        t = _Totals(ctx)
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for rank, ex in t.executor.items():
+            groups[ex].append(rank)
+        worst = {ex: max(t.q(r) for r in ranks) for ex, ranks in groups.items()}
+        top = max(worst.values(), default=1.0)
+        # A suspect is well above healthy and carries a fair share of the worst excess:
+        # a rank 1.2x slow next to one 2x slow is noise (or a separate, minor matter),
+        # not the cause of this alarm.
+        suspects = {
+            ex: ranks for ex, ranks in groups.items()
+            if worst[ex] > 1 + self.compute_margin and worst[ex] - 1 >= self.share * (top - 1)
+        }
+        if suspects:
+            return self._compute(ctx, t, suspects)
+        return self._communication(ctx, t)
+
+    # ------------------------------------------------------------ compute
+    def _compute(self, ctx: VerificationContext, t: _Totals, suspects: dict[tuple[int, int], list[int]]) -> Verdict:
+        slow: dict[int, float] = {}
+        notes: list[str] = []
+        rounds, probe_s = 0, 0.0
+        cause = "compute"
+        for (rep, stage), ranks in sorted(suspects.items()):
+            qs = {r: t.q(r) for r in ranks}
+            where = f"replica {rep} stage {stage}"
+            if len(ranks) == 1:
+                r = ranks[0]
+                slow[t.device[r]] = _clip_p(1.0 / qs[r])
+                notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}")
+                continue
+            lo = min(qs.values())
+            if max(qs.values()) > lo * (1 + self.spread):
+                for r, q in qs.items():
+                    if q > lo * (1 + self.spread) and q > 1 + self.compute_margin:
+                        slow[t.device[r]] = _clip_p(1.0 / q)
+                notes.append(f"{where}: ranks differ in compute ({', '.join(f'{r}: {q:.2f}x' for r, q in sorted(qs.items()))})")
+                continue
+            devices = sorted(t.device[r] for r in ranks)
+            qg = statistics.median(qs.values())
+            if ctx.prober is None:
+                for d in devices:
+                    slow[d] = _clip_p(1.0 / qg)
+                notes.append(f"{where}: TP group uniformly {qg:.2f}x slow; no prober to split it")
+                continue
+            res = ctx.prober.probe_compute(devices)
+            rounds, probe_s = rounds + 1, probe_s + res.elapsed_s
+            found = {d: p for d, p in res.throughput().items() if p < 1 - self.probe_margin}
+            if found:
+                slow.update(found)
+                notes.append(f"{where}: TP group {qg:.2f}x slow, compute probe names {sorted(found)}")
+                continue
+            res = ctx.prober.probe_links(devices)
+            rounds, probe_s = rounds + 1, probe_s + res.elapsed_s
+            found = {d: p for d, p in res.throughput().items() if p < 1 - self.probe_margin}
+            if found:
+                slow.update(found)
+                cause = "communication"
+                notes.append(f"{where}: TP group {qg:.2f}x slow but computes at full speed; link probe names {sorted(found)}")
+            else:
+                notes.append(f"{where}: TP group {qg:.2f}x slow, probes found nothing")
+        if not slow:
+            return Verdict({}, "unknown", "; ".join(notes), rounds, probe_s)
+        ev = f"{cause} slowdown: " + "; ".join(notes) + f" -> {_fmt(slow)}"
+        return Verdict(slow, cause, ev, rounds, probe_s)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------ communication
+    def _communication(self, ctx: VerificationContext, t: _Totals) -> Verdict:
+        excess = {r: t.outside[r] - t.expected_outside.get(r, 0.0) for r in t.outside}
+        top = max(excess.values(), default=0.0)
+        slowdown = t.iteration_measured / t.iteration_predicted if t.iteration_predicted > 0 else None
+        if top > 0:
+            heavy = [r for r, e in excess.items() if e >= 0.5 * top]
+            if len(heavy) <= max(1, int(self.concentrated * len(excess))) and len(heavy) < len(excess):
+                slow = {}
+                for r in heavy:
+                    exp, meas = t.expected_outside.get(r, 0.0), t.outside[r]
+                    p = exp / meas if exp > 0 and meas > 0 else (1.0 / slowdown if slowdown else 0.5)
+                    slow[t.device[r]] = _clip_p(p)
+                ev = (
+                    f"communication slowdown: compute healthy on every rank; time outside compute "
+                    f"exceeds the expected on ranks {sorted(heavy)} only -> {_fmt(slow)}"
+                )
+                return Verdict(slow, "communication", ev)
+        if ctx.prober is None:
+            return Verdict({}, "unknown", "compute healthy everywhere and no prober to localise a link")
+        devices = sorted(set(t.device.values()))
+        res = ctx.prober.probe_links(devices)
+        found = {d: p for d, p in res.throughput().items() if p < 1 - self.probe_margin}
+        if not found:
+            return Verdict({}, "unknown", "compute healthy everywhere; link probe found no slow link", 1, res.elapsed_s)
+        ev = (
+            "communication slowdown: compute healthy on every rank, waiting spread over the job; "
+            f"link probe over {len(devices)} devices -> {_fmt(found)}"
+        )
+        return Verdict(found, "communication", ev, 1, res.elapsed_s)
+
+
+class GreyhoundVerifier:
+    """The baseline's verification (SPEC §7): profile everything, fixed ratio thresholds.
+
+    :param compute_factor: compute straggler above this x the median (2.0).
+    :param comm_factor: communication straggler above this x the median (1.1).
+    :param link_rounds: link-probe rounds, one per kind of communication group (TP, PP,
+        DP); default: the kinds present in the profiles.
+    """
+
+    name = "greyhound"
+
+    def __init__(self, *, compute_factor: float = 2.0, comm_factor: float = 1.1, link_rounds: int | None = None) -> None:
+        if compute_factor <= 1 or comm_factor <= 1:
+            raise ValueError("compute_factor and comm_factor must be > 1")
+        self.compute_factor, self.comm_factor, self.link_rounds = compute_factor, comm_factor, link_rounds
+
+    @staticmethod
+    def _stragglers(times: dict[int, float], factor: float) -> dict[int, float]:
+        if not times:
+            return {}
+        med = statistics.median(times.values())
+        return {d: _clip_p(med / x) for d, x in times.items() if med > 0 and x > factor * med}
+
+    def _rounds(self, profiles: list[IterationProfile]) -> int:
+        if self.link_rounds is not None:
+            return self.link_rounds
+        ex = {(p.replica, p.stage) for p in profiles}
+        tp = len(profiles) > len(ex)
+        pp = len({s for _, s in ex}) > 1
+        dp = len({r for r, _ in ex}) > 1
+        return max(1, tp + pp + dp)
+
+    def verify(self, ctx: VerificationContext) -> Verdict:
+        if not ctx.iterations:
+            return Verdict({}, "unknown", "no profiles to verify")
+        last = list(ctx.iterations[-1].values())
+        devices = sorted({p.device for p in last})
+        if ctx.prober is not None:
+            comp = ctx.prober.probe_compute(devices)
+            rounds, probe_s = 1, comp.elapsed_s
+            c_slow = self._stragglers(dict(comp.times), self.compute_factor)
+            m_slow: dict[int, float] = {}
+            for _ in range(self._rounds(last)):
+                links = ctx.prober.probe_links(devices)
+                rounds, probe_s = rounds + 1, probe_s + links.elapsed_s
+                for d, p in self._stragglers(dict(links.times), self.comm_factor).items():
+                    m_slow[d] = min(p, m_slow.get(d, 1.0))
+            how = "probes"
+        else:
+            rounds, probe_s = 0, 0.0
+            comp_t: dict[int, float] = defaultdict(float)
+            comm_t: dict[int, float] = defaultdict(float)
+            for profiles in ctx.iterations:
+                for p in profiles.values():
+                    comp_t[p.device] += sum(mb.forward_s + mb.backward_s for mb in p.microbatches)
+                    comm_t[p.device] += p.comm_s
+            c_slow = self._stragglers(comp_t, self.compute_factor)
+            m_slow = self._stragglers(comm_t, self.comm_factor)
+            how = "profiles"
+        if c_slow:
+            return Verdict(c_slow, "compute", f"compute stragglers (> {self.compute_factor}x median, {how}): {_fmt(c_slow)}", rounds, probe_s)
+        if m_slow:
+            return Verdict(m_slow, "communication", f"communication stragglers (> {self.comm_factor}x median, {how}): {_fmt(m_slow)}", rounds, probe_s)
+        return Verdict({}, "unknown", f"no straggler found ({how})", rounds, probe_s)
+
+
+def make_profile_verifier(**options: Any) -> ProfileVerifier:
+    """Factory registered as ``resihp``."""
+    return ProfileVerifier(**options)
+
+
+def make_greyhound_verifier(**options: Any) -> GreyhoundVerifier:
+    """Factory registered as ``greyhound``."""
+    return GreyhoundVerifier(**options)

@@ -1,0 +1,499 @@
+"""The controller: the Detector's central part (SPEC §3).
+
+A :class:`Controller` accepts one persistent, authenticated connection per node agent
+(identity ``agent:<node>``) and
+
+* keeps each node's latest :class:`~resihp_core.protocol.AgentState` — its cost grows
+  with the number of nodes, not devices;
+* declares **fail-stop**: a worker an agent reports dead (missed beats, lost
+  connection, process exit, hang), and *every* device of a node whose agent's
+  connection drops (at once) or that sends nothing for ``agent_timeout_s`` (a silent
+  partition);
+* runs the **fail-slow** pipeline: it gathers the per-rank
+  :class:`~resihp_core.protocol.IterationProfile` s forwarded by the agents, and once
+  every expected rank has reported an iteration it hands that iteration to a
+  :class:`~resihp_core.detector.FailSlowDetector` (by default
+  :func:`~resihp_core.detector.failslow.build_failslow_detector` from the
+  configuration), on a worker thread so a verification never delays heartbeat
+  handling;
+* emits every :class:`~resihp_core.protocol.FailureReport` to ``on_report`` (the
+  Scheduler's entry point), to the observer plugins
+  (:meth:`~resihp_core.plugins.Plugins.notify_failure`), to :attr:`Controller.reports`
+  and to an asyncio queue, and logs it as one structured line.
+
+Each device is reported fail-stopped once per plan generation; :meth:`Controller.set_generation`
+starts a new one (new series for the fail-slow detector, with the new plan).
+
+The Scheduler side (what to do with a report) is not here.
+
+Run it alone (reports printed as JSON lines)::
+
+    RESIHP_SECRET=... python -m resihp_core.runtime.controller [--host H] [--port P] [--address-file F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from resihp_core.config import DetectorConfig
+from resihp_core.protocol import (
+    Ack,
+    AgentState,
+    AuthError,
+    Error,
+    FailureReport,
+    IterationProfile,
+    ProtocolError,
+    WorkerSummary,
+    read_msg,
+    server_handshake,
+    write_msg,
+)
+from resihp_core.runtime.heartbeat import BYE
+
+if TYPE_CHECKING:
+    from resihp_core.detector import Detection, FailSlowDetector
+    from resihp_core.plan import ParallelPlan
+    from resihp_core.plugins import Plugins
+
+__all__ = ["Controller", "NodeView", "main"]
+
+logger = logging.getLogger("resihp.controller")
+
+
+@dataclass
+class NodeView:
+    """What the controller knows about one node."""
+
+    node: int
+    connected: bool = True
+    finished: bool = False
+    last_seen: float = 0.0  # controller's monotonic clock
+    state: AgentState | None = None
+    devices: set[int] = field(default_factory=set)  # every device ever reported by its agent
+
+    def workers(self) -> dict[int, WorkerSummary]:
+        return {w.device: w for w in self.state.workers} if self.state is not None else {}
+
+
+class Controller:
+    """The job's detector hub (see the module docstring).
+
+    :param config: detector settings (heartbeat interval and miss limit set the default
+        agent timeout; the fail-slow settings build the default detector).
+    :param secret: the job secret.
+    :param host, port: where agents connect (loopback by default; port 0 = any).
+    :param on_report: called on the controller's loop with each report.
+    :param plugins: observers to notify (default: the process-wide plugins, loaded on
+        first report).
+    :param failslow: the fail-slow detector (any :class:`FailSlowDetector`, e.g. from
+        :func:`~resihp_core.detector.failslow.build_failslow_detector` with a plan-aware
+        model and a prober); None: built from ``config``; ``False``: no fail-slow
+        detection.
+    :param agent_timeout_s: a node whose agent sent nothing for this long is lost;
+        default ``max(1.0, 2 x miss_limit x interval)`` (agents send every interval).
+    :param expected_ranks: ranks whose profiles make an iteration complete; default: the
+        ranks the agents report alive.
+    """
+
+    def __init__(
+        self,
+        config: DetectorConfig | None = None,
+        secret: str | bytes = "",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        on_report: Callable[[FailureReport], None] | None = None,
+        plugins: Plugins | None = None,
+        failslow: FailSlowDetector | None | bool = None,
+        generation: int = 0,
+        agent_timeout_s: float | None = None,
+        expected_ranks: set[int] | None = None,
+        handshake_timeout: float = 5.0,
+        on_detection: Callable[[Detection], None] | None = None,
+    ) -> None:
+        if not secret:
+            raise ValueError("the job secret must not be empty")
+        self.config = config or DetectorConfig()
+        self._secret = secret
+        self.host, self.port = host, port
+        self.on_report, self.on_detection = on_report, on_detection
+        self._plugins = plugins
+        self.generation = generation
+        self.agent_timeout_s = agent_timeout_s or max(
+            1.0, 2 * self.config.heartbeat_miss_limit * self.config.heartbeat_interval_s
+        )
+        self.handshake_timeout = handshake_timeout
+        self.expected_ranks = set(expected_ranks) if expected_ranks else None
+        self._failslow_arg = failslow
+        self.failslow: FailSlowDetector | None = None
+        self.nodes: dict[int, NodeView] = {}
+        self.reports: list[FailureReport] = []
+        self.detections: list[Detection] = []
+        self.messages = 0
+        self._stopped: set[int] = set()  # devices reported fail-stopped this generation
+        self._pending: dict[int, dict[int, IterationProfile]] = {}
+        self._done_iters: set[int] = set()
+        self._last_complete = -1
+        self._queue: asyncio.Queue[FailureReport] | None = None
+        self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile]]] | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resihp-failslow")
+        self._cond = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.address: tuple[str, int] | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> tuple[str, int]:
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._fs_queue = asyncio.Queue()
+        if self._failslow_arg is None or self._failslow_arg is True:
+            from resihp_core.detector.failslow import build_failslow_detector
+
+            self.failslow = build_failslow_detector(self.config, plugins=self._plugins, generation=self.generation)
+        elif self._failslow_arg is not False:
+            self.failslow = self._failslow_arg  # type: ignore[assignment]
+        self._server = await asyncio.start_server(self._serve_agent, self.host, self.port)
+        sock = self._server.sockets[0].getsockname()
+        self.address = (sock[0], sock[1])
+        self._tasks = [
+            asyncio.create_task(self._failslow_loop(), name="controller-failslow"),
+        ]
+        logger.info("event=controller_started address=%s:%d generation=%d", *self.address, self.generation)
+        return self.address
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._server is not None:
+            self._server.close()
+        for t in self._tasks:
+            t.cancel()
+        for w in list(self._conns.values()):
+            w.close()
+        # Let the connection handlers see the closed streams and end by themselves: a
+        # handler cancelled inside asyncio's start_server callback is logged as an error
+        # by Python 3.11.
+        handlers = list(self._handlers)
+        if handlers:
+            _, pending = await asyncio.wait(handlers, timeout=1.0)
+            for t in pending:
+                t.cancel()
+        await asyncio.gather(*self._tasks, *handlers, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        self._pool.shutdown(wait=False)
+
+    @property
+    def address_text(self) -> str:
+        assert self.address is not None, "controller not started"
+        return f"{self.address[0]}:{self.address[1]}"
+
+    # ------------------------------------------------------------ generations
+    def set_generation(self, generation: int, *, plan: ParallelPlan | None = None,
+                       speeds: Mapping[int, float] | None = None,
+                       expected_ranks: set[int] | None = None) -> None:
+        """A new plan generation: fail-stops may be reported again, the fail-slow series
+        restarts with ``plan`` (and the known slow ``speeds``). Call on the loop."""
+        self.generation = generation
+        self._stopped.clear()
+        self._pending.clear()
+        self._done_iters.clear()
+        self._last_complete = -1
+        if expected_ranks is not None:
+            self.expected_ranks = set(expected_ranks)
+        if self.failslow is not None:
+            fs = self.failslow
+            self._pool.submit(fs.reset, generation, plan=plan, speeds=speeds)
+
+    # ------------------------------------------------------------ reports
+    def _plugins_or_default(self) -> Plugins | None:
+        if self._plugins is None:
+            try:
+                from resihp_core.plugins import get_plugins
+
+                self._plugins = get_plugins()
+            except Exception:  # noqa: BLE001 - observers are optional; detection must go on
+                logger.exception("could not load the observer plugins")
+                return None
+        return self._plugins
+
+    def _emit(self, report: FailureReport) -> None:
+        logger.warning(
+            "event=failure_report generation=%d failure=%s devices=%s cause=%s evidence=%r",
+            report.generation, report.failure, list(report.devices), report.cause, report.evidence,
+        )
+        with self._cond:
+            self.reports.append(report)
+            self._cond.notify_all()
+        if self._queue is not None:
+            self._queue.put_nowait(report)
+        if self.on_report is not None:
+            try:
+                self.on_report(report)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_report callback failed")
+        plugins = self._plugins_or_default()
+        if plugins is not None:
+            plugins.notify_failure(report)
+
+    async def next_report(self, timeout: float | None = None) -> FailureReport:
+        """The next report not yet taken from the queue (on the loop)."""
+        assert self._queue is not None
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+    def wait_for_report(self, predicate: Callable[[FailureReport], bool] = lambda r: True,
+                        timeout: float = 10.0) -> FailureReport | None:
+        """Block (from another thread) until a report matching ``predicate`` exists."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for r in self.reports:
+                    if predicate(r):
+                        return r
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def _fail_stop(self, devices: list[int], evidence: str) -> None:
+        new = sorted(d for d in devices if d not in self._stopped)
+        if not new:
+            return
+        self._stopped.update(new)
+        self._emit(FailureReport(
+            generation=self.generation, failure="fail-stop", devices=tuple(new),
+            evidence=evidence[:4000], time=max(0.0, time.time()),
+        ))
+
+    # ------------------------------------------------------------ agents
+    async def _serve_agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        node: int | None = None
+        why = "connection closed"
+        try:
+            try:
+                hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                role, _, ident = hello.identity.partition(":")
+                if hello.role != "agent" or role != "agent" or not ident.isdigit():
+                    await write_msg(writer, Error("bad-identity", f"expected agent:<node>, got {hello.identity!r}"))
+                    return
+                node = int(ident)
+            except AuthError as e:
+                logger.warning("controller: refused a connection: %s", e)
+                return
+            view = self.nodes.get(node)
+            if view is not None and view.connected and node in self._conns:
+                await write_msg(writer, Error("duplicate-node", f"an agent for node {node} is already connected"))
+                node = None
+                return
+            self.nodes[node] = view = view or NodeView(node)
+            view.connected, view.finished, view.last_seen = True, False, time.monotonic()
+            self._conns[node] = writer
+            logger.info("event=agent_connected node=%d", node)
+            why = await self._agent_messages(view, reader)
+        except (ProtocolError, ConnectionError, OSError) as e:
+            why = f"connection error: {e!r}"
+        except asyncio.CancelledError:
+            why = ""
+            raise
+        finally:
+            if task is not None:
+                self._handlers.discard(task)
+            writer.close()
+            if node is not None and self._conns.get(node) is writer:
+                del self._conns[node]
+                view = self.nodes[node]
+                view.connected = False
+                if why and not view.finished and not self._stopping:
+                    self._node_lost(view, why)
+
+    async def _agent_messages(self, view: NodeView, reader: asyncio.StreamReader) -> str:
+        while True:
+            try:
+                msg = await read_msg(reader, self.agent_timeout_s)
+            except TimeoutError:
+                return f"agent silent for {self.agent_timeout_s:.2f} s"
+            if msg is None:
+                return "agent connection closed"
+            self.messages += 1
+            view.last_seen = time.monotonic()
+            if isinstance(msg, AgentState):
+                self._on_state(view, msg)
+            elif isinstance(msg, IterationProfile):
+                self._on_profile(msg)
+            elif isinstance(msg, FailureReport):
+                self._emit(msg)
+            elif isinstance(msg, Ack) and msg.what == BYE:
+                view.finished = True
+                logger.info("event=agent_left node=%d", view.node)
+                return ""
+            else:
+                logger.debug("controller: ignoring %s from node %d", type(msg).__name__, view.node)
+
+    def _on_state(self, view: NodeView, state: AgentState) -> None:
+        if state.node != view.node:
+            logger.warning("controller: agent of node %d sent a state for node %d", view.node, state.node)
+            return
+        view.state = state
+        dead = []
+        for w in state.workers:
+            view.devices.add(w.device)
+            if not w.alive:
+                dead.append(w)
+        for w in dead:
+            self._fail_stop([w.device], f"node {view.node}: device {w.device} (rank {w.rank}) {w.reason}; "
+                                        f"last progress iteration {w.iteration} step {w.step}")
+        if dead:
+            self._recheck_pending()
+
+    def _node_lost(self, view: NodeView, why: str) -> None:
+        if view.state is not None:
+            devices = sorted(d for d, w in view.workers().items() if w.reason != "finished")
+        else:
+            devices = sorted(view.devices)
+        logger.error("event=node_lost node=%d reason=%r devices=%s", view.node, why, devices)
+        if devices:
+            self._fail_stop(devices, f"node {view.node} lost: {why}")
+        self._recheck_pending()
+
+    # ------------------------------------------------------------ fail-slow
+    def _alive_ranks(self) -> set[int]:
+        """Ranks whose profiles complete an iteration: ``expected_ranks`` (or every rank
+        an agent reports) minus the ranks of devices that failed or left."""
+        reported: set[int] = set()
+        gone: set[int] = set()
+        for v in self.nodes.values():
+            for d, w in v.workers().items():
+                if v.connected and w.alive and w.reason != "finished" and d not in self._stopped:
+                    reported.add(w.rank)
+                else:
+                    gone.add(w.rank)
+        base = self.expected_ranks if self.expected_ranks is not None else reported
+        return base - (gone - reported)
+
+    def _on_profile(self, p: IterationProfile) -> None:
+        if self.failslow is None or p.generation != self.generation:
+            return
+        if p.iteration in self._done_iters or p.iteration <= self._last_complete - 8:
+            return
+        self._pending.setdefault(p.iteration, {})[p.rank] = p
+        self._recheck_pending()
+
+    def _recheck_pending(self) -> None:
+        if not self._pending or self._fs_queue is None:
+            return
+        expected = self._alive_ranks()
+        for it in sorted(self._pending):
+            got = self._pending[it]
+            if expected and expected <= got.keys():
+                del self._pending[it]
+                self._done_iters.add(it)
+                self._last_complete = max(self._last_complete, it)
+                self._fs_queue.put_nowait((self.generation, it, {r: got[r] for r in sorted(got)}))
+        # Iterations far behind the newest complete one will never complete (a rank died).
+        for it in [i for i in self._pending if i < self._last_complete - 8]:
+            del self._pending[it]
+        if len(self._done_iters) > 1024:
+            self._done_iters = {i for i in self._done_iters if i > self._last_complete - 64}
+
+    async def _failslow_loop(self) -> None:
+        assert self._fs_queue is not None and self._loop is not None
+        while True:
+            gen, it, profiles = await self._fs_queue.get()
+            fs = self.failslow
+            if fs is None or gen != self.generation:
+                continue
+            try:
+                det = await self._loop.run_in_executor(self._pool, fs.observe, it, profiles)
+            except Exception:  # noqa: BLE001 - a detector bug must not stop fail-stop handling
+                logger.exception("fail-slow detector failed on iteration %d", it)
+                continue
+            self.detections.append(det)
+            if len(self.detections) > 4096:
+                del self.detections[:2048]
+            if self.on_detection is not None:
+                with contextlib.suppress(Exception):
+                    self.on_detection(det)
+            if det.report is not None and gen == self.generation:
+                self._emit(det.report)
+
+
+# ------------------------------------------------------------------ process entry point
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m resihp_core.runtime.controller",
+                                 description="ResiHP detector controller (reports as JSON lines)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--address-file", help="write host:port here once listening")
+    ap.add_argument("--config", help="TOML/YAML configuration file")
+    ap.add_argument("--secret-env", default="RESIHP_SECRET")
+    ap.add_argument("--no-failslow", action="store_true", help="fail-stop detection only")
+    ap.add_argument("--log-level", default="WARNING")
+    return ap.parse_args(argv)
+
+
+async def _amain(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from resihp_core.config import load_config
+
+    config = load_config(args.config).detector
+    secret = os.environ.get(args.secret_env, "")
+    if not secret:
+        print(f"controller: the job secret is missing (set {args.secret_env})", file=sys.stderr)
+        return 2
+
+    def show(report: FailureReport) -> None:
+        print(json.dumps(msgspec.to_builtins(report)), flush=True)
+
+    ctl = Controller(config, secret, args.host, args.port, on_report=show,
+                     failslow=False if args.no_failslow else None)
+    await ctl.start()
+    if args.address_file:
+        tmp = f"{args.address_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(ctl.address_text + "\n")
+        os.replace(tmp, args.address_file)
+    print(json.dumps({"listening": ctl.address_text}), flush=True)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    await ctl.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        return asyncio.run(_amain(args))
+    except OSError as e:
+        print(f"controller: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Fail-slow detection with real processes: a worker slowed 2x in compute is reported
+with the right device (= rank here) and kind, and nothing else is reported."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from resihp_core.config import DetectorConfig
+from resihp_core.runtime.synthetic import SyntheticCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+CFG = DetectorConfig()  # the defaults: BOCPD, 25 % threshold, 3 warm-up iterations
+WORK = ["--alpha", "1e-5", "--beta", "4e-9", "--microbatches", "4"]  # ~0.15 s iterations
+ONSET = 15
+
+
+def test_a_worker_slowed_2x_in_compute_is_reported_with_rank_and_kind() -> None:
+    slow = WORK + ["--slow-compute", "2", "--slow-from", str(ONSET)]
+    with SyntheticCluster(CFG, {0: WORK, 1: WORK, 2: slow, 3: WORK}) as c:
+        c.go()
+        rep = c.controller.wait_for_report(lambda r: r.failure == "fail-slow", 15.0)
+        assert rep is not None, [(d.iteration, d.action) for d in c.controller.detections]
+        assert rep.devices == (2,), rep
+        assert rep.cause == "compute", rep
+        assert 0.35 <= rep.throughput[2] <= 0.65, rep.throughput
+        det = next(d for d in c.controller.detections if d.report is rep)
+        assert det.iteration >= ONSET
+        assert det.iteration - ONSET + 1 <= 3, det  # latency in iterations, onset included
+        time.sleep(0.5)
+        assert [r for r in c.controller.reports if r is not rep] == []
+
+
+def test_workers_without_a_failure_are_not_reported() -> None:
+    with SyntheticCluster(CFG, {0: WORK, 1: WORK, 2: WORK}) as c:
+        c.go()
+        time.sleep(4.0)  # ~25 iterations
+        dets = c.controller.detections
+        assert len(dets) >= 15
+        assert c.controller.reports == []
+        assert c.controller.failslow.stats.verifications == 0

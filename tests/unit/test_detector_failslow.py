@@ -1,0 +1,370 @@
+"""Workload-aware fail-slow detection, the baseline, the healthy model, the plugin wiring."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from resihp_core.config import DetectorConfig
+from resihp_core.detector import FailSlowDetector, ProbeResult
+from resihp_core.detector.changepoint import BOCPD, GreyhoundChangePoint
+from resihp_core.detector.failslow import (
+    ChangePointOnlyDetector,
+    WorkloadAwareDetector,
+    build_baseline_detector,
+    build_failslow_detector,
+)
+from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
+from resihp_core.detector.verify import GreyhoundVerifier, ProfileVerifier
+from resihp_core.plan import ParallelPlan, Topology
+from resihp_core.plugins import Plugins
+from resihp_core.predictor.corpus import CorpusSpec, packed_microbatches
+from resihp_core.predictor.predict import ModelShape
+from resihp_core.protocol import IterationProfile, MicroBatchProfile
+
+ALPHA, BETA = 2e-6, 1.5e-9  # forward s/token, s/token^2 (backward: twice)
+N = 2048
+
+
+class Trace:
+    """DP replicas of one stage each (TP 1): iteration time = the slowest replica."""
+
+    def __init__(self, ranks: int = 4, m: int = 4, seed: int = 0) -> None:
+        self.ranks, self.m = ranks, m
+        self.rng = random.Random(seed)
+        self.short = packed_microbatches(CorpusSpec(scale=100, shape=0.8, token_budget=N, seed=seed), 512)
+        self.long = packed_microbatches(CorpusSpec(scale=1500, shape=0.8, token_budget=N, seed=seed), 512)
+        self.slow: dict[int, float] = {}  # rank -> compute factor
+        self.long_docs = False
+
+    def iteration(self, it: int, noise: float = 0.02) -> dict[int, IterationProfile]:
+        pool = self.long if self.long_docs else self.short
+        out = {}
+        work = {r: [self.rng.choice(pool) for _ in range(self.m)] for r in range(self.ranks)}
+        comps = {}
+        for r in range(self.ranks):
+            f = self.slow.get(r, 1.0)
+            mbs = []
+            for j, lengths in enumerate(work[r]):
+                t = (ALPHA * sum(lengths) + BETA * sum(l * l for l in lengths)) * f
+                e = 1 + self.rng.gauss(0, noise)
+                mbs.append(MicroBatchProfile(owner=r, mb=j, forward_s=t * e, backward_s=2 * t * e, doc_lengths=lengths))
+            comps[r] = mbs
+        total = max(sum(x.forward_s + x.backward_s for x in mbs) for mbs in comps.values()) + 0.001
+        for r, mbs in comps.items():
+            comp = sum(x.forward_s + x.backward_s for x in mbs)
+            out[r] = IterationProfile(rank=r, device=10 + r, generation=0, iteration=it, stage=0, replica=r,
+                                      microbatches=tuple(mbs), comm_s=total - comp, iteration_s=total)
+        return out
+
+
+def resihp(series: str = "normalised", **kw) -> WorkloadAwareDetector:
+    return WorkloadAwareDetector(BOCPD(), ProfileVerifier(), series=series, **kw)
+
+
+def feed(det: FailSlowDetector, trace: Trace, start: int, stop: int) -> list:
+    return [det.observe(it, trace.iteration(it)) for it in range(start, stop)]
+
+
+# ------------------------------------------------------------------ the workload-aware detector
+@pytest.mark.parametrize("series", ["normalised", "raw"])
+def test_a_compute_slowdown_is_reported_with_device_cause_and_throughput(series: str) -> None:
+    trace = Trace()
+    det = resihp(series)
+    assert isinstance(det, FailSlowDetector)
+    before = feed(det, trace, 0, 40)
+    assert not [d for d in before if d.report is not None]
+    trace.slow[2] = 2.0
+    after = feed(det, trace, 40, 50)
+    reported = [d for d in after if d.report is not None]
+    assert reported, [d.action for d in after]
+    d = reported[0]
+    assert d.iteration - 40 + 1 <= 3  # latency in iterations, the onset included
+    r = d.report
+    assert r.failure == "fail-slow" and r.devices == (12,) and r.cause == "compute"
+    assert r.throughput[12] == pytest.approx(0.5, abs=0.06)
+    assert det.stats.reports == 1 and det.stats.verifications == 1
+
+
+def test_a_workload_shift_is_benign_for_resihp_but_verified_by_the_baseline() -> None:
+    trace = Trace(seed=1)
+    raw = resihp("raw")
+    base = ChangePointOnlyDetector(GreyhoundChangePoint(), GreyhoundVerifier())
+    for it in range(40):
+        p = trace.iteration(it)
+        raw.observe(it, p)
+        base.observe(it, p)
+    trace.long_docs = True  # documents get long: attention cost, not a failure
+    acts, base_acts = [], []
+    for it in range(40, 70):
+        p = trace.iteration(it)
+        acts.append(raw.observe(it, p))
+        base_acts.append(base.observe(it, p))
+    assert raw.stats.change_points >= 1
+    assert "benign" in [d.action for d in acts]
+    assert raw.stats.verifications == 0 and raw.stats.reports == 0
+    benign = next(d for d in acts if d.action == "benign")
+    assert benign.ratio is not None and benign.ratio < 1.25
+    # The baseline pays a verification (here without a prober its 1.1x-median rule on
+    # the profiles' waiting times may even name a healthy device).
+    assert base.stats.verifications >= 1
+
+
+def test_normalised_series_hardly_moves_on_a_workload_shift() -> None:
+    trace = Trace(seed=2)
+    det = resihp()
+    feed(det, trace, 0, 30)
+    trace.long_docs = True
+    feed(det, trace, 30, 60)
+    assert det.stats.verifications == 0 and det.stats.reports == 0
+
+
+def test_a_known_failure_is_not_reported_again() -> None:
+    trace = Trace(seed=3)
+    det = resihp(min_gap=2)
+    feed(det, trace, 0, 30)
+    trace.slow[1] = 2.5
+    feed(det, trace, 30, 40)
+    assert det.stats.reports == 1
+    # The model now expects device 11 at p = 0.4: the series is back to "healthy".
+    assert det.model.speeds[11] == pytest.approx(0.4, abs=0.05)
+    feed(det, trace, 40, 80)
+    assert det.stats.reports == 1
+
+
+def test_warmup_and_reset() -> None:
+    trace = Trace(seed=4)
+    det = resihp(warmup_iterations=3)
+    acts = [d.action for d in feed(det, trace, 0, 6)]
+    assert acts[:4] == ["warmup"] * 4  # 1 skipped + 3 fitted
+    assert det.model.ready
+    det.reset(5)
+    assert det.generation == 5 and not det.model.ready
+    assert det.observe(0, trace.iteration(0)).action == "warmup"
+
+
+def test_an_injected_predictor_is_used() -> None:
+    trace = Trace(seed=5)
+    calls = []
+
+    def predict(it: int, profiles) -> float:
+        calls.append(it)
+        return measured_iteration_time(profiles) / 2.0  # claims everything is 2x slow
+
+    det = resihp(predict_healthy=predict)
+    out = feed(det, trace, 0, 40)
+    assert calls
+    # A steady series has no change point, so nothing is verified despite the claim.
+    assert det.stats.verifications <= 1
+    assert all(d.report is None or d.report.devices for d in out)
+
+
+# ------------------------------------------------------------------ the healthy model
+def test_model_fits_the_cost_and_predicts_without_a_plan() -> None:
+    trace = Trace(seed=6)
+    model = WorkloadModel(warmup_iterations=3)
+    with pytest.raises(ModelNotReady):
+        model.predict_healthy(0, trace.iteration(0))
+    for it in range(3):
+        model.add_warmup(trace.iteration(it, noise=0.0))
+    assert model.ready and model.fit_error is None
+    c = model.costs[(0, 0)]
+    assert c.alpha_f == pytest.approx(ALPHA, rel=0.05) and c.beta_f == pytest.approx(BETA, rel=0.05)
+    p = trace.iteration(10, noise=0.0)
+    assert model.predict_healthy(10, p) == pytest.approx(measured_iteration_time(p), rel=0.02)
+    r0 = p[0]
+    assert model.rank_compute(r0) == pytest.approx(sum(m.forward_s + m.backward_s for m in r0.microbatches), rel=0.01)
+
+
+def test_model_divides_known_speeds_out_of_the_warmup() -> None:
+    trace = Trace(seed=7)
+    trace.slow[0] = 2.0
+    model = WorkloadModel(warmup_iterations=2, speeds={10: 0.5})
+    for it in range(2):
+        model.add_warmup(trace.iteration(it, noise=0.0))
+    assert model.costs[(0, 0)].alpha_f == pytest.approx(ALPHA, rel=0.05)  # healthy cost
+    p = trace.iteration(5, noise=0.0)
+    meas = sum(m.forward_s + m.backward_s for m in p[0].microbatches)
+    assert model.rank_compute(p[0]) == pytest.approx(meas, rel=0.02)  # slow device predicted slow
+
+
+def test_model_never_fits_negative_costs() -> None:
+    model = WorkloadModel(warmup_iterations=1)
+    mbs = tuple(
+        MicroBatchProfile(owner=0, mb=j, forward_s=f, backward_s=f, doc_lengths=lengths)
+        for j, (lengths, f) in enumerate([((1024, 1024), 1.0), ((2000, 48), 0.1), ((512,) * 4, 5.0)])
+    )
+    model.add_warmup({0: IterationProfile(rank=0, device=0, generation=0, iteration=0, stage=0, replica=0,
+                                          microbatches=mbs, comm_s=0.0, iteration_s=7.0)})
+    c = model.costs[(0, 0)]
+    assert min(c.alpha_f, c.beta_f, c.alpha_b, c.beta_b) >= 0
+
+
+def test_model_with_a_plan_simulates_the_pipeline() -> None:
+    plan = ParallelPlan.uniform(tp=1, pp=2, dp=1, num_layers=4, num_microbatches=4)
+    topo = Topology.uniform(1, 2)
+    shape = ModelShape(tokens=N, hidden=64, params_per_layer=1000)
+    model = WorkloadModel(plan=plan, topology=topo, shape=shape, warmup_iterations=2)
+    rng = random.Random(0)
+    pool = packed_microbatches(CorpusSpec(scale=300, token_budget=N), 64)
+
+    def it_profiles(it: int) -> dict[int, IterationProfile]:
+        work = [rng.choice(pool) for _ in range(4)]
+        out = {}
+        for s in range(2):
+            mbs = tuple(MicroBatchProfile(owner=0, mb=j, forward_s=2 * (ALPHA * N + BETA * sum(l * l for l in w)),
+                                          backward_s=4 * (ALPHA * N + BETA * sum(l * l for l in w)), doc_lengths=w)
+                        for j, w in enumerate(work))
+            out[s] = IterationProfile(rank=s, device=s, generation=0, iteration=it, stage=s, replica=0,
+                                      microbatches=mbs, comm_s=0.01, iteration_s=0.2)
+        return out
+
+    for it in range(2):
+        model.add_warmup(it_profiles(it))
+    assert model.ready
+    t = model.predict_healthy(5, it_profiles(5))
+    assert t > 0
+    # The simulator is used: its prediction differs from "slowest executor's compute".
+    assert model._iteration_predictor() is not None
+
+
+# ------------------------------------------------------------------ verification
+class FakeProber:
+    def __init__(self, compute: dict[int, float] | None = None, links: dict[int, float] | None = None) -> None:
+        self.compute, self.links, self.calls = compute or {}, links or {}, []
+
+    def probe_compute(self, devices):
+        self.calls.append(("compute", tuple(devices)))
+        return ProbeResult({d: self.compute.get(d, 1.0) for d in devices}, reference=1.0, elapsed_s=0.5)
+
+    def probe_links(self, devices):
+        self.calls.append(("links", tuple(devices)))
+        return ProbeResult({d: self.links.get(d, 1.0) for d in devices}, reference=1.0, elapsed_s=0.5)
+
+
+def tp_profiles(slow_group: tuple[int, int] | None, factor: float, *, comm_extra: float = 0.0,
+                per_rank: dict[int, float] | None = None, it: int = 0) -> dict[int, IterationProfile]:
+    """2 replicas x 1 stage x TP 2: ranks 0,1 = replica 0; ranks 2,3 = replica 1."""
+    out = {}
+    lengths = (1024, 512, 512)
+    for rank in range(4):
+        rep = rank // 2
+        f = factor if slow_group == (rep, 0) else 1.0
+        f *= (per_rank or {}).get(rank, 1.0)
+        t = ALPHA * 2048 + BETA * sum(l * l for l in lengths)
+        mbs = tuple(MicroBatchProfile(owner=rep, mb=j, forward_s=t * f, backward_s=2 * t * f, doc_lengths=lengths)
+                    for j in range(4))
+        out[rank] = IterationProfile(rank=rank, device=rank, generation=0, iteration=it, stage=0, replica=rep,
+                                     microbatches=mbs, comm_s=0.001 + comm_extra, iteration_s=0.0)
+    total = max(sum(m.forward_s + m.backward_s for m in p.microbatches) + p.comm_s for p in out.values())
+    return {r: IterationProfile(**{**{f: getattr(p, f) for f in p.__struct_fields__}, "iteration_s": total})
+            for r, p in out.items()}
+
+
+def fitted_model() -> WorkloadModel:
+    m = WorkloadModel(warmup_iterations=2)
+    m.add_warmup(tp_profiles(None, 1.0))
+    m.add_warmup(tp_profiles(None, 1.0))
+    assert m.ready
+    return m
+
+
+def verify(iterations, prober=None, model=None):
+    from resihp_core.detector import VerificationContext
+
+    return ProfileVerifier().verify(VerificationContext(0, iterations, model=model, prober=prober))
+
+
+def test_verify_a_tp_group_uniformly_slow_needs_a_probe() -> None:
+    model = fitted_model()
+    slow = [tp_profiles((1, 0), 1.8, it=i) for i in range(2)]
+    prober = FakeProber(compute={3: 1.8})
+    v = verify(slow, prober, model)
+    assert v.cause == "compute" and set(v.slow) == {3}
+    assert v.slow[3] == pytest.approx(1 / 1.8, rel=0.02)
+    assert prober.calls == [("compute", (2, 3))] and v.probe_rounds == 1
+    # Without a prober: the whole group, said to be ambiguous.
+    v = verify(slow, None, model)
+    assert set(v.slow) == {2, 3} and "no prober" in v.evidence
+
+
+def test_verify_ranks_that_differ_are_told_apart_without_probes() -> None:
+    model = fitted_model()
+    slow = [tp_profiles(None, 1.0, per_rank={1: 2.0}, it=i) for i in range(2)]
+    prober = FakeProber()
+    v = verify(slow, prober, model)
+    assert set(v.slow) == {1} and v.cause == "compute" and prober.calls == []
+
+
+def test_verify_tp_communication_shows_as_compute_until_probed() -> None:
+    model = fitted_model()
+    slow = [tp_profiles((0, 0), 1.6, it=i) for i in range(2)]
+    prober = FakeProber(links={0: 4.0})
+    v = verify(slow, prober, model)
+    assert v.cause == "communication" and set(v.slow) == {0} and v.probe_rounds == 2
+
+
+def test_verify_spread_communication_uses_a_link_probe() -> None:
+    model = fitted_model()
+    slow = [tp_profiles(None, 1.0, comm_extra=0.05, it=i) for i in range(2)]
+    prober = FakeProber(links={2: 10.0})
+    v = verify(slow, prober, model)
+    assert v.cause == "communication" and set(v.slow) == {2} and v.slow[2] == pytest.approx(0.1, rel=0.02)
+    assert prober.calls == [("links", (0, 1, 2, 3))]
+    assert not verify(slow, FakeProber(), model).confirmed
+
+
+def test_greyhound_verifier_thresholds() -> None:
+    from resihp_core.detector import VerificationContext
+
+    its = [tp_profiles(None, 1.0)]
+    g = GreyhoundVerifier()
+    weak = g.verify(VerificationContext(0, its, prober=FakeProber(compute={1: 1.6})))
+    assert not weak.confirmed  # 1.6x < 2x median: missed by design
+    strong = g.verify(VerificationContext(0, its, prober=FakeProber(compute={1: 2.5})))
+    assert strong.cause == "compute" and set(strong.slow) == {1}
+    comm = g.verify(VerificationContext(0, its, prober=FakeProber(links={3: 1.2})))
+    assert comm.cause == "communication" and set(comm.slow) == {3}
+    assert comm.probe_rounds == 1 + 2  # compute probe + TP and DP link rounds
+
+
+def test_probe_result_throughput() -> None:
+    assert ProbeResult({1: 2.0, 2: 1.0}, reference=1.0).throughput() == {1: 0.5, 2: 1.0}
+    assert ProbeResult({1: 2.0, 2: 1.0, 3: 1.0}).throughput()[1] == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ plugins and construction
+def test_builtins_register_detectors_and_strategies() -> None:
+    plugins = Plugins(autoload=False)
+    assert {"bocpd", "cusum", "greyhound"} <= set(plugins.changepoint_detectors().names())
+    assert {"resihp", "greyhound"} <= set(plugins.verification_strategies().names())
+
+
+@pytest.mark.parametrize("method", ["bocpd", "cusum"])
+def test_build_from_config(method: str) -> None:
+    plugins = Plugins(autoload=False)
+    det = build_failslow_detector(DetectorConfig(changepoint_method=method, slow_threshold=0.3), plugins=plugins)
+    assert det.slow_threshold == 0.3 and det.min_gap == 10
+    base = build_baseline_detector(plugins=plugins)
+    assert isinstance(base.changepoint, GreyhoundChangePoint)
+
+
+def test_a_plugin_detector_replaces_the_builtin() -> None:
+    from resihp_core.hookspecs import hookimpl
+
+    made = []
+
+    class Mine:
+        @hookimpl
+        def resihp_register_changepoint_detectors(self, registry) -> None:
+            def factory(**options):
+                made.append(options)
+                return BOCPD()
+
+            registry.register("bocpd", factory)
+
+    plugins = Plugins(autoload=False)
+    plugins.register(Mine(), "mine")
+    build_failslow_detector(DetectorConfig(), plugins=plugins)
+    assert made == [{"threshold": 0.8, "hazard": 0.01}]

@@ -1,0 +1,139 @@
+"""Fail-stop logic of the node agent, on a fake clock (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from resihp_core.config import DetectorConfig
+from resihp_core.detector.failstop import FailStopMonitor, FailureKind, HangTimeout
+
+
+def monitor(state: str = "unknown", **kw) -> FailStopMonitor:
+    kw.setdefault("hang_min_timeout", 1.0)
+    return FailStopMonitor(0.1, 3, process_state=lambda pid: state, **kw)  # type: ignore[arg-type,return-value]
+
+
+def beat_until(m: FailStopMonitor, device: int, t0: float, t1: float, *, step_every: float | None = 0.1,
+               start_step: int = 0) -> float:
+    """Beat every 0.1 s from t0 to t1, advancing the step every ``step_every`` seconds."""
+    t = t0
+    step = start_step
+    last_adv = t0
+    while t < t1:
+        if step_every is not None and t - last_adv >= step_every - 1e-9:
+            step += 1
+            last_adv = t
+        m.beat(device, t, 0, step)
+        assert m.check(t) == []
+        t += 0.1
+    return t
+
+
+def test_missed_beats_are_declared_after_the_limit() -> None:
+    m = monitor()
+    m.add(0, 0, 0.0)
+    last = beat_until(m, 0, 0.0, 2.0) - 0.1  # time of the last beat
+    assert m.check(last + 0.34) == []  # 3 beats missed: within the grace
+    failed = m.check(last + 0.36)
+    assert [f.kind for f in failed] == [FailureKind.MISSED_BEATS]
+    assert m.check(last + 1.0) == []  # reported once
+
+
+@pytest.mark.parametrize("state,kind", [("alive", FailureKind.HANG), ("stopped", FailureKind.HANG),
+                                        ("dead", FailureKind.EXIT)])
+def test_silence_is_classified_by_the_process_state(state: str, kind: FailureKind) -> None:
+    m = monitor(state)
+    m.add(0, 0, 0.0, pid=123)
+    t = beat_until(m, 0, 0.0, 1.0)
+    (f,) = m.check(t + 0.5)
+    assert f.kind is kind
+    if state == "stopped":
+        assert "stopped" in f.reason
+
+
+def test_connection_loss_and_exit_are_immediate() -> None:
+    m = monitor()
+    m.add(0, 0, 0.0)
+    m.add(1, 1, 0.0)
+    f = m.connection_lost(0, 0.05)
+    assert f is not None and f.kind is FailureKind.DISCONNECT
+    f = m.process_exited(1, 0.05, -9)
+    assert f is not None and f.kind is FailureKind.EXIT and "signal 9" in f.reason
+    assert m.connection_lost(0, 0.06) is None  # once
+
+
+def test_a_finished_worker_is_never_reported() -> None:
+    m = monitor()
+    m.add(0, 0, 0.0)
+    m.finished(0)
+    assert m.connection_lost(0, 0.1) is None
+    assert m.check(10.0) == []
+    (s,) = m.summaries(10.0)
+    assert s.alive and s.reason == "finished"
+
+
+def test_stalled_progress_is_a_hang_after_the_learned_timeout() -> None:
+    m = monitor(hang_min_timeout=0.5)
+    m.add(0, 0, 0.0)
+    t = beat_until(m, 0, 0.0, 3.0, step_every=0.2)  # steps take 0.2 s
+    w = m.workers[0]
+    timeout = w.hang.timeout()  # type: ignore[union-attr]
+    assert timeout == pytest.approx(max(0.5, 10 * 0.2, 2 * 0.2), rel=0.1)
+    last = w.last_progress
+    assert last is not None
+    # Beats go on, progress does not.
+    while t < last + timeout - 0.05:
+        m.beat(0, t, 0, w.step)
+        assert m.check(t) == []
+        t += 0.1
+    m.beat(0, t + 0.1, 0, w.step)
+    failed = m.check(last + timeout + 0.01)
+    assert [f.kind for f in failed] == [FailureKind.HANG]
+    assert "progress stuck" in failed[0].reason
+
+
+def test_a_gap_seen_before_does_not_trigger() -> None:
+    ht = HangTimeout(factor=10, min_timeout=0.1)
+    for _ in range(50):
+        ht.observe(0.01)
+    ht.observe(3.0)  # an optimizer step or a checkpoint once took 3 s
+    assert ht.timeout() >= 6.0
+
+
+def test_no_hang_before_any_progress() -> None:
+    m = monitor(hang_min_timeout=0.2)
+    m.add(0, 0, 0.0)
+    t = 0.0
+    while t < 5.0:
+        m.beat(0, t, 0, 0)  # alive, never advancing (still starting up)
+        assert m.check(t) == []
+        t += 0.1
+
+
+def test_a_new_generation_restarts_progress() -> None:
+    m = monitor(hang_min_timeout=0.5)
+    m.add(0, 0, 0.0)
+    t = beat_until(m, 0, 0.0, 2.0)
+    m.beat(0, t, 0, 0, generation=1)
+    w = m.workers[0]
+    assert (w.generation, w.step, w.last_progress) == (1, 0, t)
+
+
+def test_summaries_and_deadline() -> None:
+    m = monitor()
+    m.add(3, 7, 0.0)
+    m.add(1, 2, 0.0)
+    m.beat(3, 0.05, 4, 5)
+    m.connection_lost(1, 0.06)
+    s1, s3 = m.summaries(0.1)
+    assert (s1.device, s1.alive) == (1, False) and "disconnect" in s1.reason
+    assert (s3.device, s3.rank, s3.iteration, s3.step, s3.alive) == (3, 7, 4, 5, True)
+    assert s3.last_beat_age_s == pytest.approx(0.05)
+    assert m.next_deadline(0.1) <= 0.05 + m.silence_limit
+
+
+def test_from_config() -> None:
+    m = FailStopMonitor.from_config(DetectorConfig(heartbeat_interval_s=0.2, heartbeat_miss_limit=5))
+    assert m.silence_limit == pytest.approx((5 + 0.5) * 0.2)
+    with pytest.raises(ValueError):
+        FailStopMonitor(0.0, 3)
