@@ -152,6 +152,19 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def _plugin_commands() -> dict[str, Command]:
+    """Subcommands registered through ``resihp_register_commands`` (e.g. ``demo``). A
+    plugin that fails to load only costs its commands: the message says which."""
+    from resihp_core.plugins import PluginError, get_plugins
+
+    try:
+        registry = get_plugins().commands()
+    except PluginError as e:
+        print(f"resihp: warning: plugin commands unavailable: {e}", file=sys.stderr)
+        return {}
+    return {r.name: Command(r.value.help, r.value.configure, r.value.run) for r in registry.registrations()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from resihp_core import __version__
 
@@ -160,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"resihp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, cmd in COMMANDS.items():
+    commands = dict(COMMANDS)
+    for name, cmd in _plugin_commands().items():
+        commands.setdefault(name, cmd)
+    for name, cmd in commands.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         cmd.configure(p)
         p.set_defaults(_run=cmd.run)

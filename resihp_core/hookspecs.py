@@ -34,7 +34,7 @@ import pluggy
 if TYPE_CHECKING:
     from resihp_core.adapter import AdapterRegistry
     from resihp_core.plan import ParallelPlan
-    from resihp_core.plugins import FactoryRegistry, StageRegistry
+    from resihp_core.plugins import CommandRegistry, FactoryRegistry, StageRegistry
     from resihp_core.protocol import FailureReport
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
@@ -93,6 +93,19 @@ def resihp_register_adaptation_stages(registry: StageRegistry) -> None:
     with an order in between to add a stage.
 
     :param registry: the :class:`~resihp_core.plugins.StageRegistry` to fill.
+    """
+
+
+# ------------------------------------------------------------------ commands
+@hookspec
+def resihp_register_commands(registry: CommandRegistry) -> None:
+    """Add subcommands to the ``resihp`` command line (``resihp demo`` is one).
+
+    Call ``registry.register(name, help, configure, run)``: ``configure(parser)`` adds
+    the arguments, ``run(args)`` does the work and returns the exit code. Import heavy
+    modules inside ``run`` so ``resihp --help`` stays fast.
+
+    :param registry: the :class:`~resihp_core.plugins.CommandRegistry` to fill.
     """
 
 

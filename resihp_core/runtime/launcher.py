@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.runtime import jobstore
@@ -36,7 +36,9 @@ class LocalJob:
     def __init__(self, job_json: str, devices: Iterable[int], *,
                  worker_module: str = "resihp_adapters.megatron_ref.worker",
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 env_for: Callable[[int], dict[str, str]] | None = None,
+                 on_spawn: Callable[[int, int], None] | None = None) -> None:
         import torch.distributed as dist
 
         self.devices = sorted(devices)
@@ -50,6 +52,8 @@ class LocalJob:
         self.address = f"{host}:{self.store.port}"
         self.worker_module = worker_module
         self.env = env or {}
+        self.env_for = env_for or (lambda device: {})
+        self.on_spawn = on_spawn or (lambda device, pid: None)
         self.procs: dict[int, subprocess.Popen] = {}
         self.generation = -1
         self.plan: ParallelPlan | None = None
@@ -64,6 +68,7 @@ class LocalJob:
     def spawn(self, device: int) -> None:
         env = dict(os.environ)
         env.update(self.env)
+        env.update(self.env_for(device))
         env.update(RESIHP_STORE=self.address, RESIHP_DEVICE=str(device),
                    RESIHP_JOB=str(self.job_path), OMP_NUM_THREADS="1")
         log = open(self.workdir / f"worker{device}.log", "ab")
@@ -71,6 +76,7 @@ class LocalJob:
             [sys.executable, "-m", self.worker_module], env=env, stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()
+        self.on_spawn(device, self.procs[device].pid)
 
     def alive(self) -> list[int]:
         return sorted(d for d, p in self.procs.items() if p.poll() is None)
@@ -91,12 +97,13 @@ class LocalJob:
 
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, iterations: int, resume: int | None = None,
-             restore: int | None = None, slow: dict[int, float] | None = None) -> int:
-        """Post the next generation: ``plan`` on every live worker."""
+             restore: int | None = None, slow: dict[int, float] | None = None,
+             exclude: set[int] | frozenset[int] = frozenset()) -> int:
+        """Post the next generation: ``plan`` on every live worker not in ``exclude``."""
         g = self.generation + 1
         plan = plan.with_(generation=g) if plan.generation != g else plan
         msg = jobstore.PlanMessage(
-            generation=g, plan=plan.to_text(), devices=self.alive(),
+            generation=g, plan=plan.to_text(), devices=[d for d in self.alive() if d not in exclude],
             resume=self.committed if resume is None else resume, iterations=iterations,
             restore=restore, slow={str(k): v for k, v in (slow or {}).items()},
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -79,6 +80,7 @@ class MegatronRefAdapter(Adapter):
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.slowdown = slowdown  # fault injection: >1 stretches every compute chunk
+        self.comm_delay_s = 0.0  # fault injection: added to every receive and reduction
         self.optimizer = state.AdamW(lr=lr)
         self.plan: ParallelPlan | None = None
         self.devices: list[int] = []
@@ -89,6 +91,7 @@ class MegatronRefAdapter(Adapter):
         self._snapshot: dict[str, Tensors3] | None = None
         self._last: IterationStats | None = None
         self.abort_requested = lambda: False  # set by the worker: a newer generation exists
+        self.on_step: Callable[[int, int], None] = lambda iteration, step: None  # heartbeats
 
     # ------------------------------------------------------------- state access
     def _params(self) -> dict[str, Tensor]:
@@ -295,7 +298,8 @@ class MegatronRefAdapter(Adapter):
         params = list(mod.parameters())
         shape = lambda o, j: (sum(lengths_of(self.data, iteration, o, j)), self.config.hidden)  # noqa: E731
         t_iter = time.perf_counter()
-        for op in program.ops:
+        for step, op in enumerate(program.ops):
+            self.on_step(iteration, step)
             if self.abort_requested():
                 raise GenerationAborted(f"generation {comms.generation} was superseded")
             if isinstance(op, LoadMicroBatch):
@@ -303,6 +307,8 @@ class MegatronRefAdapter(Adapter):
             key = (getattr(op, "owner", -1), getattr(op, "mb", -1))
             if isinstance(op, RecvActivation):
                 t0 = time.perf_counter()
+                if self.comm_delay_s:
+                    time.sleep(self.comm_delay_s)
                 src = plan.group(op.peer, s - 1)
                 x = comm.recv_chunks(shape(*key), self.config.torch_dtype, src, t, me, comms, tp_group,
                                      comm.p2p_tag(0, s - 1, op.owner, op.mb, 0, plan))
@@ -325,6 +331,8 @@ class MegatronRefAdapter(Adapter):
                                  comm.p2p_tag(0, s, op.owner, op.mb, 0, plan))
             elif isinstance(op, RecvGrad):
                 t0 = time.perf_counter()
+                if self.comm_delay_s:
+                    time.sleep(self.comm_delay_s)
                 grads_out[key] = comm.recv_chunks(
                     shape(*key), self.config.torch_dtype, plan.group(op.peer, s + 1), t, me, comms,
                     tp_group, comm.p2p_tag(1, s + 1, op.owner, op.mb, 0, plan))
@@ -354,6 +362,8 @@ class MegatronRefAdapter(Adapter):
                                  comm.p2p_tag(1, s, op.owner, op.mb, 0, plan))
             elif isinstance(op, ReduceGrads):
                 t0 = time.perf_counter()
+                if self.comm_delay_s:
+                    time.sleep(self.comm_delay_s)
                 comm.wait_pending(comms)
                 named = self._params()
                 grads = []
@@ -372,6 +382,7 @@ class MegatronRefAdapter(Adapter):
                 raise TypeError(f"megatron_ref cannot execute primitive {op!r}")
         comm.wait_pending(comms)
         self.iteration = iteration + 1
+        self._last = st
         if self.checkpoint_every and self.checkpoint_dir and self.iteration % self.checkpoint_every == 0:
             self.save_checkpoint()
         st.iteration_s = time.perf_counter() - t_iter

@@ -49,6 +49,7 @@ class JobSpec:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     dump_dir: str | None = None  # on stop, each worker saves its shards here (tests)
+    faults: list = field(default_factory=list)  # resihp_plugins.faults.Fault dicts
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -94,6 +95,43 @@ class GenerationWatch:
             time.sleep(self._poll_s)
 
 
+def _inject(faults: list[dict], device: int, iteration: int, adapter: MegatronRefAdapter,
+            applied: set[int]) -> None:
+    """Apply this device's faults scheduled for ``iteration`` (each once)."""
+    import signal
+    import subprocess
+
+    for n, f in enumerate(faults):
+        if f["device"] != device or f["iteration"] != iteration or n in applied:
+            continue
+        applied.add(n)
+        print(f"[{time.time():.3f}] device {device} injecting {f['kind']} at iteration {iteration}",
+              file=sys.stderr, flush=True)
+        if f["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f["kind"] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif f["kind"] == "slow":
+            adapter.slowdown = float(f["factor"])
+        elif f["kind"] == "comm":
+            adapter.comm_delay_s = float(f["delay_s"])
+        elif f["kind"] == "contend":
+            subprocess.Popen([sys.executable, "-c", "import os, time\nend = time.time() + 3600\n"
+                              "while time.time() < end and os.getppid() != 1: pass"])
+
+
+def _detector_client(device: int):
+    """Heartbeats and profiles to this node's agent when the job runs with a Detector
+    (``RESIHP_AGENT_ADDR`` set by the launcher); None otherwise."""
+    if not os.environ.get("RESIHP_AGENT_ADDR"):
+        return None
+    from resihp_core.runtime.heartbeat import WorkerClient
+
+    env = dict(os.environ)
+    env.setdefault("RESIHP_RANK", str(device))
+    return WorkerClient.from_env(env).start()
+
+
 def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWatch | None = None) -> None:
     torch.set_num_threads(1)
     adapter = MegatronRefAdapter(
@@ -104,8 +142,12 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
     # collections that release broken process groups (0.4 s -> milliseconds).
     gc.freeze()
     current = [-1]
+    applied: set[int] = set()
+    client = _detector_client(device)
     if watch is not None:
         adapter.abort_requested = lambda: watch.latest > current[0]
+    if client is not None:
+        adapter.on_step = client.beat  # progress (iteration, primitive index) per step
     store.set(f"worker/{device}/pid", str(os.getpid()))
     seen = -1
     while True:
@@ -114,6 +156,8 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
         msg = jobstore.read_plan(store, g)
         current[0] = g
         if msg.stop:
+            if client is not None:
+                client.close()
             if job.dump_dir and adapter.where is not None:
                 torch.save({"where": adapter.where, "iteration": adapter.iteration,
                             "plan": adapter.plan.to_text(),
@@ -126,12 +170,15 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
         print(f"[{time.time():.3f}] device {device} entering generation {g}", file=sys.stderr, flush=True)
         plan = parse_plan(msg.plan)
         old = adapter.plan
-        adapter.slowdown = float(msg.slow.get(str(device), 1.0))
+        if str(device) in msg.slow:
+            adapter.slowdown = float(msg.slow[str(device)])
         if adapter.iteration > msg.resume:
             adapter.rollback()  # stepped an iteration that did not commit everywhere
             adapter.iteration = msg.resume
         t1 = time.perf_counter()
         adapter.rebuild_communicators(plan, g, msg.devices)
+        if client is not None:
+            client.set_generation(g, adapter.comms.rank_of[device])
         t2 = time.perf_counter()
         moved = 0
         if msg.restore is not None:
@@ -152,6 +199,8 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
         program = programs[adapter.where[:2]]
         i = msg.resume
         while i < msg.iterations and jobstore.latest_generation(store) == g:
+            if job.faults:
+                _inject(job.faults, device, i, adapter, applied)
             adapter.snapshot()
             failed = None
             try:
@@ -167,6 +216,8 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
                 adapter.iteration = i
                 adapter.release()
                 break
+            if client is not None and (prof := adapter.profile()) is not None:
+                client.send_profile(prof)
             jobstore.put_report(store, g, i, device, {
                 "loss": stats.loss if adapter.where[2] == 0 else 0.0,
                 "computed": stats.computed if adapter.where[2] == 0 else [], "iteration_s": stats.iteration_s,

@@ -1,0 +1,166 @@
+"""The control loop of a resilient job: Detector -> failure report -> Scheduler plan ->
+adapter reconfiguration -> resume (SPEC §2).
+
+:class:`Supervisor` watches the job's iteration commits, takes failure reports from the
+controller (heartbeats, hangs, fail-slow verification) and from process exits it sees
+itself (a backstop), plans with the :class:`~resihp_core.scheduler.Planner` and deploys
+the new generation: abort the running one, post the plan with the iteration to resume
+from (or the checkpoint to restore). Fail-stop takes priority over pending fail-slow;
+reports that arrive while a generation is being deployed are planned next, so a
+failure during recovery is handled like any other. A hung device is fenced (SIGKILL)
+before the next generation so it cannot block the new communicators.
+
+Every failure report and plan change is logged as one structured line with its
+generation, and handed to ``on_event``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from resihp_core.protocol import FailureReport
+from resihp_core.runtime.launcher import LocalJob
+
+__all__ = ["Supervisor", "IterationRecord"]
+
+logger = logging.getLogger("resihp.supervisor")
+
+
+@dataclass
+class IterationRecord:
+    iteration: int
+    loss: float
+    seconds: float  # wall time from the previous commit to this one
+    samples: int
+    generation: int
+    phase: str
+
+
+@dataclass
+class Supervisor:
+    """Runs ``job`` to ``iterations`` iterations, adapting to failures.
+
+    :param planner: a :class:`~resihp_core.scheduler.Planner`.
+    :param state: its :class:`~resihp_core.scheduler.state.PlannerState` for the first plan.
+    :param reports: a thread-safe queue the controller's ``on_report`` puts reports on.
+    :param set_generation: tells the controller a new generation started (plan, speeds).
+    :param samples: micro-batches per iteration (for throughput).
+    :param phase_of: names the phase of an iteration (for the report), e.g. by faults.
+    :param restore_from_checkpoint: whether restore decisions may use checkpoints.
+    """
+
+    job: LocalJob
+    planner: Any
+    state: Any
+    iterations: int
+    reports: "queue.Queue[FailureReport]" = field(default_factory=queue.Queue)
+    set_generation: Callable[[int, Any], None] = lambda g, plan: None
+    samples: int = 1
+    phase_of: Callable[[int, int], str] = lambda iteration, generation: "running"
+    on_event: Callable[[dict], None] = lambda event: None
+    on_iteration: Callable[[IterationRecord], None] = lambda rec: None
+    records: list[IterationRecord] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    handled_devices: set[int] = field(default_factory=set)
+
+    def _event(self, kind: str, text: str, **extra: Any) -> None:
+        ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
+              "generation": self.job.generation, "text": text, **extra}
+        self.events.append(ev)
+        logger.info("event=%s generation=%d iteration=%d %s", kind, self.job.generation, self.job.committed, text)
+        self.on_event(ev)
+
+    def run(self, timeout: float = 600.0) -> list[IterationRecord]:
+        self._t0 = time.monotonic()
+        g = self.job.post(self.state.plan, iterations=self.iterations)
+        self.set_generation(g, self.state.plan)
+        self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
+        last_commit = time.monotonic()
+        deadline = self._t0 + timeout
+        while len(self.records) < self.iterations:
+            self.job.committed_through()
+            for i in range(len(self.records), self.job.committed):
+                now = time.monotonic()
+                rep = self.job.report(i)
+                rec = IterationRecord(i, sum(r["loss"] for r in rep.values()), now - last_commit,
+                                      self.samples, self.job.committed_in.get(i, self.job.generation),
+                                      self.phase_of(i, self.job.generation))
+                last_commit = now
+                self.records.append(rec)
+                self.on_iteration(rec)
+            if len(self.records) >= self.iterations:
+                break
+            pending = self._pending_reports()
+            if pending:
+                self._adapt(pending)
+                last_commit = time.monotonic()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
+            time.sleep(0.005)
+        return self.records
+
+    # ------------------------------------------------------------ failures
+    def _pending_reports(self) -> list[FailureReport]:
+        out = []
+        while True:
+            try:
+                out.append(self.reports.get_nowait())
+            except queue.Empty:
+                break
+        # Backstop: a worker process that exited without the controller saying so yet.
+        current = set(self.job.message.devices) if self.job.message else set()
+        dead = [d for d in self.job.dead() if d in current and d not in self.handled_devices]
+        if dead:
+            out.append(FailureReport(generation=self.job.generation, failure="fail-stop",
+                                     devices=tuple(dead), evidence="worker process exited"))
+        fresh = []
+        for r in out:
+            devs = set(r.devices) - (self.handled_devices if r.failure == "fail-stop" else set())
+            if devs:
+                fresh.append(r)
+        return fresh
+
+    def _adapt(self, reports: list[FailureReport]) -> None:
+        stops = [r for r in reports if r.failure == "fail-stop"]
+        slows = [r for r in reports if r.failure != "fail-stop"]
+        if stops:  # fail-stop first; one report for every device lost
+            devices = sorted({d for r in stops for d in r.devices} - self.handled_devices)
+            report = FailureReport(generation=self.job.generation, failure="fail-stop",
+                                   devices=tuple(devices), cause="unknown",
+                                   evidence="; ".join(r.evidence for r in stops)[:500])
+            for r in slows:  # keep them for the next round
+                self.reports.put(r)
+        else:
+            report = slows[0]
+            for r in slows[1:]:
+                self.reports.put(r)
+        self._event("failure", f"{report.failure} of devices {list(report.devices)} "
+                               f"({report.cause}): {report.evidence[:120]}",
+                    failure=report.failure, devices=list(report.devices), cause=report.cause)
+        if report.failure == "fail-stop":
+            for d in report.devices:
+                self.handled_devices.add(d)
+                if d in self.job.procs and self.job.procs[d].poll() is None:
+                    self.job.procs[d].send_signal(signal.SIGCONT)
+                    self.job.kill(d, signal.SIGKILL)  # fence a hung device
+        t0 = time.perf_counter()
+        decision = self.planner.plan(self.state, report)
+        plan_s = time.perf_counter() - t0
+        self.state = decision.state
+        resume = self.job.abort()
+        restore = None
+        if decision.kind == "restore":
+            restore = resume - 1
+            if restore < 0:
+                restore = None  # nothing completed yet: start over from the seed
+        g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
+                          exclude=self.handled_devices)
+        self.set_generation(g, decision.plan)
+        self._event("plan", f"generation {g} ({decision.kind}, planned in {plan_s * 1e3:.0f} ms): "
+                            f"{decision.reason[:200]}", plan=decision.plan.to_text(),
+                    kind_of_plan=decision.kind, planning_s=plan_s, resume=resume)
