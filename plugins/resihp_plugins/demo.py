@@ -13,11 +13,7 @@ changes, throughput per phase, as PNG plots).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import queue
-import secrets
 import sys
 import tempfile
 import time
@@ -74,17 +70,13 @@ def _build(args: argparse.Namespace, workdir: Path):
     feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, dp, m), dp, m)
     state = PlannerState.create(topology, plan, predictor, feats, capabilities=CAPABILITIES)
     planner = Planner(capabilities=CAPABILITIES)
-    det = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=4, hang_min_timeout_s=3.0,
+    det = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=4, hang_min_timeout_s=20.0,
                          warmup_iterations=3, min_changepoint_gap=3)
     return plan, topology, spec, state, planner, det, faults, slow_dev, kill_dev
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from resihp_core.runtime.agent import NodeAgent
-    from resihp_core.runtime.controller import Controller
-    from resihp_core.runtime.launcher import LocalJob
-    from resihp_core.runtime.loop import LoopThread
-    from resihp_core.runtime.supervisor import Supervisor
+    from resihp_core.runtime.resilient import run_resilient
     from resihp_adapters.megatron_ref.reference import reference_run
     from resihp_plugins.report import format_table, summary_table, write_report
 
@@ -94,35 +86,11 @@ def run_demo(args: argparse.Namespace) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="resihp-demo-"))
     plan, topology, spec, state, planner, det, faults, slow_dev, kill_dev = _build(args, work)
-    secret = secrets.token_hex(16)
-    reports: queue.Queue = queue.Queue()
     health = {d: "ok" for d in plan.devices()}
 
     def on_report(r):
-        reports.put(r)
         for d in r.devices:
             health[d] = "DEAD" if r.failure == "fail-stop" else f"slow {r.cause}"
-
-    loop = LoopThread("resihp-demo").start()
-    controller = Controller(det, secret, on_report=on_report, expected_ranks=set(plan.devices()))
-    loop.run(controller.start())
-    agents = {}
-    for node, devs in topology.nodes().items():
-        agent = NodeAgent(node, controller.address, secret, det)
-        loop.run(agent.start())
-        agents[node] = (agent, devs)
-    node_of = {d: n for n, (_, devs) in agents.items() for d in devs}
-
-    def env_for(device: int) -> dict[str, str]:
-        agent = agents[node_of[device]][0]
-        return {"RESIHP_AGENT_ADDR": agent.worker_address, "RESIHP_SECRET": secret,
-                "RESIHP_RANK": str(device), "RESIHP_HEARTBEAT_INTERVAL": str(det.heartbeat_interval_s)}
-
-    def on_spawn(device: int, pid: int) -> None:
-        loop.call(agents[node_of[device]][0].watch_pid, device, pid)
-
-    def set_generation(g, new_plan):
-        loop.call(lambda: controller.set_generation(g, plan=new_plan, expected_ranks=set(new_plan.devices())))
 
     def phase_of(i: int, g: int) -> str:
         if i == 0:
@@ -134,36 +102,19 @@ def run_demo(args: argparse.Namespace) -> int:
         return "4 after fail-stop"
 
     view = _View(args, health)
-    job = LocalJob(spec.to_json(), plan.devices(), workdir=work / "job", env_for=env_for, on_spawn=on_spawn)
-    sup = Supervisor(job, planner, state, args.iterations, reports, set_generation=set_generation,
-                     samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
-                     on_event=view.event, on_iteration=view.iteration)
-    ok = True
-    try:
-        with view:
-            records = sup.run(timeout=900)
-    except Exception as e:  # noqa: BLE001 - report what happened, keep the logs
-        ok = False
-        records = sup.records
-        print(f"demo failed: {type(e).__name__}: {e}\nworker logs: {work / 'job'}", file=sys.stderr)
-    finally:
-        job.close()
-        for agent, _ in agents.values():
-            try:
-                loop.run(agent.stop(), timeout=5)
-            except Exception:  # noqa: BLE001
-                pass
-        try:
-            loop.run(controller.stop(), timeout=5)
-        except Exception:  # noqa: BLE001
-            pass
-        loop.stop()
+    with view:
+        run = run_resilient(spec.to_json(), plan, topology, state, planner, det, args.iterations,
+                            work / "job", phase_of=phase_of, on_event=view.event,
+                            on_iteration=view.iteration, on_report=on_report)
+    if not run.ok:
+        print(f"demo failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
+    records = run.records
     if not records:
         return 1
     _, ref_losses = reference_run(spec.model_config(), spec.data_spec(), len(records), lr=spec.lr)
     iterations = [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples,
                        generation=r.generation, phase=r.phase) for r in records]
-    events = sup.events + [dict(kind="injection", iteration=f.iteration, generation=0,
+    events = run.events + [dict(kind="injection", iteration=f.iteration, generation=0,
                                 text=f"{f.kind} on device {f.device}" + (f" x{f.factor:.2f}" if f.kind == "slow" else ""))
                            for f in faults]
     paths = write_report(outdir, iterations=iterations, events=events, reference_losses=ref_losses,
@@ -173,12 +124,12 @@ def run_demo(args: argparse.Namespace) -> int:
     print(format_table(summary_table(iterations)))
     print(f"\nloss vs fault-free reference: max relative difference {worst:.2e} (float32)")
     print("events:")
-    for ev in sup.events:
+    for ev in run.events:
         print(f"  iteration {ev['iteration']:>3}  {ev['kind']:<8} {ev['text'][:110]}")
     print(f"\nreport: {outdir}")
     for name, p in paths.items():
         print(f"  {name}: {p}")
-    return 0 if ok else 1
+    return 0 if run.ok else 1
 
 
 class _View:

@@ -277,6 +277,17 @@ class WorkloadAwareDetector(_Base):
                 cp = self._feed(iteration, measured)
                 if cp is not None:
                     self.changepoint.rebase(cp.index)
+            elif self.model.ready:
+                # The warm-up iterations are healthy by assumption: they open the
+                # normalised series, so a slowdown right after warm-up still shows as a
+                # change from ~1.0 rather than as the series' first level.
+                try:
+                    for it, m, ps in self._hist:
+                        cp = self._feed(it, m / self.predict_healthy(it, ps))
+                        if cp is not None:
+                            self.changepoint.rebase(cp.index)
+                except ModelNotReady:
+                    pass
             return Detection(iteration, measured, "warmup")
         try:
             if self.series == "normalised":

@@ -159,6 +159,8 @@ _WORKER = textwrap.dedent(
     full_grads = gather_full_state(grads, model.tp)
     if rank == 0:
         torch.save({"loss": loss.detach(), "grads": full_grads}, out)
+    dist.barrier()
+    del model, loss, grads, full_grads  # no object may hold the group past its destruction
     dist.destroy_process_group()
     """
 )

@@ -270,7 +270,7 @@ class MegatronRefAdapter(Adapter):
             for (o, j) in st.forward_s
         )
         return IterationProfile(
-            rank=self.comms.rank_of[self.device] if self.comms else 0, device=self.device,
+            rank=self.device, device=self.device,  # the Detector keys workers by device id
             generation=self.comms.generation if self.comms else 0, iteration=st.iteration,
             stage=s, replica=r, microbatches=mbs, comm_s=st.comm_s, iteration_s=st.iteration_s,
         )

@@ -178,7 +178,7 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
         t1 = time.perf_counter()
         adapter.rebuild_communicators(plan, g, msg.devices)
         if client is not None:
-            client.set_generation(g, adapter.comms.rank_of[device])
+            client.set_generation(g, device)  # the Detector keys workers by stable device id
         t2 = time.perf_counter()
         moved = 0
         if msg.restore is not None:
@@ -216,7 +216,9 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
                 adapter.iteration = i
                 adapter.release()
                 break
-            if client is not None and (prof := adapter.profile()) is not None:
+            # The first iteration of a generation carries one-time costs (allocator,
+            # first touch, fresh sockets): the Detector's healthy model starts after it.
+            if client is not None and i > msg.resume and (prof := adapter.profile()) is not None:
                 client.send_profile(prof)
             jobstore.put_report(store, g, i, device, {
                 "loss": stats.loss if adapter.where[2] == 0 else 0.0,
