@@ -78,7 +78,7 @@ def run(plan, topology, faults, iterations, supervised, tag):
 def fail_slow(iterations: int) -> dict:
     plan = ParallelPlan.uniform(tp=TP, pp=PP, dp=DP, num_layers=LAYERS, num_microbatches=M, num_heads=4)
     topology = Topology.uniform(2, 4)
-    onset = 3
+    onset = 8  # after the Detector's warm-up (skip 1 + fit 3) and 4 healthy iterations
     faults = [fail_at(plan.group(1, 1)[0], onset, "slow", severity="medium")]
     base = run(plan, topology, faults, iterations, False, "nomit")
     ours = run(plan, topology, faults, iterations, True, "resihp")
@@ -101,7 +101,7 @@ def fail_stop(iterations: int) -> dict:
     plan = ParallelPlan.uniform(tp=TP, pp=PP, dp=DP, num_layers=LAYERS, num_microbatches=M, num_heads=4)
     topology = Topology.uniform(2, 4)
     victim = plan.group(0, 0)[1]
-    kill_at = 3
+    kill_at = 4
     rec = run(plan, topology, [fail_at(victim, kill_at, "kill")], iterations, True, "kill")
     recovered_plan = rec.final_plan
     after = next(r.iteration for r in rec.records if r.generation > 0)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    iterations = 14 if args.quick else 30
+    iterations = 20 if args.quick else 36
     try:
         res = fail_slow(iterations) | fail_stop(iterations)
     except Exception as e:  # noqa: BLE001

@@ -156,6 +156,16 @@ class LocalJob:
                 out[d] = json.loads(self.store.get(key))["seconds"]
         return out
 
+    def worker_failures(self, generation: int | None = None) -> dict[int, str]:
+        """Devices whose iteration raised in ``generation`` (default: current), with why."""
+        g = self.generation if generation is None else generation
+        out = {}
+        for d in self.message.devices if self.message else []:
+            key = f"ctl{g}/failed/{d}"
+            if self.store.check([key]):
+                out[d] = self.store.get(key).decode(errors="replace")
+        return out
+
     def ready_info(self, generation: int | None = None) -> dict[int, dict[str, float]]:
         """Per-device reconfiguration breakdown of a generation (rebuild, state, bytes)."""
         g = self.generation if generation is None else generation

@@ -67,6 +67,7 @@ class Supervisor:
     records: list[IterationRecord] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     handled_devices: set[int] = field(default_factory=set)
+    stall_s: float = 15.0  # no commit and no report this long, with worker errors: give up
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -99,6 +100,13 @@ class Supervisor:
             if pending:
                 self._adapt(pending)
                 last_commit = time.monotonic()
+            elif time.monotonic() - last_commit > self.stall_s:
+                failures = self.job.worker_failures()
+                if failures:  # workers gave up and no failure explains it: say why, stop
+                    raise RuntimeError(
+                        f"generation {self.job.generation} stalled at iteration {self.job.committed}; "
+                        "workers failed: " + "; ".join(f"device {d}: {t}" for d, t in sorted(failures.items()))
+                    )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
             time.sleep(0.005)
@@ -148,9 +156,27 @@ class Supervisor:
                 if d in self.job.procs and self.job.procs[d].poll() is None:
                     self.job.procs[d].send_signal(signal.SIGCONT)
                     self.job.kill(d, signal.SIGKILL)  # fence a hung device
-        t0 = time.perf_counter()
-        decision = self.planner.plan(self.state, report)
-        plan_s = time.perf_counter() - t0
+        for attempt in range(4):
+            # Processes found dead meanwhile join the report: never plan onto them.
+            gone = sorted(set(self.job.dead()) - set(report.devices) - self.handled_devices)
+            if gone and report.failure == "fail-stop":
+                report = FailureReport(generation=report.generation, failure="fail-stop",
+                                       devices=tuple(sorted(set(report.devices) | set(gone))),
+                                       cause=report.cause, evidence=report.evidence)
+                self.handled_devices.update(gone)
+            t0 = time.perf_counter()
+            decision = self.planner.plan(self.state, report)
+            plan_s = time.perf_counter() - t0
+            dead_in_plan = sorted(set(decision.plan.devices()) & set(self.job.dead()))
+            if not dead_in_plan:
+                break
+            # A device died while we planned: plan again with it counted as failed.
+            self._event("failure", f"fail-stop of devices {dead_in_plan} during recovery",
+                        failure="fail-stop", devices=dead_in_plan, cause="unknown")
+            report = FailureReport(generation=self.job.generation, failure="fail-stop",
+                                   devices=tuple(dead_in_plan), evidence="died during recovery")
+            self.state = decision.state
+            self.handled_devices.update(dead_in_plan)
         self.state = decision.state
         resume = self.job.abort()
         restore = None

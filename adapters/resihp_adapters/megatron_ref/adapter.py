@@ -266,7 +266,7 @@ class MegatronRefAdapter(Adapter):
         mbs = tuple(
             MicroBatchProfile(owner=o, mb=j, forward_s=st.forward_s[(o, j)],
                               backward_s=st.backward_s.get((o, j), 0.0),
-                              doc_lengths=lengths_of(self.data, st.iteration, o, j))
+                              doc_lengths=lengths_of(self.data, st.iteration, *self._data_index(o, j)))
             for (o, j) in st.forward_s
         )
         return IterationProfile(
@@ -274,6 +274,13 @@ class MegatronRefAdapter(Adapter):
             generation=self.comms.generation if self.comms else 0, iteration=st.iteration,
             stage=s, replica=r, microbatches=mbs, comm_s=st.comm_s, iteration_s=st.iteration_s,
         )
+
+    def _data_index(self, owner: int, mb: int) -> tuple[int, int]:
+        """The job's data shard of the plan's micro-batch (owner, mb). A restore onto
+        fewer replicas keeps the global batch (dp x m constant) with another split, so
+        micro-batches are numbered globally and mapped back to the original shards."""
+        g = owner * self.plan.num_microbatches + mb
+        return divmod(g, self.data.num_microbatches)
 
     def _stretch(self, t0: float) -> float:
         """Measure a compute chunk; under injected slowdown, sleep so it takes longer."""
@@ -296,7 +303,7 @@ class MegatronRefAdapter(Adapter):
         grads_out: dict[tuple[int, int], Tensor] = {}
         grads_in: dict[tuple[int, int], Tensor] = {}
         params = list(mod.parameters())
-        shape = lambda o, j: (sum(lengths_of(self.data, iteration, o, j)), self.config.hidden)  # noqa: E731
+        shape = lambda o, j: (sum(lengths_of(self.data, iteration, *self._data_index(o, j))), self.config.hidden)  # noqa: E731
         t_iter = time.perf_counter()
         for step, op in enumerate(program.ops):
             self.on_step(iteration, step)
@@ -316,7 +323,7 @@ class MegatronRefAdapter(Adapter):
                 st.comm_s += time.perf_counter() - t0
             elif isinstance(op, Forward):
                 t0 = time.perf_counter()
-                mbatch = micro_batch(self.data, iteration, op.owner, op.mb)
+                mbatch = micro_batch(self.data, iteration, *self._data_index(op.owner, op.mb))
                 x = mbatch.tokens if s == 0 else acts[key]
                 if s == plan.pp - 1:
                     out = mod(x, mbatch.lengths, mbatch.labels) / denom
