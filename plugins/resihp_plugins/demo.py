@@ -167,8 +167,9 @@ class _View:
             h.add_column(f"dev {d}")
         h.add_row(*[("[red]" if v != "ok" else "[green]") + v for _, v in sorted(self.health.items())])
         from rich.console import Group
+        from rich.text import Text
 
-        return Group(t, h, *self.lines[-6:])
+        return Group(t, h, *(Text(line) for line in self.lines[-6:]))
 
     def iteration(self, rec) -> None:
         self.last = dict(iteration=rec.iteration, tput=rec.samples / max(rec.seconds, 1e-9),
