@@ -198,4 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module, not this ``__main__`` copy, so plugins raising
+    # ``resihp_core.cli.CliError`` are caught as the same class.
+    from resihp_core.cli import main as _main
+
+    sys.exit(_main())

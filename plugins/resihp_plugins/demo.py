@@ -1,4 +1,8 @@
-"""``resihp demo``: a resilient TP2 x PP2 x DP2 job on this machine, end to end.
+"""``resihp demo`` and ``resihp run CONFIG``: a resilient job on this machine, end to end.
+
+``resihp run`` builds the job from a configuration file (``resihp_core.config``) and an
+optional fault scenario (``resihp_plugins.faults``); ``resihp demo`` is one fixed
+configuration of it (:data:`DEMO_CONFIG`) with two injected faults:
 
 Eight worker processes of the reference backend train a small LLaMA-style model on the
 variable-length corpus. Two node agents (four devices each) watch them and feed the
@@ -18,10 +22,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from resihp_core.hookspecs import hookimpl
 
-__all__ = ["run_demo", "configure", "resihp_register_commands"]
+__all__ = ["DEMO_CONFIG", "build_job", "phases", "run_demo", "run_config", "resihp_register_commands"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -33,10 +38,20 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
 
 
-def _build(args: argparse.Namespace, workdir: Path):
-    from resihp_core.adapter import Capabilities  # noqa: F401 - imported for side effects of typing
-    from resihp_core.config import DetectorConfig
-    from resihp_core.plan import ParallelPlan, Topology
+DEMO_CONFIG = {
+    "parallel": {"tp": 2, "pp": 2, "dp": 2},
+    "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128},
+    "training": {"microbatches": 4, "token_budget": 256, "iterations": 36, "lr": 3e-3},
+    "runtime": {"nodes": 2, "devices_per_node": 4},
+    "detector": {"heartbeat_interval_s": 0.05, "heartbeat_miss_limit": 4, "hang_min_timeout_s": 20.0,
+                 "warmup_iterations": 3, "min_changepoint_gap": 3},
+}
+
+
+def build_job(cfg, faults: list, workdir: Path):
+    """Plan, topology, worker job description, planner state and planner for a
+    :class:`~resihp_core.config.Config` on the reference backend."""
+    from resihp_core.plan import ParallelPlan, ScheduleKind, Topology
     from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
     from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
     from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
@@ -44,68 +59,113 @@ def _build(args: argparse.Namespace, workdir: Path):
     from resihp_core.scheduler.state import PlannerState
     from resihp_adapters.megatron_ref.plugin import CAPABILITIES
     from resihp_adapters.megatron_ref.worker import JobSpec
-    from resihp_plugins.faults import fail_at
 
-    tp, pp, dp, m, layers = 2, 2, 2, 4, 4
-    plan = ParallelPlan.uniform(tp=tp, pp=pp, dp=dp, num_layers=layers, num_microbatches=m, num_heads=4)
-    topology = Topology.uniform(2, 4)
-    slow_dev = plan.group(1, 1)[0]
-    kill_dev = plan.group(0, 0)[1]
-    faults = [fail_at(slow_dev, args.slow_at, "slow", severity=args.severity),
-              fail_at(kill_dev, args.kill_at, "kill")]
-    corpus = dict(scale=24.0, shape=1.0, min_len=4, max_len=256, token_budget=256)
+    par, mod, tr = cfg.parallel, cfg.model, cfg.training
+    plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
+                                num_microbatches=tr.microbatches, num_heads=mod.heads,
+                                schedule=ScheduleKind(cfg.scheduler.schedule))
+    topology = Topology.uniform(cfg.runtime.nodes, cfg.runtime.devices_per_node,
+                                cfg.scheduler.device_memory_gib)
+    plan.validate(topology)
+    n = tr.token_budget
+    corpus = dict(scale=max(2.0, n / 10), shape=1.0, min_len=min(4, n), max_len=n, token_budget=n, seed=tr.seed)
+    ffn = mod.ffn_hidden or 4 * mod.hidden
     spec = JobSpec(
-        model=dict(vocab_size=256, hidden=64, num_heads=4, ffn_hidden=128, num_layers=layers, dtype="float32"),
-        corpus=corpus, dp=dp, num_microbatches=m, lr=3e-3, timeout_s=10.0,
-        checkpoint_dir=str(workdir / "checkpoints"), checkpoint_every=1,
+        model=dict(vocab_size=mod.vocab, hidden=mod.hidden, num_heads=mod.heads, ffn_hidden=ffn,
+                   num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed),
+        corpus=corpus, dp=par.dp, num_microbatches=tr.microbatches, data_seed=tr.seed, lr=tr.lr,
+        timeout_s=10.0, checkpoint_dir=str(workdir / "checkpoints"), checkpoint_every=1,
         faults=[f.to_dict() for f in faults],
     )
-    # Planning model: equal per-layer cost, CPU-ish links; the planner compares plans
-    # relative to each other, the detector fits its own model from live profiles.
+    # Planning model: equal per-layer cost and CPU-like links. The planner compares
+    # plans relative to each other; the Detector fits its own model from live profiles.
     cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
-                                       ref_layers=layers // pp, ref_tp=1), pp)
+                                       ref_layers=max(1, mod.layers // par.pp), ref_tp=1), par.pp)
     links = LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9, intra_latency=5e-5, inter_latency=1e-4)
-    predictor = IterationPredictor(cost, topology, ModelShape(tokens=256, hidden=64, params_per_layer=50_000,
-                                                              dtype_bytes=4), links)
-    feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, dp, m), dp, m)
-    state = PlannerState.create(topology, plan, predictor, feats, capabilities=CAPABILITIES)
-    planner = Planner(capabilities=CAPABILITIES)
-    det = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=4, hang_min_timeout_s=20.0,
-                         warmup_iterations=3, min_changepoint_gap=3)
-    return plan, topology, spec, state, planner, det, faults, slow_dev, kill_dev
+    params = 4 * mod.hidden * mod.hidden + 3 * mod.hidden * ffn
+    predictor = IterationPredictor(cost, topology, ModelShape(tokens=n, hidden=mod.hidden,
+                                                              params_per_layer=params, dtype_bytes=4), links)
+    feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, par.dp, tr.microbatches),
+                              par.dp, tr.microbatches)
+    state = PlannerState.create(topology, plan, predictor, feats, capabilities=CAPABILITIES,
+                                k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
+    return plan, topology, spec, state, Planner(capabilities=CAPABILITIES)
+
+
+def phases(faults: list) -> Callable[[int, int], str]:
+    """Phase names for the report: healthy, then one per fault, marked once adapted."""
+    ordered = sorted(faults, key=lambda f: f.iteration)
+    first_gen: dict[int, int] = {}
+
+    def phase_of(i: int, g: int) -> str:
+        k = sum(1 for f in ordered if f.iteration <= i)
+        if k == 0:
+            return "1 healthy"
+        f = ordered[k - 1]
+        first_gen.setdefault(k, g)
+        what = f"{f.kind} x{f.factor:.2f}" if f.kind == "slow" else f.kind
+        return f"{k + 1} after {what} on device {f.device}" + (", adapted" if g > first_gen[k] else "")
+
+    return phase_of
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from resihp_core.config import Config
+    from resihp_core.plan import ParallelPlan
+    from resihp_plugins.faults import fail_at
+
+    data = {**DEMO_CONFIG, "training": {**DEMO_CONFIG["training"], "iterations": args.iterations}}
+    cfg = Config.from_dict(data, source="the demo")
+    p = cfg.parallel
+    layout = ParallelPlan.uniform(tp=p.tp, pp=p.pp, dp=p.dp, num_layers=cfg.model.layers,
+                                  num_microbatches=cfg.training.microbatches)
+    faults = [fail_at(layout.group(1, 1)[0], args.slow_at, "slow", severity=args.severity),
+              fail_at(layout.group(0, 0)[1], args.kill_at, "kill")]
+    return run_job(cfg, faults, args, "resihp demo: TP2 x PP2 x DP2 on CPU", "demo")
+
+
+def run_config(args: argparse.Namespace) -> int:
+    """``resihp run CONFIG [--faults FILE]``."""
+    from resihp_core.cli import CliError
+    from resihp_core.config import ConfigError, load_config
+    from resihp_plugins.faults import FaultError, load_scenario
+
+    try:
+        cfg = load_config(args.config)
+        faults = load_scenario(args.faults) if args.faults else []
+    except (ConfigError, FaultError) as e:
+        raise CliError(str(e)) from e
+    p = cfg.parallel
+    return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run")
+
+
+def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -> int:
     from resihp_core.runtime.resilient import run_resilient
     from resihp_adapters.megatron_ref.reference import reference_run
     from resihp_plugins.report import format_table, summary_table, write_report
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    outdir = Path(args.report) / f"demo-{stamp}"
+    outdir = Path(args.report) / f"{tag}-{stamp}"
     outdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="resihp-demo-"))
-    plan, topology, spec, state, planner, det, faults, slow_dev, kill_dev = _build(args, work)
+    work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
+    plan, topology, spec, state, planner = build_job(cfg, faults, work)
+    det = cfg.detector
     health = {d: "ok" for d in plan.devices()}
 
     def on_report(r):
         for d in r.devices:
             health[d] = "DEAD" if r.failure == "fail-stop" else f"slow {r.cause}"
 
-    def phase_of(i: int, g: int) -> str:
-        if i < args.slow_at:
-            return "1 healthy"
-        if i < args.kill_at:
-            return "2 fail-slow" if g == 0 else "3 fail-slow, adapted"
-        return "4 after fail-stop"
+    phase_of = phases(faults)
 
     view = _View(args, health)
     with view:
-        run = run_resilient(spec.to_json(), plan, topology, state, planner, det, args.iterations,
+        run = run_resilient(spec.to_json(), plan, topology, state, planner, det, cfg.training.iterations,
                             work / "job", phase_of=phase_of, on_event=view.event,
                             on_iteration=view.iteration, on_report=on_report)
     if not run.ok:
-        print(f"demo failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
+        print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records
     if not records:
         return 1
@@ -121,11 +181,11 @@ def run_demo(args: argparse.Namespace) -> int:
                            for f in faults] + [dict(kind="start-up", iteration=0, generation=0,
                                                     text=f"start-up and first iteration {startup:.1f} s")]
     paths = write_report(outdir, iterations=iterations, events=events, reference_losses=ref_losses,
-                         title="resihp demo: TP2 x PP2 x DP2 on CPU")
+                         title=title)
     worst = max(abs(a["loss"] - b) / abs(b) for a, b in zip(iterations, ref_losses))
     print()
     print(format_table(summary_table(iterations)))
-    print(f"\nloss vs fault-free reference: max relative difference {worst:.2e} (float32)")
+    print(f"\nloss vs fault-free reference: max relative difference {worst:.2e} ({cfg.training.dtype})")
     print("events:")
     for ev in run.events:
         print(f"  iteration {ev['iteration']:>3}  {ev['kind']:<8} {ev['text'][:110]}")
@@ -192,8 +252,17 @@ class _View:
             print(line, flush=True)
 
 
+def configure_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="job configuration (TOML or YAML; RESIHP_<SECTION>__<FIELD> overrides)")
+    p.add_argument("--faults", help="fault scenario (JSON list of {device, iteration, kind, severity|factor|delay_s})")
+    p.add_argument("--report", default="reports", help="parent folder of the report")
+    p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+
+
 @hookimpl
 def resihp_register_commands(registry) -> None:
-    """``resihp demo``."""
+    """``resihp demo`` and ``resihp run CONFIG``."""
     registry.register("demo", "run the end-to-end demo (8 CPU workers, fail-slow then fail-stop)",
                       configure, run_demo)
+    registry.register("run", "run a resilient job from a configuration file on this machine",
+                      configure_run, run_config)
