@@ -105,7 +105,7 @@ def _inject(faults: list[dict], device: int, iteration: int, adapter: MegatronRe
         if f["device"] != device or f["iteration"] != iteration or n in applied:
             continue
         applied.add(n)
-        print(f"[{time.time():.3f}] device {device} injecting {f['kind']} at iteration {iteration}",
+        print(f"time={time.time():.3f} event=fault_injected device={device} kind={f['kind']} iteration={iteration}",
               file=sys.stderr, flush=True)
         if f["kind"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -167,7 +167,8 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
         if device not in msg.devices:
             continue  # excluded but alive: wait to be brought back
         t0 = time.perf_counter()
-        print(f"[{time.time():.3f}] device {device} entering generation {g}", file=sys.stderr, flush=True)
+        print(f"time={time.time():.3f} event=generation_entered device={device} generation={g}",
+              file=sys.stderr, flush=True)
         plan = parse_plan(msg.plan)
         old = adapter.plan
         if str(device) in msg.slow:
@@ -210,7 +211,8 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
             if failed is not None:
                 # Outside the except block: no traceback pins the broken groups.
                 store.set(f"ctl{g}/failed/{device}", failed[:500])
-                print(f"[{time.time():.3f}] device {device} left generation {g} in iteration {i}: {failed[:200]}",
+                print(f"time={time.time():.3f} event=generation_left device={device} generation={g} "
+                      f"iteration={i} reason={failed[:200]!r}",
                       file=sys.stderr, flush=True)
                 adapter.rollback()
                 adapter.iteration = i
