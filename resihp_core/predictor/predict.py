@@ -4,7 +4,8 @@
 inputs — per-chunk compute from the fitted :class:`~.cost.CostModel`, P2P edges from
 the :class:`~.cost.LinkModel` with the heterogeneous-TP rule, DP reduction and optimizer
 time per stage — and runs :func:`~.simulator.simulate`. Everything is vectorised over
-(stage, replica, micro-batch) so the Scheduler can judge many candidate plans online.
+(stage, replica, micro-batch) so the Scheduler can judge many candidate plans online;
+:func:`~.cost.vertex_times` is the plain per-chunk definition it is tested against.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from resihp_core.plan import ParallelPlan, ScheduleKind, Topology
 from resihp_core.predictor.corpus import Workload
-from resihp_core.predictor.cost import CostModel, CostModelError, LinkModel, activation_bytes
+from resihp_core.predictor.cost import CostModel, CostModelError, LinkModel, activation_bytes, group_speed
 from resihp_core.predictor.simulator import SimResult, simulate
 
 __all__ = ["ModelShape", "IterationPredictor", "workload_features"]
@@ -110,7 +111,7 @@ class IterationPredictor:
         for r, s in plan.executors():
             g = plan.group(r, s)
             deg[s, r] = len(g)
-            spd[s, r] = _group_speed(g, speeds)
+            spd[s, r] = group_speed(g, speeds)
             node[s, r] = self._node.get(g[0], -1)
         ex = np.broadcast_to(np.arange(dp)[None, :, None], (pp, dp, m)).copy()
         for mig in plan.migrations:
@@ -176,12 +177,3 @@ class IterationPredictor:
     ) -> SimResult:
         """Simulate one iteration of ``plan`` on these documents and device speeds."""
         return simulate(plan, **self.inputs(plan, workload, speeds))
-
-
-def _group_speed(group: tuple[int, ...], speeds: Mapping[int, float] | None) -> float:
-    if not speeds:
-        return 1.0
-    p = min(speeds.get(d, 1.0) for d in group)
-    if not p > 0:
-        raise CostModelError(f"TP group {group}: normalised throughput must be > 0, got {p}")
-    return p
