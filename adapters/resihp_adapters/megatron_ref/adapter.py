@@ -166,7 +166,17 @@ class MegatronRefAdapter(Adapter):
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan,
                    alive: list[int] | None = None) -> int:
-        """Re-shard/move every component to ``new_plan``'s layout; returns bytes received."""
+        """Re-shard/move every component to ``new_plan``'s layout; returns bytes received.
+        If a transfer fails (a peer died meanwhile) the previous layout and state are
+        put back, so the next generation can still source from this worker."""
+        kept = (self.module, self.optimizer.state, self.plan, self.where)
+        try:
+            return self._move_state(old_plan, new_plan, alive)
+        except BaseException:
+            self.module, self.optimizer.state, self.plan, self.where = kept
+            raise
+
+    def _move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: list[int] | None) -> int:
         alive = self.devices if alive is None else alive
         plan = state.transfer_plan(old_plan, new_plan, alive)
         old = self.tensors()

@@ -177,17 +177,29 @@ def run_worker(store: dist.Store, device: int, job: JobSpec, watch: GenerationWa
             adapter.rollback()  # stepped an iteration that did not commit everywhere
             adapter.iteration = msg.resume
         t1 = time.perf_counter()
-        adapter.rebuild_communicators(plan, g, msg.devices)
         if client is not None:
             client.set_generation(g, device)  # the Detector keys workers by stable device id
-        t2 = time.perf_counter()
-        moved = 0
-        if msg.restore is not None:
-            adapter.load_checkpoint(iteration=msg.restore, plan=plan)
-        elif old is None:
-            adapter.start_fresh(plan)
-        else:
-            moved = adapter.move_state(old, plan, msg.devices)
+        moved, failed, t2 = 0, None, t1
+        try:
+            adapter.rebuild_communicators(plan, g, msg.devices)
+            t2 = time.perf_counter()
+            if msg.restore is not None:
+                adapter.load_checkpoint(iteration=msg.restore, plan=plan)
+            elif old is None:
+                adapter.start_fresh(plan)
+            else:
+                moved = adapter.move_state(old, plan, msg.devices)
+        except Exception as e:  # noqa: BLE001 - a peer died during the reconfiguration itself
+            failed = f"{type(e).__name__}: {e}"
+        if failed is not None:
+            # Outside the except block (no traceback pins the groups). The state is the
+            # previous generation's (move_state restores it on failure): wait for the
+            # generation the Scheduler makes of this new failure.
+            store.set(f"ctl{g}/failed/{device}", failed[:500])
+            print(f"time={time.time():.3f} event=reconfiguration_failed device={device} generation={g} "
+                  f"reason={failed[:200]!r}", file=sys.stderr, flush=True)
+            adapter.release()
+            continue
         adapter.iteration = msg.resume
         programs = {(p.replica, p.stage): p for p in emit_programs(plan)}
         executors = len(plan.devices())
