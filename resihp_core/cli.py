@@ -146,7 +146,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     raise CliError(f"unknown plan action {args.plan_command!r}")
 
 
+# --------------------------------------------------------------------- agent
+def _configure_agent(p: argparse.ArgumentParser) -> None:
+    from resihp_core.runtime.agent import configure
+
+    configure(p)
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from resihp_core.runtime.agent import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
+    "agent": Command("serve as a node agent: launch and watch this host's workers for a controller",
+                     _configure_agent, _cmd_agent),
     "plugins": Command("list loaded plugins and registered adapters", _configure_plugins, _cmd_plugins),
     "plan": Command("inspect parallel plans", _configure_plan, _cmd_plan),
 }

@@ -77,6 +77,9 @@ __all__ = [
     "AgentState",
     "Ack",
     "Error",
+    "LaunchWorkers",
+    "SignalWorker",
+    "WorkerProcess",
     "Message",
     "MESSAGE_TYPES",
     "encode",
@@ -95,7 +98,7 @@ __all__ = [
     "client_handshake_sync",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: agents launch workers (launch / signal / process)
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 HEADER_BYTES = 4
 _HEADER = struct.Struct(">I")
@@ -254,6 +257,50 @@ class AgentState(_Msg, tag="agent_state"):
     workers: tuple[WorkerSummary, ...] = ()
 
 
+# ------------------------------------------------------------------- launcher traffic
+ModuleName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+                                         max_length=200)]
+EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Z_][A-Z0-9_]*$", max_length=100)]
+SignalName = Literal["SIGKILL", "SIGSTOP", "SIGCONT", "SIGTERM"]
+
+
+class LaunchWorkers(_Msg, tag="launch"):
+    """Controller -> agent: start one worker process per device of ``devices`` on this node.
+
+    Workers run ``python -m module`` with the job description ``job`` (JSON text, saved
+    by the agent and named by ``RESIHP_JOB``), the job store at ``store_host:store_port``
+    (``store_host`` empty: the host the agent dialled the controller at) and ``env``.
+    ``detector`` (the detector configuration section) replaces the agent's own, so
+    one configuration, the controller's, governs every node.
+    """
+
+    devices: tuple[NonNeg, ...]
+    module: ModuleName
+    job: str
+    store_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    store_host: ShortText = ""
+    env: dict[EnvName, Annotated[str, msgspec.Meta(max_length=4096)]] = {}
+    detector: dict[ShortText, Union[int, float, str, bool]] = {}
+
+
+class SignalWorker(_Msg, tag="signal"):
+    """Controller -> agent: send ``signal`` to ``device``'s worker process (fencing)."""
+
+    device: NonNeg
+    signal: SignalName
+
+
+class WorkerProcess(_Msg, tag="process"):
+    """Agent -> controller: a worker process it launched has started (``returncode``
+    None) or ended; ``error`` says why a launch failed."""
+
+    node: NonNeg
+    device: NonNeg
+    pid: NonNeg = 0
+    returncode: int | None = None
+    error: str = ""
+
+
 class Ack(_Msg, tag="ack"):
     """Acknowledges ``what`` (e.g. "plan") of ``generation``."""
 
@@ -280,6 +327,9 @@ Message = Union[
     AgentState,
     Ack,
     Error,
+    LaunchWorkers,
+    SignalWorker,
+    WorkerProcess,
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 

@@ -139,6 +139,35 @@ def run_config(args: argparse.Namespace) -> int:
     return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run")
 
 
+def _agents(cfg, args: argparse.Namespace) -> dict:
+    """How ``run_resilient`` gets its agents: started here, or on each host by the user."""
+    import os
+
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.heartbeat import parse_address
+
+    if getattr(args, "agents", "local") == "local":
+        return {}
+    rt = cfg.runtime
+    secret = rt.secret or os.environ.get("RESIHP_SECRET", "")
+    if not secret:
+        raise CliError("--agents external needs the job secret: set runtime.secret or RESIHP_SECRET")
+    try:
+        listen = parse_address(args.listen) if args.listen else (rt.controller_host, rt.controller_port)
+    except ValueError as e:
+        raise CliError(f"--listen: {e}") from e
+    if isinstance(listen, str):
+        raise CliError("--listen takes host:port")
+
+    def tell(address: str, nodes: list[int]) -> None:
+        print(f"controller listening on {address}; waiting for the agents of nodes {nodes}. On each host run:\n"
+              f"  RESIHP_SECRET=<the job secret> resihp agent --controller <this host>:{address.rsplit(':', 1)[1]} "
+              f"--node <N>", flush=True)
+
+    return dict(agents="external", listen=listen, secret=secret, on_listening=tell,
+                agent_timeout=args.agent_timeout)
+
+
 def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -> int:
     from resihp_core.runtime.resilient import run_resilient
     from resihp_adapters.megatron_ref.reference import reference_run
@@ -149,6 +178,7 @@ def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -
     outdir = Path(args.report) / f"{tag}-{stamp}"
     outdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
+    agents = _agents(cfg, args)
     plan, topology, spec, state, planner = build_job(cfg, faults, work)
     det = cfg.detector
     health = {d: "ok" for d in plan.devices()}
@@ -163,12 +193,15 @@ def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -
     with view:
         run = run_resilient(spec.to_json(), plan, topology, state, planner, det, cfg.training.iterations,
                             work / "job", phase_of=phase_of, on_event=view.event,
-                            on_iteration=view.iteration, on_report=on_report)
+                            on_iteration=view.iteration, on_report=on_report, **agents)
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records
     if not records:
         return 1
+    import torch
+
+    torch.set_num_threads(1)  # one thread: on a shared, loaded machine more threads thrash (measured 25 s vs 4 s)
     _, ref_losses = reference_run(spec.model_config(), spec.data_spec(), len(records), lr=spec.lr)
     # Iteration 0 carries process start-up (imports, rendezvous): it is reported in the
     # events, not in the per-phase throughput or the iteration-time trace.
@@ -257,6 +290,13 @@ def configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", help="fault scenario (JSON list of {device, iteration, kind, severity|factor|delay_s})")
     p.add_argument("--report", default="reports", help="parent folder of the report")
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+    p.add_argument("--agents", choices=["local", "external"], default="local",
+                   help="local: start one agent process per node here (default); external: wait for "
+                        "'resihp agent' on each host")
+    p.add_argument("--listen", help="controller address for external agents (default: runtime.controller_host"
+                                    ":runtime.controller_port)")
+    p.add_argument("--agent-timeout", type=float, default=300.0,
+                   help="seconds to wait for external agents to connect (default 300)")
 
 
 @hookimpl

@@ -15,15 +15,22 @@ One :class:`NodeAgent` per node. It
   connection and one small message per interval per node, whatever the number of
   devices.
 
+* is the **launcher** of its node's workers: on the controller's
+  :class:`~resihp_core.protocol.LaunchWorkers` it starts one worker process per device
+  (:func:`~resihp_core.runtime.processes.spawn_worker`: they die with the agent),
+  watches them, sends a :class:`~resihp_core.protocol.WorkerProcess` when each starts
+  and ends, and signals them on :class:`~resihp_core.protocol.SignalWorker` (fencing).
+
 When the controller connection drops the agent cannot do anything useful (the
 controller has declared the node lost): it calls ``on_controller_lost`` and, by
-default, stops. :meth:`NodeAgent.stop` says goodbye to the controller first, so a node
-leaving on purpose is not reported.
+default, stops, taking its workers with it. :meth:`NodeAgent.stop` says goodbye to
+the controller first, so a node leaving on purpose is not reported.
 
-Run it as a process::
+Run it as a process (``resihp agent`` is the same)::
 
     RESIHP_SECRET=... python -m resihp_core.runtime.agent --node 0 \\
-        --controller 127.0.0.1:29400 [--listen 127.0.0.1:0 | --unix PATH] [--address-file F]
+        --controller 127.0.0.1:29400 [--listen 127.0.0.1:0 | --unix PATH] [--address-file F] \\
+        [--workdir DIR]
 
 The worker endpoint (``host:port`` or ``unix:/path``) is printed on stdout (and written
 to ``--address-file``); workers get it as ``RESIHP_AGENT_ADDR``. Exit status: 0 after
@@ -39,8 +46,11 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 from typing import Callable
 
 from resihp_core.config import DetectorConfig
@@ -53,8 +63,11 @@ from resihp_core.protocol import (
     FailureReport,
     Heartbeat,
     IterationProfile,
+    LaunchWorkers,
     Message,
     ProtocolError,
+    SignalWorker,
+    WorkerProcess,
     client_handshake,
     read_msg,
     server_handshake,
@@ -62,7 +75,7 @@ from resihp_core.protocol import (
 )
 from resihp_core.runtime.heartbeat import BYE, format_address, parse_address, parse_worker_identity
 
-__all__ = ["NodeAgent", "main", "process_state"]
+__all__ = ["NodeAgent", "configure", "main", "process_state", "run"]
 
 logger = logging.getLogger("resihp.agent")
 
@@ -108,6 +121,8 @@ class NodeAgent:
     :param on_failure: called with each :class:`WorkerFailure` (on the loop).
     :param on_controller_lost: called when the controller connection drops; default:
         stop the agent.
+    :param workdir: where launched workers' job description and logs go
+        (``worker<device>.log``); default: a fresh temporary folder.
     """
 
     def __init__(
@@ -125,6 +140,7 @@ class NodeAgent:
         connect_timeout: float = 10.0,
         handshake_timeout: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        workdir: str | os.PathLike | None = None,
     ) -> None:
         if node < 0:
             raise ValueError(f"node must be >= 0, got {node}")
@@ -154,6 +170,9 @@ class NodeAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.controller_lost: BaseException | None | bool = False
         self.worker_address: str | None = None
+        self._workdir = Path(workdir) if workdir is not None else None
+        self.children: dict[int, subprocess.Popen] = {}  # device -> worker this agent launched
+        self._ended: set[int] = set()  # pids whose end the controller was told
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -232,6 +251,7 @@ class NodeAgent:
                 await asyncio.wait_for(w.wait_closed(), 1.0)
         for cw in list(self._conns.values()):
             cw.close()
+        self._reap_children()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
@@ -288,6 +308,7 @@ class NodeAgent:
 
     def _pid_exited(self, device: int, fd: int) -> None:
         self._unwatch_fd(fd)
+        self._poll_children()
         w = self.monitor.workers.get(device)
         if w is not None and w.finished:
             return
@@ -313,6 +334,7 @@ class NodeAgent:
         cap = self.monitor.interval / 4
         while not self._closed.is_set():
             now = self.clock()
+            self._poll_children()
             for f in self.monitor.check(now):
                 self._failed(f)
             wait = min(cap, max(0.005, self.monitor.next_deadline(now) - now + 0.001))
@@ -383,6 +405,92 @@ class NodeAgent:
     def _generation(self, device: int) -> int:
         return self.monitor.workers[device].generation
 
+    # ------------------------------------------------------------ launcher
+    @property
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            import tempfile
+
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"resihp-agent{self.node}-"))
+        return self._workdir
+
+    def launch(self, msg: LaunchWorkers) -> None:
+        """Start one worker per device of ``msg`` (call on the agent's loop)."""
+        from resihp_core.runtime.processes import spawn_worker, worker_env
+
+        try:
+            if msg.detector:
+                self._reconfigure(msg.detector)
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            job_path = self.workdir / "job.json"
+            tmp = job_path.with_name(f"job.json.tmp{os.getpid()}")
+            tmp.write_text(msg.job)
+            os.replace(tmp, job_path)
+        except (OSError, ValueError) as e:
+            for d in msg.devices:
+                self._to_controller(WorkerProcess(node=self.node, device=d, error=f"node {self.node}: {e}"))
+            return
+        host = msg.store_host or (self.controller[0] if isinstance(self.controller, tuple) else "127.0.0.1")
+        secret = self._secret.decode() if isinstance(self._secret, bytes) else self._secret
+        for d in msg.devices:
+            old = self.children.get(d)
+            if old is not None and old.poll() is None:
+                self._to_controller(WorkerProcess(node=self.node, device=d, pid=old.pid,
+                                                  error=f"device {d} already runs (pid {old.pid})"))
+                continue
+            env = worker_env(store=f"{host}:{msg.store_port}", device=d, job_path=job_path, extra={
+                **msg.env, "RESIHP_AGENT_ADDR": self.worker_address or "", "RESIHP_SECRET": secret,
+                "RESIHP_RANK": str(d), "RESIHP_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s)})
+            try:
+                child = spawn_worker(msg.module, env, self.workdir / f"worker{d}.log")
+            except OSError as e:
+                self._to_controller(WorkerProcess(node=self.node, device=d, error=f"node {self.node}: {e}"))
+                continue
+            self.children[d] = child
+            if d in self._pidfds:
+                self._unwatch_fd(self._pidfds[d])
+            self.watch_pid(d, child.pid)
+            logger.info("event=worker_launched node=%d device=%d pid=%d", self.node, d, child.pid)
+            self._to_controller(WorkerProcess(node=self.node, device=d, pid=child.pid))
+
+    def _poll_children(self) -> None:
+        """Reap launched workers that ended and tell the controller, once each."""
+        for d, child in self.children.items():
+            if child.pid not in self._ended and child.poll() is not None:
+                self._ended.add(child.pid)
+                self._to_controller(WorkerProcess(node=self.node, device=d, pid=child.pid,
+                                                  returncode=child.returncode))
+
+    def _reconfigure(self, detector: dict) -> None:
+        """Adopt the controller's detector section (before any worker is watched)."""
+        from resihp_core.config import Config
+
+        cfg = Config.from_dict({"detector": {**asdict(self.config), **detector}}, source="the controller").detector
+        if cfg != self.config and not self.monitor.workers:
+            self.config = cfg
+            self.monitor = FailStopMonitor.from_config(cfg, process_state=process_state)
+
+    def signal_worker(self, device: int, sig: int) -> None:
+        """Send ``sig`` to a worker this agent launched (SIGKILL also resumes a stopped one)."""
+        child = self.children.get(device)
+        if child is None or child.poll() is not None:
+            return
+        if sig == signal.SIGKILL:
+            child.send_signal(signal.SIGCONT)
+        child.send_signal(sig)
+        logger.info("event=worker_signalled node=%d device=%d signal=%s", self.node, device,
+                    signal.Signals(sig).name)
+
+    def _reap_children(self) -> None:
+        """Kill and reap every worker still running (by pid) when the agent stops."""
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGCONT)
+                child.kill()
+        for child in self.children.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(5)
+
     # ------------------------------------------------------------ controller
     def _to_controller(self, msg: Message) -> None:
         if self._ctl_queue is not None and self.controller is not None:
@@ -416,7 +524,11 @@ class NodeAgent:
                 msg = await read_msg(self._ctl_reader)
                 if msg is None:
                     break
-                if isinstance(msg, Error):
+                if isinstance(msg, LaunchWorkers):
+                    self.launch(msg)
+                elif isinstance(msg, SignalWorker):
+                    self.signal_worker(msg.device, signal.Signals[msg.signal])
+                elif isinstance(msg, Error):
                     logger.warning("agent %d: controller says %s: %s", self.node, msg.code, msg.detail)
         except (ProtocolError, ConnectionError, OSError) as e:
             exc = e
@@ -437,17 +549,25 @@ class NodeAgent:
 
 
 # ------------------------------------------------------------------ process entry point
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m resihp_core.runtime.agent", description="ResiHP node agent")
+def configure(ap: argparse.ArgumentParser) -> None:
+    """The agent's command-line arguments (also ``resihp agent``)."""
     ap.add_argument("--node", type=int, required=True, help="this node's id")
     ap.add_argument("--controller", required=True, help="controller address host:port")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--listen", default="127.0.0.1:0", help="worker endpoint host:port (default 127.0.0.1:0)")
     where.add_argument("--unix", help="serve workers on this Unix socket path instead")
     ap.add_argument("--address-file", help="write the worker endpoint here once serving")
+    ap.add_argument("--workdir", help="folder for launched workers' job file and logs (default: a temporary one)")
     ap.add_argument("--config", help="TOML/YAML configuration file (detector section)")
     ap.add_argument("--secret-env", default="RESIHP_SECRET", help="environment variable holding the job secret")
+    ap.add_argument("--connect-timeout", type=float, default=60.0,
+                    help="keep trying to reach the controller this many seconds (default 60)")
     ap.add_argument("--log-level", default="WARNING")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m resihp_core.runtime.agent", description="ResiHP node agent")
+    configure(ap)
     return ap.parse_args(argv)
 
 
@@ -460,7 +580,8 @@ async def _amain(args: argparse.Namespace) -> int:
         print(f"agent: the job secret is missing (set {args.secret_env})", file=sys.stderr)
         return 2
     host, port = ("127.0.0.1", 0) if args.unix else parse_address(args.listen)  # type: ignore[misc]
-    agent = NodeAgent(args.node, args.controller, secret, config, host=host, port=port, unix_path=args.unix)
+    agent = NodeAgent(args.node, args.controller, secret, config, host=host, port=port, unix_path=args.unix,
+                      workdir=args.workdir, connect_timeout=args.connect_timeout)
     address = await agent.start()
     if args.address_file:
         tmp = f"{args.address_file}.tmp{os.getpid()}"
@@ -476,7 +597,11 @@ async def _amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    return run(_parse(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve as a node agent until told to stop or the controller is lost."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return asyncio.run(_amain(args))

@@ -24,6 +24,13 @@ A :class:`Controller` accepts one persistent, authenticated connection per node 
 Each device is reported fail-stopped once per plan generation; :meth:`Controller.set_generation`
 starts a new one (new series for the fail-slow detector, with the new plan).
 
+It is also the launcher's switchboard: :meth:`Controller.send` delivers a
+:class:`~resihp_core.protocol.LaunchWorkers` or
+:class:`~resihp_core.protocol.SignalWorker` to a node's agent, and each agent's
+:class:`~resihp_core.protocol.WorkerProcess` (a worker started or ended) goes to
+``on_process``; a lost node goes to ``on_node_lost``
+(:class:`~resihp_core.runtime.processes.AgentProcesses` listens to both).
+
 The Scheduler side (what to do with a report) is not here.
 
 Run it alone (reports printed as JSON lines)::
@@ -55,7 +62,9 @@ from resihp_core.protocol import (
     Error,
     FailureReport,
     IterationProfile,
+    Message,
     ProtocolError,
+    WorkerProcess,
     WorkerSummary,
     read_msg,
     server_handshake,
@@ -106,6 +115,8 @@ class Controller:
         default ``max(1.0, 2 x miss_limit x interval)`` (agents send every interval).
     :param expected_ranks: ranks whose profiles make an iteration complete; default: the
         ranks the agents report alive.
+    :param on_process: called on the loop with each agent's ``WorkerProcess``.
+    :param on_node_lost: called on the loop with the node id of a lost agent.
     """
 
     def __init__(
@@ -123,6 +134,8 @@ class Controller:
         expected_ranks: set[int] | None = None,
         handshake_timeout: float = 5.0,
         on_detection: Callable[[Detection], None] | None = None,
+        on_process: Callable[[WorkerProcess], None] | None = None,
+        on_node_lost: Callable[[int], None] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -130,6 +143,7 @@ class Controller:
         self._secret = secret
         self.host, self.port = host, port
         self.on_report, self.on_detection = on_report, on_detection
+        self.on_process, self.on_node_lost = on_process, on_node_lost
         self._plugins = plugins
         self.generation = generation
         self.agent_timeout_s = agent_timeout_s or max(
@@ -205,6 +219,24 @@ class Controller:
     def address_text(self) -> str:
         assert self.address is not None, "controller not started"
         return f"{self.address[0]}:{self.address[1]}"
+
+    # ------------------------------------------------------------ agents' launchers
+    async def send(self, node: int, msg: Message) -> None:
+        """Deliver ``msg`` to node ``node``'s agent; ``ConnectionError`` if it is not connected."""
+        writer = self._conns.get(node)
+        if writer is None:
+            raise ConnectionError(f"the agent of node {node} is not connected")
+        await write_msg(writer, msg)
+
+    async def wait_for_agents(self, nodes: set[int], timeout: float) -> None:
+        """Return once an agent of every node in ``nodes`` is connected, else raise
+        ``TimeoutError`` naming the missing nodes."""
+        deadline = time.monotonic() + timeout
+        while not nodes <= self._conns.keys():
+            if time.monotonic() > deadline:
+                missing = sorted(nodes - self._conns.keys())
+                raise TimeoutError(f"no agent connected for node(s) {missing} within {timeout:.0f} s")
+            await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------ generations
     def set_generation(self, generation: int, *, plan: ParallelPlan | None = None,
@@ -343,6 +375,14 @@ class Controller:
                 self._on_profile(msg)
             elif isinstance(msg, FailureReport):
                 self._emit(msg)
+            elif isinstance(msg, WorkerProcess):
+                if msg.node != view.node:
+                    logger.warning("controller: agent of node %d spoke for node %d", view.node, msg.node)
+                elif self.on_process is not None:
+                    try:
+                        self.on_process(msg)
+                    except Exception:  # noqa: BLE001
+                        logger.exception("on_process callback failed")
             elif isinstance(msg, Ack) and msg.what == BYE:
                 view.finished = True
                 logger.info("event=agent_left node=%d", view.node)
@@ -372,6 +412,11 @@ class Controller:
         else:
             devices = sorted(view.devices)
         logger.error("event=node_lost node=%d reason=%r devices=%s", view.node, why, devices)
+        if self.on_node_lost is not None:
+            try:
+                self.on_node_lost(view.node)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_node_lost callback failed")
         if devices:
             self._fail_stop(devices, f"node {view.node} lost: {why}")
         self._recheck_pending()

@@ -1,10 +1,11 @@
-"""Launch and steer the worker processes of one job on this machine (our own launcher,
-not torchrun: torchrun tears every worker down when one dies, we must shrink in place).
+"""Launch and steer the worker processes of one job (our own launcher, not torchrun:
+torchrun tears every worker down when one dies, we must shrink in place).
 
 :class:`LocalJob` hosts the job's ``TCPStore`` (rendezvous with a fresh key prefix per
-plan generation), starts one worker process per device, posts plan generations,
-aborts a generation when a worker dies, and collects per-iteration reports. Every
-process it starts is tracked by pid and reaped by :meth:`LocalJob.close`.
+plan generation), starts one worker process per device through a process host (its
+own children, or the node agents: :mod:`resihp_core.runtime.processes`), posts plan
+generations, aborts a generation when a worker dies, and collects per-iteration
+reports. Every process started is tracked by pid and reaped by :meth:`LocalJob.close`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import datetime
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.runtime import jobstore
+from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
 
 __all__ = ["LocalJob", "JobError"]
 
@@ -37,8 +37,7 @@ class LocalJob:
                  worker_module: str = "resihp_adapters.megatron_ref.worker",
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None,
-                 env_for: Callable[[int], dict[str, str]] | None = None,
-                 on_spawn: Callable[[int, int], None] | None = None) -> None:
+                 processes: Callable[[Path], WorkerProcesses] = LocalProcesses) -> None:
         import torch.distributed as dist
 
         self.devices = sorted(devices)
@@ -52,44 +51,34 @@ class LocalJob:
         self.address = f"{host}:{self.store.port}"
         self.worker_module = worker_module
         self.env = env or {}
-        self.env_for = env_for or (lambda device: {})
-        self.on_spawn = on_spawn or (lambda device, pid: None)
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.processes = processes(self.workdir)
         self.generation = -1
         self.plan: ParallelPlan | None = None
         self.committed = 0  # iterations known committed
         self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
         self.message: jobstore.PlanMessage | None = None
         self.plans: dict[int, ParallelPlan] = {}
-        for d in self.devices:
-            self.spawn(d)
+        try:
+            self.processes.launch(self.devices, module=worker_module, job_path=self.job_path,
+                                  job_json=job_json, store=self.address, env=self.env)
+        except BaseException:
+            self.close(timeout=2.0)
+            raise
 
     # ------------------------------------------------------------ processes
-    def spawn(self, device: int) -> None:
-        env = dict(os.environ)
-        env.update(self.env)
-        env.update(self.env_for(device))
-        env.update(RESIHP_STORE=self.address, RESIHP_DEVICE=str(device),
-                   RESIHP_JOB=str(self.job_path), OMP_NUM_THREADS="1")
-        log = open(self.workdir / f"worker{device}.log", "ab")
-        self.procs[device] = subprocess.Popen(
-            [sys.executable, "-m", self.worker_module], env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
-        self.on_spawn(device, self.procs[device].pid)
-
     def alive(self) -> list[int]:
-        return sorted(d for d, p in self.procs.items() if p.poll() is None)
+        return self.processes.alive()
 
     def dead(self) -> list[int]:
-        return sorted(d for d, p in self.procs.items() if p.poll() is not None)
+        return self.processes.dead()
 
     def kill(self, device: int, sig: int = signal.SIGKILL, *, reap: bool = True) -> None:
         """Send ``sig`` to the device's worker; for SIGKILL, wait until it is gone so
         the next generation does not count it alive."""
-        self.procs[device].send_signal(sig)
-        if reap and sig == signal.SIGKILL:
-            self.procs[device].wait(10)
+        if sig == signal.SIGKILL:
+            self.processes.kill(device, wait=reap)
+        else:
+            self.processes.signal(device, sig)
 
     def log(self, device: int) -> str:
         path = self.workdir / f"worker{device}.log"
@@ -196,18 +185,7 @@ class LocalJob:
             self.generation = g
         except Exception:  # noqa: BLE001 - the store may be gone; still reap
             pass
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    p.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait(5)
+        self.processes.close(timeout)
         if self._tmp is not None:
             self._tmp.cleanup()
 

@@ -1,26 +1,42 @@
-"""One resilient job on this machine: controller, node agents, workers and supervisor
-wired together (what ``resihp demo``, the end-to-end benchmark and the chaos tests run).
+"""One resilient job: controller, node agents, workers and supervisor wired together
+(what ``resihp run``, ``resihp demo``, the end-to-end benchmark and the chaos tests run).
 
-Agents emulate nodes of the topology; each worker reports to its node's agent, agents
-to the controller, the controller's failure reports go to the supervisor, which plans
-with the Scheduler and deploys. With ``supervised=False`` the same job runs with no
-Detector and no adaptation (the "no mitigation" baseline).
+The controller runs here, on a loop thread, with the job store and the supervisor.
+Each node of the topology has an agent *process*: started here (``agents="local"``,
+one machine emulating several nodes) or started by the user on each host and pointed
+at the controller (``agents="external"``: ``resihp agent --controller HOST:PORT --node
+N``). Agents launch their node's workers when the job starts; each worker reports to
+its agent, agents to the controller, the controller's failure reports go to the
+supervisor, which plans with the Scheduler and deploys. With ``supervised=False`` the
+same job runs with no Detector and no adaptation (the "no mitigation" baseline).
 """
 
 from __future__ import annotations
 
+import os
 import queue
-import secrets
-from dataclasses import dataclass, field
+import secrets as _secrets
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from resihp_core.config import DetectorConfig
 from resihp_core.plan import ParallelPlan, Topology
 from resihp_core.runtime.launcher import LocalJob
 from resihp_core.runtime.supervisor import IterationRecord, Supervisor
 
-__all__ = ["ResilientRun", "run_resilient"]
+__all__ = ["ResilientRun", "run_resilient", "start_local_agent"]
+
+
+def start_local_agent(node: int, controller: str, secret: str, workdir: Path) -> subprocess.Popen:
+    """Start node ``node``'s agent as a process of this machine (log: ``agent<node>.log``)."""
+    env = dict(os.environ, RESIHP_SECRET=secret)
+    with open(workdir / f"agent{node}.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.agent", "--node", str(node),
+                                 "--controller", controller, "--workdir", str(workdir), "--log-level", "INFO"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @dataclass
@@ -38,77 +54,105 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   detector: DetectorConfig, iterations: int, workdir: Path, *,
                   worker_module: str = "resihp_adapters.megatron_ref.worker",
                   supervised: bool = True, timeout: float = 900.0,
+                  agents: Literal["local", "external"] = "local",
+                  listen: tuple[str, int] = ("127.0.0.1", 0), secret: str = "",
+                  agent_timeout: float = 60.0,
                   phase_of: Callable[[int, int], str] = lambda i, g: "running",
                   on_event: Callable[[dict], None] = lambda ev: None,
                   on_iteration: Callable[[IterationRecord], None] = lambda rec: None,
                   on_report: Callable[[Any], None] = lambda r: None,
                   on_detection: Callable[[Any], None] | None = None,
+                  on_listening: Callable[[str, list[int]], None] = lambda address, nodes: None,
                   before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None) -> ResilientRun:
+    """Run the job to ``iterations`` iterations, adapting to failures.
+
+    :param agents: ``"local"`` starts one agent process per node here; ``"external"``
+        waits up to ``agent_timeout`` seconds for agents started elsewhere.
+    :param listen: the controller's address (``(host, 0)``: any free port).
+    :param secret: the job secret agents authenticate with (default: a fresh one;
+        external agents need it given).
+    :param on_listening: called with the controller's address and the nodes whose
+        agents it waits for, once it listens.
+    :param before_run: called with the job and ``{node: agent process}`` (local agents)
+        before the first plan is posted; chaos tests use it to kill an agent.
+    """
+    import torch.distributed  # noqa: F401 - imported before the controller's loop runs: a
+    # seconds-long import holding the GIL would starve it into declaring agents silent
     from resihp_core.detector.failslow import build_failslow_detector
     from resihp_core.detector.model import WorkloadModel
-    from resihp_core.runtime.agent import NodeAgent
     from resihp_core.runtime.controller import Controller
     from resihp_core.runtime.loop import LoopThread
+    from resihp_core.runtime.processes import AgentProcesses
 
-    secret = secrets.token_hex(16)
+    if agents == "external" and not secret:
+        raise ValueError("external agents need the job secret: pass secret=")
+    secret = secret or _secrets.token_hex(16)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     reports: queue.Queue = queue.Queue()
 
     def report(r: Any) -> None:
         reports.put(r)
         on_report(r)
 
+    node_of = {d: node for node, devs in topology.nodes().items() for d in devs}
+    nodes = sorted({node_of[d] for d in plan.devices()})
     loop = LoopThread("resihp-job").start()
     model = WorkloadModel(plan=plan, predictor=state.predictor, warmup_iterations=detector.warmup_iterations)
-    controller = Controller(detector, secret, on_report=report if supervised else (lambda r: None),
+    procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
+    controller = Controller(detector, secret, host=listen[0], port=listen[1],
+                            on_report=report if supervised else (lambda r: None),
                             expected_ranks=set(plan.devices()),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
-                            on_detection=on_detection)
-    loop.run(controller.start())
-    agents: dict[int, Any] = {}
-    node_of: dict[int, int] = {}
-    for node, devs in topology.nodes().items():
-        agent = NodeAgent(node, controller.address, secret, detector)
-        loop.run(agent.start())
-        agents[node] = agent
-        node_of.update({d: node for d in devs})
-
-    def env_for(device: int) -> dict[str, str]:
-        return {"RESIHP_AGENT_ADDR": agents[node_of[device]].worker_address, "RESIHP_SECRET": secret,
-                "RESIHP_RANK": str(device), "RESIHP_HEARTBEAT_INTERVAL": str(detector.heartbeat_interval_s)}
-
-    def on_spawn(device: int, pid: int) -> None:
-        loop.call(agents[node_of[device]].watch_pid, device, pid)
-
-    def set_generation(g: int, new_plan: ParallelPlan) -> None:
-        loop.call(lambda: controller.set_generation(g, plan=new_plan, expected_ranks=set(new_plan.devices())))
-
-    job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
-                   env_for=env_for, on_spawn=on_spawn)
-    sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
-                     samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
-                     on_event=on_event, on_iteration=on_iteration)
-    if not supervised:
-        sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
-        sup.handled_devices = set(plan.devices())  # and process exits are not re-planned
-    out = ResilientRun([], [], True, logs=Path(workdir))
+                            on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost)
+    procs.controller = controller
+    agent_procs: dict[int, subprocess.Popen] = {}
+    job: LocalJob | None = None
+    out = ResilientRun([], [], True, logs=workdir)
     try:
-        before_run(job, agents)
-        out.records = sup.run(timeout=timeout)
+        loop.run(controller.start())
+        on_listening(controller.address_text, nodes)
+        if agents == "local":
+            for node in nodes:
+                agent_procs[node] = start_local_agent(node, controller.address_text, secret, workdir)
+        loop.run(controller.wait_for_agents(set(nodes), agent_timeout), timeout=agent_timeout + 5)
+
+        def set_generation(g: int, new_plan: ParallelPlan) -> None:
+            loop.call(lambda: controller.set_generation(g, plan=new_plan, expected_ranks=set(new_plan.devices())))
+
+        job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
+                       host=listen[0] if listen[0] not in ("", "0.0.0.0", "::") else "127.0.0.1",
+                       processes=lambda _: procs)
+        sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
+                         samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
+                         on_event=on_event, on_iteration=on_iteration)
+        if not supervised:
+            sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
+            sup.handled_devices = set(plan.devices())  # and process exits are not re-planned
+        try:
+            before_run(job, agent_procs)
+            out.records = sup.run(timeout=timeout)
+        finally:
+            out.records = out.records or sup.records
+            out.events = sup.events
+            out.final_plan = sup.state.plan
     except Exception as e:  # noqa: BLE001 - the caller reports it with the logs
         out.ok, out.error = False, f"{type(e).__name__}: {e}"
-        out.records = sup.records
     finally:
-        out.events = sup.events
-        out.final_plan = sup.state.plan
-        job.close()
-        for agent in agents.values():
+        if job is not None:
+            job.close()
+        for p in agent_procs.values():
+            if p.poll() is None:
+                p.terminate()  # the agent says goodbye, then reaps its workers
+        for p in agent_procs.values():
             try:
-                loop.run(agent.stop(), timeout=5)
-            except Exception:  # noqa: BLE001 - best effort shutdown
-                pass
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
         try:
             loop.run(controller.stop(), timeout=5)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - best effort shutdown
             pass
         loop.stop()
     return out

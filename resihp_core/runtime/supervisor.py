@@ -153,9 +153,8 @@ class Supervisor:
         if report.failure == "fail-stop":
             for d in report.devices:
                 self.handled_devices.add(d)
-                if d in self.job.procs and self.job.procs[d].poll() is None:
-                    self.job.procs[d].send_signal(signal.SIGCONT)
-                    self.job.kill(d, signal.SIGKILL)  # fence a hung device
+                if d in self.job.alive():
+                    self.job.kill(d, signal.SIGKILL)  # fence a hung device (SIGCONT first)
         for attempt in range(4):
             # Processes found dead meanwhile join the report: never plan onto them.
             gone = sorted(set(self.job.dead()) - set(report.devices) - self.handled_devices)
