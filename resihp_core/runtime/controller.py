@@ -92,6 +92,7 @@ class NodeView:
     last_seen: float = 0.0  # controller's monotonic clock
     state: AgentState | None = None
     devices: set[int] = field(default_factory=set)  # every device ever reported by its agent
+    running: set[int] = field(default_factory=set)  # workers its agent launched and saw no end of
 
     def workers(self) -> dict[int, WorkerSummary]:
         return {w.device: w for w in self.state.workers} if self.state is not None else {}
@@ -112,7 +113,7 @@ class Controller:
         model and a prober); None: built from ``config``; ``False``: no fail-slow
         detection.
     :param agent_timeout_s: a node whose agent sent nothing for this long is lost;
-        default ``max(1.0, 2 x miss_limit x interval)`` (agents send every interval).
+        default ``max(3.0, 2 x miss_limit x interval)`` (agents send every interval).
     :param expected_ranks: ranks whose profiles make an iteration complete; default: the
         ranks the agents report alive.
     :param on_process: called on the loop with each agent's ``WorkerProcess``.
@@ -146,8 +147,10 @@ class Controller:
         self.on_process, self.on_node_lost = on_process, on_node_lost
         self._plugins = plugins
         self.generation = generation
+        # A dead agent is seen at once (its connection closes); the timeout only catches a
+        # silent partition, so it errs long: 1 s falsely lost agents on a loaded 2-core machine.
         self.agent_timeout_s = agent_timeout_s or max(
-            1.0, 2 * self.config.heartbeat_miss_limit * self.config.heartbeat_interval_s
+            3.0, 2 * self.config.heartbeat_miss_limit * self.config.heartbeat_interval_s
         )
         self.handshake_timeout = handshake_timeout
         self.expected_ranks = set(expected_ranks) if expected_ranks else None
@@ -378,7 +381,13 @@ class Controller:
             elif isinstance(msg, WorkerProcess):
                 if msg.node != view.node:
                     logger.warning("controller: agent of node %d spoke for node %d", view.node, msg.node)
-                elif self.on_process is not None:
+                    continue
+                if msg.returncode is None and not msg.error:
+                    view.devices.add(msg.device)
+                    view.running.add(msg.device)
+                else:
+                    view.running.discard(msg.device)
+                if self.on_process is not None:
                     try:
                         self.on_process(msg)
                     except Exception:  # noqa: BLE001
@@ -408,9 +417,10 @@ class Controller:
 
     def _node_lost(self, view: NodeView, why: str) -> None:
         if view.state is not None:
-            devices = sorted(d for d, w in view.workers().items() if w.reason != "finished")
+            devices = {d for d, w in view.workers().items() if w.reason != "finished"}
         else:
-            devices = sorted(view.devices)
+            devices = set(view.devices)
+        devices = sorted(devices | view.running)  # launched, not yet heard from, also lost
         logger.error("event=node_lost node=%d reason=%r devices=%s", view.node, why, devices)
         if self.on_node_lost is not None:
             try:

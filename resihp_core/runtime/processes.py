@@ -46,13 +46,14 @@ def worker_env(*, store: str, device: int, job_path: str | os.PathLike, extra: M
     return env
 
 
-def spawn_worker(module: str, env: Mapping[str, str], log_path: str | os.PathLike) -> subprocess.Popen:
-    """Start ``python -m module`` (through the die-with-parent trampoline), output
-    appended to ``log_path``."""
+def spawn_worker(module: str, env: Mapping[str, str], log_path: str | os.PathLike,
+                 args: Iterable[str] = ()) -> subprocess.Popen:
+    """Start ``python -m module args...`` (through the die-with-parent trampoline),
+    output appended to ``log_path``."""
     env = dict(env)
     env[PARENT_ENV] = str(os.getpid())
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", __name__, module], env=env,
+        return subprocess.Popen([sys.executable, "-m", __name__, module, *args], env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
 
 
