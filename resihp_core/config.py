@@ -282,6 +282,9 @@ class TrainingConfig(_Section):
     seed: int = _opt(0, _ge(0))
     dtype: Literal["float32", "float64"] = _opt("float32")
     lr: float = _opt(1e-3, _gt(0), _finite)
+    # Where workers write verified checkpoints; "" = a folder of the run's working
+    # directory. Across machines it must be storage every host sees.
+    checkpoint_dir: str = _opt("")
 
 
 _SECTIONS: dict[str, type[_Section]] = {

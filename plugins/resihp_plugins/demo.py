@@ -74,7 +74,7 @@ def build_job(cfg, faults: list, workdir: Path):
         model=dict(vocab_size=mod.vocab, hidden=mod.hidden, num_heads=mod.heads, ffn_hidden=ffn,
                    num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed),
         corpus=corpus, dp=par.dp, num_microbatches=tr.microbatches, data_seed=tr.seed, lr=tr.lr,
-        timeout_s=10.0, checkpoint_dir=str(workdir / "checkpoints"), checkpoint_every=1,
+        timeout_s=10.0, checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"), checkpoint_every=1,
         faults=[f.to_dict() for f in faults],
     )
     # Planning model: equal per-layer cost and CPU-like links. The planner compares
