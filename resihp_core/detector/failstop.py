@@ -15,8 +15,10 @@ unit-testable with a fake clock (SPEC §3.1):
   typical gap between progress advances, hang_max_gap_margin x the longest gap seen
   recently)``. The last term means a gap already seen in healthy operation (an
   optimizer step, a checkpoint) never triggers; the first one gives a short or empty
-  history a safe floor. Hang detection starts with the first progress advance: start-up
-  (loading, compiling) is the launcher's business.
+  history a safe floor. Hang detection starts with the first progress advance, and
+  again with the first advance of each plan generation: start-up (loading, compiling)
+  and reconfiguration (communicators, state moves, which take seconds on a loaded
+  machine) are not steps; a peer stuck there fails its collectives' own timeouts.
 
 A failure is reported once per worker; a worker that said goodbye (``finished``) is
 never reported.
@@ -178,8 +180,8 @@ class FailStopMonitor:
         if w is None or not w.alive:
             return
         w.last_beat = now
-        if generation != w.generation:  # a new plan generation: progress restarts
-            w.generation, w.iteration, w.step, w.last_progress = generation, iteration, step, now
+        if generation != w.generation:  # a new plan generation: disarmed until its first step
+            w.generation, w.iteration, w.step, w.last_progress = generation, iteration, step, None
             return
         if (iteration, step) != (w.iteration, w.step):
             if w.last_progress is not None and w.hang is not None:

@@ -116,7 +116,22 @@ def test_a_new_generation_restarts_progress() -> None:
     t = beat_until(m, 0, 0.0, 2.0)
     m.beat(0, t, 0, 0, generation=1)
     w = m.workers[0]
-    assert (w.generation, w.step, w.last_progress) == (1, 0, t)
+    assert (w.generation, w.step, w.last_progress) == (1, 0, None)
+    # reconfiguring (no steps, beats going on) for longer than the timeout is no hang...
+    for k in range(1, 60):
+        m.beat(0, t + 0.1 * k, 0, 0, generation=1)
+        assert m.check(t + 0.1 * k) == []
+    # ...but once the generation steps, a stall is one again
+    t += 6.0
+    for step in range(1, 20):
+        m.beat(0, t + 0.1 * step, 0, step, generation=1)
+        assert m.check(t + 0.1 * step) == []
+    t += 2.0
+    failures = []
+    for k in range(1, 80):
+        m.beat(0, t + 0.1 * k, 0, 19, generation=1)
+        failures += m.check(t + 0.1 * k)
+    assert [f.kind.value for f in failures] == ["hang"] and w.generation == 1
 
 
 def test_summaries_and_deadline() -> None:
