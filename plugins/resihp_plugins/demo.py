@@ -43,7 +43,7 @@ DEMO_CONFIG = {
     "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128},
     "training": {"microbatches": 4, "token_budget": 256, "iterations": 36, "lr": 3e-3},
     "runtime": {"nodes": 2, "devices_per_node": 4},
-    "detector": {"heartbeat_interval_s": 0.05, "heartbeat_miss_limit": 4, "hang_min_timeout_s": 20.0,
+    "detector": {"heartbeat_interval_s": 0.1, "heartbeat_miss_limit": 8, "hang_min_timeout_s": 20.0,
                  "warmup_iterations": 3, "min_changepoint_gap": 3},
 }
 

@@ -330,14 +330,25 @@ class NodeAgent:
             self._changed.set()  # push an AgentState now
 
     async def _check_loop(self) -> None:
+        """Apply the monitor's rules a few times per heartbeat interval.
+
+        Heartbeats that arrived while this agent was not scheduled (a loaded machine)
+        sit unread in socket buffers; the readers get to run first, and a round that
+        woke up more than an interval late gives no missed-beat verdict at all, so a
+        starved *agent* never declares its workers silent."""
         assert self._closed is not None
-        cap = self.monitor.interval / 4
+        wake = self.clock()
         while not self._closed.is_set():
+            for _ in range(3):
+                await asyncio.sleep(0)  # let queued worker messages in
             now = self.clock()
             self._poll_children()
-            for f in self.monitor.check(now):
-                self._failed(f)
+            if now - wake <= self.monitor.interval:
+                for f in self.monitor.check(now):
+                    self._failed(f)
+            cap = self.monitor.interval / 4
             wait = min(cap, max(0.005, self.monitor.next_deadline(now) - now + 0.001))
+            wake = now + wait
             await asyncio.sleep(wait)
 
     # ------------------------------------------------------------ workers
