@@ -340,7 +340,9 @@ class AdapterSpec:
         try:
             obj: Any = importlib.import_module(module)
         except ImportError as e:
-            hint = f"; install it with: {self.install_hint}" if self.install_hint else ""
+            missing = getattr(e, "name", None) == module  # the adapter itself, not a dependency
+            hint = ("; this installation does not contain it" if missing else
+                    f"; install it with: {self.install_hint}" if self.install_hint else "")
             raise AdapterUnavailableError(
                 f"adapter {self.name!r} cannot be imported ({e}){hint}"
             ) from e

@@ -31,7 +31,12 @@ class JobError(RuntimeError):
 
 
 class LocalJob:
-    """One training job's workers on this machine, steered through the job store."""
+    """One training job's workers, steered through the job store it hosts.
+
+    :param processes: builds the process host from the job's folder:
+        :class:`~resihp_core.runtime.processes.LocalProcesses` (children of this
+        process, the default) or the node agents' (``run_resilient``).
+    """
 
     def __init__(self, job_json: str, devices: Iterable[int], *,
                  worker_module: str = "resihp_adapters.megatron_ref.worker",

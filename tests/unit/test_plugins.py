@@ -444,6 +444,10 @@ def test_adapter_targets_load_lazily_with_clear_errors() -> None:
     assert "resihp_no_such_framework_xyz" not in sys.modules
     with pytest.raises(AdapterUnavailableError, match="install it with: pip install ghost-framework"):
         reg.create("ghost")
+    # the framework is there but the adapter module is not: no misleading install hint
+    reg.register("unwritten", "resihp_core.no_such_adapter:Adapter", Capabilities(), install_hint="pip install x")
+    with pytest.raises(AdapterUnavailableError, match="does not contain it"):
+        reg.create("unwritten")
     with pytest.raises(RegistryError, match="must look like 'module:Class'"):
         reg.create("badpath")
     with pytest.raises(RegistryError, match="not a resihp_core.adapter.Adapter"):
