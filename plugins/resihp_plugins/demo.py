@@ -59,6 +59,7 @@ def build_job(cfg, faults: list, workdir: Path):
     from resihp_core.scheduler.state import PlannerState
     from resihp_adapters.megatron_ref.plugin import CAPABILITIES
     from resihp_adapters.megatron_ref.worker import JobSpec
+    from resihp_plugins.faults import worker_faults
 
     par, mod, tr = cfg.parallel, cfg.model, cfg.training
     plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
@@ -75,7 +76,7 @@ def build_job(cfg, faults: list, workdir: Path):
                    num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed),
         corpus=corpus, dp=par.dp, num_microbatches=tr.microbatches, data_seed=tr.seed, lr=tr.lr,
         timeout_s=10.0, checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"), checkpoint_every=1,
-        faults=[f.to_dict() for f in faults],
+        faults=worker_faults(faults),
     )
     # Planning model: equal per-layer cost and CPU-like links. The planner compares
     # plans relative to each other; the Detector fits its own model from live profiles.
@@ -171,6 +172,7 @@ def _agents(cfg, args: argparse.Namespace) -> dict:
 def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -> int:
     from resihp_core.runtime.resilient import run_resilient
     from resihp_adapters.megatron_ref.reference import reference_run
+    from resihp_plugins.faults import repairs
     from resihp_plugins.report import format_table, summary_table, write_report
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -193,7 +195,8 @@ def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -
     with view:
         run = run_resilient(spec.to_json(), plan, topology, state, planner, det, cfg.training.iterations,
                             work / "job", phase_of=phase_of, on_event=view.event,
-                            on_iteration=view.iteration, on_report=on_report, **agents)
+                            on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
+                            **agents)
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records

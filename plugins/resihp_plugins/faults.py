@@ -7,7 +7,9 @@ Kinds (SPEC §7):
 - ``slow``: compute fail-slow by ``factor`` (every compute chunk takes ``factor`` x longer);
 - ``comm``: communication fail-slow: every transfer the device takes part in is
   delayed by ``delay_s`` seconds;
-- ``contend``: CPU contention: a busy process competes with the worker for its core.
+- ``contend``: CPU contention: a busy process competes with the worker for its core;
+- ``repair``: the device is repaired: once ``iteration`` iterations are committed its
+  worker is started again and the Scheduler brings it back (after a ``kill``).
 
 Severities ``weak`` / ``medium`` / ``strong`` are defined by the throughput loss they
 cause unmitigated, about 35 % / 55 % / 70 %: a slowdown factor of 1/(1 - loss), i.e.
@@ -15,7 +17,7 @@ cause unmitigated, about 35 % / 55 % / 70 %: a slowdown factor of 1/(1 - loss), 
 
 Workers read the faults meant for them from their job description and inject them
 themselves at the start of the given iteration, so injection is exact in iteration and
-independent of the launcher.
+independent of the launcher. Repairs are the runtime's business (:func:`repairs`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Fault", "FaultError", "KINDS", "SEVERITY_LOSS", "fail_at", "severity_factor", "load_scenario"]
+__all__ = ["Fault", "FaultError", "KINDS", "SEVERITY_LOSS", "fail_at", "severity_factor", "load_scenario",
+           "repairs", "worker_faults"]
 
-KINDS = ("kill", "stop", "slow", "comm", "contend")
+KINDS = ("kill", "stop", "slow", "comm", "contend", "repair")
 SEVERITY_LOSS = {"weak": 0.35, "medium": 0.55, "strong": 0.70}
 
 
@@ -101,4 +104,18 @@ def load_scenario(path: str | Path | Iterable[dict]) -> list[Fault]:
             raise FaultError(f"scenario entry {i}: missing field {k}") from None
         except FaultError as fe:
             raise FaultError(f"scenario entry {i}: {fe}") from None
+    return out
+
+
+def worker_faults(faults: Iterable[Fault]) -> list[dict]:
+    """The faults workers inject themselves, for their job description."""
+    return [f.to_dict() for f in faults if f.kind != "repair"]
+
+
+def repairs(faults: Iterable[Fault]) -> dict[int, tuple[int, ...]]:
+    """Iteration -> devices repaired then (``run_resilient(repairs=...)``)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for f in faults:
+        if f.kind == "repair":
+            out[f.iteration] = tuple(sorted({*out.get(f.iteration, ()), f.device}))
     return out

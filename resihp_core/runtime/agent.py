@@ -458,6 +458,7 @@ class NodeAgent:
                 self._to_controller(WorkerProcess(node=self.node, device=d, error=f"node {self.node}: {e}"))
                 continue
             self.children[d] = child
+            self.monitor.workers.pop(d, None)  # a relaunched device starts with a clean record
             if d in self._pidfds:
                 self._unwatch_fd(self._pidfds[d])
             self.watch_pid(d, child.pid)

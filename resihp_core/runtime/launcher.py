@@ -77,6 +77,12 @@ class LocalJob:
     def dead(self) -> list[int]:
         return self.processes.dead()
 
+    def relaunch(self, devices: Iterable[int]) -> None:
+        """Start the workers of ``devices`` again (repaired devices); they wait for a
+        plan generation that uses them."""
+        self.processes.launch(sorted(devices), module=self.worker_module, job_path=self.job_path,
+                              job_json=self.job_path.read_text(), store=self.address, env=self.env)
+
     def kill(self, device: int, sig: int = signal.SIGKILL, *, reap: bool = True) -> None:
         """Send ``sig`` to the device's worker; for SIGKILL, wait until it is gone so
         the next generation does not count it alive."""

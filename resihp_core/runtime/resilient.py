@@ -57,6 +57,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   agents: Literal["local", "external"] = "local",
                   listen: tuple[str, int] = ("127.0.0.1", 0), secret: str = "",
                   agent_timeout: float = 60.0,
+                  repairs: dict[int, tuple[int, ...]] | None = None,
                   phase_of: Callable[[int, int], str] = lambda i, g: "running",
                   on_event: Callable[[dict], None] = lambda ev: None,
                   on_iteration: Callable[[IterationRecord], None] = lambda rec: None,
@@ -71,6 +72,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     :param listen: the controller's address (``(host, 0)``: any free port).
     :param secret: the job secret agents authenticate with (default: a fresh one;
         external agents need it given).
+    :param repairs: iteration -> devices whose workers are started again (repaired)
+        once that many iterations are committed; the Scheduler brings them back.
     :param on_listening: called with the controller's address and the nodes whose
         agents it waits for, once it listens.
     :param before_run: called with the job and ``{node: agent process}`` (local agents)
@@ -125,7 +128,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                        processes=lambda _: procs)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
-                         on_event=on_event, on_iteration=on_iteration)
+                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}))
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned

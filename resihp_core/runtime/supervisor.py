@@ -10,6 +10,12 @@ reports that arrive while a generation is being deployed are planned next, so a
 failure during recovery is handled like any other. A hung device is fenced (SIGKILL)
 before the next generation so it cannot block the new communicators.
 
+Repaired devices are brought back (:meth:`Supervisor.rejoin`, or ``repairs`` due at
+an iteration): their workers are started again, the Scheduler plans them back in
+(:meth:`~resihp_core.scheduler.Planner.rejoin`), and when the new plan gives them work
+every worker reloads the last committed iteration's checkpoint, since a fresh worker
+has no state to move.
+
 Every failure report and plan change is logged as one structured line with its
 generation, and handed to ``on_event``.
 """
@@ -68,6 +74,8 @@ class Supervisor:
     events: list[dict] = field(default_factory=list)
     handled_devices: set[int] = field(default_factory=set)
     stall_s: float = 15.0  # no commit and no report this long, with worker errors: give up
+    repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration -> devices repaired then
+    rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -96,6 +104,11 @@ class Supervisor:
                 self.on_iteration(rec)
             if len(self.records) >= self.iterations:
                 break
+            due = [it for it in self.repairs if it <= self.job.committed and self.job.committed > 0]
+            if due:
+                self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)}))
+                last_commit = time.monotonic()
+                continue
             pending = self._pending_reports()
             if pending:
                 self._adapt(pending)
@@ -129,6 +142,7 @@ class Supervisor:
         fresh = []
         for r in out:
             devs = set(r.devices) - (self.handled_devices if r.failure == "fail-stop" else set())
+            devs -= {d for d, g in self.rejoined.items() if r.generation < g}  # about its previous life
             if devs:
                 fresh.append(r)
         return fresh
@@ -189,3 +203,27 @@ class Supervisor:
         self._event("plan", f"generation {g} ({decision.kind}, planned in {plan_s * 1e3:.0f} ms): "
                             f"{decision.reason[:200]}", plan=decision.plan.to_text(),
                     kind_of_plan=decision.kind, planning_s=plan_s, resume=resume)
+
+    # ------------------------------------------------------------ repairs
+    def rejoin(self, devices: list[int]) -> None:
+        """Bring repaired ``devices`` back: start their workers, plan them in, deploy."""
+        devices = sorted(d for d in devices if d not in self.job.alive())
+        if not devices:
+            return
+        self.job.relaunch(devices)
+        self.handled_devices.difference_update(devices)
+        t0 = time.perf_counter()
+        decision = self.planner.rejoin(self.state, devices)
+        plan_s = time.perf_counter() - t0
+        self.state = decision.state
+        resume = self.job.abort()
+        needs_state = bool(set(devices) & set(decision.plan.devices())) or decision.kind == "restore"
+        restore = resume - 1 if needs_state and resume > 0 else None
+        g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
+                          exclude=self.handled_devices)
+        self.rejoined.update({d: g for d in devices})
+        self.set_generation(g, decision.plan)
+        self._event("plan", f"generation {g} (rejoin of devices {devices}, planned in {plan_s * 1e3:.0f} ms"
+                            f"{', from the checkpoint of iteration %d' % restore if restore is not None else ''}): "
+                            f"{decision.reason[:200]}", plan=decision.plan.to_text(),
+                    kind_of_plan="rejoin", planning_s=plan_s, resume=resume, devices=devices)

@@ -134,3 +134,29 @@ def test_resihp_run_with_an_agent_per_host_on_loopback(tmp_path: Path):
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+def test_a_repaired_device_is_brought_back_with_the_right_state():
+    import torch
+
+    from resihp_plugins.faults import fail_at, repairs, worker_faults
+
+    plan = uniform(1, 2, 2, 3)
+    topology = Topology.uniform(2, 2)
+    victim = plan.group(1, 1)[0]
+    faults = [fail_at(victim, 2, "kill"), fail_at(victim, 4, "repair")]
+    iterations = 7
+    spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir(), checkpoint_dir=tmpdir(),
+                    checkpoint_every=1, faults=worker_faults(faults))
+    state, planner = _planner_state(plan, topology)
+    run = run_resilient(spec.to_json(), plan, topology, state, planner, DETECTOR, iterations, Path(tmpdir()),
+                        timeout=240, repairs=repairs(faults))
+    assert run.ok, f"{run.error}; logs in {run.logs}"
+    rejoins = [e for e in run.events if e.get("kind_of_plan") == "rejoin"]
+    assert len(rejoins) == 1 and rejoins[0]["devices"] == [victim] and rejoins[0]["resume"] >= 4
+    assert victim in run.final_plan.devices()  # working again, not a standby
+    assert (Path(run.logs) / f"worker{victim}.log").read_text().count("event=generation_entered") >= 2
+    dumps = {int(f[6:-3]): torch.load(os.path.join(spec.dump_dir, f), weights_only=False)
+             for f in os.listdir(spec.dump_dir)}
+    assert set(dumps) == set(plan.devices())
+    check_against_reference(Finished(spec, dumps, [r.loss for r in run.records], []), iterations)
