@@ -39,6 +39,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from resihp_core.detector import (
@@ -233,6 +234,12 @@ class WorkloadAwareDetector(_Base):
         super()._reset_state(generation, plan)
         self._pred: dict[int, float] = {}
         self._watch: tuple[int, int] | None = None  # (onset, until iteration) of a benign change
+        self._opening: list[float] = []  # the normalised series' first values: its healthy level
+
+    def _feed_normalised(self, iteration: int, ratio: float) -> Any:
+        if len(self._opening) < 4:
+            self._opening.append(ratio)
+        return self._feed(iteration, ratio)
 
     def predict_healthy(self, iteration: int, profiles: ProfileSet) -> float:
         """Healthy seconds of ``iteration`` (cached per iteration)."""
@@ -283,7 +290,7 @@ class WorkloadAwareDetector(_Base):
                 # change from ~1.0 rather than as the series' first level.
                 try:
                     for it, m, ps in self._hist:
-                        cp = self._feed(it, m / self.predict_healthy(it, ps))
+                        cp = self._feed_normalised(it, m / self.predict_healthy(it, ps))
                         if cp is not None:
                             self.changepoint.rebase(cp.index)
                 except ModelNotReady:
@@ -291,7 +298,7 @@ class WorkloadAwareDetector(_Base):
             return Detection(iteration, measured, "warmup")
         try:
             if self.series == "normalised":
-                cp = self._feed(iteration, measured / self.predict_healthy(iteration, profiles))
+                cp = self._feed_normalised(iteration, measured / self.predict_healthy(iteration, profiles))
             else:
                 cp = self._feed(iteration, measured)
         except ModelNotReady as e:
@@ -315,10 +322,32 @@ class WorkloadAwareDetector(_Base):
             return Detection(iteration, measured, "benign", cp, predicted, ratio, onset=onset)
         return self._verify_change(iteration, measured, cp, onset, ratio, predicted)
 
+    def _persistent_excess(self, iteration: int, measured: float) -> Detection:
+        """Backstop for a change the change-point detector cannot place: every one of the
+        last ``min_gap`` iterations ran more than ``slow_threshold`` above its healthy
+        prediction, relative to the level the series opened at (healthy by assumption).
+        Change-point detection needs enough history before the change (a slowdown right
+        after warm-up has little) and a noise estimate the new regime has not inflated;
+        this test needs neither."""
+        recent = list(self._hist)[-self.min_gap:]
+        if (self.series != "normalised" or len(recent) < self.min_gap or len(self._opening) < 2
+                or (self._last_retained is not None and iteration - self._last_retained < self.min_gap)):
+            return Detection(iteration, measured)
+        level = (1.0 + self.slow_threshold) * statistics.median(self._opening)
+        try:
+            if any(m <= level * self.predict_healthy(it, ps) for it, m, ps in recent):
+                return Detection(iteration, measured)
+        except ModelNotReady:
+            return Detection(iteration, measured)
+        onset = recent[0][0]
+        ratio, predicted = self._ratio_since(onset)
+        det = self._verify_change(iteration, measured, None, onset, ratio, predicted)
+        return replace(det, notes=det.notes + (f"sustained excess since iteration {onset}",))
+
     def _watching(self, iteration: int, measured: float) -> Detection:
         """Re-judge a recent benign change as its iterations accumulate."""
         if self._watch is None:
-            return Detection(iteration, measured)
+            return self._persistent_excess(iteration, measured)
         onset, until = self._watch
         if iteration > until:
             self._watch = None

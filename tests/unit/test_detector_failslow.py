@@ -87,6 +87,28 @@ def test_a_compute_slowdown_is_reported_with_device_cause_and_throughput(series:
     assert det.stats.reports == 1 and det.stats.verifications == 1
 
 
+@pytest.mark.parametrize("noise", [0.02, 0.15])
+def test_a_slowdown_right_after_warmup_is_reported(noise: float) -> None:
+    """Too little history for a change point (1 skipped + 3 warm-up + 1 healthy): the
+    sustained excess over the prediction is what finds it, within min_gap + 1."""
+    trace = Trace(seed=3)
+    det = resihp(warmup_iterations=3, min_gap=3)
+    acts = [det.observe(it, trace.iteration(it, noise=noise)).action for it in range(5)]
+    assert acts == ["warmup"] * 4 + ["none"]
+    trace.slow[1] = 2.5
+    after = [det.observe(it, trace.iteration(it, noise=noise)) for it in range(5, 12)]
+    reported = [d for d in after if d.report is not None]
+    assert reported and reported[0].iteration <= 5 + 3, [d.action for d in after]
+    assert reported[0].report.devices == (11,) and "sustained excess" in reported[0].notes[-1]
+    # a healthy series with the same noise never triggers it
+    quiet = resihp(warmup_iterations=3, min_gap=3)
+    assert not [d for d in feed_noisy(quiet, Trace(seed=4), 60, noise) if d.action not in ("warmup", "none")]
+
+
+def feed_noisy(det: FailSlowDetector, trace: Trace, n: int, noise: float) -> list:
+    return [det.observe(it, trace.iteration(it, noise=noise)) for it in range(n)]
+
+
 def test_a_workload_shift_is_benign_for_resihp_but_verified_by_the_baseline() -> None:
     trace = Trace(seed=1)
     raw = resihp("raw")
