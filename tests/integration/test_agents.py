@@ -20,19 +20,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from resihp_core.config import DetectorConfig
 from resihp_core.plan import Topology
 from resihp_core.runtime.resilient import run_resilient
 
 from .backend_harness import Finished, check_against_reference, job_spec, tmpdir, uniform
-from .test_chaos import _planner_state
+from .test_chaos import DETECTOR, _planner_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 CLI = [sys.executable, "-m", "resihp_core.cli"]
-# Beats every 0.1 s, 0.8 s of silence to be declared: a 2-core CI machine runs 11+
-# processes here; a dead process is seen at once anyway (exit, closed connection).
-DETECTOR = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_miss_limit=8, hang_min_timeout_s=20.0,
-                          warmup_iterations=3, min_changepoint_gap=3)
 
 
 def _kill_agent_when(job, agent: subprocess.Popen, iteration: int, seen: dict) -> None:
