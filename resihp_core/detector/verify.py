@@ -129,6 +129,10 @@ class ProfileVerifier:
         holding at least half of the largest excess are at most this fraction of all.
     :param share: an executor is a compute suspect only if its excess slowdown is at
         least this fraction of the worst executor's.
+    :param explain: compute suspects must account for at least this fraction of the
+        iteration's excess over its prediction (in seconds); otherwise the slowdown is
+        elsewhere (communication) and a little compute noise on some rank must not be
+        blamed for it.
     """
 
     name = "resihp"
@@ -141,12 +145,13 @@ class ProfileVerifier:
         probe_margin: float = 0.15,
         concentrated: float = 0.25,
         share: float = 0.5,
+        explain: float = 0.3,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin)):
             if not 0 < v < 1:
                 raise ValueError(f"{n} must be in (0, 1), got {v!r}")
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
-        self.concentrated, self.share = concentrated, share
+        self.concentrated, self.share, self.explain = concentrated, share, explain
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -164,7 +169,9 @@ class ProfileVerifier:
             ex: ranks for ex, ranks in groups.items()
             if worst[ex] > 1 + self.compute_margin and worst[ex] - 1 >= self.share * (top - 1)
         }
-        if suspects:
+        excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
+        explained = max((t.measured[r] - t.predicted[r] for ranks in suspects.values() for r in ranks), default=0.0)
+        if suspects and (excess <= 0 or explained >= self.explain * excess):
             return self._compute(ctx, t, suspects)
         return self._communication(ctx, t)
 

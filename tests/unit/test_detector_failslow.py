@@ -337,6 +337,17 @@ def test_verify_spread_communication_uses_a_link_probe() -> None:
     assert not verify(slow, FakeProber(), model).confirmed
 
 
+def test_verify_does_not_blame_compute_noise_for_a_communication_slowdown() -> None:
+    model = fitted_model()
+    # rank 1 computes 1.3x (noise), but the iteration is slow by far more, outside compute
+    slow = [tp_profiles(None, 1.0, per_rank={1: 1.3}, comm_extra=0.1, it=i) for i in range(2)]
+    v = verify(slow, FakeProber(links={2: 10.0}), model)
+    assert v.cause == "communication" and set(v.slow) == {2}
+    # the same compute slowdown that does explain the iteration is still compute
+    v = verify([tp_profiles(None, 1.0, per_rank={1: 1.3}, it=i) for i in range(2)], FakeProber(), model)
+    assert v.cause == "compute" and set(v.slow) == {1}
+
+
 def test_greyhound_verifier_thresholds() -> None:
     from resihp_core.detector import VerificationContext
 
