@@ -169,6 +169,12 @@ class ProfileVerifier:
             ex: ranks for ex, ranks in groups.items()
             if worst[ex] > 1 + self.compute_margin and worst[ex] - 1 >= self.share * (top - 1)
         }
+        if len(groups) >= 2 and len(suspects) == len(groups) and top <= min(worst.values()) * (1 + self.spread):
+            # Every executor equally slow: the machine or cluster slowed (other jobs, a
+            # shared-power cap), not a device; no plan would run faster around it.
+            return Verdict({}, "unknown", "every executor is equally slow in compute ("
+                           + ", ".join(f"{q:.2f}x" for q in sorted(worst.values()))
+                           + "): an environment-wide slowdown, no device to plan around")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
         explained = max((t.measured[r] - t.predicted[r] for ranks in suspects.values() for r in ranks), default=0.0)
         if suspects and (excess <= 0 or explained >= self.explain * excess):

@@ -348,6 +348,17 @@ def test_verify_does_not_blame_compute_noise_for_a_communication_slowdown() -> N
     assert v.cause == "compute" and set(v.slow) == {1}
 
 
+def test_verify_does_not_report_a_slowdown_every_device_shares() -> None:
+    model = fitted_model()
+    everyone = [tp_profiles(None, 1.0, per_rank={0: 1.5, 1: 1.55, 2: 1.5, 3: 1.45}, it=i) for i in range(2)]
+    v = verify(everyone, FakeProber(), model)
+    assert not v.confirmed and "environment-wide" in v.evidence
+    # one replica clearly slower than the other is still a device matter
+    v = verify([tp_profiles(None, 1.0, per_rank={0: 1.5, 1: 1.5, 2: 2.2, 3: 1.5}, it=i) for i in range(2)],
+               FakeProber(), model)
+    assert v.confirmed and 2 in v.slow
+
+
 def test_greyhound_verifier_thresholds() -> None:
     from resihp_core.detector import VerificationContext
 
