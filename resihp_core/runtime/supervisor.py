@@ -190,19 +190,23 @@ class Supervisor:
                                    devices=tuple(dead_in_plan), evidence="died during recovery")
             self.state = decision.state
             self.handled_devices.update(dead_in_plan)
+        self._deploy(decision, plan_s, decision.kind, from_checkpoint=decision.kind == "restore")
+
+    def _deploy(self, decision: Any, plan_s: float, kind: str, *, from_checkpoint: bool,
+                what: str = "", **extra: Any) -> int:
+        """Abort the running generation and post ``decision``'s plan from the last
+        committed iteration, or from its checkpoint (none yet: from the seed)."""
         self.state = decision.state
         resume = self.job.abort()
-        restore = None
-        if decision.kind == "restore":
-            restore = resume - 1
-            if restore < 0:
-                restore = None  # nothing completed yet: start over from the seed
+        restore = resume - 1 if from_checkpoint and resume > 0 else None
         g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
                           exclude=self.handled_devices)
         self.set_generation(g, decision.plan)
-        self._event("plan", f"generation {g} ({decision.kind}, planned in {plan_s * 1e3:.0f} ms): "
+        where = f", from the checkpoint of iteration {restore}" if restore is not None and kind != "restore" else ""
+        self._event("plan", f"generation {g} ({what or kind}, planned in {plan_s * 1e3:.0f} ms{where}): "
                             f"{decision.reason[:200]}", plan=decision.plan.to_text(),
-                    kind_of_plan=decision.kind, planning_s=plan_s, resume=resume)
+                    kind_of_plan=kind, planning_s=plan_s, resume=resume, **extra)
+        return g
 
     # ------------------------------------------------------------ repairs
     def rejoin(self, devices: list[int]) -> None:
@@ -215,15 +219,7 @@ class Supervisor:
         t0 = time.perf_counter()
         decision = self.planner.rejoin(self.state, devices)
         plan_s = time.perf_counter() - t0
-        self.state = decision.state
-        resume = self.job.abort()
         needs_state = bool(set(devices) & set(decision.plan.devices())) or decision.kind == "restore"
-        restore = resume - 1 if needs_state and resume > 0 else None
-        g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
-                          exclude=self.handled_devices)
+        g = self._deploy(decision, plan_s, "rejoin", from_checkpoint=needs_state,
+                         what=f"rejoin of devices {devices}", devices=devices)
         self.rejoined.update({d: g for d in devices})
-        self.set_generation(g, decision.plan)
-        self._event("plan", f"generation {g} (rejoin of devices {devices}, planned in {plan_s * 1e3:.0f} ms"
-                            f"{', from the checkpoint of iteration %d' % restore if restore is not None else ''}): "
-                            f"{decision.reason[:200]}", plan=decision.plan.to_text(),
-                    kind_of_plan="rejoin", planning_s=plan_s, resume=resume, devices=devices)

@@ -50,11 +50,13 @@ def finish(job: LocalJob, spec: JobSpec, iterations: int) -> Finished:
         losses.append(sum(r["loss"] for r in rep.values()))
         computed.append(Counter(tuple(x) for r in rep.values() for x in r["computed"]))
     job.close()
-    dumps = {}
-    for f in os.listdir(spec.dump_dir):
-        st = torch.load(os.path.join(spec.dump_dir, f), weights_only=False)
-        dumps[int(f[len("device"):-3])] = st
-    return Finished(spec, dumps, losses, computed)
+    return Finished(spec, read_dumps(spec), losses, computed)
+
+
+def read_dumps(spec: JobSpec) -> dict[int, dict]:
+    """Device -> the state its worker dumped when the job stopped."""
+    return {int(f[len("device"):-3]): torch.load(os.path.join(spec.dump_dir, f), weights_only=False)
+            for f in os.listdir(spec.dump_dir)}
 
 
 def check_against_reference(done: Finished, iterations: int, tol: float = 1e-9) -> float:
@@ -63,7 +65,15 @@ def check_against_reference(done: Finished, iterations: int, tol: float = 1e-9) 
     losses match. Returns the worst relative error."""
     from resihp_core.plan import parse_plan
 
-    ref, ref_losses = reference_run(done.job.model_config(), done.job.data_spec(), iterations)
+    # The reference runs in this process: one intra-op thread, like the workers. With
+    # torch's default (2 here) its OpenMP threads spin against the workers and other
+    # jobs: 13 reference iterations took 37 s instead of 3 s on a loaded 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref, ref_losses = reference_run(done.job.model_config(), done.job.data_spec(), iterations)
+    finally:
+        torch.set_num_threads(threads)
     worst = 0.0
     assert done.dumps, "no worker dumped its state"
     for dev, st in done.dumps.items():

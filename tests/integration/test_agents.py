@@ -23,7 +23,7 @@ import pytest
 from resihp_core.plan import Topology
 from resihp_core.runtime.resilient import run_resilient
 
-from .backend_harness import Finished, check_against_reference, job_spec, tmpdir, uniform
+from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 from .test_chaos import DETECTOR, _planner_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -50,8 +50,6 @@ def _gone(pid: int) -> bool:
 
 
 def test_killed_agent_takes_its_node_and_the_job_goes_on():
-    import torch
-
     plan = uniform(2, 2, 2, 3)
     topology = Topology.uniform(2, 4)  # node 1 holds replica 1 (devices 4-7)
     iterations = 6
@@ -72,8 +70,7 @@ def test_killed_agent_takes_its_node_and_the_job_goes_on():
     lost = [e for e in run.events if e["kind"] == "failure"]
     assert lost and set(lost[0]["devices"]) == set(topology.nodes()[1])
     assert set(run.final_plan.devices()) == set(topology.nodes()[0])
-    dumps = {int(f[6:-3]): torch.load(os.path.join(spec.dump_dir, f), weights_only=False)
-             for f in os.listdir(spec.dump_dir)}
+    dumps = read_dumps(spec)
     assert set(dumps) == set(topology.nodes()[0])
     check_against_reference(Finished(spec, dumps, [r.loss for r in run.records], []), iterations)
 
@@ -132,8 +129,6 @@ def test_resihp_run_with_an_agent_per_host_on_loopback(tmp_path: Path):
 
 
 def test_a_repaired_device_is_brought_back_with_the_right_state():
-    import torch
-
     from resihp_plugins.faults import fail_at, repairs, worker_faults
 
     plan = uniform(1, 2, 2, 3)
@@ -151,7 +146,6 @@ def test_a_repaired_device_is_brought_back_with_the_right_state():
     assert len(rejoins) == 1 and rejoins[0]["devices"] == [victim] and rejoins[0]["resume"] >= 4
     assert victim in run.final_plan.devices()  # working again, not a standby
     assert (Path(run.logs) / f"worker{victim}.log").read_text().count("event=generation_entered") >= 2
-    dumps = {int(f[6:-3]): torch.load(os.path.join(spec.dump_dir, f), weights_only=False)
-             for f in os.listdir(spec.dump_dir)}
+    dumps = read_dumps(spec)
     assert set(dumps) == set(plan.devices())
     check_against_reference(Finished(spec, dumps, [r.loss for r in run.records], []), iterations)

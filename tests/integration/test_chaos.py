@@ -23,7 +23,7 @@ from resihp_core.scheduler.state import PlannerState
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES
 from resihp_plugins.faults import fail_at
 
-from .backend_harness import Finished, check_against_reference, job_spec, tmpdir, uniform
+from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -61,10 +61,6 @@ def _planner_state(plan, topology):
 
 
 def _chaos(plan, faults, iterations=6, detector=DETECTOR, **run_kw):
-    import os
-
-    import torch
-
     topology = Topology.uniform(2, len(plan.devices()) // 2)  # exactly the workers we start
     spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir(),
                     checkpoint_dir=tmpdir(), checkpoint_every=1,
@@ -74,20 +70,9 @@ def _chaos(plan, faults, iterations=6, detector=DETECTOR, **run_kw):
                         Path(tmpdir()), timeout=240, **run_kw)
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
-    dumps = {int(f[6:-3]): torch.load(os.path.join(spec.dump_dir, f), weights_only=False)
-             for f in os.listdir(spec.dump_dir)}
     # Accounting comes from the job store of the supervised run; the harness checks
     # parameters and optimizer state of every survivor against the reference.
-    done = Finished(spec, dumps, [r.loss for r in run.records], [])
-    # The reference runs in this process: one intra-op thread, like the workers. With
-    # torch's default (2 here) its OpenMP threads spin against the workers and other
-    # jobs: 13 reference iterations took 37 s instead of 3 s on a loaded 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        check_against_reference(done, iterations)
-    finally:
-        torch.set_num_threads(threads)
+    check_against_reference(Finished(spec, read_dumps(spec), [r.loss for r in run.records], []), iterations)
     return run
 
 
