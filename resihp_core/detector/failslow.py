@@ -258,9 +258,12 @@ class WorkloadAwareDetector(_Base):
 
     def reset(self, generation: int, *, plan: ParallelPlan | None = None,
               speeds: Mapping[int, float] | None = None) -> None:
-        """A new plan generation: new series, new warm-up (the model is refitted)."""
+        """A new plan generation: new series, new warm-up (the model is refitted with the
+        known ``speeds`` divided out, and those slow devices are not reported again)."""
         self.model.reset(plan=plan, speeds=speeds)
         self._reset_state(generation, plan)
+        for d, p in (speeds or {}).items():
+            self._reported[(d, "compute")] = p
 
     def _ratio_since(self, onset: int) -> tuple[float, float | None]:
         after, _ = self._window(onset)

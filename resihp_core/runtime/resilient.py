@@ -120,8 +120,9 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                 agent_procs[node] = start_local_agent(node, controller.address_text, secret, workdir)
         loop.run(controller.wait_for_agents(set(nodes), agent_timeout), timeout=agent_timeout + 5)
 
-        def set_generation(g: int, new_plan: ParallelPlan) -> None:
-            loop.call(lambda: controller.set_generation(g, plan=new_plan, expected_ranks=set(new_plan.devices())))
+        def set_generation(g: int, new_plan: ParallelPlan, speeds: dict[int, float]) -> None:
+            loop.call(lambda: controller.set_generation(g, plan=new_plan, speeds=speeds,
+                                                        expected_ranks=set(new_plan.devices())))
 
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
                        host=listen[0] if listen[0] not in ("", "0.0.0.0", "::") else "127.0.0.1",

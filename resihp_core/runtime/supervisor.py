@@ -65,7 +65,7 @@ class Supervisor:
     state: Any
     iterations: int
     reports: "queue.Queue[FailureReport]" = field(default_factory=queue.Queue)
-    set_generation: Callable[[int, Any], None] = lambda g, plan: None
+    set_generation: Callable[[int, Any, dict[int, float]], None] = lambda g, plan, speeds: None
     samples: int = 1
     phase_of: Callable[[int, int], str] = lambda iteration, generation: "running"
     on_event: Callable[[dict], None] = lambda event: None
@@ -87,7 +87,7 @@ class Supervisor:
     def run(self, timeout: float = 600.0) -> list[IterationRecord]:
         self._t0 = time.monotonic()
         g = self.job.post(self.state.plan, iterations=self.iterations)
-        self.set_generation(g, self.state.plan)
+        self.set_generation(g, self.state.plan, dict(self.state.speeds))
         self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
         last_commit = time.monotonic()
         deadline = self._t0 + timeout
@@ -201,7 +201,7 @@ class Supervisor:
         restore = resume - 1 if from_checkpoint and resume > 0 else None
         g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
                           exclude=self.handled_devices)
-        self.set_generation(g, decision.plan)
+        self.set_generation(g, decision.plan, dict(self.state.speeds))
         where = f", from the checkpoint of iteration {restore}" if restore is not None and kind != "restore" else ""
         self._event("plan", f"generation {g} ({what or kind}, planned in {plan_s * 1e3:.0f} ms{where}): "
                             f"{decision.reason[:200]}", plan=decision.plan.to_text(),

@@ -109,6 +109,20 @@ def feed_noisy(det: FailSlowDetector, trace: Trace, n: int, noise: float) -> lis
     return [det.observe(it, trace.iteration(it, noise=noise)) for it in range(n)]
 
 
+def test_a_known_slow_device_is_not_reported_again_in_the_next_generation() -> None:
+    trace = Trace()
+    det = resihp()
+    feed(det, trace, 0, 20)
+    trace.slow[2] = 2.0
+    assert [d.report.devices for d in feed(det, trace, 20, 30) if d.report is not None] == [(12,)]
+    # the Scheduler adapted around it; the device stays slow in the new generation
+    det.reset(1, speeds={12: 0.5})
+    assert not [d for d in feed(det, trace, 30, 60) if d.report is not None]
+    # a further slowdown of it (6x, beyond the known 2x) is still news
+    trace.slow[2] = 6.0
+    assert [d.report.devices for d in feed(det, trace, 60, 75) if d.report is not None] == [(12,)]
+
+
 def test_a_workload_shift_is_benign_for_resihp_but_verified_by_the_baseline() -> None:
     trace = Trace(seed=1)
     raw = resihp("raw")
