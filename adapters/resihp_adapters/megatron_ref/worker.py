@@ -40,7 +40,8 @@ class JobSpec:
     """Everything a worker needs besides the plan; written once as JSON by the launcher."""
 
     model: dict = field(default_factory=dict)  # ModelConfig fields
-    corpus: dict = field(default_factory=dict)  # CorpusSpec fields
+    corpus: dict = field(default_factory=dict)  # CorpusSpec fields (synthetic data, when `data` is empty)
+    data: dict = field(default_factory=dict)  # a DataSource.spec(): the [data] section, resolved
     dp: int = 2  # data shards (replicas of the initial plan)
     num_microbatches: int = 4
     data_seed: int = 0
@@ -62,8 +63,11 @@ class JobSpec:
         return ModelConfig(**self.model)
 
     def data_spec(self) -> DataSpec:
-        cfg = self.model_config()
-        return DataSpec(CorpusSpec(**self.corpus), cfg.vocab_size, self.dp, self.num_microbatches, self.data_seed)
+        from resihp_core.data import create_source
+
+        section = self.data or {"source": "synthetic", **asdict(CorpusSpec(**self.corpus))}
+        return DataSpec(create_source(section, dp=self.dp, num_microbatches=self.num_microbatches,
+                                      seed=self.data_seed, vocab_size=self.model_config().vocab_size))
 
 
 def _wait_new_generation(store: dist.Store, seen: int) -> int:
