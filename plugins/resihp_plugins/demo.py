@@ -52,7 +52,7 @@ def build_job(cfg, faults: list, workdir: Path):
     """Plan, topology, worker job description, planner state and planner for a
     :class:`~resihp_core.config.Config` on the reference backend."""
     from resihp_core.plan import ParallelPlan, ScheduleKind, Topology
-    from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
+    from resihp_core.data import create_source
     from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
     from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
     from resihp_core.scheduler.planner import Planner
@@ -69,12 +69,18 @@ def build_job(cfg, faults: list, workdir: Path):
                                 cfg.scheduler.device_memory_gib)
     plan.validate(topology)
     n = tr.token_budget
-    corpus = dict(scale=max(2.0, n / 10), shape=1.0, min_len=min(4, n), max_len=n, token_budget=n, seed=tr.seed)
+    # The job's data source (config [data]; default: the synthetic long-tailed corpus).
+    # Workers rebuild it from its resolved spec; a text corpus is indexed here first, so
+    # a bad path fails before any worker starts.
+    source = create_source(cfg.data.section(), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
+                           token_budget=n, vocab_size=mod.vocab)
+    data = source.spec()
+    corpus = {k: v for k, v in data.items() if k != "source"} if data["source"] == "synthetic" else {}
     ffn = mod.ffn_hidden or 4 * mod.hidden
     spec = JobSpec(
         model=dict(vocab_size=mod.vocab, hidden=mod.hidden, num_heads=mod.heads, ffn_hidden=ffn,
                    num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed),
-        corpus=corpus, dp=par.dp, num_microbatches=tr.microbatches, data_seed=tr.seed, lr=tr.lr,
+        corpus=corpus, data=data, dp=par.dp, num_microbatches=tr.microbatches, data_seed=tr.seed, lr=tr.lr,
         timeout_s=10.0, checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"), checkpoint_every=1,
         faults=worker_faults(faults),
     )
@@ -86,8 +92,7 @@ def build_job(cfg, faults: list, workdir: Path):
     params = 4 * mod.hidden * mod.hidden + 3 * mod.hidden * ffn
     predictor = IterationPredictor(cost, topology, ModelShape(tokens=n, hidden=mod.hidden,
                                                               params_per_layer=params, dtype_bytes=4), links)
-    feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, par.dp, tr.microbatches),
-                              par.dp, tr.microbatches)
+    feats = workload_features(source.workload(0), par.dp, tr.microbatches)
     state = PlannerState.create(topology, plan, predictor, feats, capabilities=CAPABILITIES,
                                 k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
     return plan, topology, spec, state, Planner(capabilities=CAPABILITIES)
@@ -181,7 +186,13 @@ def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -
     outdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
     agents = _agents(cfg, args)
-    plan, topology, spec, state, planner = build_job(cfg, faults, work)
+    from resihp_core.cli import CliError
+    from resihp_core.config import ConfigError
+
+    try:
+        plan, topology, spec, state, planner = build_job(cfg, faults, work)
+    except ConfigError as e:  # a bad [data] section, found when the source is built
+        raise CliError(str(e)) from e
     det = cfg.detector
     health = {d: "ok" for d in plan.devices()}
 
