@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+from array import array
 import hashlib
 import json
 import os
@@ -145,26 +146,33 @@ class _Index:
         self.files = [found[r] for r in self.rel]
         self.jsonl = [opts.format == "jsonl" or (opts.format == "auto" and r.lower().endswith(JSONL_SUFFIXES))
                       for r in self.rel]
-        doc_file, doc_offset, doc_bytes, doc_len = [], [], [], []
+        # Typed arrays while scanning: 28 bytes per document, not four Python ints.
+        doc_file, doc_offset, doc_bytes, doc_len = array("i"), array("q"), array("q"), array("q")
+
+        def add(i: int, offset: int, span: int, n: int) -> None:
+            if n >= opts.min_doc_tokens:
+                doc_file.append(i)
+                doc_offset.append(offset)
+                doc_bytes.append(span)
+                doc_len.append(n)
+
         digest = hashlib.sha256()
         for i, (rel, path) in enumerate(zip(self.rel, self.files)):
             size = os.path.getsize(path)
             digest.update(f"{rel}\t{size}\n".encode())
             if not self.jsonl[i]:
-                if size >= opts.min_doc_tokens:
-                    doc_file.append(i), doc_offset.append(0), doc_bytes.append(size), doc_len.append(size)
+                add(i, 0, size, size)
                 continue
             for offset, span, n in _scan_jsonl(path, rel, opts.text_field):
-                if n >= opts.min_doc_tokens:
-                    doc_file.append(i), doc_offset.append(offset), doc_bytes.append(span), doc_len.append(n)
+                add(i, offset, span, n)
         if not doc_len:
             raise DataError(f"the {len(self.files)} matched files hold no document of at least "
                             f"min_doc_tokens = {opts.min_doc_tokens} tokens", field="paths",
                             value=list(opts.paths))
-        self.doc_file = np.asarray(doc_file, dtype=np.int32)
-        self.doc_offset = np.asarray(doc_offset, dtype=np.int64)
-        self.doc_bytes = np.asarray(doc_bytes, dtype=np.int64)
-        self.doc_len = np.asarray(doc_len, dtype=np.int64)
+        self.doc_file = np.frombuffer(doc_file, dtype=np.int32)
+        self.doc_offset = np.frombuffer(doc_offset, dtype=np.int64)
+        self.doc_bytes = np.frombuffer(doc_bytes, dtype=np.int64)
+        self.doc_len = np.frombuffer(doc_len, dtype=np.int64)
         self.total = int(self.doc_len.sum())
         digest.update(f"{len(doc_len)} documents, {self.total} tokens".encode())
         self.fingerprint = digest.hexdigest()[:16]
