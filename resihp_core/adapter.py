@@ -431,6 +431,8 @@ class AdapterSpec:
     capabilities: Capabilities
     description: str = ""
     install_hint: str = ""
+    job_config: str = ""  # "module:function": (Config) -> the adapter's JobSpec section
+    reference: str = ""  # "module:function": (JobSpec, iterations) -> fault-free losses
 
     @property
     def target_path(self) -> str:
@@ -439,6 +441,20 @@ class AdapterSpec:
         if isinstance(t, str):
             return t
         return f"{getattr(t, '__module__', '?')}:{getattr(t, '__qualname__', repr(t))}"
+
+    def function(self, which: str) -> Callable[..., Any] | None:
+        """The ``job_config`` or ``reference`` function, imported now; None if not given."""
+        path = getattr(self, which)
+        if not path:
+            return None
+        module, _, attr = path.partition(":")
+        try:
+            obj: Any = importlib.import_module(module)
+        except ImportError as e:
+            raise AdapterUnavailableError(f"adapter {self.name!r}: {which} {path!r} cannot be imported ({e})") from e
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj  # type: ignore[no-any-return]
 
     def load(self) -> Callable[..., Adapter]:
         """Import the target (only now is the framework imported)."""
@@ -481,15 +497,27 @@ class AdapterRegistry(Registry[AdapterSpec]):
         *,
         description: str = "",
         install_hint: str = "",
+        job_config: str = "",
+        reference: str = "",
     ) -> None:
-        """Register adapter ``name``; ``target`` is ``"module:Class"`` or a factory."""
+        """Register adapter ``name``; ``target`` is ``"module:Class"`` or a factory.
+
+        :param job_config: ``"module:function"`` building the adapter's own job section
+            from a :class:`~resihp_core.config.Config` (default: the config's ``[adapter]``
+            table as it is); it validates what it reads.
+        :param reference: ``"module:function"`` computing a fault-free run's losses for
+            ``(job, iterations)``, which ``resihp run`` checks the job's losses against.
+        """
         if not isinstance(capabilities, Capabilities):
             raise RegistryError(
                 f"adapter {name!r}: capabilities must be a Capabilities, got {type(capabilities).__name__}"
             )
         if not (isinstance(target, str) or callable(target)):
             raise RegistryError(f"adapter {name!r}: target must be 'module:Class' or callable")
-        self._add(name, AdapterSpec(name, target, capabilities, description, install_hint))
+        for what, path in (("job_config", job_config), ("reference", reference)):
+            if path and not re.match(r"^[\w.]+:[\w.]+$", path):
+                raise RegistryError(f"adapter {name!r}: {what} {path!r} must look like 'module:function'")
+        self._add(name, AdapterSpec(name, target, capabilities, description, install_hint, job_config, reference))
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> Adapter:
         """Import and instantiate adapter ``name`` with the given arguments."""

@@ -159,11 +159,24 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _configure_run(p: argparse.ArgumentParser) -> None:
+    from resihp_core.runtime.jobs import configure_run
+
+    configure_run(p)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from resihp_core.runtime.jobs import run_config
+
+    return run_config(args)
+
+
 COMMANDS: dict[str, Command] = {
     "agent": Command("serve as a node agent: launch and watch this host's workers for a controller",
                      _configure_agent, _cmd_agent),
     "plugins": Command("list loaded plugins and registered adapters", _configure_plugins, _cmd_plugins),
     "plan": Command("inspect parallel plans", _configure_plan, _cmd_plan),
+    "run": Command("run a resilient job from a configuration file", _configure_run, _cmd_run),
 }
 
 

@@ -31,7 +31,7 @@ class JobSpec:
     :param checkpoint_every: write a checkpoint after every this many committed
         iterations (0: never); ``checkpoint_dir`` is where.
     :param dump_dir: at the job's end each worker saves what it holds there (tests).
-    :param faults: injected faults (``resihp_plugins.faults.Fault`` dicts).
+    :param faults: injected faults (``resihp_core.faults.Fault`` dicts).
     """
 
     adapter: str = "megatron_ref"

@@ -387,6 +387,9 @@ class Plugins:
     def notify_plan_changed(self, old: ParallelPlan | None, new: ParallelPlan, reason: str) -> None:
         self._notify("resihp_plan_changed", old=old, new=new, reason=reason)
 
+    def notify_job_started(self, config: object, workdir: str) -> None:
+        self._notify("resihp_job_started", config=config, workdir=workdir)
+
     def notify_iteration(self, metrics: object) -> None:
         self._notify("resihp_iteration_finished", metrics=metrics)
 
