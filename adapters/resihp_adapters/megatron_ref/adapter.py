@@ -35,7 +35,8 @@ from resihp_core.program import (
     SendGrad,
 )
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
-from resihp_adapters.megatron_ref import comm, state
+from resihp_adapters.megatron_ref import state
+from resihp_adapters.torchkit import comm
 from resihp_adapters.megatron_ref.data import DataSpec, label_count, lengths_of, micro_batch
 from resihp_adapters.megatron_ref.model import ModelConfig, StageModule, TPContext, shard_dim
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES, NAME
