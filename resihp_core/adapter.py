@@ -433,6 +433,7 @@ class AdapterSpec:
     install_hint: str = ""
     job_config: str = ""  # "module:function": (Config) -> the adapter's JobSpec section
     reference: str = ""  # "module:function": (JobSpec, iterations) -> fault-free losses
+    default: bool = False  # the adapter a job uses when its configuration names none
 
     @property
     def target_path(self) -> str:
@@ -499,6 +500,7 @@ class AdapterRegistry(Registry[AdapterSpec]):
         install_hint: str = "",
         job_config: str = "",
         reference: str = "",
+        default: bool = False,
     ) -> None:
         """Register adapter ``name``; ``target`` is ``"module:Class"`` or a factory.
 
@@ -507,6 +509,7 @@ class AdapterRegistry(Registry[AdapterSpec]):
             table as it is); it validates what it reads.
         :param reference: ``"module:function"`` computing a fault-free run's losses for
             ``(job, iterations)``, which ``resihp run`` checks the job's losses against.
+        :param default: use this adapter when a configuration names none.
         """
         if not isinstance(capabilities, Capabilities):
             raise RegistryError(
@@ -517,7 +520,8 @@ class AdapterRegistry(Registry[AdapterSpec]):
         for what, path in (("job_config", job_config), ("reference", reference)):
             if path and not re.match(r"^[\w.]+:[\w.]+$", path):
                 raise RegistryError(f"adapter {name!r}: {what} {path!r} must look like 'module:function'")
-        self._add(name, AdapterSpec(name, target, capabilities, description, install_hint, job_config, reference))
+        self._add(name, AdapterSpec(name, target, capabilities, description, install_hint, job_config,
+                                    reference, default))
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> Adapter:
         """Import and instantiate adapter ``name`` with the given arguments."""
@@ -531,6 +535,16 @@ class AdapterRegistry(Registry[AdapterSpec]):
                 f"adapter {name!r} built a {type(adapter).__name__}, not a resihp_core.adapter.Adapter"
             )
         return adapter
+
+    def default_name(self) -> str:
+        """The adapter registered as the default; the error says how to choose one."""
+        chosen = [s.name for s in self.list() if s.default]
+        if len(chosen) != 1:
+            raise UnknownNameError(
+                f"runtime.adapter is not set and {len(chosen) or 'no'} adapters are registered as the "
+                f"default{' (' + ', '.join(chosen) + ')' if chosen else ''}; set runtime.adapter to one of: "
+                f"{', '.join(self.names()) or 'none registered'}")
+        return chosen[0]
 
     def supporting(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
         """Names of the adapters whose capabilities allow ``plan``."""

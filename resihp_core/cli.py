@@ -75,6 +75,7 @@ def _plugins_report() -> dict[str, Any]:
                 "target": r.value.target_path,
                 "description": r.value.description,
                 "capabilities": r.value.capabilities.to_dict(),
+                "default": r.value.default,
             }
             for r in adapters.registrations()
         ],
@@ -104,7 +105,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     out += ["", "Adapters"]
     out.append(_table(
         ["name", "tp_resize", "hetero_tp", "layer_repart", "migration", "checkpoint", "schedules", "plugin", "target"],
-        [[a["name"], yes(c["tp_resize"]), yes(c["heterogeneous_tp"]), yes(c["layer_repartition"]),
+        [[a["name"] + (" (default)" if a["default"] else ""), yes(c["tp_resize"]), yes(c["heterogeneous_tp"]), yes(c["layer_repartition"]),
           yes(c["cross_replica_migration"]), yes(c["checkpoint"]), ",".join(c["schedules"]),
           a["source"], a["target"]]
          for a in rep["adapters"] for c in [a["capabilities"]]],

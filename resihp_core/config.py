@@ -246,7 +246,7 @@ class RuntimeConfig(_Section):
     nodes: int = _opt(1, _ge(1))
     devices_per_node: int = _opt(4, _ge(1))
     workers: int = _opt(0, _ge(0))  # worker processes per node; 0 = one per device
-    adapter: str = _opt("megatron_ref", _nonempty)
+    adapter: str = _opt("")  # "": the adapter registered as the default (resihp plugins)
     backend: Literal["gloo", "nccl"] = _opt("gloo")
     metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
     metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint

@@ -34,7 +34,7 @@ class JobSpec:
     :param faults: injected faults (``resihp_core.faults.Fault`` dicts).
     """
 
-    adapter: str = "megatron_ref"
+    adapter: str = ""
     adapter_config: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=lambda: {"source": "synthetic"})
     dp: int = 2
@@ -48,7 +48,7 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapter, str) or not self.adapter:
-            raise JobSpecError(f"job.adapter must be an adapter name, got {self.adapter!r}")
+            raise JobSpecError(f"job.adapter must name an adapter (resihp plugins lists them), got {self.adapter!r}")
         for name in ("adapter_config", "data"):
             if not isinstance(getattr(self, name), dict):
                 raise JobSpecError(f"job.{name} must be a table/object")

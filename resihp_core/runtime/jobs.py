@@ -50,7 +50,7 @@ def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
     par, mod, tr = cfg.parallel, cfg.model, cfg.training
     registry = get_plugins().adapters()
     try:
-        adapter = registry.get(cfg.runtime.adapter)
+        adapter = registry.get(cfg.runtime.adapter or registry.default_name())
     except LookupError as e:
         raise ConfigError(str(e), path="runtime.adapter", value=cfg.runtime.adapter) from None
     make_section = adapter.function("job_config")

@@ -34,6 +34,7 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
         install_hint="pip install torch",
         job_config="resihp_adapters.megatron_ref.plugin:job_section",
         reference="resihp_adapters.megatron_ref.reference:reference_losses",
+        default=True,
     )
 
 
