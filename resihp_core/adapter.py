@@ -220,7 +220,7 @@ class Adapter(abc.ABC):
                                                  | load_checkpoint(iteration, plan)
         per iteration:         snapshot(); run_iteration(program, i) -> IterationResult
                                rollback() if the iteration does not commit everywhere
-                               save_checkpoint(i) after a commit, when due
+                               save_checkpoint(i) before committing i, when due
         after a failure:       release()   (drop every reference to broken groups)
         at the end:            held_state() (dumps, conformance), close()
 
@@ -281,8 +281,9 @@ class Adapter(abc.ABC):
         parameter's global name."""
 
     def save_checkpoint(self, iteration: int) -> None:
-        """Persist the state after committed ``iteration`` under ``ctx.job.checkpoint_dir``
-        (collective among the executors; each adapter decides who writes)."""
+        """Persist the state after ``iteration`` under ``ctx.job.checkpoint_dir``, before
+        the iteration commits (collective among the executors; the adapter decides who
+        writes). A restore only ever names a committed iteration."""
         raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:

@@ -238,6 +238,18 @@ class Worker:
         # touch, fresh sockets): the Detector's healthy model starts after it.
         if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
             self.client.send_profile(prof)
+        every = self.job.checkpoint_every
+        if every and self.job.checkpoint_dir and (i + 1) % every == 0 and a.capabilities.checkpoint:
+            # Before the commit: a committed iteration always has its checkpoint, so a
+            # restore may name any committed iteration that is due one.
+            try:
+                a.save_checkpoint(i)
+            except Exception as e:  # noqa: BLE001 - a peer died while gathering shards
+                failed = f"{type(e).__name__}: {e}"
+            if failed is not None:
+                a.rollback()
+                self._left(g, failed, "checkpoint_failed", iteration=i)
+                return None
         jobstore.put_report(self.store, self._report(result))
         executors = len(self.plan.devices())
         verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6)
@@ -247,15 +259,6 @@ class Worker:
             self.active = False
             return None
         self.iteration = i + 1
-        every = self.job.checkpoint_every
-        if every and self.job.checkpoint_dir and self.iteration % every == 0 and a.capabilities.checkpoint:
-            failed = None
-            try:
-                a.save_checkpoint(i)
-            except Exception as e:  # noqa: BLE001 - a peer died while gathering shards
-                failed = f"{type(e).__name__}: {e}"
-            if failed is not None:
-                self._left(g, failed, "checkpoint_failed", iteration=i)
         return result
 
     def _report(self, r: IterationResult) -> IterationReport:
