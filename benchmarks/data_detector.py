@@ -18,7 +18,8 @@ Method (one process, trace-driven from real measurements):
    the iteration time the slowest replica's plus a fixed 2 ms DP all-reduce; every rank
    gets the :class:`~resihp_core.protocol.IterationProfile` a worker would send;
 3. **detect** — the same profiles go to three detectors, built as ``resihp run``
-   builds them (config ``[detector]``, the job's plan and planning predictor):
+   builds them (config ``[detector]``, the job's plan and planning predictor,
+   ``resihp_core.runtime.jobs.build_job``):
    ``resihp`` (workload-aware: BOCPD on measured / predicted-healthy, the predictor
    sees every micro-batch's document lengths), ``length-blind`` (the same detector fed
    profiles whose document lengths are hidden: every micro-batch looks like one
@@ -94,14 +95,16 @@ def record(cfg: Config, iterations: int, repeats: int, clock: str = "cpu",
 
     import torch
 
+    from resihp_core.runtime.jobs import build_job
+    from resihp_adapters.megatron_ref.adapter import data_spec, model_config
     from resihp_adapters.megatron_ref.data import micro_batch
     from resihp_adapters.megatron_ref.model import build_stage
-    from resihp_plugins.demo import build_job
 
     torch.set_num_threads(1)
     now = time.thread_time if clock == "cpu" else time.perf_counter
-    plan, topology, spec, state, planner = build_job(cfg, [], Path(tempfile.mkdtemp(prefix="resihp-datadet-")))
-    data, model = spec.data_spec(), spec.model_config()
+    job = build_job(cfg, [], Path(tempfile.mkdtemp(prefix="resihp-datadet-")))
+    plan, state = job.plan, job.state
+    data, model = data_spec(job.spec), model_config(job.spec)
     bounds, a = [], 0
     for s in range(plan.pp):
         bounds.append((a, a + plan.layers(s)))

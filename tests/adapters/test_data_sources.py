@@ -11,10 +11,11 @@ import torch
 
 from resihp_core.data import create_source
 from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
+from resihp_core.job import JobSpec
+from resihp_adapters.megatron_ref.adapter import data_spec
 from resihp_adapters.megatron_ref.data import DataSpec, label_count, micro_batch
 from resihp_adapters.megatron_ref.model import ModelConfig, make_labels
 from resihp_adapters.megatron_ref.reference import reference_run
-from resihp_adapters.megatron_ref.worker import JobSpec
 
 torch.set_num_threads(1)
 
@@ -31,8 +32,9 @@ def old_micro_batch(corpus: CorpusSpec, vocab: int, dp: int, m: int, seed: int, 
 @pytest.mark.parametrize("vocab, budget", [(256, 64), (1000, 300), (50257, 40)])
 def test_the_synthetic_source_is_the_old_data_path(vocab: int, budget: int) -> None:
     corpus = CorpusSpec(scale=budget / 5, shape=0.8, min_len=2, max_len=budget, token_budget=budget, seed=4)
-    job = JobSpec(model=dict(vocab_size=vocab), corpus=dict(corpus.__dict__), dp=2, num_microbatches=3, data_seed=9)
-    spec = job.data_spec()
+    job = JobSpec(adapter="megatron_ref", adapter_config=dict(vocab_size=vocab),
+                  data={"source": "synthetic", **corpus.__dict__}, dp=2, num_microbatches=3, seed=9)
+    spec = data_spec(job)
     for it in range(3):
         old_count = sum(sum(ls) - len(ls) for ls in iteration_workload(corpus, it, 2, 3).values())
         assert label_count(spec, it) == old_count
@@ -46,12 +48,14 @@ def test_the_synthetic_source_is_the_old_data_path(vocab: int, budget: int) -> N
 
 def test_the_default_config_trains_on_the_same_corpus_as_before(tmp_path: Path) -> None:
     from resihp_core.config import Config
-    from resihp_plugins.demo import DEMO_CONFIG, build_job
+    from resihp_core.runtime.jobs import build_job
+    from resihp_plugins.demo import DEMO_CONFIG
 
-    _, _, spec, _, _ = build_job(Config.from_dict(DEMO_CONFIG), [], tmp_path)
+    spec = build_job(Config.from_dict(DEMO_CONFIG), [], tmp_path).spec
     n = 256
-    assert CorpusSpec(**spec.corpus) == CorpusSpec(scale=25.6, shape=1.0, min_len=4, max_len=n, token_budget=n, seed=0)
+    corpus = {k: v for k, v in spec.data.items() if k != "source"}
     assert spec.data["source"] == "synthetic"
+    assert CorpusSpec(**corpus) == CorpusSpec(scale=25.6, shape=1.0, min_len=4, max_len=n, token_budget=n, seed=0)
 
 
 def test_the_text_source_trains_the_reference_model(tmp_path: Path) -> None:
@@ -65,7 +69,8 @@ def test_the_text_source_trains_the_reference_model(tmp_path: Path) -> None:
     assert losses[0] == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)  # uniform at the start
     assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses  # it learns the bytes of Python source
     # a job spec carrying the resolved [data] section rebuilds the very same source
-    job = JobSpec(model=dict(vocab_size=256), data=source.spec(), dp=2, num_microbatches=2)
-    rebuilt = job.data_spec()
+    job = JobSpec(adapter="megatron_ref", adapter_config=dict(vocab_size=256), data=source.spec(), dp=2,
+                  num_microbatches=2)
+    rebuilt = data_spec(job)
     b, c = micro_batch(rebuilt, 5, 1, 1), micro_batch(DataSpec(source), 5, 1, 1)
     assert torch.equal(b.tokens, c.tokens) and b.lengths == c.lengths
