@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, default=CONFIG)
     ap.add_argument("--iterations", type=int, help="per scenario; default 60 (quick 32)")
     ap.add_argument("--token-budget", type=int, help="override training.token_budget")
+    ap.add_argument("--microbatches", type=int, help="override training.microbatches")
     ap.add_argument("--repeats", type=int, help="timings per chunk, minimum kept (default 2; quick 1)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="what a chunk's time is")
     ap.add_argument("--scenarios", default="shuffled,path", help="shuffled (the config's order) and/or path "
@@ -281,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         raw["training"].update(token_budget=512, microbatches=2)
     if a.token_budget:
         raw["training"]["token_budget"] = a.token_budget
+    if a.microbatches:
+        raw["training"]["microbatches"] = a.microbatches
     cfg = Config.from_dict(raw, source=str(a.config))
     iterations = a.iterations or (32 if a.quick else 60)
     repeats = a.repeats or (1 if a.quick else 2)
