@@ -72,9 +72,6 @@ def enumerate_plans(state: Any, *, max_candidates: int = 200_000) -> list[Parall
     slots = [(r, s) for r in range(dp) for s in range(pp)]
     affected = [i for i, o in enumerate(opts) if len(o) > 1 or o[0] != plan.group(*slots[i])]
     parts = compositions(plan.num_layers, pp, layer_limits(state, plan))
-    count_sets = []
-    for i in affected:
-        count_sets.append(range(m + 1) if dp > 1 else range(1))
     n = 1
     for i in affected:
         n *= len(opts[i])
@@ -93,14 +90,14 @@ def enumerate_plans(state: Any, *, max_candidates: int = 200_000) -> list[Parall
         if len(used) != sum(len(g) for rep in tg for g in rep):
             continue  # a standby picked twice
         standbys = tuple(d for d in sorted(state.topology.ids) if d not in used and d not in failed)
+        count_sets = [(m,) if not tg[slots[i][0]][slots[i][1]] else (range(m + 1) if dp > 1 else (0,))
+                      for i in affected]
         for counts in itertools.product(*count_sets):
             migs: list[Migration] = []
             ok = True
             for i, c in zip(affected, counts):
                 r, s = slots[i]
                 peer = 1 - r if dp > 1 else r
-                if not tg[r][s]:
-                    c = m
                 if c and (dp == 1 or not tg[peer][s]):
                     ok = False
                     break

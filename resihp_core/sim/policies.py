@@ -403,7 +403,8 @@ class Greyhound(_SkiRental, NoMitigation):
 class EnhancedReCycle(_SkiRental, ReCycle):
     """ReCycle with Greyhound's fail-slow detection and mitigation added (SPEC §7's
     "enhanced" baseline): fail-stop as :class:`ReCycle`, fail-slow as
-    :class:`Greyhound`, escalating from ReCycle's current plan."""
+    :class:`Greyhound`, escalating from ReCycle's current plan. Simplified as both
+    parts are; after a fail-stop reaction the escalation restarts from level 0."""
 
     name = "enh-recycle"
 
@@ -424,7 +425,8 @@ class EnhancedReCycle(_SkiRental, ReCycle):
 
 class EnhancedOobleck(EnhancedReCycle):
     """Oobleck with Greyhound's fail-slow detection and mitigation added: fail-stop
-    as :class:`Oobleck`, fail-slow as :class:`Greyhound`."""
+    as :class:`Oobleck`, fail-slow as :class:`Greyhound`. Simplified as both parts
+    are (see their docstrings)."""
 
     name = "enh-oobleck"
     node_granularity = True
