@@ -156,8 +156,12 @@ class NoMitigation(Policy):
     name = "none"
 
     def start(self, ctx: SimContext) -> ParallelPlan:
-        self.plan = self.layout = ctx.origin
+        self.plan = self.layout = self.home = self.first_layout(ctx)
         return self.plan
+
+    def first_layout(self, ctx: SimContext) -> ParallelPlan:
+        """The job's first plan under this policy (the job's own layout by default)."""
+        return ctx.origin
 
     def _restart(self, ctx: SimContext, health: Health | None = None, rollback: str = "checkpoint",
                  note: str = "restart from checkpoint") -> Reaction:
@@ -176,7 +180,7 @@ class NoMitigation(Policy):
         return self._restart(ctx)
 
     def _back_to_origin(self, ctx: SimContext) -> Reaction | None:
-        origin = ctx.origin
+        origin = self.home
         if self.layout is origin or any(d in ctx.health.failed for d in origin.devices()):
             return None
         if self.iteration_time(ctx, origin) >= self.iteration_time(ctx, self.plan) * 0.99:
@@ -236,7 +240,7 @@ class ReCycle(NoMitigation):
         return self.fail_stop_plan(ctx, e)
 
     def fail_stop_repair(self, ctx: SimContext, e: FailureEvent) -> Reaction | None:
-        if self.layout is not ctx.origin:
+        if self.layout is not self.home:
             return self._back_to_origin(ctx)
         new = self._reroute(ctx)
         if new is None or (new.tp_groups, new.migrations) == (self.plan.tp_groups, self.plan.migrations):
@@ -248,6 +252,16 @@ class ReCycle(NoMitigation):
         return self.fail_stop_repair(ctx, e)
 
 
+def pipeline_major(plan: ParallelPlan) -> ParallelPlan:
+    """``plan``'s uniform layout with device ids assigned TP-innermost, then stage,
+    then replica (a node holds consecutive stages of one replica)."""
+    tp = len(plan.group(0, 0))
+    pp, dp = plan.pp, plan.dp
+    groups = tuple(tuple(tuple(r * pp * tp + s * tp + t for t in range(tp)) for s in range(pp))
+                   for r in range(dp))
+    return plan.with_(tp_groups=groups)
+
+
 class Oobleck(ReCycle):
     """Oobleck (fail-stop): the pipeline that lost a node is re-instantiated from a
     template with fewer nodes and the global batch is redistributed over the
@@ -256,10 +270,15 @@ class Oobleck(ReCycle):
     (all of them, healthy members included) leaving the plan with their micro-batches
     spread over the stage's DP peers, and the re-instantiation priced as copying the
     dropped stages' state (one stage shard per device, by bytes and bandwidth) plus a
-    communicator rebuild."""
+    communicator rebuild. Oobleck places each pipeline on its own nodes, so its first
+    plan is laid out pipeline-major (TP innermost, then stages, then replicas: a node
+    holds consecutive stages of one replica) rather than the job's Megatron layout."""
 
     name = "oobleck"
     node_granularity = True
+
+    def first_layout(self, ctx: SimContext) -> ParallelPlan:
+        return pipeline_major(ctx.origin)
 
     def _copy_s(self, ctx: SimContext, old: ParallelPlan, new: ParallelPlan) -> float:
         per_layer = ctx.job.state_bytes_per_layer()
@@ -430,6 +449,7 @@ class EnhancedOobleck(EnhancedReCycle):
 
     name = "enh-oobleck"
     node_granularity = True
+    first_layout = Oobleck.first_layout
     _copy_s = Oobleck._copy_s
 
 
