@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from resihp_core.sim.calibration import E2E_LAYOUTS, predicted_ratio  # noqa: E402
 from resihp_core.sim.cluster import STANDARD_JOBS, JobSpec  # noqa: E402
 from resihp_core.sim.engine import run  # noqa: E402
 from resihp_core.sim.report import amplification, plot, policy, policy_names, summarise, sweep  # noqa: E402
@@ -65,8 +66,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--jobs", help="comma-separated job sizes (quick 16,32,256; full 16,32,64,256)")
     ap.add_argument("--scale-max", type=int, help="largest device count of the scale sweep")
     ap.add_argument("--scale-hours", type=float, default=1.0, help="simulated hours per sweep point")
+    ap.add_argument("--calibrate", type=Path, metavar="E2E_JSON",
+                    help="compare the simulated adaptation ratios with a measured benchmarks/e2e.py --json file")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
+
+
+def _calibration(e2e_json: Path | None) -> list[dict[str, Any]]:
+    """Simulated ResiHP / no-mitigation ratios of e2e.py's one-core layouts, beside the
+    measured steady-state ratios when an e2e JSON file is given (target: within 10 %)."""
+    measured = json.loads(e2e_json.read_text()) if e2e_json else {}
+    rows = []
+    print("\nCalibration: medium compute fail-slow (2.22x), ResiHP / no mitigation, steady state")
+    print(f"{'layout':<12} {'simulated':>9} {'measured':>9} {'diff':>7}")
+    for name in E2E_LAYOUTS:
+        sim = predicted_ratio(name)
+        real = (measured.get(name) or {}).get("ratio_steady")
+        row = {**sim, "measured": real}
+        if real:
+            row["relative_difference"] = sim["ratio"] / real - 1
+        rows.append(row)
+        diff = f"{100 * row['relative_difference']:+.1f}%" if real else "-"
+        print(f"{name:<12} {sim['ratio']:>9.3f} {real if real else '-':>9} {diff:>7}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             if n == 16384:
                 out["speed_16k_ok"] = wall < TARGET_16K_S
+        out["calibration"] = _calibration(a.calibrate)
     except Exception as e:  # pragma: no cover - report and fail
         import traceback
 

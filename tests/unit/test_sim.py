@@ -237,3 +237,15 @@ def test_cli_simulate_bad_input(capsys) -> None:
     assert "unknown policy bogus" in capsys.readouterr().err
     assert main(["simulate", "no-such-scenario", "--no-progress"]) == 2
     assert "neither a scenario name" in capsys.readouterr().err
+
+
+def test_calibration_layouts_predict_a_gain_from_adaptation() -> None:
+    from resihp_core.sim.calibration import predicted_ratio
+
+    pp = predicted_ratio("one_core_pp")
+    dp = predicted_ratio("one_core_dp")
+    # A 2.22x compute slowdown costs about 55 % unmitigated (SPEC's medium severity) ...
+    assert 0.45 < pp["unmitigated_loss"] < 0.6 and 0.45 < dp["unmitigated_loss"] < 0.6
+    # ... and each layout's one applicable dimension wins back most of it.
+    assert "layers (4, 4) -> " in pp["plan"] and pp["ratio"] > 1.3
+    assert "migrated" in dp["plan"] and dp["ratio"] > 1.3
