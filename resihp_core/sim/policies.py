@@ -310,6 +310,15 @@ class _SkiRental:
         self.pending = -1
 
     def _candidate(self, ctx: SimContext, lvl: int) -> tuple[ParallelPlan | None, float, str]:
+        from resihp_core.plan import PlanError
+        from resihp_core.scheduler import PlannerError
+
+        try:
+            return self._level_plan(ctx, lvl)
+        except (PlannerError, PlanError):
+            return None, 0.0, "none"
+
+    def _level_plan(self, ctx: SimContext, lvl: int) -> tuple[ParallelPlan | None, float, str]:
         from resihp_core.scheduler.baselines import dp_only, pp_only
 
         base = self.fs_plan  # type: ignore[attr-defined]
