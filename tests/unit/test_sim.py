@@ -217,13 +217,18 @@ def test_enumerated_optimum_contains_the_unmitigated_plan_and_bounds_it() -> Non
 def test_cli_simulate_writes_json_and_replays_a_trace_file(tmp_path: Path, capsys, state0) -> None:
     out = tmp_path / "s.json"
     rc = main(["simulate", "stop-1h", "--hours", "1", "--seeds", "1", "--policies", "resihp,none",
-               "--json", str(out), "--traces", str(tmp_path / "tr"), "--no-progress"])
+               "--json", str(out), "--traces", str(tmp_path / "tr"), "--plot", str(tmp_path / "p.png"),
+               "--no-progress"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert set(data["summary"]["stop-1h"]) == {"resihp", "none"}
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "retained" in text and "resihp" in text
     (trace_file,) = (tmp_path / "tr").glob("*.json")
+    events = Trace.load(trace_file).events
+    for r in data["runs"]:  # every trace event is in every run's log, in order
+        assert [e["what"].split()[0] for e in r["log"] if e.get("truth")] == [e.kind for e in events]
     out2 = tmp_path / "s2.json"
     assert main(["simulate", str(trace_file), "--policies", "resihp,none", "--json", str(out2),
                  "--no-progress"]) == 0
