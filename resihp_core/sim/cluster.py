@@ -15,7 +15,7 @@ names its source; all are overridable (a scenario file or the API may set them).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from resihp_core.testing.scheduler_jobs import MODELS, ModelSpec
