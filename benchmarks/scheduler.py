@@ -58,7 +58,7 @@ from resihp_core.scheduler import DEFAULT_STAGES, Planner, PlannerState, apply_r
 from resihp_core.scheduler.baselines import dp_only, drop_group, no_mitigation, pp_only  # noqa: E402
 from resihp_core.scheduler.exact import model_time, solve_exact  # noqa: E402
 from resihp_core.sim.optimum import optimum  # noqa: E402
-from resihp_core.testing.scheduler_jobs import ModelSpec, job_state  # noqa: E402
+from resihp_core.sim.jobs import ModelSpec, job_state  # noqa: E402
 
 SEVERITY = {"weak": 0.35, "medium": 0.55, "strong": 0.70}
 LATENCY_256_MS = 100.0

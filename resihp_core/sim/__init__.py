@@ -2,7 +2,7 @@
 
 A discrete-event, iteration-level model of a training job on a cluster (nodes of 8
 devices), built on the project's own parts: the job comes from the planner's
-:func:`~resihp_core.testing.scheduler_jobs.job_state` (cost model, workload corpus, links,
+:func:`~resihp_core.sim.jobs.job_state` (cost model, workload corpus, links,
 memory), every plan is judged by the planner's evaluator (the DAG simulator), ResiHP
 is the real :class:`~resihp_core.scheduler.Planner`, the baselines are built from the
 planner's stages and ``restore_layout``, and detection latency is measured on the

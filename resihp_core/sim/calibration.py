@@ -32,7 +32,7 @@ def predicted_ratio(name: str, slowdown: float = 2.22) -> dict[str, Any]:
     """Simulated ResiHP / no-mitigation throughput ratio for an e2e.py layout."""
     from resihp_core.protocol import FailureReport
     from resihp_core.scheduler import Planner, apply_report
-    from resihp_core.testing.scheduler_jobs import toy_state
+    from resihp_core.sim.jobs import toy_state
 
     tp, pp, dp, layers, m, (r, s) = E2E_LAYOUTS[name]
     st = toy_state(tp=tp, pp=pp, dp=dp, m=m, layers=layers, devices_per_node=8)

@@ -2,7 +2,7 @@
 
 Why: the cluster simulator (:mod:`resihp_core.sim`) must price a job the way the
 planner prices plans, so it builds its job with the planner's own
-:func:`~resihp_core.testing.scheduler_jobs.job_state` (analytic per-layer costs from FLOPs,
+:func:`~resihp_core.sim.jobs.job_state` (analytic per-layer costs from FLOPs,
 the α·N + β·Σl² workload term on the long-tailed corpus, optimizer and DP reduction
 from bandwidth, nodes of 8 devices, NVSwitch inside, 200 Gb/s between) and judges
 every plan with the planner's :class:`~resihp_core.scheduler.evaluate.Evaluator`
@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from resihp_core.testing.scheduler_jobs import MODELS, ModelSpec
+from resihp_core.sim.jobs import MODELS, ModelSpec
 
 __all__ = ["ALL_MODELS", "Costs", "JobSpec", "SimError", "STANDARD_JOBS"]
 
@@ -73,7 +73,7 @@ class JobSpec:
         """The planner's healthy :class:`~resihp_core.scheduler.PlannerState` of this job."""
         from dataclasses import replace
 
-        from resihp_core.testing.scheduler_jobs import job_state
+        from resihp_core.sim.jobs import job_state
 
         st = job_state(tp=self.tp, pp=self.pp, dp=self.dp, num_microbatches=self.num_microbatches,
                        model=self.spec(), tokens=self.tokens, seed=self.seed)

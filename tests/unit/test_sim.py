@@ -195,7 +195,7 @@ def test_compositions() -> None:
 def test_enumerated_optimum_contains_the_unmitigated_plan_and_bounds_it() -> None:
     from resihp_core.protocol import FailureReport
     from resihp_core.scheduler import DEFAULT_STAGES, Planner, apply_report
-    from resihp_core.testing.scheduler_jobs import ModelSpec, job_state
+    from resihp_core.sim.jobs import ModelSpec, job_state
 
     st = job_state(tp=2, pp=2, dp=2, num_microbatches=4, model=ModelSpec("t", 4, 4096, 202e6, 32))
     dev = st.plan.group(0, 1)[1]
