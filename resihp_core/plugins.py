@@ -42,6 +42,7 @@ from resihp_core.adapter import (
 from resihp_core.plan import ParallelPlan
 
 if TYPE_CHECKING:
+    from resihp_core.data import DataSourceRegistry
     from resihp_core.protocol import FailureReport
 
 __all__ = [
@@ -80,6 +81,7 @@ BUILTINS: list[str] = [
     "resihp_core.detector.builtin",
     "resihp_core.scheduler.builtin",
     "resihp_core.sim.builtin",
+    "resihp_core.data.builtin",
 ]
 
 #: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
@@ -391,6 +393,12 @@ class Plugins:
     def commands(self) -> CommandRegistry:
         """Subcommands contributed by plugins (``resihp demo``, ...)."""
         return self._fill("resihp_register_commands", CommandRegistry)
+
+    def data_sources(self) -> DataSourceRegistry:
+        """Data sources a job's ``[data] source`` can name (``synthetic``, ``text``, ...)."""
+        from resihp_core.data import DataSourceRegistry
+
+        return self._fill("resihp_register_data_sources", DataSourceRegistry)
 
     def notify_failure(self, report: FailureReport) -> None:
         self._notify("resihp_failure_reported", report=report)
