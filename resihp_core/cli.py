@@ -175,12 +175,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_config(args)
 
 
+# ------------------------------------------------------------------ simulate
+def _configure_simulate(p: argparse.ArgumentParser) -> None:
+    from resihp_core.sim.cli import configure
+
+    configure(p)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from resihp_core.sim.cli import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "agent": Command("serve as a node agent: launch and watch this host's workers for a controller",
                      _configure_agent, _cmd_agent),
     "plugins": Command("list loaded plugins and registered adapters", _configure_plugins, _cmd_plugins),
     "plan": Command("inspect parallel plans", _configure_plan, _cmd_plan),
     "run": Command("run a resilient job from a configuration file", _configure_run, _cmd_run),
+    "simulate": Command("simulate ResiHP and the comparison systems on a failure trace (cluster scale)",
+                        _configure_simulate, _cmd_simulate),
 }
 
 

@@ -6,7 +6,7 @@ only through the typed facade :class:`resihp_core.plugins.Plugins`, which calls 
 implementation in pluggy's order (plugins first, ``trylast`` built-ins last) and knows
 which plugin made each registration. Hook wrappers are not supported.
 
-Five families:
+Six families:
 
 - **adapters** — ``resihp_register_adapters``: the execution layer for a framework.
 - **detection** — ``resihp_register_changepoint_detectors`` and
@@ -15,6 +15,8 @@ Five families:
 - **scheduling** — ``resihp_register_adaptation_stages``: the ordered stages of the
   progressive planner (built in: ``tp``, ``pp``, ``dp``), which a plugin replaces by
   registering the same name or extends with a new name and order.
+- **simulation** — ``resihp_register_sim_policies``: the mitigation policies the
+  cluster simulator (:mod:`resihp_core.sim`) compares.
 - **data** — ``resihp_register_data_sources``: where a job's documents come from
   (built in: ``synthetic``, ``text``).
 - **observers** — ``resihp_job_started``, ``resihp_failure_reported``,
@@ -96,6 +98,22 @@ def resihp_register_adaptation_stages(registry: StageRegistry) -> None:
     with an order in between to add a stage.
 
     :param registry: the :class:`~resihp_core.plugins.StageRegistry` to fill.
+    """
+
+
+# ----------------------------------------------------------------- simulation
+@hookspec
+def resihp_register_sim_policies(registry: FactoryRegistry) -> None:
+    """Register mitigation policies for the cluster simulator (``resihp simulate``).
+
+    Call ``registry.register(name, factory)``; the simulator calls ``factory()`` once per
+    run and drives the result through the interface of
+    :class:`resihp_core.sim.policies.Policy` (``start``, ``on_stop``, ``on_repair``,
+    ``on_slow``, ``on_recover``, ``on_timer``, ``iteration_time``). Built-ins:
+    ``resihp``, ``none``, ``recycle``, ``oobleck``, ``greyhound``, ``adaptra``,
+    ``enh-recycle``, ``enh-oobleck``.
+
+    :param registry: a :class:`~resihp_core.plugins.FactoryRegistry` of policy factories.
     """
 
 

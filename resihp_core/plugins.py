@@ -77,8 +77,12 @@ ENV_BLOCK = "RESIHP_BLOCK_PLUGINS"
 
 #: Modules (dotted paths, imported when a :class:`Plugins` is built) that provide the
 #: built-in hook implementations; each implementation must be ``trylast``.
-BUILTINS: list[str] = ["resihp_core.detector.builtin", "resihp_core.scheduler.builtin",
-                       "resihp_core.data.builtin"]
+BUILTINS: list[str] = [
+    "resihp_core.detector.builtin",
+    "resihp_core.scheduler.builtin",
+    "resihp_core.sim.builtin",
+    "resihp_core.data.builtin",
+]
 
 #: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
 #: The one table of built-in adaptation stages and their order: TP selective exclusion,
@@ -381,6 +385,10 @@ class Plugins:
     def adaptation_stages(self) -> StageRegistry:
         """The planner's stages; run them in ``.ordered()`` order."""
         return self._fill("resihp_register_adaptation_stages", StageRegistry)
+
+    def sim_policies(self) -> FactoryRegistry:
+        """Policies the cluster simulator can compare (``resihp simulate``)."""
+        return self._fill("resihp_register_sim_policies", lambda: FactoryRegistry("simulation policy"))
 
     def commands(self) -> CommandRegistry:
         """Subcommands contributed by plugins (``resihp demo``, ...)."""
