@@ -189,7 +189,7 @@ def _from_text(tp: Any, text: str) -> Any:
 # --------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class DetectorConfig(_Section):
-    """Fail-stop heartbeats and the fail-slow change-point filter (SPEC §3)."""
+    """Fail-stop heartbeats and the fail-slow change-point filter (docs/design.md §3)."""
 
     SECTION: ClassVar[str] = "detector"
 
@@ -209,7 +209,7 @@ class DetectorConfig(_Section):
 
 @dataclass(frozen=True)
 class SchedulerConfig(_Section):
-    """Progressive TP -> PP -> DP adaptation (SPEC §4)."""
+    """Progressive TP -> PP -> DP adaptation (docs/design.md §4)."""
 
     SECTION: ClassVar[str] = "scheduler"
 
