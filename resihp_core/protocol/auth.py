@@ -18,11 +18,14 @@ if TYPE_CHECKING:
     import asyncio
     import socket
 
-__all__ = ["NONCE_BYTES", "HANDSHAKE_TIMEOUT_S", "auth_digest", "server_handshake",
+__all__ = ["NONCE_BYTES", "HANDSHAKE_TIMEOUT_S", "HANDSHAKE_MAX_FRAME_BYTES", "auth_digest", "server_handshake",
            "client_handshake", "server_handshake_sync", "client_handshake_sync"]
 
 NONCE_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 5.0
+# Every handshake message is a few hundred bytes (identity <= 256 characters, nonce <= 64
+# bytes): a peer that has not authenticated yet cannot make either side buffer more.
+HANDSHAKE_MAX_FRAME_BYTES = 1024
 
 
 def _key(secret: str | bytes) -> bytes:
@@ -96,11 +99,11 @@ def server_handshake_sync(
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
     try:
-        reply = state.on_hello(recv_msg(sock, left()))
+        reply = state.on_hello(recv_msg(sock, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
         send_msg(sock, reply)
         if isinstance(reply, AuthResult):
             raise AuthError(reply.reason)
-        result = state.on_response(recv_msg(sock, left()))
+        result = state.on_response(recv_msg(sock, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
         send_msg(sock, result)
     except AuthError:
         raise
@@ -124,8 +127,8 @@ def client_handshake_sync(
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
     try:
         send_msg(sock, Hello(PROTOCOL_VERSION, role, identity))
-        send_msg(sock, _client_reply(secret, identity, recv_msg(sock, left())))
-        _client_result(recv_msg(sock, left()))
+        send_msg(sock, _client_reply(secret, identity, recv_msg(sock, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)))
+        _client_result(recv_msg(sock, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
     except AuthError:
         raise
     except (ProtocolError, OSError) as exc:
@@ -145,11 +148,11 @@ async def server_handshake(
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
     try:
-        reply = state.on_hello(await read_msg(reader, left()))
+        reply = state.on_hello(await read_msg(reader, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
         await write_msg(writer, reply)
         if isinstance(reply, AuthResult):
             raise AuthError(reply.reason)
-        result = state.on_response(await read_msg(reader, left()))
+        result = state.on_response(await read_msg(reader, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
         await write_msg(writer, result)
     except AuthError:
         raise
@@ -175,8 +178,8 @@ async def client_handshake(
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
     try:
         await write_msg(writer, Hello(PROTOCOL_VERSION, role, identity))
-        await write_msg(writer, _client_reply(secret, identity, await read_msg(reader, left())))
-        _client_result(await read_msg(reader, left()))
+        await write_msg(writer, _client_reply(secret, identity, await read_msg(reader, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)))
+        _client_result(await read_msg(reader, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
     except AuthError:
         raise
     except (ProtocolError, OSError, asyncio.TimeoutError) as exc:

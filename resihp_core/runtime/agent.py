@@ -73,6 +73,7 @@ from resihp_core.protocol import (
     server_handshake,
     write_msg,
 )
+from resihp_core.runtime.gate import PreAuthGate
 from resihp_core.runtime.heartbeat import BYE, format_address, parse_address, parse_worker_identity
 
 __all__ = ["NodeAgent", "configure", "main", "process_state", "run"]
@@ -173,6 +174,7 @@ class NodeAgent:
         self._workdir = Path(workdir) if workdir is not None else None
         self.children: dict[int, subprocess.Popen] = {}  # device -> worker this agent launched
         self._ended: set[int] = set()  # pids whose end the controller was told
+        self._gate = PreAuthGate(f"agent{node}")
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -234,6 +236,7 @@ class NodeAgent:
         if self._closed is None or self._closed.is_set():
             return
         self._closed.set()
+        self._gate.close_all()
         if self._server is not None:
             self._server.close()
         for fd in list(self._pidfds.values()):
@@ -355,11 +358,17 @@ class NodeAgent:
     async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         device: int | None = None
         try:
+            if not self._gate.admit(writer):
+                return
             try:
-                hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                try:
+                    hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                finally:
+                    self._gate.done(writer)
                 device, rank, pid = parse_worker_identity(hello.identity)
             except (AuthError, ValueError) as e:
-                logger.warning("agent %d: refused a worker connection: %s", self.node, e)
+                if not self._gate.closing:
+                    logger.warning("event=auth_refused listener=agent%d reason=%r", self.node, str(e))
                 return
             old = self._conns.pop(device, None)
             if old is not None:

@@ -70,6 +70,7 @@ from resihp_core.protocol import (
     server_handshake,
     write_msg,
 )
+from resihp_core.runtime.gate import MAX_PENDING_HANDSHAKES, PreAuthGate
 from resihp_core.runtime.heartbeat import BYE
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class Controller:
         ranks the agents report alive.
     :param on_process: called on the loop with each agent's ``WorkerProcess``.
     :param on_node_lost: called on the loop with the node id of a lost agent.
+    :param handshake_timeout, max_pending_handshakes: bounds on connections that have
+        not authenticated yet (see :mod:`resihp_core.runtime.gate`).
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class Controller:
         agent_timeout_s: float | None = None,
         expected_ranks: set[int] | None = None,
         handshake_timeout: float = 5.0,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
         on_detection: Callable[[Detection], None] | None = None,
         on_process: Callable[[WorkerProcess], None] | None = None,
         on_node_lost: Callable[[int], None] | None = None,
@@ -175,6 +179,7 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.address: tuple[str, int] | None = None
         self._stopping = False
+        self._gate = PreAuthGate("controller", max_pending_handshakes)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
@@ -198,6 +203,7 @@ class Controller:
 
     async def stop(self) -> None:
         self._stopping = True
+        self._gate.close_all()
         if self._server is not None:
             self._server.close()
         for t in self._tasks:
@@ -326,15 +332,21 @@ class Controller:
         node: int | None = None
         why = "connection closed"
         try:
+            if not self._gate.admit(writer):
+                return
             try:
-                hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                try:
+                    hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                finally:
+                    self._gate.done(writer)
                 role, _, ident = hello.identity.partition(":")
                 if hello.role != "agent" or role != "agent" or not ident.isdigit():
                     await write_msg(writer, Error("bad-identity", f"expected agent:<node>, got {hello.identity!r}"))
                     return
                 node = int(ident)
             except AuthError as e:
-                logger.warning("controller: refused a connection: %s", e)
+                if not self._stopping:
+                    logger.warning("event=auth_refused listener=controller reason=%r", str(e))
                 return
             view = self.nodes.get(node)
             if view is not None and view.connected and node in self._conns:
