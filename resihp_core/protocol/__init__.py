@@ -20,18 +20,18 @@ the caller closes the connection. :class:`FrameReader` enforces this by refusing
 further input (it is *poisoned*) until :meth:`FrameReader.reset`. Socket errors
 (``OSError``) are not protocol errors and propagate unchanged.
 
-Connections start with an HMAC challenge-response on a shared job secret::
+Connections start with a mutual HMAC challenge-response on a shared key (the job
+secret, or a node's credential derived from it; see :mod:`resihp_core.protocol.auth`)::
 
-    client -> Hello(version, role, identity)
-    server -> Challenge(nonce)                       # 32 fresh random bytes
-    client -> AuthResponse(HMAC-SHA256(secret, nonce + identity))
+    client -> Hello(version, role, identity, client_nonce)
+    server -> Challenge(server_nonce, proof)          # proof: HMAC(key, tag + nonces + identity)
+    client -> AuthResponse(HMAC-SHA256(key, server_nonce + identity))
     server -> AuthResult(ok, reason)                 # then closes if not ok
 
 Any failure of the handshake (wrong or missing secret, wrong version, a silent or
 misbehaving peer, a timeout) raises :class:`AuthError` on the side that sees it. The
-secret never crosses the wire. Authentication is one-way: the server learns that the
-client knows the secret; the client trusts the address it dialled (the controller
-binds to loopback unless told otherwise).
+secret never crosses the wire. Authentication is mutual: the client checks the
+server's proof before it sends its own digest or obeys anything.
 
 Schema evolution rules:
 
@@ -92,4 +92,8 @@ __all__ = [
     "client_handshake",
     "server_handshake_sync",
     "client_handshake_sync",
+    "node_credential",
+    "server_proof",
+    "KeySource",
+    "HANDSHAKE_MAX_FRAME_BYTES",
 ]

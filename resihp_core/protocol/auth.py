@@ -1,4 +1,19 @@
-"""The connection handshake: HMAC challenge-response on the job secret."""
+"""The connection handshake: mutual HMAC challenge-response on a shared key.
+
+::
+
+    client -> Hello(version, role, identity, client_nonce)
+    server -> Challenge(server_nonce, proof)     # proof = HMAC(key, "server" + both nonces + identity)
+    client -> AuthResponse(HMAC(key, server_nonce + identity))   # only if the proof is right
+    server -> AuthResult(ok, reason)
+
+Both sides prove knowledge of the key without sending it; a client never obeys a server
+that cannot prove it (an agent does not launch anything a stranger tells it to). The
+server may pick the key from the client's claimed identity (:data:`KeySource` as a
+callable): the controller derives each node's key with :func:`node_credential`, so a
+node's credential cannot authenticate as another node. Handshake frames are limited
+to :data:`HANDSHAKE_MAX_FRAME_BYTES`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +21,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Union
 
 from resihp_core.protocol.errors import AuthError, ProtocolError
 from resihp_core.protocol.framing import read_msg, recv_msg, send_msg, write_msg
@@ -19,7 +34,8 @@ if TYPE_CHECKING:
     import socket
 
 __all__ = ["NONCE_BYTES", "HANDSHAKE_TIMEOUT_S", "HANDSHAKE_MAX_FRAME_BYTES", "auth_digest", "server_handshake",
-           "client_handshake", "server_handshake_sync", "client_handshake_sync"]
+           "client_handshake", "server_handshake_sync", "client_handshake_sync",
+           "node_credential", "server_proof", "KeySource"]
 
 NONCE_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -35,9 +51,31 @@ def _key(secret: str | bytes) -> bytes:
     return key
 
 
+KeySource = Union[str, bytes, Callable[[Hello], Union[str, bytes]]]
+"""A server's key: fixed, or chosen from the client's Hello (raise AuthError to refuse it)."""
+
+
+def node_credential(secret: str | bytes, node: int) -> str:
+    """Node ``node``'s own key, HMAC-SHA256(job secret, "resihp/node/<node>") in hex.
+
+    Node ``node``'s agent and its workers authenticate with it; it proves nothing about
+    any other node, and the job secret cannot be recovered from it.
+    """
+    if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+        raise ValueError(f"node must be an int >= 0, got {node!r}")
+    return hmac.new(_key(secret), f"resihp/node/{node}".encode(), hashlib.sha256).hexdigest()
+
+
 def auth_digest(secret: str | bytes, nonce: bytes, identity: str) -> bytes:
-    """HMAC-SHA256 over the server's nonce and the client's claimed identity."""
+    """The client's proof: HMAC-SHA256 over the server's nonce and the claimed identity."""
     return hmac.new(_key(secret), nonce + identity.encode(), hashlib.sha256).digest()
+
+
+def server_proof(secret: str | bytes, client_nonce: bytes, server_nonce: bytes, identity: str) -> bytes:
+    """The server's proof: HMAC-SHA256 over a domain tag, both nonces and the identity
+    (the tag keeps it from ever equalling a client digest)."""
+    return hmac.new(_key(secret), b"resihp-server\0" + client_nonce + server_nonce + identity.encode(),
+                    hashlib.sha256).digest()
 
 
 def _handshake_failed(exc: BaseException) -> AuthError:
@@ -54,8 +92,9 @@ def _expect(msg: Message | None, typ: type, step: str) -> None:
 class _Server:
     """The server's side of the handshake as a tiny state machine shared by sync/async."""
 
-    def __init__(self, secret: str | bytes) -> None:
-        self.key = _key(secret)
+    def __init__(self, secret: KeySource) -> None:
+        self.source = secret if callable(secret) else _key(secret)
+        self.key = b""
         self.hello: Hello | None = None
         self.nonce = secrets.token_bytes(NONCE_BYTES)
 
@@ -65,7 +104,16 @@ class _Server:
         self.hello = msg
         if msg.version != PROTOCOL_VERSION:
             return AuthResult(False, f"protocol version {msg.version} unsupported, need {PROTOCOL_VERSION}")
-        return Challenge(self.nonce)
+        if len(msg.nonce) < 16:
+            return AuthResult(False, "no client nonce: mutual authentication is required")
+        if callable(self.source):
+            try:
+                self.key = _key(self.source(msg))
+            except AuthError as e:
+                return AuthResult(False, str(e))
+        else:
+            self.key = self.source
+        return Challenge(self.nonce, server_proof(self.key, msg.nonce, self.nonce, msg.identity))
 
     def on_response(self, msg: Message | None) -> AuthResult:
         _expect(msg, AuthResponse, "AuthResponse")
@@ -76,12 +124,21 @@ class _Server:
         return AuthResult(False, "authentication failed")
 
 
-def _client_reply(secret: str | bytes, identity: str, msg: Message | None) -> AuthResponse:
-    if isinstance(msg, AuthResult) and not msg.ok:
-        raise AuthError(f"server refused: {msg.reason}")
-    _expect(msg, Challenge, "Challenge")
-    assert isinstance(msg, Challenge)
-    return AuthResponse(auth_digest(secret, msg.nonce, identity))
+class _Client:
+    def __init__(self, secret: str | bytes, identity: str, role: str) -> None:
+        self.key = _key(secret)
+        self.identity = identity
+        self.hello = Hello(PROTOCOL_VERSION, role, identity, secrets.token_bytes(NONCE_BYTES))
+
+    def reply(self, msg: Message | None) -> AuthResponse:
+        if isinstance(msg, AuthResult) and not msg.ok:
+            raise AuthError(f"server refused: {msg.reason}")
+        _expect(msg, Challenge, "Challenge")
+        assert isinstance(msg, Challenge)
+        want = server_proof(self.key, self.hello.nonce, msg.nonce, self.identity)
+        if not hmac.compare_digest(msg.proof, want):
+            raise AuthError("the server could not prove it knows the secret (mutual authentication failed)")
+        return AuthResponse(auth_digest(self.key, msg.nonce, self.identity))
 
 
 def _client_result(msg: Message | None) -> None:
@@ -92,7 +149,7 @@ def _client_result(msg: Message | None) -> None:
 
 
 def server_handshake_sync(
-    sock: socket.socket, secret: str | bytes, *, timeout: float = HANDSHAKE_TIMEOUT_S
+    sock: socket.socket, secret: KeySource, *, timeout: float = HANDSHAKE_TIMEOUT_S
 ) -> Hello:
     """Authenticate the client on ``sock``; returns its Hello. Raises :class:`AuthError`."""
     state = _Server(secret)
@@ -122,12 +179,14 @@ def client_handshake_sync(
     role: str = "agent",
     timeout: float = HANDSHAKE_TIMEOUT_S,
 ) -> None:
-    """Prove knowledge of ``secret`` to the server on ``sock``. Raises :class:`AuthError`."""
+    """Prove knowledge of ``secret`` to the server on ``sock`` and check that the server
+    knows it too. Raises :class:`AuthError`."""
+    client = _Client(secret, identity, role)
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
     try:
-        send_msg(sock, Hello(PROTOCOL_VERSION, role, identity))
-        send_msg(sock, _client_reply(secret, identity, recv_msg(sock, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)))
+        send_msg(sock, client.hello)
+        send_msg(sock, client.reply(recv_msg(sock, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)))
         _client_result(recv_msg(sock, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
     except AuthError:
         raise
@@ -138,7 +197,7 @@ def client_handshake_sync(
 async def server_handshake(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    secret: str | bytes,
+    secret: KeySource,
     *,
     timeout: float = HANDSHAKE_TIMEOUT_S,
 ) -> Hello:
@@ -174,11 +233,12 @@ async def client_handshake(
 ) -> None:
     """Asyncio twin of :func:`client_handshake_sync`."""
     import asyncio
+    client = _Client(secret, identity, role)
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
     try:
-        await write_msg(writer, Hello(PROTOCOL_VERSION, role, identity))
-        await write_msg(writer, _client_reply(secret, identity, await read_msg(reader, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)))
+        await write_msg(writer, client.hello)
+        await write_msg(writer, client.reply(await read_msg(reader, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES)))
         _client_result(await read_msg(reader, left(), max_frame_bytes=HANDSHAKE_MAX_FRAME_BYTES))
     except AuthError:
         raise

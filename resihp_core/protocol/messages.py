@@ -23,7 +23,7 @@ __all__ = [
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
-PROTOCOL_VERSION = 2  # 2: agents launch workers (launch / signal / process)
+PROTOCOL_VERSION = 3  # 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof)
 
 # ------------------------------------------------------------------- field types
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -47,10 +47,14 @@ class Hello(_Msg, tag="hello"):
     version: NonNeg
     role: ShortText  # "agent", "worker", "cli", ... (free text so new roles stay decodable)
     identity: ShortText  # e.g. "agent:node3"; bound into the HMAC
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # the client's challenge (v3)
 
 
 class Challenge(_Msg, tag="challenge"):
+    """The server's nonce, and its proof that it holds the client's key (v3)."""
+
     nonce: Nonce
+    proof: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class AuthResponse(_Msg, tag="auth"):

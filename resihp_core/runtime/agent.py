@@ -69,6 +69,7 @@ from resihp_core.protocol import (
     SignalWorker,
     WorkerProcess,
     client_handshake,
+    node_credential,
     read_msg,
     server_handshake,
     write_msg,
@@ -116,7 +117,10 @@ class NodeAgent:
     :param node: this node's id.
     :param controller: the controller's address (``host:port`` or tuple); None runs the
         agent detached (failures go to ``on_failure`` only; for tests).
-    :param secret: the job secret (workers and controller use the same).
+    :param secret: the job secret; the agent keeps only this node's credential derived
+        from it (:func:`~resihp_core.protocol.node_credential`), which it authenticates
+        to the controller with, requires from its workers and gives them.
+    :param credential: this node's credential instead of the job secret.
     :param config: heartbeat interval, miss limit and hang timeout settings.
     :param host, port, unix_path: where workers connect.
     :param on_failure: called with each :class:`WorkerFailure` (on the loop).
@@ -142,14 +146,16 @@ class NodeAgent:
         handshake_timeout: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         workdir: str | os.PathLike | None = None,
+        credential: str | None = None,
     ) -> None:
         if node < 0:
             raise ValueError(f"node must be >= 0, got {node}")
-        if not secret:
+        if not secret and not credential:
             raise ValueError("the job secret must not be empty")
         self.node = node
         self.controller = parse_address(controller) if controller is not None else None
-        self._secret = secret
+        # The agent and its workers hold this node's credential only (docs/security.md).
+        self._secret = credential or node_credential(secret, node)
         self.config = config or DetectorConfig()
         self.host, self.port, self.unix_path = host, port, unix_path
         self.on_failure, self.on_controller_lost = on_failure, on_controller_lost
@@ -460,6 +466,7 @@ class NodeAgent:
                 continue
             env = worker_env(store=f"{host}:{msg.store_port}", device=d, job_path=job_path, extra={
                 **msg.env, "RESIHP_AGENT_ADDR": self.worker_address or "", "RESIHP_SECRET": secret,
+                "RESIHP_NODE": str(self.node),
                 "RESIHP_RANK": str(d), "RESIHP_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s)})
             try:
                 child = spawn_worker(msg.module, env, self.workdir / f"worker{d}.log")
@@ -581,6 +588,8 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workdir", help="folder for launched workers' job file and logs (default: a temporary one)")
     ap.add_argument("--config", help="TOML/YAML configuration file (detector section)")
     ap.add_argument("--secret-env", default="RESIHP_SECRET", help="environment variable holding the job secret")
+    ap.add_argument("--credential-env", default="RESIHP_NODE_KEY",
+                    help="environment variable holding this node's credential (used instead of the job secret)")
     ap.add_argument("--connect-timeout", type=float, default=60.0,
                     help="keep trying to reach the controller this many seconds (default 60)")
     ap.add_argument("--log-level", default="WARNING")
@@ -597,12 +606,13 @@ async def _amain(args: argparse.Namespace) -> int:
 
     config = load_config(args.config).detector
     secret = os.environ.get(args.secret_env, "")
-    if not secret:
-        print(f"agent: the job secret is missing (set {args.secret_env})", file=sys.stderr)
+    credential = os.environ.get(args.credential_env, "") or None
+    if not secret and not credential:
+        print(f"agent: the job secret is missing (set {args.secret_env} or {args.credential_env})", file=sys.stderr)
         return 2
     host, port = ("127.0.0.1", 0) if args.unix else parse_address(args.listen)  # type: ignore[misc]
     agent = NodeAgent(args.node, args.controller, secret, config, host=host, port=port, unix_path=args.unix,
-                      workdir=args.workdir, connect_timeout=args.connect_timeout)
+                      workdir=args.workdir, connect_timeout=args.connect_timeout, credential=credential)
     address = await agent.start()
     if args.address_file:
         tmp = f"{args.address_file}.tmp{os.getpid()}"

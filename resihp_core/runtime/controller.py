@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from resihp_core.config import DetectorConfig
 from resihp_core.protocol import (
@@ -61,11 +61,13 @@ from resihp_core.protocol import (
     AuthError,
     Error,
     FailureReport,
+    Hello,
     IterationProfile,
     Message,
     ProtocolError,
     WorkerProcess,
     WorkerSummary,
+    node_credential,
     read_msg,
     server_handshake,
     write_msg,
@@ -119,6 +121,9 @@ class Controller:
         ranks the agents report alive.
     :param on_process: called on the loop with each agent's ``WorkerProcess``.
     :param on_node_lost: called on the loop with the node id of a lost agent.
+    :param node_devices: the job's topology, node id -> its devices: an agent of another
+        node is refused at the handshake, and a message about a device of another node
+        is dropped and logged (``event=identity_violation``). None: any node id (tests).
     :param handshake_timeout, max_pending_handshakes: bounds on connections that have
         not authenticated yet (see :mod:`resihp_core.runtime.gate`).
     """
@@ -138,6 +143,7 @@ class Controller:
         expected_ranks: set[int] | None = None,
         handshake_timeout: float = 5.0,
         max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        node_devices: Mapping[int, Iterable[int]] | None = None,
         on_detection: Callable[[Detection], None] | None = None,
         on_process: Callable[[WorkerProcess], None] | None = None,
         on_node_lost: Callable[[int], None] | None = None,
@@ -179,6 +185,9 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.address: tuple[str, int] | None = None
         self._stopping = False
+        self.node_devices: dict[int, frozenset[int]] | None = (
+            None if node_devices is None else {int(n): frozenset(ds) for n, ds in node_devices.items()})
+        self.rejected = 0  # messages dropped because they spoke about another node's devices
         self._gate = PreAuthGate("controller", max_pending_handshakes)
 
     # ------------------------------------------------------------ lifecycle
@@ -336,14 +345,10 @@ class Controller:
                 return
             try:
                 try:
-                    hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                    hello = await server_handshake(reader, writer, self._agent_key, timeout=self.handshake_timeout)
                 finally:
                     self._gate.done(writer)
-                role, _, ident = hello.identity.partition(":")
-                if hello.role != "agent" or role != "agent" or not ident.isdigit():
-                    await write_msg(writer, Error("bad-identity", f"expected agent:<node>, got {hello.identity!r}"))
-                    return
-                node = int(ident)
+                node = self._agent_node(hello)
             except AuthError as e:
                 if not self._stopping:
                     logger.warning("event=auth_refused listener=controller reason=%r", str(e))
@@ -385,14 +390,23 @@ class Controller:
             self.messages += 1
             view.last_seen = time.monotonic()
             if isinstance(msg, AgentState):
+                if self._foreign(view, msg, [w.device for w in msg.workers]):
+                    continue
                 self._on_state(view, msg)
             elif isinstance(msg, IterationProfile):
+                if self._foreign(view, msg, [msg.device]):
+                    continue
                 self._on_profile(msg)
             elif isinstance(msg, FailureReport):
+                if self._foreign(view, msg, list(msg.devices) + list(msg.throughput)):
+                    continue
                 self._emit(msg)
             elif isinstance(msg, WorkerProcess):
                 if msg.node != view.node:
-                    logger.warning("controller: agent of node %d spoke for node %d", view.node, msg.node)
+                    logger.warning("event=identity_violation node=%d claimed_node=%d message=WorkerProcess",
+                                   view.node, msg.node)
+                    continue
+                if self._foreign(view, msg, [msg.device]):
                     continue
                 if msg.returncode is None and not msg.error:
                     view.devices.add(msg.device)
@@ -410,6 +424,36 @@ class Controller:
                 return ""
             else:
                 logger.debug("controller: ignoring %s from node %d", type(msg).__name__, view.node)
+
+    def _agent_key(self, hello: Hello) -> str:
+        """The key an agent must prove: its node's credential, for a node of the job."""
+        node = self._parse_agent(hello)
+        if self.node_devices is not None and node not in self.node_devices:
+            raise AuthError(f"node {node} is not in the job's topology (nodes {sorted(self.node_devices)})")
+        return node_credential(self._secret, node)
+
+    @staticmethod
+    def _parse_agent(hello: Hello) -> int:
+        role, _, ident = hello.identity.partition(":")
+        if hello.role != "agent" or role != "agent" or not ident.isdigit() or len(ident) > 9:
+            raise AuthError(f"bad identity: expected agent:<node>, got {hello.identity!r}")
+        return int(ident)
+
+    def _agent_node(self, hello: Hello) -> int:
+        return self._parse_agent(hello)
+
+    def _foreign(self, view: NodeView, msg: Message, devices: list[int]) -> bool:
+        """True (and logged) if ``msg`` speaks about devices outside the agent's node."""
+        if self.node_devices is None:
+            return False
+        own = self.node_devices.get(view.node, frozenset())
+        bad = sorted({d for d in devices if d not in own})
+        if not bad:
+            return False
+        logger.warning("event=identity_violation node=%d message=%s foreign_devices=%s own_devices=%s",
+                       view.node, type(msg).__name__, bad, sorted(own))
+        self.rejected += 1
+        return True
 
     def _on_state(self, view: NodeView, state: AgentState) -> None:
         if state.node != view.node:

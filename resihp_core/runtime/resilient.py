@@ -105,7 +105,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
     controller = Controller(detector, secret, host=listen[0], port=listen[1],
                             on_report=report if supervised else (lambda r: None),
-                            expected_ranks=set(plan.devices()),
+                            expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
                             on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost)
     procs.controller = controller
