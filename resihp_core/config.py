@@ -241,7 +241,7 @@ class RuntimeConfig(_Section):
 
     controller_host: str = _opt("127.0.0.1", _nonempty)
     controller_port: int = _opt(29400, _between(0, 65535))  # 0 = any free port
-    store_port: int = _opt(0, _between(0, 65535))  # TCPStore; 0 = any free port
+    store_port: int = _opt(0, _between(0, 65535))  # the job store; 0 = any free port
     secret: str = _opt("", secret=True)
     nodes: int = _opt(1, _ge(1))
     devices_per_node: int = _opt(4, _ge(1))

@@ -1,4 +1,9 @@
-"""The job's control keys in the controller-hosted ``TCPStore``, one place for both sides.
+"""The job's control keys in the controller-hosted job store, one place for both sides.
+
+Every connection to the job store goes through :func:`connect` (workers) and
+:func:`host` (the controller): an authenticated store bound to the address the user
+chose (:mod:`resihp_core.runtime.store`; docs/security.md). Workers may not write the
+``plan/`` keys.
 
 Keys (all under the job store, generation ``g``):
 
@@ -16,13 +21,55 @@ Keys (all under the job store, generation ``g``):
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["PlanMessage", "post_plan", "latest_generation", "read_plan",
+__all__ = ["connect", "host", "PlanMessage", "post_plan", "latest_generation", "read_plan",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report"]
 
+ENV_SECRET = "RESIHP_SECRET"  # the worker's node credential (never on a command line)
+ENV_NODE = "RESIHP_NODE"
+ENV_DEVICE = "RESIHP_DEVICE"
+
+
+def connect(address: str, timeout_s: float) -> Any:
+    """A worker's connection to the job store at ``address`` (``host:port``).
+
+    It authenticates as ``worker:<RESIHP_NODE>:<RESIHP_DEVICE>`` with the node
+    credential in ``RESIHP_SECRET`` (set by the node agent or the local launcher) and
+    checks that the store knows the job secret. ``timeout_s`` bounds connecting and
+    every blocking request. The result is a ``torch.distributed.Store``.
+    """
+    from resihp_core.runtime.store import StoreClient, worker_store_identity
+
+    key = os.environ.get(ENV_SECRET, "")
+    if not key:
+        raise RuntimeError(f"no job-store credential: {ENV_SECRET} is not set")
+    node = int(os.environ.get(ENV_NODE, "0"))
+    device = int(os.environ.get(ENV_DEVICE, "0"))
+    return StoreClient(address, key, worker_store_identity(node, device), timeout_s=timeout_s)
+
+
+def host(host: str, *, secret: str | None = None, port: int = 0,
+         nodes: set[int] | None = None) -> tuple[Any, str]:
+    """The controller's side: serve the job store on ``host`` only; returns the store
+    as seen from this process and its ``"host:port"`` address.
+
+    ``secret`` is the job secret workers' credentials derive from (default:
+    ``RESIHP_SECRET``); the returned store's ``server`` attribute is the
+    :class:`~resihp_core.runtime.store.StoreServer` (close it when the job ends).
+    """
+    from resihp_core.runtime.store import StoreServer
+
+    secret = secret or os.environ.get(ENV_SECRET, "")
+    if not secret:
+        raise ValueError(f"the job store needs the job secret (pass secret= or set {ENV_SECRET})")
+    server = StoreServer(host, secret, port, nodes=nodes)
+    store = server.local()
+    store.server = server  # type: ignore[attr-defined]
+    return store, server.address
 
 
 @dataclass(frozen=True)

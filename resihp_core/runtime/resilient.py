@@ -125,8 +125,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                                                         expected_ranks=set(new_plan.devices())))
 
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
-                       host=listen[0] if listen[0] not in ("", "0.0.0.0", "::") else "127.0.0.1",
-                       processes=lambda _: procs)
+                       host=listen[0] or "127.0.0.1", processes=lambda _: procs, secret=secret)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
                          on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}))

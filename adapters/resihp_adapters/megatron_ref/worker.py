@@ -78,11 +78,11 @@ class GenerationWatch:
     """Background thread on its own store connection: notices a newer generation within
     milliseconds so a worker stops mid-iteration instead of finishing doomed work."""
 
-    def __init__(self, host: str, port: int, timeout: datetime.timedelta, poll_s: float = 0.003) -> None:
+    def __init__(self, address: str, timeout: datetime.timedelta, poll_s: float = 0.003) -> None:
         import threading
 
         self.latest = -1
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        self._store = jobstore.connect(address, timeout.total_seconds())
         self._poll_s = poll_s
         threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch").start()
 
@@ -256,13 +256,13 @@ def main() -> int:
     import signal
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
-    host, _, port = os.environ["RESIHP_STORE"].rpartition(":")
+    address = os.environ["RESIHP_STORE"]
     device = int(os.environ["RESIHP_DEVICE"])
     with open(os.environ["RESIHP_JOB"]) as f:
         job = JobSpec.from_json(f.read())
     timeout = datetime.timedelta(seconds=max(30.0, job.timeout_s * 3))
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    run_worker(store, device, job, GenerationWatch(host, int(port), timeout))
+    store = jobstore.connect(address, timeout.total_seconds())
+    run_worker(store, device, job, GenerationWatch(address, timeout))
     return 0
 
 
