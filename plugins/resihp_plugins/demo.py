@@ -133,11 +133,37 @@ def run_config(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config)
-        faults = load_scenario(args.faults) if args.faults else []
+        devices = range(cfg.runtime.nodes * cfg.runtime.devices_per_node)
+        faults = load_scenario(args.faults, devices=devices, iterations=cfg.training.iterations) if args.faults else []
+        check_fits_here(cfg, getattr(args, "agents", "local"))
     except (ConfigError, FaultError) as e:
         raise CliError(str(e)) from e
     p = cfg.parallel
     return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run")
+
+
+def check_fits_here(cfg, agents: str = "local") -> None:
+    """Refuse up front (naming the fields) a job the reference backend cannot build, or
+    whose workers on this machine together need more memory than it has."""
+    from resihp_core.config import ConfigError, memory_estimate
+
+    m = cfg.model
+    head_dim = m.hidden // m.heads
+    if head_dim % 2:
+        raise ConfigError(f"model.hidden / model.heads = {head_dim} must be even (rotary position embedding)",
+                          path="model.heads", value=m.heads)
+    if agents != "local":
+        return
+    import psutil
+
+    here = cfg.runtime.nodes * cfg.runtime.devices_per_node
+    need = memory_estimate(cfg)["total"] * here
+    have = psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(
+            f"the {here} workers of this machine need about {need / 2**30:.3g} GiB together, but it has "
+            f"{have / 2**30:.3g} GiB: make the model smaller or run the nodes' agents on other hosts",
+            path="model.hidden", value=m.hidden)
 
 
 def _agents(cfg, args: argparse.Namespace) -> dict:
