@@ -170,6 +170,9 @@ class AgentState(_Msg, tag="agent_state"):
     node: NonNeg
     time: Seconds
     workers: tuple[WorkerSummary, ...] = ()
+    # CPU contention of a probe the agent runs outside the job (wall / CPU time, >= 1;
+    # 0 = not measured): how much the machine itself is slowed (detector/environment.py).
+    environment: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0
 
 
 # ------------------------------------------------------------------- launcher traffic

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Callable
 
 from resihp_core.config import DetectorConfig
+from resihp_core.detector.environment import EnvironmentProbe
 from resihp_core.detector.failstop import FailStopMonitor, ProcessState, WorkerFailure
 from resihp_core.protocol import (
     Ack,
@@ -181,6 +182,7 @@ class NodeAgent:
         self.children: dict[int, subprocess.Popen] = {}  # device -> worker this agent launched
         self._ended: set[int] = set()  # pids whose end the controller was told
         self._gate = PreAuthGate(f"agent{node}")
+        self.environment: EnvironmentProbe | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -203,6 +205,7 @@ class NodeAgent:
             self.worker_address = format_address((sock[0], sock[1]))
         self._tasks = [asyncio.create_task(self._check_loop(), name=f"agent{self.node}-check")]
         if self.controller is not None:
+            self.environment = EnvironmentProbe().start()  # tells the machine's slowdowns from a device's
             self._tasks += [
                 asyncio.create_task(self._state_loop(), name=f"agent{self.node}-state"),
                 asyncio.create_task(self._writer_loop(), name=f"agent{self.node}-write"),
@@ -243,6 +246,8 @@ class NodeAgent:
             return
         self._closed.set()
         self._gate.close_all()
+        if self.environment is not None:
+            self.environment.stop()
         if self._server is not None:
             self._server.close()
         for fd in list(self._pidfds.values()):
@@ -525,7 +530,9 @@ class NodeAgent:
             self._ctl_queue.put_nowait(msg)
 
     def state(self) -> AgentState:
-        return AgentState(node=self.node, time=max(0.0, time.time()), workers=self.monitor.summaries(self.clock()))
+        env = self.environment.level if self.environment is not None else 0.0
+        return AgentState(node=self.node, time=max(0.0, time.time()), workers=self.monitor.summaries(self.clock()),
+                          environment=env)
 
     async def _state_loop(self) -> None:
         assert self._changed is not None and self._closed is not None

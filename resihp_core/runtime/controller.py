@@ -96,6 +96,7 @@ class NodeView:
     state: AgentState | None = None
     devices: set[int] = field(default_factory=set)  # every device ever reported by its agent
     running: set[int] = field(default_factory=set)  # workers its agent launched and saw no end of
+    environment: float = 0.0  # CPU contention its agent's probe last measured (0 = none)
 
     def workers(self) -> dict[int, WorkerSummary]:
         return {w.device: w for w in self.state.workers} if self.state is not None else {}
@@ -175,7 +176,7 @@ class Controller:
         self._done_iters: set[int] = set()
         self._last_complete = -1
         self._queue: asyncio.Queue[FailureReport] | None = None
-        self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile]]] | None = None
+        self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile], dict[int, float]]] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._conns: dict[int, asyncio.StreamWriter] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -460,6 +461,7 @@ class Controller:
             logger.warning("controller: agent of node %d sent a state for node %d", view.node, state.node)
             return
         view.state = state
+        view.environment = state.environment
         dead = []
         for w in state.workers:
             view.devices.add(w.device)
@@ -520,7 +522,8 @@ class Controller:
                 del self._pending[it]
                 self._done_iters.add(it)
                 self._last_complete = max(self._last_complete, it)
-                self._fs_queue.put_nowait((self.generation, it, {r: got[r] for r in sorted(got)}))
+                env = {d: v.environment for v in self.nodes.values() for d in v.devices if v.environment > 0}
+                self._fs_queue.put_nowait((self.generation, it, {r: got[r] for r in sorted(got)}, env))
         # Iterations far behind the newest complete one will never complete (a rank died).
         for it in [i for i in self._pending if i < self._last_complete - 8]:
             del self._pending[it]
@@ -530,12 +533,12 @@ class Controller:
     async def _failslow_loop(self) -> None:
         assert self._fs_queue is not None and self._loop is not None
         while True:
-            gen, it, profiles = await self._fs_queue.get()
+            gen, it, profiles, env = await self._fs_queue.get()
             fs = self.failslow
             if fs is None or gen != self.generation:
                 continue
             try:
-                det = await self._loop.run_in_executor(self._pool, fs.observe, it, profiles)
+                det = await self._loop.run_in_executor(self._pool, _observe, fs, it, profiles, env)
             except Exception:  # noqa: BLE001 - a detector bug must not stop fail-stop handling
                 logger.exception("fail-slow detector failed on iteration %d", it)
                 continue
@@ -547,6 +550,15 @@ class Controller:
                     self.on_detection(det)
             if det.report is not None and gen == self.generation:
                 self._emit(det.report)
+
+
+def _observe(fs: FailSlowDetector, iteration: int, profiles: dict[int, IterationProfile],
+             env: dict[int, float]) -> Detection:
+    """Hand the detector an iteration, with each device's node contention if it takes it."""
+    note = getattr(fs, "note_environment", None)
+    if note is not None and env:
+        note(iteration, env)
+    return fs.observe(iteration, profiles)
 
 
 # ------------------------------------------------------------------ process entry point
