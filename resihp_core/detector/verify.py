@@ -193,19 +193,20 @@ class ProfileVerifier:
                                    f"{max(env[t.device[r]] for r in ranks):.2f}x"
                                    for ex, ranks in sorted(explained.items())) + "): the environment, not a device")
             suspects = {ex: ranks for ex, ranks in suspects.items() if ex not in explained}
-        stages = sorted({stage for _, stage in suspects})
-        if len(stages) >= 2:
-            # One device slows one executor (its TP group); several executors of different
-            # stages slowing at once point at what they share: the machine, not a device.
-            return Verdict({}, "unknown", "executors of different stages slowed at once ("
-                           + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(suspects))
-                           + "): the environment, not a device")
         if len(groups) >= 2 and len(suspects) == len(groups) and top <= min(worst.values()) * (1 + self.spread):
             # Every executor equally slow: the machine or cluster slowed (other jobs, a
             # shared-power cap), not a device; no plan would run faster around it.
             return Verdict({}, "unknown", "every executor is equally slow in compute ("
                            + ", ".join(f"{q:.2f}x" for q in sorted(worst.values()))
                            + "): an environment-wide slowdown, no device to plan around")
+        if len(suspects) >= 2:
+            # One slow device slows one executor (its TP group) in compute; several
+            # executors (of different stages, or replicas) slowing at the same iteration
+            # point at what they share: the machine, not a device.
+            stages = len({s for _, s in suspects})
+            return Verdict({}, "unknown", f"{len(suspects)} executors of {stages} stage(s) slowed at once ("
+                           + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(suspects))
+                           + "): the environment, not a device")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
         explained = max((t.measured[r] - t.predicted[r] for ranks in suspects.values() for r in ranks), default=0.0)
         if suspects and (excess <= 0 or explained >= self.explain * excess):
@@ -224,7 +225,9 @@ class ProfileVerifier:
             if len(ranks) == 1:
                 r = ranks[0]
                 slow[t.device[r]] = _clip_p(1.0 / qs[r])
-                notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}")
+                env = ctx.environment.get(t.device[r])
+                notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}"
+                             + (f" (its node's CPU contention {env:.2f}x)" if env is not None else ""))
                 continue
             lo = min(qs.values())
             if max(qs.values()) > lo * (1 + self.spread):

@@ -205,7 +205,8 @@ class NodeAgent:
             self.worker_address = format_address((sock[0], sock[1]))
         self._tasks = [asyncio.create_task(self._check_loop(), name=f"agent{self.node}-check")]
         if self.controller is not None:
-            self.environment = EnvironmentProbe().start()  # tells the machine's slowdowns from a device's
+            # Tells the machine's slowdowns from a device's: CPU taken outside the job.
+            self.environment = EnvironmentProbe(self._job_pids).start()
             self._tasks += [
                 asyncio.create_task(self._state_loop(), name=f"agent{self.node}-state"),
                 asyncio.create_task(self._writer_loop(), name=f"agent{self.node}-write"),
@@ -528,6 +529,12 @@ class NodeAgent:
     def _to_controller(self, msg: Message) -> None:
         if self._ctl_queue is not None and self.controller is not None:
             self._ctl_queue.put_nowait(msg)
+
+    def _job_pids(self) -> list[int]:
+        """This node's workers (launched here or connected with their pid)."""
+        pids = [c.pid for c in list(self.children.values())]
+        pids += [w.pid for w in list(self.monitor.workers.values()) if getattr(w, "pid", None)]
+        return pids
 
     def state(self) -> AgentState:
         env = self.environment.level if self.environment is not None else 0.0
