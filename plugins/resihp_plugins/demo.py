@@ -189,7 +189,9 @@ def _agents(cfg, args: argparse.Namespace) -> dict:
     def tell(address: str, nodes: list[int]) -> None:
         print(f"controller listening on {address}; waiting for the agents of nodes {nodes}. On each host run:\n"
               f"  RESIHP_SECRET=<the job secret> resihp agent --controller <this host>:{address.rsplit(':', 1)[1]} "
-              f"--node <N>", flush=True)
+              f"--node <N>\n"
+              f"(or give each host only its node's credential, RESIHP_NODE_KEY=<node_credential(secret, N)>)",
+              flush=True)
 
     return dict(agents="external", listen=listen, secret=secret, on_listening=tell,
                 agent_timeout=args.agent_timeout)
