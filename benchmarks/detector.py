@@ -581,7 +581,7 @@ def real_failstop(config: DetectorConfig) -> dict[str, Any]:
 
             e = dict(env, RESIHP_SECRET=node_credential(secret, 0), RESIHP_AGENT_ADDR=addr,
                      RESIHP_RANK=str(r), RESIHP_DEVICE=str(r))
-            args = [sys.executable, "-m", "resihp_core.runtime.synthetic", "--iterations", "0",
+            args = [sys.executable, "-m", "resihp_core.testing.synthetic", "--iterations", "0",
                     "--microbatches", "4", "--alpha", "1e-5"]
             if r == 2:
                 args += ["--stall-at", "12"]

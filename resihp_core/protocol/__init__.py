@@ -69,6 +69,7 @@ __all__ = [
     "IterationProfile",
     "FailureReport",
     "PlanUpdate",
+    "IterationReport",
     "WorkerSummary",
     "AgentState",
     "Ack",

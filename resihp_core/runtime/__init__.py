@@ -16,7 +16,7 @@
 * :mod:`.store` — the authenticated job store (a ``torch.distributed.Store``); :mod:`.gate`
   — bounded resources for connections that have not authenticated yet.
 * :mod:`.loop` — running an asyncio service on a background thread.
-* :mod:`.synthetic` — a stand-in worker for the detector's tests, demos and benchmarks.
+* :mod:`.worker` — the framework-neutral worker (one per device) driving an adapter.
 
 Importing this package imports nothing; import the submodules.
 """

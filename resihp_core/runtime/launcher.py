@@ -17,10 +17,10 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
-from resihp_core.protocol import node_credential
+from resihp_core.protocol import IterationReport, PlanUpdate, node_credential
 from resihp_core.runtime import jobstore
 from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
 
@@ -43,7 +43,7 @@ class LocalJob:
     """
 
     def __init__(self, job_json: str, devices: Iterable[int], *,
-                 worker_module: str = "resihp_adapters.megatron_ref.worker",
+                 worker_module: str = "resihp_core.runtime.worker",
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None,
                  processes: Callable[[Path], WorkerProcesses] = LocalProcesses,
@@ -66,7 +66,7 @@ class LocalJob:
         self.plan: ParallelPlan | None = None
         self.committed = 0  # iterations known committed
         self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
-        self.message: jobstore.PlanMessage | None = None
+        self.message: PlanUpdate | None = None
         self.plans: dict[int, ParallelPlan] = {}
         try:
             self.processes.launch(self.devices, module=worker_module, job_path=self.job_path,
@@ -102,19 +102,16 @@ class LocalJob:
 
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, iterations: int, resume: int | None = None,
-             restore: int | None = None, slow: dict[int, float] | None = None,
-             exclude: set[int] | frozenset[int] = frozenset()) -> int:
+             restore: int | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Post the next generation: ``plan`` on every live worker not in ``exclude``."""
         g = self.generation + 1
         plan = plan.with_(generation=g) if plan.generation != g else plan
-        msg = jobstore.PlanMessage(
-            generation=g, plan=plan.to_text(), devices=[d for d in self.alive() if d not in exclude],
-            resume=self.committed if resume is None else resume, iterations=iterations,
-            restore=restore, slow={str(k): v for k, v in (slow or {}).items()},
-        )
-        missing = [d for d in plan.devices() if d not in msg.devices]
+        devices = tuple(d for d in self.alive() if d not in exclude)
+        missing = [d for d in plan.devices() if d not in devices]
         if missing:
             raise JobError(f"plan generation {g} uses devices {missing} that have no live worker")
+        msg = PlanUpdate.of(plan, devices=devices, resume=self.committed if resume is None else resume,
+                            iterations=iterations, restore=restore)
         jobstore.post_plan(self.store, msg)
         self.generation, self.plan, self.message = g, plan, msg
         self.plans[g] = plan
@@ -181,7 +178,7 @@ class LocalJob:
                 out[d] = json.loads(self.store.get(key))
         return out
 
-    def report(self, iteration: int, generation: int | None = None) -> dict[int, dict[str, Any]]:
+    def report(self, iteration: int, generation: int | None = None) -> dict[int, IterationReport]:
         """Per-device reports of ``iteration`` in ``generation`` (default: the one that
         committed it)."""
         g = self.committed_in.get(iteration, self.generation) if generation is None else generation
@@ -197,7 +194,7 @@ class LocalJob:
         """Tell workers to stop, then reap every process we started (by pid)."""
         try:
             g = self.generation + 1
-            jobstore.post_plan(self.store, jobstore.PlanMessage(g, "", [], 0, 0, stop=True))
+            jobstore.post_plan(self.store, PlanUpdate(generation=g, stop=True))
             self.generation = g
         except Exception:  # noqa: BLE001 - the store may be gone; still reap
             pass

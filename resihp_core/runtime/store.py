@@ -294,9 +294,9 @@ class StoreServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
-    def local(self) -> LocalStore:
+    def local(self, timeout_s: float = 300.0) -> LocalStore:
         """The store as seen from this process (the controller): no socket, every key writable."""
-        return LocalStore(self.table)
+        return LocalStore(self.table, timeout_s)
 
     # ------------------------------------------------------------ connections
     def _accept_loop(self) -> None:
