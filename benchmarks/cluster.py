@@ -1,4 +1,4 @@
-"""Cluster-scale evaluation: ResiHP vs the comparison systems on failure traces (SPEC §7).
+"""Cluster-scale evaluation: ResiHP vs the comparison systems on failure traces (docs/design.md §7).
 
 For each job (LLaMA-2 7B on 16 devices, 13B on 32, 70B on 256; 30B on 64 in the full
 run) and each scenario (fail-stop at MTBF 2 h / 1 h / 30 min with 1 h repairs,

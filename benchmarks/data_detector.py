@@ -28,7 +28,7 @@ Method (one process, trace-driven from real measurements):
    Every failure report on this fault-free trace is a false alarm; every verification
    costs training time.
 4. **power check** — the same trace with one device's chunks ``--slow-factor`` times
-   slower (default 1.54: SPEC's "weak" fail-slow) from ``--slow-at``: the detector
+   slower (default 1.54: docs/design.md's "weak" fail-slow) from ``--slow-at``: the detector
    must still report it.
 
     python benchmarks/data_detector.py [--quick] [--json PATH] [--iterations I]
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default="shuffled,path", help="shuffled (the config's order) and/or path "
                     "(unshuffled, the window with the sharpest rise in attention work)")
     ap.add_argument("--slow-factor", type=float, default=WEAK, help="power check: chunk-time factor of the slow "
-                    "device (default 1.54, SPEC's weak severity)")
+                    "device (default 1.54, docs/design.md's weak severity)")
     ap.add_argument("--slow-at", type=int, help="iteration of the power check's slowdown (default: 2/3 in)")
     a = ap.parse_args(argv)
     raw = json.loads(json.dumps(load_config(a.config, env={}).to_dict(include_secrets=False)))

@@ -1,6 +1,6 @@
-"""Progressive TP -> PP -> DP planning vs one-dimensional policies (SPEC §4, §7).
+"""Progressive TP -> PP -> DP planning vs one-dimensional policies (docs/design.md §4, §7).
 
-For jobs of 16 to 256 devices (SPEC §7's LLaMA-2 scales, nodes of 8 devices) and each
+For jobs of 16 to 256 devices (docs/design.md §7's LLaMA-2 scales, nodes of 8 devices) and each
 failure scenario, prints the simulated iteration time of the plan each policy runs,
 as a slowdown over the healthy iteration (lower is better):
 

@@ -64,7 +64,7 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
 # ------------------------------------------------------------------ detection
 @hookspec
 def resihp_register_changepoint_detectors(registry: FactoryRegistry) -> None:
-    """Register change-point detectors for the fail-slow Detector (SPEC §3.2).
+    """Register change-point detectors for the fail-slow Detector (docs/design.md §3.2).
 
     Call ``registry.register(name, factory)``; the Detector calls ``factory(**options)``
     with the options from its configuration and feeds the result per-iteration times.
@@ -88,7 +88,7 @@ def resihp_register_verification_strategies(registry: FactoryRegistry) -> None:
 # ----------------------------------------------------------------- scheduling
 @hookspec
 def resihp_register_adaptation_stages(registry: StageRegistry) -> None:
-    """Register stages of the progressive planner (SPEC §4).
+    """Register stages of the progressive planner (docs/design.md §4).
 
     Call ``registry.register(name, stage, order=...)``. The planner runs the stages in
     ascending ``order``; each stage is a callable taking and returning the planner's

@@ -5,39 +5,20 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from resihp_core.adapter import Registry, RegistryError, UnknownNameError
 from resihp_core.data.source import DataError, DataSource, SourceContext
+from resihp_core.registries import (  # noqa: F401 - re-exported: the data side of the registry
+    DataSourceFactory,
+    DataSourceRegistry,
+    SourceEntry,
+    UnknownNameError,
+)
 
 if TYPE_CHECKING:
     from resihp_core.plugins import Plugins
 
 __all__ = ["DataSourceFactory", "DataSourceRegistry", "SourceEntry", "create_source"]
-
-#: ``factory(options, ctx) -> DataSource``: ``options`` is the ``[data]`` section
-#: without ``source``; the factory validates them (errors name the field).
-DataSourceFactory = Callable[[Mapping[str, Any], SourceContext], DataSource]
-
-
-@dataclass(frozen=True)
-class SourceEntry:
-    name: str
-    factory: DataSourceFactory
-    description: str = ""
-
-
-class DataSourceRegistry(Registry[SourceEntry]):
-    """Data sources by name (built in: ``synthetic``, ``text``)."""
-
-    kind = "data source"
-
-    def register(self, name: str, factory: DataSourceFactory, *, description: str = "") -> None:
-        if not callable(factory):
-            raise RegistryError(f"{self.kind} {name!r}: factory must be callable")
-        self._add(name, SourceEntry(name, factory, description))
-
 
 #: Sources already built in this process, by their canonical section and context: the
 #: adapter, the reference run and the controller ask for the same source many times,

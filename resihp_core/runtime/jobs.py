@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["AssembledJob", "build_job", "phases", "run_job", "run_config", "configure_run"]
+__all__ = ["AssembledJob", "build_job", "check_fits_here", "phases", "run_job", "run_config", "configure_run"]
 
 
 class AssembledJob(NamedTuple):
@@ -121,12 +121,33 @@ def run_config(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config)
-        faults = load_scenario(args.faults) if args.faults else []
+        devices = range(cfg.runtime.nodes * cfg.runtime.devices_per_node)
+        faults = load_scenario(args.faults, devices=devices, iterations=cfg.training.iterations) if args.faults else []
+        check_fits_here(cfg, getattr(args, "agents", "local"))
         build_job(cfg, faults, Path(tempfile.gettempdir()))  # every check before anything starts
     except (ConfigError, FaultError) as e:
         raise CliError(str(e)) from e
     p = cfg.parallel
     return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run")
+
+
+def check_fits_here(cfg: Any, agents: str = "local") -> None:
+    """Refuse up front (naming the field) a job whose workers on this machine together
+    need more memory than it has (agents started here run every node's workers here)."""
+    from resihp_core.config import ConfigError, memory_estimate
+
+    if agents != "local":
+        return
+    import psutil
+
+    here = cfg.runtime.nodes * cfg.runtime.devices_per_node
+    need = memory_estimate(cfg)["total"] * here
+    have = psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(
+            f"the {here} workers of this machine need about {need / 2**30:.3g} GiB together, but it has "
+            f"{have / 2**30:.3g} GiB: make the model smaller or run the nodes' agents on other hosts",
+            path="model.hidden", value=cfg.model.hidden)
 
 
 def _agents(cfg, args: argparse.Namespace) -> dict:
@@ -152,7 +173,9 @@ def _agents(cfg, args: argparse.Namespace) -> dict:
     def tell(address: str, nodes: list[int]) -> None:
         print(f"controller listening on {address}; waiting for the agents of nodes {nodes}. On each host run:\n"
               f"  RESIHP_SECRET=<the job secret> resihp agent --controller <this host>:{address.rsplit(':', 1)[1]} "
-              f"--node <N>", flush=True)
+              f"--node <N>\n"
+              f"(or give each host only its node's credential, RESIHP_NODE_KEY=<node_credential(secret, N)>)",
+              flush=True)
 
     return dict(agents="external", listen=listen, secret=secret, on_listening=tell,
                 agent_timeout=args.agent_timeout)

@@ -107,7 +107,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
     controller = Controller(detector, secret, host=listen[0], port=listen[1],
                             on_report=report if supervised else (lambda r: None),
-                            expected_ranks=set(plan.devices()),
+                            expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
                             on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost)
     procs.controller = controller
@@ -127,8 +127,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                                                         expected_ranks=set(new_plan.devices())))
 
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
-                       host=listen[0] if listen[0] not in ("", "0.0.0.0", "::") else "127.0.0.1",
-                       processes=lambda _: procs)
+                       host=listen[0] or "127.0.0.1", processes=lambda _: procs, secret=secret)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
                          on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),

@@ -1,5 +1,5 @@
 """The control loop of a resilient job: Detector -> failure report -> Scheduler plan ->
-adapter reconfiguration -> resume (SPEC §2).
+adapter reconfiguration -> resume (docs/design.md §2).
 
 :class:`Supervisor` watches the job's iteration commits, takes failure reports from the
 controller (heartbeats, hangs, fail-slow verification) and from process exits it sees

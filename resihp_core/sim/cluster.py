@@ -27,7 +27,7 @@ class SimError(ValueError):
     """Bad simulator input; the message names the field at fault."""
 
 
-#: SPEC §7's model scales: the planner's LLaMA shapes plus Qwen-2.5 (layers, hidden,
+#: docs/design.md §7's model scales: the planner's LLaMA shapes plus Qwen-2.5 (layers, hidden,
 #: parameters per layer from the published configurations, embeddings excluded).
 ALL_MODELS: dict[str, ModelSpec] = {
     **MODELS,
@@ -96,7 +96,7 @@ class JobSpec:
         return cls(**d)
 
 
-#: SPEC §7's scales (devices -> job).
+#: docs/design.md §7's scales (devices -> job).
 STANDARD_JOBS: dict[int, JobSpec] = {
     16: JobSpec("llama2-7b", 4, 2, 2, 16),
     32: JobSpec("llama2-13b", 4, 4, 2, 16),

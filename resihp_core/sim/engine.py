@@ -1,6 +1,6 @@
 """The discrete-event, iteration-level cluster simulator.
 
-Why: ResiHP's claims at cluster scale (SPEC §7) need hours of training on hundreds to
+Why: ResiHP's claims at cluster scale (docs/design.md §7) need hours of training on hundreds to
 thousands of devices under failure traces, with every comparison system reacting to
 the same trace. Simulating every iteration's DAG would be wasteful: between two events
 the plan and the devices' health do not change, so the iteration time does not

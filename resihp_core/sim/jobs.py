@@ -1,4 +1,4 @@
-"""The model-scale jobs the cluster simulator, benchmarks and tests plan for: SPEC §7's scales.
+"""The model-scale jobs the cluster simulator, benchmarks and tests plan for: docs/design.md §7's scales.
 
 :func:`job_state` builds a :class:`~resihp_core.scheduler.state.PlannerState` for a LLaMA-2-like model on
 nodes of 8 devices (NVSwitch inside, 200 Gb/s InfiniBand between): an analytic cost

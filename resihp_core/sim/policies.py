@@ -1,4 +1,4 @@
-"""The policies the cluster simulator compares: ResiHP and the systems of SPEC §7.
+"""The policies the cluster simulator compares: ResiHP and the systems of docs/design.md §7.
 
 Every policy reacts to *notices* (:mod:`.engine`): a device stopped, was repaired,
 slowed down or recovered, once its detector noticed. It returns a
@@ -429,7 +429,7 @@ class Greyhound(_SkiRental, NoMitigation):
 
 
 class EnhancedReCycle(_SkiRental, ReCycle):
-    """ReCycle with Greyhound's fail-slow detection and mitigation added (SPEC §7's
+    """ReCycle with Greyhound's fail-slow detection and mitigation added (docs/design.md §7's
     "enhanced" baseline): fail-stop as :class:`ReCycle`, fail-slow as
     :class:`Greyhound`, escalating from ReCycle's current plan. Simplified as both
     parts are; after a fail-stop reaction the escalation restarts from level 0."""

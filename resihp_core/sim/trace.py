@@ -11,7 +11,7 @@ replays exactly whatever generated it.
 fail-stop arrivals are a Poisson process at the scenario's mean time between failures
 (of the whole job); fail-slow episodes start at exponential gaps, hit a uniformly
 chosen device, and last an exponential duration. Severities weak / medium / strong are
-defined (SPEC §7) by the unmitigated throughput loss they cause, 35 / 55 / 70 %; the
+defined (docs/design.md §7) by the unmitigated throughput loss they cause, 35 / 55 / 70 %; the
 device throughput that causes that loss on this job is found by bisection with the
 planner's own evaluator (:func:`severity_throughput`).
 """
@@ -30,7 +30,7 @@ from resihp_core.sim.cluster import JobSpec, SimError
 __all__ = ["FailureEvent", "SCENARIOS", "Scenario", "Trace", "generate", "severity_throughput", "SEVERITY_LOSS"]
 
 EventKind = Literal["stop", "repair", "slow", "recover"]
-#: Unmitigated throughput loss of each fail-slow severity (SPEC §7).
+#: Unmitigated throughput loss of each fail-slow severity (docs/design.md §7).
 SEVERITY_LOSS = {"weak": 0.35, "medium": 0.55, "strong": 0.70}
 
 
@@ -88,7 +88,7 @@ class Scenario:
     causes: tuple[str, ...] = ("compute", "communication")
 
 
-#: The scenarios of the benchmark table (SPEC §7): fail-stop at three MTBFs, fail-slow
+#: The scenarios of the benchmark table (docs/design.md §7): fail-stop at three MTBFs, fail-slow
 #: at three severities, and mixed.
 SCENARIOS: dict[str, Scenario] = {
     "stop-2h": Scenario("stop-2h", mtbf_s=7200.0),

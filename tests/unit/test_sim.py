@@ -20,7 +20,7 @@ from resihp_core.sim.optimum import compositions, enumerate_plans, optimum
 from resihp_core.sim.report import amplification, ci95, policy, summarise, sweep
 from resihp_core.sim.trace import FailureEvent, Trace, generate, severity_throughput
 
-JOB = JobSpec()  # LLaMA-2 7B, tp4 pp2 dp2, 16 micro-batches: SPEC §7's 16-device job
+JOB = JobSpec()  # LLaMA-2 7B, tp4 pp2 dp2, 16 micro-batches: docs/design.md §7's 16-device job
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +249,7 @@ def test_calibration_layouts_predict_a_gain_from_adaptation() -> None:
 
     pp = predicted_ratio("one_core_pp")
     dp = predicted_ratio("one_core_dp")
-    # A 2.22x compute slowdown costs about 55 % unmitigated (SPEC's medium severity) ...
+    # A 2.22x compute slowdown costs about 55 % unmitigated (docs/design.md's medium severity) ...
     assert 0.45 < pp["unmitigated_loss"] < 0.6 and 0.45 < dp["unmitigated_loss"] < 0.6
     # ... and each layout's one applicable dimension wins back most of it.
     assert "layers (4, 4) -> " in pp["plan"] and pp["ratio"] > 1.3
