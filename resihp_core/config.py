@@ -249,6 +249,9 @@ class RuntimeConfig(_Section):
     adapter: str = _opt("megatron_ref", _nonempty)
     backend: Literal["gloo", "nccl"] = _opt("gloo")
     handshake_timeout_s: float = _opt(5.0, _gt(0), _finite)
+    # Interface name (e.g. "eth0") or local address every node's workers bind their
+    # collectives (gloo, NCCL) to; "" = the interface each agent reaches the controller on.
+    interface: str = _opt("")
 
     @property
     def workers_per_node(self) -> int:

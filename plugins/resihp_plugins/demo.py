@@ -196,7 +196,7 @@ def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -
         run = run_resilient(spec.to_json(), plan, topology, state, planner, det, cfg.training.iterations,
                             work / "job", phase_of=phase_of, on_event=view.event,
                             on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
-                            **agents)
+                            interface=getattr(args, "interface", None) or cfg.runtime.interface, **agents)
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records
@@ -300,6 +300,9 @@ def configure_run(p: argparse.ArgumentParser) -> None:
                                     ":runtime.controller_port)")
     p.add_argument("--agent-timeout", type=float, default=300.0,
                    help="seconds to wait for external agents to connect (default 300)")
+    p.add_argument("--interface", help="interface name or address every node's workers bind their collectives "
+                                       "to (default: runtime.interface, else the one each agent reaches the "
+                                       "controller on)")
 
 
 @hookimpl

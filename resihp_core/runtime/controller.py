@@ -63,6 +63,7 @@ from resihp_core.protocol import (
     FailureReport,
     IterationProfile,
     Message,
+    NodeRejoin,
     ProtocolError,
     WorkerProcess,
     WorkerSummary,
@@ -118,6 +119,8 @@ class Controller:
         ranks the agents report alive.
     :param on_process: called on the loop with each agent's ``WorkerProcess``.
     :param on_node_lost: called on the loop with the node id of a lost agent.
+    :param on_rejoin: called on the loop with a node id and its devices when the agent of
+        a node cut off earlier is back (its stale workers fenced) and offers them again.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class Controller:
         on_detection: Callable[[Detection], None] | None = None,
         on_process: Callable[[WorkerProcess], None] | None = None,
         on_node_lost: Callable[[int], None] | None = None,
+        on_rejoin: Callable[[int, tuple[int, ...]], None] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -144,7 +148,7 @@ class Controller:
         self._secret = secret
         self.host, self.port = host, port
         self.on_report, self.on_detection = on_report, on_detection
-        self.on_process, self.on_node_lost = on_process, on_node_lost
+        self.on_process, self.on_node_lost, self.on_rejoin = on_process, on_node_lost, on_rejoin
         self._plugins = plugins
         self.generation = generation
         # A dead agent is seen at once (its connection closes); the timeout only catches a
@@ -217,6 +221,21 @@ class Controller:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         self._pool.shutdown(wait=False)
+
+    async def finish(self, timeout: float = 10.0) -> list[int]:
+        """End the job for every connected agent: each is told goodbye, reaps its
+        workers and leaves (exit status 0). Returns the nodes still connected after
+        ``timeout`` seconds."""
+        self._stopping = True
+        for node, w in list(self._conns.items()):
+            with contextlib.suppress(Exception):
+                await write_msg(w, Ack(what=BYE))
+        deadline = time.monotonic() + timeout
+        while self._conns and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._conns:
+            logger.warning("event=agents_linger nodes=%s", sorted(self._conns))
+        return sorted(self._conns)
 
     @property
     def address_text(self) -> str:
@@ -341,6 +360,8 @@ class Controller:
                 await write_msg(writer, Error("duplicate-node", f"an agent for node {node} is already connected"))
                 node = None
                 return
+            if view is not None and not view.connected and not view.finished:
+                logger.warning("event=node_back node=%d", node)
             self.nodes[node] = view = view or NodeView(node)
             view.connected, view.finished, view.last_seen = True, False, time.monotonic()
             self._conns[node] = writer
@@ -392,6 +413,17 @@ class Controller:
                         self.on_process(msg)
                     except Exception:  # noqa: BLE001
                         logger.exception("on_process callback failed")
+            elif isinstance(msg, NodeRejoin):
+                if msg.node != view.node:
+                    logger.warning("controller: agent of node %d offered node %d", view.node, msg.node)
+                    continue
+                devices = tuple(sorted(set(msg.devices) | view.devices))
+                logger.warning("event=node_rejoin node=%d devices=%s", view.node, list(devices))
+                if self.on_rejoin is not None and devices:
+                    try:
+                        self.on_rejoin(view.node, devices)
+                    except Exception:  # noqa: BLE001
+                        logger.exception("on_rejoin callback failed")
             elif isinstance(msg, Ack) and msg.what == BYE:
                 view.finished = True
                 logger.info("event=agent_left node=%d", view.node)

@@ -9,6 +9,10 @@ N``). Agents launch their node's workers when the job starts; each worker report
 its agent, agents to the controller, the controller's failure reports go to the
 supervisor, which plans with the Scheduler and deploys. With ``supervised=False`` the
 same job runs with no Detector and no adaptation (the "no mitigation" baseline).
+
+A node whose agent was cut off and comes back (a healed partition, a restarted agent)
+offers its devices again; the supervisor plans them back in. At the end the controller
+tells every agent the job is over: they reap their workers and exit with status 0.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ from resihp_core.runtime.supervisor import IterationRecord, Supervisor
 __all__ = ["ResilientRun", "run_resilient", "start_local_agent"]
 
 
-def start_local_agent(node: int, controller: str, secret: str, workdir: Path) -> subprocess.Popen:
+def start_local_agent(node: int, controller: str, secret: str, workdir: Path,
+                      interface: str = "") -> subprocess.Popen:
     """Start node ``node``'s agent as a process of this machine (log: ``agent<node>.log``)."""
     env = dict(os.environ, RESIHP_SECRET=secret)
+    extra = ["--interface", interface] if interface else []
     with open(workdir / f"agent{node}.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.agent", "--node", str(node),
-                                 "--controller", controller, "--workdir", str(workdir), "--log-level", "INFO"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--controller", controller, "--workdir", str(workdir), "--log-level", "INFO",
+                                 *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @dataclass
@@ -56,7 +62,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   supervised: bool = True, timeout: float = 900.0,
                   agents: Literal["local", "external"] = "local",
                   listen: tuple[str, int] = ("127.0.0.1", 0), secret: str = "",
-                  agent_timeout: float = 60.0,
+                  agent_timeout: float = 60.0, interface: str = "",
                   repairs: dict[int, tuple[int, ...]] | None = None,
                   phase_of: Callable[[int, int], str] = lambda i, g: "running",
                   on_event: Callable[[dict], None] = lambda ev: None,
@@ -70,6 +76,9 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     :param agents: ``"local"`` starts one agent process per node here; ``"external"``
         waits up to ``agent_timeout`` seconds for agents started elsewhere.
     :param listen: the controller's address (``(host, 0)``: any free port).
+    :param interface: the interface name or address every node's workers bind their
+        collectives to (``runtime.interface``); default: each agent's choice (the
+        interface it reaches the controller on).
     :param secret: the job secret agents authenticate with (default: a fresh one;
         external agents need it given).
     :param repairs: iteration -> devices whose workers are started again (repaired)
@@ -85,6 +94,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     from resihp_core.detector.model import WorkloadModel
     from resihp_core.runtime.controller import Controller
     from resihp_core.runtime.loop import LoopThread
+    from resihp_core.runtime.netif import INTERFACE_ENV
     from resihp_core.runtime.processes import AgentProcesses
 
     if agents == "external" and not secret:
@@ -93,6 +103,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     reports: queue.Queue = queue.Queue()
+    repaired: queue.Queue = queue.Queue()
 
     def report(r: Any) -> None:
         reports.put(r)
@@ -107,7 +118,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                             on_report=report if supervised else (lambda r: None),
                             expected_ranks=set(plan.devices()),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
-                            on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost)
+                            on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
+                            on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None)
     procs.controller = controller
     agent_procs: dict[int, subprocess.Popen] = {}
     job: LocalJob | None = None
@@ -126,10 +138,11 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
 
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
                        host=listen[0] if listen[0] not in ("", "0.0.0.0", "::") else "127.0.0.1",
-                       processes=lambda _: procs)
+                       processes=lambda _: procs, env={INTERFACE_ENV: interface} if interface else None)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
-                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}))
+                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
+                         repaired=repaired)
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned
@@ -145,9 +158,15 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     finally:
         if job is not None:
             job.close()
+        try:  # every agent is told the job is over: it reaps its workers and exits 0
+            loop.run(controller.finish(timeout=10), timeout=15)
+        except Exception:  # noqa: BLE001 - best effort; local agents are terminated below
+            pass
         for p in agent_procs.values():
-            if p.poll() is None:
-                p.terminate()  # the agent says goodbye, then reaps its workers
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.terminate()
         for p in agent_procs.values():
             try:
                 p.wait(10)

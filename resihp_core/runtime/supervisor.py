@@ -10,8 +10,9 @@ reports that arrive while a generation is being deployed are planned next, so a
 failure during recovery is handled like any other. A hung device is fenced (SIGKILL)
 before the next generation so it cannot block the new communicators.
 
-Repaired devices are brought back (:meth:`Supervisor.rejoin`, or ``repairs`` due at
-an iteration): their workers are started again, the Scheduler plans them back in
+Repaired devices are brought back (:meth:`Supervisor.rejoin`, ``repairs`` due at an
+iteration, or devices put on ``repaired`` at run time, e.g. by a node whose partition
+healed, once their failure has been handled): their workers are started again, the Scheduler plans them back in
 (:meth:`~resihp_core.scheduler.Planner.rejoin`), and when the new plan gives them work
 every worker reloads the last committed iteration's checkpoint, since a fresh worker
 has no state to move.
@@ -76,6 +77,7 @@ class Supervisor:
     stall_s: float = 15.0  # no commit and no report this long, with worker errors: give up
     repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration -> devices repaired then
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
+    repaired: "queue.Queue[tuple[int, ...]]" = field(default_factory=queue.Queue)  # offered at run time
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -112,6 +114,8 @@ class Supervisor:
             pending = self._pending_reports()
             if pending:
                 self._adapt(pending)
+                last_commit = time.monotonic()
+            elif self._offered():
                 last_commit = time.monotonic()
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
@@ -209,6 +213,27 @@ class Supervisor:
         return g
 
     # ------------------------------------------------------------ repairs
+    def _offered(self) -> bool:
+        """Rejoin the devices offered on ``repaired`` whose failure was handled (a
+        device whose loss is not planned yet waits for it). Returns whether it did."""
+        offered: set[int] = set()
+        while True:
+            try:
+                offered.update(self.repaired.get_nowait())
+            except queue.Empty:
+                break
+        if not offered:
+            return False
+        alive = set(self.job.alive())
+        ready = sorted(d for d in offered if d in self.handled_devices and d not in alive)
+        waiting = tuple(sorted(d for d in offered if d not in self.handled_devices and d not in alive))
+        if waiting:
+            self.repaired.put(waiting)
+        if not ready:
+            return False
+        self.rejoin(ready)
+        return True
+
     def rejoin(self, devices: list[int]) -> None:
         """Bring repaired ``devices`` back: start their workers, plan them in, deploy."""
         devices = sorted(d for d in devices if d not in self.job.alive())
