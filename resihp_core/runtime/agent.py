@@ -343,8 +343,8 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
             return
         self.controller_lost = exc
         rejoin = self.rejoin_timeout > 0 and not self.refused and self.on_controller_lost is None
-        logger.error("event=controller_lost node=%d error=%r%s", self.node, exc,
-                     f" action=fence_and_rejoin within={self.rejoin_timeout:.0f}s" if rejoin else "")
+        logger.log(logging.WARNING if rejoin else logging.ERROR, "event=controller_lost node=%d error=%r%s",
+                   self.node, exc, f" action=fence_and_rejoin within={self.rejoin_timeout:.0f}s" if rejoin else "")
         if self.on_controller_lost is not None:
             try:
                 self.on_controller_lost(exc)

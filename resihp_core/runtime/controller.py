@@ -360,12 +360,13 @@ class Controller:
                 await write_msg(writer, Error("duplicate-node", f"an agent for node {node} is already connected"))
                 node = None
                 return
-            if view is not None and not view.connected and not view.finished:
-                logger.warning("event=node_back node=%d", node)
+            back = view is not None and not view.connected and not view.finished
             self.nodes[node] = view = view or NodeView(node)
             view.connected, view.finished, view.last_seen = True, False, time.monotonic()
             self._conns[node] = writer
             logger.info("event=agent_connected node=%d", node)
+            if back:  # lost earlier: its old workers are gone (fenced, or died with the old agent)
+                self._offer(view, ())
             why = await self._agent_messages(view, reader)
         except (ProtocolError, ConnectionError, OSError) as e:
             why = f"connection error: {e!r}"
@@ -417,19 +418,23 @@ class Controller:
                 if msg.node != view.node:
                     logger.warning("controller: agent of node %d offered node %d", view.node, msg.node)
                     continue
-                devices = tuple(sorted(set(msg.devices) | view.devices))
-                logger.warning("event=node_rejoin node=%d devices=%s", view.node, list(devices))
-                if self.on_rejoin is not None and devices:
-                    try:
-                        self.on_rejoin(view.node, devices)
-                    except Exception:  # noqa: BLE001
-                        logger.exception("on_rejoin callback failed")
+                self._offer(view, msg.devices)
             elif isinstance(msg, Ack) and msg.what == BYE:
                 view.finished = True
                 logger.info("event=agent_left node=%d", view.node)
                 return ""
             else:
                 logger.debug("controller: ignoring %s from node %d", type(msg).__name__, view.node)
+
+    def _offer(self, view: NodeView, devices: tuple[int, ...]) -> None:
+        """A node cut off earlier is back: offer its devices to be planned in again."""
+        devs = tuple(sorted(set(devices) | view.devices))
+        logger.warning("event=node_back node=%d devices=%s", view.node, list(devs))
+        if self.on_rejoin is not None and devs:
+            try:
+                self.on_rejoin(view.node, devs)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_rejoin callback failed")
 
     def _on_state(self, view: NodeView, state: AgentState) -> None:
         if state.node != view.node:

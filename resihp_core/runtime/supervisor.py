@@ -215,7 +215,13 @@ class Supervisor:
     # ------------------------------------------------------------ repairs
     def _offered(self) -> bool:
         """Rejoin the devices offered on ``repaired`` whose failure was handled (a
-        device whose loss is not planned yet waits for it). Returns whether it did."""
+        device whose loss is not planned yet waits for it). Returns whether it did.
+
+        A rejoin waits until the current generation has committed an iteration: it is
+        not urgent, and superseding a generation whose workers are still meeting in
+        its rendezvous leaves some of them waiting there for the store timeout."""
+        if self.repaired.empty() or self.job.generation not in self.job.committed_in.values():
+            return False
         offered: set[int] = set()
         while True:
             try:
