@@ -22,11 +22,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 from resihp_core.hookspecs import hookimpl
 
-__all__ = ["DEMO_CONFIG", "build_job", "phases", "run_demo", "run_config", "resihp_register_commands"]
+__all__ = ["DEMO_CONFIG", "Phases", "build_job", "phases", "run_demo", "run_config", "resihp_register_commands"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -93,21 +92,55 @@ def build_job(cfg, faults: list, workdir: Path):
     return plan, topology, spec, state, Planner(capabilities=CAPABILITIES)
 
 
-def phases(faults: list) -> Callable[[int, int], str]:
-    """Phase names for the report: healthy, then one per fault, marked once adapted."""
-    ordered = sorted(faults, key=lambda f: f.iteration)
-    first_gen: dict[int, int] = {}
+class Phases:
+    """Phase names for the report: healthy, then one phase per fault, marked once
+    adapted. A fault is an injected one (known in advance) or a detected one: a failure
+    the Detector reported that no injected fault explains (a partition, a process
+    killed from outside), or devices rejoining that no injected repair explains. Feed
+    the supervisor's events to :meth:`event`; call the object as ``phase_of(iteration,
+    generation)``."""
 
-    def phase_of(i: int, g: int) -> str:
-        k = sum(1 for f in ordered if f.iteration <= i)
+    def __init__(self, faults: list) -> None:
+        self._marks: list[tuple[int, int, str]] = []  # (first iteration, order, label)
+        self._unexplained = list(faults)
+        for f in faults:
+            what = f"{f.kind} x{f.factor:.2f}" if f.kind == "slow" else f.kind
+            self._add(f.iteration, f"{what} on device {f.device}")
+        self._first_gen: dict[int, int] = {}
+
+    def _add(self, iteration: int, label: str) -> None:
+        self._marks.append((iteration, len(self._marks), label))
+        self._marks.sort()
+
+    def _explained(self, ev: dict, kinds: tuple[str, ...]) -> bool:
+        devices = set(ev.get("devices") or ())
+        for f in self._unexplained:
+            if f.kind in kinds and f.device in devices and f.iteration <= ev["iteration"]:
+                self._unexplained.remove(f)
+                return True
+        return False
+
+    def event(self, ev: dict) -> None:
+        """A supervisor event: a failure or rejoin no injected fault explains starts a phase."""
+        devices = sorted(ev.get("devices") or ())
+        if ev.get("kind") == "failure":
+            if not self._explained(ev, ("kill", "stop", "slow", "comm", "contend")):
+                self._add(ev["iteration"], f"detected {ev.get('failure', 'failure')} of devices {devices}")
+        elif ev.get("kind") == "plan" and ev.get("kind_of_plan") == "rejoin":
+            if not self._explained(ev, ("repair",)):
+                self._add(ev["iteration"], f"rejoin of devices {devices}")
+
+    def __call__(self, i: int, g: int) -> str:
+        k = sum(1 for it, _, _ in self._marks if it <= i)
         if k == 0:
             return "1 healthy"
-        f = ordered[k - 1]
-        first_gen.setdefault(k, g)
-        what = f"{f.kind} x{f.factor:.2f}" if f.kind == "slow" else f.kind
-        return f"{k + 1} after {what} on device {f.device}" + (", adapted" if g > first_gen[k] else "")
+        self._first_gen.setdefault(k, g)
+        return f"{k + 1} after {self._marks[k - 1][2]}" + (", adapted" if g > self._first_gen[k] else "")
 
-    return phase_of
+
+def phases(faults: list) -> Phases:
+    """See :class:`Phases`."""
+    return Phases(faults)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -190,11 +223,15 @@ def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -
             health[d] = "DEAD" if r.failure == "fail-stop" else f"slow {r.cause}"
 
     phase_of = phases(faults)
-
     view = _View(args, health)
+
+    def on_event(ev: dict) -> None:
+        phase_of.event(ev)  # a detected failure starts a phase too
+        view.event(ev)
+
     with view:
         run = run_resilient(spec.to_json(), plan, topology, state, planner, det, cfg.training.iterations,
-                            work / "job", phase_of=phase_of, on_event=view.event,
+                            work / "job", phase_of=phase_of, on_event=on_event,
                             on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
                             interface=getattr(args, "interface", None) or cfg.runtime.interface, **agents)
     if not run.ok:
