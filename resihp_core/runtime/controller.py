@@ -260,6 +260,14 @@ class Controller:
                 raise TimeoutError(f"no agent connected for node(s) {missing} within {timeout:.0f} s")
             await asyncio.sleep(0.02)
 
+    def workers_up(self) -> set[int]:
+        """Devices whose workers connected agents report alive (heartbeating)."""
+        out: set[int] = set()
+        for v in self.nodes.values():
+            if v.connected:
+                out |= {d for d, w in v.workers().items() if w.alive and w.reason != "finished"}
+        return out
+
     # ------------------------------------------------------------ generations
     def set_generation(self, generation: int, *, plan: ParallelPlan | None = None,
                        speeds: Mapping[int, float] | None = None,
@@ -366,6 +374,7 @@ class Controller:
             self._conns[node] = writer
             logger.info("event=agent_connected node=%d", node)
             if back:  # lost earlier: its old workers are gone (fenced, or died with the old agent)
+                view.state = None  # what it said before it was cut off is stale
                 self._offer(view, ())
             why = await self._agent_messages(view, reader)
         except (ProtocolError, ConnectionError, OSError) as e:

@@ -132,6 +132,12 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                 agent_procs[node] = start_local_agent(node, controller.address_text, secret, workdir)
         loop.run(controller.wait_for_agents(set(nodes), agent_timeout), timeout=agent_timeout + 5)
 
+        async def _up() -> set[int]:
+            return controller.workers_up()
+
+        def ready_devices() -> set[int]:
+            return loop.run(_up(), timeout=10)
+
         def set_generation(g: int, new_plan: ParallelPlan, speeds: dict[int, float]) -> None:
             loop.call(lambda: controller.set_generation(g, plan=new_plan, speeds=speeds,
                                                         expected_ranks=set(new_plan.devices())))
@@ -142,7 +148,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
                          on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
-                         repaired=repaired)
+                         repaired=repaired, ready=lambda devices: set(devices) <= ready_devices())
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned

@@ -78,6 +78,11 @@ class Supervisor:
     repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration -> devices repaired then
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
     repaired: "queue.Queue[tuple[int, ...]]" = field(default_factory=queue.Queue)  # offered at run time
+    # Whether relaunched devices' workers are up and waiting for a generation (e.g. the
+    # controller hears their heartbeats); they are planned in only then.
+    ready: Callable[[list[int]], bool] = lambda devices: True
+    join_timeout_s: float = 120.0
+    _joining: dict[int, float] = field(default_factory=dict)  # relaunched device -> give-up time
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -109,6 +114,9 @@ class Supervisor:
             due = [it for it in self.repairs if it <= self.job.committed and self.job.committed > 0]
             if due:
                 self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)}))
+                last_commit = time.monotonic()
+                continue
+            if self._check_joining():
                 last_commit = time.monotonic()
                 continue
             pending = self._pending_reports()
@@ -241,11 +249,41 @@ class Supervisor:
         return True
 
     def rejoin(self, devices: list[int]) -> None:
-        """Bring repaired ``devices`` back: start their workers, plan them in, deploy."""
-        devices = sorted(d for d in devices if d not in self.job.alive())
+        """Bring repaired ``devices`` back: start their workers now; once they are
+        ready (:attr:`ready`: started up, waiting for a generation) plan them in and
+        deploy (:meth:`_joined`). Until then the job goes on without them: a plan
+        that named them while they are still starting (seconds on a loaded host) would
+        leave the others waiting in its rendezvous."""
+        devices = sorted(d for d in devices if d not in self.job.alive() and d not in self._joining)
         if not devices:
             return
         self.job.relaunch(devices)
+        self._joining.update({d: time.monotonic() + self.join_timeout_s for d in devices})
+        self._event("relaunch", f"workers of devices {devices} started again; planned in once ready",
+                    devices=devices)
+
+    def _check_joining(self) -> bool:
+        """Plan in the relaunched devices that are ready; forget those that died or
+        never got ready. Returns whether a generation was deployed."""
+        if not self._joining:
+            return False
+        dead = set(self.job.dead())
+        now = time.monotonic()
+        gone = sorted(d for d, t in self._joining.items() if d in dead or now > t)
+        for d in gone:
+            del self._joining[d]
+            self._event("failure", f"relaunched device {d} did not get ready", failure="fail-stop",
+                        devices=[d], cause="unknown")
+            if d not in dead:
+                self.job.kill(d)
+        waiting = sorted(self._joining)
+        if not waiting or not self.ready(waiting):
+            return False
+        self._joining.clear()
+        self._joined(waiting)
+        return True
+
+    def _joined(self, devices: list[int]) -> None:
         self.handled_devices.difference_update(devices)
         t0 = time.perf_counter()
         decision = self.planner.rejoin(self.state, devices)
