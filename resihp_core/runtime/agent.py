@@ -419,7 +419,7 @@ def configure(ap: argparse.ArgumentParser) -> None:
     where.add_argument("--unix", help="serve workers on this Unix socket path instead")
     ap.add_argument("--address-file", help="write the worker endpoint here once serving")
     ap.add_argument("--workdir", help="folder for launched workers' job file and logs (default: a temporary one)")
-    ap.add_argument("--config", help="TOML/YAML configuration file (detector section)")
+    ap.add_argument("--config", help="TOML/YAML configuration file (detector section, runtime.interface)")
     ap.add_argument("--secret-env", default="RESIHP_SECRET", help="environment variable holding the job secret")
     ap.add_argument("--connect-timeout", type=float, default=60.0,
                     help="keep trying to reach the controller this many seconds (default 60)")
@@ -441,7 +441,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 async def _amain(args: argparse.Namespace) -> int:
     from resihp_core.config import load_config
 
-    config = load_config(args.config).detector
+    full = load_config(args.config)
+    config = full.detector
+    args.interface = args.interface or full.runtime.interface or None
     secret = os.environ.get(args.secret_env, "")
     if not secret:
         print(f"agent: the job secret is missing (set {args.secret_env})", file=sys.stderr)
@@ -453,7 +455,7 @@ async def _amain(args: argparse.Namespace) -> int:
         try:
             select_interface(args.interface)
         except ValueError as e:
-            print(f"agent: --interface: {e}", file=sys.stderr)
+            print(f"agent: --interface: {e}".replace("--interface: interface: ", "--interface: "), file=sys.stderr)
             return 2
     agent = NodeAgent(args.node, args.controller, secret, config, host=host, port=port, unix_path=args.unix,
                       workdir=args.workdir, connect_timeout=args.connect_timeout, interface=args.interface,
