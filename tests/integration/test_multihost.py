@@ -159,7 +159,7 @@ def test_two_hosts_and_the_controllers_own_through_a_kill_a_partition_and_its_he
     node 1's link goes down: the controller declares it lost, the job goes on without
     it; the link comes back: node 1's agent has fenced its workers, rejoins, and the
     Scheduler plans its devices back in. Parameters equal the fault-free run."""
-    from resihp_plugins.faults import fail_at, worker_faults
+    from resihp_core.faults import fail_at, worker_faults
 
     plan = uniform(1, 2, 3, 3)
     topology = Topology.uniform(3, 2)
@@ -221,7 +221,7 @@ def test_an_agent_killed_then_its_host_repaired_is_planned_back_in():
     """Two namespace hosts, TP1 x PP2 x DP2 (replica r on node r). Node 1's agent is
     killed (its workers die with it); the job goes on on node 0; a new agent started on
     the repaired host joins, and node 1's devices are planned back in."""
-    from resihp_plugins.faults import fail_at, worker_faults
+    from resihp_core.faults import fail_at, worker_faults
 
     plan = uniform(1, 2, 2, 3)
     topology = Topology.uniform(2, 2)
