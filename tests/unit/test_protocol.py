@@ -136,7 +136,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 15
+    assert len(P.MESSAGE_TYPES) == 16
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
