@@ -21,7 +21,6 @@ import os
 import queue
 import secrets as _secrets
 import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -36,13 +35,18 @@ __all__ = ["ResilientRun", "run_resilient", "start_local_agent"]
 
 def start_local_agent(node: int, controller: str, secret: str, workdir: Path,
                       interface: str = "") -> subprocess.Popen:
-    """Start node ``node``'s agent as a process of this machine (log: ``agent<node>.log``)."""
+    """Start node ``node``'s agent as a process of this machine (log: ``agent<node>.log``).
+
+    It dies with this process (parent-death signal, like the workers): an agent that
+    lost its controller keeps dialling it to rejoin, which is no use once the
+    controller's process is gone."""
+    from resihp_core.runtime.processes import spawn_worker
+
     env = dict(os.environ, RESIHP_SECRET=secret)
     extra = ["--interface", interface] if interface else []
-    with open(workdir / f"agent{node}.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.agent", "--node", str(node),
-                                 "--controller", controller, "--workdir", str(workdir), "--log-level", "INFO",
-                                 *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return spawn_worker("resihp_core.runtime.agent", env, workdir / f"agent{node}.log",
+                        ["--node", str(node), "--controller", controller, "--workdir", str(workdir),
+                         "--log-level", "INFO", *extra])
 
 
 @dataclass
