@@ -251,6 +251,9 @@ class RuntimeConfig(_Section):
     backend: Literal["gloo", "nccl"] = _opt("gloo")  # the workers' collectives (NCCL on GPUs)
     metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
     metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint
+    # Interface name (e.g. "eth0") or local address every node's workers bind their
+    # collectives (gloo, NCCL) to; "" = the interface each agent reaches the controller on.
+    interface: str = _opt("")
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ __all__ = [
     "LaunchWorkers",
     "SignalWorker",
     "WorkerProcess",
+    "NodeRejoin",
     "Message",
     "MESSAGE_TYPES",
     "encode",

@@ -20,6 +20,7 @@ __all__ = [
     "PROTOCOL_VERSION", "Hello", "Challenge", "AuthResponse", "AuthResult", "Heartbeat",
     "MicroBatchProfile", "IterationProfile", "FailureReport", "PlanUpdate", "IterationReport", "WorkerSummary",
     "AgentState", "Ack", "Error", "LaunchWorkers", "SignalWorker", "WorkerProcess",
+    "NodeRejoin",
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
@@ -253,6 +254,15 @@ class WorkerProcess(_Msg, tag="process"):
     pid: NonNeg = 0
     returncode: int | None = None
     error: str = ""
+    address: ShortText = ""  # the local address its collectives bind to ("" = the library's default)
+
+
+class NodeRejoin(_Msg, tag="rejoin"):
+    """Agent -> controller: this node is back after it lost the controller (a partition
+    healed); it fenced its stale workers, so ``devices`` are free to be planned in again."""
+
+    node: NonNeg
+    devices: tuple[NonNeg, ...] = ()
 
 
 class Ack(_Msg, tag="ack"):
@@ -285,6 +295,7 @@ Message = Union[
     LaunchWorkers,
     SignalWorker,
     WorkerProcess,
+    NodeRejoin,
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 

@@ -64,6 +64,7 @@ from resihp_core.protocol import (
     Hello,
     IterationProfile,
     Message,
+    NodeRejoin,
     ProtocolError,
     WorkerProcess,
     WorkerSummary,
@@ -127,6 +128,8 @@ class Controller:
         is dropped and logged (``event=identity_violation``). None: any node id (tests).
     :param handshake_timeout, max_pending_handshakes: bounds on connections that have
         not authenticated yet (see :mod:`resihp_core.runtime.gate`).
+    :param on_rejoin: called on the loop with a node id and its devices when the agent of
+        a node cut off earlier is back (its stale workers fenced) and offers them again.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class Controller:
         on_detection: Callable[[Detection], None] | None = None,
         on_process: Callable[[WorkerProcess], None] | None = None,
         on_node_lost: Callable[[int], None] | None = None,
+        on_rejoin: Callable[[int, tuple[int, ...]], None] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -155,7 +159,7 @@ class Controller:
         self._secret = secret
         self.host, self.port = host, port
         self.on_report, self.on_detection = on_report, on_detection
-        self.on_process, self.on_node_lost = on_process, on_node_lost
+        self.on_process, self.on_node_lost, self.on_rejoin = on_process, on_node_lost, on_rejoin
         self._plugins = plugins
         self.generation = generation
         # A dead agent is seen at once (its connection closes); the timeout only catches a
@@ -234,6 +238,21 @@ class Controller:
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         self._pool.shutdown(wait=False)
 
+    async def finish(self, timeout: float = 10.0) -> list[int]:
+        """End the job for every connected agent: each is told goodbye, reaps its
+        workers and leaves (exit status 0). Returns the nodes still connected after
+        ``timeout`` seconds."""
+        self._stopping = True
+        for node, w in list(self._conns.items()):
+            with contextlib.suppress(Exception):
+                await write_msg(w, Ack(what=BYE))
+        deadline = time.monotonic() + timeout
+        while self._conns and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._conns:
+            logger.warning("event=agents_linger nodes=%s", sorted(self._conns))
+        return sorted(self._conns)
+
     @property
     def address_text(self) -> str:
         assert self.address is not None, "controller not started"
@@ -256,6 +275,14 @@ class Controller:
                 missing = sorted(nodes - self._conns.keys())
                 raise TimeoutError(f"no agent connected for node(s) {missing} within {timeout:.0f} s")
             await asyncio.sleep(0.02)
+
+    def workers_up(self) -> set[int]:
+        """Devices whose workers connected agents report alive (heartbeating)."""
+        out: set[int] = set()
+        for v in self.nodes.values():
+            if v.connected:
+                out |= {d for d, w in v.workers().items() if w.alive and w.reason != "finished"}
+        return out
 
     # ------------------------------------------------------------ generations
     def set_generation(self, generation: int, *, plan: ParallelPlan | None = None,
@@ -359,10 +386,14 @@ class Controller:
                 await write_msg(writer, Error("duplicate-node", f"an agent for node {node} is already connected"))
                 node = None
                 return
+            back = view is not None and not view.connected and not view.finished
             self.nodes[node] = view = view or NodeView(node)
             view.connected, view.finished, view.last_seen = True, False, time.monotonic()
             self._conns[node] = writer
             logger.info("event=agent_connected node=%d", node)
+            if back:  # lost earlier: its old workers are gone (fenced, or died with the old agent)
+                view.state = None  # what it said before it was cut off is stale
+                self._offer(view, ())
             why = await self._agent_messages(view, reader)
         except (ProtocolError, ConnectionError, OSError) as e:
             why = f"connection error: {e!r}"
@@ -419,6 +450,11 @@ class Controller:
                         self.on_process(msg)
                     except Exception:  # noqa: BLE001
                         logger.exception("on_process callback failed")
+            elif isinstance(msg, NodeRejoin):
+                if msg.node != view.node:
+                    logger.warning("controller: agent of node %d offered node %d", view.node, msg.node)
+                    continue
+                self._offer(view, msg.devices)
             elif isinstance(msg, Ack) and msg.what == BYE:
                 view.finished = True
                 logger.info("event=agent_left node=%d", view.node)
@@ -455,6 +491,16 @@ class Controller:
                        view.node, type(msg).__name__, bad, sorted(own))
         self.rejected += 1
         return True
+
+    def _offer(self, view: NodeView, devices: tuple[int, ...]) -> None:
+        """A node cut off earlier is back: offer its devices to be planned in again."""
+        devs = tuple(sorted(set(devices) | view.devices))
+        logger.warning("event=node_back node=%d devices=%s", view.node, list(devs))
+        if self.on_rejoin is not None and devs:
+            try:
+                self.on_rejoin(view.node, devs)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_rejoin callback failed")
 
     def _on_state(self, view: NodeView, state: AgentState) -> None:
         if state.node != view.node:

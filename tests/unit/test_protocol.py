@@ -123,6 +123,8 @@ messages = st.one_of(
     st.builds(P.AgentState, ids, secs, st.lists(workers, max_size=8).map(tuple)),
     st.builds(P.Ack, ids, text),
     st.builds(P.Error, text, text),
+    st.builds(P.WorkerProcess, ids, ids, ids, st.none() | small, text, st.sampled_from(["", "10.0.0.2", "::1"])),
+    st.builds(P.NodeRejoin, ids, st.lists(ids, max_size=8).map(tuple)),
 )
 
 
@@ -134,7 +136,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 15
+    assert len(P.MESSAGE_TYPES) == 16
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
