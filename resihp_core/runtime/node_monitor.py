@@ -1,4 +1,4 @@
-"""The node agent's monitor: the node-local half of the fail-stop detector (SPEC §3.1).
+"""The node agent's monitor: the node-local half of the fail-stop detector (docs/design.md §3.1).
 
 :class:`WorkerMonitor` serves a node's workers (TCP on loopback by default, or a Unix
 socket; each authenticates with the job secret and identifies as
