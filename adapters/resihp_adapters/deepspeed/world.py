@@ -1,0 +1,136 @@
+"""One torch.distributed world per plan generation, rebuilt inside the surviving processes.
+
+DeepSpeed cannot re-point a module or engine at new process groups (its grid reads the
+default group; groups live in the module, the grid, the p2p module, ``groups.mpu`` and
+the optimizer), so a new plan generation means: drop every reference to the old engine,
+clear DeepSpeed's module-level group caches, destroy the default group, collect garbage
+(gloo closes sockets only when the last reference to a group is gone), then join a new
+world under the store prefix ``gen{g}/`` and build a new module and engine.
+
+DeepSpeed's ``new_group`` passes no timeout, so its groups would get gloo's 30-minute
+default: :func:`prepare_deepspeed` lowers ``default_pg_timeout`` so a survivor blocked on
+a dead peer is released within ``timeout_s``. See ``docs/deepspeed.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+__all__ = ["prepare_deepspeed", "teardown_world", "init_world", "ds_config_for", "build_engine"]
+
+
+def prepare_deepspeed(timeout_s: float, *, allow_float64: bool = True) -> None:
+    """Process-wide settings before any DeepSpeed group exists: bounded group timeouts,
+    no JIT build of the shared-memory all-reduce op (only used for inference), and
+    (``allow_float64``) float64 gradients in DeepSpeed's DP reduction, which the CPU
+    accelerator does not list; ResiHP's exactness tests train in float64."""
+    import deepspeed.ops
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+    from deepspeed.accelerator import get_accelerator
+
+    if allow_float64:
+        acc = get_accelerator()
+        base = acc.supported_dtypes
+        if torch.float64 not in base():
+            acc.supported_dtypes = lambda: [*base(), torch.float64]  # type: ignore[method-assign]
+
+    c10d.default_pg_timeout = timedelta(seconds=float(timeout_s))
+    deepspeed.ops.__compatible_ops__ = {}
+    # ``deepspeed.comm.torch`` as an attribute is the torch package; go through importlib.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
+
+
+def teardown_world() -> None:
+    """Forget every group DeepSpeed and torch hold and destroy the default group. The
+    caller must already have dropped its own references to the engine and module."""
+    import torch.distributed as tdist
+    from deepspeed.runtime.pipe import p2p
+    from deepspeed.utils import groups
+
+    p2p._grid = None
+    p2p._groups = None
+    groups.mpu = None
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        getattr(groups, name).clear()
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                 "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mesh_device"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    if tdist.is_initialized():
+        try:
+            tdist.destroy_process_group()
+        except Exception:  # a group with a dead peer may fail to shut down; drop it anyway
+            pass
+    gc.collect()
+
+
+def init_world(store: Any, generation: int, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join plan generation ``generation``'s world (gloo) under the ``gen{g}/`` prefix."""
+    import deepspeed.comm as ds_dist
+    import torch.distributed as tdist
+
+    prefixed = tdist.PrefixStore(f"gen{generation}/", store)
+    tdist.init_process_group(
+        "gloo", store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=float(timeout_s))
+    )
+    ds_dist.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+
+
+def ds_config_for(config: Mapping[str, Any], *, micro_batch_size: int, num_microbatches: int,
+                  replicas: int) -> dict[str, Any]:
+    """The user's DeepSpeed config with the batch fields this plan generation implies:
+    ``gradient_accumulation_steps`` is the *nominal* micro-batch count per replica (the
+    loss scale), ``train_batch_size`` follows from the plan's replica count."""
+    cfg = dict(config)
+    zero = dict(cfg.get("zero_optimization") or {})
+    stage = int(zero.get("stage", 0))
+    if stage >= 2:
+        raise ValueError(f"zero_optimization.stage={stage}: DeepSpeed pipelines support ZeRO 0 and 1 only")
+    cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
+    cfg["gradient_accumulation_steps"] = int(num_microbatches)
+    cfg["train_batch_size"] = int(micro_batch_size) * int(num_microbatches) * int(replicas)
+    cfg.setdefault("steps_per_print", 10**9)
+    return cfg
+
+
+def build_engine(
+    layers: list[Any],
+    *,
+    parts: list[int],
+    topology: Any,
+    config: Mapping[str, Any],
+    optimizer: Any = None,
+    loss_fn: Callable[..., Any] | None = None,
+    seed_layers: bool = True,
+    base_seed: int = 1234,
+    lr_scheduler: Any = None,
+):
+    """A :class:`ResiPipelineModule` over ``parts`` and a :class:`ResiPipelineEngine`,
+    built directly (``deepspeed.initialize`` hard-codes the stock engine class)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from resihp_adapters.deepspeed.engine import ResiPipelineEngine, ResiPipelineModule
+
+    module = ResiPipelineModule(
+        layers, parts=parts, topology=topology, loss_fn=loss_fn, seed_layers=seed_layers, base_seed=base_seed
+    )
+    mpu = module.mpu()
+    engine = ResiPipelineEngine(
+        args=None,
+        model=module,
+        optimizer=optimizer,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=False,
+        config=dict(config),
+        config_class=DeepSpeedConfig(dict(config), mpu),
+    )
+    return engine
