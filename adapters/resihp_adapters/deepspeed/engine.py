@@ -269,6 +269,12 @@ class ResiPipelineEngine(PipelineEngine):
         self._recv_specs: dict[int, list[tuple[torch.Size, torch.dtype]]] = {}
         self.pipe_buffers["losses"] = []
         self.pipe_buffers["grads"] = []
+        if self._config.communication_data_type is None and any(
+            p.dtype == torch.float64 for p in self.module.parameters()
+        ):
+            # DeepSpeed reduces gradients in float32 unless told otherwise, and its JSON
+            # config cannot say float64: keep a float64 model's reduction exact.
+            self.communication_data_type = torch.float64
 
     # -------------------------------------------------------------- configuration
     def set_work(self, plan: ParallelPlan, program: Program, source: Any) -> None:

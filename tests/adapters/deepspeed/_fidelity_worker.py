@@ -49,8 +49,9 @@ def main() -> None:
     init_world(store, 0, rank, world, 20)
     module = PipelineModule(M.layer_specs(layers), topology=PipeDataParallelTopology(a.pp, a.dp), loss_fn=M.mse,
                             seed_layers=True, base_seed=7, partition_method="uniform")
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=cfg)
+    engine.communication_data_type = torch.float64  # as ResiHP's engine does for float64 models
     it = src.iterator(engine.grid.data_parallel_id)
     losses, times = [], []
     for _ in range(a.iters):
@@ -68,7 +69,7 @@ def main() -> None:
     parts = [a for a, _ in plan.layer_ranges] + [layers]
     engine = build_engine(M.layer_specs(layers), parts=parts, topology=plan_topology(plan),
                           config=ds_config_for(cfg, micro_batch_size=2, num_microbatches=a.mb, replicas=a.dp),
-                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), loss_fn=M.mse, base_seed=7)
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), loss_fn=M.mse, base_seed=7)
     progs = {(p.replica, p.stage): p for p in emit_programs(plan)}
     engine.set_work(plan, progs[(engine.grid.data_parallel_id, engine.stage_id)], src)
     losses, times = [], []
