@@ -58,7 +58,7 @@ def build_job(cfg, faults: list, workdir: Path):
     from resihp_core.scheduler.planner import Planner
     from resihp_core.scheduler.state import PlannerState
     from resihp_adapters.megatron_ref.plugin import CAPABILITIES
-    from resihp_adapters.megatron_ref.worker import JobSpec
+    from resihp_core.job import JobSpec
     from resihp_plugins.faults import worker_faults
 
     par, mod, tr = cfg.parallel, cfg.model, cfg.training
@@ -72,9 +72,10 @@ def build_job(cfg, faults: list, workdir: Path):
     corpus = dict(scale=max(2.0, n / 10), shape=1.0, min_len=min(4, n), max_len=n, token_budget=n, seed=tr.seed)
     ffn = mod.ffn_hidden or 4 * mod.hidden
     spec = JobSpec(
-        model=dict(vocab_size=mod.vocab, hidden=mod.hidden, num_heads=mod.heads, ffn_hidden=ffn,
-                   num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed),
-        corpus=corpus, dp=par.dp, num_microbatches=tr.microbatches, data_seed=tr.seed, lr=tr.lr,
+        adapter=cfg.runtime.adapter,
+        adapter_config=dict(vocab_size=mod.vocab, hidden=mod.hidden, num_heads=mod.heads, ffn_hidden=ffn,
+                            num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed, lr=tr.lr),
+        data=dict(source="synthetic", **corpus), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
         timeout_s=10.0, checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"), checkpoint_every=1,
         faults=worker_faults(faults),
     )
@@ -205,7 +206,9 @@ def run_job(cfg, faults: list, args: argparse.Namespace, title: str, tag: str) -
     import torch
 
     torch.set_num_threads(1)  # one thread: on a shared, loaded machine more threads thrash (measured 25 s vs 4 s)
-    _, ref_losses = reference_run(spec.model_config(), spec.data_spec(), len(records), lr=spec.lr)
+    from resihp_adapters.megatron_ref.adapter import data_spec, model_config
+
+    _, ref_losses = reference_run(model_config(spec), data_spec(spec), len(records), lr=spec.adapter_config["lr"])
     # Iteration 0 carries process start-up (imports, rendezvous): it is reported in the
     # events, not in the per-phase throughput or the iteration-time trace.
     startup = records[0].seconds

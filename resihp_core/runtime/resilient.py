@@ -52,7 +52,7 @@ class ResilientRun:
 
 def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: Any, planner: Any,
                   detector: DetectorConfig, iterations: int, workdir: Path, *,
-                  worker_module: str = "resihp_adapters.megatron_ref.worker",
+                  worker_module: str = "resihp_core.runtime.worker",
                   supervised: bool = True, timeout: float = 900.0,
                   agents: Literal["local", "external"] = "local",
                   listen: tuple[str, int] = ("127.0.0.1", 0), secret: str = "",

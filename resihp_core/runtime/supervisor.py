@@ -96,7 +96,7 @@ class Supervisor:
             for i in range(len(self.records), self.job.committed):
                 now = time.monotonic()
                 rep = self.job.report(i)
-                rec = IterationRecord(i, sum(r["loss"] for r in rep.values()), now - last_commit,
+                rec = IterationRecord(i, sum(r.loss for r in rep.values()), now - last_commit,
                                       self.samples, self.job.committed_in.get(i, self.job.generation),
                                       self.phase_of(i, self.job.generation))
                 last_commit = now
