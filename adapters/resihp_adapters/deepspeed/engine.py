@@ -28,6 +28,7 @@ after DeepSpeed's DP average. See ``docs/deepspeed.md``.
 from __future__ import annotations
 
 import time
+from types import MethodType
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -65,7 +66,10 @@ __all__ = [
     "LoweredSchedule",
     "lower_program",
     "rank_of",
+    "device_rank",
+    "live_replicas",
     "plan_topology",
+    "IterationAborted",
 ]
 
 
@@ -107,36 +111,49 @@ class ResiPipelineModule(PipelineModule):
 
 
 # --------------------------------------------------------- plan <-> DeepSpeed grid
-def plan_topology(plan: ParallelPlan):
-    """DeepSpeed's topology for a rectangular plan (every replica has every stage, one TP
-    degree). Its rank order (pipe, data, model) is the plan's device order, so
-    :func:`rank_of` is also DeepSpeed's ``grid.stage_to_global``."""
-    check_rectangular(plan)
-    tp = plan.degree(0, 0)
-    if tp == 1:
-        return PipeDataParallelTopology(num_pp=plan.pp, num_dp=plan.dp)
-    return PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=tp, num_dp=plan.dp)
-
-
-def check_rectangular(plan: ParallelPlan) -> None:
-    """DeepSpeed's grid is a full pp x dp x tp box: refuse other plans with a clear error."""
-    degrees = set()
+def live_replicas(plan: ParallelPlan) -> list[int]:
+    """The plan's replicas that hold devices, in order. DeepSpeed's grid is a full
+    pp x dp x tp box: a replica is either whole (every stage has a TP group) or gone
+    (no stage has one, all its work migrated); one TP degree throughout."""
+    out, degrees = [], set()
     for r, rep in enumerate(plan.tp_groups):
-        for s, g in enumerate(rep):
-            if not g:
-                raise ValueError(
-                    f"replica {r} stage {s} has no devices: the DeepSpeed adapter needs every "
-                    "replica to hold every stage (migrate work, do not vanish a stage)"
-                )
-            degrees.add(len(g))
+        empty = [s for s, g in enumerate(rep) if not g]
+        if empty and len(empty) < len(rep):
+            raise ValueError(
+                f"replica {r} has no devices for stage(s) {empty} but keeps others: the DeepSpeed "
+                "adapter runs whole replicas (drop the replica or migrate work, do not vanish one stage)"
+            )
+        if not empty:
+            out.append(r)
+            degrees.update(len(g) for g in rep)
     if len(degrees) != 1:
-        raise ValueError(f"the DeepSpeed adapter runs one TP degree, plan has {sorted(degrees)}")
+        raise ValueError(f"the DeepSpeed adapter runs one TP degree, plan has {sorted(degrees) or 'no devices'}")
+    return out
+
+
+def plan_topology(plan: ParallelPlan):
+    """DeepSpeed's topology for the plan's live replicas. Its rank order (pipe, data,
+    model) is the order :func:`rank_of` gives, so ``grid.stage_to_global`` agrees."""
+    dp = len(live_replicas(plan))
+    tp = plan.degree(live_replicas(plan)[0], 0)
+    if tp == 1:
+        return PipeDataParallelTopology(num_pp=plan.pp, num_dp=dp)
+    return PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=tp, num_dp=dp)
+
+
+def ds_replica(plan: ParallelPlan, replica: int) -> int:
+    """DeepSpeed's data-parallel index of plan replica ``replica``."""
+    live = live_replicas(plan)
+    if replica not in live:
+        raise ValueError(f"replica {replica} has no devices in plan generation {plan.generation}")
+    return live.index(replica)
 
 
 def rank_of(plan: ParallelPlan, replica: int, stage: int, tp_index: int = 0) -> int:
     """Global rank of (replica, stage, TP index) in the plan generation's world."""
+    dp = len(live_replicas(plan))
     tp = plan.degree(replica, stage)
-    return (stage * plan.dp + replica) * tp + tp_index
+    return (stage * dp + ds_replica(plan, replica)) * tp + tp_index
 
 
 def device_rank(plan: ParallelPlan, device: int) -> int:
@@ -145,6 +162,10 @@ def device_rank(plan: ParallelPlan, device: int) -> int:
     if loc is None:
         raise ValueError(f"device {device} runs nothing in plan generation {plan.generation}")
     return rank_of(plan, *loc)
+
+
+def world_size(plan: ParallelPlan) -> int:
+    return len(plan.devices())
 
 
 # ----------------------------------------------------------------- instructions
@@ -260,6 +281,14 @@ class ResiPipelineEngine(PipelineEngine):
         self.iteration = 0
         self.tp_index = self.grid.get_slice_parallel_rank() if self.grid.get_slice_parallel_world_size() > 1 else 0
         self.commit_hook: Callable[[ResiPipelineEngine], bool] | None = None
+        # Called before instruction k (progress beat, abort when superseded), before each
+        # receive/reduction ("comm") and after each compute chunk ("compute", seconds).
+        self.step_hook: Callable[[int, int], None] | None = None
+        self.fault_hook: Callable[[str, float], None] | None = None
+        # Each micro-batch loss is divided by this before backward; DeepSpeed then averages
+        # over its replicas. None: DeepSpeed's gradient_accumulation_steps (stock).
+        self.loss_divisor: float | None = None
+        self.micro_batch_address: Callable[[int, int], tuple[int, int]] | None = None
         self.timings: list[tuple[str, int, int, float]] = []
         self._lowered: LoweredSchedule | None = None
         self._owner_mb: dict[int, tuple[int, int]] = {}
@@ -279,7 +308,7 @@ class ResiPipelineEngine(PipelineEngine):
     # -------------------------------------------------------------- configuration
     def set_work(self, plan: ParallelPlan, program: Program, source: Any) -> None:
         """The plan generation, this executor's program and the micro-batch source."""
-        if (program.replica, program.stage) != (self.grid.data_parallel_id, self.stage_id):
+        if (ds_replica(plan, program.replica), program.stage) != (self.grid.data_parallel_id, self.stage_id):
             raise ValueError(
                 f"program for replica {program.replica} stage {program.stage} given to the rank "
                 f"at replica {self.grid.data_parallel_id} stage {self.stage_id}"
@@ -307,8 +336,25 @@ class ResiPipelineEngine(PipelineEngine):
         self.iteration += 1
         return loss
 
+    def _scale_loss_by_gas(self, prescaled_loss: Any, eval_micro_batches: Any = None) -> Any:
+        if self.loss_divisor is None:
+            return super()._scale_loss_by_gas(prescaled_loss, eval_micro_batches)
+        if isinstance(prescaled_loss, torch.Tensor):
+            return prescaled_loss / self.loss_divisor
+        if isinstance(prescaled_loss, (tuple, list)):
+            return type(prescaled_loss)(x / self.loss_divisor for x in prescaled_loss)
+        return prescaled_loss
+
     def _exec_schedule(self, pipe_schedule: Any) -> None:
-        super()._exec_schedule(pipe_schedule)
+        if self.step_hook is None:
+            super()._exec_schedule(pipe_schedule)
+        else:
+            self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+            self.fwd_outputs = []
+            for k, cmd in enumerate(pipe_schedule.instructions()):
+                self.step_hook(self.iteration, k)
+                self._exec_instr = MethodType(self._INSTRUCTION_MAP[type(cmd)], self)
+                self._exec_instr(**cmd.kwargs)
         if self.is_last_stage() and self.total_loss is None:
             # This replica's last stage ran no micro-batch (all migrated away).
             self.total_loss = torch.zeros((), dtype=torch.get_default_dtype(), device=self.device)
@@ -348,6 +394,8 @@ class ResiPipelineEngine(PipelineEngine):
 
     # -------------------------------------------------------------- handlers
     def _exec_load_addressed(self, buffer_id: int, owner: int, mb: int) -> None:
+        if self.micro_batch_address is not None:
+            owner, mb = self.micro_batch_address(owner, mb)
         batch = self.source.micro_batch(self.iteration, owner, mb)
         saved = self.data_iterator
         self.data_iterator = iter((batch,))
@@ -362,6 +410,9 @@ class ResiPipelineEngine(PipelineEngine):
         if self.is_last_stage():
             self.pipe_buffers["losses"][buffer_id] = self.loss
         owner, mb = self._owner_mb[buffer_id]
+        dt = time.perf_counter() - t0
+        if self.fault_hook is not None:
+            self.fault_hook("compute", dt)
         self.timings.append(("F", owner, mb, time.perf_counter() - t0))
 
     def _exec_backward(self, buffer_id: int) -> None:
@@ -379,6 +430,9 @@ class ResiPipelineEngine(PipelineEngine):
         if self.is_first_stage():
             self.pipe_buffers["inputs"][buffer_id] = None
         owner, mb = self._owner_mb[buffer_id]
+        dt = time.perf_counter() - t0
+        if self.fault_hook is not None:
+            self.fault_hook("compute", dt)
         self.timings.append(("B", owner, mb, time.perf_counter() - t0))
 
     def _exec_send_activation_to(self, buffer_id: int, peer: int) -> None:
@@ -390,6 +444,8 @@ class ResiPipelineEngine(PipelineEngine):
             self._isend(t, peer)
 
     def _exec_recv_activation_from(self, buffer_id: int, peer: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("comm", 0.0)
         specs = self._recv_specs.get(peer)
         if specs is None:
             specs = self._recv_specs[peer] = self._recv_meta(peer)
@@ -411,6 +467,8 @@ class ResiPipelineEngine(PipelineEngine):
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grad_from(self, buffer_id: int, peer: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("comm", 0.0)
         outputs = self.pipe_buffers["outputs"][buffer_id]
         grads = [torch.empty_like(t) for t in _as_list(outputs) if t.is_floating_point()]
         for g in grads:
@@ -423,6 +481,11 @@ class ResiPipelineEngine(PipelineEngine):
         if not ok:
             self._aborted = True
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _exec_reduce(self) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("comm", 0.0)
+        super()._exec_reduce_grads()
 
     def _exec_guarded_step(self, lr_kwargs: Any = None) -> None:
         if getattr(self, "_aborted", False):
@@ -439,6 +502,7 @@ class ResiPipelineEngine(PipelineEngine):
         SendGradTo: _exec_send_grad_to,
         RecvGradFrom: _exec_recv_grad_from,
         CommitPoint: _exec_commit_point,
+        ds_schedule.ReduceGrads: _exec_reduce,
         ds_schedule.OptimizerStep: _exec_guarded_step,
     }
 

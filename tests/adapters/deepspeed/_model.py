@@ -52,3 +52,16 @@ def config(micro_batch_size: int = 2, num_microbatches: int = 4, dp: int = 2, ze
         "wall_clock_breakdown": False,
         "resihp": {"timeout_s": 10},
     }
+
+
+def build(adapter_config: dict, job):
+    """The job builder the adapter's ``adapter_config.model`` names (conformance kit)."""
+    from resihp_adapters.deepspeed.spec import PipelineSpec
+
+    torch.set_default_dtype(torch.float64)
+    lr = float(adapter_config.get("lr", 1e-3))
+    cfg = config(adapter_config.get("micro_batch_size", 2), job.num_microbatches, job.dp,
+                 adapter_config.get("zero", 0))
+    return PipelineSpec(layers=layer_specs(int(adapter_config.get("num_layers", 6))), config=cfg, dataset=Samples(),
+                        loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr),
+                        base_seed=int(adapter_config.get("seed", 7)))
