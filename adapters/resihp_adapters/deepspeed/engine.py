@@ -336,14 +336,14 @@ class ResiPipelineEngine(PipelineEngine):
         self.iteration += 1
         return loss
 
-    def _scale_loss_by_gas(self, prescaled_loss: Any, eval_micro_batches: Any = None) -> Any:
-        if self.loss_divisor is None:
-            return super()._scale_loss_by_gas(prescaled_loss, eval_micro_batches)
-        if isinstance(prescaled_loss, torch.Tensor):
-            return prescaled_loss / self.loss_divisor
-        if isinstance(prescaled_loss, (tuple, list)):
-            return type(prescaled_loss)(x / self.loss_divisor for x in prescaled_loss)
-        return prescaled_loss
+    def gradient_accumulation_steps(self) -> Any:
+        """DeepSpeed divides every micro-batch loss by this (and averages over its
+        replicas): the global batch over the live replicas when ResiHP sets
+        :attr:`loss_divisor`, else the configured value."""
+        d = getattr(self, "loss_divisor", None)
+        if d is None:
+            return super().gradient_accumulation_steps()
+        return int(d) if float(d).is_integer() else d
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         if self.step_hook is None:
