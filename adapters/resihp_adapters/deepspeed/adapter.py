@@ -67,6 +67,7 @@ class DeepSpeedAdapter(Adapter):
         self._held: dict[int, dict[str, Any]] = {}  # layer state while no engine exists
         self._snap: dict[int, dict[str, Any]] | None = None
         self._program: Program | None = None
+        self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         prepare_deepspeed(ctx.timeout_s)
 
@@ -90,7 +91,7 @@ class DeepSpeedAdapter(Adapter):
 
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
         from resihp_adapters.deepspeed.engine import device_rank, plan_topology
-        from resihp_adapters.deepspeed.world import build_engine, ds_config_for, init_world
+        from resihp_adapters.deepspeed.world import bound_op_timeouts, build_engine, ds_config_for, init_world
 
         self._drop_engine()
         self.plan = plan
@@ -113,6 +114,7 @@ class DeepSpeedAdapter(Adapter):
         engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
+        bound_op_timeouts(self.ctx.timeout_s)
         self.engine = engine
 
     def _fault(self, kind: str, seconds: float) -> None:
@@ -178,8 +180,9 @@ class DeepSpeedAdapter(Adapter):
         e.iteration = iteration
         e.global_steps = iteration
         t0 = time.perf_counter()
-        e.train_batch()
+        agg = e.train_batch()
         dt = time.perf_counter() - t0
+        self.last_loss = float(agg) if agg is not None else None
         res = IterationResult(iteration=iteration, iteration_s=dt)
         for kind, owner, mb, sec in e.timings:
             if kind == "F":

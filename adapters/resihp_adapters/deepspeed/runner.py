@@ -33,7 +33,14 @@ from resihp_adapters.deepspeed.state import (
     transfer_plan,
     unpack,
 )
-from resihp_adapters.deepspeed.world import build_engine, ds_config_for, init_world, prepare_deepspeed, teardown_world
+from resihp_adapters.deepspeed.world import (
+    bound_op_timeouts,
+    build_engine,
+    ds_config_for,
+    init_world,
+    prepare_deepspeed,
+    teardown_world,
+)
 
 __all__ = ["PipelineRunner"]
 
@@ -132,6 +139,7 @@ class PipelineRunner:
                    self.timeout_s)
         t2 = time.perf_counter()
         self.engine = self._build(plan)
+        bound_op_timeouts(self.timeout_s)
         t3 = time.perf_counter()
         if restore:
             self.iteration = self._restore(checkpoint_dir)  # type: ignore[arg-type]

@@ -8,8 +8,13 @@ clear DeepSpeed's module-level group caches, destroy the default group, collect 
 world under the store prefix ``gen{g}/`` and build a new module and engine.
 
 DeepSpeed's ``new_group`` passes no timeout, so its groups would get gloo's 30-minute
-default: :func:`prepare_deepspeed` lowers ``default_pg_timeout`` so a survivor blocked on
-a dead peer is released within ``timeout_s``. See ``docs/deepspeed.md``.
+default. Two timeouts matter: joining a generation must outlast a survivor still
+blocked in the previous one (DeepSpeed keeps references to its groups, so a peer's
+sockets may stay open until that peer's operation times out), while an operation must
+give up on a dead peer quickly. So groups are *created* with the long join timeout
+(``default_pg_timeout`` patched before building) and, once the engine is built, every
+group's operation timeout is lowered to ``timeout_s`` (:func:`bound_op_timeouts`).
+See ``docs/deepspeed.md``.
 """
 
 from __future__ import annotations
@@ -39,11 +44,29 @@ def prepare_deepspeed(timeout_s: float, *, allow_float64: bool = True) -> None:
         if torch.float64 not in base():
             acc.supported_dtypes = lambda: [*base(), torch.float64]  # type: ignore[method-assign]
 
-    c10d.default_pg_timeout = timedelta(seconds=float(timeout_s))
+    c10d.default_pg_timeout = timedelta(seconds=join_timeout(timeout_s))
     deepspeed.ops.__compatible_ops__ = {}
     # ``deepspeed.comm.torch`` as an attribute is the torch package; go through importlib.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
+
+
+def join_timeout(timeout_s: float) -> float:
+    """How long joining a generation (rendezvous, group creation) may wait: longer than a
+    survivor's operation timeout, so one still blocked in the old generation makes it."""
+    return 6.0 * float(timeout_s) + 10.0
+
+
+def bound_op_timeouts(timeout_s: float) -> None:
+    """Lower the operation timeout of every process group of this world to ``timeout_s``."""
+    import torch.distributed.distributed_c10d as c10d
+
+    td = timedelta(seconds=float(timeout_s))
+    for pg in list(c10d._world.pg_map.keys()):
+        try:
+            c10d._set_pg_timeout(td, pg)
+        except (ValueError, RuntimeError, AssertionError):
+            pass  # a group this rank is not part of
 
 
 def teardown_world() -> None:
@@ -72,13 +95,14 @@ def teardown_world() -> None:
 
 
 def init_world(store: Any, generation: int, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join plan generation ``generation``'s world (gloo) under the ``gen{g}/`` prefix."""
+    """Join plan generation ``generation``'s world (gloo) under the ``gen{g}/`` prefix,
+    waiting up to :func:`join_timeout`; call :func:`bound_op_timeouts` once built."""
     import deepspeed.comm as ds_dist
     import torch.distributed as tdist
 
     prefixed = tdist.PrefixStore(f"gen{generation}/", store)
     tdist.init_process_group(
-        "gloo", store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=float(timeout_s))
+        "gloo", store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=join_timeout(timeout_s))
     )
     ds_dist.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
 
