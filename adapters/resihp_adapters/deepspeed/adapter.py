@@ -11,6 +11,11 @@ DeepSpeed ``PipelineEngine``.
 - **state**: parameters and optimizer state move by global layer index
   (:mod:`.state`); checkpoints are per-layer files, so a restore works onto any layout.
 
+DeepSpeed's grid is a full box, so a plan that keeps only part of a replica runs as its
+whole-replica equivalent (:func:`~.engine.whole_replicas`): that replica's remaining
+work migrates to a whole replica and its devices idle (they still report and commit,
+with no work). The same pieces run on the same data, so the result is unchanged.
+
 Loss scaling follows the contract's global batch: each micro-batch loss is divided by
 ``job.dp * job.num_microbatches / live replicas`` and DeepSpeed averages over its live
 replicas, so the gradient is the global mean whatever the plan. Micro-batch
@@ -63,7 +68,8 @@ class DeepSpeedAdapter(Adapter):
         self.source = MicroBatchSource(self.spec.dataset, self.spec.collate_fn or MicroBatchSource.default_collate,
                                        self.spec.micro_batch_size, ctx.job.num_microbatches, ctx.job.dp)
         self.engine: Any = None
-        self.plan: ParallelPlan | None = None
+        self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
+        self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs
         self._held: dict[int, dict[str, Any]] = {}  # layer state while no engine exists
         self._snap: dict[int, dict[str, Any]] | None = None
         self._program: Program | None = None
@@ -74,9 +80,14 @@ class DeepSpeedAdapter(Adapter):
     # ------------------------------------------------------------------ where
     @property
     def where(self) -> tuple[int, int, int] | None:
-        if self.plan is None or self.engine is None:
+        if self.plan is None:
             return None
         return self.plan.location(self.ctx.device)
+
+    @property
+    def idle(self) -> bool:
+        """In the posted plan but left out of the whole-replica plan DeepSpeed runs."""
+        return self.where is not None and self.engine is None
 
     # ------------------------------------------------------------------ communicators
     def _drop_engine(self) -> None:
@@ -90,13 +101,15 @@ class DeepSpeedAdapter(Adapter):
         teardown_world()
 
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
-        from resihp_adapters.deepspeed.engine import device_rank, plan_topology
+        from resihp_adapters.deepspeed.engine import device_rank, plan_topology, whole_replicas
         from resihp_adapters.deepspeed.world import bound_op_timeouts, build_engine, ds_config_for, init_world
 
         self._drop_engine()
         self.plan = plan
-        if plan.location(self.ctx.device) is None:
-            return  # a standby: no place in DeepSpeed's grid
+        xplan = self.xplan = whole_replicas(plan)
+        if xplan.location(self.ctx.device) is None:
+            return  # a standby, or idle in this generation: no place in DeepSpeed's grid
+        plan = xplan
         live = _live(plan)
         init_world(self.ctx.store, generation, device_rank(plan, self.ctx.device), len(plan.devices()),
                    self.ctx.timeout_s)
@@ -133,10 +146,12 @@ class DeepSpeedAdapter(Adapter):
         self._held = {}
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
+        from resihp_adapters.deepspeed.engine import whole_replicas
         from resihp_adapters.deepspeed.state import apply_layers, transfer_plan
 
         if self.engine is None:
-            return 0  # a standby keeps what it held
+            return 0  # a standby (or idle device) keeps what it held
+        old_plan, new_plan = whole_replicas(old_plan), self.xplan
         have = set(devices) & set(old_plan.devices()) & set(new_plan.devices())
         transfers = transfer_plan(old_plan, new_plan, have)
         mine = self._held if self.ctx.device in old_plan.devices() else {}
@@ -173,10 +188,19 @@ class DeepSpeedAdapter(Adapter):
 
         e = self.engine
         if e is None:
-            raise RuntimeError(f"device {self.ctx.device} is a standby and has no program to run")
-        if self._program is not program:
-            e.set_work(self.plan, program, self.source)
+            if self.where is None:
+                raise RuntimeError(f"device {self.ctx.device} is a standby and has no program to run")
+            return IterationResult(iteration=iteration)  # idle: its work runs on a whole replica
+        if self._program is None:
+            if self.xplan is not self.plan:
+                # The posted program assumes the partial replica; run the whole-replica one.
+                from resihp_core.predictor.schedules import emit_programs
+
+                r, s_, _ = self.xplan.location(self.ctx.device)
+                program = {(p.replica, p.stage): p for p in emit_programs(self.xplan)}[(r, s_)]
+            e.set_work(self.xplan, program, self.source)
             self._program = program
+        program = self._program
         e.iteration = iteration
         e.global_steps = iteration
         t0 = time.perf_counter()
@@ -199,8 +223,10 @@ class DeepSpeedAdapter(Adapter):
     def held_state(self) -> dict[str, Shard]:
         from resihp_adapters.deepspeed.state import extract_layers
 
+        if self.idle:
+            return {}  # left out of the run: what it holds is not current
         layers = extract_layers(self.engine) if self.engine is not None else self._held
-        where = self.where or (self.plan.location(self.ctx.device) if self.plan is not None else None)
+        where = self.where
         t = where[2] if where is not None else 0
         tp = self.plan.degree(*where[:2]) if where is not None else 1
         out = {}
@@ -227,10 +253,10 @@ class DeepSpeedAdapter(Adapter):
 
         from resihp_adapters.deepspeed.state import extract_layers
 
-        if self.engine is None or self.where is None:
+        if self.engine is None:
             return
-        r, _, t = self.where
-        if r != _live(self.plan)[0]:
+        r, _, t = self.xplan.location(self.ctx.device)
+        if r != _live(self.xplan)[0]:
             return
         path = self._ckpt_dir(iteration)
         os.makedirs(path, exist_ok=True)
@@ -248,7 +274,7 @@ class DeepSpeedAdapter(Adapter):
             self._held = {}
             return
         path = self._ckpt_dir(iteration)
-        t = self.where[2]
+        t = self.xplan.location(self.ctx.device)[2]
         layers = {}
         for idx in self.engine.module.local_layers():
             f = os.path.join(path, f"layer_{idx:04d}-tp{t}.pt")

@@ -39,7 +39,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
-from resihp_core.plan import ParallelPlan
+from resihp_core.plan import Migration, ParallelPlan
 from resihp_core.program import (
     Backward,
     BackwardWeight,
@@ -68,6 +68,7 @@ __all__ = [
     "rank_of",
     "device_rank",
     "live_replicas",
+    "whole_replicas",
     "plan_topology",
     "IterationAborted",
 ]
@@ -129,6 +130,34 @@ def live_replicas(plan: ParallelPlan) -> list[int]:
     if len(degrees) != 1:
         raise ValueError(f"the DeepSpeed adapter runs one TP degree, plan has {sorted(degrees) or 'no devices'}")
     return out
+
+
+def whole_replicas(plan: ParallelPlan) -> ParallelPlan:
+    """The equivalent plan DeepSpeed can run: a replica that keeps only some of its
+    stages (the others' work migrated) is left out entirely, and every piece of work it
+    executed moves to the first whole replica. The same (stage, micro-batch) pieces run
+    exactly once on the same data, so training is unchanged; the left-out devices idle.
+    Plans without partial replicas come back unchanged."""
+    partial, whole = [], []
+    for r, rep in enumerate(plan.tp_groups):
+        n = sum(1 for g in rep if g)
+        (whole if n == len(rep) else partial if n else []).append(r)
+    if not partial:
+        return plan
+    if not whole:
+        raise ValueError(f"plan generation {plan.generation} has no replica holding every stage: "
+                         "the DeepSpeed adapter cannot run it")
+    target = whole[0]
+    execs = plan.executor_map()
+    moves = []
+    for (s, o, j), r in sorted(execs.items()):
+        if r in partial:
+            r = target
+        if r != o:
+            moves.append(Migration(s, o, j, r))
+    groups = tuple(tuple(() for _ in rep) if r in partial else rep for r, rep in enumerate(plan.tp_groups))
+    idle = tuple(d for r in partial for g in plan.tp_groups[r] for d in g)
+    return plan.with_(tp_groups=groups, migrations=tuple(moves), standbys=tuple(plan.standbys) + idle)
 
 
 def plan_topology(plan: ParallelPlan):

@@ -135,3 +135,16 @@ def test_spec_and_launch_config_errors_name_the_field(tmp_path):
     assert a.num_processes == 4 and env["ACCELERATE_USE_DEEPSPEED"] == "true"
     ds = env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
     assert os.path.isabs(ds) and json.load(open(ds))["resihp"]["num_layers"] == 6
+
+
+def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
+    from resihp_adapters.deepspeed.engine import live_replicas, whole_replicas
+
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)  # r0: 0,2  r1: 1,3
+    # What the Scheduler makes of a dead device 3: replica 1 keeps stage 0 on device 1.
+    partial = base.with_(tp_groups=(base.tp_groups[0], ((1,), ())), excluded=frozenset({3}),
+                         migrations=tuple(Migration(1, 1, j, 0) for j in range(2)))
+    x = whole_replicas(partial)
+    assert live_replicas(x) == [0] and 1 in x.standbys
+    assert x.executor_map() == {k: 0 for k in partial.executor_map()}  # every piece once, on replica 0
+    assert whole_replicas(base) is base
