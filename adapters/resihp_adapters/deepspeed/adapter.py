@@ -94,9 +94,13 @@ class DeepSpeedAdapter(Adapter):
         from resihp_adapters.deepspeed.state import extract_layers
         from resihp_adapters.deepspeed.world import teardown_world
 
+        from resihp_adapters.deepspeed.world import dismantle
+
         if self.engine is not None:
             self._held = extract_layers(self.engine)
-        self.engine = None
+        engine, self.engine = self.engine, None
+        dismantle(engine)
+        del engine
         self._program = None
         teardown_world()
 
@@ -285,9 +289,11 @@ class DeepSpeedAdapter(Adapter):
         self._held = {}
 
     def close(self) -> None:
-        from resihp_adapters.deepspeed.world import teardown_world
+        from resihp_adapters.deepspeed.world import dismantle, teardown_world
 
-        self.engine = None
+        engine, self.engine = self.engine, None
+        dismantle(engine)
+        del engine
         teardown_world()
 
 

@@ -99,7 +99,13 @@ def initialize(
         from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
         from resihp_core.runtime.worker import Worker
 
-        return ResilientEngine(Worker.from_env(factory=lambda ctx: DeepSpeedAdapter(ctx, spec)))
+        import gc
+
+        worker = Worker.from_env(factory=lambda ctx: DeepSpeedAdapter(ctx, spec))
+        # What is loaded so far lives for the whole process: keep it out of the
+        # collections that run when a generation's groups are released.
+        gc.freeze()
+        return ResilientEngine(worker)
     return _stock(spec, num_stages or int(spec.resihp.get("pp", 2)))
 
 

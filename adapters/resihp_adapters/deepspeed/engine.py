@@ -358,8 +358,12 @@ class ResiPipelineEngine(PipelineEngine):
         self._aborted = False
         try:
             loss = super().train_batch(data_iter)
-        finally:
-            self._drain()
+        except BaseException:
+            # A peer is gone: do not wait on sends to it, and drop every work handle (each
+            # keeps the group's connections alive, so peers would block until timeout).
+            self._pending, self._keep = [], []
+            raise
+        self._drain()
         if self._aborted:
             raise IterationAborted(f"iteration {self.iteration} was not committed")
         self.iteration += 1

@@ -36,6 +36,7 @@ from resihp_adapters.deepspeed.state import (
 from resihp_adapters.deepspeed.world import (
     bound_op_timeouts,
     build_engine,
+    dismantle,
     ds_config_for,
     init_world,
     prepare_deepspeed,
@@ -116,7 +117,9 @@ class PipelineRunner:
         t0 = time.perf_counter()
         mine = self.layer_state() if self.plan is not None and previous is not None and \
             self.plan.location(self.device) is not None else {}
-        self.engine = None
+        engine, self.engine = self.engine, None
+        dismantle(engine)
+        del engine
         teardown_world()
         t1 = time.perf_counter()
         self.plan, self.iteration = plan, int(iteration)
@@ -261,5 +264,7 @@ class PipelineRunner:
         self.engine.iteration = self.engine.global_steps = self.iteration
 
     def close(self) -> None:
-        self.engine = None
+        engine, self.engine = self.engine, None
+        dismantle(engine)
+        del engine
         teardown_world()

@@ -69,6 +69,23 @@ def bound_op_timeouts(timeout_s: float) -> None:
             pass  # a group this rank is not part of
 
 
+def dismantle(engine: Any) -> None:
+    """Break an engine apart so its process groups can be freed now.
+
+    DeepSpeed registers autograd hooks on parameters whose closures hold the engine; a
+    reference cycle through C++ hooks is invisible to Python's garbage collector, so a
+    dropped engine (and every group its grid and module hold) would live on and keep its
+    sockets open: peers blocked on this rank would wait for their timeout. Emptying the
+    engine's and module's attribute dictionaries leaves the hooks holding an empty shell."""
+    if engine is None:
+        return
+    for obj in (getattr(engine, "module", None), getattr(engine, "optimizer", None),
+                getattr(engine, "basic_optimizer", None), engine):
+        d = getattr(obj, "__dict__", None)
+        if isinstance(d, dict):
+            d.clear()
+
+
 def teardown_world() -> None:
     """Forget every group DeepSpeed and torch hold and destroy the default group. The
     caller must already have dropped its own references to the engine and module."""
