@@ -22,6 +22,7 @@ Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed] [--qu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -238,7 +239,7 @@ def _ds_iteration_worker(store: str, out: str, iters: int, blocks: int) -> None:
                                               config=dict(spec.config))
             src = MicroBatchSource(spec.dataset, MicroBatchSource.default_collate, 4, 8, 2)
             it = src.iterator(engine.grid.data_parallel_id)
-            step = lambda: engine.train_batch(it)  # noqa: E731
+            step = functools.partial(engine.train_batch, it)
         else:
             engine = build_engine(spec.layers, parts=[0, 3, 6], topology=plan_topology(plan),
                                   config=ds_config_for(spec.config, micro_batch_size=4, num_microbatches=8, replicas=2),

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
 
 from resihp_adapters.deepspeed.plugin import CAPABILITIES, NAME
-from resihp_adapters.deepspeed.spec import PipelineSpec, spec_from_adapter_config
+from resihp_adapters.deepspeed.spec import PipelineSpec, optimizer_factory, spec_from_adapter_config
 
 __all__ = ["DeepSpeedAdapter"]
 
@@ -64,7 +64,7 @@ class DeepSpeedAdapter(Adapter):
                 "ZeRO 1 partitions the optimizer state across data-parallel ranks, so a dead rank's "
                 "shard is lost and DeepSpeed cannot re-partition it onto a new layout in place"
             )
-        self.optimizer_factory = _optimizer_factory(self.spec.optimizer)
+        self.optimizer_factory = optimizer_factory(self.spec.optimizer)
         self.source = MicroBatchSource(self.spec.dataset, self.spec.collate_fn or MicroBatchSource.default_collate,
                                        self.spec.micro_batch_size, ctx.job.num_microbatches, ctx.job.dp)
         self.engine: Any = None
@@ -151,7 +151,7 @@ class DeepSpeedAdapter(Adapter):
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         from resihp_adapters.deepspeed.engine import whole_replicas
-        from resihp_adapters.deepspeed.state import apply_layers, transfer_plan
+        from resihp_adapters.deepspeed.state import apply_layers, exchange_layers, transfer_plan
 
         if self.engine is None:
             return 0  # a standby (or idle device) keeps what it held
@@ -159,7 +159,7 @@ class DeepSpeedAdapter(Adapter):
         have = set(devices) & set(old_plan.devices()) & set(new_plan.devices())
         transfers = transfer_plan(old_plan, new_plan, have)
         mine = self._held if self.ctx.device in old_plan.devices() else {}
-        received, nbytes = _exchange(self.ctx.device, new_plan, transfers, mine)
+        received, nbytes = exchange_layers(self.ctx.device, new_plan, transfers, mine)
         local = self.engine.module.local_layers()
         keep = {i: st for i, st in mine.items() if i in local}
         apply_layers(self.engine, {**keep, **received})
@@ -302,54 +302,3 @@ def _live(plan: ParallelPlan) -> list[int]:
     from resihp_adapters.deepspeed.engine import live_replicas
 
     return live_replicas(plan)
-
-
-def _optimizer_factory(optimizer: Any) -> Any:
-    """An optimizer instance becomes a factory of its class and settings (an engine is
-    built per generation, each time with new parameters); a callable or None passes."""
-    import torch
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
-        return lambda params: cls(params, **defaults)
-    return optimizer
-
-
-def _exchange(device: int, plan: ParallelPlan, transfers: list, mine: dict[int, Any]) -> tuple[dict[int, Any], int]:
-    """Send and receive layer state in the new world, one bundle per (source, target)."""
-    import torch
-    import torch.distributed as tdist
-
-    from resihp_adapters.deepspeed.engine import device_rank
-    from resihp_adapters.deepspeed.state import pack, unpack
-
-    out_b: dict[int, list[int]] = {}
-    in_b: dict[int, list[int]] = {}
-    for t in transfers:
-        if t.src == device:
-            out_b.setdefault(t.dst, []).append(t.layer)
-        if t.dst == device:
-            in_b.setdefault(t.src, []).append(t.layer)
-    works, keep = [], []
-    for dst, layers in sorted(out_b.items()):
-        payload = pack({i: mine[i] for i in layers})
-        n = torch.tensor([payload.numel()], dtype=torch.int64)
-        peer = device_rank(plan, dst)
-        keep += [payload, n]
-        works += [tdist.isend(n, dst=peer), tdist.isend(payload, dst=peer)]
-    received: dict[int, Any] = {}
-    nbytes = 0
-    for src, layers in sorted(in_b.items()):
-        peer = device_rank(plan, src)
-        n = torch.zeros(1, dtype=torch.int64)
-        tdist.recv(n, src=peer)
-        payload = torch.empty(int(n.item()), dtype=torch.uint8)
-        tdist.recv(payload, src=peer)
-        nbytes += payload.numel()
-        got = unpack(payload)
-        if sorted(got) != sorted(layers):
-            raise RuntimeError(f"device {device}: expected layers {layers} from device {src}, got {sorted(got)}")
-        received.update(got)
-    for w in works:
-        w.wait()
-    return received, nbytes

@@ -24,14 +24,14 @@ from resihp_core.predictor.schedules import emit_programs
 
 from resihp_adapters.deepspeed.data import MicroBatchSource
 from resihp_adapters.deepspeed.engine import device_rank, plan_topology
+from resihp_adapters.deepspeed.spec import optimizer_factory
 from resihp_adapters.deepspeed.state import (
     RestoreRequired,
     apply_layers,
     check_zero_stage,
+    exchange_layers,
     extract_layers,
-    pack,
     transfer_plan,
-    unpack,
 )
 from resihp_adapters.deepspeed.world import (
     bound_op_timeouts,
@@ -44,18 +44,6 @@ from resihp_adapters.deepspeed.world import (
 )
 
 __all__ = ["PipelineRunner"]
-
-
-def _optimizer_factory(optimizer: Any) -> Any:
-    """An optimizer instance becomes a factory of the same class and settings (engines
-    are rebuilt per generation, each with fresh parameters); a callable or None (build
-    from the DeepSpeed config) passes through."""
-    import torch
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
-        return lambda params: cls(params, **defaults)
-    return optimizer
 
 
 class PipelineRunner:
@@ -85,7 +73,7 @@ class PipelineRunner:
         self.dataset = dataset
         self.collate_fn = collate_fn or MicroBatchSource.default_collate
         self.loss_fn = loss_fn
-        self.optimizer = _optimizer_factory(optimizer)
+        self.optimizer = optimizer_factory(optimizer)
         self.nominal_replicas = int(nominal_replicas)
         self.timeout_s = float(timeout_s)
         self.base_seed = base_seed
@@ -147,7 +135,7 @@ class PipelineRunner:
         if restore:
             self.iteration = self._restore(checkpoint_dir)  # type: ignore[arg-type]
         else:
-            received = self._exchange(transfers, mine, plan)
+            received, _ = exchange_layers(self.device, plan, transfers, mine)
             keep = {i: st for i, st in mine.items() if i in self.engine.module.local_layers()}
             if keep or received:
                 apply_layers(self.engine, {**keep, **received})
@@ -175,40 +163,6 @@ class PipelineRunner:
         engine.set_work(plan, program, self.source)
         engine.commit_hook = self.commit_hook
         return engine
-
-    def _exchange(self, transfers: list, mine: dict[int, Any], plan: ParallelPlan) -> dict[int, Any]:
-        """Send and receive layer state in the new world, one bundle per (src, dst)."""
-        import torch
-        import torch.distributed as tdist
-
-        out_b: dict[int, list[int]] = {}
-        in_b: dict[int, list[int]] = {}
-        for t in transfers:
-            if t.src == self.device:
-                out_b.setdefault(t.dst, []).append(t.layer)
-            if t.dst == self.device:
-                in_b.setdefault(t.src, []).append(t.layer)
-        works, keep = [], []
-        for dst, layers in sorted(out_b.items()):
-            payload = pack({i: mine[i] for i in layers})
-            n = torch.tensor([payload.numel()], dtype=torch.int64)
-            peer = device_rank(plan, dst)
-            keep += [payload, n]
-            works += [tdist.isend(n, dst=peer), tdist.isend(payload, dst=peer)]
-        received: dict[int, Any] = {}
-        for src, layers in sorted(in_b.items()):
-            peer = device_rank(plan, src)
-            n = torch.zeros(1, dtype=torch.int64)
-            tdist.recv(n, src=peer)
-            payload = torch.empty(int(n.item()), dtype=torch.uint8)
-            tdist.recv(payload, src=peer)
-            got = unpack(payload)
-            if sorted(got) != sorted(layers):
-                raise RuntimeError(f"device {self.device}: expected layers {layers} from device {src}, got {sorted(got)}")
-            received.update(got)
-        for w in works:
-            w.wait()
-        return received
 
     # ---------------------------------------------------------------- iterations
     def train_iteration(self) -> float | None:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["PipelineSpec", "load_ds_config", "spec_from_adapter_config"]
+__all__ = ["PipelineSpec", "load_ds_config", "spec_from_adapter_config", "optimizer_factory"]
 
 
 @dataclass
@@ -90,3 +90,14 @@ def spec_from_adapter_config(adapter_config: Mapping[str, Any], job: Any) -> Pip
     if not isinstance(spec, PipelineSpec):
         raise TypeError(f"adapter_config.model {target} returned {type(spec).__name__}, not a PipelineSpec")
     return spec
+
+
+def optimizer_factory(optimizer: Any) -> Any:
+    """An optimizer instance becomes a factory of its class and settings (an engine is
+    built per generation, each time with new parameters); a callable or None passes."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        return lambda params: cls(params, **defaults)
+    return optimizer

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 from resihp_core.plan import ParallelPlan
 
 __all__ = ["RestoreRequired", "Transfer", "transfer_plan", "layers_of", "extract_layers", "apply_layers",
-           "pack", "unpack", "check_zero_stage"]
+           "pack", "unpack", "check_zero_stage", "exchange_layers"]
 
 
 class RestoreRequired(RuntimeError):
@@ -145,3 +145,42 @@ def unpack(t: Any) -> Any:
     import torch
 
     return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+
+
+def exchange_layers(device: int, plan: ParallelPlan, transfers: list, mine: dict[int, Any]) -> tuple[dict[int, Any], int]:
+    """Send and receive layer state in the new world, one bundle per (source, target)."""
+    import torch
+    import torch.distributed as tdist
+
+    from resihp_adapters.deepspeed.engine import device_rank
+
+    out_b: dict[int, list[int]] = {}
+    in_b: dict[int, list[int]] = {}
+    for t in transfers:
+        if t.src == device:
+            out_b.setdefault(t.dst, []).append(t.layer)
+        if t.dst == device:
+            in_b.setdefault(t.src, []).append(t.layer)
+    works, keep = [], []
+    for dst, layers in sorted(out_b.items()):
+        payload = pack({i: mine[i] for i in layers})
+        n = torch.tensor([payload.numel()], dtype=torch.int64)
+        peer = device_rank(plan, dst)
+        keep += [payload, n]
+        works += [tdist.isend(n, dst=peer), tdist.isend(payload, dst=peer)]
+    received: dict[int, Any] = {}
+    nbytes = 0
+    for src, layers in sorted(in_b.items()):
+        peer = device_rank(plan, src)
+        n = torch.zeros(1, dtype=torch.int64)
+        tdist.recv(n, src=peer)
+        payload = torch.empty(int(n.item()), dtype=torch.uint8)
+        tdist.recv(payload, src=peer)
+        nbytes += payload.numel()
+        got = unpack(payload)
+        if sorted(got) != sorted(layers):
+            raise RuntimeError(f"device {device}: expected layers {layers} from device {src}, got {sorted(got)}")
+        received.update(got)
+    for w in works:
+        w.wait()
+    return received, nbytes

@@ -31,6 +31,9 @@ def main() -> None:
     runner = PipelineRunner(M.layer_specs(S.LAYERS), device=device, store=store, config=M.config(S.MBS, S.MB, S.DP),
                             dataset=M.Samples(), loss_fn=M.mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=S.LR),
                             nominal_replicas=S.DP, timeout_s=20, base_seed=S.SEED)
+    import gc
+
+    gc.freeze()  # as the real worker does: generation teardowns collect only new objects
     prev, it, log = None, 0, []
     for plan, iters in S.generations():
         active = runner.enter(plan, previous=prev, iteration=it)
