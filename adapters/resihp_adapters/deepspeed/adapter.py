@@ -74,6 +74,7 @@ class DeepSpeedAdapter(Adapter):
         self._snap: dict[int, dict[str, Any]] | None = None
         self._program: Program | None = None
         self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
+        self._last: IterationResult | None = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         prepare_deepspeed(ctx.timeout_s)
 
@@ -218,11 +219,28 @@ class DeepSpeedAdapter(Adapter):
                 res.forward_s[(owner, mb)] = sec
             else:
                 res.backward_s[(owner, mb)] = sec
+        self._last = res
         if e.is_last_stage() and e.total_loss is not None:
             job = self.ctx.job
             total = e.total_loss if isinstance(e.total_loss, torch.Tensor) else e.total_loss[0]
             res.loss = float(total) / (job.dp * job.num_microbatches)
         return res
+
+    def profile(self):
+        """Per micro-batch forward/backward times of the last iteration, for the Detector.
+        DeepSpeed pipelines send fixed-shape micro-batches, so each sample counts as one
+        unit-length document (the cost model then fits a constant per micro-batch)."""
+        from resihp_core.protocol import IterationProfile, MicroBatchProfile
+
+        r, e, where = self._last, self.engine, self.where
+        if r is None or e is None or where is None:
+            return None
+        docs = (1,) * self.spec.micro_batch_size
+        mbs = tuple(MicroBatchProfile(owner=o, mb=j, forward_s=f, backward_s=r.backward_s.get((o, j), 0.0),
+                                      doc_lengths=docs) for (o, j), f in r.forward_s.items())
+        return IterationProfile(rank=self.ctx.device, device=self.ctx.device, generation=max(self.ctx.generation, 0),
+                                iteration=r.iteration, stage=where[1], replica=where[0], microbatches=mbs,
+                                comm_s=r.comm_s, iteration_s=r.iteration_s)
 
     def held_state(self) -> dict[str, Shard]:
         from resihp_adapters.deepspeed.state import extract_layers
