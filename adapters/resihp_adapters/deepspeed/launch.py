@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["configure", "run", "accelerate_env", "read_resihp_section"]
+__all__ = ["configure", "run", "run_demo", "accelerate_env", "read_resihp_section"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -155,3 +155,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"resihp launch: {done} iterations committed; final plan generation "
           f"{out.final_plan.generation if out.final_plan else '?'}", flush=True)
     return 0 if done >= int(sec["iterations"]) else 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``resihp demo --adapter deepspeed``: the DeepSpeed example under ``resihp launch``
+    (PP2 x DP2, 4 CPU workers) with device 3 SIGKILLed at ``--kill-at``."""
+    import shutil
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "deepspeed_pipeline"
+    if not example.is_dir():
+        raise SystemExit(f"the DeepSpeed example is not in this installation ({example})")
+    work = Path(tempfile.mkdtemp(prefix="resihp-demo-deepspeed-"))
+    for f in ("accelerate.yaml", "train.py"):
+        shutil.copy(example / f, work / f)
+    cfg = json.loads((example / "ds_config.json").read_text())
+    iterations = min(int(args.iterations), 200)
+    kill_at = min(int(args.kill_at), iterations - 1)
+    cfg["resihp"].update(iterations=iterations, faults=[{"device": 3, "iteration": kill_at, "kind": "kill"}])
+    (work / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+    print(f"resihp demo --adapter deepspeed: {work}/train.py, device 3 killed at iteration {kill_at}", flush=True)
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        ns = argparse.Namespace(config_file="accelerate.yaml", workdir=str(work / "run"), timeout=900.0,
+                                training_script="train.py", training_script_args=["--iterations", str(iterations)])
+        return run(ns)
+    finally:
+        os.chdir(cwd)
