@@ -14,7 +14,8 @@ With ``--adapter deepspeed`` it measures ResiHP's DeepSpeed adapter instead:
    -> time until the first iteration commits under the new plan (its replica dropped,
    its micro-batches migrated), with the breakdown; survivors keep their processes.
 2. Fault-free iteration time of ResiHP's engine vs DeepSpeed's stock ``PipelineEngine``
-   (``deepspeed.initialize`` + ``train_batch``), in the same 4 processes, interleaved.
+   (``deepspeed.initialize`` + ``train_batch``): both built in the same 4 processes and
+   world, stepped alternately (medians of the slowest rank per iteration).
 
 Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed] [--quick] [--json PATH]
 """
@@ -175,7 +176,8 @@ def ds_kill_to_iteration(reps: int, timeout_s: float) -> dict:
         # replica 0 (the adapter runs that as replica 1 dropped, its stage-0 device idle).
         dropped = plan.with_(tp_groups=(plan.tp_groups[0], (plan.group(1, 0), ())), excluded=frozenset([victim]),
                              migrations=tuple(Migration(1, 1, j, 0) for j in range(4)))
-        with LocalJob(js.to_json(), plan.devices()) as job:
+        work = tempfile.mkdtemp(prefix="resihp-ds-kill-")
+        with LocalJob(js.to_json(), plan.devices(), workdir=work) as job:
             job.post(plan, iterations=1000)
             job.wait(3, timeout=300)
             pids = {d: job.processes.procs[d].pid for d in plan.devices()} if hasattr(job.processes, "procs") else {}
@@ -204,8 +206,9 @@ def ds_kill_to_iteration(reps: int, timeout_s: float) -> dict:
 
 
 def _ds_iteration_worker(store: str, out: str, iters: int, blocks: int) -> None:
-    """One rank: stock PipelineEngine and ResiHP's engine, ``blocks`` alternating blocks
-    of ``iters`` iterations each, one world per block (same processes)."""
+    """One rank: DeepSpeed's stock PipelineEngine and ResiHP's engine built side by side
+    in one world (same model and data), stepped alternately, so load drift on a shared
+    machine hits both alike. ``blocks`` is unused (kept for the command line)."""
     import deepspeed
     import torch
     import torch.distributed as tdist
@@ -217,46 +220,37 @@ def _ds_iteration_worker(store: str, out: str, iters: int, blocks: int) -> None:
     from resihp_adapters.deepspeed import toy
     from resihp_adapters.deepspeed.data import MicroBatchSource
     from resihp_adapters.deepspeed.engine import plan_topology
-    from resihp_adapters.deepspeed.world import (bound_op_timeouts, build_engine, ds_config_for, init_world,
-                                                 prepare_deepspeed, teardown_world)
+    from resihp_adapters.deepspeed.world import bound_op_timeouts, build_engine, ds_config_for, init_world, prepare_deepspeed
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = store.rsplit(":", 1)
-    st = tdist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
-    prepare_deepspeed(30)
+    st = tdist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=300))
+    prepare_deepspeed(60)
     js = JobSpec(adapter="deepspeed", dp=2, num_microbatches=8)
     spec = toy.build(DS_TOY, js)
     plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=8)
-    times = {"stock": [], "resihp": []}
-    for b in range(blocks):
-        kind = "stock" if b % 2 == 0 else "resihp"
-        init_world(st, b, rank, world, 30)
-        if kind == "stock":
-            module = PipelineModule(spec.layers, topology=PipeDataParallelTopology(2, 2), loss_fn=spec.loss_fn,
-                                    seed_layers=True, base_seed=7, partition_method="uniform")
-            engine, *_ = deepspeed.initialize(model=module, optimizer=spec.optimizer(list(module.parameters())),
-                                              config=dict(spec.config))
-            src = MicroBatchSource(spec.dataset, MicroBatchSource.default_collate, 4, 8, 2)
-            it = src.iterator(engine.grid.data_parallel_id)
-            step = functools.partial(engine.train_batch, it)
-        else:
-            engine = build_engine(spec.layers, parts=[0, 3, 6], topology=plan_topology(plan),
-                                  config=ds_config_for(spec.config, micro_batch_size=4, num_microbatches=8, replicas=2),
-                                  optimizer=spec.optimizer, loss_fn=spec.loss_fn, base_seed=7)
-            bound_op_timeouts(30)
-            progs = {(p.replica, p.stage): p for p in emit_programs(plan)}
-            engine.set_work(plan, progs[plan.location(rank)[:2]],
-                            MicroBatchSource(spec.dataset, MicroBatchSource.default_collate, 4, 8, 2))
-            step = engine.train_batch
-        step()  # warm-up
-        for _ in range(iters):
+    init_world(st, 0, rank, world, 60)
+    module = PipelineModule(spec.layers, topology=PipeDataParallelTopology(2, 2), loss_fn=spec.loss_fn,
+                            seed_layers=True, base_seed=7, partition_method="uniform")
+    stock, *_ = deepspeed.initialize(model=module, optimizer=spec.optimizer(list(module.parameters())),
+                                     config=dict(spec.config))
+    src = MicroBatchSource(spec.dataset, MicroBatchSource.default_collate, 4, 8, 2)
+    it = src.iterator(stock.grid.data_parallel_id)
+    ours = build_engine(spec.layers, parts=[0, 3, 6], topology=plan_topology(plan),
+                        config=ds_config_for(spec.config, micro_batch_size=4, num_microbatches=8, replicas=2),
+                        optimizer=spec.optimizer, loss_fn=spec.loss_fn, base_seed=7)
+    bound_op_timeouts(60)
+    ours.set_work(plan, {(p.replica, p.stage): p for p in emit_programs(plan)}[plan.location(rank)[:2]], src)
+    steps = {"stock": functools.partial(stock.train_batch, it), "resihp": ours.train_batch}
+    times: dict[str, list[float]] = {"stock": [], "resihp": []}
+    for n in range(iters + 2):
+        for kind in (("stock", "resihp") if n % 2 == 0 else ("resihp", "stock")):
             tdist.barrier()
             t0 = time.perf_counter()
-            step()
-            times[kind].append(time.perf_counter() - t0)
-        del engine, step
-        teardown_world()
+            steps[kind]()
+            if n >= 2:  # two warm-up iterations each
+                times[kind].append(time.perf_counter() - t0)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(times, f)
 
@@ -297,7 +291,7 @@ def main_deepspeed(args) -> int:
     reps = 1 if args.quick else 3
     load = open("/proc/loadavg").read().split()[:3]
     kill = ds_kill_to_iteration(reps, timeout_s=3.0)
-    over = ds_engine_overhead(10 if args.quick else 20, 2 if args.quick else 4)
+    over = ds_engine_overhead(10 if args.quick else 40, 1)
     print(f"DeepSpeed adapter, 4 gloo workers PP2 x DP2 (load average {' '.join(load)})")
     print(f"{'metric':<40}{'value':>12}")
     for k, v in {**{f"kill_{k}": v for k, v in kill.items()}, **over}.items():
