@@ -32,6 +32,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping
 __all__ = [
     "Config",
     "ConfigError",
+    "DataConfig",
     "DetectorConfig",
     "SchedulerConfig",
     "ParallelConfig",
@@ -40,6 +41,7 @@ __all__ = [
     "TrainingConfig",
     "ENV_PREFIX",
     "load_config",
+    "memory_estimate",
 ]
 
 ENV_PREFIX = "RESIHP_"
@@ -188,7 +190,7 @@ def _from_text(tp: Any, text: str) -> Any:
 # --------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class DetectorConfig(_Section):
-    """Fail-stop heartbeats and the fail-slow change-point filter (SPEC §3)."""
+    """Fail-stop heartbeats and the fail-slow change-point filter (docs/design.md §3)."""
 
     SECTION: ClassVar[str] = "detector"
 
@@ -208,7 +210,7 @@ class DetectorConfig(_Section):
 
 @dataclass(frozen=True)
 class SchedulerConfig(_Section):
-    """Progressive TP -> PP -> DP adaptation (SPEC §4)."""
+    """Progressive TP -> PP -> DP adaptation (docs/design.md §4)."""
 
     SECTION: ClassVar[str] = "scheduler"
 
@@ -239,20 +241,16 @@ class RuntimeConfig(_Section):
 
     SECTION: ClassVar[str] = "runtime"
 
-    controller_host: str = _opt("127.0.0.1", _nonempty)
+    controller_host: str = _opt("127.0.0.1", _nonempty, lambda v: None if not any(c.isspace() or c in "/@" for c in v)
+                                else "must be a host name or address (no spaces, '/' or '@')")
     controller_port: int = _opt(29400, _between(0, 65535))  # 0 = any free port
-    store_port: int = _opt(0, _between(0, 65535))  # TCPStore; 0 = any free port
     secret: str = _opt("", secret=True)
     nodes: int = _opt(1, _ge(1))
     devices_per_node: int = _opt(4, _ge(1))
-    workers: int = _opt(0, _ge(0))  # worker processes per node; 0 = one per device
-    adapter: str = _opt("megatron_ref", _nonempty)
-    backend: Literal["gloo", "nccl"] = _opt("gloo")
-    handshake_timeout_s: float = _opt(5.0, _gt(0), _finite)
-
-    @property
-    def workers_per_node(self) -> int:
-        return self.workers or self.devices_per_node
+    adapter: str = _opt("")  # "": the adapter registered as the default (resihp plugins)
+    backend: Literal["gloo", "nccl"] = _opt("gloo")  # the workers' collectives (NCCL on GPUs)
+    metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
+    metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint
 
 
 @dataclass(frozen=True)
@@ -287,6 +285,45 @@ class TrainingConfig(_Section):
     checkpoint_dir: str = _opt("")
 
 
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """What the job trains on: ``source`` names a data source (built in: ``synthetic``,
+    ``text``; plugins add more through ``resihp_register_data_sources``), and every
+    other key of ``[data]`` is an option of that source, which validates it when the
+    job is assembled (:func:`resihp_core.data.create_source`, docs/data.md). The default
+    is the synthetic long-tailed corpus."""
+
+    SECTION: ClassVar[str] = "data"
+    OPEN: ClassVar[bool] = True  # keys besides `source` are the source's options
+
+    source: str = _opt("synthetic", _nonempty)
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, v in self.options.items():
+            path = f"data.{key}"
+            if not isinstance(key, str) or not key.isidentifier() or key == "options":
+                raise ConfigError("not a valid option name", path=path)
+            items = v if isinstance(v, list) else [v]
+            if not all(isinstance(x, (str, int, float, bool)) for x in items):
+                raise ConfigError("must be a string, number, boolean or a list of them", path=path, value=v)
+
+    def section(self) -> dict[str, Any]:
+        """The ``[data]`` table as written: ``{"source": ..., **options}``."""
+        return {"source": self.source, **self.options}
+
+
+def _open_section(values: dict[str, Any]) -> dict[str, Any]:
+    """A flat ``[data]`` table as DataConfig's fields."""
+    out = {"options": {k: v for k, v in values.items() if k != "source"}}
+    if "source" in values:
+        out["source"] = values["source"]
+    return out
+
+#: Sections whose fields belong to a plugin, not to the core (checked by their owner).
+OPAQUE_SECTIONS = ("adapter",)
+
 _SECTIONS: dict[str, type[_Section]] = {
     c.SECTION: c
     for c in (
@@ -296,6 +333,7 @@ _SECTIONS: dict[str, type[_Section]] = {
         RuntimeConfig,
         ModelConfig,
         TrainingConfig,
+        DataConfig,
     )
 }
 
@@ -310,6 +348,10 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # The adapter's own section (``[adapter]``), opaque here: the adapter named by
+    # runtime.adapter validates it when the job is assembled.
+    adapter: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Checks that span sections; each names the field to change."""
@@ -330,8 +372,26 @@ class Config:
                 path="parallel.dp",
                 value=p.dp,
             )
+        if p.world_size < devices:
+            raise ConfigError(
+                f"tp x pp x dp = {p.world_size} devices, but runtime.nodes x runtime.devices_per_node "
+                f"= {devices}: {devices - p.world_size} device(s) would never be used",
+                path="parallel.dp",
+                value=p.dp,
+            )
         if self.scheduler.k_min > p.tp:
             raise ConfigError(f"must be <= parallel.tp = {p.tp}", path="scheduler.k_min", value=self.scheduler.k_min)
+        need = memory_estimate(self)
+        budget = self.scheduler.device_memory_gib * 2**30
+        if need["total"] > budget:
+            raise ConfigError(
+                f"the model cannot fit: about {need['total'] / 2**30:.3g} GiB per device (parameters "
+                f"{need['parameters'] / 2**30:.3g}, gradients and optimizer state "
+                f"{need['optimizer'] / 2**30:.3g}, activations {need['activations'] / 2**30:.3g}) but "
+                f"scheduler.device_memory_gib = {self.scheduler.device_memory_gib:g}; make model.hidden, "
+                f"model.layers, model.vocab or training.token_budget smaller, or parallel.tp / parallel.pp larger",
+                path="model.hidden", value=m.hidden,
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Config:
@@ -340,6 +400,7 @@ class Config:
 
     def to_dict(self, *, include_secrets: bool = False) -> dict[str, dict[str, Any]]:
         out = dataclasses.asdict(self)
+        out["data"] = self.data.section()  # flat, as written in a file
         if not include_secrets:
             out["runtime"].pop("secret")
         return out
@@ -353,6 +414,26 @@ class Config:
                 lines.append(f"{key} = {_toml_value(v)}")
             lines.append("")
         return "\n".join(lines)
+
+
+def memory_estimate(cfg: Config) -> dict[str, float]:
+    """Bytes one device needs for the configured model and layout, an upper estimate:
+    its share of the parameters (its stage's layers over TP, plus embedding and output),
+    their gradients and Adam's two moments, and the activations of every micro-batch
+    of the iteration in flight (GPipe's worst case), attention scores included."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    width = 8 if t.dtype == "float64" else 4
+    h, ffn = m.hidden, m.ffn
+    layers = -(-m.layers // p.pp)
+    per_layer = 4 * h * h + 3 * h * ffn + 2 * h
+    params = (layers * per_layer + (2 if p.pp == 1 else 1) * m.vocab * h) / p.tp
+    tokens = t.microbatches * t.token_budget
+    # ~ a dozen hidden-sized tensors and the FFN's inner ones per token and layer, plus
+    # the attention scores (token_budget^2 per head and micro-batch).
+    acts = layers * (tokens * (12 * h + 3 * ffn) + t.microbatches * m.heads * t.token_budget**2) / p.tp
+    out = {"parameters": params * width, "optimizer": 3 * params * width, "activations": acts * width}
+    out["total"] = sum(out.values())
+    return out
 
 
 def _toml_value(v: Any) -> str:
@@ -380,6 +461,11 @@ def _as_sections(data: Any, source: str) -> _Raw:
         raise ConfigError(f"top level must be a table/mapping, got {type(data).__name__}", source=source)
     out: _Raw = {}
     for section, values in data.items():
+        if section in OPAQUE_SECTIONS:
+            if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+                raise ConfigError("must be a table/mapping of named settings", path=section, source=source)
+            out[section] = dict(values)
+            continue
         cls = _SECTIONS.get(section) if isinstance(section, str) else None
         if cls is None:
             raise ConfigError(
@@ -393,7 +479,7 @@ def _as_sections(data: Any, source: str) -> _Raw:
             )
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         for key in values:
-            if key not in names:
+            if key not in names and not getattr(cls, "OPEN", False):
                 raise ConfigError(
                     f"unknown key{_suggest(str(key), names)}", path=f"{section}.{key}", source=source
                 )
@@ -412,14 +498,17 @@ def _build(raw: _Raw, origins: Mapping[str, str], default_source: str) -> Config
         values = dict(raw.get(name, {}))
         hints = _hints(cls)
         for key, v in values.items():
-            if hints[key] is float and isinstance(v, str):
+            if hints.get(key) is float and isinstance(v, str):
                 values[key] = _from_text(float, v)  # YAML reads 1e-3 as text
+        if getattr(cls, "OPEN", False):
+            values = _open_section(values)
         try:
             sections[name] = cls(**values)
         except ConfigError as err:
             raise blame(err) from None
+    opaque = {name: dict(raw.get(name, {})) for name in OPAQUE_SECTIONS}
     try:
-        return Config(**sections)  # type: ignore[arg-type]
+        return Config(**sections, **opaque)  # type: ignore[arg-type]
     except ConfigError as err:
         raise blame(err) from None
 
@@ -453,6 +542,15 @@ def _read_file(path: Path) -> Any:
     )
 
 
+def _option_from_text(text: str) -> Any:
+    """A data option from the environment: JSON when it parses (numbers, true/false,
+    ``["a", "b"]``), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _env_overrides(env: Mapping[str, str]) -> tuple[_Raw, dict[str, str]]:
     """``RESIHP_<SECTION>__<FIELD>`` variables as raw values, and which variable set each."""
     raw: _Raw = {}
@@ -462,11 +560,21 @@ def _env_overrides(env: Mapping[str, str]) -> tuple[_Raw, dict[str, str]]:
             continue  # other RESIHP_* variables (RESIHP_CONFIG, ...) are not overrides
         source = f"environment variable {var}"
         section, _, key = var[len(ENV_PREFIX) :].lower().partition("__")
+        if section in OPAQUE_SECTIONS:
+            text = env[var]
+            raw.setdefault(section, {})[key] = next(
+                (v for v in (_from_text(int, text), _from_text(float, text)) if not isinstance(v, str)), text)
+            origins[f"{section}.{key}"] = source
+            continue
         cls = _SECTIONS.get(section)
         if cls is None:
             raise ConfigError(f"unknown section{_suggest(section, _SECTIONS)}", path=section, source=source)
         hints = _hints(cls)
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        if getattr(cls, "OPEN", False) and key != "source":
+            raw.setdefault(section, {})[key] = _option_from_text(env[var])
+            origins[f"{section}.{key}"] = source
+            continue
         if key not in names:
             raise ConfigError(f"unknown key{_suggest(key, names)}", path=f"{section}.{key}", source=source)
         raw.setdefault(section, {})[key] = _from_text(hints[key], env[var])

@@ -31,10 +31,10 @@ class JobSpec:
     :param checkpoint_every: write a checkpoint after every this many committed
         iterations (0: never); ``checkpoint_dir`` is where.
     :param dump_dir: at the job's end each worker saves what it holds there (tests).
-    :param faults: injected faults (``resihp_plugins.faults.Fault`` dicts).
+    :param faults: injected faults (``resihp_core.faults.Fault`` dicts).
     """
 
-    adapter: str = "megatron_ref"
+    adapter: str = ""
     adapter_config: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=lambda: {"source": "synthetic"})
     dp: int = 2
@@ -48,7 +48,7 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapter, str) or not self.adapter:
-            raise JobSpecError(f"job.adapter must be an adapter name, got {self.adapter!r}")
+            raise JobSpecError(f"job.adapter must name an adapter (resihp plugins lists them), got {self.adapter!r}")
         for name in ("adapter_config", "data"):
             if not isinstance(getattr(self, name), dict):
                 raise JobSpecError(f"job.{name} must be a table/object")

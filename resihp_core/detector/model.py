@@ -1,4 +1,4 @@
-"""The healthy-time model the fail-slow filter and the verification use (SPEC §3.2-3.4).
+"""The healthy-time model the fail-slow filter and the verification use (docs/design.md §3.2-3.4).
 
 A :class:`WorkloadModel` is fitted per plan generation from the profiles of the first
 ``warmup_iterations`` observed iterations: for every executor (replica, stage) the
@@ -243,6 +243,14 @@ class WorkloadModel:
     def rank_compute(self, profile: IterationProfile) -> float:
         """Healthy compute seconds (all forward + backward) of this rank's micro-batches."""
         return sum(f + b for f, b in self.rank_chunks(profile))
+
+    def fitted_predictor(self) -> IterationPredictor | None:
+        """The iteration predictor with this job's own fitted per-stage costs (for the
+        Scheduler's evaluator), None before the warm-up is fitted."""
+        try:
+            return self._iteration_predictor() if self.ready else None
+        except (CostModelError, ValueError, KeyError):
+            return None
 
     def _iteration_predictor(self) -> IterationPredictor | None:
         if self.plan is None or self.topology is None or self.shape is None:

@@ -12,9 +12,11 @@
   :class:`~resihp_core.protocol.FailureReport` s to a callback, a queue and the observer
   plugins. ``python -m resihp_core.runtime.controller``.
 * :mod:`.launcher` / :mod:`.jobstore` — starting and steering this machine's training
-  workers, and the job's control keys in the ``TCPStore``.
+  workers, and the job's control keys in the job store.
+* :mod:`.store` — the authenticated job store (a ``torch.distributed.Store``); :mod:`.gate`
+  — bounded resources for connections that have not authenticated yet.
 * :mod:`.loop` — running an asyncio service on a background thread.
-* :mod:`.synthetic` — a stand-in worker for the detector's tests, demos and benchmarks.
+* :mod:`.worker` — the framework-neutral worker (one per device) driving an adapter.
 
 Importing this package imports nothing; import the submodules.
 """

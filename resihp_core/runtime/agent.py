@@ -1,4 +1,4 @@
-"""The node agent: the node-local half of the fail-stop detector (SPEC §3.1).
+"""The node agent: the node-local half of the fail-stop detector (docs/design.md §3.1).
 
 One :class:`NodeAgent` per node. It
 
@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Callable
 
 from resihp_core.config import DetectorConfig
+from resihp_core.detector.environment import EnvironmentProbe
 from resihp_core.detector.failstop import FailStopMonitor, ProcessState, WorkerFailure
 from resihp_core.protocol import (
     Ack,
@@ -69,10 +70,12 @@ from resihp_core.protocol import (
     SignalWorker,
     WorkerProcess,
     client_handshake,
+    node_credential,
     read_msg,
     server_handshake,
     write_msg,
 )
+from resihp_core.runtime.gate import PreAuthGate
 from resihp_core.runtime.heartbeat import BYE, format_address, parse_address, parse_worker_identity
 
 __all__ = ["NodeAgent", "configure", "main", "process_state", "run"]
@@ -115,7 +118,10 @@ class NodeAgent:
     :param node: this node's id.
     :param controller: the controller's address (``host:port`` or tuple); None runs the
         agent detached (failures go to ``on_failure`` only; for tests).
-    :param secret: the job secret (workers and controller use the same).
+    :param secret: the job secret; the agent keeps only this node's credential derived
+        from it (:func:`~resihp_core.protocol.node_credential`), which it authenticates
+        to the controller with, requires from its workers and gives them.
+    :param credential: this node's credential instead of the job secret.
     :param config: heartbeat interval, miss limit and hang timeout settings.
     :param host, port, unix_path: where workers connect.
     :param on_failure: called with each :class:`WorkerFailure` (on the loop).
@@ -141,14 +147,16 @@ class NodeAgent:
         handshake_timeout: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         workdir: str | os.PathLike | None = None,
+        credential: str | None = None,
     ) -> None:
         if node < 0:
             raise ValueError(f"node must be >= 0, got {node}")
-        if not secret:
+        if not secret and not credential:
             raise ValueError("the job secret must not be empty")
         self.node = node
         self.controller = parse_address(controller) if controller is not None else None
-        self._secret = secret
+        # The agent and its workers hold this node's credential only (docs/security.md).
+        self._secret = credential or node_credential(secret, node)
         self.config = config or DetectorConfig()
         self.host, self.port, self.unix_path = host, port, unix_path
         self.on_failure, self.on_controller_lost = on_failure, on_controller_lost
@@ -173,6 +181,8 @@ class NodeAgent:
         self._workdir = Path(workdir) if workdir is not None else None
         self.children: dict[int, subprocess.Popen] = {}  # device -> worker this agent launched
         self._ended: set[int] = set()  # pids whose end the controller was told
+        self._gate = PreAuthGate(f"agent{node}")
+        self.environment: EnvironmentProbe | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -195,6 +205,8 @@ class NodeAgent:
             self.worker_address = format_address((sock[0], sock[1]))
         self._tasks = [asyncio.create_task(self._check_loop(), name=f"agent{self.node}-check")]
         if self.controller is not None:
+            # Tells the machine's slowdowns from a device's: CPU taken outside the job.
+            self.environment = EnvironmentProbe(self._job_pids).start()
             self._tasks += [
                 asyncio.create_task(self._state_loop(), name=f"agent{self.node}-state"),
                 asyncio.create_task(self._writer_loop(), name=f"agent{self.node}-write"),
@@ -234,6 +246,9 @@ class NodeAgent:
         if self._closed is None or self._closed.is_set():
             return
         self._closed.set()
+        self._gate.close_all()
+        if self.environment is not None:
+            self.environment.stop()
         if self._server is not None:
             self._server.close()
         for fd in list(self._pidfds.values()):
@@ -355,11 +370,17 @@ class NodeAgent:
     async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         device: int | None = None
         try:
+            if not self._gate.admit(writer):
+                return
             try:
-                hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                try:
+                    hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
+                finally:
+                    self._gate.done(writer)
                 device, rank, pid = parse_worker_identity(hello.identity)
             except (AuthError, ValueError) as e:
-                logger.warning("agent %d: refused a worker connection: %s", self.node, e)
+                if not self._gate.closing:
+                    logger.warning("event=auth_refused listener=agent%d reason=%r", self.node, str(e))
                 return
             old = self._conns.pop(device, None)
             if old is not None:
@@ -451,6 +472,7 @@ class NodeAgent:
                 continue
             env = worker_env(store=f"{host}:{msg.store_port}", device=d, job_path=job_path, extra={
                 **msg.env, "RESIHP_AGENT_ADDR": self.worker_address or "", "RESIHP_SECRET": secret,
+                "RESIHP_NODE": str(self.node),
                 "RESIHP_RANK": str(d), "RESIHP_HEARTBEAT_INTERVAL": str(self.config.heartbeat_interval_s)})
             try:
                 child = spawn_worker(msg.module, env, self.workdir / f"worker{d}.log")
@@ -508,8 +530,16 @@ class NodeAgent:
         if self._ctl_queue is not None and self.controller is not None:
             self._ctl_queue.put_nowait(msg)
 
+    def _job_pids(self) -> list[int]:
+        """This node's workers (launched here or connected with their pid)."""
+        pids = [c.pid for c in list(self.children.values())]
+        pids += [w.pid for w in list(self.monitor.workers.values()) if getattr(w, "pid", None)]
+        return pids
+
     def state(self) -> AgentState:
-        return AgentState(node=self.node, time=max(0.0, time.time()), workers=self.monitor.summaries(self.clock()))
+        env = self.environment.level if self.environment is not None else 0.0
+        return AgentState(node=self.node, time=max(0.0, time.time()), workers=self.monitor.summaries(self.clock()),
+                          environment=env)
 
     async def _state_loop(self) -> None:
         assert self._changed is not None and self._closed is not None
@@ -572,6 +602,8 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workdir", help="folder for launched workers' job file and logs (default: a temporary one)")
     ap.add_argument("--config", help="TOML/YAML configuration file (detector section)")
     ap.add_argument("--secret-env", default="RESIHP_SECRET", help="environment variable holding the job secret")
+    ap.add_argument("--credential-env", default="RESIHP_NODE_KEY",
+                    help="environment variable holding this node's credential (used instead of the job secret)")
     ap.add_argument("--connect-timeout", type=float, default=60.0,
                     help="keep trying to reach the controller this many seconds (default 60)")
     ap.add_argument("--log-level", default="WARNING")
@@ -588,12 +620,13 @@ async def _amain(args: argparse.Namespace) -> int:
 
     config = load_config(args.config).detector
     secret = os.environ.get(args.secret_env, "")
-    if not secret:
-        print(f"agent: the job secret is missing (set {args.secret_env})", file=sys.stderr)
+    credential = os.environ.get(args.credential_env, "") or None
+    if not secret and not credential:
+        print(f"agent: the job secret is missing (set {args.secret_env} or {args.credential_env})", file=sys.stderr)
         return 2
     host, port = ("127.0.0.1", 0) if args.unix else parse_address(args.listen)  # type: ignore[misc]
     agent = NodeAgent(args.node, args.controller, secret, config, host=host, port=port, unix_path=args.unix,
-                      workdir=args.workdir, connect_timeout=args.connect_timeout)
+                      workdir=args.workdir, connect_timeout=args.connect_timeout, credential=credential)
     address = await agent.start()
     if args.address_file:
         tmp = f"{args.address_file}.tmp{os.getpid()}"

@@ -1,4 +1,4 @@
-"""The controller: the Detector's central part (SPEC §3).
+"""The controller: the Detector's central part (docs/design.md §3).
 
 A :class:`Controller` accepts one persistent, authenticated connection per node agent
 (identity ``agent:<node>``) and
@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from resihp_core.config import DetectorConfig
 from resihp_core.protocol import (
@@ -61,15 +61,18 @@ from resihp_core.protocol import (
     AuthError,
     Error,
     FailureReport,
+    Hello,
     IterationProfile,
     Message,
     ProtocolError,
     WorkerProcess,
     WorkerSummary,
+    node_credential,
     read_msg,
     server_handshake,
     write_msg,
 )
+from resihp_core.runtime.gate import MAX_PENDING_HANDSHAKES, PreAuthGate
 from resihp_core.runtime.heartbeat import BYE
 
 if TYPE_CHECKING:
@@ -93,6 +96,7 @@ class NodeView:
     state: AgentState | None = None
     devices: set[int] = field(default_factory=set)  # every device ever reported by its agent
     running: set[int] = field(default_factory=set)  # workers its agent launched and saw no end of
+    environment: float = 0.0  # CPU contention its agent's probe last measured (0 = none)
 
     def workers(self) -> dict[int, WorkerSummary]:
         return {w.device: w for w in self.state.workers} if self.state is not None else {}
@@ -118,6 +122,11 @@ class Controller:
         ranks the agents report alive.
     :param on_process: called on the loop with each agent's ``WorkerProcess``.
     :param on_node_lost: called on the loop with the node id of a lost agent.
+    :param node_devices: the job's topology, node id -> its devices: an agent of another
+        node is refused at the handshake, and a message about a device of another node
+        is dropped and logged (``event=identity_violation``). None: any node id (tests).
+    :param handshake_timeout, max_pending_handshakes: bounds on connections that have
+        not authenticated yet (see :mod:`resihp_core.runtime.gate`).
     """
 
     def __init__(
@@ -134,6 +143,8 @@ class Controller:
         agent_timeout_s: float | None = None,
         expected_ranks: set[int] | None = None,
         handshake_timeout: float = 5.0,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        node_devices: Mapping[int, Iterable[int]] | None = None,
         on_detection: Callable[[Detection], None] | None = None,
         on_process: Callable[[WorkerProcess], None] | None = None,
         on_node_lost: Callable[[int], None] | None = None,
@@ -165,7 +176,7 @@ class Controller:
         self._done_iters: set[int] = set()
         self._last_complete = -1
         self._queue: asyncio.Queue[FailureReport] | None = None
-        self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile]]] | None = None
+        self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile], dict[int, float]]] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._conns: dict[int, asyncio.StreamWriter] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -175,6 +186,10 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.address: tuple[str, int] | None = None
         self._stopping = False
+        self.node_devices: dict[int, frozenset[int]] | None = (
+            None if node_devices is None else {int(n): frozenset(ds) for n, ds in node_devices.items()})
+        self.rejected = 0  # messages dropped because they spoke about another node's devices
+        self._gate = PreAuthGate("controller", max_pending_handshakes)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
@@ -198,6 +213,7 @@ class Controller:
 
     async def stop(self) -> None:
         self._stopping = True
+        self._gate.close_all()
         if self._server is not None:
             self._server.close()
         for t in self._tasks:
@@ -326,15 +342,17 @@ class Controller:
         node: int | None = None
         why = "connection closed"
         try:
+            if not self._gate.admit(writer):
+                return
             try:
-                hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
-                role, _, ident = hello.identity.partition(":")
-                if hello.role != "agent" or role != "agent" or not ident.isdigit():
-                    await write_msg(writer, Error("bad-identity", f"expected agent:<node>, got {hello.identity!r}"))
-                    return
-                node = int(ident)
+                try:
+                    hello = await server_handshake(reader, writer, self._agent_key, timeout=self.handshake_timeout)
+                finally:
+                    self._gate.done(writer)
+                node = self._agent_node(hello)
             except AuthError as e:
-                logger.warning("controller: refused a connection: %s", e)
+                if not self._stopping:
+                    logger.warning("event=auth_refused listener=controller reason=%r", str(e))
                 return
             view = self.nodes.get(node)
             if view is not None and view.connected and node in self._conns:
@@ -373,14 +391,23 @@ class Controller:
             self.messages += 1
             view.last_seen = time.monotonic()
             if isinstance(msg, AgentState):
+                if self._foreign(view, msg, [w.device for w in msg.workers]):
+                    continue
                 self._on_state(view, msg)
             elif isinstance(msg, IterationProfile):
+                if self._foreign(view, msg, [msg.device]):
+                    continue
                 self._on_profile(msg)
             elif isinstance(msg, FailureReport):
+                if self._foreign(view, msg, list(msg.devices) + list(msg.throughput)):
+                    continue
                 self._emit(msg)
             elif isinstance(msg, WorkerProcess):
                 if msg.node != view.node:
-                    logger.warning("controller: agent of node %d spoke for node %d", view.node, msg.node)
+                    logger.warning("event=identity_violation node=%d claimed_node=%d message=WorkerProcess",
+                                   view.node, msg.node)
+                    continue
+                if self._foreign(view, msg, [msg.device]):
                     continue
                 if msg.returncode is None and not msg.error:
                     view.devices.add(msg.device)
@@ -399,11 +426,42 @@ class Controller:
             else:
                 logger.debug("controller: ignoring %s from node %d", type(msg).__name__, view.node)
 
+    def _agent_key(self, hello: Hello) -> str:
+        """The key an agent must prove: its node's credential, for a node of the job."""
+        node = self._parse_agent(hello)
+        if self.node_devices is not None and node not in self.node_devices:
+            raise AuthError(f"node {node} is not in the job's topology (nodes {sorted(self.node_devices)})")
+        return node_credential(self._secret, node)
+
+    @staticmethod
+    def _parse_agent(hello: Hello) -> int:
+        role, _, ident = hello.identity.partition(":")
+        if hello.role != "agent" or role != "agent" or not ident.isdigit() or len(ident) > 9:
+            raise AuthError(f"bad identity: expected agent:<node>, got {hello.identity!r}")
+        return int(ident)
+
+    def _agent_node(self, hello: Hello) -> int:
+        return self._parse_agent(hello)
+
+    def _foreign(self, view: NodeView, msg: Message, devices: list[int]) -> bool:
+        """True (and logged) if ``msg`` speaks about devices outside the agent's node."""
+        if self.node_devices is None:
+            return False
+        own = self.node_devices.get(view.node, frozenset())
+        bad = sorted({d for d in devices if d not in own})
+        if not bad:
+            return False
+        logger.warning("event=identity_violation node=%d message=%s foreign_devices=%s own_devices=%s",
+                       view.node, type(msg).__name__, bad, sorted(own))
+        self.rejected += 1
+        return True
+
     def _on_state(self, view: NodeView, state: AgentState) -> None:
         if state.node != view.node:
             logger.warning("controller: agent of node %d sent a state for node %d", view.node, state.node)
             return
         view.state = state
+        view.environment = state.environment
         dead = []
         for w in state.workers:
             view.devices.add(w.device)
@@ -464,7 +522,8 @@ class Controller:
                 del self._pending[it]
                 self._done_iters.add(it)
                 self._last_complete = max(self._last_complete, it)
-                self._fs_queue.put_nowait((self.generation, it, {r: got[r] for r in sorted(got)}))
+                env = {d: v.environment for v in self.nodes.values() for d in v.devices if v.environment > 0}
+                self._fs_queue.put_nowait((self.generation, it, {r: got[r] for r in sorted(got)}, env))
         # Iterations far behind the newest complete one will never complete (a rank died).
         for it in [i for i in self._pending if i < self._last_complete - 8]:
             del self._pending[it]
@@ -474,12 +533,12 @@ class Controller:
     async def _failslow_loop(self) -> None:
         assert self._fs_queue is not None and self._loop is not None
         while True:
-            gen, it, profiles = await self._fs_queue.get()
+            gen, it, profiles, env = await self._fs_queue.get()
             fs = self.failslow
             if fs is None or gen != self.generation:
                 continue
             try:
-                det = await self._loop.run_in_executor(self._pool, fs.observe, it, profiles)
+                det = await self._loop.run_in_executor(self._pool, _observe, fs, it, profiles, env)
             except Exception:  # noqa: BLE001 - a detector bug must not stop fail-stop handling
                 logger.exception("fail-slow detector failed on iteration %d", it)
                 continue
@@ -491,6 +550,15 @@ class Controller:
                     self.on_detection(det)
             if det.report is not None and gen == self.generation:
                 self._emit(det.report)
+
+
+def _observe(fs: FailSlowDetector, iteration: int, profiles: dict[int, IterationProfile],
+             env: dict[int, float]) -> Detection:
+    """Hand the detector an iteration, with each device's node contention if it takes it."""
+    note = getattr(fs, "note_environment", None)
+    if note is not None and env:
+        note(iteration, env)
+    return fs.observe(iteration, profiles)
 
 
 # ------------------------------------------------------------------ process entry point

@@ -2,7 +2,7 @@
 
 The worker calls :meth:`FaultInjector.at_iteration` when it starts an iteration; faults
 of this device scheduled for that iteration happen then, each once (kinds: see
-``resihp_plugins.faults``). Process-level faults (kill, stop, CPU contention) act here;
+``resihp_core.faults``). Process-level faults (kill, stop, CPU contention) act here;
 the adapter honours the two it must apply itself: :attr:`slowdown` (stretch every
 compute chunk) and :attr:`comm_delay_s` (delay every receive and reduction).
 """

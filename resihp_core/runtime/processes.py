@@ -177,7 +177,7 @@ class AgentProcesses:
                 self.errors.pop(d, None)
         for node, devs in sorted(by_node.items()):
             msg = LaunchWorkers(devices=tuple(devs), module=module, job=job_json, store_port=int(port),
-                                store_host="" if host in ("127.0.0.1", "localhost") else host,
+                                store_host="" if host in ("127.0.0.1", "localhost", "0.0.0.0", "[::]", "::", "") else host,
                                 env=dict(env), detector=self.detector)
             self.call(self.controller.send(node, msg))
         deadline = time.monotonic() + self.launch_timeout

@@ -64,7 +64,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   on_report: Callable[[Any], None] = lambda r: None,
                   on_detection: Callable[[Any], None] | None = None,
                   on_listening: Callable[[str, list[int]], None] = lambda address, nodes: None,
-                  before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None) -> ResilientRun:
+                  before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None,
+                  observers: Any = None) -> ResilientRun:
     """Run the job to ``iterations`` iterations, adapting to failures.
 
     :param agents: ``"local"`` starts one agent process per node here; ``"external"``
@@ -78,6 +79,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
         agents it waits for, once it listens.
     :param before_run: called with the job and ``{node: agent process}`` (local agents)
         before the first plan is posted; chaos tests use it to kill an agent.
+    :param observers: the plugin facade whose observer hooks the supervisor fires.
     """
     import torch.distributed  # noqa: F401 - imported before the controller's loop runs: a
     # seconds-long import holding the GIL would starve it into declaring agents silent
@@ -105,7 +107,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
     controller = Controller(detector, secret, host=listen[0], port=listen[1],
                             on_report=report if supervised else (lambda r: None),
-                            expected_ranks=set(plan.devices()),
+                            expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
                             on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost)
     procs.controller = controller
@@ -125,11 +127,11 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                                                         expected_ranks=set(new_plan.devices())))
 
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
-                       host=listen[0] if listen[0] not in ("", "0.0.0.0", "::") else "127.0.0.1",
-                       processes=lambda _: procs)
+                       host=listen[0] or "127.0.0.1", processes=lambda _: procs, secret=secret)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
-                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}))
+                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
+                         observers=observers, fitted=model.fitted_predictor if supervised else (lambda: None))
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned

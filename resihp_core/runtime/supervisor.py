@@ -1,5 +1,5 @@
 """The control loop of a resilient job: Detector -> failure report -> Scheduler plan ->
-adapter reconfiguration -> resume (SPEC §2).
+adapter reconfiguration -> resume (docs/design.md §2).
 
 :class:`Supervisor` watches the job's iteration commits, takes failure reports from the
 controller (heartbeats, hangs, fail-slow verification) and from process exits it sees
@@ -76,6 +76,10 @@ class Supervisor:
     stall_s: float = 15.0  # no commit and no report this long, with worker errors: give up
     repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration -> devices repaired then
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
+    observers: Any = None  # the plugin facade (resihp_core.plugins.Plugins): observer hooks fire here
+    fitted: Callable[[], Any] = lambda: None  # the job's own fitted IterationPredictor, once there is one
+    max_retries: int = 3  # same-plan redeployments after a stall that no device failure explains
+    retries: int = 0
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -89,6 +93,8 @@ class Supervisor:
         g = self.job.post(self.state.plan, iterations=self.iterations)
         self.set_generation(g, self.state.plan, dict(self.state.speeds))
         self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
+        if self.observers is not None:
+            self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
         last_commit = time.monotonic()
         deadline = self._t0 + timeout
         while len(self.records) < self.iterations:
@@ -102,6 +108,8 @@ class Supervisor:
                 last_commit = now
                 self.records.append(rec)
                 self.on_iteration(rec)
+                if self.observers is not None:
+                    self.observers.notify_iteration(rec)
             if len(self.records) >= self.iterations:
                 break
             due = [it for it in self.repairs if it <= self.job.committed and self.job.committed > 0]
@@ -115,7 +123,14 @@ class Supervisor:
                 last_commit = time.monotonic()
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
-                if failures:  # workers gave up and no failure explains it: say why, stop
+                if failures and self.retries < self.max_retries:
+                    # Live workers gave up without any device failing: a race between
+                    # generations (a worker still in a superseded rendezvous while its
+                    # peers timed out in the new one). Deploy the same plan again.
+                    self.retries += 1
+                    self._retry(failures)
+                    last_commit = time.monotonic()
+                elif failures:  # retried enough: say why, stop
                     raise RuntimeError(
                         f"generation {self.job.generation} stalled at iteration {self.job.committed}; "
                         "workers failed: " + "; ".join(f"device {d}: {t}" for d, t in sorted(failures.items()))
@@ -124,6 +139,16 @@ class Supervisor:
                 raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
             time.sleep(0.005)
         return self.records
+
+    def _retry(self, failures: dict[int, str]) -> None:
+        resume = self.job.abort()
+        g = self.job.post(self.state.plan, iterations=self.iterations, resume=resume,
+                          exclude=self.handled_devices)
+        self.set_generation(g, self.state.plan, dict(self.state.speeds))
+        why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(failures.items()))[:300]
+        self._event("plan", f"generation {g} (retry {self.retries} of the same plan: workers left the "
+                            f"previous one with no device failing: {why})", plan=self.state.plan.to_text(),
+                    kind_of_plan="retry", planning_s=0.0, resume=resume)
 
     # ------------------------------------------------------------ failures
     def _pending_reports(self) -> list[FailureReport]:
@@ -161,6 +186,11 @@ class Supervisor:
             report = slows[0]
             for r in slows[1:]:
                 self.reports.put(r)
+        if self.observers is not None:
+            self.observers.notify_failure(report)
+        fitted = self.fitted()  # plan with the job's own cost model once it is fitted
+        if fitted is not None:
+            self.state = self.state.with_predictor(fitted)
         self._event("failure", f"{report.failure} of devices {list(report.devices)} "
                                f"({report.cause}): {report.evidence[:120]}",
                     failure=report.failure, devices=list(report.devices), cause=report.cause)
@@ -196,12 +226,15 @@ class Supervisor:
                 what: str = "", **extra: Any) -> int:
         """Abort the running generation and post ``decision``'s plan from the last
         committed iteration, or from its checkpoint (none yet: from the seed)."""
+        old = self.state.plan
         self.state = decision.state
         resume = self.job.abort()
         restore = resume - 1 if from_checkpoint and resume > 0 else None
         g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
                           exclude=self.handled_devices)
         self.set_generation(g, decision.plan, dict(self.state.speeds))
+        if self.observers is not None:
+            self.observers.notify_plan_changed(old, decision.plan, f"{what or kind}: {decision.reason[:200]}")
         where = f", from the checkpoint of iteration {restore}" if restore is not None and kind != "restore" else ""
         self._event("plan", f"generation {g} ({what or kind}, planned in {plan_s * 1e3:.0f} ms{where}): "
                             f"{decision.reason[:200]}", plan=decision.plan.to_text(),

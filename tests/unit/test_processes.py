@@ -71,7 +71,7 @@ def cluster(tmp_path: Path):
             lt.run(ctl.stop())
 
 
-def _launch(procs: AgentProcesses, devices, module: str = "resihp_core.runtime.synthetic") -> None:
+def _launch(procs: AgentProcesses, devices, module: str = "resihp_core.testing.synthetic") -> None:
     procs.launch(devices, module=module, job_path=Path("unused"), job_json='{"job": 1}', store="127.0.0.1:29999",
                  env={"RESIHP_EXTRA": "yes"})
 

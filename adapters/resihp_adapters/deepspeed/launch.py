@@ -81,7 +81,7 @@ def build_job(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any]
     from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
     from resihp_core.scheduler.planner import Planner
     from resihp_core.scheduler.state import PlannerState
-    from resihp_plugins.faults import load_scenario, worker_faults
+    from resihp_core.faults import load_scenario, worker_faults
 
     from resihp_adapters.deepspeed.plugin import CAPABILITIES
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from resihp_core.cli import CliError
     from resihp_core.config import DetectorConfig
     from resihp_core.runtime.resilient import run_resilient
-    from resihp_plugins.faults import repairs
+    from resihp_core.faults import repairs
 
     from resihp_adapters.deepspeed.spec import load_ds_config
 
