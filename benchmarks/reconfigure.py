@@ -9,12 +9,21 @@ Measures, on the reference backend with gloo on this machine:
    per-micro-batch profiles, then predicted vs measured on held-out iterations
    (2 workers, PP2: one core each on a 2-core machine, so stages really run in parallel).
 
-Usage: python benchmarks/reconfigure.py [--quick] [--json PATH]
+With ``--adapter deepspeed`` it measures ResiHP's DeepSpeed adapter instead:
+1. SIGKILL of one rank of a PP2 x DP2 DeepSpeed job (4 workers, the toy MLP pipeline)
+   -> time until the first iteration commits under the new plan (its replica dropped,
+   its micro-batches migrated), with the breakdown; survivors keep their processes.
+2. Fault-free iteration time of ResiHP's engine vs DeepSpeed's stock ``PipelineEngine``
+   (``deepspeed.initialize`` + ``train_batch``): both built in the same 4 processes and
+   world, stepped alternately (medians of the slowest rank per iteration).
+
+Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -150,11 +159,166 @@ def predictor_mape(quick: bool) -> dict:
                 measured_mean_s=statistics.mean(meas), predicted_mean_s=statistics.mean(preds))
 
 
+# ---------------------------------------------------------------- DeepSpeed adapter
+DS_TOY = {"model": "resihp_adapters.deepspeed.toy:build", "hidden": 64, "num_layers": 6,
+          "micro_batch_size": 4, "dtype": "float32"}
+
+
+def ds_kill_to_iteration(reps: int, timeout_s: float) -> dict:
+    from resihp_core.plan import Migration
+
+    rows = []
+    for _ in range(reps):
+        js = JobSpec(adapter="deepspeed", adapter_config=DS_TOY, dp=2, num_microbatches=4, timeout_s=timeout_s)
+        plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=4)
+        victim = plan.group(1, 1)[0]
+        # What the Scheduler plans for it: replica 1 keeps stage 0, its stage-1 work runs on
+        # replica 0 (the adapter runs that as replica 1 dropped, its stage-0 device idle).
+        dropped = plan.with_(tp_groups=(plan.tp_groups[0], (plan.group(1, 0), ())), excluded=frozenset([victim]),
+                             migrations=tuple(Migration(1, 1, j, 0) for j in range(4)))
+        work = tempfile.mkdtemp(prefix="resihp-ds-kill-")
+        with LocalJob(js.to_json(), plan.devices(), workdir=work) as job:
+            job.post(plan, iterations=1000)
+            job.wait(3, timeout=300)
+            pids = {d: job.processes.procs[d].pid for d in plan.devices()} if hasattr(job.processes, "procs") else {}
+            t_kill = time.perf_counter()
+            job.kill(victim, signal.SIGKILL, reap=False)
+            while victim not in job.dead():
+                time.sleep(0.0005)
+            t_detect = time.perf_counter()
+            resume = job.abort()
+            job.post(dropped, iterations=1000, resume=resume)
+            job.wait(resume + 1, timeout=300)
+            t_first = time.perf_counter()
+            info = job.ready_info()
+            job.wait(resume + 3, timeout=300)
+            steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
+            same = all(job.processes.procs[d].pid == p for d, p in pids.items() if d in dropped.devices())
+        rows.append(dict(
+            kill_to_first_iteration_s=t_first - t_kill,
+            detect_s=t_detect - t_kill,
+            rebuild_s=max(v["rebuild_s"] for v in info.values()),
+            state_s=max(v["state_s"] for v in info.values()),
+            iteration_after_s=statistics.median(steady),
+            survivors_kept_pid=float(same),
+        ))
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps, "op_timeout_s": timeout_s}
+
+
+def _ds_iteration_worker(store: str, out: str, iters: int, blocks: int) -> None:
+    """One rank: DeepSpeed's stock PipelineEngine and ResiHP's engine built side by side
+    in one world (same model and data), stepped alternately, so load drift on a shared
+    machine hits both alike. ``blocks`` is unused (kept for the command line)."""
+    import deepspeed
+    import torch
+    import torch.distributed as tdist
+    from datetime import timedelta
+
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    from resihp_core.predictor.schedules import emit_programs
+    from resihp_adapters.deepspeed import toy
+    from resihp_adapters.deepspeed.data import MicroBatchSource
+    from resihp_adapters.deepspeed.engine import plan_topology
+    from resihp_adapters.deepspeed.world import bound_op_timeouts, build_engine, ds_config_for, init_world, prepare_deepspeed
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = store.rsplit(":", 1)
+    st = tdist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=300))
+    prepare_deepspeed(60)
+    js = JobSpec(adapter="deepspeed", dp=2, num_microbatches=8)
+    spec = toy.build(DS_TOY, js)
+    plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=8)
+    init_world(st, 0, rank, world, 60)
+    module = PipelineModule(spec.layers, topology=PipeDataParallelTopology(2, 2), loss_fn=spec.loss_fn,
+                            seed_layers=True, base_seed=7, partition_method="uniform")
+    stock, *_ = deepspeed.initialize(model=module, optimizer=spec.optimizer(list(module.parameters())),
+                                     config=dict(spec.config))
+    src = MicroBatchSource(spec.dataset, MicroBatchSource.default_collate, 4, 8, 2)
+    it = src.iterator(stock.grid.data_parallel_id)
+    ours = build_engine(spec.layers, parts=[0, 3, 6], topology=plan_topology(plan),
+                        config=ds_config_for(spec.config, micro_batch_size=4, num_microbatches=8, replicas=2),
+                        optimizer=spec.optimizer, loss_fn=spec.loss_fn, base_seed=7)
+    bound_op_timeouts(60)
+    ours.set_work(plan, {(p.replica, p.stage): p for p in emit_programs(plan)}[plan.location(rank)[:2]], src)
+    steps = {"stock": functools.partial(stock.train_batch, it), "resihp": ours.train_batch}
+    times: dict[str, list[float]] = {"stock": [], "resihp": []}
+    for n in range(iters + 2):
+        for kind in (("stock", "resihp") if n % 2 == 0 else ("resihp", "stock")):
+            tdist.barrier()
+            t0 = time.perf_counter()
+            steps[kind]()
+            if n >= 2:  # two warm-up iterations each
+                times[kind].append(time.perf_counter() - t0)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(times, f)
+
+
+def ds_engine_overhead(iters: int, blocks: int) -> dict:
+    import subprocess
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    out = tempfile.mkdtemp(prefix="resihp-ds-bench-")
+    store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    procs = []
+    try:
+        for r in range(4):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="4", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, os.environ.get("RESIHP_BENCH_WORKER", __file__), "--_ds-worker", f"127.0.0.1:{store.port}", out,
+                                           str(iters), str(blocks)], env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+        rc = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if rc != [0] * 4:
+        raise RuntimeError(f"DeepSpeed benchmark workers exited with {rc}")
+    per = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(4)]
+    # An iteration takes as long as its slowest rank.
+    stock = [max(p["stock"][i] for p in per) for i in range(len(per[0]["stock"]))]
+    ours = [max(p["resihp"][i] for p in per) for i in range(len(per[0]["resihp"]))]
+    ms, mo = statistics.median(stock), statistics.median(ours)
+    return {"stock_iteration_s": ms, "resihp_iteration_s": mo, "resihp_vs_stock": mo / ms - 1.0,
+            "iterations_each": len(stock)}
+
+
+def main_deepspeed(args) -> int:
+    reps = 1 if args.quick else 3
+    load = open("/proc/loadavg").read().split()[:3]
+    kill = ds_kill_to_iteration(reps, timeout_s=3.0)
+    over = ds_engine_overhead(10 if args.quick else 40, 1)
+    print(f"DeepSpeed adapter, 4 gloo workers PP2 x DP2 (load average {' '.join(load)})")
+    print(f"{'metric':<40}{'value':>12}")
+    for k, v in {**{f"kill_{k}": v for k, v in kill.items()}, **over}.items():
+        print(f"{k:<40}{v:>12.4f}" if isinstance(v, float) else f"{k:<40}{v:>12}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**{f"kill_{k}": v for k, v in kill.items()}, **over, "loadavg": load,
+                       "config": {"adapter": "deepspeed", "quick": args.quick, **DS_TOY}}, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--_ds-worker":
+        _ds_iteration_worker(argv[1], argv[2], int(argv[3]), int(argv[4]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run")
     ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument("--adapter", choices=["megatron_ref", "deepspeed"], default="megatron_ref")
     args = ap.parse_args(argv)
+    if args.adapter == "deepspeed":
+        try:
+            return main_deepspeed(args)
+        except Exception as e:  # noqa: BLE001 - could not measure: say so, exit non-zero
+            print(f"reconfigure --adapter deepspeed could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         kill = kill_to_iteration(1 if args.quick else 3)

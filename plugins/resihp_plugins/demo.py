@@ -28,6 +28,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--severity", default="strong", choices=["weak", "medium", "strong"])
     p.add_argument("--report", default="reports", help="parent folder of the report")
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+    p.add_argument("--adapter", choices=["megatron_ref", "deepspeed"], default="megatron_ref",
+                   help="megatron_ref: the reference backend, TP2 x PP2 x DP2 (default); deepspeed: "
+                        "examples/deepspeed_pipeline under 'resihp launch', PP2 x DP2, with a kill")
 
 
 DEMO_CONFIG = {
@@ -41,6 +44,10 @@ DEMO_CONFIG = {
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if getattr(args, "adapter", "megatron_ref") == "deepspeed":
+        from resihp_adapters.deepspeed.launch import run_demo as deepspeed_demo
+
+        return deepspeed_demo(args)
     from resihp_core.config import Config
     from resihp_core.faults import fail_at
     from resihp_core.plan import ParallelPlan

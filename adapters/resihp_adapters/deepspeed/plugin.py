@@ -1,12 +1,16 @@
-"""Entry point ``deepspeed``: registers the DeepSpeed PipelineEngine adapter.
+"""Entry point ``deepspeed``: registers the DeepSpeed PipelineEngine adapter and the
+``resihp launch`` command.
 
 Registration is lazy: this module imports neither torch nor deepspeed; the adapter class
-is imported only when the adapter is created, and the error then names the extra to
-install. The adapter class should declare ``capabilities = CAPABILITIES`` from here.
+(:class:`resihp_adapters.deepspeed.adapter.DeepSpeedAdapter`, which declares
+``capabilities = CAPABILITIES``) is imported only when the adapter is created, and the
+error then names the extra to install.
 
-DeepSpeed takes TP from its topology grid, one degree for the whole job, so no
-heterogeneous TP; its engine runs a 1F1B schedule, which the adapter extends with its
-own instructions for migrated work.
+Every capability below is proven by the conformance kit
+(``tests/adapters/deepspeed/test_deepspeed_conformance.py``): layer repartition,
+cross-replica migration (DP work migration, and a whole replica dropped after a kill),
+checkpoint restore. DeepSpeed takes TP from its topology grid, one degree for the whole
+job: no TP resize, no heterogeneous TP. The engine runs 1F1B programs.
 """
 
 from __future__ import annotations
@@ -37,3 +41,21 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
         description="DeepSpeed PipelineEngine (uniform TP, 1F1B)",
         install_hint="pip install 'resihp[deepspeed]'",
     )
+
+
+@hookimpl(trylast=True)
+def resihp_register_commands(registry) -> None:
+    """``resihp launch --config_file accelerate.yaml train.py [args]``."""
+
+    def configure(p):  # noqa: ANN001, ANN202 - argparse parser
+        from resihp_adapters.deepspeed.launch import configure as _configure
+
+        _configure(p)
+
+    def run(args):  # noqa: ANN001, ANN202
+        from resihp_adapters.deepspeed.launch import run as _run
+
+        return _run(args)
+
+    registry.register("launch", "accelerate launch, resilient: run a DeepSpeed pipeline script under ResiHP",
+                      configure, run)

@@ -1,0 +1,322 @@
+"""The DeepSpeed adapter: ResiHP's contract (``resihp_core.adapter``) on a real
+DeepSpeed ``PipelineEngine``.
+
+- **communicator rebuild**: per plan generation the old engine's layer state is taken
+  out, every group DeepSpeed holds is dropped and the default group destroyed
+  (:mod:`.world`); the plan's executors join a new world under ``gen{g}/`` and a new
+  :class:`~.engine.ResiPipelineModule` / :class:`~.engine.ResiPipelineEngine` is built
+  for the new topology (replicas with no devices are left out of DeepSpeed's grid).
+- **primitive emission**: the worker's program is lowered to DeepSpeed instructions
+  (:func:`~.engine.lower_program`), with explicit-rank point-to-point for migrated work.
+- **state**: parameters and optimizer state move by global layer index
+  (:mod:`.state`); checkpoints are per-layer files, so a restore works onto any layout.
+
+DeepSpeed's grid is a full box, so a plan that keeps only part of a replica runs as its
+whole-replica equivalent (:func:`~.engine.whole_replicas`): that replica's remaining
+work migrates to a whole replica and its devices idle (they still report and commit,
+with no work). The same pieces run on the same data, so the result is unchanged.
+
+Loss scaling follows the contract's global batch: each micro-batch loss is divided by
+``job.dp * job.num_microbatches / live replicas`` and DeepSpeed averages over its live
+replicas, so the gradient is the global mean whatever the plan. Micro-batch
+``(owner, mb)`` of a plan with ``m`` per replica is global micro-batch ``owner * m + mb``,
+read as data shard ``divmod(g, job.num_microbatches)``.
+
+ZeRO stage 0 moves state without a checkpoint; with ZeRO 1 the optimizer state is
+partitioned across replicas, and entering any generation after the first raises (the
+worker then waits for a restore, which needs ``checkpoint`` — see ``docs/deepspeed.md``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
+from resihp_core.plan import ParallelPlan
+from resihp_core.program import Program
+
+from resihp_adapters.deepspeed.plugin import CAPABILITIES, NAME
+from resihp_adapters.deepspeed.spec import PipelineSpec, optimizer_factory, spec_from_adapter_config
+
+__all__ = ["DeepSpeedAdapter"]
+
+
+class DeepSpeedAdapter(Adapter):
+    """One device's DeepSpeed pipeline engine across plan generations."""
+
+    name = NAME
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx: AdapterContext, spec: PipelineSpec | None = None) -> None:
+        super().__init__(ctx)
+        import torch
+
+        from resihp_adapters.deepspeed.data import MicroBatchSource
+        from resihp_adapters.deepspeed.world import prepare_deepspeed
+
+        self.spec = spec if spec is not None else spec_from_adapter_config(ctx.job.adapter_config, ctx.job)
+        self.zero_stage = int((self.spec.config.get("zero_optimization") or {}).get("stage", 0))
+        if self.zero_stage != 0:
+            raise ValueError(
+                f"zero_optimization.stage={self.zero_stage}: ResiHP's DeepSpeed adapter needs stage 0. "
+                "ZeRO 1 partitions the optimizer state across data-parallel ranks, so a dead rank's "
+                "shard is lost and DeepSpeed cannot re-partition it onto a new layout in place"
+            )
+        self.optimizer_factory = optimizer_factory(self.spec.optimizer)
+        self.source = MicroBatchSource(self.spec.dataset, self.spec.collate_fn or MicroBatchSource.default_collate,
+                                       self.spec.micro_batch_size, ctx.job.num_microbatches, ctx.job.dp)
+        self.engine: Any = None
+        self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
+        self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs
+        self._held: dict[int, dict[str, Any]] = {}  # layer state while no engine exists
+        self._snap: dict[int, dict[str, Any]] | None = None
+        self._program: Program | None = None
+        self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
+        self._last: IterationResult | None = None
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+        prepare_deepspeed(ctx.timeout_s)
+
+    # ------------------------------------------------------------------ where
+    @property
+    def where(self) -> tuple[int, int, int] | None:
+        if self.plan is None:
+            return None
+        return self.plan.location(self.ctx.device)
+
+    @property
+    def idle(self) -> bool:
+        """In the posted plan but left out of the whole-replica plan DeepSpeed runs."""
+        return self.where is not None and self.engine is None
+
+    # ------------------------------------------------------------------ communicators
+    def _drop_engine(self) -> None:
+        from resihp_adapters.deepspeed.state import extract_layers
+        from resihp_adapters.deepspeed.world import teardown_world
+
+        from resihp_adapters.deepspeed.world import dismantle
+
+        if self.engine is not None:
+            self._held = extract_layers(self.engine)
+        engine, self.engine = self.engine, None
+        dismantle(engine)
+        del engine
+        self._program = None
+        teardown_world()
+
+    def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
+        from resihp_adapters.deepspeed.engine import device_rank, plan_topology, whole_replicas
+        from resihp_adapters.deepspeed.world import bound_op_timeouts, build_engine, ds_config_for, init_world
+
+        self._drop_engine()
+        self.plan = plan
+        xplan = self.xplan = whole_replicas(plan)
+        if xplan.location(self.ctx.device) is None:
+            return  # a standby, or idle in this generation: no place in DeepSpeed's grid
+        plan = xplan
+        live = _live(plan)
+        init_world(self.ctx.store, generation, device_rank(plan, self.ctx.device), len(plan.devices()),
+                   self.ctx.timeout_s)
+        job = self.ctx.job
+        cfg = ds_config_for(self.spec.config, micro_batch_size=self.spec.micro_batch_size,
+                            num_microbatches=plan.num_microbatches, replicas=len(live))
+        parts = [a for a, _ in plan.layer_ranges] + [plan.num_layers]
+        if plan.num_layers != len(self.spec.layers):
+            raise ValueError(f"plan has {plan.num_layers} layers, the model has {len(self.spec.layers)}")
+        engine = build_engine(self.spec.layers, parts=parts, topology=plan_topology(plan), config=cfg,
+                              optimizer=self.optimizer_factory, loss_fn=self.spec.loss_fn,
+                              base_seed=self.spec.base_seed)
+        engine.loss_divisor = job.dp * job.num_microbatches / len(live)
+        m = plan.num_microbatches
+        engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
+        engine.step_hook = self.ctx.step
+        engine.fault_hook = self._fault
+        bound_op_timeouts(self.ctx.timeout_s)
+        self.engine = engine
+
+    def _fault(self, kind: str, seconds: float) -> None:
+        if kind == "compute":
+            self.ctx.faults.stretch(seconds)
+        else:
+            self.ctx.faults.delay_comm()
+
+    def release(self) -> None:
+        self._drop_engine()
+
+    # ------------------------------------------------------------------ state
+    def start_fresh(self, plan: ParallelPlan) -> None:
+        """Fresh weights come from the layer specs, seeded per global layer index
+        (``seed_layers``), so every layout starts from the same model."""
+        self._held = {}
+
+    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
+        from resihp_adapters.deepspeed.engine import whole_replicas
+        from resihp_adapters.deepspeed.state import apply_layers, exchange_layers, transfer_plan
+
+        if self.engine is None:
+            return 0  # a standby (or idle device) keeps what it held
+        old_plan, new_plan = whole_replicas(old_plan), self.xplan
+        have = set(devices) & set(old_plan.devices()) & set(new_plan.devices())
+        transfers = transfer_plan(old_plan, new_plan, have)
+        mine = self._held if self.ctx.device in old_plan.devices() else {}
+        received, nbytes = exchange_layers(self.ctx.device, new_plan, transfers, mine)
+        local = self.engine.module.local_layers()
+        keep = {i: st for i, st in mine.items() if i in local}
+        apply_layers(self.engine, {**keep, **received})
+        missing = sorted(set(local) - set(keep) - set(received))
+        if missing:
+            raise RuntimeError(f"device {self.ctx.device}: no state arrived for layers {missing}")
+        self._held = {}
+        return nbytes
+
+    def snapshot(self) -> None:
+        from resihp_adapters.deepspeed.state import extract_layers
+
+        self._snap = extract_layers(self.engine) if self.engine is not None else None
+
+    def rollback(self) -> None:
+        from resihp_adapters.deepspeed.state import apply_layers
+
+        if self._snap is None:
+            return
+        if self.engine is not None:
+            apply_layers(self.engine, self._snap)
+            self.engine.optimizer.zero_grad(set_to_none=True)
+        else:
+            self._held = self._snap
+        self._snap = None
+
+    # ------------------------------------------------------------------ iterations
+    def run_iteration(self, program: Program, iteration: int) -> IterationResult:
+        import torch
+
+        e = self.engine
+        if e is None:
+            if self.where is None:
+                raise RuntimeError(f"device {self.ctx.device} is a standby and has no program to run")
+            return IterationResult(iteration=iteration)  # idle: its work runs on a whole replica
+        if self._program is None:
+            if self.xplan is not self.plan:
+                # The posted program assumes the partial replica; run the whole-replica one.
+                from resihp_core.predictor.schedules import emit_programs
+
+                r, s_, _ = self.xplan.location(self.ctx.device)
+                program = {(p.replica, p.stage): p for p in emit_programs(self.xplan)}[(r, s_)]
+            e.set_work(self.xplan, program, self.source)
+            self._program = program
+        program = self._program
+        e.iteration = iteration
+        e.global_steps = iteration
+        t0 = time.perf_counter()
+        agg = e.train_batch()
+        dt = time.perf_counter() - t0
+        self.last_loss = float(agg) if agg is not None else None
+        res = IterationResult(iteration=iteration, iteration_s=dt)
+        for kind, owner, mb, sec in e.timings:
+            if kind == "F":
+                res.computed.append((program.stage, owner, mb))
+                res.forward_s[(owner, mb)] = sec
+            else:
+                res.backward_s[(owner, mb)] = sec
+        self._last = res
+        if e.is_last_stage() and e.total_loss is not None:
+            job = self.ctx.job
+            total = e.total_loss if isinstance(e.total_loss, torch.Tensor) else e.total_loss[0]
+            res.loss = float(total) / (job.dp * job.num_microbatches)
+        return res
+
+    def profile(self):
+        """Per micro-batch forward/backward times of the last iteration, for the Detector.
+        DeepSpeed pipelines send fixed-shape micro-batches, so each sample counts as one
+        unit-length document (the cost model then fits a constant per micro-batch)."""
+        from resihp_core.protocol import IterationProfile, MicroBatchProfile
+
+        r, e, where = self._last, self.engine, self.where
+        if r is None or e is None or where is None:
+            return None
+        docs = (1,) * self.spec.micro_batch_size
+        mbs = tuple(MicroBatchProfile(owner=o, mb=j, forward_s=f, backward_s=r.backward_s.get((o, j), 0.0),
+                                      doc_lengths=docs) for (o, j), f in r.forward_s.items())
+        return IterationProfile(rank=self.ctx.device, device=self.ctx.device, generation=max(self.ctx.generation, 0),
+                                iteration=r.iteration, stage=where[1], replica=where[0], microbatches=mbs,
+                                comm_s=r.comm_s, iteration_s=r.iteration_s)
+
+    def held_state(self) -> dict[str, Shard]:
+        from resihp_adapters.deepspeed.state import extract_layers
+
+        if self.idle:
+            return {}  # left out of the run: what it holds is not current
+        layers = extract_layers(self.engine) if self.engine is not None else self._held
+        where = self.where
+        t = where[2] if where is not None else 0
+        tp = self.plan.degree(*where[:2]) if where is not None else 1
+        out = {}
+        for idx, st in layers.items():
+            for name, p in st["params"].items():
+                opt = st["opt"].get(name, {})
+                tensors = (p, *(opt[k] for k in sorted(opt) if hasattr(opt[k], "dim") and opt[k].dim() > 0))
+                # Uniform TP: a layer shards itself over DeepSpeed's model-parallel group in
+                # its own way, so a TP piece is named by its TP index, not placed.
+                out[f"{idx}.{name}" if tp == 1 else f"{idx}.{name}@tp{t}"] = Shard(tensors)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_dir(self, iteration: int) -> str:
+        base = self.ctx.job.checkpoint_dir
+        if not base:
+            raise RuntimeError("the job has no checkpoint_dir")
+        return os.path.join(base, f"deepspeed-iter{iteration:08d}")
+
+    def save_checkpoint(self, iteration: int) -> None:
+        """Each executor of the first live replica writes its layers (parameters and
+        optimizer state, by global layer index and TP index)."""
+        import torch
+
+        from resihp_adapters.deepspeed.state import extract_layers
+
+        if self.engine is None:
+            return
+        r, _, t = self.xplan.location(self.ctx.device)
+        if r != _live(self.xplan)[0]:
+            return
+        path = self._ckpt_dir(iteration)
+        os.makedirs(path, exist_ok=True)
+        for idx, st in extract_layers(self.engine).items():
+            final = os.path.join(path, f"layer_{idx:04d}-tp{t}.pt")
+            torch.save(st, final + ".tmp")
+            os.replace(final + ".tmp", final)
+
+    def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
+        import torch
+
+        from resihp_adapters.deepspeed.state import apply_layers
+
+        if self.engine is None:
+            self._held = {}
+            return
+        path = self._ckpt_dir(iteration)
+        t = self.xplan.location(self.ctx.device)[2]
+        layers = {}
+        for idx in self.engine.module.local_layers():
+            f = os.path.join(path, f"layer_{idx:04d}-tp{t}.pt")
+            if not os.path.exists(f):
+                raise FileNotFoundError(f"checkpoint of iteration {iteration} has no layer {idx} (TP index {t}): {f}")
+            layers[idx] = torch.load(f, weights_only=True)
+        apply_layers(self.engine, layers)
+        self._held = {}
+
+    def close(self) -> None:
+        from resihp_adapters.deepspeed.world import dismantle, teardown_world
+
+        engine, self.engine = self.engine, None
+        dismantle(engine)
+        del engine
+        teardown_world()
+
+
+# ---------------------------------------------------------------------- helpers
+def _live(plan: ParallelPlan) -> list[int]:
+    from resihp_adapters.deepspeed.engine import live_replicas
+
+    return live_replicas(plan)

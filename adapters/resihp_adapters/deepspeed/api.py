@@ -1,0 +1,133 @@
+"""``initialize``: a user's DeepSpeed pipeline script made resilient by one call.
+
+The script keeps DeepSpeed's ingredients (``LayerSpec`` layers, a loss, a torch
+optimizer, the DeepSpeed JSON config) and gives its data as a map-style dataset with a
+collate function. Where ``deepspeed.initialize`` took a built ``PipelineModule``, this
+takes the module's layers (ResiHP builds the module again for every plan generation).
+
+- Started by ``resihp launch`` (``RESIHP_STORE`` set): the returned engine's
+  :meth:`ResilientEngine.train_batch` runs one iteration through the worker runtime
+  (``resihp_core.runtime.worker.Worker.step``): it returns once the iteration has
+  committed on every live rank, rebuilding the engine inside the call when the plan
+  changes; a rank the plan leaves out waits inside it as a standby; at the job's end it
+  returns None.
+- Started any other way (``accelerate launch``, ``deepspeed``, ``torchrun``): stock
+  ``deepspeed.initialize`` with a ``PipelineModule`` of the same layers, fed the same
+  addressed micro-batches. Nothing survives a failure there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+from resihp_adapters.deepspeed.spec import PipelineSpec, load_ds_config
+
+__all__ = ["initialize", "ResilientEngine", "StockEngine"]
+
+
+class ResilientEngine:
+    """The user's handle under ``resihp launch``: ``train_batch()`` per iteration."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    @property
+    def adapter(self) -> Any:
+        return self.worker.adapter
+
+    def train_batch(self) -> float | None:
+        """Train one iteration; its global mean loss (on last-stage ranks; elsewhere the
+        value DeepSpeed broadcasts), or None once the job has ended."""
+        r = self.worker.step()
+        if r is None:
+            return None
+        return self.worker.adapter.last_loss
+
+    @property
+    def iteration(self) -> int:
+        return self.worker.iteration
+
+    def is_last_stage(self) -> bool:
+        """True on ranks whose loss is the global mean (DeepSpeed's loss stage)."""
+        e = self.worker.adapter.engine
+        return bool(e is not None and e.is_last_stage())
+
+
+class StockEngine:
+    """Plain DeepSpeed (no ResiHP runtime): the same interface, the same data order."""
+
+    def __init__(self, engine: Any, source: Any) -> None:
+        self.engine = engine
+        self.iteration = 0
+        self._data = source.iterator(engine.grid.data_parallel_id)
+
+    def is_last_stage(self) -> bool:
+        return bool(self.engine.is_last_stage())
+
+    def train_batch(self) -> float:
+        loss = self.engine.train_batch(self._data)
+        self.iteration += 1
+        return float(loss)
+
+
+def initialize(
+    layers: Sequence[Any],
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+    optimizer: Any = None,
+    config: Any = None,
+    training_data: Any,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    base_seed: int = 1234,
+    num_stages: int | None = None,
+) -> ResilientEngine | StockEngine:
+    """ResiHP's stand-in for ``deepspeed.initialize`` (see the module docstring).
+
+    :param layers: the ``PipelineModule``'s layers (``LayerSpec``s).
+    :param optimizer: a torch optimizer (rebuilt with the same class and settings), a
+        factory ``params -> optimizer``, or None (the DeepSpeed config's).
+    :param config: DeepSpeed config dict or JSON path; None: the file accelerate names
+        (``ACCELERATE_DEEPSPEED_CONFIG_FILE``). Its ``resihp`` section is ResiHP's.
+    :param training_data: a map-style dataset; ``collate_fn`` makes ``(inputs, labels)``.
+    :param num_stages: pipeline stages for a stock launch (default: ``resihp.pp``, 2).
+    """
+    cfg = load_ds_config(config)
+    spec = PipelineSpec(layers=list(layers), config=cfg, dataset=training_data, loss_fn=loss_fn,
+                        collate_fn=collate_fn, optimizer=optimizer, base_seed=base_seed)
+    if os.environ.get("RESIHP_STORE"):
+        from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+        from resihp_core.runtime.worker import Worker
+
+        import gc
+
+        worker = Worker.from_env(factory=lambda ctx: DeepSpeedAdapter(ctx, spec))
+        # What is loaded so far lives for the whole process: keep it out of the
+        # collections that run when a generation's groups are released.
+        gc.freeze()
+        return ResilientEngine(worker)
+    return _stock(spec, num_stages or int(spec.resihp.get("pp", 2)))
+
+
+def _stock(spec: PipelineSpec, num_stages: int) -> StockEngine:
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    from resihp_adapters.deepspeed.data import MicroBatchSource
+    from resihp_adapters.deepspeed.world import prepare_deepspeed
+
+    prepare_deepspeed(float(spec.resihp.get("timeout_s", 600)))
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    module = PipelineModule(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
+                            base_seed=spec.base_seed, partition_method="uniform")
+    opt = spec.optimizer
+    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        opt = opt([p for p in module.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=dict(spec.config))
+    if any(p.dtype == torch.float64 for p in module.parameters()):
+        engine.communication_data_type = torch.float64
+    dp = engine.grid.data_parallel_size
+    source = MicroBatchSource(spec.dataset, spec.collate_fn or MicroBatchSource.default_collate,
+                              spec.micro_batch_size, engine.gradient_accumulation_steps(), dp)
+    return StockEngine(engine, source)

@@ -1,0 +1,544 @@
+"""ResiHP's DeepSpeed pipeline engine: the core's programs run as DeepSpeed instructions.
+
+:class:`ResiPipelineEngine` is a real :class:`deepspeed.runtime.pipe.engine.PipelineEngine`
+(forward, backward, loss scaling, DP gradient reduction and the optimizer step are
+DeepSpeed's own code). Like DeepSpeed's ``DualPipeVEngine`` it only replaces the
+schedule (``_train_schedule``) and extends ``_INSTRUCTION_MAP``:
+
+* the schedule is *lowered* from the core's per-executor :class:`~resihp_core.program.Program`
+  (:func:`lower_program`), so the order of forward/backward work is exactly what the
+  Scheduler judged;
+* point-to-point goes to explicit global ranks (the peer replica of each primitive), so a
+  micro-batch of another replica can run on this replica's stage (migrated work);
+* every buffer keeps its own loss and output gradient (the stock engine keeps one of
+  each, which is only right for the stock 1F1B order);
+* micro-batches are loaded by address (iteration, owner replica, micro-batch) from a
+  :class:`~resihp_adapters.deepspeed.data.MicroBatchSource`, never from a shared iterator;
+* a :class:`CommitPoint` instruction runs before the optimizer step: pending sends are
+  completed and the engine's ``commit_hook`` decides whether the step may happen (the
+  runtime's commit barrier); nothing in the model changes before it, so an iteration
+  abandoned there is rolled back by zeroing gradients.
+
+Loss scaling stays DeepSpeed's: each micro-batch loss is divided by the configured
+``gradient_accumulation_steps``, which is the plan's *nominal* micro-batch count per
+replica, so uneven counts per replica (migrated work) still give the exact mean gradient
+after DeepSpeed's DP average. See ``docs/deepspeed.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from types import MethodType
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as tdist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+
+from resihp_core.plan import Migration, ParallelPlan
+from resihp_core.program import (
+    Backward,
+    BackwardWeight,
+    Forward,
+    LoadMicroBatch,
+    OptimizerStep,
+    Program,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+)
+
+__all__ = [
+    "ResiPipelineModule",
+    "ResiPipelineEngine",
+    "LoadAddressed",
+    "SendActivationTo",
+    "RecvActivationFrom",
+    "SendGradTo",
+    "RecvGradFrom",
+    "CommitPoint",
+    "LoweredSchedule",
+    "lower_program",
+    "rank_of",
+    "device_rank",
+    "live_replicas",
+    "whole_replicas",
+    "plan_topology",
+    "IterationAborted",
+]
+
+
+# ----------------------------------------------------------------- the module
+class ResiPipelineModule(PipelineModule):
+    """A :class:`PipelineModule` cut at explicit layer boundaries.
+
+    ``parts`` is ``[0, b1, ..., num_layers]`` (DeepSpeed's own ``parts`` format): stage
+    ``s`` holds layers ``parts[s]:parts[s+1]``. DeepSpeed's ``partition_method`` only
+    knows uniform/parameters/type; a ResiHP plan's layer ranges are arbitrary, so
+    ``_partition_layers`` is overridden (as DeepSpeed's DualPipeV module does).
+    """
+
+    def __init__(self, layers: Sequence[Any], *, parts: Sequence[int], **kwargs: Any) -> None:
+        parts = [int(p) for p in parts]
+        n = len(list(layers))
+        if not parts or parts[0] != 0 or parts[-1] != n or any(b <= a for a, b in zip(parts, parts[1:])):
+            raise ValueError(
+                f"parts must rise strictly from 0 to the number of layers ({n}), got {parts}"
+            )
+        self._explicit_parts = parts
+        super().__init__(layers, **kwargs)
+        if len(parts) - 1 != self.num_stages:
+            raise ValueError(f"parts {parts} give {len(parts) - 1} stages, topology has {self.num_stages}")
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self.parts = list(self._explicit_parts)
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def local_layers(self) -> dict[int, torch.nn.Module]:
+        """Global layer index -> module, for the layers with parameters this rank holds."""
+        out = {}
+        for idx in range(self._local_start, self._local_stop):
+            mod = getattr(self, str(idx), None)
+            if isinstance(mod, torch.nn.Module):
+                out[idx] = mod
+        return out
+
+
+# --------------------------------------------------------- plan <-> DeepSpeed grid
+def live_replicas(plan: ParallelPlan) -> list[int]:
+    """The plan's replicas that hold devices, in order. DeepSpeed's grid is a full
+    pp x dp x tp box: a replica is either whole (every stage has a TP group) or gone
+    (no stage has one, all its work migrated); one TP degree throughout."""
+    out, degrees = [], set()
+    for r, rep in enumerate(plan.tp_groups):
+        empty = [s for s, g in enumerate(rep) if not g]
+        if empty and len(empty) < len(rep):
+            raise ValueError(
+                f"replica {r} has no devices for stage(s) {empty} but keeps others: the DeepSpeed "
+                "adapter runs whole replicas (drop the replica or migrate work, do not vanish one stage)"
+            )
+        if not empty:
+            out.append(r)
+            degrees.update(len(g) for g in rep)
+    if len(degrees) != 1:
+        raise ValueError(f"the DeepSpeed adapter runs one TP degree, plan has {sorted(degrees) or 'no devices'}")
+    return out
+
+
+def whole_replicas(plan: ParallelPlan) -> ParallelPlan:
+    """The equivalent plan DeepSpeed can run: a replica that keeps only some of its
+    stages (the others' work migrated) is left out entirely, and every piece of work it
+    executed moves to the first whole replica. The same (stage, micro-batch) pieces run
+    exactly once on the same data, so training is unchanged; the left-out devices idle.
+    Plans without partial replicas come back unchanged."""
+    partial, whole = [], []
+    for r, rep in enumerate(plan.tp_groups):
+        n = sum(1 for g in rep if g)
+        (whole if n == len(rep) else partial if n else []).append(r)
+    if not partial:
+        return plan
+    if not whole:
+        raise ValueError(f"plan generation {plan.generation} has no replica holding every stage: "
+                         "the DeepSpeed adapter cannot run it")
+    target = whole[0]
+    execs = plan.executor_map()
+    moves = []
+    for (s, o, j), r in sorted(execs.items()):
+        if r in partial:
+            r = target
+        if r != o:
+            moves.append(Migration(s, o, j, r))
+    groups = tuple(tuple(() for _ in rep) if r in partial else rep for r, rep in enumerate(plan.tp_groups))
+    idle = tuple(d for r in partial for g in plan.tp_groups[r] for d in g)
+    return plan.with_(tp_groups=groups, migrations=tuple(moves), standbys=tuple(plan.standbys) + idle)
+
+
+def plan_topology(plan: ParallelPlan):
+    """DeepSpeed's topology for the plan's live replicas. Its rank order (pipe, data,
+    model) is the order :func:`rank_of` gives, so ``grid.stage_to_global`` agrees."""
+    dp = len(live_replicas(plan))
+    tp = plan.degree(live_replicas(plan)[0], 0)
+    if tp == 1:
+        return PipeDataParallelTopology(num_pp=plan.pp, num_dp=dp)
+    return PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=tp, num_dp=dp)
+
+
+def ds_replica(plan: ParallelPlan, replica: int) -> int:
+    """DeepSpeed's data-parallel index of plan replica ``replica``."""
+    live = live_replicas(plan)
+    if replica not in live:
+        raise ValueError(f"replica {replica} has no devices in plan generation {plan.generation}")
+    return live.index(replica)
+
+
+def rank_of(plan: ParallelPlan, replica: int, stage: int, tp_index: int = 0) -> int:
+    """Global rank of (replica, stage, TP index) in the plan generation's world."""
+    dp = len(live_replicas(plan))
+    tp = plan.degree(replica, stage)
+    return (stage * dp + ds_replica(plan, replica)) * tp + tp_index
+
+
+def device_rank(plan: ParallelPlan, device: int) -> int:
+    """Global rank of ``device`` in the plan generation's world."""
+    loc = plan.location(device)
+    if loc is None:
+        raise ValueError(f"device {device} runs nothing in plan generation {plan.generation}")
+    return rank_of(plan, *loc)
+
+
+def world_size(plan: ParallelPlan) -> int:
+    return len(plan.devices())
+
+
+# ----------------------------------------------------------------- instructions
+class LoadAddressed(ds_schedule.BufferOpInstruction):
+    """Load micro-batch (owner replica, mb) of the current iteration into a buffer."""
+
+
+class SendActivationTo(ds_schedule.BufferOpInstruction):
+    """Send a buffer's stage output to global rank ``peer``."""
+
+
+class RecvActivationFrom(ds_schedule.BufferOpInstruction):
+    """Receive a buffer's stage input from global rank ``peer``."""
+
+
+class SendGradTo(ds_schedule.BufferOpInstruction):
+    """Send a buffer's input gradient to global rank ``peer``."""
+
+
+class RecvGradFrom(ds_schedule.BufferOpInstruction):
+    """Receive a buffer's output gradient from global rank ``peer``."""
+
+
+class CommitPoint(ds_schedule.PipeInstruction):
+    """Before the optimizer step: finish sends, then ask the runtime to commit."""
+
+
+@dataclass
+class LoweredSchedule:
+    """A program lowered to DeepSpeed instructions, in the shape ``_exec_schedule`` wants
+    (an iterable of steps, each a list of instructions, and a buffer count)."""
+
+    steps: list[list[ds_schedule.PipeInstruction]]
+    buffers: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def num_pipe_buffers(self) -> int:
+        return max(1, len(self.buffers))
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def instructions(self) -> list[ds_schedule.PipeInstruction]:
+        return [c for step in self.steps for c in step]
+
+
+def lower_program(program: Program, plan: ParallelPlan, tp_index: int = 0) -> LoweredSchedule:
+    """Lower one executor's program into DeepSpeed instructions, one instruction per step.
+
+    Each (owner, mb) gets its own buffer; point-to-point primitives name the peer
+    *replica*, which becomes the peer's global rank (same TP index). ``ReduceGrads``
+    becomes DeepSpeed's tied-weight then DP reduction; a :class:`CommitPoint` precedes
+    ``OptimizerStep``."""
+    s = program.stage
+    buffers: dict[tuple[int, int], int] = {}
+
+    def buf(owner: int, mb: int) -> int:
+        return buffers.setdefault((owner, mb), len(buffers))
+
+    out: list[ds_schedule.PipeInstruction] = []
+    for op in program.ops:
+        if isinstance(op, LoadMicroBatch):
+            out.append(LoadAddressed(buf(op.owner, op.mb), owner=op.owner, mb=op.mb))
+        elif isinstance(op, RecvActivation):
+            out.append(RecvActivationFrom(buf(op.owner, op.mb), peer=rank_of(plan, op.peer, s - 1, tp_index)))
+        elif isinstance(op, Forward):
+            out.append(ds_schedule.ForwardPass(buf(op.owner, op.mb)))
+        elif isinstance(op, SendActivation):
+            out.append(SendActivationTo(buf(op.owner, op.mb), peer=rank_of(plan, op.peer, s + 1, tp_index)))
+        elif isinstance(op, RecvGrad):
+            out.append(RecvGradFrom(buf(op.owner, op.mb), peer=rank_of(plan, op.peer, s + 1, tp_index)))
+        elif isinstance(op, Backward):
+            if op.split:
+                raise ValueError("the DeepSpeed engine runs 1F1B/GPipe; a split backward (ZB-H1) is not supported")
+            out.append(ds_schedule.BackwardPass(buf(op.owner, op.mb)))
+        elif isinstance(op, SendGrad):
+            out.append(SendGradTo(buf(op.owner, op.mb), peer=rank_of(plan, op.peer, s - 1, tp_index)))
+        elif isinstance(op, BackwardWeight):
+            raise ValueError("the DeepSpeed engine has no separate weight-gradient pass (ZB-H1)")
+        elif isinstance(op, ReduceGrads):
+            out += [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads()]
+        elif isinstance(op, OptimizerStep):
+            out += [CommitPoint(), ds_schedule.OptimizerStep()]
+        else:
+            raise ValueError(f"the DeepSpeed engine cannot run primitive {op!r}")
+    return LoweredSchedule([[c] for c in out], buffers)
+
+
+# ----------------------------------------------------------------- the engine
+def _as_list(x: Any) -> list[torch.Tensor]:
+    return [x] if torch.is_tensor(x) else list(x)
+
+
+_META_LEN = 64
+
+
+class ResiPipelineEngine(PipelineEngine):
+    """A :class:`PipelineEngine` that runs ResiHP programs (see the module docstring).
+
+    Set :attr:`plan`, :attr:`program` and :attr:`source` (:meth:`set_work`) before
+    :meth:`train_batch`; :attr:`iteration` addresses the micro-batches and advances after
+    each committed step. ``commit_hook(engine) -> bool`` runs at the commit point; when it
+    returns False the iteration is abandoned (gradients zeroed, no step) and
+    :meth:`train_batch` raises :class:`IterationAborted`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.module, ResiPipelineModule):
+            raise TypeError("ResiPipelineEngine needs a ResiPipelineModule")
+        self.plan: ParallelPlan | None = None
+        self.program: Program | None = None
+        self.source: Any = None
+        self.iteration = 0
+        self.tp_index = self.grid.get_slice_parallel_rank() if self.grid.get_slice_parallel_world_size() > 1 else 0
+        self.commit_hook: Callable[[ResiPipelineEngine], bool] | None = None
+        # Called before instruction k (progress beat, abort when superseded), before each
+        # receive/reduction ("comm") and after each compute chunk ("compute", seconds).
+        self.step_hook: Callable[[int, int], None] | None = None
+        self.fault_hook: Callable[[str, float], None] | None = None
+        # Each micro-batch loss is divided by this before backward; DeepSpeed then averages
+        # over its replicas. None: DeepSpeed's gradient_accumulation_steps (stock).
+        self.loss_divisor: float | None = None
+        self.micro_batch_address: Callable[[int, int], tuple[int, int]] | None = None
+        self.timings: list[tuple[str, int, int, float]] = []
+        self._lowered: LoweredSchedule | None = None
+        self._owner_mb: dict[int, tuple[int, int]] = {}
+        self._pending: list[Any] = []
+        self._keep: list[Any] = []
+        self._meta_sent: set[int] = set()
+        self._recv_specs: dict[int, list[tuple[torch.Size, torch.dtype]]] = {}
+        self.pipe_buffers["losses"] = []
+        self.pipe_buffers["grads"] = []
+        if self._config.communication_data_type is None and any(
+            p.dtype == torch.float64 for p in self.module.parameters()
+        ):
+            # DeepSpeed reduces gradients in float32 unless told otherwise, and its JSON
+            # config cannot say float64: keep a float64 model's reduction exact.
+            self.communication_data_type = torch.float64
+
+    # -------------------------------------------------------------- configuration
+    def set_work(self, plan: ParallelPlan, program: Program, source: Any) -> None:
+        """The plan generation, this executor's program and the micro-batch source."""
+        if (ds_replica(plan, program.replica), program.stage) != (self.grid.data_parallel_id, self.stage_id):
+            raise ValueError(
+                f"program for replica {program.replica} stage {program.stage} given to the rank "
+                f"at replica {self.grid.data_parallel_id} stage {self.stage_id}"
+            )
+        self.plan, self.program, self.source = plan, program, source
+        self._lowered = lower_program(program, plan, self.tp_index)
+        self._owner_mb = {b: k for k, b in self._lowered.buffers.items()}
+
+    def _train_schedule(self) -> LoweredSchedule:
+        if self._lowered is None:
+            raise RuntimeError("ResiPipelineEngine.set_work() was not called before train_batch()")
+        return self._lowered
+
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """One iteration of this executor's program; returns DeepSpeed's aggregated loss."""
+        self.timings = []
+        self._pending, self._keep = [], []
+        self._aborted = False
+        try:
+            loss = super().train_batch(data_iter)
+        except BaseException:
+            # A peer is gone: do not wait on sends to it, and drop every work handle (each
+            # keeps the group's connections alive, so peers would block until timeout).
+            self._pending, self._keep = [], []
+            raise
+        self._drain()
+        if self._aborted:
+            raise IterationAborted(f"iteration {self.iteration} was not committed")
+        self.iteration += 1
+        return loss
+
+    def gradient_accumulation_steps(self) -> Any:
+        """DeepSpeed divides every micro-batch loss by this (and averages over its
+        replicas): the global batch over the live replicas when ResiHP sets
+        :attr:`loss_divisor`, else the configured value."""
+        d = getattr(self, "loss_divisor", None)
+        if d is None:
+            return super().gradient_accumulation_steps()
+        return int(d) if float(d).is_integer() else d
+
+    def _exec_schedule(self, pipe_schedule: Any) -> None:
+        if self.step_hook is None:
+            super()._exec_schedule(pipe_schedule)
+        else:
+            self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+            self.fwd_outputs = []
+            for k, cmd in enumerate(pipe_schedule.instructions()):
+                self.step_hook(self.iteration, k)
+                self._exec_instr = MethodType(self._INSTRUCTION_MAP[type(cmd)], self)
+                self._exec_instr(**cmd.kwargs)
+        if self.is_last_stage() and self.total_loss is None:
+            # This replica's last stage ran no micro-batch (all migrated away).
+            self.total_loss = torch.zeros((), dtype=torch.get_default_dtype(), device=self.device)
+
+    # -------------------------------------------------------------- p2p helpers
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for w in pending:
+            w.wait()
+        self._keep = []
+
+    def _isend(self, tensor: torch.Tensor, peer: int) -> None:
+        t = tensor.detach().contiguous()
+        self._keep.append(t)
+        self._pending.append(tdist.isend(t, dst=peer))
+
+    def _send_meta(self, tensors: list[torch.Tensor], peer: int) -> None:
+        meta = [len(tensors)]
+        for t in tensors:
+            meta += [self.DTYPE_TO_ID[t.dtype], t.dim(), *t.shape]
+        if len(meta) > _META_LEN:
+            raise ValueError(f"activation metadata of {len(meta)} ints exceeds {_META_LEN}")
+        buf = torch.zeros(_META_LEN, dtype=torch.int64)
+        buf[: len(meta)] = torch.tensor(meta, dtype=torch.int64)
+        tdist.send(buf, dst=peer)
+
+    def _recv_meta(self, peer: int) -> list[tuple[torch.Size, torch.dtype]]:
+        buf = torch.zeros(_META_LEN, dtype=torch.int64)
+        tdist.recv(buf, src=peer)
+        vals = buf.tolist()
+        n, pos, specs = vals[0], 1, []
+        for _ in range(n):
+            dtype, nd = self.ID_TO_DTYPE[vals[pos]], vals[pos + 1]
+            specs.append((torch.Size(vals[pos + 2 : pos + 2 + nd]), dtype))
+            pos += 2 + nd
+        return specs
+
+    # -------------------------------------------------------------- handlers
+    def _exec_load_addressed(self, buffer_id: int, owner: int, mb: int) -> None:
+        if self.micro_batch_address is not None:
+            owner, mb = self.micro_batch_address(owner, mb)
+        batch = self.source.micro_batch(self.iteration, owner, mb)
+        saved = self.data_iterator
+        self.data_iterator = iter((batch,))
+        try:
+            super()._exec_load_micro_batch(buffer_id)
+        finally:
+            self.data_iterator = saved
+
+    def _exec_forward(self, buffer_id: int) -> None:
+        t0 = time.perf_counter()
+        super()._exec_forward_pass(buffer_id)
+        if self.is_last_stage():
+            self.pipe_buffers["losses"][buffer_id] = self.loss
+        owner, mb = self._owner_mb[buffer_id]
+        dt = time.perf_counter() - t0
+        if self.fault_hook is not None:
+            self.fault_hook("compute", dt)
+        self.timings.append(("F", owner, mb, time.perf_counter() - t0))
+
+    def _exec_backward(self, buffer_id: int) -> None:
+        t0 = time.perf_counter()
+        if self.is_last_stage():
+            self.loss = self.pipe_buffers["losses"][buffer_id]
+            self.pipe_buffers["losses"][buffer_id] = None
+        else:
+            self.grad_layer = self.pipe_buffers["grads"][buffer_id]
+            self.pipe_buffers["grads"][buffer_id] = None
+        super()._exec_backward_pass(buffer_id)
+        self.grad_layer = None
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["labels"][buffer_id] = None
+        if self.is_first_stage():
+            self.pipe_buffers["inputs"][buffer_id] = None
+        owner, mb = self._owner_mb[buffer_id]
+        dt = time.perf_counter() - t0
+        if self.fault_hook is not None:
+            self.fault_hook("compute", dt)
+        self.timings.append(("B", owner, mb, time.perf_counter() - t0))
+
+    def _exec_send_activation_to(self, buffer_id: int, peer: int) -> None:
+        tensors = _as_list(self.pipe_buffers["outputs"][buffer_id])
+        if peer not in self._meta_sent:
+            self._send_meta(tensors, peer)
+            self._meta_sent.add(peer)
+        for t in tensors:
+            self._isend(t, peer)
+
+    def _exec_recv_activation_from(self, buffer_id: int, peer: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("comm", 0.0)
+        specs = self._recv_specs.get(peer)
+        if specs is None:
+            specs = self._recv_specs[peer] = self._recv_meta(peer)
+        recvd = []
+        for shape, dtype in specs:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            tdist.recv(t, src=peer)
+            t.requires_grad = t.is_floating_point()
+            recvd.append(t)
+        self.pipe_buffers["inputs"][buffer_id] = recvd[0] if len(recvd) == 1 else tuple(recvd)
+
+    def _exec_send_grad_to(self, buffer_id: int, peer: int) -> None:
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        for t in _as_list(inputs):
+            if t.is_floating_point():
+                if t.grad is None:
+                    raise RuntimeError(f"stage {self.stage_id}: an input of buffer {buffer_id} has no gradient")
+                self._isend(t.grad, peer)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grad_from(self, buffer_id: int, peer: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("comm", 0.0)
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        grads = [torch.empty_like(t) for t in _as_list(outputs) if t.is_floating_point()]
+        for g in grads:
+            tdist.recv(g, src=peer)
+        self.pipe_buffers["grads"][buffer_id] = grads[0] if torch.is_tensor(outputs) else grads
+
+    def _exec_commit_point(self) -> None:
+        self._drain()
+        ok = True if self.commit_hook is None else bool(self.commit_hook(self))
+        if not ok:
+            self._aborted = True
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _exec_reduce(self) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("comm", 0.0)
+        super()._exec_reduce_grads()
+
+    def _exec_guarded_step(self, lr_kwargs: Any = None) -> None:
+        if getattr(self, "_aborted", False):
+            return
+        super()._exec_optimizer_step(lr_kwargs)
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        LoadAddressed: _exec_load_addressed,
+        ds_schedule.ForwardPass: _exec_forward,
+        ds_schedule.BackwardPass: _exec_backward,
+        SendActivationTo: _exec_send_activation_to,
+        RecvActivationFrom: _exec_recv_activation_from,
+        SendGradTo: _exec_send_grad_to,
+        RecvGradFrom: _exec_recv_grad_from,
+        CommitPoint: _exec_commit_point,
+        ds_schedule.ReduceGrads: _exec_reduce,
+        ds_schedule.OptimizerStep: _exec_guarded_step,
+    }
+
+
+class IterationAborted(RuntimeError):
+    """The commit hook refused the iteration; nothing was stepped."""

@@ -1,0 +1,184 @@
+"""``resihp launch --config_file accelerate.yaml train.py [args]``: an ``accelerate
+launch`` that survives dead and slow devices.
+
+The accelerate config is read with accelerate's own launch-argument code (so defaults
+and validation are accelerate's), the DeepSpeed JSON it points to
+(``deepspeed_config_file``) supplies the batch settings and ResiHP's ``resihp``
+section, and the job runs as any ResiHP job: a controller here, one agent per node,
+each worker started with the environment ``accelerate launch`` computes for its
+workers (``prepare_deepspeed_cmd_env``) plus torchrun's per-process variables. Unlike
+torchrun's elastic agent, an agent does not stop a worker's siblings when it dies: the
+Scheduler re-plans and the survivors go on in their processes.
+
+``resihp`` section of the DeepSpeed JSON (``docs/deepspeed.md``): ``num_layers``
+(required: the plan cuts layers), ``iterations`` (required), ``pp`` (default 2),
+``nodes`` (1), ``timeout_s`` (10), ``checkpoint_every`` (1), ``faults`` (injected
+faults, for demos and tests: ``[{"device", "iteration", "kind", ...}]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["configure", "run", "run_demo", "accelerate_env", "read_resihp_section"]
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config_file", required=True, help="accelerate config (YAML) naming a deepspeed_config_file")
+    p.add_argument("--workdir", help="folder for logs and checkpoints (default: a fresh temporary folder)")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
+    p.add_argument("training_script", help="the training script")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def accelerate_env(config_file: str, script: str, script_args: list[str]) -> tuple[Any, dict[str, str]]:
+    """accelerate's parsed launch arguments and the environment it gives workers."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    a = launch_command_parser().parse_args(["--config_file", config_file, script, *script_args])
+    a, defaults, mp_from_config = _validate_launch_command(a)
+    if not a.use_deepspeed:
+        raise ValueError(f"{config_file}: distributed_type must be DEEPSPEED for 'resihp launch'")
+    if not a.deepspeed_config_file:
+        raise ValueError(f"{config_file}: deepspeed_config.deepspeed_config_file is not set (ResiHP reads its "
+                         "'resihp' section from that JSON)")
+    fields = list(defaults.deepspeed_config.keys()) if defaults else []
+    if mp_from_config:
+        fields.append("mixed_precision")
+    a.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    base = os.path.dirname(os.path.abspath(config_file))
+    if not os.path.isabs(a.deepspeed_config_file):
+        cand = os.path.join(base, a.deepspeed_config_file)
+        a.deepspeed_config_file = cand if os.path.exists(cand) else os.path.abspath(a.deepspeed_config_file)
+    _, env = prepare_deepspeed_cmd_env(a)
+    return a, dict(env)
+
+
+def read_resihp_section(ds_config: dict[str, Any], path: str) -> dict[str, Any]:
+    sec = ds_config.get("resihp")
+    if not isinstance(sec, dict):
+        raise ValueError(f"{path}: no 'resihp' section (an object) in the DeepSpeed config")
+    for key in ("num_layers", "iterations"):
+        v = sec.get(key)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{path}: resihp.{key} must be an integer >= 1, got {v!r}")
+    return sec
+
+
+def build_job(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path):
+    """Plan, topology, job description, planner state and planner of the launch."""
+    from resihp_core.job import JobSpec
+    from resihp_core.plan import ParallelPlan, Topology
+    from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
+    from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
+    from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
+    from resihp_core.scheduler.planner import Planner
+    from resihp_core.scheduler.state import PlannerState
+    from resihp_core.faults import load_scenario, worker_faults
+
+    from resihp_adapters.deepspeed.plugin import CAPABILITIES
+
+    pp, nodes = int(sec.get("pp", 2)), int(sec.get("nodes", 1))
+    if num_processes % pp or num_processes % nodes:
+        raise ValueError(f"num_processes={num_processes} must be a multiple of resihp.pp={pp} and resihp.nodes={nodes}")
+    dp, m = num_processes // pp, int(ds_config.get("gradient_accumulation_steps", 1))
+    plan = ParallelPlan.uniform(tp=1, pp=pp, dp=dp, num_layers=int(sec["num_layers"]), num_microbatches=m)
+    topology = Topology.uniform(nodes, num_processes // nodes)
+    faults = load_scenario(sec.get("faults", []))
+    spec = JobSpec(adapter="deepspeed", adapter_config={}, data={"source": "user"}, dp=dp, num_microbatches=m,
+                   timeout_s=float(sec.get("timeout_s", 10.0)), checkpoint_dir=str(workdir / "checkpoints"),
+                   checkpoint_every=int(sec.get("checkpoint_every", 1)), faults=worker_faults(faults))
+    # Planning model: equal per-layer cost, CPU-like links; the Detector fits its own.
+    corpus = dict(scale=8.0, shape=1.0, min_len=4, max_len=64, token_budget=64, seed=0)
+    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
+                                       ref_layers=max(1, plan.num_layers // pp), ref_tp=1), pp)
+    links = LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9, intra_latency=5e-5, inter_latency=1e-4)
+    predictor = IterationPredictor(cost, topology, ModelShape(tokens=64, hidden=64, params_per_layer=64 * 64,
+                                                              dtype_bytes=4), links)
+    feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, dp, m), dp, m)
+    state = PlannerState.create(topology, plan, predictor, feats, capabilities=CAPABILITIES)
+    return plan, topology, spec, state, Planner(capabilities=CAPABILITIES), faults
+
+
+def run(args: argparse.Namespace) -> int:
+    """``resihp launch``: returns 0 when every iteration committed."""
+    from resihp_core.cli import CliError
+    from resihp_core.config import DetectorConfig
+    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.faults import repairs
+
+    from resihp_adapters.deepspeed.spec import load_ds_config
+
+    script = os.path.abspath(args.training_script)
+    script_args = [a for a in args.training_script_args if a != "--"] if args.training_script_args else []
+    try:
+        a, env = accelerate_env(args.config_file, script, script_args)
+        ds = load_ds_config(a.deepspeed_config_file)
+        sec = read_resihp_section(ds, a.deepspeed_config_file)
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="resihp-launch-"))
+        plan, topology, spec, state, planner, faults = build_job(int(a.num_processes), ds, sec, work)
+    except (ValueError, OSError) as e:
+        raise CliError(str(e)) from e
+    per_node = int(a.num_processes) // int(sec.get("nodes", 1))
+    env.update(RESIHP_LAUNCH_SCRIPT=script, RESIHP_LAUNCH_ARGS=json.dumps(script_args),
+               WORLD_SIZE=str(a.num_processes), LOCAL_WORLD_SIZE=str(per_node),
+               MASTER_ADDR=str(a.main_process_ip or "127.0.0.1"), MASTER_PORT=str(a.main_process_port or 29500),
+               ACCELERATE_DEEPSPEED_CONFIG_FILE=a.deepspeed_config_file, OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    os.environ.update(env)  # agents start here and pass their environment on to workers
+    # A worker's first engine build (DeepSpeed import, JIT-free) can hold the GIL for
+    # seconds on a loaded machine: tolerate missed heartbeats longer than the core's default.
+    det = DetectorConfig(**{"heartbeat_miss_limit": 50, "hang_min_timeout_s": 30.0, **(sec.get("detector") or {})})
+    print(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}), "
+          f"{sec['iterations']} iterations; logs in {work / 'job'}", flush=True)
+
+    def on_iteration(rec: Any) -> None:
+        print(f"iteration {rec.iteration:>3}  loss {rec.loss:.6f}  {rec.seconds:.2f}s  generation {rec.generation}",
+              flush=True)
+
+    def on_event(ev: dict) -> None:
+        print(f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:160]}", flush=True)
+
+    out = run_resilient(spec.to_json(), plan, topology, state, planner, det, int(sec["iterations"]), work / "job",
+                        worker_module="resihp_adapters.deepspeed.script_worker", timeout=args.timeout,
+                        on_iteration=on_iteration, on_event=on_event, repairs=repairs(faults))
+    if not out.ok:
+        print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)
+        return 1
+    done = len(out.records)
+    print(f"resihp launch: {done} iterations committed; final plan generation "
+          f"{out.final_plan.generation if out.final_plan else '?'}", flush=True)
+    return 0 if done >= int(sec["iterations"]) else 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``resihp demo --adapter deepspeed``: the DeepSpeed example under ``resihp launch``
+    (PP2 x DP2, 4 CPU workers) with device 3 SIGKILLed at ``--kill-at``."""
+    import shutil
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "deepspeed_pipeline"
+    if not example.is_dir():
+        raise SystemExit(f"the DeepSpeed example is not in this installation ({example})")
+    work = Path(tempfile.mkdtemp(prefix="resihp-demo-deepspeed-"))
+    for f in ("accelerate.yaml", "train.py"):
+        shutil.copy(example / f, work / f)
+    cfg = json.loads((example / "ds_config.json").read_text())
+    iterations = min(int(args.iterations), 200)
+    kill_at = min(int(args.kill_at), iterations - 1)
+    cfg["resihp"].update(iterations=iterations, faults=[{"device": 3, "iteration": kill_at, "kind": "kill"}])
+    (work / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+    print(f"resihp demo --adapter deepspeed: {work}/train.py, device 3 killed at iteration {kill_at}", flush=True)
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        ns = argparse.Namespace(config_file="accelerate.yaml", workdir=str(work / "run"), timeout=900.0,
+                                training_script="train.py", training_script_args=["--iterations", str(iterations)])
+        return run(ns)
+    finally:
+        os.chdir(cwd)

@@ -1,0 +1,70 @@
+"""A DeepSpeed pipeline training script that runs under plain ``accelerate launch`` and,
+unchanged, under ``resihp launch`` (which keeps it training through dead and slow
+devices). The only ResiHP-specific line is the ``initialize`` import.
+
+    accelerate launch --config_file accelerate.yaml train.py --iterations 6
+    resihp launch     --config_file accelerate.yaml train.py --iterations 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from deepspeed.pipe import LayerSpec
+from torch import nn
+
+from resihp_adapters.deepspeed import initialize
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Pairs(torch.utils.data.Dataset):
+    """A map-style dataset: sample i is always the same (x, y) pair."""
+
+    def __init__(self, n: int, hidden: int) -> None:
+        self.n, self.hidden = n, hidden
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(self.hidden, generator=g)
+        return x, torch.sin(x).flip(0)
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    a = ap.parse_args()
+    torch.set_default_dtype(getattr(torch, a.dtype))
+    torch.set_num_threads(1)
+    layers = [LayerSpec(Block, a.hidden) for _ in range(a.layers)]
+    engine = initialize(layers, loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                        training_data=Pairs(4096, a.hidden), base_seed=7)
+    for _ in range(a.iterations):
+        loss = engine.train_batch()
+        if loss is None:  # the job ended (resihp launch decides how many iterations)
+            break
+        shown = f" loss={loss:.10f}" if engine.is_last_stage() else ""
+        print(f"rank={os.environ.get('RANK')} pid={os.getpid()} iteration={engine.iteration}{shown}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The example under the real ``accelerate launch`` (plain DeepSpeed: it trains) and
+under ``resihp launch`` with a rank SIGKILLed at iteration 2: the siblings keep their
+processes, every iteration commits, and the losses equal the plain run's (float64)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("accelerate")
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "deepspeed_pipeline"
+BIN = Path(sys.executable).parent
+LINE = re.compile(r"rank=(\d+) pid=(\d+) iteration=(\d+)(?: loss=([0-9.]+))?")
+
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
+
+
+def _copy(tmp: Path, iterations: int, faults: list) -> Path:
+    for f in ("accelerate.yaml", "train.py"):
+        shutil.copy(EXAMPLE / f, tmp / f)
+    cfg = json.loads((EXAMPLE / "ds_config.json").read_text())
+    cfg["resihp"].update(iterations=iterations, faults=faults)
+    (tmp / "ds_config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+def _lines(text: str) -> list[tuple[int, int, int, float | None]]:
+    return [(int(r), int(p), int(i), float(l) if l else None) for r, p, i, l in LINE.findall(text)]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_path):
+    iters = 4
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _copy(plain, iters, [])
+    out = _run([str(BIN / "accelerate"), "launch", "--config_file", "accelerate.yaml", "train.py",
+                "--iterations", str(iters)], plain, 240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ref = {i: l for r, p, i, l in _lines(out.stdout + out.stderr) if l is not None}
+    assert sorted(ref) == list(range(1, iters + 1)), out.stdout[-2000:]
+
+    res = tmp_path / "resihp"
+    res.mkdir()
+    _copy(res, iters, [{"device": 3, "iteration": 2, "kind": "kill"}])
+    work = tmp_path / "work"
+    out = _run([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--workdir", str(work),
+                "--timeout", "300", "train.py", "--iterations", str(iters)], res, 360)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"{iters} iterations committed" in out.stdout
+    seen: dict[int, set[int]] = {}
+    last: dict[int, int] = {}
+    losses: dict[int, float] = {}
+    for d in range(4):
+        for r, p, i, l in _lines((work / "job" / f"worker{d}.log").read_text()):
+            seen.setdefault(r, set()).add(p)
+            last[r] = max(last.get(r, 0), i)
+            if l is not None:
+                losses.setdefault(i, l)
+                assert abs(l - ref[i]) <= 1e-9 * ref[i], (r, i, l, ref[i])
+    assert last.get(3, 0) < 3, "the killed rank went on training"
+    for r in (0, 1, 2):
+        assert len(seen[r]) == 1, f"rank {r} changed process"
+        assert last[r] == iters, f"rank {r} stopped at iteration {last[r]}"
+    assert sorted(losses) == list(range(1, iters + 1))

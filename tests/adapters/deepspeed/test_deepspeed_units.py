@@ -1,0 +1,150 @@
+"""The DeepSpeed adapter's pieces that need no processes: lowering programs to DeepSpeed
+instructions, the plan -> grid mapping, the layer-transfer plan, micro-batch addressing,
+and the clear errors (ZeRO 1, partial replicas, bad configs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("deepspeed")
+torch = pytest.importorskip("torch")
+
+from resihp_core.plan import Migration, ParallelPlan, ScheduleKind  # noqa: E402
+from resihp_core.predictor.schedules import emit_programs  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+pytestmark = pytest.mark.deepspeed
+
+
+def _progs(plan):
+    return {(p.replica, p.stage): p for p in emit_programs(plan)}
+
+
+def test_lowering_maps_peers_to_ranks_and_commits_before_the_step():
+    from deepspeed.runtime.pipe import schedule as S
+
+    from resihp_adapters.deepspeed.engine import (CommitPoint, LoadAddressed, RecvActivationFrom, SendActivationTo,
+                                                  SendGradTo, lower_program, rank_of)
+
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
+    plan = base.with_(migrations=(Migration(1, 0, 1, 1),))  # stage 1 of (r0, mb1) runs on replica 1
+    low = lower_program(_progs(plan)[(0, 0)], plan)
+    sends = [c for c in low.instructions() if isinstance(c, SendActivationTo)]
+    assert sorted(c.peer for c in sends) == sorted([rank_of(plan, 0, 1), rank_of(plan, 1, 1)])
+    assert rank_of(plan, 1, 1) == 3 and rank_of(plan, 0, 1) == 2
+    kinds = [type(c) for c in low.instructions()]
+    assert kinds[-4:] == [S.ReduceTiedGrads, S.ReduceGrads, CommitPoint, S.OptimizerStep]
+    loads = [(c.owner, c.mb) for c in low.instructions() if isinstance(c, LoadAddressed)]
+    assert loads == [(0, 0), (0, 1)]
+    # The migrated piece's executor receives from replica 0's stage 0 and sends its gradient back.
+    low1 = lower_program(_progs(plan)[(1, 1)], plan)
+    recv = [c.peer for c in low1.instructions() if isinstance(c, RecvActivationFrom)]
+    back = [c.peer for c in low1.instructions() if isinstance(c, SendGradTo)]
+    assert recv.count(rank_of(plan, 0, 0)) == 1 and back.count(rank_of(plan, 0, 0)) == 1
+    assert len(low1.buffers) == 3  # its own two micro-batches and the migrated one
+
+
+def test_lowering_refuses_split_backward():
+    from resihp_adapters.deepspeed.engine import lower_program
+
+    plan = ParallelPlan.uniform(tp=1, pp=2, dp=1, num_layers=4, num_microbatches=2, schedule=ScheduleKind.ZB_H1)
+    with pytest.raises(ValueError, match="ZB-H1"):
+        lower_program(_progs(plan)[(0, 1)], plan)
+
+
+def test_grid_leaves_out_dropped_replicas_and_refuses_partial_ones():
+    from resihp_adapters.deepspeed.engine import device_rank, live_replicas, plan_topology
+
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
+    moves = tuple(Migration(s, 0, j, 1) for s in range(2) for j in range(2))
+    dropped = base.with_(tp_groups=(((), ()), base.tp_groups[1]), migrations=moves)
+    assert live_replicas(dropped) == [1]
+    assert plan_topology(dropped).world_size() == 2
+    assert [device_rank(dropped, d) for d in dropped.devices()] == [0, 1]
+    partial = base.with_(tp_groups=(((0,), ()), base.tp_groups[1]),
+                         migrations=tuple(Migration(1, 0, j, 1) for j in range(2)))
+    with pytest.raises(ValueError, match="replica 0 has no devices for stage"):
+        live_replicas(partial)
+
+
+def test_transfer_plan_moves_layers_and_asks_for_a_restore_when_nobody_holds_one():
+    from resihp_adapters.deepspeed.state import RestoreRequired, transfer_plan
+
+    old = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=2)  # r0: 0,2  r1: 1,3
+    new = old.with_(layer_ranges=((0, 2), (2, 6)))
+    moves = transfer_plan(old, new, {0, 1, 2, 3})
+    assert {(t.layer, t.dst) for t in moves} == {(2, 2), (2, 3)}
+    assert all(t.src in (0, 1) for t in moves)  # from a stage-0 holder
+    # Both stage-0 devices dead: new devices 4 and 5 cannot get layers 0-2 from anyone.
+    lost = old.with_(tp_groups=(((4,), (2,)), ((5,), (3,))), excluded=frozenset({0, 1}))
+    with pytest.raises(RestoreRequired, match="device 4: layers \\[0, 1, 2\\]; device 5: layers \\[0, 1, 2\\]"):
+        transfer_plan(old, lost, {2, 3})
+    # Device 1 dead, a new standby 4 takes its place: it gets stage 0 from device 0.
+    back = old.with_(tp_groups=(old.tp_groups[0], ((4,), (3,))), excluded=frozenset({1}))
+    ok = transfer_plan(old, back, {0, 2, 3})
+    assert {(t.layer, t.src, t.dst) for t in ok} == {(0, 0, 4), (1, 0, 4), (2, 0, 4)}
+
+
+def test_micro_batches_are_addressed_like_deepspeeds_sampler():
+    from torch.utils.data import DistributedSampler
+
+    from resihp_adapters.deepspeed.data import MicroBatchSource
+
+    data = list(range(40))
+    src = MicroBatchSource(data, list, micro_batch_size=2, num_microbatches=3, replicas=2)
+    for r in range(2):
+        order = list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=False))
+        got = [i for it in range(3) for j in range(3) for i in src.indices(it, r, j)]
+        assert got == order[: len(got)]
+    with pytest.raises(ValueError, match="replica 2"):
+        src.indices(0, 2, 0)
+
+
+def test_zero_stage_1_is_refused_with_the_reason():
+    import _model as M
+
+    from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+    from resihp_adapters.deepspeed.spec import PipelineSpec
+    from resihp_core.adapter import AdapterContext
+    from resihp_core.job import JobSpec
+
+    job = JobSpec(adapter="deepspeed", dp=2, num_microbatches=2)
+    spec = PipelineSpec(layers=M.layer_specs(4), config=M.config(2, 2, 2, zero=1), dataset=M.Samples())
+    ctx = AdapterContext(device=0, job=job, store=None, faults=None)
+    with pytest.raises(ValueError, match="zero_optimization.stage=1.*stage 0.*dead rank's shard"):
+        DeepSpeedAdapter(ctx, spec)
+
+
+def test_spec_and_launch_config_errors_name_the_field(tmp_path):
+    import _model as M
+
+    from resihp_adapters.deepspeed.launch import accelerate_env, read_resihp_section
+    from resihp_adapters.deepspeed.spec import PipelineSpec
+
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):
+        PipelineSpec(layers=M.layer_specs(2), config={}, dataset=M.Samples())
+    with pytest.raises(ValueError, match="resihp.iterations"):
+        read_resihp_section({"resihp": {"num_layers": 4}}, "ds.json")
+    example = os.path.join(HERE, "..", "..", "..", "examples", "deepspeed_pipeline")
+    a, env = accelerate_env(os.path.join(example, "accelerate.yaml"), "train.py", [])
+    assert a.num_processes == 4 and env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    ds = env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+    assert os.path.isabs(ds) and json.load(open(ds))["resihp"]["num_layers"] == 6
+
+
+def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
+    from resihp_adapters.deepspeed.engine import live_replicas, whole_replicas
+
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)  # r0: 0,2  r1: 1,3
+    # What the Scheduler makes of a dead device 3: replica 1 keeps stage 0 on device 1.
+    partial = base.with_(tp_groups=(base.tp_groups[0], ((1,), ())), excluded=frozenset({3}),
+                         migrations=tuple(Migration(1, 1, j, 0) for j in range(2)))
+    x = whole_replicas(partial)
+    assert live_replicas(x) == [0] and 1 in x.standbys
+    assert x.executor_map() == {k: 0 for k in partial.executor_map()}  # every piece once, on replica 0
+    assert whole_replicas(base) is base
