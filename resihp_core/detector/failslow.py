@@ -406,6 +406,8 @@ class WorkloadAwareDetector(_Base):
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
                                self._environment(onset))
         self._last_retained = iteration
+        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
+                    self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])
         if not verdict.confirmed:
             return Detection(iteration, measured, "cleared", cp, predicted, ratio, verdict, onset=onset)
         if self._known(verdict):
