@@ -156,7 +156,7 @@ class ProfileVerifier:
         concentrated: float = 0.25,
         share: float = 0.5,
         explain: float = 0.3,
-        env_margin: float = 0.5,
+        env_margin: float = 0.25,
         together: float = 0.6,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin)):
