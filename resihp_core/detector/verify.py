@@ -137,6 +137,8 @@ class ProfileVerifier:
     :param env_margin: a compute suspect is the environment's doing when its node's CPU
         contention (a probe outside the job, ``ctx.environment``) rose by more than
         ``compute_margin`` and its slowdown is at most this much above that rise.
+    :param together: executors slowed at once point at the environment when at least two
+        have this fraction of the worst executor's excess (a lone slow device slows one).
     :param explain: compute suspects must account for at least this fraction of the
         iteration's excess over its prediction (in seconds); otherwise the slowdown is
         elsewhere (communication) and a little compute noise on some rank must not be
@@ -155,13 +157,14 @@ class ProfileVerifier:
         share: float = 0.5,
         explain: float = 0.3,
         env_margin: float = 0.25,
+        together: float = 0.6,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin)):
             if not 0 < v < 1:
                 raise ValueError(f"{n} must be in (0, 1), got {v!r}")
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
         self.concentrated, self.share, self.explain = concentrated, share, explain
-        self.env_margin = env_margin
+        self.env_margin, self.together = env_margin, together
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -199,13 +202,14 @@ class ProfileVerifier:
             return Verdict({}, "unknown", "every executor is equally slow in compute ("
                            + ", ".join(f"{q:.2f}x" for q in sorted(worst.values()))
                            + "): an environment-wide slowdown, no device to plan around")
-        if len(suspects) >= 2:
+        together = {ex: ranks for ex, ranks in suspects.items() if worst[ex] - 1 >= self.together * (top - 1)}
+        if len(together) >= 2:
             # One slow device slows one executor (its TP group) in compute; several
             # executors (of different stages, or replicas) slowing at the same iteration
             # point at what they share: the machine, not a device.
-            stages = len({s for _, s in suspects})
-            return Verdict({}, "unknown", f"{len(suspects)} executors of {stages} stage(s) slowed at once ("
-                           + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(suspects))
+            stages = len({s for _, s in together})
+            return Verdict({}, "unknown", f"{len(together)} executors of {stages} stage(s) slowed at once ("
+                           + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(together))
                            + "): the environment, not a device")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
         explained = max((t.measured[r] - t.predicted[r] for ranks in suspects.values() for r in ranks), default=0.0)

@@ -19,7 +19,7 @@ import pytest
 from .backend_harness import uniform
 from .test_chaos import SLOW_DETECTOR, _chaos
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 BURST_FROM = 8
 BURST_ITERATIONS = 16

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from resihp_core.protocol import client_handshake_sync
+from resihp_core.protocol import client_handshake_sync, node_credential
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -89,7 +89,7 @@ def test_thirty_16mib_preauth_frames_keep_controller_memory_bounded(tmp_path: Pa
         assert proc.poll() is None, "controller died under the flood"
         # The listener still serves a real agent afterwards.
         with socket.create_connection(address, timeout=10) as s:
-            client_handshake_sync(s, SECRET, "agent:0", role="agent", timeout=10)
+            client_handshake_sync(s, node_credential(SECRET, 0), "agent:0", role="agent", timeout=10)
     finally:
         proc.terminate()
         try:

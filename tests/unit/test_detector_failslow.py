@@ -535,3 +535,21 @@ def test_environment_change_and_the_probe() -> None:
             b.kill()
             b.wait()
     assert outside > inside and outside >= 1.5, (outside, inside)
+
+
+def test_a_slowdown_inside_an_environment_episode_waits_for_the_machine_to_calm_down() -> None:
+    trace = StagedTrace(seed=8)
+    det = resihp(min_gap=3)
+    quiet = {10 + r: 1.0 for r in range(4)}
+    busy = {10 + r: 1.6 for r in range(4)}
+    feed_env(det, trace, 0, 40, quiet)
+    trace.slow.update({0: 2.0, 3: 2.0})  # a burst: two executors of two stages
+    first = feed_env(det, trace, 40, 46, busy)
+    assert [d for d in first if d.action == "cleared"] and not [d for d in first if d.report]
+    trace.slow = {1: 2.6}  # the burst shifts onto one executor while the machine stays busy
+    during = feed_env(det, trace, 46, 56, busy)
+    assert not [d for d in during if d.report], [(d.iteration, d.action, d.notes) for d in during]
+    assert any("goes on" in " ".join(d.notes) for d in during)
+    later = feed_env(det, trace, 56, 80, quiet)  # calm again, and device 11 is still slow
+    reported = [d for d in later if d.report]
+    assert reported and reported[0].report.devices == (11,), [(d.iteration, d.action) for d in later]
