@@ -40,4 +40,6 @@ def test_workers_without_a_failure_are_not_reported() -> None:
         dets = c.controller.detections
         assert len(dets) >= 15
         assert c.controller.reports == []
-        assert c.controller.failslow.stats.verifications == 0
+        # A change on a loaded machine may open a verification window that then fades
+        # (docs/design.md §3.2); it must stay rare and never become a report.
+        assert c.controller.failslow.stats.verifications <= 2
