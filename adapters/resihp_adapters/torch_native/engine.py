@@ -132,7 +132,7 @@ class TorchNativeEngine:
 
     def __init__(self, device: int, model: LlamaConfig, data: DataSpec, store: dist.Store, *,
                  shard_degree: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, join_timeout_s: float = 60.0) -> None:
         self.device = device
         self.cfg = model
         self.data = data
@@ -141,6 +141,7 @@ class TorchNativeEngine:
         self.lr = lr
         self.weight_decay = weight_decay
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.join_timeout = datetime.timedelta(seconds=join_timeout_s)
         self.plan: ParallelPlan | None = None
         self.place: Place | None = None
         self.generation = -1
@@ -155,11 +156,16 @@ class TorchNativeEngine:
         self.slowdown = 1.0  # fault injection: >1 stretches every compute chunk
         self.before_action: Callable[[], None] = lambda: None  # abort checks, heartbeats
         self.last: IterationResult | None = None
+        self._kept: tuple[ParallelPlan | None, dict[str, Shards]] = (None, {})
+        self._snapshot: tuple[dict[str, Shards], int] | None = None
 
     # ------------------------------------------------------------ generations
     def release(self) -> None:
         """Drop every object bound to the current groups and destroy them (gloo closes
-        its sockets only when nothing refers to a group any more)."""
+        its sockets only when nothing refers to a group any more). This rank's shards
+        are kept as plain tensors for :meth:`move_state`."""
+        if self.module is not None:
+            self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.module = self.mesh = None
         self._lowered = None
         if dist.is_initialized():
@@ -178,6 +184,11 @@ class TorchNativeEngine:
         if self.place is None:
             return  # no work in this plan: stays out of the world
         prefix = dist.PrefixStore(f"gen{generation}/", self.store)
+        # Survivors arrive late by up to one op timeout (blocked in the dead generation's
+        # collective): wait for every member under the long join timeout first, so the
+        # short timeout then only bounds the group's own operations.
+        prefix.set(f"joined/{self.place.rank}", str(self.device))
+        prefix.wait([f"joined/{r}" for r in range(plan.dp * plan.pp)], self.join_timeout)
         with _default_timeout(self.timeout):
             dist.init_process_group("gloo", store=prefix, rank=self.place.rank,
                                     world_size=plan.dp * plan.pp, timeout=self.timeout)
@@ -313,6 +324,46 @@ class TorchNativeEngine:
                     st["exp_avg_sq"].to_local().copy_(sv)
                     st["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
         self.schedule = None  # a failed step leaves receives and unshards pending in it
+
+    def snapshot(self) -> None:
+        """Remember this rank's shards at the start of an iteration, for rollback."""
+        self._snapshot = (self.local_shards(), self.iteration)
+
+    def rollback(self) -> None:
+        """Back to the last snapshot (an iteration that was not committed everywhere)."""
+        if self._snapshot is None:
+            return
+        from torch.distributed.tensor import DTensor
+
+        shards, step = self._snapshot
+        if self.module is not None and all(isinstance(p, DTensor) for p in self.module.parameters()):
+            self.restore_local(shards, step)
+            return
+        # A step failed while FSDP had the stage unsharded: its objects are in no state
+        # to reuse. Keep the snapshot for the next generation, which rebuilds the stage.
+        self._kept = (self.plan if self.module is not None else self._kept[0], shards)
+        self.schedule = self.stage = self.optimizer = self.module = None
+        self.iteration = step
+
+    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int],
+                   step: int) -> int:
+        """Build this plan's stage from the survivors' shards of ``old_plan`` (after
+        :meth:`rebuild`); returns bytes received. Raises
+        :class:`~.reshard.StateLost` (on every device alike) when some shard has no
+        surviving copy among ``alive`` devices of the new plan."""
+        from resihp_adapters.torch_native.reshard import exchange, transfer_plan
+
+        members = set(alive) & set(new_plan.devices())  # only they are in the new world
+        plan = transfer_plan(self.cfg, old_plan, new_plan, members, self.wanted_shard)
+        if self.place is None:
+            return 0
+        kept_plan, kept = self._kept
+        if kept_plan is not None and kept_plan.layer_ranges != old_plan.layer_ranges:
+            raise ValueError(f"device {self.device}: kept shards are not from the old plan")
+        rank_of = {d: place_of(new_plan, d, self.wanted_shard).rank for d in new_plan.devices()}
+        full, nbytes = exchange(self.cfg, plan, self.device, rank_of, kept)
+        self.install(full, step)
+        return nbytes
 
     def full_state(self) -> dict[str, Shards]:
         """Full tensors of this stage (collective over the stage's data-parallel ranks)."""

@@ -21,18 +21,18 @@ from resihp_adapters.torch_native.model import LlamaConfig, build_stage, loss_su
 __all__ = ["plain_pipeline_fsdp_run", "single_process_run"]
 
 
-def single_process_run(cfg: LlamaConfig, data: DataSpec, global_microbatches: int,
-                       iterations: int, *, lr: float = 1e-3, weight_decay: float = 0.0,
-                       start: int = 0, state: dict | None = None) -> tuple[dict, list[float]]:
-    """Train the whole model for ``iterations`` steps on ``global_microbatches``
-    micro-batches per step; returns ({name: (param, exp_avg, exp_avg_sq)}, losses)."""
+def single_process_run(cfg: LlamaConfig, data: DataSpec, microbatches: list[int], *,
+                       lr: float = 1e-3, weight_decay: float = 0.0) -> tuple[dict, list[float]]:
+    """Train the whole model, iteration ``i`` on global micro-batches
+    ``0 .. microbatches[i] - 1`` (the accounting of the plan that ran it); returns
+    ({name: (param, exp_avg, exp_avg_sq)}, losses)."""
     model = build_stage(cfg, 0, cfg.n_layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
-    denom = float(global_microbatches * data.tokens_per_microbatch)
     losses = []
-    for it in range(start, start + iterations):
+    for it, count in enumerate(microbatches):
+        denom = float(count * data.tokens_per_microbatch)
         total = 0.0
-        for g in range(global_microbatches):
+        for g in range(count):
             x, y = micro_batch(data, it, g)
             loss = loss_sum(model(x), y) / denom
             loss.backward()
