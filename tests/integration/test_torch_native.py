@@ -109,9 +109,11 @@ def test_fault_free_equals_stock_torch_pipelining_with_fully_shard(tmp_path):
 
 
 def summed_losses(reports: dict, n: int) -> list[float]:
-    """The global loss of each iteration: the sum of the replicas' shares."""
-    every = {k: v for r in reports.values() for k, v in r["losses"].items()}
-    return [sum(v for k, v in every.items() if k.startswith(f"{i}/")) for i in range(n)]
+    """The global loss of each iteration: the sum of the replicas' shares, from the
+    last generation that ran it (a replayed iteration counts once)."""
+    every = {tuple(map(int, k.split("/"))): v for r in reports.values() for k, v in r["losses"].items()}
+    last = {i: max(g for (j, g, _) in every if j == i) for i in range(n)}
+    return [sum(v for (j, g, _), v in every.items() if j == i and g == last[i]) for i in range(n)]
 
 
 def three_stages(devices: tuple[int, int, int]) -> str:

@@ -87,7 +87,7 @@ def main(spec_path: str, device: int, port: int) -> None:
                 chunks[0] = 0
                 res = eng.run(prog, it)
                 if eng.place.stage == plan.pp - 1:
-                    report["losses"][f"{it}/{eng.place.replica}"] = res.loss
+                    report["losses"][f"{it}/{g}/{eng.place.replica}"] = res.loss
                 # commit: nobody starts the next iteration before all finished this one
                 store.set(f"gen{g}/done{it}/{device}", "1")
                 store.wait([f"gen{g}/done{it}/{d}" for d in plan.devices()],
