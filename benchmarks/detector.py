@@ -578,7 +578,7 @@ def real_failstop(config: DetectorConfig) -> dict[str, Any]:
         workers = []
         for r in range(4):
             e = dict(env, RESIHP_AGENT_ADDR=addr, RESIHP_RANK=str(r), RESIHP_DEVICE=str(r))
-            args = [sys.executable, "-m", "resihp_core.runtime.synthetic", "--iterations", "0",
+            args = [sys.executable, "-m", "resihp_core.testing.synthetic", "--iterations", "0",
                     "--microbatches", "4", "--alpha", "1e-5"]
             if r == 2:
                 args += ["--stall-at", "12"]

@@ -1,6 +1,6 @@
 """End-to-end throughput of a real resilient job (issue 7), ratios measured in one run.
 
-Every job is built by ``resihp_plugins.demo.build_job`` from a
+Every job is built by ``resihp_core.runtime.jobs.build_job`` from a
 :class:`~resihp_core.config.Config` (the path ``resihp demo`` and ``resihp run`` take):
 the reference backend's LLaMA-style model (hidden 64, 4 heads, FFN 128, vocabulary
 256, float32; 4 layers, 8 where noted), 1F1B, 256-token micro-batches (4 per replica
@@ -73,8 +73,8 @@ from resihp_core.predictor.predict import workload_features
 from resihp_core.runtime.resilient import run_resilient
 from resihp_core.scheduler.state import PlannerState
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES
-from resihp_plugins.demo import build_job
-from resihp_plugins.faults import fail_at, severity_factor
+from resihp_core.runtime.jobs import build_job
+from resihp_core.faults import fail_at, severity_factor
 
 ONSET = 8  # fail-slow onset: after the Detector's warm-up (skip 1 + fit 3) and 4 healthy iterations
 SEVERITY = "medium"
@@ -161,7 +161,7 @@ def run(cfg: Config, faults: list, supervised: bool, tag: str, plan: ParallelPla
     ``out.extra["background_cores"]``: the cores' worth of CPU other processes on the
     machine used meanwhile (None where unknown)."""
     work = Path(tempfile.mkdtemp(prefix=f"resihp-e2e-{tag}-"))
-    plan0, topology, spec, state, planner = build_job(cfg, faults, work)
+    plan0, topology, spec, state, planner, _ = build_job(cfg, faults, work)
     if plan is not None:
         plan.validate(topology)
         feats = workload_features(iteration_workload(CorpusSpec(**spec.corpus), 0, plan.dp, plan.num_microbatches),

@@ -28,14 +28,15 @@ from resihp_core.predictor.cost import CostModel, LinkModel, fit_stage, mape
 from resihp_core.predictor.predict import IterationPredictor, ModelShape
 from resihp_core.runtime.launcher import LocalJob
 from resihp_adapters.megatron_ref.data import lengths_of
-from resihp_adapters.megatron_ref.worker import JobSpec
+from resihp_core.job import JobSpec
 
 
 def spec(dp, m, hidden=32, layers=4, tokens=64, heads=4, ffn=64, vocab=64, scale=12.0, **kw):
     return JobSpec(
-        model=dict(vocab_size=vocab, hidden=hidden, num_heads=heads, ffn_hidden=ffn,
-                   num_layers=layers, dtype="float32"),
-        corpus=dict(scale=scale, shape=1.0, min_len=2, max_len=tokens, token_budget=tokens),
+        adapter="megatron_ref",
+        adapter_config=dict(vocab_size=vocab, hidden=hidden, num_heads=heads, ffn_hidden=ffn,
+                            num_layers=layers, dtype="float32"),
+        data=dict(source="synthetic", scale=scale, shape=1.0, min_len=2, max_len=tokens, token_budget=tokens),
         dp=dp, num_microbatches=m, timeout_s=10.0, **kw,
     )
 
@@ -63,7 +64,7 @@ def kill_to_iteration(reps: int) -> dict:
             t_first = time.perf_counter()
             info = job.ready_info()
             job.wait(resume + 3, timeout=120)
-            steady = [max(r["iteration_s"] for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
+            steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
         rows.append(dict(
             kill_to_first_iteration_s=t_first - t_kill,
             detect_s=t_detect - t_kill,
@@ -116,14 +117,16 @@ def predictor_mape(quick: bool) -> dict:
         job.post(plan, iterations=total)
         job.wait(total, timeout=300)
         reports = {i: job.report(i) for i in range(total)}
-    data = js.data_spec()
+    from resihp_adapters.megatron_ref.adapter import data_spec
+
+    data = data_spec(js)
     stages = []
     for s in range(plan.pp):
         dev = plan.group(0, s)[0]
         samples = [
-            (lengths_of(data, i, o, j), f, b)
+            (lengths_of(data, i, mb.owner, mb.mb), mb.forward_s, mb.backward_s)
             for i in range(1, 1 + warm)
-            for o, j, f, b in reports[i][dev]["microbatches"]
+            for mb in reports[i][dev].microbatches
         ]
         stages.append(fit_stage(samples, ref_layers=plan.layers(s), ref_tp=1))
     topo = Topology.uniform(1, plan.pp)
@@ -132,7 +135,7 @@ def predictor_mape(quick: bool) -> dict:
                               LinkModel(intra_bandwidth=2e9, intra_latency=50e-6))
 
     def measured(i):
-        return max(r["iteration_s"] for r in reports[i].values())
+        return max(r.iteration_s for r in reports[i].values())
 
     def predicted(i):
         wl = {(0, j): lengths_of(data, i, 0, j) for j in range(m)}

@@ -51,7 +51,7 @@ from resihp_core.protocol import FailureReport  # noqa: E402
 from resihp_core.scheduler import DEFAULT_STAGES, Planner, PlannerState, apply_report  # noqa: E402
 from resihp_core.scheduler.baselines import dp_only, drop_group, no_mitigation, pp_only  # noqa: E402
 from resihp_core.scheduler.exact import model_time, solve_exact  # noqa: E402
-from resihp_core.scheduler.jobs import job_state  # noqa: E402
+from resihp_core.testing.scheduler_jobs import job_state  # noqa: E402
 
 SEVERITY = {"weak": 0.35, "medium": 0.55, "strong": 0.70}
 LATENCY_256_MS = 100.0

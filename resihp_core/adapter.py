@@ -22,7 +22,7 @@ import importlib
 import os
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar, Union
 
 from resihp_core.plan import ParallelPlan, ScheduleKind
@@ -33,6 +33,10 @@ if TYPE_CHECKING:  # the wire message a worker sends; not needed at run time her
 
 __all__ = [
     "Adapter",
+    "AdapterContext",
+    "GenerationAborted",
+    "IterationResult",
+    "Shard",
     "AdapterSpec",
     "AdapterRegistry",
     "AdapterUnavailableError",
@@ -136,52 +140,161 @@ class Capabilities:
 
 
 # ----------------------------------------------------------------- the contract
+class GenerationAborted(RuntimeError):
+    """A newer plan generation was posted while this iteration ran: stop at once so
+    peers blocked on this worker fail fast and everyone moves on."""
+
+
+@dataclass
+class AdapterContext:
+    """What the runtime lends an adapter: one per worker process, built by the worker.
+
+    :param device: this worker's device id (stable across plan generations).
+    :param job: the job description; the adapter reads ``job.adapter_config`` (its own
+        section), ``job.data``, ``job.dp``, ``job.num_microbatches``, ``job.seed``,
+        ``job.checkpoint_dir``.
+    :param store: the job store (a ``torch.distributed.Store``); rendezvous of
+        generation ``g`` lives under the prefix ``gen{g}/``.
+    :param faults: the worker's :class:`~resihp_core.runtime.injector.FaultInjector`;
+        an adapter stretches compute with ``faults.stretch`` and delays transfers with
+        ``faults.delay_comm``.
+    :param superseded: true once a newer generation is posted (cheap; poll it often).
+    :param beat: progress heartbeat ``beat(iteration, step)`` for hang detection.
+    """
+
+    device: int
+    job: Any
+    store: Any
+    faults: Any
+    superseded: Callable[[], bool] = lambda: False
+    beat: Callable[[int, int], None] = lambda iteration, step: None
+    generation: int = -1  # the generation being entered or run (set by the worker)
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self.job.timeout_s)
+
+    def step(self, iteration: int, step: int) -> None:
+        """Call before each primitive: beats progress and raises
+        :class:`GenerationAborted` once this generation is superseded."""
+        self.beat(iteration, step)
+        if self.superseded():
+            raise GenerationAborted(f"generation {self.generation} was superseded")
+
+
+@dataclass
+class IterationResult:
+    """What one executor did in one iteration (accounting, loss, timings)."""
+
+    iteration: int
+    loss: float = 0.0  # this executor's share of the global mean loss (last stage only)
+    computed: list[tuple[int, int, int]] = field(default_factory=list)  # (stage, owner, mb)
+    forward_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (owner, mb) ->
+    backward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    comm_s: float = 0.0
+    iteration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One held piece of a named parameter: the parameter tensor followed by its
+    optimizer tensors, and where it sits in the full tensor (``index`` of ``parts``
+    equal chunks along ``dim``; ``dim`` None: the whole tensor). Layout-independent, so
+    the conformance kit can compare any two runs of any adapter."""
+
+    tensors: tuple[Any, ...]
+    dim: int | None = None
+    index: int = 0
+    parts: int = 1
+
+
 class Adapter(abc.ABC):
     """One framework's execution layer, one instance per worker process.
 
-    Concrete adapters set ``name`` and ``capabilities`` (class attributes are fine) and
-    implement the abstract duties. ``save_checkpoint``/``load_checkpoint`` are required
-    only when ``capabilities.checkpoint`` is true.
+    The worker (``resihp_core.runtime.worker``) drives it through this lifecycle, and
+    calls nothing else (``docs/adapters.md``)::
+
+        __init__(ctx)
+        per plan generation:   rebuild_communicators(plan, generation, devices)
+                               start_fresh(plan) | move_state(old, plan, devices)
+                                                 | load_checkpoint(iteration, plan)
+        per iteration:         snapshot(); run_iteration(program, i) -> IterationResult
+                               rollback() if the iteration does not commit everywhere
+                               save_checkpoint(i) before committing i, when due
+        after a failure:       release()   (drop every reference to broken groups)
+        at the end:            held_state() (dumps, conformance), close()
+
+    ``where`` is this device's (replica, stage, TP rank) in the plan it holds state
+    for, None for a standby. Set ``name`` and ``capabilities`` as class attributes.
+    ``save_checkpoint``/``load_checkpoint`` are needed only with ``capabilities.checkpoint``.
     """
 
-    @property
-    @abc.abstractmethod
-    def name(self) -> str:
-        """The registry name, e.g. ``"deepspeed"``."""
+    name: str = ""
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        self.ctx = ctx
 
     @property
     @abc.abstractmethod
-    def capabilities(self) -> Capabilities:
-        """What this adapter can execute (the same value it registers with)."""
+    def where(self) -> tuple[int, int, int] | None:
+        """(replica, stage, TP rank) of this device in the current plan; None: standby."""
 
     @abc.abstractmethod
-    def rebuild_communicators(self, plan: ParallelPlan, generation: int) -> None:
+    def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
         """Drop every process group of older generations (and every reference to them)
-        and build the groups ``plan`` needs, keyed by ``generation``."""
+        and build the groups ``plan`` needs over ``devices`` (this generation's world:
+        executors and standbys), rendezvousing under ``gen{generation}/``."""
 
     @abc.abstractmethod
-    def emit(self, program: Program) -> None:
-        """Lower ``program`` into the framework's own instructions and issue them: run
-        one iteration of this executor's work."""
+    def start_fresh(self, plan: ParallelPlan) -> None:
+        """The job's first generation: this device's part of the initial weights."""
 
     @abc.abstractmethod
-    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan) -> None:
+    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         """Move or re-shard parameters and optimizer state from ``old_plan``'s layout to
-        ``new_plan``'s (layer repartition, TP resize, replica re-sync)."""
-
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Persist model and optimizer state of the last completed iteration."""
-        raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
-
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore what :meth:`save_checkpoint` wrote."""
-        raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
+        ``new_plan``'s, sourcing only from ``devices``; returns bytes received. On
+        failure, put the previous layout back (the next generation may source here)."""
 
     @abc.abstractmethod
+    def run_iteration(self, program: Program, iteration: int) -> IterationResult:
+        """Primitive emission: lower ``program`` into the framework's own instructions
+        and issue them, one iteration of this executor's work including its optimizer
+        step. Call ``ctx.step(iteration, k)`` before each primitive."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> None:
+        """Remember the state at the start of an iteration."""
+
+    @abc.abstractmethod
+    def rollback(self) -> None:
+        """Return to the last snapshot (the iteration did not commit everywhere)."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Drop every reference to the current communicators (after a failure: gloo only
+        closes sockets when the last reference goes)."""
+
+    @abc.abstractmethod
+    def held_state(self) -> dict[str, Shard]:
+        """Every parameter piece (with its optimizer state) this device holds, by the
+        parameter's global name."""
+
+    def save_checkpoint(self, iteration: int) -> None:
+        """Persist the state after ``iteration`` under ``ctx.job.checkpoint_dir``, before
+        the iteration commits (collective among the executors; the adapter decides who
+        writes). A restore only ever names a committed iteration."""
+        raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
+
+    def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
+        """Build this device's part of ``plan`` from checkpoint ``iteration``."""
+        raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
+
     def profile(self) -> IterationProfile | None:
-        """This rank's :class:`~resihp_core.protocol.IterationProfile` of the last finished
-        iteration (per micro-batch F/B times, communication and iteration time), which
-        the worker forwards to the Detector; None before the first iteration."""
+        """This rank's :class:`~resihp_core.protocol.IterationProfile` of the last
+        iteration (per micro-batch F/B times with document lengths), which the worker
+        forwards to the Detector; None if the adapter does not measure them."""
+        return None
 
     def close(self) -> None:
         """Release framework resources; default does nothing."""
@@ -319,6 +432,9 @@ class AdapterSpec:
     capabilities: Capabilities
     description: str = ""
     install_hint: str = ""
+    job_config: str = ""  # "module:function": (Config) -> the adapter's JobSpec section
+    reference: str = ""  # "module:function": (JobSpec, iterations) -> fault-free losses
+    default: bool = False  # the adapter a job uses when its configuration names none
 
     @property
     def target_path(self) -> str:
@@ -327,6 +443,20 @@ class AdapterSpec:
         if isinstance(t, str):
             return t
         return f"{getattr(t, '__module__', '?')}:{getattr(t, '__qualname__', repr(t))}"
+
+    def function(self, which: str) -> Callable[..., Any] | None:
+        """The ``job_config`` or ``reference`` function, imported now; None if not given."""
+        path = getattr(self, which)
+        if not path:
+            return None
+        module, _, attr = path.partition(":")
+        try:
+            obj: Any = importlib.import_module(module)
+        except ImportError as e:
+            raise AdapterUnavailableError(f"adapter {self.name!r}: {which} {path!r} cannot be imported ({e})") from e
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj  # type: ignore[no-any-return]
 
     def load(self) -> Callable[..., Adapter]:
         """Import the target (only now is the framework imported)."""
@@ -369,26 +499,53 @@ class AdapterRegistry(Registry[AdapterSpec]):
         *,
         description: str = "",
         install_hint: str = "",
+        job_config: str = "",
+        reference: str = "",
+        default: bool = False,
     ) -> None:
-        """Register adapter ``name``; ``target`` is ``"module:Class"`` or a factory."""
+        """Register adapter ``name``; ``target`` is ``"module:Class"`` or a factory.
+
+        :param job_config: ``"module:function"`` building the adapter's own job section
+            from a :class:`~resihp_core.config.Config` (default: the config's ``[adapter]``
+            table as it is); it validates what it reads.
+        :param reference: ``"module:function"`` computing a fault-free run's losses for
+            ``(job, iterations)``, which ``resihp run`` checks the job's losses against.
+        :param default: use this adapter when a configuration names none.
+        """
         if not isinstance(capabilities, Capabilities):
             raise RegistryError(
                 f"adapter {name!r}: capabilities must be a Capabilities, got {type(capabilities).__name__}"
             )
         if not (isinstance(target, str) or callable(target)):
             raise RegistryError(f"adapter {name!r}: target must be 'module:Class' or callable")
-        self._add(name, AdapterSpec(name, target, capabilities, description, install_hint))
+        for what, path in (("job_config", job_config), ("reference", reference)):
+            if path and not re.match(r"^[\w.]+:[\w.]+$", path):
+                raise RegistryError(f"adapter {name!r}: {what} {path!r} must look like 'module:function'")
+        self._add(name, AdapterSpec(name, target, capabilities, description, install_hint, job_config,
+                                    reference, default))
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> Adapter:
         """Import and instantiate adapter ``name`` with the given arguments."""
         spec = self.get(name)
-        adapter = spec.load()(*args, **kwargs)
+        return self._checked(name, spec.load()(*args, **kwargs))
+
+    @staticmethod
+    def _checked(name: str, adapter: Any) -> Adapter:
         if not isinstance(adapter, Adapter):
             raise RegistryError(
-                f"adapter {name!r}: {spec.target_path} built a {type(adapter).__name__}, "
-                "not a resihp_core.adapter.Adapter"
+                f"adapter {name!r} built a {type(adapter).__name__}, not a resihp_core.adapter.Adapter"
             )
         return adapter
+
+    def default_name(self) -> str:
+        """The adapter registered as the default; the error says how to choose one."""
+        chosen = [s.name for s in self.list() if s.default]
+        if len(chosen) != 1:
+            raise UnknownNameError(
+                f"runtime.adapter is not set and {len(chosen) or 'no'} adapters are registered as the "
+                f"default{' (' + ', '.join(chosen) + ')' if chosen else ''}; set runtime.adapter to one of: "
+                f"{', '.join(self.names()) or 'none registered'}")
+        return chosen[0]
 
     def supporting(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
         """Names of the adapters whose capabilities allow ``plan``."""

@@ -75,6 +75,7 @@ def _plugins_report() -> dict[str, Any]:
                 "target": r.value.target_path,
                 "description": r.value.description,
                 "capabilities": r.value.capabilities.to_dict(),
+                "default": r.value.default,
             }
             for r in adapters.registrations()
         ],
@@ -104,7 +105,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     out += ["", "Adapters"]
     out.append(_table(
         ["name", "tp_resize", "hetero_tp", "layer_repart", "migration", "checkpoint", "schedules", "plugin", "target"],
-        [[a["name"], yes(c["tp_resize"]), yes(c["heterogeneous_tp"]), yes(c["layer_repartition"]),
+        [[a["name"] + (" (default)" if a["default"] else ""), yes(c["tp_resize"]), yes(c["heterogeneous_tp"]), yes(c["layer_repartition"]),
           yes(c["cross_replica_migration"]), yes(c["checkpoint"]), ",".join(c["schedules"]),
           a["source"], a["target"]]
          for a in rep["adapters"] for c in [a["capabilities"]]],
@@ -159,11 +160,24 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _configure_run(p: argparse.ArgumentParser) -> None:
+    from resihp_core.runtime.jobs import configure_run
+
+    configure_run(p)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from resihp_core.runtime.jobs import run_config
+
+    return run_config(args)
+
+
 COMMANDS: dict[str, Command] = {
     "agent": Command("serve as a node agent: launch and watch this host's workers for a controller",
                      _configure_agent, _cmd_agent),
     "plugins": Command("list loaded plugins and registered adapters", _configure_plugins, _cmd_plugins),
     "plan": Command("inspect parallel plans", _configure_plan, _cmd_plan),
+    "run": Command("run a resilient job from a configuration file", _configure_run, _cmd_run),
 }
 
 

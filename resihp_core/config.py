@@ -246,8 +246,10 @@ class RuntimeConfig(_Section):
     nodes: int = _opt(1, _ge(1))
     devices_per_node: int = _opt(4, _ge(1))
     workers: int = _opt(0, _ge(0))  # worker processes per node; 0 = one per device
-    adapter: str = _opt("megatron_ref", _nonempty)
+    adapter: str = _opt("")  # "": the adapter registered as the default (resihp plugins)
     backend: Literal["gloo", "nccl"] = _opt("gloo")
+    metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
+    metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint
     handshake_timeout_s: float = _opt(5.0, _gt(0), _finite)
 
     @property
@@ -287,6 +289,9 @@ class TrainingConfig(_Section):
     checkpoint_dir: str = _opt("")
 
 
+#: Sections whose fields belong to a plugin, not to the core (checked by their owner).
+OPAQUE_SECTIONS = ("adapter",)
+
 _SECTIONS: dict[str, type[_Section]] = {
     c.SECTION: c
     for c in (
@@ -310,6 +315,9 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    # The adapter's own section (``[adapter]``), opaque here: the adapter named by
+    # runtime.adapter validates it when the job is assembled.
+    adapter: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Checks that span sections; each names the field to change."""
@@ -380,6 +388,11 @@ def _as_sections(data: Any, source: str) -> _Raw:
         raise ConfigError(f"top level must be a table/mapping, got {type(data).__name__}", source=source)
     out: _Raw = {}
     for section, values in data.items():
+        if section in OPAQUE_SECTIONS:
+            if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+                raise ConfigError("must be a table/mapping of named settings", path=section, source=source)
+            out[section] = dict(values)
+            continue
         cls = _SECTIONS.get(section) if isinstance(section, str) else None
         if cls is None:
             raise ConfigError(
@@ -418,8 +431,9 @@ def _build(raw: _Raw, origins: Mapping[str, str], default_source: str) -> Config
             sections[name] = cls(**values)
         except ConfigError as err:
             raise blame(err) from None
+    opaque = {name: dict(raw.get(name, {})) for name in OPAQUE_SECTIONS}
     try:
-        return Config(**sections)  # type: ignore[arg-type]
+        return Config(**sections, **opaque)  # type: ignore[arg-type]
     except ConfigError as err:
         raise blame(err) from None
 
@@ -462,6 +476,12 @@ def _env_overrides(env: Mapping[str, str]) -> tuple[_Raw, dict[str, str]]:
             continue  # other RESIHP_* variables (RESIHP_CONFIG, ...) are not overrides
         source = f"environment variable {var}"
         section, _, key = var[len(ENV_PREFIX) :].lower().partition("__")
+        if section in OPAQUE_SECTIONS:
+            text = env[var]
+            raw.setdefault(section, {})[key] = next(
+                (v for v in (_from_text(int, text), _from_text(float, text)) if not isinstance(v, str)), text)
+            origins[f"{section}.{key}"] = source
+            continue
         cls = _SECTIONS.get(section)
         if cls is None:
             raise ConfigError(f"unknown section{_suggest(section, _SECTIONS)}", path=section, source=source)

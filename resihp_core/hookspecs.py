@@ -15,8 +15,8 @@ Four families:
 - **scheduling** — ``resihp_register_adaptation_stages``: the ordered stages of the
   progressive planner (built in: ``tp``, ``pp``, ``dp``), which a plugin replaces by
   registering the same name or extends with a new name and order.
-- **observers** — ``resihp_failure_reported``, ``resihp_plan_changed``,
-  ``resihp_iteration_finished``: notifications for logging, metrics, dashboards.
+- **observers** — ``resihp_job_started``, ``resihp_failure_reported``,
+  ``resihp_plan_changed``, ``resihp_iteration_finished``: notifications for logging, metrics, dashboards.
 
 Registration hooks follow DESIGN's ``resihp_register_<things>(registry)``; in every
 registry a ``trylast`` (default) registration yields to a plugin's registration of the
@@ -127,6 +127,16 @@ def resihp_plan_changed(old: ParallelPlan | None, new: ParallelPlan, reason: str
     :param old: the previous plan, or None for the job's first plan.
     :param new: the plan now running (``new.generation`` is its generation).
     :param reason: a short human-readable cause, e.g. ``"fail-stop device 5"``.
+    """
+
+
+@hookspec
+def resihp_job_started(config: Any, workdir: str) -> None:
+    """A job is starting on this controller (``resihp run``, ``resihp demo``).
+
+    :param config: the job's :class:`~resihp_core.config.Config` (an exporter reads its
+        settings from it, e.g. ``runtime.metrics_port``).
+    :param workdir: the job's working folder (worker logs, checkpoints by default).
     """
 
 

@@ -79,7 +79,10 @@ ENV_BLOCK = "RESIHP_BLOCK_PLUGINS"
 BUILTINS: list[str] = ["resihp_core.detector.builtin", "resihp_core.scheduler.builtin"]
 
 #: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
-BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300}
+#: The one table of built-in adaptation stages and their order: TP selective exclusion,
+#: PP layer repartition, DP migration, then the TP-level escalation that drops a
+#: still-slow group when that is faster (``resihp_core.scheduler.builtin`` registers them).
+BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300, "drop": 400}
 
 R = TypeVar("R", bound=Registry[Any])
 
@@ -386,6 +389,9 @@ class Plugins:
 
     def notify_plan_changed(self, old: ParallelPlan | None, new: ParallelPlan, reason: str) -> None:
         self._notify("resihp_plan_changed", old=old, new=new, reason=reason)
+
+    def notify_job_started(self, config: object, workdir: str) -> None:
+        self._notify("resihp_job_started", config=config, workdir=workdir)
 
     def notify_iteration(self, metrics: object) -> None:
         self._notify("resihp_iteration_finished", metrics=metrics)

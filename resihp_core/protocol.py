@@ -73,6 +73,7 @@ __all__ = [
     "IterationProfile",
     "FailureReport",
     "PlanUpdate",
+    "IterationReport",
     "WorkerSummary",
     "AgentState",
     "Ack",
@@ -205,17 +206,28 @@ class FailureReport(_Msg, tag="failure"):
 
 # ------------------------------------------------------------------- scheduler traffic
 class PlanUpdate(_Msg, tag="plan"):
-    """A new plan generation: the plan text (see ``ParallelPlan.to_text``) and the programs.
+    """A new plan generation, as every worker reads it from the job store.
 
-    Decoding checks that the text parses, that its generation matches, and that every
-    program belongs to this generation.
+    ``plan`` is the plan text (see ``ParallelPlan.to_text``), ``devices`` every live
+    worker of this generation's world (executors and standbys), ``resume`` the first
+    iteration to run, ``iterations`` the count to run up to, ``restore`` the completed
+    iteration whose checkpoint to load first (None: keep or move the live state), and
+    ``stop`` the end of the job (then ``plan`` is empty). Decoding checks that the text
+    parses, that its generation matches, and that every program belongs to it.
     """
 
     generation: NonNeg
-    plan: str
+    plan: str = ""
     programs: tuple[Program, ...] = ()
+    devices: tuple[NonNeg, ...] = ()
+    resume: NonNeg = 0
+    iterations: NonNeg = 0
+    restore: NonNeg | None = None
+    stop: bool = False
 
     def __post_init__(self) -> None:
+        if self.stop:
+            return
         parsed = parse_plan(self.plan)  # PlanError is a ValueError: becomes a decode error
         if parsed.generation != self.generation:
             raise PlanError(
@@ -227,13 +239,38 @@ class PlanUpdate(_Msg, tag="plan"):
                     f"program of replica {p.replica} stage {p.stage} is generation "
                     f"{p.generation}, message says {self.generation}"
                 )
+        missing = sorted(set(parsed.devices()) - set(self.devices)) if self.devices else []
+        if missing:
+            raise PlanError(f"plan generation {self.generation} uses devices {missing} "
+                            "that are not in its devices list")
 
     @classmethod
-    def of(cls, plan: ParallelPlan, programs: tuple[Program, ...] | list[Program] = ()) -> PlanUpdate:
-        return cls(generation=plan.generation, plan=plan.to_text(), programs=tuple(programs))
+    def of(cls, plan: ParallelPlan, programs: tuple[Program, ...] | list[Program] = (),
+           **fields: object) -> PlanUpdate:
+        return cls(generation=plan.generation, plan=plan.to_text(), programs=tuple(programs),
+                   **fields)  # type: ignore[arg-type]
 
     def parsed_plan(self) -> ParallelPlan:
         return parse_plan(self.plan)
+
+
+class IterationReport(_Msg, tag="iteration_report"):
+    """What one executor did in one committed-or-not iteration: its share of the loss
+    (the last stage's TP rank 0 reports it, others 0), the (stage, owner, mb) work it
+    computed (for exact accounting), and its timings. One per executor and iteration."""
+
+    generation: NonNeg
+    iteration: NonNeg
+    device: NonNeg
+    replica: NonNeg
+    stage: NonNeg
+    loss: float = 0.0
+    computed: tuple[tuple[NonNeg, NonNeg, NonNeg], ...] = ()
+    iteration_s: Seconds = 0.0
+    comm_s: Seconds = 0.0
+    forward_s: Seconds = 0.0
+    backward_s: Seconds = 0.0
+    microbatches: tuple[MicroBatchProfile, ...] = ()
 
 
 # ------------------------------------------------------------------- agent traffic
@@ -324,6 +361,7 @@ Message = Union[
     IterationProfile,
     FailureReport,
     PlanUpdate,
+    IterationReport,
     AgentState,
     Ack,
     Error,

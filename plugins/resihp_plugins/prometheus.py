@@ -342,3 +342,14 @@ def resihp_plan_changed(old: ParallelPlan | None, new: ParallelPlan, reason: str
 def resihp_iteration_finished(metrics: Any) -> None:
     """Forwards to :data:`EXPORTER`."""
     EXPORTER.resihp_iteration_finished(metrics)
+
+
+@hookimpl
+def resihp_job_started(config: Any, workdir: str) -> None:
+    """Serve :data:`EXPORTER` on ``runtime.metrics_host:runtime.metrics_port`` when the
+    port is set (0: off)."""
+    rt = getattr(config, "runtime", None)
+    port = getattr(rt, "metrics_port", 0)
+    if port and EXPORTER.port is None:
+        bound = EXPORTER.serve(port, getattr(rt, "metrics_host", "127.0.0.1"))
+        print(f"prometheus metrics at http://{rt.metrics_host}:{bound}/metrics", flush=True)

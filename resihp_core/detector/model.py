@@ -244,6 +244,14 @@ class WorkloadModel:
         """Healthy compute seconds (all forward + backward) of this rank's micro-batches."""
         return sum(f + b for f, b in self.rank_chunks(profile))
 
+    def fitted_predictor(self) -> IterationPredictor | None:
+        """The iteration predictor with this job's own fitted per-stage costs (for the
+        Scheduler's evaluator), None before the warm-up is fitted."""
+        try:
+            return self._iteration_predictor() if self.ready else None
+        except (CostModelError, ValueError, KeyError):
+            return None
+
     def _iteration_predictor(self) -> IterationPredictor | None:
         if self.plan is None or self.topology is None or self.shape is None:
             return None

@@ -14,7 +14,7 @@
 * :mod:`.launcher` / :mod:`.jobstore` — starting and steering this machine's training
   workers, and the job's control keys in the ``TCPStore``.
 * :mod:`.loop` — running an asyncio service on a background thread.
-* :mod:`.synthetic` — a stand-in worker for the detector's tests, demos and benchmarks.
+* :mod:`.worker` — the framework-neutral worker (one per device) driving an adapter.
 
 Importing this package imports nothing; import the submodules.
 """

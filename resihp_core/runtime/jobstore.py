@@ -1,57 +1,56 @@
-"""The job's control keys in the controller-hosted ``TCPStore``, one place for both sides.
+"""The job's control keys in the controller-hosted job store, one place for both sides.
 
-Keys (all under the job store, generation ``g``):
+The whole worker protocol (keys, commit/abort, ``RESIHP_*`` variables) is written down
+in ``docs/worker-protocol.md``. Keys (generation ``g``):
 
-- ``plan/latest``: the newest generation number; ``plan/<g>``: a JSON :class:`PlanMessage`.
+- ``plan/latest``: the newest generation number; ``plan/<g>``: the generation's
+  :class:`~resihp_core.protocol.PlanUpdate`, msgpack-encoded (the typed wire message,
+  validated when read).
 - ``gen<g>/...``: torch.distributed rendezvous of that generation (``PrefixStore``).
 - ``ctl<g>/done<i>``: commit counter of iteration ``i``: each executor adds 1 after its
   optimizer step. ``ctl<g>/verdict<i>``: the executor whose add completes the count
   writes ``commit``, a coordinator aborting the generation writes ``abort``, both with
   an atomic compare-and-set on an absent key, so exactly one verdict exists and every
   worker and the coordinator read the same one.
-- ``ctl<g>/ready/<device>``, ``ctl<g>/report/<i>/<device>``: reconfiguration done,
-  per-iteration reports (loss share, accounting, timings).
+- ``ctl<g>/ready/<device>``: reconfiguration done (JSON timings);
+  ``ctl<g>/failed/<device>``: why this worker left the generation;
+  ``ctl<g>/report/<i>/<device>``: the :class:`~resihp_core.protocol.IterationReport`.
+- ``worker/<device>/pid``: the worker's process id.
 """
 
 from __future__ import annotations
 
-import json
+import datetime
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["PlanMessage", "post_plan", "latest_generation", "read_plan",
+from resihp_core.protocol import IterationReport, PlanUpdate, ProtocolError, decode, encode
+
+__all__ = ["connect", "host", "post_plan", "latest_generation", "read_plan",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report"]
 
 
+def host(address: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0) -> tuple[Any, str]:
+    """Start the job store on the controller's side; returns it and its ``host:port``."""
+    import torch.distributed as dist
 
-@dataclass(frozen=True)
-class PlanMessage:
-    """What every worker needs to enter a generation."""
-
-    generation: int
-    plan: str  # ParallelPlan text form
-    devices: list[int]  # every live worker in this generation's world (executors + standbys)
-    resume: int  # first iteration to run
-    iterations: int  # run until this iteration count
-    restore: int | None = None  # load checkpoint of this completed iteration first
-    stop: bool = False
-    slow: dict[str, float] = field(default_factory=dict)  # device -> injected slowdown
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> PlanMessage:
-        try:
-            data = json.loads(text)
-            return cls(**data)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"malformed plan message: {e}") from None
+    store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, f"{address}:{store.port}"
 
 
-def post_plan(store: Any, msg: PlanMessage) -> None:
-    store.set(f"plan/{msg.generation}", msg.to_json())
+def connect(address: str, timeout_s: float = 30.0) -> Any:
+    """A worker's connection to the job store at ``host:port``."""
+    import torch.distributed as dist
+
+    h, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"job store address {address!r} must be host:port")
+    return dist.TCPStore(h, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def post_plan(store: Any, msg: PlanUpdate) -> None:
+    store.set(f"plan/{msg.generation}", encode(msg))
     store.set("plan/latest", str(msg.generation))
 
 
@@ -62,8 +61,15 @@ def latest_generation(store: Any) -> int:
     return int(store.get("plan/latest"))
 
 
-def read_plan(store: Any, generation: int) -> PlanMessage:
-    return PlanMessage.from_json(store.get(f"plan/{generation}"))
+def read_plan(store: Any, generation: int) -> PlanUpdate:
+    """Generation ``generation``'s plan message; ``ValueError`` if it is malformed."""
+    try:
+        msg = decode(store.get(f"plan/{generation}"))
+    except ProtocolError as e:
+        raise ValueError(f"malformed plan message of generation {generation}: {e}") from None
+    if not isinstance(msg, PlanUpdate) or msg.generation != generation:
+        raise ValueError(f"plan/{generation} does not hold generation {generation}'s plan")
+    return msg
 
 
 class CommitResult:
@@ -100,12 +106,15 @@ def abort_generation(store: Any, generation: int, first: int) -> int:
     return i
 
 
-def put_report(store: Any, generation: int, iteration: int, device: int, report: dict) -> None:
-    store.set(f"ctl{generation}/report/{iteration}/{device}", json.dumps(report))
+def put_report(store: Any, report: IterationReport) -> None:
+    store.set(f"ctl{report.generation}/report/{report.iteration}/{report.device}", encode(report))
 
 
-def get_report(store: Any, generation: int, iteration: int, device: int) -> dict | None:
+def get_report(store: Any, generation: int, iteration: int, device: int) -> IterationReport | None:
     key = f"ctl{generation}/report/{iteration}/{device}"
     if not store.check([key]):
         return None
-    return json.loads(store.get(key))
+    msg = decode(store.get(key))
+    if not isinstance(msg, IterationReport):
+        raise ValueError(f"{key} holds a {type(msg).__name__}, not an iteration report")
+    return msg

@@ -10,16 +10,16 @@ reports. Every process started is tracked by pid and reaped by :meth:`LocalJob.c
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
+from resihp_core.protocol import IterationReport, PlanUpdate
 from resihp_core.runtime import jobstore
 from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
 
@@ -39,21 +39,17 @@ class LocalJob:
     """
 
     def __init__(self, job_json: str, devices: Iterable[int], *,
-                 worker_module: str = "resihp_adapters.megatron_ref.worker",
+                 worker_module: str = "resihp_core.runtime.worker",
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None,
                  processes: Callable[[Path], WorkerProcesses] = LocalProcesses) -> None:
-        import torch.distributed as dist
-
         self.devices = sorted(devices)
         self._tmp = tempfile.TemporaryDirectory(prefix="resihp-job-") if workdir is None else None
         self.workdir = Path(workdir or self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.job_path = self.workdir / "job.json"
         self.job_path.write_text(job_json)
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60))
-        self.address = f"{host}:{self.store.port}"
+        self.store, self.address = jobstore.host(host)
         self.worker_module = worker_module
         self.env = env or {}
         self.processes = processes(self.workdir)
@@ -61,7 +57,7 @@ class LocalJob:
         self.plan: ParallelPlan | None = None
         self.committed = 0  # iterations known committed
         self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
-        self.message: jobstore.PlanMessage | None = None
+        self.message: PlanUpdate | None = None
         self.plans: dict[int, ParallelPlan] = {}
         try:
             self.processes.launch(self.devices, module=worker_module, job_path=self.job_path,
@@ -97,19 +93,16 @@ class LocalJob:
 
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, iterations: int, resume: int | None = None,
-             restore: int | None = None, slow: dict[int, float] | None = None,
-             exclude: set[int] | frozenset[int] = frozenset()) -> int:
+             restore: int | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Post the next generation: ``plan`` on every live worker not in ``exclude``."""
         g = self.generation + 1
         plan = plan.with_(generation=g) if plan.generation != g else plan
-        msg = jobstore.PlanMessage(
-            generation=g, plan=plan.to_text(), devices=[d for d in self.alive() if d not in exclude],
-            resume=self.committed if resume is None else resume, iterations=iterations,
-            restore=restore, slow={str(k): v for k, v in (slow or {}).items()},
-        )
-        missing = [d for d in plan.devices() if d not in msg.devices]
+        devices = tuple(d for d in self.alive() if d not in exclude)
+        missing = [d for d in plan.devices() if d not in devices]
         if missing:
             raise JobError(f"plan generation {g} uses devices {missing} that have no live worker")
+        msg = PlanUpdate.of(plan, devices=devices, resume=self.committed if resume is None else resume,
+                            iterations=iterations, restore=restore)
         jobstore.post_plan(self.store, msg)
         self.generation, self.plan, self.message = g, plan, msg
         self.plans[g] = plan
@@ -176,7 +169,7 @@ class LocalJob:
                 out[d] = json.loads(self.store.get(key))
         return out
 
-    def report(self, iteration: int, generation: int | None = None) -> dict[int, dict[str, Any]]:
+    def report(self, iteration: int, generation: int | None = None) -> dict[int, IterationReport]:
         """Per-device reports of ``iteration`` in ``generation`` (default: the one that
         committed it)."""
         g = self.committed_in.get(iteration, self.generation) if generation is None else generation
@@ -192,7 +185,7 @@ class LocalJob:
         """Tell workers to stop, then reap every process we started (by pid)."""
         try:
             g = self.generation + 1
-            jobstore.post_plan(self.store, jobstore.PlanMessage(g, "", [], 0, 0, stop=True))
+            jobstore.post_plan(self.store, PlanUpdate(generation=g, stop=True))
             self.generation = g
         except Exception:  # noqa: BLE001 - the store may be gone; still reap
             pass

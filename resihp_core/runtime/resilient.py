@@ -52,7 +52,7 @@ class ResilientRun:
 
 def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: Any, planner: Any,
                   detector: DetectorConfig, iterations: int, workdir: Path, *,
-                  worker_module: str = "resihp_adapters.megatron_ref.worker",
+                  worker_module: str = "resihp_core.runtime.worker",
                   supervised: bool = True, timeout: float = 900.0,
                   agents: Literal["local", "external"] = "local",
                   listen: tuple[str, int] = ("127.0.0.1", 0), secret: str = "",
@@ -64,7 +64,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   on_report: Callable[[Any], None] = lambda r: None,
                   on_detection: Callable[[Any], None] | None = None,
                   on_listening: Callable[[str, list[int]], None] = lambda address, nodes: None,
-                  before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None) -> ResilientRun:
+                  before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None,
+                  observers: Any = None) -> ResilientRun:
     """Run the job to ``iterations`` iterations, adapting to failures.
 
     :param agents: ``"local"`` starts one agent process per node here; ``"external"``
@@ -78,6 +79,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
         agents it waits for, once it listens.
     :param before_run: called with the job and ``{node: agent process}`` (local agents)
         before the first plan is posted; chaos tests use it to kill an agent.
+    :param observers: the plugin facade whose observer hooks the supervisor fires.
     """
     import torch.distributed  # noqa: F401 - imported before the controller's loop runs: a
     # seconds-long import holding the GIL would starve it into declaring agents silent
@@ -129,7 +131,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                        processes=lambda _: procs)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
-                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}))
+                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
+                         observers=observers, fitted=model.fitted_predictor if supervised else (lambda: None))
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned

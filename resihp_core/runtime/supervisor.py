@@ -76,6 +76,8 @@ class Supervisor:
     stall_s: float = 15.0  # no commit and no report this long, with worker errors: give up
     repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration -> devices repaired then
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
+    observers: Any = None  # the plugin facade (resihp_core.plugins.Plugins): observer hooks fire here
+    fitted: Callable[[], Any] = lambda: None  # the job's own fitted IterationPredictor, once there is one
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -89,6 +91,8 @@ class Supervisor:
         g = self.job.post(self.state.plan, iterations=self.iterations)
         self.set_generation(g, self.state.plan, dict(self.state.speeds))
         self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
+        if self.observers is not None:
+            self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
         last_commit = time.monotonic()
         deadline = self._t0 + timeout
         while len(self.records) < self.iterations:
@@ -96,12 +100,14 @@ class Supervisor:
             for i in range(len(self.records), self.job.committed):
                 now = time.monotonic()
                 rep = self.job.report(i)
-                rec = IterationRecord(i, sum(r["loss"] for r in rep.values()), now - last_commit,
+                rec = IterationRecord(i, sum(r.loss for r in rep.values()), now - last_commit,
                                       self.samples, self.job.committed_in.get(i, self.job.generation),
                                       self.phase_of(i, self.job.generation))
                 last_commit = now
                 self.records.append(rec)
                 self.on_iteration(rec)
+                if self.observers is not None:
+                    self.observers.notify_iteration(rec)
             if len(self.records) >= self.iterations:
                 break
             due = [it for it in self.repairs if it <= self.job.committed and self.job.committed > 0]
@@ -161,6 +167,11 @@ class Supervisor:
             report = slows[0]
             for r in slows[1:]:
                 self.reports.put(r)
+        if self.observers is not None:
+            self.observers.notify_failure(report)
+        fitted = self.fitted()  # plan with the job's own cost model once it is fitted
+        if fitted is not None:
+            self.state = self.state.with_predictor(fitted)
         self._event("failure", f"{report.failure} of devices {list(report.devices)} "
                                f"({report.cause}): {report.evidence[:120]}",
                     failure=report.failure, devices=list(report.devices), cause=report.cause)
@@ -196,12 +207,15 @@ class Supervisor:
                 what: str = "", **extra: Any) -> int:
         """Abort the running generation and post ``decision``'s plan from the last
         committed iteration, or from its checkpoint (none yet: from the seed)."""
+        old = self.state.plan
         self.state = decision.state
         resume = self.job.abort()
         restore = resume - 1 if from_checkpoint and resume > 0 else None
         g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
                           exclude=self.handled_devices)
         self.set_generation(g, decision.plan, dict(self.state.speeds))
+        if self.observers is not None:
+            self.observers.notify_plan_changed(old, decision.plan, f"{what or kind}: {decision.reason[:200]}")
         where = f", from the checkpoint of iteration {restore}" if restore is not None and kind != "restore" else ""
         self._event("plan", f"generation {g} ({what or kind}, planned in {plan_s * 1e3:.0f} ms{where}): "
                             f"{decision.reason[:200]}", plan=decision.plan.to_text(),

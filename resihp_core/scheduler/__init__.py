@@ -24,8 +24,8 @@ from resihp_core.scheduler.planner import (
     restore_layout,
 )
 from resihp_core.scheduler.pp import minmax_counts, pp_stage
-from resihp_core.scheduler.state import MemoryModel, PlannerError, PlannerState, inflight
-from resihp_core.scheduler.tp import RestoreRequired, choose_group, tp_stage
+from resihp_core.scheduler.state import MemoryModel, PlannerError, PlannerState, RestoreRequired, inflight
+from resihp_core.scheduler.tp import choose_group, tp_stage
 
 __all__ = [
     "DEFAULT_STAGES",

@@ -24,8 +24,8 @@ from typing import Callable
 from resihp_core.plan import ParallelPlan
 from resihp_core.scheduler.dp import dp_stage
 from resihp_core.scheduler.pp import pp_stage
-from resihp_core.scheduler.state import PlannerState
-from resihp_core.scheduler.tp import RestoreRequired, drop_groups, tp_stage
+from resihp_core.scheduler.state import PlannerState, RestoreRequired
+from resihp_core.scheduler.tp import drop_groups, tp_stage
 
 __all__ = ["BASELINES", "no_mitigation", "drop_group", "pp_only", "dp_only", "tp_only", "slow_devices"]
 

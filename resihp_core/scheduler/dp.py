@@ -41,8 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 from resihp_core.plan import Migration, ParallelPlan
-from resihp_core.scheduler.state import PlannerState
-from resihp_core.scheduler.tp import RestoreRequired
+from resihp_core.scheduler.state import PlannerState, RestoreRequired
 
 __all__ = ["KAPPAS", "SCREEN_GAIN", "balance", "balance_with_gain", "dp_stage", "predicted_gain"]
 

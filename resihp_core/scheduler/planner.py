@@ -43,8 +43,8 @@ from resihp_core.protocol import FailureReport
 from resihp_core.scheduler.dp import dp_stage
 from resihp_core.scheduler.evaluate import Evaluator, Features
 from resihp_core.scheduler.pp import pp_stage
-from resihp_core.scheduler.state import PlannerError, PlannerState, inflight
-from resihp_core.scheduler.tp import RestoreRequired, drop_stage, tp_stage
+from resihp_core.scheduler.state import PlannerError, PlannerState, RestoreRequired, inflight
+from resihp_core.scheduler.tp import drop_stage, tp_stage
 
 __all__ = [
     "DEFAULT_STAGES",

@@ -31,10 +31,14 @@ from resihp_core.predictor.cost import activation_bytes
 from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.scheduler.evaluate import Evaluator, Features
 
-__all__ = ["LEAN_ABOVE", "MemoryModel", "PlannerState", "PlannerError", "inflight"]
+__all__ = ["LEAN_ABOVE", "MemoryModel", "PlannerState", "PlannerError", "inflight", "RestoreRequired"]
 
 #: ``effort="auto"`` plans lean above this many (replica, stage, micro-batch) items.
 LEAN_ABOVE = 2048
+
+
+class RestoreRequired(Exception):
+    """The job cannot continue from the current plan; restore from a checkpoint."""
 
 
 class PlannerError(RuntimeError):
@@ -238,6 +242,11 @@ class PlannerState:
         """A copy with ``plan`` (and ``note`` appended)."""
         notes = self.notes + ((note,) if note else ())
         return replace(self, plan=plan, notes=notes)
+
+    def with_predictor(self, predictor: IterationPredictor) -> PlannerState:
+        """A copy that judges plans with ``predictor`` (e.g. the job's own fitted model)."""
+        return replace(self, predictor=predictor,
+                       evaluator=Evaluator(predictor, self.features, self.speeds, self.link_speeds))
 
     def with_health(
         self,

@@ -43,15 +43,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from resihp_core.plan import Migration, ParallelPlan
-from resihp_core.scheduler.state import PlannerState
+from resihp_core.scheduler.state import PlannerState, RestoreRequired
 
-__all__ = ["RestoreRequired", "choose_group", "drop_groups", "drop_slots", "drop_stage", "spread_migrations", "tp_stage"]
+__all__ = ["choose_group", "drop_groups", "drop_slots", "drop_stage", "spread_migrations", "tp_stage"]
 
 _TIE = 1e-9
-
-
-class RestoreRequired(Exception):
-    """The job cannot continue from the current plan; restore from a checkpoint."""
 
 
 def _degrees(lo: int, hi: int) -> list[int]:

@@ -12,9 +12,10 @@ import torch
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.runtime.launcher import LocalJob
+from resihp_core.job import JobSpec
+from resihp_adapters.megatron_ref.adapter import data_spec, model_config
 from resihp_adapters.megatron_ref.model import shard_dim
 from resihp_adapters.megatron_ref.reference import reference_run
-from resihp_adapters.megatron_ref.worker import JobSpec
 
 LAYERS = 4
 HEADS = 4
@@ -22,9 +23,10 @@ HEADS = 4
 
 def job_spec(dp: int, m: int, dump_dir: str, **kw) -> JobSpec:
     return JobSpec(
-        model=dict(vocab_size=64, hidden=32, num_heads=HEADS, ffn_hidden=64, num_layers=LAYERS,
-                   dtype="float64"),
-        corpus=dict(scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64),
+        adapter="megatron_ref",
+        adapter_config=dict(vocab_size=64, hidden=32, num_heads=HEADS, ffn_hidden=64, num_layers=LAYERS,
+                            dtype="float64"),
+        data=dict(source="synthetic", scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64),
         dp=dp, num_microbatches=m, timeout_s=10.0, dump_dir=dump_dir, **kw,
     )
 
@@ -47,8 +49,8 @@ def finish(job: LocalJob, spec: JobSpec, iterations: int) -> Finished:
     losses, computed = [], []
     for i in range(iterations):
         rep = job.report(i)
-        losses.append(sum(r["loss"] for r in rep.values()))
-        computed.append(Counter(tuple(x) for r in rep.values() for x in r["computed"]))
+        losses.append(sum(r.loss for r in rep.values()))
+        computed.append(Counter(tuple(x) for r in rep.values() for x in r.computed))
     job.close()
     return Finished(spec, read_dumps(spec), losses, computed)
 
@@ -71,7 +73,7 @@ def check_against_reference(done: Finished, iterations: int, tol: float = 1e-9) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref, ref_losses = reference_run(done.job.model_config(), done.job.data_spec(), iterations)
+        ref, ref_losses = reference_run(model_config(done.job), data_spec(done.job), iterations)
     finally:
         torch.set_num_threads(threads)
     worst = 0.0
@@ -81,9 +83,10 @@ def check_against_reference(done: Finished, iterations: int, tol: float = 1e-9) 
         plan = parse_plan(st["plan"])
         r, s, t = st["where"]
         k = plan.degree(r, s)
-        for name, tensors in st["tensors"].items():
+        for name, shard in st["state"].items():
             d = shard_dim(name)
-            for got, full in zip(tensors, ref[name]):
+            assert (shard.dim, shard.parts) == ((d, k) if d is not None else (None, 1)), name
+            for got, full in zip(shard.tensors, ref[name]):
                 exp = full if d is None else full.chunk(k, d)[t]
                 err = ((got - exp).abs().max() / exp.abs().max().clamp_min(1e-30)).item()
                 worst = max(worst, err)

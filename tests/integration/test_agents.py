@@ -129,7 +129,7 @@ def test_resihp_run_with_an_agent_per_host_on_loopback(tmp_path: Path):
 
 
 def test_a_repaired_device_is_brought_back_with_the_right_state():
-    from resihp_plugins.faults import fail_at, repairs, worker_faults
+    from resihp_core.faults import fail_at, repairs, worker_faults
 
     plan = uniform(1, 2, 2, 3)
     topology = Topology.uniform(2, 2)

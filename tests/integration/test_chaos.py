@@ -21,7 +21,7 @@ from resihp_core.runtime.resilient import run_resilient
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES
-from resihp_plugins.faults import fail_at
+from resihp_core.faults import fail_at
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from resihp_core.config import DetectorConfig
-from resihp_core.runtime.synthetic import SyntheticCluster
+from resihp_core.testing.synthetic import SyntheticCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

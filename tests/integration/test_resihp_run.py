@@ -25,18 +25,60 @@ def test_bad_config_and_bad_scenario_name_the_field(tmp_path: Path):
     assert r.returncode == 2 and "scenario entry 0" in r.stderr and "explode" in r.stderr
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+        text = resp.read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#") and "{" not in line}
+
+
 def test_run_survives_a_killed_worker_and_writes_the_report(tmp_path: Path):
+    """A real job through ``resihp run``: a worker is SIGKILLed, the job goes on with the
+    same losses as the fault-free reference, the report is written, and the Prometheus
+    plugin is scraped while it runs (observer hooks fire from the supervisor)."""
+    import os
+    import time
+    import urllib.error
+
     root = Path(__file__).resolve().parents[2]
     cfg = root / "examples" / "configs" / "tp1_pp2_dp2.toml"
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"}]))
-    env_iters = {"RESIHP_TRAINING__ITERATIONS": "8"}
-    import os
-
-    r = subprocess.run([*CLI, "run", str(cfg), "--faults", str(faults), "--no-live", "--report", str(tmp_path)],
-                       capture_output=True, text=True, timeout=200, env={**os.environ, **env_iters})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "fail-stop of devices [3]" in r.stdout
+    port = _free_port()
+    env = {**os.environ, "RESIHP_TRAINING__ITERATIONS": "8", "RESIHP_RUNTIME__METRICS_PORT": str(port)}
+    proc = subprocess.Popen([*CLI, "run", str(cfg), "--faults", str(faults), "--no-live", "--report", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    scraped: list[dict[str, float]] = []
+    try:
+        deadline = time.monotonic() + 200
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                scraped.append(_scrape(port))
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "fail-stop of devices [3]" in out
+    assert "loss vs fault-free reference" in out and ": ok" in out
+    assert scraped, "the metrics endpoint never answered during the run"
+    last = scraped[-1]
+    assert last["resihp_iterations_total"] >= 1 and last["resihp_plan_changes_total"] >= 1
+    assert max(m.get("resihp_plan_generation", 0) for m in scraped) >= 1 or "fail-stop" in out
     (report,) = list(tmp_path.glob("run-*"))
     events = json.loads((report / "events.json").read_text())
     assert len(events["iterations"]) == 7  # iteration 0 (start-up) is an event, not a row

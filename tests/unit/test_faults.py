@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from resihp_plugins.faults import FaultError, fail_at, load_scenario, repairs, severity_factor, worker_faults
+from resihp_core.faults import FaultError, fail_at, load_scenario, repairs, severity_factor, worker_faults
 
 
 def test_severities_are_the_loss_they_cause() -> None:

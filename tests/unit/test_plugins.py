@@ -17,7 +17,11 @@ import pytest
 from resihp_core import hookspecs
 from resihp_core.adapter import (
     Adapter,
+    AdapterContext,
     AdapterRegistry,
+    GenerationAborted,
+    IterationResult,
+    Shard,
     AdapterUnavailableError,
     Capabilities,
     DuplicateNameError,
@@ -37,8 +41,8 @@ from resihp_core.plugins import (
     get_plugins,
     reset_plugins,
 )
-from resihp_core.program import Program
-from resihp_core.protocol import IterationProfile
+from resihp_core.job import JobSpec
+from resihp_core.program import Forward, Program
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -457,52 +461,84 @@ def test_adapter_targets_load_lazily_with_clear_errors() -> None:
 
 
 class TinyAdapter(Adapter):
+    """Records the lifecycle calls the worker makes (no framework behind it)."""
+
     name = "tiny"
     capabilities = Capabilities(schedules=frozenset({"gpipe"}))
 
-    def __init__(self, rank: int = 0) -> None:
-        self.rank = rank
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
         self.calls: list[str] = []
+        self.plan: ParallelPlan | None = None
 
-    def rebuild_communicators(self, plan: ParallelPlan, generation: int) -> None:
-        self.calls.append(f"rebuild {generation}")
+    @property
+    def where(self):
+        return self.plan.location(self.ctx.device) if self.plan else None
 
-    def emit(self, program: Program) -> None:
-        self.calls.append(f"emit {len(program.ops)}")
+    def rebuild_communicators(self, plan, generation, devices) -> None:
+        self.calls.append(f"rebuild {generation} {devices}")
 
-    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan) -> None:
+    def start_fresh(self, plan) -> None:
+        self.plan = plan
+        self.calls.append("fresh")
+
+    def move_state(self, old_plan, new_plan, devices) -> int:
         self.calls.append("move")
+        return 0
 
-    def profile(self) -> IterationProfile | None:
-        return IterationProfile(rank=self.rank, device=self.rank, generation=0, iteration=0,
-                                stage=0, replica=0, microbatches=(), comm_s=0.0, iteration_s=0.1)
+    def run_iteration(self, program: Program, iteration: int) -> IterationResult:
+        for k, _ in enumerate(program.ops):
+            self.ctx.step(iteration, k)
+        self.calls.append(f"run {iteration} {len(program.ops)}")
+        return IterationResult(iteration)
+
+    def snapshot(self) -> None:
+        self.calls.append("snapshot")
+
+    def rollback(self) -> None:
+        self.calls.append("rollback")
+
+    def release(self) -> None:
+        self.calls.append("release")
+
+    def held_state(self) -> dict[str, Shard]:
+        return {}
+
+
+def _ctx(device: int = 3) -> AdapterContext:
+    return AdapterContext(device=device, job=JobSpec(adapter="tiny"), store=None, faults=None)
 
 
 def test_adapter_contract_and_create() -> None:
     with pytest.raises(TypeError):
-        Adapter()  # type: ignore[abstract]
+        Adapter(_ctx())  # type: ignore[abstract]
 
     class Half(Adapter):
         name = "half"
         capabilities = Capabilities()
 
-    with pytest.raises(TypeError, match="emit"):
-        Half()  # type: ignore[abstract]
+        def rebuild_communicators(self, plan, generation, devices) -> None: ...
+
+    with pytest.raises(TypeError, match="run_iteration"):
+        Half(_ctx())  # type: ignore[abstract]
 
     reg = AdapterRegistry()
     reg.register("tiny", TinyAdapter, TinyAdapter.capabilities)
     reg.register("tiny_path", f"{__name__}:TinyAdapter", TinyAdapter.capabilities)
-    a = reg.create("tiny", rank=3)
-    assert isinstance(a, TinyAdapter) and a.rank == 3
-    assert isinstance(reg.create("tiny_path"), TinyAdapter)
+    a = reg.create("tiny", _ctx(3))
+    assert isinstance(a, TinyAdapter) and a.ctx.device == 3
+    assert isinstance(reg.create("tiny_path", _ctx()), TinyAdapter)
     assert reg.get("tiny").target_path.endswith("TinyAdapter")
     plan = ParallelPlan.uniform(tp=1, pp=1, dp=1, num_layers=2, num_microbatches=1)
-    a.rebuild_communicators(plan, 1)
-    a.emit(Program(replica=0, stage=0, generation=1, ops=()))
-    assert a.calls == ["rebuild 1", "emit 0"]
+    a.rebuild_communicators(plan, 1, [0])
+    a.run_iteration(Program(replica=0, stage=0, generation=1, ops=()), 0)
+    assert a.calls == ["rebuild 1 [0]", "run 0 0"]
     with pytest.raises(NotImplementedError, match="'tiny' does not implement checkpoints"):
-        a.save_checkpoint("/tmp/x")
-    assert a.profile() is not None and a.profile().rank == 3  # type: ignore[union-attr]
+        a.save_checkpoint(0)
+    assert a.profile() is None
+    a.ctx.superseded = lambda: True
+    with pytest.raises(GenerationAborted):
+        a.run_iteration(Program(replica=0, stage=0, generation=1, ops=(Forward(0, 0, 0),)), 1)
     a.close()
 
 

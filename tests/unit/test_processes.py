@@ -37,7 +37,7 @@ def wait_for(pred, timeout: float = 10.0) -> bool:
 
 
 def test_launcher_messages_are_validated() -> None:
-    ok = LaunchWorkers(devices=(0, 1), module="resihp_adapters.megatron_ref.worker", job="{}", store_port=29500,
+    ok = LaunchWorkers(devices=(0, 1), module="resihp_core.runtime.worker", job="{}", store_port=29500,
                        env={"RESIHP_X": "1"}, detector={"heartbeat_interval_s": 0.05})
     assert decode(encode(ok)) == ok
     for bad in (dict(module="os; rm -rf /"), dict(module="-m"), dict(store_port=0), dict(env={"lower": "x"})):
@@ -71,7 +71,7 @@ def cluster(tmp_path: Path):
             lt.run(ctl.stop())
 
 
-def _launch(procs: AgentProcesses, devices, module: str = "resihp_core.runtime.synthetic") -> None:
+def _launch(procs: AgentProcesses, devices, module: str = "resihp_core.testing.synthetic") -> None:
     procs.launch(devices, module=module, job_path=Path("unused"), job_json='{"job": 1}', store="127.0.0.1:29999",
                  env={"RESIHP_EXTRA": "yes"})
 

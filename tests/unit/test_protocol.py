@@ -117,6 +117,9 @@ messages = st.one_of(
         secs,
     ),
     plan_updates(),
+    st.builds(P.IterationReport, ids, ids, ids, ids, ids, st.floats(allow_nan=False, allow_infinity=False),
+              st.lists(st.tuples(ids, ids, ids), max_size=6).map(tuple), secs, secs, secs, secs,
+              st.lists(mb_profiles, max_size=4).map(tuple)),
     st.builds(P.AgentState, ids, secs, st.lists(workers, max_size=8).map(tuple)),
     st.builds(P.Ack, ids, text),
     st.builds(P.Error, text, text),
@@ -131,7 +134,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 14
+    assert len(P.MESSAGE_TYPES) == 15
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])

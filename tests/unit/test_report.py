@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from resihp_plugins.report import (
+from resihp_core.report import (
     ReportError,
     _event_x,
     format_table,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from resihp_core.adapter import Adapter, Capabilities
+from resihp_core.adapter import Adapter, AdapterContext, Capabilities, GenerationAborted, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import (
     Backward,
@@ -35,32 +35,34 @@ from resihp_core.program import (
     SendGrad,
 )
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
-from resihp_adapters.megatron_ref import comm, state
+from resihp_adapters.megatron_ref import state
+from resihp_adapters.torchkit import comm
 from resihp_adapters.megatron_ref.data import DataSpec, label_count, lengths_of, micro_batch
 from resihp_adapters.megatron_ref.model import ModelConfig, StageModule, TPContext, shard_dim
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES, NAME
 
-__all__ = ["MegatronRefAdapter", "IterationStats", "GenerationAborted"]
-
-
-class GenerationAborted(RuntimeError):
-    """A newer plan generation was posted while this iteration ran: stop at once so
-    peers blocked on this worker fail fast and everyone moves on."""
+__all__ = ["MegatronRefAdapter", "model_config", "data_spec"]
 
 Tensors3 = tuple[Tensor, Tensor, Tensor]  # parameter, exp_avg, exp_avg_sq
 
 
-@dataclass
-class IterationStats:
-    """What one executor did in one iteration (for accounting and profiles)."""
+def model_config(job) -> ModelConfig:
+    """The model of this adapter's job section (``lr`` is the optimizer's)."""
+    section = {k: v for k, v in job.adapter_config.items() if k != "lr"}
+    try:
+        return ModelConfig(**section)
+    except TypeError as e:
+        raise ValueError(f"job.adapter_config for megatron_ref: {e}") from None
 
-    iteration: int
-    loss: float = 0.0  # this executor's share of the global mean loss (last stage only)
-    computed: list[tuple[int, int, int]] = field(default_factory=list)  # (stage, owner, mb)
-    forward_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    backward_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    comm_s: float = 0.0
-    iteration_s: float = 0.0
+
+def data_spec(job) -> DataSpec:
+    from resihp_core.predictor.corpus import CorpusSpec
+
+    corpus = {k: v for k, v in job.data.items() if k != "source"}
+    source = job.data.get("source", "synthetic")
+    if source != "synthetic":
+        raise ValueError(f"job.data.source {source!r}: megatron_ref reads only 'synthetic' here")
+    return DataSpec(CorpusSpec(**corpus), model_config(job).vocab_size, job.dp, job.num_microbatches, job.seed)
 
 
 class MegatronRefAdapter(Adapter):
@@ -69,33 +71,37 @@ class MegatronRefAdapter(Adapter):
     name = NAME
     capabilities: Capabilities = CAPABILITIES
 
-    def __init__(self, device: int, model: ModelConfig, data: DataSpec, store: dist.Store,
-                 *, lr: float = 1e-3, timeout_s: float = 10.0, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = 0, slowdown: float = 1.0) -> None:
-        self.device = device
-        self.config = model
-        self.data = data
-        self.store = store
-        self.timeout_s = timeout_s
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every = checkpoint_every
-        self.slowdown = slowdown  # fault injection: >1 stretches every compute chunk
-        self.comm_delay_s = 0.0  # fault injection: added to every receive and reduction
-        self.optimizer = state.AdamW(lr=lr)
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        torch.set_num_threads(1)
+        self.device = ctx.device
+        self.config = model_config(ctx.job)
+        self.data = data_spec(ctx.job)
+        self.store = ctx.store
+        self.timeout_s = ctx.timeout_s
+        self.checkpoint_dir = ctx.job.checkpoint_dir
+        self.optimizer = state.AdamW(lr=float(ctx.job.adapter_config.get("lr", 1e-3)))
         self.plan: ParallelPlan | None = None
         self.devices: list[int] = []
         self.comms: comm.Communicators | None = None
         self.module: StageModule | None = None
-        self.where: tuple[int, int, int] | None = None  # (replica, stage, tp rank)
-        self.iteration = 0  # iterations whose optimizer step this worker applied
+        self._where: tuple[int, int, int] | None = None  # (replica, stage, tp rank)
         self._snapshot: dict[str, Tensors3] | None = None
-        self._last: IterationStats | None = None
-        self.abort_requested = lambda: False  # set by the worker: a newer generation exists
-        self.on_step: Callable[[int, int], None] = lambda iteration, step: None  # heartbeats
+        self._last: IterationResult | None = None
+
+    @property
+    def where(self) -> tuple[int, int, int] | None:
+        return self._where
 
     # ------------------------------------------------------------- state access
     def _params(self) -> dict[str, Tensor]:
         return dict(self.module.named_parameters()) if self.module is not None else {}
+
+    def held_state(self) -> dict[str, Shard]:
+        tp = self.module.tp if self.module is not None else None
+        return {name: Shard(tuple(ts), shard_dim(name), tp.rank, tp.size) if shard_dim(name) is not None
+                else Shard(tuple(ts))
+                for name, ts in self.tensors().items()}
 
     def tensors(self) -> dict[str, Tensors3]:
         """Parameter and AdamW tensors of every shard this worker holds, by global name."""
@@ -121,10 +127,9 @@ class MegatronRefAdapter(Adapter):
             p.grad = None
 
     # ------------------------------------------------------------- reconfiguration
-    def rebuild_communicators(self, plan: ParallelPlan, generation: int,
-                              devices: list[int] | None = None) -> None:
+    def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
         self.release()  # the stage's TPContext still points at the old TP group
-        self.devices = sorted(devices if devices is not None else plan.devices())
+        self.devices = sorted(devices)
         self.comms = comm.build_communicators(
             self.store, generation, self.devices, self.device, plan, self.timeout_s
         )
@@ -141,7 +146,7 @@ class MegatronRefAdapter(Adapter):
 
     def _new_module(self, plan: ParallelPlan) -> StageModule | None:
         loc = plan.location(self.device)
-        self.where = loc
+        self._where = loc
         if loc is None:
             return None
         r, s, t = loc
@@ -162,22 +167,19 @@ class MegatronRefAdapter(Adapter):
                 full = init_parameter(self.config, name)
                 d = shard_dim(name)
                 p.copy_(full if d is None else full.chunk(self.module.tp.size, d)[self.module.tp.rank])
-        self.iteration = 0
 
-    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan,
-                   alive: list[int] | None = None) -> int:
+    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         """Re-shard/move every component to ``new_plan``'s layout; returns bytes received.
         If a transfer fails (a peer died meanwhile) the previous layout and state are
         put back, so the next generation can still source from this worker."""
-        kept = (self.module, self.optimizer.state, self.plan, self.where)
+        kept = (self.module, self.optimizer.state, self.plan, self._where)
         try:
-            return self._move_state(old_plan, new_plan, alive)
+            return self._move_state(old_plan, new_plan, devices)
         except BaseException:
-            self.module, self.optimizer.state, self.plan, self.where = kept
+            self.module, self.optimizer.state, self.plan, self._where = kept
             raise
 
-    def _move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: list[int] | None) -> int:
-        alive = self.devices if alive is None else alive
+    def _move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: list[int]) -> int:
         plan = state.transfer_plan(old_plan, new_plan, alive)
         old = self.tensors()
         self.module = self._new_module(new_plan)
@@ -220,10 +222,10 @@ class MegatronRefAdapter(Adapter):
         r, s, _ = self.where
         return r == min(rr for rr in range(self.plan.dp) if self.plan.group(rr, s))
 
-    def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> None:
+    def save_checkpoint(self, iteration: int) -> None:
         """Collective inside the writing TP group: the lowest replica holding each stage
         gathers full tensors; its TP rank 0 writes one verified file per component."""
-        root = Path(path or self.checkpoint_dir)
+        root = Path(self.checkpoint_dir)
         if not self._writes_checkpoint():
             return
         tp = self.module.tp
@@ -240,13 +242,12 @@ class MegatronRefAdapter(Adapter):
             full.setdefault(state.component_of(name), {})[name] = ts
         if tp.rank == 0:
             for comp, tensors in full.items():
-                state.save_component(root, self.iteration - 1, comp, tensors)
+                state.save_component(root, iteration, comp, tensors)
 
-    def load_checkpoint(self, path: str | os.PathLike[str] | None = None,
-                        iteration: int | None = None, plan: ParallelPlan | None = None) -> None:
+    def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """Build this worker's shards of ``plan`` from checkpoint ``iteration``."""
-        root = Path(path or self.checkpoint_dir)
-        self.plan = plan or self.plan
+        root = Path(self.checkpoint_dir)
+        self.plan = plan
         self.module = self._new_module(self.plan)
         self.optimizer.state.clear()
         if self.module is not None:
@@ -262,17 +263,13 @@ class MegatronRefAdapter(Adapter):
                     pick = (lambda t: t) if d is None else (lambda t: t.chunk(tp.size, d)[tp.rank])
                     p.copy_(pick(fp))
                     self.optimizer.state[name] = (pick(fm).clone(), pick(fv).clone())
-        self.iteration = iteration + 1
 
     # ------------------------------------------------------------- execution
-    def emit(self, program: Program) -> None:
-        self._last = self.run(program, self.iteration)
-
     def profile(self) -> IterationProfile | None:
         st = self._last
-        if st is None or self.where is None:
+        if st is None or self._where is None:
             return None
-        r, s, _ = self.where
+        r, s, _ = self._where
         mbs = tuple(
             MicroBatchProfile(owner=o, mb=j, forward_s=st.forward_s[(o, j)],
                               backward_s=st.backward_s.get((o, j), 0.0),
@@ -294,20 +291,16 @@ class MegatronRefAdapter(Adapter):
 
     def _stretch(self, t0: float) -> float:
         """Measure a compute chunk; under injected slowdown, sleep so it takes longer."""
-        dt = time.perf_counter() - t0
-        if self.slowdown > 1.0:
-            time.sleep(dt * (self.slowdown - 1.0))
-            dt *= self.slowdown
-        return dt
+        return self.ctx.faults.stretch(time.perf_counter() - t0)
 
-    def run(self, program: Program, iteration: int) -> IterationStats:
+    def run_iteration(self, program: Program, iteration: int) -> IterationResult:
         """Execute one iteration of ``program`` (this executor's share of the work)."""
         plan, comms, mod = self.plan, self.comms, self.module
-        r, s, t = self.where
+        r, s, t = self._where
         me = plan.group(r, s)
         tp_group = comms.tp.get((r, s))
         denom = float(label_count(self.data, iteration))
-        st = IterationStats(iteration)
+        st = IterationResult(iteration)
         acts: dict[tuple[int, int], Tensor] = {}  # received inputs (need grad)
         outs: dict[tuple[int, int], Tensor] = {}
         grads_out: dict[tuple[int, int], Tensor] = {}
@@ -316,16 +309,13 @@ class MegatronRefAdapter(Adapter):
         shape = lambda o, j: (sum(lengths_of(self.data, iteration, *self._data_index(o, j))), self.config.hidden)  # noqa: E731
         t_iter = time.perf_counter()
         for step, op in enumerate(program.ops):
-            self.on_step(iteration, step)
-            if self.abort_requested():
-                raise GenerationAborted(f"generation {comms.generation} was superseded")
+            self.ctx.step(iteration, step)
             if isinstance(op, LoadMicroBatch):
                 continue
             key = (getattr(op, "owner", -1), getattr(op, "mb", -1))
             if isinstance(op, RecvActivation):
                 t0 = time.perf_counter()
-                if self.comm_delay_s:
-                    time.sleep(self.comm_delay_s)
+                self.ctx.faults.delay_comm()
                 src = plan.group(op.peer, s - 1)
                 x = comm.recv_chunks(shape(*key), self.config.torch_dtype, src, t, me, comms, tp_group,
                                      comm.p2p_tag(0, s - 1, op.owner, op.mb, 0, plan))
@@ -348,8 +338,7 @@ class MegatronRefAdapter(Adapter):
                                  comm.p2p_tag(0, s, op.owner, op.mb, 0, plan))
             elif isinstance(op, RecvGrad):
                 t0 = time.perf_counter()
-                if self.comm_delay_s:
-                    time.sleep(self.comm_delay_s)
+                self.ctx.faults.delay_comm()
                 grads_out[key] = comm.recv_chunks(
                     shape(*key), self.config.torch_dtype, plan.group(op.peer, s + 1), t, me, comms,
                     tp_group, comm.p2p_tag(1, s + 1, op.owner, op.mb, 0, plan))
@@ -379,8 +368,7 @@ class MegatronRefAdapter(Adapter):
                                  comm.p2p_tag(1, s, op.owner, op.mb, 0, plan))
             elif isinstance(op, ReduceGrads):
                 t0 = time.perf_counter()
-                if self.comm_delay_s:
-                    time.sleep(self.comm_delay_s)
+                self.ctx.faults.delay_comm()
                 comm.wait_pending(comms)
                 named = self._params()
                 grads = []
@@ -398,9 +386,6 @@ class MegatronRefAdapter(Adapter):
             else:
                 raise TypeError(f"megatron_ref cannot execute primitive {op!r}")
         comm.wait_pending(comms)
-        self.iteration = iteration + 1
         self._last = st
-        if self.checkpoint_every and self.checkpoint_dir and self.iteration % self.checkpoint_every == 0:
-            self.save_checkpoint()
         st.iteration_s = time.perf_counter() - t_iter
         return st

@@ -32,4 +32,20 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
         CAPABILITIES,
         description="reference TP x PP x DP backend in pure torch (heterogeneous TP)",
         install_hint="pip install torch",
+        job_config="resihp_adapters.megatron_ref.plugin:job_section",
+        reference="resihp_adapters.megatron_ref.reference:reference_losses",
+        default=True,
     )
+
+
+def job_section(cfg) -> dict:
+    """This adapter's job section: the model of ``[model]``, dtype and learning rate of
+    ``[training]``, plus any field of ``[adapter]`` (which wins)."""
+    mod, tr = cfg.model, cfg.training
+    section = dict(vocab_size=mod.vocab, hidden=mod.hidden, num_heads=mod.heads, ffn_hidden=mod.ffn,
+                   num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed, lr=tr.lr)
+    known = set(section)
+    unknown = sorted(set(cfg.adapter) - known)
+    if unknown:
+        raise ValueError(f"adapter: unknown field(s) {unknown} for megatron_ref (known: {sorted(known)})")
+    return {**section, **cfg.adapter}

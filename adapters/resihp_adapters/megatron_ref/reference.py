@@ -11,7 +11,7 @@ from resihp_adapters.megatron_ref.data import DataSpec, label_count, micro_batch
 from resihp_adapters.megatron_ref.model import ModelConfig, build_model
 from resihp_adapters.megatron_ref.state import AdamW
 
-__all__ = ["reference_run"]
+__all__ = ["reference_run", "reference_losses"]
 
 
 def reference_run(model: ModelConfig, data: DataSpec, iterations: int, lr: float = 1e-3,
@@ -41,3 +41,12 @@ def reference_run(model: ModelConfig, data: DataSpec, iterations: int, lr: float
         m, v = opt.ensure(name, p)
         out[name] = (p.detach().clone(), m.clone(), v.clone())
     return out, losses
+
+
+def reference_losses(job, iterations: int) -> list[float]:
+    """Fault-free losses of ``job`` (a :class:`~resihp_core.job.JobSpec`) in one process."""
+    from resihp_adapters.megatron_ref.adapter import data_spec, model_config
+
+    torch.set_num_threads(1)  # on a shared, loaded machine more threads thrash (25 s vs 4 s)
+    return reference_run(model_config(job), data_spec(job), iterations,
+                         lr=float(job.adapter_config.get("lr", 1e-3)))[1]

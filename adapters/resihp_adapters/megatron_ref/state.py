@@ -10,10 +10,6 @@ optimizer state" is one mechanism (:func:`transfer_plan`), for any old/new TP de
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -23,6 +19,14 @@ from torch import Tensor
 
 from resihp_core.plan import ParallelPlan
 from resihp_adapters.megatron_ref.model import ModelConfig, _full_shape, shard_dim
+from resihp_adapters.torchkit.checkpoint import (  # noqa: F401 - re-exported for the adapter
+    CheckpointError,
+    latest_complete_checkpoint,
+    load_component,
+    save_component,
+)
+from resihp_adapters.torchkit.transfer import Transfer
+from resihp_adapters.torchkit.transfer import transfer_plan as _transfer_plan
 
 __all__ = [
     "AdamW",
@@ -112,61 +116,9 @@ class AdamW:
 
 
 # ------------------------------------------------------------------ re-sharding plan
-@dataclass(frozen=True)
-class Transfer:
-    """Move the overlap of ``src`` device's shard (src_tp of src_deg) of ``component``
-    into ``dst`` device's shard (dst_tp of dst_deg). ``src == dst`` is a local copy."""
-
-    component: str
-    src: int
-    src_tp: int
-    src_deg: int
-    dst: int
-    dst_tp: int
-    dst_deg: int
-
-
-def _holders(plan: ParallelPlan, component: str) -> list[tuple[int, tuple[int, ...]]]:
-    """(replica, TP group) of every executor holding ``component`` in ``plan``."""
-    out = []
-    for r, s in plan.executors():
-        if component in components_of_stage(plan, s):
-            out.append((r, plan.group(r, s)))
-    return sorted(out)
-
-
 def transfer_plan(old: ParallelPlan, new: ParallelPlan, alive: Iterable[int]) -> list[Transfer]:
-    """Every shard movement that takes the state of ``old`` (on the ``alive`` devices)
-    to the layout of ``new``. Deterministic, so senders and receivers compute it alone.
-
-    A device that already holds exactly the shard it needs keeps it. Otherwise the
-    source is the replica's own old TP group for that component when all its members
-    are alive, else the lowest-numbered replica whose group is: all replicas hold the
-    same state after a completed iteration. Raises ``LookupError`` naming the component
-    when no complete copy survives (the caller must restore from a checkpoint).
-    """
-    alive = set(alive)
-    out: list[Transfer] = []
-    for r, s in new.executors():
-        group = new.group(r, s)
-        for comp in components_of_stage(new, s):
-            holders = _holders(old, comp)
-            whole = [(rr, g) for rr, g in holders if all(d in alive for d in g)]
-            for t, dev in enumerate(group):
-                mine = [(rr, g) for rr, g in holders if dev in g]
-                if mine and len(mine[0][1]) == len(group) and mine[0][1].index(dev) == t:
-                    continue  # already holds exactly this shard
-                if not whole:
-                    raise LookupError(
-                        f"no surviving complete copy of {comp} (needed by replica {r} stage {s})"
-                    )
-                src_g = next((g for rr, g in whole if rr == r), whole[0][1])
-                k_old, k_new = len(src_g), len(group)
-                for u, src in enumerate(src_g):
-                    # Shards [u/k_old, (u+1)/k_old) and [t/k_new, (t+1)/k_new) overlap?
-                    if u * k_new < (t + 1) * k_old and t * k_old < (u + 1) * k_new:
-                        out.append(Transfer(comp, src, u, k_old, dev, t, k_new))
-    return out
+    """Every shard movement from ``old`` (on ``alive``) to ``new``, by this model's components."""
+    return _transfer_plan(old, new, alive, components_of_stage)
 
 
 def piece_slices(config: ModelConfig, name: str, tr: Transfer) -> tuple[slice, slice, int] | None:
@@ -243,65 +195,3 @@ def transfer_numel(config: ModelConfig, tr: Transfer) -> int:
     return n
 
 
-# ------------------------------------------------------------------ checkpoints
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
-
-
-def _component_path(root: Path, iteration: int, component: str) -> Path:
-    return root / f"iter{iteration:08d}" / f"{component}.pt"
-
-
-def save_component(root: str | os.PathLike, iteration: int, component: str,
-                   full: Mapping[str, tuple[Tensor, Tensor, Tensor]]) -> Path:
-    """Atomically write the full (unsharded) state of one component after ``iteration``
-    completed: temp file, fsync, rename; a sidecar holds its SHA-256 for verification."""
-    path = _component_path(Path(root), iteration, component)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({k: [t.detach().cpu() for t in v] for k, v in full.items()}, buf)
-    data = buf.getvalue()
-    digest = hashlib.sha256(data).hexdigest()
-    for target, payload in ((path, data), (path.with_suffix(".sha256"), digest.encode())):
-        tmp = target.with_suffix(target.suffix + f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    return path
-
-
-def load_component(root: str | os.PathLike, iteration: int, component: str) -> dict[str, list[Tensor]]:
-    """Read and verify one component; raises :class:`CheckpointError` naming the file."""
-    path = _component_path(Path(root), iteration, component)
-    side = path.with_suffix(".sha256")
-    if not path.exists() or not side.exists():
-        raise CheckpointError(f"checkpoint file {path} (or its .sha256) is missing")
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != side.read_text().strip():
-        raise CheckpointError(f"checkpoint file {path} is corrupt (SHA-256 mismatch)")
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def latest_complete_checkpoint(root: str | os.PathLike, components: Iterable[str]) -> int | None:
-    """The newest iteration whose every component file exists and verifies, or None."""
-    root = Path(root)
-    comps = list(components)
-    if not root.exists():
-        return None
-    iters = sorted((int(p.name[4:]) for p in root.glob("iter*") if p.name[4:].isdigit()), reverse=True)
-    for it in iters:
-        try:
-            for c in comps:
-                load_component(root, it, c)
-        except CheckpointError:
-            continue
-        return it
-    return None
-
-
-def write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)

@@ -1,66 +1,143 @@
-"""A dry-run adapter: it implements the contract by recording each request.
+"""A small real adapter: data-parallel training of a linear model with torch.
 
-A real adapter would build torch.distributed groups in ``rebuild_communicators`` and
-turn each primitive of the program into its framework's instruction in ``emit``.
+Every executor holds a full replica (plans have one stage and TP degree 1). It runs the
+micro-batches its program gives it -- its own and any migrated from a replica that lost
+its device -- sums gradients over the executors and steps AdamW, so a replica can drop
+out without changing training semantics. Data are generated from (seed, iteration,
+global micro-batch), so any rank can compute any micro-batch. About sixty lines of
+torch; copy it as the skeleton of your own adapter.
 """
 
 from __future__ import annotations
 
+import copy
+import datetime
+import os
 import time
 
-from resihp_core.adapter import Adapter, Capabilities
+import torch
+import torch.distributed as dist
+
+from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
-from resihp_core.program import Backward, Forward, Program
-from resihp_core.protocol import IterationProfile, MicroBatchProfile
+from resihp_core.program import Backward, Forward, Program, ReduceGrads, OptimizerStep
 
 from resihp_example_adapter.plugin import CAPABILITIES
+
+FEATURES, ROWS = 8, 16  # one micro-batch: ROWS samples of FEATURES inputs
 
 
 class ExampleAdapter(Adapter):
     name = "example"
-    capabilities: Capabilities = CAPABILITIES
+    capabilities = CAPABILITIES
 
-    def __init__(self, rank: int = 0, device: int | None = None) -> None:
-        self.rank = rank
-        self.device = rank if device is None else device
-        self.generation = 0
-        self.iteration = 0
-        self.log: list[str] = []
-        self._last: IterationProfile | None = None
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        torch.set_num_threads(1)
+        self.lr = float(ctx.job.adapter_config.get("lr", 0.05))
+        self.weight = torch.zeros(1, FEATURES, dtype=torch.float64, requires_grad=True)
+        self.opt = torch.optim.AdamW([self.weight], lr=self.lr)
+        self.plan: ParallelPlan | None = None
+        self.group = None  # the executors' reduction group
+        self._saved = None
 
-    def rebuild_communicators(self, plan: ParallelPlan, generation: int) -> None:
-        self.generation = generation
-        self.log.append(f"groups for generation {generation}: {plan.dp} replicas x {plan.pp} stages")
+    @property
+    def where(self):
+        return self.plan.location(self.ctx.device) if self.plan is not None else None
 
-    def emit(self, program: Program) -> None:
-        start = time.perf_counter()
-        fwd: dict[tuple[int, int], float] = {}
-        bwd: dict[tuple[int, int], float] = {}
-        for op in program.ops:  # a real adapter issues the framework's instruction here
-            t = time.perf_counter()
-            self.log.append(type(op).__name__)
-            if isinstance(op, Forward):
-                fwd[(op.owner, op.mb)] = time.perf_counter() - t
-            elif isinstance(op, Backward):
-                bwd[(op.owner, op.mb)] = time.perf_counter() - t
-        self._last = IterationProfile(
-            rank=self.rank,
-            device=self.device,
-            generation=program.generation,
-            iteration=self.iteration,
-            stage=program.stage,
-            replica=program.replica,
-            microbatches=tuple(
-                MicroBatchProfile(owner=o, mb=m, forward_s=f, backward_s=bwd.get((o, m), 0.0))
-                for (o, m), f in fwd.items()
-            ),
-            comm_s=0.0,
-            iteration_s=time.perf_counter() - start,
-        )
-        self.iteration += 1
+    def rebuild_communicators(self, plan, generation, devices):
+        self.release()
+        store = dist.PrefixStore(f"gen{generation}/", self.ctx.store)
+        timeout = datetime.timedelta(seconds=self.ctx.timeout_s)
+        rank = sorted(devices).index(self.ctx.device)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=len(devices), timeout=timeout)
+        self.ranks = {d: i for i, d in enumerate(sorted(devices))}
+        self.group = dist.new_group([self.ranks[d] for d in sorted(plan.devices())], timeout=timeout)
 
-    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan) -> None:
-        self.log.append(f"move state: generation {old_plan.generation} -> {new_plan.generation}")
+    def release(self):
+        self.group = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
-    def profile(self) -> IterationProfile | None:
-        return self._last
+    def start_fresh(self, plan):
+        self.plan = plan
+        with torch.no_grad():
+            self.weight.copy_(torch.linspace(-1, 1, FEATURES, dtype=torch.float64))
+
+    def move_state(self, old_plan, new_plan, devices):
+        # Replicas are identical: the lowest surviving old executor broadcasts to all.
+        src = min(d for d in old_plan.devices() if d in devices)
+        tensors = [t for _, *ts in self._tensors() for t in ts]
+        for t in tensors:
+            dist.broadcast(t.data, self.ranks[src])
+        self.plan = new_plan
+        return 0 if self.ctx.device == src else sum(t.numel() * t.element_size() for t in tensors)
+
+    def _tensors(self):
+        st = self.opt.state.setdefault(self.weight, {})
+        if not st:  # materialise AdamW's state so every replica has the same tensors
+            st.update(step=torch.zeros((), dtype=torch.float64), exp_avg=torch.zeros_like(self.weight),
+                      exp_avg_sq=torch.zeros_like(self.weight))
+        return [("weight", self.weight, st["exp_avg"], st["exp_avg_sq"], st["step"])]
+
+    def _batch(self, iteration, owner, mb):
+        g = owner * self.plan.num_microbatches + mb  # global micro-batch: same data on any plan
+        gen = torch.Generator().manual_seed(self.ctx.job.seed * 1_000_003 + iteration * 1009 + g)
+        x = torch.randn(ROWS, FEATURES, generator=gen, dtype=torch.float64)
+        return x, x.sum(1, keepdim=True) * 0.5 + 1.0
+
+    def _computes(self, op) -> bool:
+        return True
+
+    def run_iteration(self, program: Program, iteration: int) -> IterationResult:
+        res, t_iter, total = IterationResult(iteration), time.perf_counter(), self.ctx.job.dp * self.ctx.job.num_microbatches
+        self._tensors()
+        for k, op in enumerate(program.ops):
+            self.ctx.step(iteration, k)
+            if isinstance(op, Forward) and self._computes(op):
+                t0 = time.perf_counter()
+                x, y = self._batch(iteration, op.owner, op.mb)
+                loss = ((x @ self.weight.T - y) ** 2).mean() / total
+                loss.backward()
+                res.loss += float(loss)
+                res.forward_s[(op.owner, op.mb)] = self.ctx.faults.stretch(time.perf_counter() - t0)
+                res.computed.append((0, op.owner, op.mb))
+            elif isinstance(op, ReduceGrads):
+                if self.weight.grad is None:
+                    self.weight.grad = torch.zeros_like(self.weight)
+                self.ctx.faults.delay_comm()
+                dist.all_reduce(self.weight.grad, group=self.group)
+            elif isinstance(op, OptimizerStep):
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+        res.iteration_s = time.perf_counter() - t_iter
+        return res
+
+    def snapshot(self):
+        self._tensors()
+        self._saved = (self.weight.detach().clone(), copy.deepcopy(self.opt.state_dict()))
+
+    def rollback(self):
+        if self._saved is not None:
+            with torch.no_grad():
+                self.weight.copy_(self._saved[0])
+            self.opt.load_state_dict(copy.deepcopy(self._saved[1]))
+            self.weight.grad = None
+
+    def held_state(self):
+        return {name: Shard(tuple(t.detach().clone() for t in ts)) for name, *ts in self._tensors()}
+
+    def save_checkpoint(self, iteration):
+        if self.ctx.device != min(self.plan.devices()):
+            return
+        path = os.path.join(self.ctx.job.checkpoint_dir, f"example-{iteration}.pt")
+        os.makedirs(self.ctx.job.checkpoint_dir, exist_ok=True)
+        torch.save({"weight": self.weight.detach(), "opt": self.opt.state_dict()}, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a reader never sees half a checkpoint
+
+    def load_checkpoint(self, iteration, plan):
+        ck = torch.load(os.path.join(self.ctx.job.checkpoint_dir, f"example-{iteration}.pt"))
+        with torch.no_grad():
+            self.weight.copy_(ck["weight"])
+        self.opt.load_state_dict(ck["opt"])
+        self.plan = plan

@@ -15,9 +15,9 @@ CAPABILITIES = Capabilities(
     tp_resize=False,
     heterogeneous_tp=False,
     layer_repartition=False,
-    cross_replica_migration=True,
+    cross_replica_migration=True,  # runs any replica's micro-batches: replica drop, migration
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B}),
-    checkpoint=False,
+    checkpoint=True,
 )
 
 
@@ -27,5 +27,5 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
         "example",
         "resihp_example_adapter.adapter:ExampleAdapter",
         CAPABILITIES,
-        description="dry-run adapter that records what it is asked to do",
+        description="data-parallel linear model in torch (one stage, TP 1): an adapter to copy",
     )

@@ -17,7 +17,7 @@ It connects with :meth:`WorkerClient.from_env` (``RESIHP_AGENT_ADDR``, ``RESIHP_
 ``--wait-stdin`` waits for a line on stdin, so several workers start together). Sleeping (not
 spinning) keeps many of them cheap on a small CI machine.
 
-    python -m resihp_core.runtime.synthetic --iterations 40 --microbatches 4
+    python -m resihp_core.testing.synthetic --iterations 40 --microbatches 4
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = ["SyntheticCluster", "main"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m resihp_core.runtime.synthetic", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m resihp_core.testing.synthetic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=40, help="0 = run until killed")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1024, help="token budget N per micro-batch")
@@ -198,7 +198,7 @@ class SyntheticCluster:
             raise RuntimeError("the agent did not start")
         for device, extra in self.worker_args.items():
             env = dict(self._env(), RESIHP_AGENT_ADDR=address, RESIHP_RANK=str(device), RESIHP_DEVICE=str(device))
-            args = [sys.executable, "-m", "resihp_core.runtime.synthetic", "--iterations", str(self.iterations)]
+            args = [sys.executable, "-m", "resihp_core.testing.synthetic", "--iterations", str(self.iterations)]
             if self.wait_stdin:
                 args.append("--wait-stdin")
             p = subprocess.Popen(args + list(extra), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -1,0 +1,64 @@
+"""Fault injection inside a worker: one object the worker owns and lends its adapter.
+
+The worker calls :meth:`FaultInjector.at_iteration` when it starts an iteration; faults
+of this device scheduled for that iteration happen then, each once (kinds: see
+``resihp_core.faults``). Process-level faults (kill, stop, CPU contention) act here;
+the adapter honours the two it must apply itself: :attr:`slowdown` (stretch every
+compute chunk) and :attr:`comm_delay_s` (delay every receive and reduction).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Iterable
+
+__all__ = ["FaultInjector"]
+
+_BUSY = "import os, time\nend = time.time() + 3600\nwhile time.time() < end and os.getppid() != 1: pass"
+
+
+class FaultInjector:
+    """This device's scheduled faults and the slowdowns currently in force."""
+
+    def __init__(self, device: int, faults: Iterable[dict[str, Any]] = ()) -> None:
+        self.device = device
+        self.faults = [f for f in faults if int(f["device"]) == device]
+        self.slowdown = 1.0  # >1: compute chunks take this many times longer
+        self.comm_delay_s = 0.0  # added to every receive and reduction
+        self._applied: set[int] = set()
+        self._busy: list[subprocess.Popen] = []
+
+    def at_iteration(self, iteration: int) -> None:
+        for n, f in enumerate(self.faults):
+            if f["iteration"] != iteration or n in self._applied:
+                continue
+            self._applied.add(n)
+            print(f"time={time.time():.3f} event=fault_injected device={self.device} kind={f['kind']} "
+                  f"iteration={iteration}", file=sys.stderr, flush=True)
+            kind = f["kind"]
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "slow":
+                self.slowdown = float(f["factor"])
+            elif kind == "comm":
+                self.comm_delay_s = float(f["delay_s"])
+            elif kind == "contend":  # dies with this worker (it polls its parent)
+                self._busy.append(subprocess.Popen([sys.executable, "-c", _BUSY]))
+
+    def stretch(self, seconds: float) -> float:
+        """Under an injected slowdown, sleep so a compute chunk that took ``seconds``
+        takes ``slowdown`` times as long; returns the stretched duration."""
+        if self.slowdown > 1.0:
+            time.sleep(seconds * (self.slowdown - 1.0))
+            return seconds * self.slowdown
+        return seconds
+
+    def delay_comm(self) -> None:
+        if self.comm_delay_s:
+            time.sleep(self.comm_delay_s)

@@ -1,0 +1,305 @@
+"""Jobs assembled from a configuration, and run: what ``resihp run CONFIG`` does.
+
+:func:`build_job` turns a :class:`~resihp_core.config.Config` (and a fault scenario)
+into the first plan, the topology, the workers' :class:`~resihp_core.job.JobSpec` and
+the Scheduler's state. The adapter named by ``runtime.adapter`` builds its own job
+section (its registered ``job_config`` function, else the ``[adapter]`` table as it is)
+and, if it registered a ``reference``, the fault-free losses the run is checked against.
+:func:`run_job` runs the job resiliently on this machine (or with external agents),
+with a live view, observer hooks, a report folder and an exit status that is non-zero
+whenever the run or its correctness check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["AssembledJob", "build_job", "phases", "run_job", "run_config", "configure_run"]
+
+
+class AssembledJob(NamedTuple):
+    """A job ready to run: what :func:`~resihp_core.runtime.resilient.run_resilient` takes."""
+
+    plan: Any  # the first ParallelPlan
+    topology: Any
+    spec: Any  # the workers' JobSpec
+    state: Any  # the Scheduler's PlannerState
+    planner: Any
+    reference: Callable[[Any, int], list[float]] | None  # fault-free losses, if the adapter has them
+
+
+def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
+    """Assemble the job of ``cfg`` for the adapter named by ``runtime.adapter``."""
+    from resihp_core.config import ConfigError
+    from resihp_core.faults import worker_faults
+    from resihp_core.job import JobSpec
+    from resihp_core.plan import ParallelPlan, ScheduleKind, Topology
+    from resihp_core.plugins import get_plugins
+    from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
+    from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
+    from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
+    from resihp_core.scheduler.planner import Planner
+    from resihp_core.scheduler.state import PlannerState
+
+    par, mod, tr = cfg.parallel, cfg.model, cfg.training
+    registry = get_plugins().adapters()
+    try:
+        adapter = registry.get(cfg.runtime.adapter or registry.default_name())
+    except LookupError as e:
+        raise ConfigError(str(e), path="runtime.adapter", value=cfg.runtime.adapter) from None
+    make_section = adapter.function("job_config")
+    try:
+        section = make_section(cfg) if make_section is not None else dict(cfg.adapter)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e), path="adapter") from None
+    plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
+                                num_microbatches=tr.microbatches, num_heads=mod.heads,
+                                schedule=ScheduleKind(cfg.scheduler.schedule))
+    topology = Topology.uniform(cfg.runtime.nodes, cfg.runtime.devices_per_node,
+                                cfg.scheduler.device_memory_gib)
+    plan.validate(topology)
+    caps = adapter.capabilities
+    why = caps.violations(plan)
+    if why:
+        raise ConfigError(f"adapter {adapter.name!r} cannot run this plan: {'; '.join(why)}",
+                          path="runtime.adapter", value=adapter.name)
+    n = tr.token_budget
+    corpus = dict(scale=max(2.0, n / 10), shape=1.0, min_len=min(4, n), max_len=n, token_budget=n, seed=tr.seed)
+    spec = JobSpec(
+        adapter=adapter.name, adapter_config=section, data=dict(source="synthetic", **corpus),
+        dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=10.0,
+        checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"), checkpoint_every=1,
+        faults=worker_faults(faults),
+    )
+    # A prior for the first plans only: equal per-layer cost and CPU-like links. Once
+    # the Detector has fitted the job's own cost model from its warm-up profiles, the
+    # supervisor plans with that one (Supervisor.fitted).
+    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
+                                       ref_layers=max(1, mod.layers // par.pp), ref_tp=1), par.pp)
+    links = LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9, intra_latency=5e-5, inter_latency=1e-4)
+    params = 4 * mod.hidden * mod.hidden + 3 * mod.hidden * mod.ffn
+    predictor = IterationPredictor(cost, topology, ModelShape(tokens=n, hidden=mod.hidden,
+                                                              params_per_layer=params, dtype_bytes=4), links)
+    feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, par.dp, tr.microbatches),
+                              par.dp, tr.microbatches)
+    state = PlannerState.create(topology, plan, predictor, feats, capabilities=caps,
+                                k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
+    return AssembledJob(plan, topology, spec, state, Planner(capabilities=caps), adapter.function("reference"))
+
+
+def phases(faults: list) -> Callable[[int, int], str]:
+    """Phase names for the report: healthy, then one per fault, marked once adapted."""
+    ordered = sorted(faults, key=lambda f: f.iteration)
+    first_gen: dict[int, int] = {}
+
+    def phase_of(i: int, g: int) -> str:
+        k = sum(1 for f in ordered if f.iteration <= i)
+        if k == 0:
+            return "1 healthy"
+        f = ordered[k - 1]
+        first_gen.setdefault(k, g)
+        what = f"{f.kind} x{f.factor:.2f}" if f.kind == "slow" else f.kind
+        return f"{k + 1} after {what} on device {f.device}" + (", adapted" if g > first_gen[k] else "")
+
+    return phase_of
+
+
+def run_config(args: argparse.Namespace) -> int:
+    """``resihp run CONFIG [--faults FILE]``."""
+    from resihp_core.cli import CliError
+    from resihp_core.config import ConfigError, load_config
+    from resihp_core.faults import FaultError, load_scenario
+
+    try:
+        cfg = load_config(args.config)
+        faults = load_scenario(args.faults) if args.faults else []
+        build_job(cfg, faults, Path(tempfile.gettempdir()))  # every check before anything starts
+    except (ConfigError, FaultError) as e:
+        raise CliError(str(e)) from e
+    p = cfg.parallel
+    return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run")
+
+
+def _agents(cfg, args: argparse.Namespace) -> dict:
+    """How ``run_resilient`` gets its agents: started here, or on each host by the user."""
+    import os
+
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.heartbeat import parse_address
+
+    if getattr(args, "agents", "local") == "local":
+        return {}
+    rt = cfg.runtime
+    secret = rt.secret or os.environ.get("RESIHP_SECRET", "")
+    if not secret:
+        raise CliError("--agents external needs the job secret: set runtime.secret or RESIHP_SECRET")
+    try:
+        listen = parse_address(args.listen) if args.listen else (rt.controller_host, rt.controller_port)
+    except ValueError as e:
+        raise CliError(f"--listen: {e}") from e
+    if isinstance(listen, str):
+        raise CliError("--listen takes host:port")
+
+    def tell(address: str, nodes: list[int]) -> None:
+        print(f"controller listening on {address}; waiting for the agents of nodes {nodes}. On each host run:\n"
+              f"  RESIHP_SECRET=<the job secret> resihp agent --controller <this host>:{address.rsplit(':', 1)[1]} "
+              f"--node <N>", flush=True)
+
+    return dict(agents="external", listen=listen, secret=secret, on_listening=tell,
+                agent_timeout=args.agent_timeout)
+
+
+def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> tuple[float, int, float]:
+    """Worst relative loss difference over the horizon where a fault-free reference is
+    meaningful: every iteration in float64; in float32 the first 20 (two equal float32
+    runs drift apart later through chaotic growth of rounding differences). Returns
+    (worst, horizon, tolerance)."""
+    horizon, tol = (len(losses), 1e-9) if cfg.training.dtype == "float64" else (min(len(losses), 20), 1e-3)
+    worst = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[:horizon], reference)), default=0.0)
+    return worst, horizon, tol
+
+
+def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: str) -> int:
+    """Run ``cfg`` with ``faults``, show it live, write the report; the exit status is 1
+    when the run failed or its losses differ from the fault-free reference."""
+    from resihp_core.faults import repairs
+    from resihp_core.plugins import get_plugins
+    from resihp_core.report import format_table, summary_table, write_report
+    from resihp_core.runtime.resilient import run_resilient
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    outdir = Path(args.report) / f"{tag}-{stamp}"
+    outdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
+    agents = _agents(cfg, args)
+    job = build_job(cfg, faults, work)
+    print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir})", flush=True)
+    health = {d: "ok" for d in job.plan.devices()}
+
+    def on_report(r: Any) -> None:
+        for d in r.devices:
+            health[d] = "DEAD" if r.failure == "fail-stop" else f"slow {r.cause}"
+
+    observers = get_plugins()
+    observers.notify_job_started(cfg, str(work))
+    view = _View(args, health)
+    with view:
+        run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
+                            cfg.training.iterations, work / "job", phase_of=phases(faults), on_event=view.event,
+                            on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
+                            observers=observers, **agents)
+    if not run.ok:
+        print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
+    records = run.records
+    if not records:
+        return 1
+    ref_losses = job.reference(job.spec, len(records)) if job.reference is not None else None
+    # Iteration 0 carries process start-up (imports, rendezvous): it is reported in the
+    # events, not in the per-phase throughput or the iteration-time trace.
+    startup = records[0].seconds
+    iterations = [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples,
+                       generation=r.generation, phase=r.phase) for r in records[1:]]
+    events = run.events + [dict(kind="injection", iteration=f.iteration, generation=0,
+                                text=f"{f.kind} on device {f.device}" + (f" x{f.factor:.2f}" if f.kind == "slow" else ""))
+                           for f in faults] + [dict(kind="start-up", iteration=0, generation=0,
+                                                    text=f"start-up and first iteration {startup:.1f} s")]
+    paths = write_report(outdir, iterations=iterations, events=events,
+                         reference_losses=ref_losses[1:] if ref_losses else None, title=title)
+    print()
+    print(format_table(summary_table(iterations)))
+    ok = run.ok
+    if ref_losses is not None:
+        worst, horizon, tol = _reference_check(cfg, [r.loss for r in records], ref_losses)
+        verdict = "ok" if worst <= tol else "WRONG"
+        ok = ok and worst <= tol
+        print(f"\nloss vs fault-free reference: max relative difference {worst:.2e} over {horizon} iterations "
+              f"({cfg.training.dtype}, tolerance {tol:g}): {verdict}")
+    else:
+        print(f"\nadapter {job.spec.adapter!r} has no fault-free reference: losses not checked")
+    print("events:")
+    for ev in run.events:
+        print(f"  iteration {ev['iteration']:>3}  {ev['kind']:<8} {ev['text'][:110]}")
+    print(f"\nreport: {outdir}")
+    for name, p in paths.items():
+        print(f"  {name}: {p}")
+    return 0 if ok else 1
+
+
+class _View:
+    """Live terminal view (rich) of iterations, throughput, generation and health."""
+
+    def __init__(self, args: argparse.Namespace, health: dict[int, str]) -> None:
+        self.args, self.health = args, health
+        self.last: dict = {}
+        self.lines: list[str] = []
+        self.live = None
+
+    def __enter__(self):
+        if not self.args.no_live and sys.stdout.isatty():
+            from rich.live import Live
+
+            self.live = Live(self._render(), refresh_per_second=8, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def _render(self):
+        from rich.table import Table
+
+        t = Table(title="resihp demo — TP2 x PP2 x DP2, 8 CPU workers")
+        for col in ("iteration", "samples/s", "generation", "phase"):
+            t.add_column(col)
+        r = self.last
+        t.add_row(str(r.get("iteration", "-")), f"{r.get('tput', 0):.1f}", str(r.get("generation", "-")),
+                  r.get("phase", "-"))
+        h = Table(title="devices")
+        for d in sorted(self.health):
+            h.add_column(f"dev {d}")
+        h.add_row(*[("[red]" if v != "ok" else "[green]") + v for _, v in sorted(self.health.items())])
+        from rich.console import Group
+        from rich.text import Text
+
+        return Group(t, h, *(Text(line) for line in self.lines[-6:]))
+
+    def iteration(self, rec) -> None:
+        self.last = dict(iteration=rec.iteration, tput=rec.samples / max(rec.seconds, 1e-9),
+                         generation=rec.generation, phase=rec.phase)
+        if self.live is not None:
+            self.live.update(self._render())
+        else:
+            print(f"iteration {rec.iteration:>3}  loss {rec.loss:.4f}  {rec.seconds:.2f}s  "
+                  f"gen {rec.generation}  {rec.phase}", flush=True)
+
+    def event(self, ev: dict) -> None:
+        line = f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:120]}"
+        self.lines.append(line)
+        if self.live is not None:
+            self.live.update(self._render())
+        else:
+            print(line, flush=True)
+
+
+def configure_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="job configuration (TOML or YAML; RESIHP_<SECTION>__<FIELD> overrides)")
+    p.add_argument("--faults", help="fault scenario (JSON list of {device, iteration, kind, severity|factor|delay_s})")
+    p.add_argument("--report", default="reports", help="parent folder of the report")
+    p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+    p.add_argument("--agents", choices=["local", "external"], default="local",
+                   help="local: start one agent process per node here (default); external: wait for "
+                        "'resihp agent' on each host")
+    p.add_argument("--listen", help="controller address for external agents (default: runtime.controller_host"
+                                    ":runtime.controller_port)")
+    p.add_argument("--agent-timeout", type=float, default=300.0,
+                   help="seconds to wait for external agents to connect (default 300)")
+
+

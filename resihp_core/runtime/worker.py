@@ -1,0 +1,303 @@
+"""The framework-neutral worker: ``python -m resihp_core.runtime.worker``, or a library.
+
+One worker per device lives across plan generations. For each generation posted in the
+job store it rolls back an uncommitted iteration, has the adapter rebuild its
+communicators, start fresh / move state / restore a checkpoint, then trains iteration by
+iteration, committing each through the store. When a peer dies a collective fails; the
+worker records why, drops every reference to the broken groups *outside* the ``except``
+block (a live traceback would keep gloo's sockets open and stall other survivors) and
+waits for the next generation. The adapter is driven only through the contract in
+:mod:`resihp_core.adapter` (``docs/adapters.md``); the job-store keys and ``RESIHP_*``
+variables are in ``docs/worker-protocol.md``.
+
+Two ways to use it:
+
+- process mode: ``Worker.from_env().run()`` (what the agents launch);
+- library mode, control inverted: a user's training loop calls :meth:`Worker.step`
+  ("train one iteration"); it returns once an iteration has committed on every live
+  rank, reconfiguring inside the call when the plan changes, and returns None at the
+  job's end. A rank the plan leaves out waits inside ``step`` as a standby.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult
+from resihp_core.job import JobSpec
+from resihp_core.plan import ParallelPlan
+from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate
+from resihp_core.runtime import jobstore
+from resihp_core.runtime.injector import FaultInjector
+
+__all__ = ["GenerationWatch", "Worker", "main"]
+
+AdapterFactory = Callable[[AdapterContext], Adapter]
+
+
+def _log(event: str, device: int, **kv: Any) -> None:
+    extra = "".join(f" {k}={v}" for k, v in kv.items())
+    print(f"time={time.time():.3f} event={event} device={device}{extra}", file=sys.stderr, flush=True)
+
+
+class GenerationWatch:
+    """Background thread on its own store connection: notices a newer generation within
+    milliseconds so a worker stops mid-iteration instead of finishing doomed work."""
+
+    def __init__(self, store: Any, poll_s: float = 0.003) -> None:
+        self.latest = -1
+        self._store = store
+        self._poll_s = poll_s
+        threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch").start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.latest = jobstore.latest_generation(self._store)
+            except Exception:  # noqa: BLE001 - the job store went away: the job is over
+                return
+            time.sleep(self._poll_s)
+
+
+def registry_factory(name: str) -> AdapterFactory:
+    """Create adapter ``name`` through the plugin registry (entry points included), or
+    from a ``module:Class`` target directly (an adapter under development)."""
+
+    def make(ctx: AdapterContext) -> Adapter:
+        if ":" in name:
+            from resihp_core.adapter import AdapterSpec
+
+            cls = AdapterSpec(name, name, Capabilities()).load()
+            return AdapterRegistry._checked(name, cls(ctx))
+        from resihp_core.plugins import Plugins
+
+        return Plugins().adapters().create(name, ctx)
+
+    return make
+
+
+class Worker:
+    """The generation loop of one device, driving one adapter.
+
+    :param factory: builds the adapter from the context (default: the registry entry
+        named by ``job.adapter``).
+    :param watch: notices superseded generations mid-iteration (optional).
+    :param client: the Detector's heartbeat client (optional).
+    """
+
+    def __init__(self, device: int, store: Any, job: JobSpec, *, factory: AdapterFactory | None = None,
+                 watch: GenerationWatch | None = None, client: Any = None) -> None:
+        self.device, self.store, self.job, self.client = device, store, job, client
+        self.faults = FaultInjector(device, job.faults)
+        self.ctx = AdapterContext(device=device, job=job, store=store, faults=self.faults)
+        if watch is not None:
+            self.ctx.superseded = lambda: watch.latest > self.ctx.generation
+        if client is not None:
+            self.ctx.beat = client.beat
+        self.adapter = (factory or registry_factory(job.adapter))(self.ctx)
+        self.plan: ParallelPlan | None = None  # the plan whose layout the adapter's state has
+        self.msg: PlanUpdate | None = None
+        self.iteration = 0  # iterations whose optimizer step this worker applied
+        self.active = False  # in a generation, as an executor, able to run iterations
+        self.program: Any = None
+        self._seen = -1
+        store.set(f"worker/{device}/pid", str(os.getpid()))
+
+    # ------------------------------------------------------------------ factories
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, *, factory: AdapterFactory | None = None) -> Worker:
+        """The worker of this process, from ``RESIHP_STORE``, ``RESIHP_DEVICE`` and
+        ``RESIHP_JOB`` (and ``RESIHP_AGENT_ADDR`` for the Detector's heartbeats)."""
+        env = dict(os.environ if env is None else env)
+        missing = [k for k in ("RESIHP_STORE", "RESIHP_DEVICE", "RESIHP_JOB") if not env.get(k)]
+        if missing:
+            raise RuntimeError(f"not started by a ResiHP launcher: {', '.join(missing)} not set "
+                               "(see docs/worker-protocol.md)")
+        device = int(env["RESIHP_DEVICE"])
+        with open(env["RESIHP_JOB"]) as f:
+            job = JobSpec.from_json(f.read())
+        timeout = max(30.0, job.timeout_s * 3)
+        store = jobstore.connect(env["RESIHP_STORE"], timeout)
+        watch = GenerationWatch(jobstore.connect(env["RESIHP_STORE"], timeout))
+        client = None
+        if env.get("RESIHP_AGENT_ADDR"):
+            from resihp_core.runtime.heartbeat import WorkerClient
+
+            env.setdefault("RESIHP_RANK", str(device))
+            client = WorkerClient.from_env(env).start()
+        return cls(device, store, job, factory=factory, watch=watch, client=client)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Process mode: train until the job stops."""
+        while self.step() is not None:
+            pass
+
+    def step(self) -> IterationResult | None:
+        """Run until one more iteration commits everywhere (entering plan generations as
+        they come) and return its result; None when the job has stopped."""
+        while True:
+            if not self.active:
+                if not self._enter_next():
+                    return None
+                continue
+            if self.iteration >= self.msg.iterations or self._superseded():
+                self.active = False  # wait for the next generation (or the stop)
+                continue
+            result = self._one_iteration()
+            if result is not None:
+                return result
+
+    def _superseded(self) -> bool:
+        return jobstore.latest_generation(self.store) != self.msg.generation
+
+    def _enter_next(self) -> bool:
+        """Wait for a newer generation and enter it; False when it is the stop."""
+        while (g := jobstore.latest_generation(self.store)) <= self._seen:
+            time.sleep(0.002)
+        self._seen = g
+        msg = jobstore.read_plan(self.store, g)
+        self.ctx.generation = g
+        if msg.stop:
+            self._finish()
+            return False
+        if self.device not in msg.devices:
+            return True  # excluded but alive: wait to be brought back
+        self.msg = msg
+        self.active = self._reconfigure(msg)
+        return True
+
+    def _reconfigure(self, msg: PlanUpdate) -> bool:
+        """Enter generation ``msg``: True if this device runs iterations in it."""
+        g, dev, a = msg.generation, self.device, self.adapter
+        t0 = time.perf_counter()
+        _log("generation_entered", dev, generation=g)
+        plan = msg.parsed_plan()
+        if self.iteration > msg.resume:
+            a.rollback()  # stepped an iteration that did not commit everywhere
+        self.iteration = msg.resume
+        t1 = time.perf_counter()
+        if self.client is not None:
+            self.client.set_generation(g, dev)  # the Detector keys workers by device id
+        moved, failed, t2 = 0, None, t1
+        try:
+            a.rebuild_communicators(plan, g, list(msg.devices))
+            t2 = time.perf_counter()
+            if msg.restore is not None:
+                a.load_checkpoint(msg.restore, plan)
+            elif self.plan is None:
+                a.start_fresh(plan)
+            else:
+                moved = a.move_state(self.plan, plan, list(msg.devices))
+        except Exception as e:  # noqa: BLE001 - a peer died during the reconfiguration itself
+            failed = f"{type(e).__name__}: {e}"
+        if failed is not None:
+            # Outside the except block (no traceback pins the groups). The state is the
+            # previous generation's (move_state puts it back on failure): wait for the
+            # generation the Scheduler makes of this new failure.
+            self._left(g, failed, "reconfiguration_failed")
+            return False
+        self.plan = plan
+        t3 = time.perf_counter()
+        self.store.set(f"ctl{g}/ready/{dev}", json.dumps({
+            "seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved,
+        }))
+        if a.where is None:
+            return False  # a standby: wait for a plan that uses it
+        from resihp_core.predictor.schedules import emit_programs
+
+        self.program = {(p.replica, p.stage): p for p in emit_programs(plan)}[a.where[:2]]
+        return True
+
+    def _left(self, generation: int, reason: str, event: str, **kv: Any) -> None:
+        self.store.set(f"ctl{generation}/failed/{self.device}", reason[:500])
+        _log(event, self.device, generation=generation, reason=repr(reason[:200]), **kv)
+        self.adapter.release()
+        self.active = False
+
+    def _one_iteration(self) -> IterationResult | None:
+        a, g, i = self.adapter, self.msg.generation, self.iteration
+        self.faults.at_iteration(i)
+        a.snapshot()
+        failed = None
+        try:
+            result = a.run_iteration(self.program, i)
+        except Exception as e:  # noqa: BLE001 - a peer died: any collective may raise
+            failed = f"{type(e).__name__}: {e}"
+        if failed is not None:
+            a.rollback()  # outside the except block: no traceback pins the broken groups
+            self._left(g, failed, "generation_left", iteration=i)
+            return None
+        # The first iteration of a generation carries one-time costs (allocator, first
+        # touch, fresh sockets): the Detector's healthy model starts after it.
+        if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
+            self.client.send_profile(prof)
+        every = self.job.checkpoint_every
+        if every and self.job.checkpoint_dir and (i + 1) % every == 0 and a.capabilities.checkpoint:
+            # Before the commit: a committed iteration always has its checkpoint, so a
+            # restore may name any committed iteration that is due one.
+            try:
+                a.save_checkpoint(i)
+            except Exception as e:  # noqa: BLE001 - a peer died while gathering shards
+                failed = f"{type(e).__name__}: {e}"
+            if failed is not None:
+                a.rollback()
+                self._left(g, failed, "checkpoint_failed", iteration=i)
+                return None
+        jobstore.put_report(self.store, self._report(result))
+        executors = len(self.plan.devices())
+        verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6)
+        if verdict != jobstore.CommitResult.COMMITTED:
+            a.rollback()
+            a.release()
+            self.active = False
+            return None
+        self.iteration = i + 1
+        return result
+
+    def _report(self, r: IterationResult) -> IterationReport:
+        replica, stage, tp_rank = self.adapter.where
+        first = tp_rank == 0  # one member of a TP group speaks for it
+        mbs = tuple(MicroBatchProfile(owner=o, mb=j, forward_s=f, backward_s=r.backward_s.get((o, j), 0.0))
+                    for (o, j), f in r.forward_s.items())
+        return IterationReport(
+            generation=self.msg.generation, iteration=r.iteration, device=self.device,
+            replica=replica, stage=stage, loss=r.loss if first else 0.0,
+            computed=tuple(r.computed) if first else (), iteration_s=r.iteration_s, comm_s=r.comm_s,
+            forward_s=sum(r.forward_s.values()), backward_s=sum(r.backward_s.values()), microbatches=mbs,
+        )
+
+    def _finish(self) -> None:
+        """The job's end: close the Detector client, dump state if asked, release."""
+        if self.client is not None:
+            self.client.close()
+        if self.job.dump_dir and self.adapter.where is not None and self.plan is not None:
+            import torch
+
+            torch.save({"where": self.adapter.where, "iteration": self.iteration, "plan": self.plan.to_text(),
+                        "state": self.adapter.held_state()},
+                       os.path.join(self.job.dump_dir, f"device{self.device}.pt"))
+        self.adapter.close()
+
+
+def main() -> int:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    worker = Worker.from_env()
+    # Everything imported so far lives for the whole process: keep it out of the
+    # collections that release broken process groups (0.4 s -> milliseconds).
+    gc.freeze()
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The adapter conformance kit: run any adapter through the lifecycle the worker drives,
+and through every capability it declares, against its own fault-free run.
+
+An adapter author calls :func:`check_adapter` (or the pytest fixture in
+:mod:`resihp_core.testing.plugin`) with a job description naming the adapter and a base
+layout. Every scenario starts real worker processes (``resihp_core.runtime.worker``)
+through :class:`~resihp_core.runtime.launcher.LocalJob`, trains a few iterations,
+changes the plan the way the capability promises (with a SIGKILLed peer where that is
+the point), finishes, and compares:
+
+- the full state (every parameter and its optimizer tensors, assembled from the
+  :class:`~resihp_core.adapter.Shard` pieces the workers dump) with the fault-free run
+  of the same adapter, to ``tol`` relative error;
+- the loss of every iteration with the fault-free run's;
+- the micro-batch accounting: every (stage, owner, micro-batch) exactly once per
+  iteration.
+
+Scenarios (``docs/adapters.md``): ``regeneration`` (a new generation of the same plan
+mid-iteration: rollback and an identity move; every adapter), ``killed_peer`` (a peer
+SIGKILLed mid-iteration; the survivors go on with a plan the adapter declares it can
+run, or restore), and one per declared capability: ``tp_resize``, ``layer_repartition``,
+``migration``, ``replica_drop``, ``restore``. A capability declared but failed is a
+:class:`ConformanceError`; a capability not declared is not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import signal
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from resihp_core.adapter import Capabilities
+from resihp_core.job import JobSpec
+from resihp_core.plan import Migration, ParallelPlan, ranges_from_counts
+
+__all__ = ["ConformanceError", "Outcome", "Scenario", "check_adapter", "scenarios", "run_scenario",
+           "capabilities_of"]
+
+
+class ConformanceError(AssertionError):
+    """An adapter did not do what it declares; the message names scenario and tensor."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Train ``switch_at`` iterations on the base plan, optionally SIGKILL ``kill``,
+    switch to ``change(base)`` (restoring the last checkpoint if ``restore``), finish."""
+
+    name: str
+    change: Callable[[ParallelPlan], ParallelPlan]
+    kill: Callable[[ParallelPlan], list[int]] = lambda p: []
+    restore: bool = False
+
+
+@dataclass
+class Outcome:
+    """What a run left: assembled full state, losses and accounting per iteration."""
+
+    state: dict[str, list[Any]]
+    losses: list[float]
+    computed: list[Counter] = field(default_factory=list)
+
+
+def capabilities_of(adapter: str) -> Capabilities:
+    """Declared capabilities of a registered adapter name or a ``module:Class`` target."""
+    if ":" in adapter:
+        module, _, cls = adapter.partition(":")
+        return getattr(importlib.import_module(module), cls).capabilities
+    from resihp_core.plugins import Plugins
+
+    return Plugins().adapters().get(adapter).capabilities
+
+
+# ------------------------------------------------------------------ scenarios
+def _drop_replica(p: ParallelPlan, r: int) -> ParallelPlan:
+    groups = tuple(((),) * p.pp if rr == r else rep for rr, rep in enumerate(p.tp_groups))
+    moves = tuple(Migration(s, r, j, 0 if r else 1) for s in range(p.pp) for j in range(p.num_microbatches))
+    return p.with_(tp_groups=groups, migrations=moves, excluded=frozenset(p.devices()) - frozenset(
+        d for rep in groups for g in rep for d in g))
+
+
+def _shrink_tp(p: ParallelPlan, everywhere: bool) -> ParallelPlan:
+    groups = [list(rep) for rep in p.tp_groups]
+    spare = []
+    for r, rep in enumerate(groups):
+        for s, g in enumerate(rep):
+            if everywhere or (r, s) == (0, 0):
+                rep[s] = g[: len(g) // 2]
+                spare += g[len(g) // 2:]
+    return p.with_(tp_groups=tuple(tuple(r) for r in groups), standbys=tuple(spare))
+
+
+def _fewer_replicas(p: ParallelPlan, lost: list[int]) -> ParallelPlan:
+    """The base layout on the replicas that lost no device, same global batch."""
+    keep = [r for r in range(p.dp) if not set(lost) & {d for g in p.tp_groups[r] for d in g}]
+    total = p.dp * p.num_microbatches
+    if not keep or total % len(keep):
+        raise ConformanceError(f"restore scenario needs the global batch {total} to split over {len(keep)} replicas")
+    return p.with_(tp_groups=tuple(p.tp_groups[r] for r in keep), num_microbatches=total // len(keep),
+                   migrations=(), excluded=frozenset(lost))
+
+
+def scenarios(caps: Capabilities, base: ParallelPlan) -> list[Scenario]:
+    """The scenarios ``caps`` promises on ``base`` (killed peers included)."""
+    last = lambda p: [p.devices()[-1]]  # noqa: E731 - a device of the last replica
+    out = [Scenario("regeneration", lambda p: p)]
+    if caps.tp_resize and max(base.degree(r, s) for r, s in base.executors()) > 1:
+        out.append(Scenario("tp_resize", lambda p: _shrink_tp(p, everywhere=not caps.heterogeneous_tp)))
+    if caps.layer_repartition and base.pp > 1:
+        counts = [b - a for a, b in base.layer_ranges]
+        i = max(range(base.pp), key=lambda s: counts[s])
+        j = (i + 1) % base.pp
+        counts[i], counts[j] = counts[i] - 1, counts[j] + 1
+        out.append(Scenario("layer_repartition", lambda p, c=tuple(counts): p.with_(layer_ranges=ranges_from_counts(list(c)))))
+    if caps.cross_replica_migration and base.dp > 1:
+        m = base.num_microbatches
+        out.append(Scenario("migration", lambda p: p.with_(migrations=tuple(
+            Migration(s, 1, j, 0) for s in range(p.pp) for j in range(m - 1, m)))))
+        out.append(Scenario("replica_drop", lambda p: _drop_replica(p, p.dp - 1),
+                            kill=lambda p: [d for g in p.tp_groups[-1] for d in g]))
+    if caps.checkpoint and base.dp > 1:
+        out.append(Scenario("restore", lambda p: _fewer_replicas(p, last(p)), kill=last, restore=True))
+    if not (caps.cross_replica_migration or caps.checkpoint):
+        raise ConformanceError("the adapter declares no way to survive a killed peer "
+                               "(neither cross_replica_migration nor checkpoint)")
+    return out
+
+
+# ------------------------------------------------------------------ running
+def _assemble(dumps: dict[int, dict]) -> dict[str, list[Any]]:
+    """Full tensors from every worker's shards; replicas of one piece must agree."""
+    import torch
+
+    pieces: dict[str, dict[int, tuple]] = {}
+    meta: dict[str, tuple] = {}
+    for dev, d in sorted(dumps.items()):
+        for name, sh in d["state"].items():
+            have = pieces.setdefault(name, {})
+            meta.setdefault(name, (sh.dim, sh.parts))
+            if (sh.dim, sh.parts) != meta[name]:
+                meta[name] = (sh.dim, 0)  # mixed layouts: assemble each device's share
+            if sh.index in have and not all(torch.equal(a, b) for a, b in zip(have[sh.index], sh.tensors)):
+                raise ConformanceError(f"{name}: piece {sh.index} differs between replicas (device {dev})")
+            have.setdefault(sh.index, sh.tensors)
+    out = {}
+    for name, have in pieces.items():
+        dim, parts = meta[name]
+        if dim is None:
+            out[name] = list(have[0])
+        else:
+            if sorted(have) != list(range(parts)):
+                raise ConformanceError(f"{name}: pieces {sorted(have)} of {parts} held")
+            out[name] = [torch.cat([have[i][k] for i in range(parts)], dim) for k in range(len(have[0]))]
+    return out
+
+
+def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *, iterations: int = 4,
+                 switch_at: int = 2, env: dict[str, str] | None = None, timeout: float = 120.0) -> Outcome:
+    """Run one scenario (None: the fault-free run) with real workers; return its outcome."""
+    import torch
+
+    from resihp_core.runtime.launcher import LocalJob
+
+    dump = tempfile.mkdtemp(prefix="resihp-conformance-")
+    ckpt = tempfile.mkdtemp(prefix="resihp-conformance-ckpt-")
+    spec = dataclasses.replace(job, dump_dir=dump, checkpoint_dir=ckpt,
+                               checkpoint_every=1 if scenario is not None and scenario.restore else 0)
+    with LocalJob(spec.to_json(), base.devices(), env=env) as lj:
+        lj.post(base, iterations=iterations)
+        if scenario is not None:
+            lj.wait(switch_at, timeout=timeout)
+            victims = scenario.kill(base)
+            if victims:
+                time.sleep(0.02)  # inside the next iteration
+                for d in victims:
+                    lj.kill(d, signal.SIGKILL)
+                lj.wait(iterations, timeout=timeout, on_death="return")
+            resume = lj.abort()
+            new = scenario.change(base)
+            lj.post(new, iterations=iterations, resume=resume,
+                    restore=(resume - 1) if scenario.restore and resume > 0 else None)
+        lj.wait(iterations, timeout=timeout)
+        losses, computed = [], []
+        for i in range(iterations):
+            rep = lj.report(i)
+            losses.append(sum(r.loss for r in rep.values()))
+            computed.append(Counter(tuple(c) for r in rep.values() for c in r.computed))
+        lj.close()
+    dumps = {int(f[len("device"):-3]): torch.load(os.path.join(dump, f), weights_only=False)
+             for f in os.listdir(dump)}
+    if not dumps:
+        raise ConformanceError("no worker dumped its state at the end of the job")
+    for dev, d in dumps.items():
+        if d["iteration"] != iterations:
+            raise ConformanceError(f"device {dev} ended at iteration {d['iteration']}, not {iterations}")
+    return Outcome(_assemble(dumps), losses, computed)
+
+
+def _compare(name: str, got: Outcome, want: Outcome, base: ParallelPlan, job: JobSpec, tol: float) -> float:
+    worst = 0.0
+    if set(got.state) != set(want.state):
+        raise ConformanceError(f"{name}: parameters {sorted(set(got.state) ^ set(want.state))} missing or extra")
+    for pname, ts in want.state.items():
+        for k, (a, b) in enumerate(zip(got.state[pname], ts)):
+            if a.shape != b.shape:
+                raise ConformanceError(f"{name}: {pname}[{k}] has shape {tuple(a.shape)}, fault-free {tuple(b.shape)}")
+            err = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+            worst = max(worst, err)
+            if err > tol:
+                raise ConformanceError(f"{name}: {pname} (tensor {k}) differs from the fault-free run "
+                                       f"by {err:.3g} relative (> {tol:g})")
+    for i, (a, b) in enumerate(zip(got.losses, want.losses)):
+        if abs(a - b) > tol * max(abs(b), 1e-30):
+            raise ConformanceError(f"{name}: iteration {i} loss {a!r} != fault-free {b!r}")
+    want_per_stage = job.dp * job.num_microbatches  # a restore may re-split the global batch
+    for i, c in enumerate(got.computed):
+        per_stage = Counter(s for (s, _, _) in c.elements())
+        if any(n != 1 for n in c.values()) or any(n != want_per_stage for n in per_stage.values()):
+            raise ConformanceError(f"{name}: iteration {i} micro-batch accounting {dict(c)}: want every "
+                                   f"(stage, owner, mb) once, {want_per_stage} per stage")
+    return worst
+
+
+def check_adapter(job: JobSpec, base: ParallelPlan, *, only: list[str] | None = None, tol: float = 1e-9,
+                  env: dict[str, str] | None = None, iterations: int = 4,
+                  progress: Callable[[str], None] = lambda line: None) -> dict[str, float]:
+    """Run the fault-free job and every scenario ``job.adapter`` declares; returns the
+    worst relative error per scenario or raises :class:`ConformanceError`."""
+    caps = capabilities_of(job.adapter)
+    violations = caps.violations(base)
+    if violations:
+        raise ConformanceError(f"base plan not runnable by {job.adapter}: {'; '.join(violations)}")
+    todo = [s for s in scenarios(caps, base) if only is None or s.name in only]
+    progress(f"{job.adapter}: fault-free run ({base.dp}x{base.pp}, TP {base.degree(0, 0)})")
+    want = run_scenario(job, base, None, iterations=iterations, env=env)
+    out = {}
+    for sc in todo:
+        new = sc.change(base)
+        bad = caps.violations(new, base) if not sc.restore else caps.violations(new)
+        if bad:
+            raise ConformanceError(f"scenario {sc.name} builds a plan {job.adapter} rules out: {'; '.join(bad)}")
+        progress(f"{job.adapter}: {sc.name}")
+        got = run_scenario(job, base, sc, iterations=iterations, env=env)
+        out[sc.name] = _compare(sc.name, got, want, base, job, tol)
+    return out
