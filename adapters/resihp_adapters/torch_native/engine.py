@@ -132,7 +132,8 @@ class TorchNativeEngine:
 
     def __init__(self, device: int, model: LlamaConfig, data: DataSpec, store: dist.Store, *,
                  shard_degree: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-                 timeout_s: float = 10.0, join_timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 10.0, join_timeout_s: float = 60.0,
+                 global_microbatches: int | None = None) -> None:
         self.device = device
         self.cfg = model
         self.data = data
@@ -153,7 +154,11 @@ class TorchNativeEngine:
         self.schedule = None
         self._lowered: Program | None = None
         self._denom = 1.0
-        self.slowdown = 1.0  # fault injection: >1 stretches every compute chunk
+        self.global_microbatches = global_microbatches  # None: the plan's dp x m
+        self.rank_of: dict[int, int] = {}
+        self.executors_group = None
+        self.stretch: Callable[[float], float] = lambda seconds: seconds  # fault injection
+        self.delay_comm: Callable[[], None] = lambda: None  # fault injection
         self.before_action: Callable[[], None] = lambda: None  # abort checks, heartbeats
         self.last: IterationResult | None = None
         self._kept: tuple[ParallelPlan | None, dict[str, Shards]] = (None, {})
@@ -167,34 +172,46 @@ class TorchNativeEngine:
         if self.module is not None:
             self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.module = self.mesh = None
+        self.executors_group = None
         self._lowered = None
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
 
-    def rebuild(self, plan: ParallelPlan, generation: int) -> None:
-        """New world and meshes for ``plan``; modules are (re)built by :meth:`start_fresh`,
-        :meth:`install` or :meth:`load_checkpoint`."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def rebuild(self, plan: ParallelPlan, generation: int, devices: list[int] | None = None) -> None:
+        """New world and meshes for ``plan`` over ``devices`` (default: the plan's);
+        modules are (re)built by :meth:`start_fresh`, :meth:`move_state` or
+        :meth:`load_checkpoint`. Executors take world ranks ``stage * dp + replica``;
+        devices the plan leaves idle (standbys) follow, so they can still send state."""
+        from torch.distributed.device_mesh import DeviceMesh
 
         check_plan(plan)
         self.release()
         self.plan, self.generation = plan, generation
         self.place = place_of(plan, self.device, self.wanted_shard)
-        if self.place is None:
-            return  # no work in this plan: stays out of the world
+        executors = plan.dp * plan.pp
+        others = sorted(set(devices if devices is not None else plan.devices()) - set(plan.devices()))
+        self.rank_of = {d: place_of(plan, d, self.wanted_shard).rank for d in plan.devices()}
+        self.rank_of.update({d: executors + i for i, d in enumerate(others)})
+        if self.device not in self.rank_of:
+            raise ValueError(f"device {self.device} is not among generation {generation}'s devices")
+        world = len(self.rank_of)
+        rank = self.rank_of[self.device]
         prefix = dist.PrefixStore(f"gen{generation}/", self.store)
         # Survivors arrive late by up to one op timeout (blocked in the dead generation's
         # collective): wait for every member under the long join timeout first, so the
         # short timeout then only bounds the group's own operations.
-        prefix.set(f"joined/{self.place.rank}", str(self.device))
-        prefix.wait([f"joined/{r}" for r in range(plan.dp * plan.pp)], self.join_timeout)
+        prefix.set(f"joined/{rank}", str(self.device))
+        prefix.wait([f"joined/{r}" for r in range(world)], self.join_timeout)
+        k = shard_degree_for(plan.dp, self.wanted_shard)
         with _default_timeout(self.timeout):
-            dist.init_process_group("gloo", store=prefix, rank=self.place.rank,
-                                    world_size=plan.dp * plan.pp, timeout=self.timeout)
-            k = self.place.shard_degree
-            self.mesh = init_device_mesh(
-                "cpu", (plan.pp, plan.dp // k, k), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+            dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world, timeout=self.timeout)
+            # Every rank takes part in creating every sub-group, standbys included.
+            layout = torch.arange(executors).view(plan.pp, plan.dp // k, k)
+            mesh = DeviceMesh("cpu", layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+            self.executors_group = None if world == executors else dist.new_group(
+                list(range(executors)), timeout=self.timeout)
+        self.mesh = mesh if self.place is not None else None
 
     def _layers(self, plan: ParallelPlan, stage: int) -> tuple[int, int]:
         return plan.layer_ranges[stage]
@@ -226,9 +243,9 @@ class TorchNativeEngine:
         self.schedule = None
 
     def _hook_stage(self, stage) -> None:
-        """Run ``before_action`` (abort check, progress beat) before every compute chunk
-        and stretch chunks under injected slowdown; time them for the profile."""
-        fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+        """Run ``before_action`` (abort check, progress beat) before every compute chunk,
+        time chunks for the profile, and apply injected faults: ``stretch`` (compute
+        slowdown) on every chunk, ``delay_comm`` before receives and the reduction."""
         engine = self
 
         def timed(fn, book):
@@ -236,19 +253,25 @@ class TorchNativeEngine:
                 engine.before_action()
                 t0 = time.perf_counter()
                 out = fn(mb, *args, **kwargs)
-                dt = time.perf_counter() - t0
-                if engine.slowdown > 1.0:
-                    time.sleep(dt * (engine.slowdown - 1.0))
-                    dt *= engine.slowdown
+                dt = engine.stretch(time.perf_counter() - t0)
                 res = engine._current
                 if res is not None:
                     getattr(res, book)[mb] = getattr(res, book).get(mb, 0.0) + dt
                 return out
             return run
 
-        stage.forward_one_chunk = timed(fwd, "forward_s")
-        stage.backward_one_chunk = timed(bwd, "backward_s")
-        stage.backward_weight_one_chunk = timed(wgt, "backward_s")
+        def delayed(fn):
+            def run(*args, **kwargs):
+                engine.delay_comm()
+                return fn(*args, **kwargs)
+            return run
+
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, "forward_s")
+        stage.backward_one_chunk = timed(stage.backward_one_chunk, "backward_s")
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "backward_s")
+        stage.get_fwd_recv_ops = delayed(stage.get_fwd_recv_ops)
+        stage.get_bwd_recv_ops = delayed(stage.get_bwd_recv_ops)
+        stage.perform_reduce_grad = delayed(stage.perform_reduce_grad)
 
     _current: IterationResult | None = None
 
@@ -353,16 +376,18 @@ class TorchNativeEngine:
         surviving copy among ``alive`` devices of the new plan."""
         from resihp_adapters.torch_native.reshard import exchange, transfer_plan
 
-        members = set(alive) & set(new_plan.devices())  # only they are in the new world
+        members = set(alive) & set(self.rank_of)  # only they are in the new world
         plan = transfer_plan(self.cfg, old_plan, new_plan, members, self.wanted_shard)
-        if self.place is None:
-            return 0
         kept_plan, kept = self._kept
-        if kept_plan is not None and kept_plan.layer_ranges != old_plan.layer_ranges:
-            raise ValueError(f"device {self.device}: kept shards are not from the old plan")
-        rank_of = {d: place_of(new_plan, d, self.wanted_shard).rank for d in new_plan.devices()}
-        full, nbytes = exchange(self.cfg, plan, self.device, rank_of, kept)
-        self.install(full, step)
+        if place_of(old_plan, self.device, self.wanted_shard) is not None and (
+                kept_plan is None or kept_plan.layer_ranges != old_plan.layer_ranges
+                or kept_plan.location(self.device) != old_plan.location(self.device)):
+            raise ValueError(f"device {self.device}: the shards it kept are not from the old plan")
+        full, nbytes = exchange(self.cfg, plan, self.device, self.rank_of, kept)
+        if self.place is not None:
+            self.install(full, step)
+        else:
+            self.iteration = step
         return nbytes
 
     def full_state(self) -> dict[str, Shards]:
@@ -409,7 +434,8 @@ class TorchNativeEngine:
         self._current = res
         t_iter = time.perf_counter()
         m = plan.num_microbatches
-        self._denom = float(plan.dp * m * self.data.tokens_per_microbatch)
+        total = self.global_microbatches or plan.dp * m
+        self._denom = float(total * self.data.tokens_per_microbatch)
         batches = [micro_batch(self.data, it, place.replica * m + j) for j in range(m)]
         args = [(x,) for x, _ in batches] if place.stage == 0 else None
         targets = [y for _, y in batches] if place.stage == plan.pp - 1 else None
@@ -449,7 +475,7 @@ class TorchNativeEngine:
         if self.module is None:
             return
         self._ensure_optimizer_state()
-        dcp.save(self._state_dicts(), checkpoint_id=path)
+        dcp.save(self._state_dicts(), checkpoint_id=path, process_group=self.executors_group)
 
     def _ensure_optimizer_state(self) -> None:
         """AdamW creates its state lazily; a checkpoint needs every key present."""
@@ -475,7 +501,7 @@ class TorchNativeEngine:
         self._wrap(StageModel(self.cfg, a, b).to(self.cfg.torch_dtype))
         self._ensure_optimizer_state()
         sd = self._state_dicts()
-        dcp.load(sd, checkpoint_id=path)
+        dcp.load(sd, checkpoint_id=path, process_group=self.executors_group)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         set_model_state_dict(self.module, sd["model"], options=opts)
         set_optimizer_state_dict(self.module, self.optimizer, sd["optim"], options=opts)

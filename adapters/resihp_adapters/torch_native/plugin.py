@@ -1,0 +1,42 @@
+"""Entry point ``torch_native``: registers the torch.distributed.pipelining + FSDP2 adapter.
+
+Registration is lazy: this module imports neither torch nor the adapter module. The
+adapter class declares ``capabilities = CAPABILITIES`` from here.
+
+What it promises (each proven by the conformance kit, ``tests/conformance``): any
+layer boundaries between generations (stages are rebuilt, state moves by parameter
+name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), and checkpoints
+(``torch.distributed.checkpoint``, re-sharded onto any later layout). Not promised:
+TP (one device per stage), and work migrated to another replica — a torch pipeline
+schedule drives one replica's pipeline group, so a stage cannot take a micro-batch
+from another replica's previous stage (``docs/torch_native.md``).
+"""
+
+from __future__ import annotations
+
+from resihp_core.adapter import AdapterRegistry, Capabilities
+from resihp_core.hookspecs import hookimpl
+from resihp_core.plan import ScheduleKind
+
+NAME = "torch_native"
+TARGET = "resihp_adapters.torch_native.adapter:TorchNativeAdapter"
+CAPABILITIES = Capabilities(
+    tp_resize=False,
+    heterogeneous_tp=False,
+    layer_repartition=True,
+    cross_replica_migration=False,
+    schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
+    checkpoint=True,
+)
+
+
+@hookimpl(trylast=True)
+def resihp_register_adapters(registry: AdapterRegistry) -> None:
+    """First-party default (``trylast``): a plugin may register its own ``torch_native``."""
+    registry.register(
+        NAME,
+        TARGET,
+        CAPABILITIES,
+        description="torch.distributed.pipelining stages sharded with FSDP2/HSDP (PP x DP)",
+        install_hint="pip install 'resihp[torch]'",
+    )
