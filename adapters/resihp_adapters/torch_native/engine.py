@@ -230,6 +230,7 @@ class TorchNativeEngine:
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
         for block in (*module.layers.values(), module):
             block.set_gradient_divide_factor(1.0)  # sums: the loss carries the global scale
+            block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
         self.module = module
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=self.lr,
                                            weight_decay=self.weight_decay, foreach=False)

@@ -72,6 +72,7 @@ def plain_pipeline_fsdp_run(rank: int, world: int, store: dist.Store, cfg: Llama
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
         for block in (*module.layers.values(), module):
             block.set_gradient_divide_factor(1.0)  # per FSDP module: it is not recursive
+            block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
         opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
         m = num_microbatches
         denom = float(dp * m * data.tokens_per_microbatch)
