@@ -1,4 +1,4 @@
-"""Detector quality and cost: false alarms, detection accuracy and latency, overhead (SPEC §3, §7).
+"""Detector quality and cost: false alarms, detection accuracy and latency, overhead (docs/design.md §3, §7).
 
 Trace-driven. The iteration traces come from the project's own models plus recorded
 real measurements:
@@ -12,7 +12,7 @@ real measurements:
   GPU from FLOP counts (linear at 50 % of peak, attention at 35 %), with the
   predictor's link model (NVSwitch inside a node, 200 Gb/s InfiniBand between) and the
   pipeline DAG simulator: plan (TP, PP, DP) = (4, 2, 2) on 16 GPUs, 1F1B, 8
-  micro-batches per replica (SPEC §7's 7B setting).
+  micro-batches per replica (docs/design.md §7's 7B setting).
 * **noise from recorded real profiles** — forward/backward passes of the reference
   backend's transformer stage (``resihp_adapters.megatron_ref``) are timed on this
   machine for packed variable-length micro-batches; every simulated chunk time is
@@ -23,7 +23,7 @@ real measurements:
 Failures: fail-slow of one device, compute (the device computes slower; its TP group
 follows) or communication (its inter-node link slows: its stage's P2P transfers and its
 stage's DP all-reduce), at weak / medium / strong severity, i.e. the parameter is
-calibrated so the job loses about 35 / 55 / 70 % of its throughput (SPEC §7).
+calibrated so the job loses about 35 / 55 / 70 % of its throughput (docs/design.md §7).
 Fail-stop of a worker (crash, stopped process, stalled progress) and of a whole node
 (silent agent) through the real :class:`FailStopMonitor` logic on a simulated clock,
 with the step timeline of the simulated iterations; plus a **real-process** check
@@ -97,7 +97,7 @@ TARGETS = {
     "overhead_pct_max": 1.0,
 }
 DETECTORS = ("resihp", "resihp_raw", "baseline")
-SEVERITIES = {"weak": 0.35, "medium": 0.55, "strong": 0.70}  # throughput lost (SPEC §7)
+SEVERITIES = {"weak": 0.35, "medium": 0.55, "strong": 0.70}  # throughput lost (docs/design.md §7)
 PROBE_ROUND_S = 0.5  # one compute-probe or link-probe round (assumed)
 PROBE_PAUSE_S = 1.0  # drain and resume the pipeline around probes (assumed)
 PROBE_NOISE = 0.02
@@ -377,7 +377,7 @@ class SimProber:
 def make_detectors(trace: Trace, prober: SimProber, config: DetectorConfig, changepoint: str = "bocpd"
                    ) -> dict[str, Any]:
     """ResiHP (change points on the normalised series, the default), ResiHP watching the
-    raw iteration time (SPEC §3.2 literally), and the Greyhound-like baseline."""
+    raw iteration time (docs/design.md §3.2 literally), and the Greyhound-like baseline."""
     def resihp(series: str) -> WorkloadAwareDetector:
         model = WorkloadModel(plan=trace.plan, topology=trace.topology, shape=trace.shape,
                               warmup_iterations=config.warmup_iterations)

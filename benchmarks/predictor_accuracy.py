@@ -1,4 +1,4 @@
-"""Accuracy of the micro-batch time predictor T = α·N + β·Σ l_i² (SPEC §3.3, §7).
+"""Accuracy of the micro-batch time predictor T = α·N + β·Σ l_i² (docs/design.md §3.3, §7).
 
 Runs real forward/backward passes of the reference LLaMA-style block stack (TP 1, one
 process, one CPU thread) on packed variable-length micro-batches drawn from a
@@ -16,7 +16,7 @@ Measurement discipline (the machine is shared with other jobs):
   on this thread): it excludes the spells when other tenants hold the core. Wall-clock
   results are reported next to it.
 
-Scored on held-out micro-batches: the SPEC's two-term model α·N + β·Σl², the same with
+Scored on held-out micro-batches: the docs/design.md's two-term model α·N + β·Σl², the same with
 a per-document term δ·D (this backend launches attention once per document), and a
 "naive" predictor that ignores document lengths (the mean warm-up time; every
 micro-batch has the same N).
@@ -189,7 +189,7 @@ def run(argv: list[str] | None = None) -> dict[str, object]:
         for i, d in enumerate(details):
             d.update({f"forward{csuf}_s": mf[i], f"backward{csuf}_s": mb[i],
                       f"repeats{csuf}_s": [list(fb) for fb in per_mb[i]]})
-        # The SPEC's two-term model, then with the per-document term δ·D.
+        # The docs/design.md's two-term model, then with the per-document term δ·D.
         for per_doc, msuf in ((False, ""), (True, "_perdoc")):
             suffix = msuf + csuf
             cost = fit_stage([(warm[i], mf[i], mb[i]) for i in range(k)], ref_layers=layers,

@@ -1,6 +1,6 @@
 """Fault injection: one API, ``fail_at(device, iteration, kind)``, and scenario files.
 
-Kinds (SPEC §7):
+Kinds (docs/design.md §7):
 
 - ``kill``: SIGKILL the worker (fail-stop);
 - ``stop``: SIGSTOP the worker (a hang: alive, no progress);

@@ -31,12 +31,19 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Ty
 import pluggy
 
 from resihp_core import hookspecs
-from resihp_core.adapter import (
+from resihp_core.registries import (  # the registries this facade fills (re-exported)
+    BUILTIN_STAGE_ORDER,
+    AdaptationStage,
     AdapterRegistry,
+    CommandRegistry,
+    DataSourceRegistry,
     DuplicateNameError,
+    FactoryRegistry,
+    PluginCommand,
     Registration,
     Registry,
     RegistryError,
+    StageRegistry,
     UnknownNameError,
 )
 from resihp_core.plan import ParallelPlan
@@ -76,13 +83,12 @@ ENV_BLOCK = "RESIHP_BLOCK_PLUGINS"
 
 #: Modules (dotted paths, imported when a :class:`Plugins` is built) that provide the
 #: built-in hook implementations; each implementation must be ``trylast``.
-BUILTINS: list[str] = ["resihp_core.detector.builtin", "resihp_core.scheduler.builtin"]
-
-#: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
-#: The one table of built-in adaptation stages and their order: TP selective exclusion,
-#: PP layer repartition, DP migration, then the TP-level escalation that drops a
-#: still-slow group when that is faster (``resihp_core.scheduler.builtin`` registers them).
-BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300, "drop": 400}
+BUILTINS: list[str] = [
+    "resihp_core.detector.builtin",
+    "resihp_core.scheduler.builtin",
+    "resihp_core.sim.builtin",
+    "resihp_core.data.builtin",
+]
 
 R = TypeVar("R", bound=Registry[Any])
 
@@ -104,77 +110,6 @@ class UnknownHookError(PluginError):
 _HOOK_NAMES = sorted(n for n in vars(hookspecs) if n.startswith("resihp_"))
 
 
-# ------------------------------------------------------------------ registries
-class FactoryRegistry(Registry[Callable[..., Any]]):
-    """Named factories (change-point detectors, verification strategies)."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-
-    def register(self, name: str, factory: Callable[..., Any]) -> None:
-        if not callable(factory):
-            raise RegistryError(f"{self.kind} {name!r}: factory must be callable")
-        self._add(name, factory)
-
-    def create(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Call the factory registered as ``name``."""
-        return self.get(name)(*args, **kwargs)
-
-
-@dataclass(frozen=True)
-class AdaptationStage:
-    """One stage of the progressive planner: ``run(state) -> state``, run by ``order``."""
-
-    name: str
-    run: Callable[..., Any]
-    order: int
-
-
-class StageRegistry(Registry[AdaptationStage]):
-    """The planner's stages; :meth:`ordered` is the sequence the planner runs."""
-
-    kind = "adaptation stage"
-
-    def register(self, name: str, stage: Callable[..., Any], *, order: int | None = None) -> None:
-        """Register ``stage`` as ``name``; ``order`` defaults to the built-in stage's."""
-        if not callable(stage):
-            raise RegistryError(f"{self.kind} {name!r}: stage must be callable")
-        if order is None:
-            if name not in BUILTIN_STAGE_ORDER:
-                raise RegistryError(
-                    f"{self.kind} {name!r} is new: give order= (built-ins: {BUILTIN_STAGE_ORDER})"
-                )
-            order = BUILTIN_STAGE_ORDER[name]
-        self._add(name, AdaptationStage(name, stage, int(order)))
-
-    def ordered(self) -> list[AdaptationStage]:
-        return sorted(self.list(), key=lambda s: (s.order, s.name))
-
-
-@dataclass(frozen=True)
-class PluginCommand:
-    """A ``resihp`` subcommand contributed by a plugin."""
-
-    name: str
-    help: str
-    configure: Callable[[Any], None]
-    run: Callable[[Any], int]
-
-
-class CommandRegistry(Registry[PluginCommand]):
-    """Subcommands plugins add to the ``resihp`` command line."""
-
-    kind = "command"
-
-    def register(self, name: str, help: str, configure: Callable[[Any], None],
-                 run: Callable[[Any], int]) -> None:
-        if not callable(configure) or not callable(run):
-            raise RegistryError(f"{self.kind} {name!r}: configure and run must be callable")
-        self._add(name, PluginCommand(name, help, configure, run))
-
-
-# ----------------------------------------------------------------- the facade
 @dataclass(frozen=True)
 class PluginInfo:
     """A loaded plugin: ``source`` is ``"entry point"``, ``"builtin"`` or ``"direct"``."""
@@ -380,9 +315,19 @@ class Plugins:
         """The planner's stages; run them in ``.ordered()`` order."""
         return self._fill("resihp_register_adaptation_stages", StageRegistry)
 
+    def sim_policies(self) -> FactoryRegistry:
+        """Policies the cluster simulator can compare (``resihp simulate``)."""
+        return self._fill("resihp_register_sim_policies", lambda: FactoryRegistry("simulation policy"))
+
     def commands(self) -> CommandRegistry:
         """Subcommands contributed by plugins (``resihp demo``, ...)."""
         return self._fill("resihp_register_commands", CommandRegistry)
+
+    def data_sources(self) -> DataSourceRegistry:
+        """Data sources a job's ``[data] source`` can name (``synthetic``, ``text``, ...)."""
+        from resihp_core.data import DataSourceRegistry
+
+        return self._fill("resihp_register_data_sources", DataSourceRegistry)
 
     def notify_failure(self, report: FailureReport) -> None:
         self._notify("resihp_failure_reported", report=report)

@@ -7,7 +7,7 @@ compute primitive). Adapters lower primitives into their framework's instruction
 Primitives name micro-batch ``(owner, mb)``: ``owner`` is the replica whose share of
 the global batch the micro-batch belongs to, which differs from the executing replica
 for migrated work. Point-to-point primitives name the *peer replica* executing the
-neighbouring stage of that micro-batch; the adapter maps it to ranks (SPEC §5.1).
+neighbouring stage of that micro-batch; the adapter maps it to ranks (docs/design.md §5.1).
 
 Semantics the checker (and every adapter) relies on: sends are non-blocking
 (buffered/``isend``), receives block until the matching send was issued, and

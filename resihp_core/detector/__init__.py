@@ -1,4 +1,4 @@
-"""The Detector (SPEC §3): fail-stop from heartbeats, fail-slow from change points.
+"""The Detector (docs/design.md §3): fail-stop from heartbeats, fail-slow from change points.
 
 Two independent halves:
 

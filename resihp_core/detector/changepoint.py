@@ -1,4 +1,4 @@
-"""Online change-point detection over the iteration-time series (SPEC §3.2).
+"""Online change-point detection over the iteration-time series (docs/design.md §3.2).
 
 Three detectors behind :class:`~resihp_core.detector.ChangePointDetector`:
 
@@ -16,7 +16,7 @@ Three detectors behind :class:`~resihp_core.detector.ChangePointDetector`:
   reference level and a robust scale (median absolute successive difference) learned
   online. O(1) per update.
 * :class:`GreyhoundChangePoint` — the comparison baseline: BOCPD on the raw series with
-  the published post-processing of Greyhound (SPEC §7): posterior > 0.8, observations
+  the published post-processing of Greyhound (docs/design.md §7): posterior > 0.8, observations
   with |z| > 3 dropped as outliers, change points at least 10 iterations apart and
   shifting the mean by at least 10 %.
 

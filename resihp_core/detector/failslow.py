@@ -4,7 +4,7 @@ Both consume one iteration at a time — the per-rank
 :class:`~resihp_core.protocol.IterationProfile` s of that iteration — and may return a
 :class:`~resihp_core.protocol.FailureReport` inside the :class:`~resihp_core.detector.Detection`.
 
-:class:`WorkloadAwareDetector` (SPEC §3.2)::
+:class:`WorkloadAwareDetector` (docs/design.md §3.2)::
 
     iteration time --> change-point detector --(change)--> predict healthy time of the
     iterations since the change, for their documents and the current plan
@@ -21,7 +21,7 @@ removed from the series and do not count).
 By default the change-point detector watches the iteration time *normalised* by its
 healthy prediction (``series="normalised"``) rather than the raw time: the workload's
 own fluctuation then no longer hides or imitates a slowdown, and the filter above still
-decides what is worth verifying. ``series="raw"`` is the literal reading of SPEC §3.2
+decides what is worth verifying. ``series="raw"`` is the literal reading of docs/design.md §3.2
 (predictions only at change points); the benchmark reports both.
 
 :class:`ChangePointOnlyDetector` is the Greyhound-like baseline: every change point
@@ -189,7 +189,7 @@ class WorkloadAwareDetector(_Base):
         benign stays under watch (see below).
     :param series: what the change-point detector watches: ``"normalised"`` (default)
         the measured / predicted-healthy ratio of every iteration, ``"raw"`` the
-        iteration time itself (SPEC §3.2 read literally; predictions only at change
+        iteration time itself (docs/design.md §3.2 read literally; predictions only at change
         points). Normalising first removes the workload's fluctuation from the series,
         so a slowdown that starts while the documents happen to get shorter is not
         masked; a prediction costs milliseconds on the controller.

@@ -2,7 +2,7 @@
 
 A :class:`FailStopMonitor` is fed events with explicit timestamps (seconds on a
 monotonic clock) and never reads a clock or a socket itself, so every rule is
-unit-testable with a fake clock (SPEC §3.1):
+unit-testable with a fake clock (docs/design.md §3.1):
 
 * **missed beats** — no heartbeat for ``heartbeat_miss_limit`` intervals (plus a
   small grace). If the worker's process is known to be alive (a pid to look at) the

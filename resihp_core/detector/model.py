@@ -1,4 +1,4 @@
-"""The healthy-time model the fail-slow filter and the verification use (SPEC §3.2-3.4).
+"""The healthy-time model the fail-slow filter and the verification use (docs/design.md §3.2-3.4).
 
 A :class:`WorkloadModel` is fitted per plan generation from the profiles of the first
 ``warmup_iterations`` observed iterations: for every executor (replica, stage) the

@@ -1,4 +1,4 @@
-"""Verification: localise a suspected fail-slow to device(s) and a cause (SPEC §3.2).
+"""Verification: localise a suspected fail-slow to device(s) and a cause (docs/design.md §3.2).
 
 Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
 
@@ -30,7 +30,7 @@ Normalised throughput: compute ``p = healthy / measured`` compute time; communic
 ``p`` is the device's link throughput relative to healthy (from the probe), or, when
 the profiles localise it, expected / measured time outside compute.
 
-:class:`GreyhoundVerifier` (``"greyhound"``) is the baseline's (SPEC §7): it profiles
+:class:`GreyhoundVerifier` (``"greyhound"``) is the baseline's (docs/design.md §7): it profiles
 every device — a compute probe on all of them and a link probe per kind of
 communication group — and calls a device a compute straggler above 2x the median
 probe time and a communication straggler above 1.1x. Without a prober it applies the
@@ -263,7 +263,7 @@ class ProfileVerifier:
 
 
 class GreyhoundVerifier:
-    """The baseline's verification (SPEC §7): profile everything, fixed ratio thresholds.
+    """The baseline's verification (docs/design.md §7): profile everything, fixed ratio thresholds.
 
     :param compute_factor: compute straggler above this x the median (2.0).
     :param comm_factor: communication straggler above this x the median (1.1).

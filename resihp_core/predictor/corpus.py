@@ -1,6 +1,6 @@
 """Synthetic variable-length corpus packed into fixed-budget micro-batches.
 
-Why: the micro-batch time predictor (SPEC §3.3) only matters because real corpora have
+Why: the micro-batch time predictor (docs/design.md §3.3) only matters because real corpora have
 long-tailed document lengths. Packing to a fixed token budget N keeps the linear cost
 constant, while attention cost follows Σ l_i² and so varies from micro-batch to
 micro-batch. This module produces such workloads reproducibly, without torch or numpy

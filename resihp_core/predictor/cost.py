@@ -1,6 +1,6 @@
 """Micro-batch compute cost model and link (communication) model.
 
-Why: the fail-slow filter (SPEC §3.2) and the Scheduler's plan search (§3.4, §4) need
+Why: the fail-slow filter (docs/design.md §3.2) and the Scheduler's plan search (§3.4, §4) need
 the *healthy* time of every pipeline chunk for the actual documents of an iteration.
 For a packed micro-batch of N tokens made of documents of lengths l_i with per-document
 causal attention (§3.3)::
@@ -353,7 +353,7 @@ def activation_bytes(tokens: int, hidden: int, dtype_bytes: int = 2) -> int:
 class LinkModel:
     """Latency-bandwidth (α-β) model of intra-node and inter-node links.
 
-    Defaults follow the SPEC's evaluation nodes: NVSwitch inside a node (~300 GB/s,
+    Defaults follow the docs/design.md's evaluation nodes: NVSwitch inside a node (~300 GB/s,
     ~5 µs) and 200 Gb/s InfiniBand between nodes (25 GB/s, ~10 µs), one NIC per GPU.
     """
 
@@ -418,7 +418,7 @@ class LinkModel:
     ) -> float:
         """Activation (or gradient) transfer between stages of TP degrees that may differ.
 
-        SPEC §5.1: with N = max(degrees), the sender splits the tensor into N chunks and
+        docs/design.md §5.1: with N = max(degrees), the sender splits the tensor into N chunks and
         each chunk crosses the link once; the receivers then all-gather inside their
         node. Chunks travel in parallel over per-GPU links; a side with fewer GPUs
         handles ceil(N / its degree) chunks per GPU, which sets the transfer time.

@@ -1,4 +1,4 @@
-"""Healthy iteration time of a plan for an iteration's actual documents (SPEC §3.3-3.4).
+"""Healthy iteration time of a plan for an iteration's actual documents (docs/design.md §3.3-3.4).
 
 :class:`IterationPredictor` turns (plan, workload, device speeds) into the simulator's
 inputs — per-chunk compute from the fitted :class:`~.cost.CostModel`, P2P edges from

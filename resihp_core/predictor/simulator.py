@@ -1,4 +1,4 @@
-"""The pipeline DAG simulator (SPEC §3.4): iteration time of a plan for a workload.
+"""The pipeline DAG simulator (docs/design.md §3.4): iteration time of a plan for a workload.
 
 Vertices are the F/B/W compute chunks of every (stage, micro-batch). Each has at most
 two predecessors: the previous compute on the same executor (resource edge, in the
@@ -50,7 +50,7 @@ class SimResult:
 
     def progress(self, t: float) -> np.ndarray:
         """Forward passes completed by time ``t`` per [stage, executing replica] (local
-        plus migrated-in) — the progress count of the migration heuristic (SPEC §4.3)."""
+        plus migrated-in) — the progress count of the migration heuristic (docs/design.md §4.3)."""
         pp, dp, _ = self.executed_on.shape
         out = np.zeros((pp, dp), dtype=np.int64)
         done = self.finish[F] <= t

@@ -1,4 +1,4 @@
-"""The node agent: the node-local half of the fail-stop detector (SPEC §3.1).
+"""The node agent: the node-local half of the fail-stop detector (docs/design.md §3.1).
 
 One :class:`NodeAgent` per node. It
 

@@ -1,4 +1,4 @@
-"""The controller: the Detector's central part (SPEC §3).
+"""The controller: the Detector's central part (docs/design.md §3).
 
 A :class:`Controller` accepts one persistent, authenticated connection per node agent
 (identity ``agent:<node>``) and

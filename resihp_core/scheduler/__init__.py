@@ -1,4 +1,4 @@
-"""The Scheduler: progressive TP -> PP -> DP adaptation of the parallel plan (SPEC §4).
+"""The Scheduler: progressive TP -> PP -> DP adaptation of the parallel plan (docs/design.md §4).
 
 - :class:`Planner` turns a :class:`~resihp_core.protocol.FailureReport` and the current
   :class:`PlannerState` into a :class:`PlanDecision` (the next plan generation, or a

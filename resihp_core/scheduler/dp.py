@@ -1,4 +1,4 @@
-"""DP adaptation: progress-aware migration of (stage, micro-batch) work (SPEC §4.3).
+"""DP adaptation: progress-aware migration of (stage, micro-batch) work (docs/design.md §4.3).
 
 Objective: the shortest iteration, i.e. the latest DP replica finishing as early as
 possible, with every (stage, micro-batch) run exactly once, dependencies kept (a
@@ -149,7 +149,7 @@ def _replay(
         if not mover.any():
             continue
         # A destination takes extra work only while it keeps room for its own
-        # remaining micro-batches (memory on the destination, SPEC §4.3).
+        # remaining micro-batches (memory on the destination, docs/design.md §4.3).
         room = has & (count + (m - 1 - j) < nmax)
         for s, r in zip(*np.nonzero(mover)):
             # Where would (r, j) finish at stage s on each executor?

@@ -1,4 +1,4 @@
-"""The progressive planner: a failure report in, the next plan generation out (SPEC §4).
+"""The progressive planner: a failure report in, the next plan generation out (docs/design.md §4).
 
 :meth:`Planner.plan` folds the report into the state (fail-stopped devices, compute or
 communication throughputs), then runs the adaptation stages in order — by default the

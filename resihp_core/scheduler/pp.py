@@ -1,4 +1,4 @@
-"""PP adaptation: layer repartition (SPEC §4.2).
+"""PP adaptation: layer repartition (docs/design.md §4.2).
 
 After TP adaptation a stage may still be a straggler; it gets fewer layers and the
 others more. The partition is contiguous and the same for every DP replica, and each
@@ -19,7 +19,7 @@ member's speed and slow links). Two views of ``w_s``:
 subject to ``1 <= L_s <= Lmax_s`` (memory) and ``sum L_s = layers``: binary search
 over the candidate bottleneck values ``L * w_s``; surplus layers are taken back from
 the most loaded stages (ties: the slower stage), which spreads what the straggler
-gives up over the others (SPEC's (4,4,4) -> (5,2,5)).
+gives up over the others (docs/design.md's (4,4,4) -> (5,2,5)).
 
 **Judged by the simulator.** Candidates are simulated, never chosen by formula. With
 thorough effort: the current partition, the min-max partition under each view and

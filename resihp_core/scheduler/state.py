@@ -145,7 +145,7 @@ class PlannerState:
     :param link_speeds: communication fail-slow, link bandwidth fraction per device.
     :param capabilities: what the active adapter can execute.
     :param k_min: the smallest TP degree allowed by configuration (memory may raise it).
-    :param delta: DP migration threshold, in micro-batches of progress (SPEC §4.3).
+    :param delta: DP migration threshold, in micro-batches of progress (docs/design.md §4.3).
     :param previous: the plan deployed before this planning run.
     :param notes: what each stage did, in order (for the decision's reason).
     :param origin_features: the workload features of ``origin`` (restored with it).

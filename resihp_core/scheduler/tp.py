@@ -1,4 +1,4 @@
-"""TP adaptation: selective device exclusion (SPEC §4.1).
+"""TP adaptation: selective device exclusion (docs/design.md §4.1).
 
 For every TP group that has a fail-stopped or slow member, or runs below its nominal
 degree, the stage picks new members from the *pool*: the group's surviving members

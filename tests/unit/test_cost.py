@@ -145,7 +145,7 @@ def test_link_model_arithmetic() -> None:
     assert lm.allreduce(300e9, 4, True) == pytest.approx(2 * 3 / 4 + 2 * 3 * 5e-6)
     assert lm.allgather(300e9, 4, True) == pytest.approx(3 / 4 + 3 * 5e-6)
     assert lm.tp_per_layer(1000, 100, 2, dtype_bytes=2) == pytest.approx(2 * lm.allreduce(2e5, 2, True))
-    # SPEC §5.1: each byte crosses the inter-node link once, split over max(degrees) chunks.
+    # docs/design.md §5.1: each byte crosses the inter-node link once, split over max(degrees) chunks.
     nbytes = 8e9
     equal = lm.stage_p2p(nbytes, 4, 4)
     assert equal == pytest.approx(10e-6 + nbytes / 4 / 25e9 + lm.allgather(nbytes, 4, True))

@@ -1,4 +1,4 @@
-"""The progressive planner (SPEC §4): TP exclusion, PP repartition, DP migration,
+"""The progressive planner (docs/design.md §4): TP exclusion, PP repartition, DP migration,
 escalation, capabilities, plugins — against hand-computed expectations."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from resihp_core.scheduler import (
     tp_stage,
 )
 from resihp_core.scheduler import builtin as scheduler_builtin
-from resihp_core.testing.scheduler_jobs import TOY_FORWARD_S, job_state, toy_state
+from resihp_core.sim.jobs import TOY_FORWARD_S, job_state, toy_state
 from resihp_core.scheduler.tp import drop_stage
 
 F_MS = TOY_FORWARD_S  # one layer of one micro-batch, forward, TP 1 (backward: twice)
@@ -129,7 +129,7 @@ def test_deepspeed_like_adapter_drops_the_group_instead_of_shrinking() -> None:
 
 # ----------------------------------------------------------------------- PP
 def test_minmax_counts_hand_computed() -> None:
-    assert minmax_counts([1, 2, 1], 12) == (5, 2, 5)  # SPEC's (4,4,4) -> (5,2,5)
+    assert minmax_counts([1, 2, 1], 12) == (5, 2, 5)  # docs/design.md's (4,4,4) -> (5,2,5)
     assert minmax_counts([1, 1, 1], 12) == (4, 4, 4)
     assert minmax_counts([1, 1, 1, 1], 10) in {(3, 3, 2, 2), (2, 3, 3, 2), (3, 2, 2, 3)}
     assert minmax_counts([1, 2, 1], 12, limits=[4, 4, 4]) == (4, 4, 4)

@@ -58,7 +58,7 @@ def test_zero_bubble_beats_1f1b(pp, m):
     one = simulate(_uniform(ScheduleKind.ONE_F_ONE_B, pp, m), d1).pipeline_time
     work = m * (f + bi + w)
     assert one - work == pytest.approx((pp - 1) * (f + bi + w))
-    assert zb - work == pytest.approx((pp - 1) * (f + bi - w))  # SPEC §3.4
+    assert zb - work == pytest.approx((pp - 1) * (f + bi - w))  # docs/design.md §3.4
     assert zb < one
 
 

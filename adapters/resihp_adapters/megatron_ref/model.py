@@ -5,7 +5,7 @@ Why it looks like this:
 * **Packed variable-length micro-batches.** A micro-batch is one sequence of N tokens
   made of whole or split documents (``lengths`` sums to N). Attention is causal *within*
   each document and computed per document segment, so its cost really is
-  proportional to Σ l_i² (SPEC §3.3) instead of N² for a dense mask. RoPE positions
+  proportional to Σ l_i² (docs/design.md §3.3) instead of N² for a dense mask. RoPE positions
   restart at 0 for each document.
 * **Exact tensor parallelism.** Column/row-parallel linears and a vocab-parallel
   embedding, LM head and cross-entropy, joined by the usual conjugate autograd pair

@@ -1,16 +1,16 @@
 """Communicators of one plan generation, heterogeneous-TP point-to-point and DP reduction.
 
-Rebuild (SPEC §5.3): every generation gets a fresh default process group rendezvousing
+Rebuild (docs/design.md §5.3): every generation gets a fresh default process group rendezvousing
 under the store prefix ``gen<g>/``, with an explicit short timeout, plus the TP groups
 of every executor and the DP *chunk* groups of every stage. All old groups are
 destroyed and every Python reference to them dropped first: gloo closes sockets only
 when the last reference goes, and peers blocked on a dead generation only fail fast
-once their neighbours actually close (ENVIRONMENT.md).
+once their neighbours actually close (docs/design.md §5.3).
 
-P2P (SPEC §5.1): between a sender TP group of degree ks and a receiver group of degree
+P2P (docs/design.md §5.1): between a sender TP group of degree ks and a receiver group of degree
 kr, with N = max(ks, kr) the tensor is split into N chunks along tokens; chunk i goes
 once from sender ``i*ks//N`` to receiver ``i*kr//N``; receivers then all-gather inside
-their group. DP reduction (SPEC §5.2): with K the largest TP degree among a stage's
+their group. DP reduction (docs/design.md §5.2): with K the largest TP degree among a stage's
 replicas, chunk c of every parameter is reduced by the group holding it in each
 replica — the finest common sharding — so replicas of different TP degree stay exact.
 """
@@ -95,7 +95,7 @@ def p2p_tag(kind: int, stage: int, owner: int, mb: int, chunk: int, plan: Parall
 
 def send_chunks(x: Tensor, src_group: tuple[int, ...], my_tp: int, dst_group: tuple[int, ...],
                 comms: Communicators, tag: int) -> None:
-    """Issue (non-blocking) this sender's chunks of ``x`` per the SPEC §5.1 rule."""
+    """Issue (non-blocking) this sender's chunks of ``x`` per the docs/design.md §5.1 rule."""
     ks, kr = len(src_group), len(dst_group)
     n = max(ks, kr)
     parts = x.chunk(n, 0)
