@@ -18,7 +18,18 @@ import torch.distributed as dist
 from resihp_adapters.torch_native.data import DataSpec, micro_batch
 from resihp_adapters.torch_native.model import LlamaConfig, build_stage, loss_sum
 
-__all__ = ["plain_pipeline_fsdp_run", "single_process_run"]
+__all__ = ["plain_pipeline_fsdp_run", "reference_losses", "single_process_run"]
+
+
+def reference_losses(job, iterations: int) -> list[float]:
+    """Fault-free losses of ``job`` (a :class:`~resihp_core.job.JobSpec`) in one process:
+    ``job.dp x job.num_microbatches`` micro-batches per iteration, whatever the plan."""
+    from resihp_adapters.torch_native.adapter import parse_config
+
+    torch.set_num_threads(1)
+    c = parse_config(job.adapter_config, job.seed)
+    return single_process_run(c["model"], c["data"], [job.dp * job.num_microbatches] * iterations,
+                              lr=c["lr"], weight_decay=c["weight_decay"])[1]
 
 
 def single_process_run(cfg: LlamaConfig, data: DataSpec, microbatches: list[int], *,
