@@ -109,3 +109,16 @@ def test_registration_is_lazy():
             "assert spec.capabilities.layer_repartition and not spec.capabilities.cross_replica_migration; "
             "assert 'torch' not in sys.modules, 'registration imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_resihp_plugins_lists_the_adapter_with_its_capabilities(capsys):
+    import json
+
+    from resihp_core.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    rep = {a["name"]: a for a in json.loads(capsys.readouterr().out)["adapters"]}
+    caps = rep["torch_native"]["capabilities"]
+    assert caps == {"tp_resize": False, "heterogeneous_tp": False, "layer_repartition": True,
+                    "cross_replica_migration": False, "schedules": ["1f1b", "gpipe", "zbh1"],
+                    "checkpoint": True}
