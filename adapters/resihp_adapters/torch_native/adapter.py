@@ -159,6 +159,9 @@ class TorchNativeAdapter(Adapter):
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """The state after ``iteration``, re-sharded by DCP onto ``plan``'s layout."""
+        if iteration < 0:  # before the first committed iteration: the initial weights
+            self.engine.start_fresh()
+            return
         self.engine.load_checkpoint(self._path(iteration), iteration + 1)
 
     def close(self) -> None:

@@ -377,8 +377,18 @@ class TorchNativeEngine:
         surviving copy among ``alive`` devices of the new plan."""
         from resihp_adapters.torch_native.reshard import exchange, transfer_plan
 
+        from resihp_adapters.torch_native.reshard import StateLost
+
         members = set(alive) & set(self.rank_of)  # only they are in the new world
-        plan = transfer_plan(self.cfg, old_plan, new_plan, members, self.wanted_shard)
+        try:
+            plan = transfer_plan(self.cfg, old_plan, new_plan, members, self.wanted_shard)
+        except StateLost:
+            if step != 0:
+                raise
+            plan = None  # nothing trained yet: the seeded initial weights are the state
+        if plan is None:
+            self.start_fresh()
+            return 0
         kept_plan, kept = self._kept
         if place_of(old_plan, self.device, self.wanted_shard) is not None and (
                 kept_plan is None or kept_plan.layer_ranges != old_plan.layer_ranges
