@@ -65,9 +65,14 @@ Chunks = dict[tuple[int, int, int], tuple[float, float]]  # (replica, stage, mb)
 
 # ------------------------------------------------------------------ record
 def worst_window(cfg: Config, width: int) -> int:
-    """First iteration of the ``width``-iteration window whose two halves differ most in
-    attention work (the slowest replica's Σ l² per iteration): the sharpest length
-    shift the corpus has in this order. Lengths only: cheap, no model."""
+    """First iteration of the ``width``-iteration window whose second half has the most
+    attention work over its first half (the slowest replica's Σ l² per iteration): the
+    sharpest *rise* in cost the corpus has in this order. A rise is the hard case: the
+    warm-up is fitted on cheap (many short documents) iterations, and the expensive ones
+    that follow look like a slowdown to a detector blind to lengths. (A packed
+    micro-batch costs at most one N-token document's attention, so most shifts of a
+    real corpus go down, which no threshold mistakes for a slowdown.) Lengths only:
+    cheap, no model."""
     from resihp_core.data import create_source
 
     tr, par = cfg.training, cfg.parallel
@@ -81,7 +86,7 @@ def worst_window(cfg: Config, width: int) -> int:
     half = width // 2
     best, start = -1.0, 0
     for a in range(0, max(1, epoch - width)):
-        d = abs(statistics.mean(work[a:a + half]) - statistics.mean(work[a + half:a + width]))
+        d = statistics.mean(work[a + half:a + width]) - statistics.mean(work[a:a + half])
         if d > best:
             best, start = d, a
     return start
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, help="timings per chunk, minimum kept (default 2; quick 1)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="what a chunk's time is")
     ap.add_argument("--scenarios", default="shuffled,path", help="shuffled (the config's order) and/or path "
-                    "(unshuffled, the window with the sharpest length shift)")
+                    "(unshuffled, the window with the sharpest rise in attention work)")
     ap.add_argument("--slow-factor", type=float, default=WEAK, help="power check: chunk-time factor of the slow "
                     "device (default 1.54, docs/design.md's weak severity)")
     ap.add_argument("--slow-at", type=int, help="iteration of the power check's slowdown (default: 2/3 in)")
@@ -314,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         load1 = os.getloadavg()
         tr = sc.training
         print(f"\n== {name}: documents in {'seeded shuffled' if name == 'shuffled' else 'path'} order, iterations "
-              f"{first}-{first + iterations - 1}{' (the sharpest length shift of the epoch)' if name == 'path' else ''}")
+              f"{first}-{first + iterations - 1}{' (the sharpest rise in attention work of the epoch)' if name == 'path' else ''}")
         print(f"corpus: {sc.data.section()}  N={tr.token_budget}  plan PP{plan.pp} x DP{plan.dp}, "
               f"m={plan.num_microbatches}; recorded in {rec_s:.0f} s ({a.clock} time, min of {repeats}); "
               f"load average {load0[0]:.1f} -> {load1[0]:.1f}")

@@ -577,7 +577,10 @@ def real_failstop(config: DetectorConfig) -> dict[str, Any]:
         addr = agent.stdout.readline().strip()  # type: ignore[union-attr]
         workers = []
         for r in range(4):
-            e = dict(env, RESIHP_AGENT_ADDR=addr, RESIHP_RANK=str(r), RESIHP_DEVICE=str(r))
+            from resihp_core.protocol import node_credential
+
+            e = dict(env, RESIHP_SECRET=node_credential(secret, 0), RESIHP_AGENT_ADDR=addr,
+                     RESIHP_RANK=str(r), RESIHP_DEVICE=str(r))
             args = [sys.executable, "-m", "resihp_core.testing.synthetic", "--iterations", "0",
                     "--microbatches", "4", "--alpha", "1e-5"]
             if r == 2:
@@ -701,7 +704,10 @@ def measure_overhead(iteration: Callable[[Callable[[int, int], None], int], Iter
                                   env=env, stdout=subprocess.PIPE, text=True)
             procs.append(ag)
             agent_address = ag.stdout.readline().strip()  # type: ignore[union-attr]
-        client = WorkerClient(agent_address, secret, rank=0, device=0, interval=interval).start()
+        from resihp_core.protocol import node_credential
+
+        # The agent of node 0 accepts workers holding node 0's credential.
+        client = WorkerClient(agent_address, node_credential(secret, 0), rank=0, device=0, interval=interval).start()
         clock = time.pthread_getcpuclockid(client._thread.ident)  # type: ignore[union-attr]
         calls = [0, 0]  # beat() and send_profile() calls in "on" iterations
 

@@ -41,6 +41,7 @@ __all__ = [
     "TrainingConfig",
     "ENV_PREFIX",
     "load_config",
+    "memory_estimate",
 ]
 
 ENV_PREFIX = "RESIHP_"
@@ -240,7 +241,8 @@ class RuntimeConfig(_Section):
 
     SECTION: ClassVar[str] = "runtime"
 
-    controller_host: str = _opt("127.0.0.1", _nonempty)
+    controller_host: str = _opt("127.0.0.1", _nonempty, lambda v: None if not any(c.isspace() or c in "/@" for c in v)
+                                else "must be a host name or address (no spaces, '/' or '@')")
     controller_port: int = _opt(29400, _between(0, 65535))  # 0 = any free port
     secret: str = _opt("", secret=True)
     nodes: int = _opt(1, _ge(1))
@@ -249,6 +251,9 @@ class RuntimeConfig(_Section):
     backend: Literal["gloo", "nccl"] = _opt("gloo")  # the workers' collectives (NCCL on GPUs)
     metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
     metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint
+    # Interface name (e.g. "eth0") or local address every node's workers bind their
+    # collectives (gloo, NCCL) to; "" = the interface each agent reaches the controller on.
+    interface: str = _opt("")
 
 
 @dataclass(frozen=True)
@@ -370,8 +375,26 @@ class Config:
                 path="parallel.dp",
                 value=p.dp,
             )
+        if p.world_size < devices:
+            raise ConfigError(
+                f"tp x pp x dp = {p.world_size} devices, but runtime.nodes x runtime.devices_per_node "
+                f"= {devices}: {devices - p.world_size} device(s) would never be used",
+                path="parallel.dp",
+                value=p.dp,
+            )
         if self.scheduler.k_min > p.tp:
             raise ConfigError(f"must be <= parallel.tp = {p.tp}", path="scheduler.k_min", value=self.scheduler.k_min)
+        need = memory_estimate(self)
+        budget = self.scheduler.device_memory_gib * 2**30
+        if need["total"] > budget:
+            raise ConfigError(
+                f"the model cannot fit: about {need['total'] / 2**30:.3g} GiB per device (parameters "
+                f"{need['parameters'] / 2**30:.3g}, gradients and optimizer state "
+                f"{need['optimizer'] / 2**30:.3g}, activations {need['activations'] / 2**30:.3g}) but "
+                f"scheduler.device_memory_gib = {self.scheduler.device_memory_gib:g}; make model.hidden, "
+                f"model.layers, model.vocab or training.token_budget smaller, or parallel.tp / parallel.pp larger",
+                path="model.hidden", value=m.hidden,
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Config:
@@ -394,6 +417,26 @@ class Config:
                 lines.append(f"{key} = {_toml_value(v)}")
             lines.append("")
         return "\n".join(lines)
+
+
+def memory_estimate(cfg: Config) -> dict[str, float]:
+    """Bytes one device needs for the configured model and layout, an upper estimate:
+    its share of the parameters (its stage's layers over TP, plus embedding and output),
+    their gradients and Adam's two moments, and the activations of every micro-batch
+    of the iteration in flight (GPipe's worst case), attention scores included."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    width = 8 if t.dtype == "float64" else 4
+    h, ffn = m.hidden, m.ffn
+    layers = -(-m.layers // p.pp)
+    per_layer = 4 * h * h + 3 * h * ffn + 2 * h
+    params = (layers * per_layer + (2 if p.pp == 1 else 1) * m.vocab * h) / p.tp
+    tokens = t.microbatches * t.token_budget
+    # ~ a dozen hidden-sized tensors and the FFN's inner ones per token and layer, plus
+    # the attention scores (token_budget^2 per head and micro-batch).
+    acts = layers * (tokens * (12 * h + 3 * ffn) + t.microbatches * m.heads * t.token_budget**2) / p.tp
+    out = {"parameters": params * width, "optimizer": 3 * params * width, "activations": acts * width}
+    out["total"] = sum(out.values())
+    return out
 
 
 def _toml_value(v: Any) -> str:

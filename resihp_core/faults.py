@@ -23,6 +23,7 @@ independent of the launcher. Repairs are the runtime's business (:func:`repairs`
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -55,14 +56,22 @@ class Fault:
     delay_s: float = 0.0  # comm
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise FaultError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.device < 0 or self.iteration < 0:
-            raise FaultError(f"fault {self.kind}: device and iteration must be >= 0")
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise FaultError(f'"kind" = {self.kind!r}: not one of {", ".join(KINDS)}')
+        for name in ("device", "iteration"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise FaultError(f'"{name}" = {v!r}: expected an integer')
+            if v < 0:
+                raise FaultError(f'"{name}" = {v!r}: must be >= 0')
+        for name in ("factor", "delay_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise FaultError(f'"{name}" = {v!r}: expected a finite number')
         if self.kind == "slow" and not self.factor > 1.0:
-            raise FaultError(f"slow fault on device {self.device}: factor must be > 1, got {self.factor}")
+            raise FaultError(f'"factor" = {self.factor!r}: factor must be > 1 for a slow fault')
         if self.kind == "comm" and not self.delay_s > 0:
-            raise FaultError(f"comm fault on device {self.device}: delay_s must be > 0")
+            raise FaultError(f'"delay_s" = {self.delay_s!r}: delay_s must be > 0 for a comm fault')
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,9 +86,24 @@ def fail_at(device: int, iteration: int, kind: str, *, factor: float | None = No
     return Fault(device, iteration, kind, factor if factor is not None else 1.0, delay_s)
 
 
-def load_scenario(path: str | Path | Iterable[dict]) -> list[Fault]:
+def _typed(e: dict, name: str, kinds: tuple[type, ...], what: str, default: object = None) -> object:
+    if name in e and e[name] is None:
+        raise FaultError(f'"{name}" = null: expected {what}')
+    v = e.get(name, default)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, kinds)):
+        raise FaultError(f'"{name}" = {v!r}: expected {what}')
+    return v
+
+
+def load_scenario(path: str | Path | Iterable[dict], *, devices: Iterable[int] | None = None,
+                  iterations: int | None = None) -> list[Fault]:
     """Faults from a JSON file (a list of objects with ``device``, ``iteration``,
-    ``kind`` and optionally ``severity``/``factor``/``delay_s``) or from such a list."""
+    ``kind`` and optionally ``severity``/``factor``/``delay_s``) or from such a list.
+
+    Every field is checked with a message naming the entry and the field; with
+    ``devices`` (the job's device ids) and ``iterations`` (the job's length) a fault
+    on a device the job does not have, or at an iteration it never reaches, is refused.
+    """
     if isinstance(path, (str, Path)):
         try:
             entries = json.loads(Path(path).read_text())
@@ -89,6 +113,7 @@ def load_scenario(path: str | Path | Iterable[dict]) -> list[Fault]:
         entries = list(path)
     if not isinstance(entries, list):
         raise FaultError("a scenario is a JSON list of faults")
+    known = None if devices is None else set(devices)
     out = []
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
@@ -97,14 +122,36 @@ def load_scenario(path: str | Path | Iterable[dict]) -> list[Fault]:
         if unknown:
             raise FaultError(f"scenario entry {i}: unknown field(s) {sorted(unknown)}")
         try:
-            out.append(fail_at(int(e["device"]), int(e["iteration"]), str(e["kind"]),
-                               factor=e.get("factor"), severity=e.get("severity"),
-                               delay_s=float(e.get("delay_s", 0.0))))
-        except KeyError as k:
-            raise FaultError(f"scenario entry {i}: missing field {k}") from None
+            missing = [k for k in ("device", "iteration", "kind") if k not in e]
+            if missing:
+                raise FaultError(f"missing field '{missing[0]}'")
+            device = _typed(e, "device", (int,), "an integer device id")
+            iteration = _typed(e, "iteration", (int,), "an integer iteration")
+            kind = _typed(e, "kind", (str,), f"one of {', '.join(KINDS)}")
+            severity = _typed(e, "severity", (str,), f"one of {', '.join(SEVERITY_LOSS)}")
+            factor = _typed(e, "factor", (int, float), "a number")
+            delay_s = _typed(e, "delay_s", (int, float), "a number", 0.0)
+            if severity is not None and factor is not None:
+                raise FaultError('give "severity" or "factor", not both')
+            if severity is not None and severity not in SEVERITY_LOSS:
+                raise FaultError(f'"severity" = {severity!r}: not one of {", ".join(SEVERITY_LOSS)}')
+            fault = fail_at(device, iteration, kind, factor=None if factor is None else float(factor),  # type: ignore[arg-type]
+                            severity=severity, delay_s=float(delay_s))  # type: ignore[arg-type]
+            if known is not None and fault.device not in known:
+                raise FaultError(f'"device" = {fault.device}: not a device of the job '
+                                 f'(devices {_ranges(sorted(known))})')
+            if iterations is not None and fault.iteration >= iterations:
+                raise FaultError(f'"iteration" = {fault.iteration}: the job runs iterations 0-{iterations - 1}')
+            out.append(fault)
         except FaultError as fe:
             raise FaultError(f"scenario entry {i}: {fe}") from None
     return out
+
+
+def _ranges(ids: list[int]) -> str:
+    if ids and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ", ".join(map(str, ids))
 
 
 def worker_faults(faults: Iterable[Fault]) -> list[dict]:

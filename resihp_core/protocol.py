@@ -81,6 +81,7 @@ __all__ = [
     "LaunchWorkers",
     "SignalWorker",
     "WorkerProcess",
+    "NodeRejoin",
     "Message",
     "MESSAGE_TYPES",
     "encode",
@@ -336,6 +337,15 @@ class WorkerProcess(_Msg, tag="process"):
     pid: NonNeg = 0
     returncode: int | None = None
     error: str = ""
+    address: ShortText = ""  # the local address its collectives bind to ("" = the library's default)
+
+
+class NodeRejoin(_Msg, tag="rejoin"):
+    """Agent -> controller: this node is back after it lost the controller (a partition
+    healed); it fenced its stale workers, so ``devices`` are free to be planned in again."""
+
+    node: NonNeg
+    devices: tuple[NonNeg, ...] = ()
 
 
 class Ack(_Msg, tag="ack"):
@@ -368,6 +378,7 @@ Message = Union[
     LaunchWorkers,
     SignalWorker,
     WorkerProcess,
+    NodeRejoin,
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 

@@ -183,6 +183,9 @@ class VerificationContext:
     prober: Prober | None = None
     plan: ParallelPlan | None = None
     threshold: float = 0.25
+    # Per device: how much its node's CPU contention (a probe outside the job) rose from
+    # before the change to these iterations; absent = not measured (detector/environment.py).
+    environment: Mapping[int, float] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -215,7 +218,9 @@ class Detection:
     ``action``: ``"none"`` (no change point), ``"warmup"`` (the model is still being
     fitted, or the iteration was skipped), ``"suppressed"`` (a change point too close to
     the previous retained one), ``"benign"`` (filtered out by the predictor),
-    ``"cleared"`` (verified, nothing found: a false alarm), ``"reported"``.
+    ``"cleared"`` (verified, nothing found: a false alarm), ``"pending"`` (a change too
+    young to verify, looked at again next iteration), ``"faded"`` (the slowdown
+    was gone by the end of its verification window: nothing to verify), ``"reported"``.
     """
 
     iteration: int

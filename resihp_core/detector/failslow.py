@@ -53,6 +53,7 @@ from resihp_core.detector import (
     VerificationStrategy,
     Verdict,
 )
+from resihp_core.detector.environment import environment_change
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 
 if TYPE_CHECKING:
@@ -109,6 +110,20 @@ class _Base:
         self._obs = 0
         self._reported: dict[tuple[int, str], float] = {}
         self._last_retained: int | None = None
+        self._env: dict[int, Mapping[int, float]] = {}  # iteration -> device -> node contention
+
+    def note_environment(self, iteration: int, contention: Mapping[int, float]) -> None:
+        """The CPU contention of each device's node (a probe outside the job) when
+        ``iteration`` completed; verification compares it before and after a change."""
+        self._env[iteration] = dict(contention)
+        if len(self._env) > 2 * self._history_len:
+            for k in sorted(self._env)[: len(self._env) - self._history_len]:
+                del self._env[k]
+
+    def _environment(self, onset: int) -> dict[int, float]:
+        after = [self._env[it] for it, _, _ in self._hist if it >= onset and it in self._env]
+        before = [self._env[it] for it, _, _ in self._hist if it < onset and it in self._env][-8:]
+        return environment_change(before, after) if after and before else {}
 
     def _feed(self, iteration: int, measured: float) -> Any:
         self._fed.append((self._obs, iteration))
@@ -128,10 +143,10 @@ class _Base:
         return self._fed[-1][0]
 
     def _verify(self, iterations: list[ProfileSet], before: list[ProfileSet], model: object | None,
-                threshold: float) -> Verdict:
+                threshold: float, environment: Mapping[int, float] | None = None) -> Verdict:
         ctx = VerificationContext(
             generation=self.generation, iterations=iterations, before=before, model=model,
-            prober=self.prober, plan=self.plan, threshold=threshold,
+            prober=self.prober, plan=self.plan, threshold=threshold, environment=environment or {},
         )
         t0 = time.process_time()
         verdict = self.verifier.verify(ctx)
@@ -194,6 +209,9 @@ class WorkloadAwareDetector(_Base):
         so a slowdown that starts while the documents happen to get shorter is not
         masked; a prediction costs milliseconds on the controller.
     :param skip_first: iterations of each generation ignored (start-up, compilation).
+    :param verify_window: iterations since the onset a change must span before it is
+        verified (the onset included: 3 keeps the detection latency <= 3 iterations);
+        one whose last iteration is healthy again has faded and is not verified.
 
     A change judged benign is removed from the series (the detector is rebased) but
     stays under watch for ``min_gap`` iterations: if the median ratio since its onset
@@ -219,9 +237,11 @@ class WorkloadAwareDetector(_Base):
         generation: int = 0,
         plan: ParallelPlan | None = None,
         clock: Callable[[], float] = time.time,
+        verify_window: int = 3,
     ) -> None:
-        if not slow_threshold > 0 or min_gap < 1:
-            raise ValueError("need slow_threshold > 0 and min_gap >= 1")
+        if not slow_threshold > 0 or min_gap < 1 or verify_window < 1:
+            raise ValueError("need slow_threshold > 0, min_gap >= 1 and verify_window >= 1")
+        self.verify_window = verify_window
         if series not in ("normalised", "raw"):
             raise ValueError(f"series must be 'normalised' or 'raw', got {series!r}")
         self.slow_threshold, self.min_gap, self.series = slow_threshold, min_gap, series
@@ -367,7 +387,24 @@ class WorkloadAwareDetector(_Base):
                        ratio: float, predicted: float | None) -> Detection:
         self._watch = None
         after, before = self._window(onset)
-        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold)
+        if len(after) < self.verify_window:
+            # Too early to tell a lasting slowdown from a blip: look again next iteration.
+            self._watch = (onset, iteration + max(self.min_gap, self.verify_window))
+            return Detection(iteration, measured, "pending", cp, predicted, ratio, onset=onset)
+        if self.verify_window >= 2:
+            # A slowdown that is over by the end of its verification window (a short
+            # burst of load) is no device failure; keep watching in case it returns.
+            it, m, ps = after[-1]
+            try:
+                last = m / self.predict_healthy(it, ps)
+            except ModelNotReady:
+                last = ratio
+            if last <= 1.0 + self.slow_threshold:
+                self._watch = (onset, iteration + self.min_gap)
+                return Detection(iteration, measured, "faded", cp, predicted, ratio, onset=onset,
+                                 notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
+        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
+                               self._environment(onset))
         self._last_retained = iteration
         if not verdict.confirmed:
             return Detection(iteration, measured, "cleared", cp, predicted, ratio, verdict, onset=onset)

@@ -6,6 +6,11 @@ Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
 iterations since the change point and the healthy model, and probes only where the
 profiles cannot decide:
 
+0. **environment** — a slowdown is not a device failure when the CPU contention a probe
+   outside the job measured on the suspect's node rose as much
+   (:mod:`~resihp_core.detector.environment`), or when executors of different stages
+   slowed at once (one device slows only its own executor).
+
 1. **compute** — each rank's measured compute (Σ forward + backward of its
    micro-batches) over its healthy prediction for the same documents gives a slowdown
    ``q``. Executors (replica, stage) with ``q > 1 + compute_margin`` and at least half
@@ -129,6 +134,9 @@ class ProfileVerifier:
         holding at least half of the largest excess are at most this fraction of all.
     :param share: an executor is a compute suspect only if its excess slowdown is at
         least this fraction of the worst executor's.
+    :param env_margin: a compute suspect is the environment's doing when its node's CPU
+        contention (a probe outside the job, ``ctx.environment``) rose by more than
+        ``compute_margin`` and its slowdown is at most this much above that rise.
     :param explain: compute suspects must account for at least this fraction of the
         iteration's excess over its prediction (in seconds); otherwise the slowdown is
         elsewhere (communication) and a little compute noise on some rank must not be
@@ -146,12 +154,14 @@ class ProfileVerifier:
         concentrated: float = 0.25,
         share: float = 0.5,
         explain: float = 0.3,
+        env_margin: float = 0.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin)):
             if not 0 < v < 1:
                 raise ValueError(f"{n} must be in (0, 1), got {v!r}")
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
         self.concentrated, self.share, self.explain = concentrated, share, explain
+        self.env_margin = env_margin
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -169,12 +179,34 @@ class ProfileVerifier:
             ex: ranks for ex, ranks in groups.items()
             if worst[ex] > 1 + self.compute_margin and worst[ex] - 1 >= self.share * (top - 1)
         }
+        env = ctx.environment
+        explained = {
+            ex: ranks for ex, ranks in suspects.items()
+            if env and all(env.get(t.device[r], 0.0) > 1 + self.compute_margin
+                           and t.q(r) <= env[t.device[r]] * (1 + self.env_margin) for r in ranks)
+        }
+        if explained:
+            if len(explained) == len(suspects):
+                return Verdict({}, "unknown", "the slowdown matches the CPU contention a probe outside the job "
+                               "measured on the same nodes (" + ", ".join(
+                                   f"replica {ex[0]} stage {ex[1]}: compute {worst[ex]:.2f}x, node contention "
+                                   f"{max(env[t.device[r]] for r in ranks):.2f}x"
+                                   for ex, ranks in sorted(explained.items())) + "): the environment, not a device")
+            suspects = {ex: ranks for ex, ranks in suspects.items() if ex not in explained}
         if len(groups) >= 2 and len(suspects) == len(groups) and top <= min(worst.values()) * (1 + self.spread):
             # Every executor equally slow: the machine or cluster slowed (other jobs, a
             # shared-power cap), not a device; no plan would run faster around it.
             return Verdict({}, "unknown", "every executor is equally slow in compute ("
                            + ", ".join(f"{q:.2f}x" for q in sorted(worst.values()))
                            + "): an environment-wide slowdown, no device to plan around")
+        if len(suspects) >= 2:
+            # One slow device slows one executor (its TP group) in compute; several
+            # executors (of different stages, or replicas) slowing at the same iteration
+            # point at what they share: the machine, not a device.
+            stages = len({s for _, s in suspects})
+            return Verdict({}, "unknown", f"{len(suspects)} executors of {stages} stage(s) slowed at once ("
+                           + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(suspects))
+                           + "): the environment, not a device")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
         explained = max((t.measured[r] - t.predicted[r] for ranks in suspects.values() for r in ranks), default=0.0)
         if suspects and (excess <= 0 or explained >= self.explain * excess):
@@ -193,7 +225,9 @@ class ProfileVerifier:
             if len(ranks) == 1:
                 r = ranks[0]
                 slow[t.device[r]] = _clip_p(1.0 / qs[r])
-                notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}")
+                env = ctx.environment.get(t.device[r])
+                notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}"
+                             + (f" (its node's CPU contention {env:.2f}x)" if env is not None else ""))
                 continue
             lo = min(qs.values())
             if max(qs.values()) > lo * (1 + self.spread):

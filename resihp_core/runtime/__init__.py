@@ -3,16 +3,20 @@
 * :mod:`.heartbeat` — :class:`~.heartbeat.WorkerClient`, used inside a worker: liveness
   beats with progress and per-iteration profiles to the node agent, from a background
   thread (``beat()`` costs an attribute store).
-* :mod:`.agent` — :class:`~.agent.NodeAgent`, one per node: watches its workers
-  (:class:`~resihp_core.detector.failstop.FailStopMonitor`), keeps one persistent,
-  authenticated connection to the controller. ``python -m resihp_core.runtime.agent``.
+* :mod:`.agent` — :class:`~.agent.NodeAgent`, one per node: the monitor of its workers
+  (:mod:`.node_monitor`, a :class:`~resihp_core.detector.failstop.FailStopMonitor`) and
+  their launcher (:mod:`.node_launcher`), with one persistent, authenticated connection
+  to the controller. ``python -m resihp_core.runtime.agent``.
+* :mod:`.netif` — which interface a node's workers bind their collectives to.
 * :mod:`.controller` — :class:`~.controller.Controller`, one per job: aggregates the
   agents' node states, declares fail-stops (including a whole node when its agent's
   connection drops), runs the fail-slow pipeline on the profiles, and emits
   :class:`~resihp_core.protocol.FailureReport` s to a callback, a queue and the observer
   plugins. ``python -m resihp_core.runtime.controller``.
 * :mod:`.launcher` / :mod:`.jobstore` — starting and steering this machine's training
-  workers, and the job's control keys in the ``TCPStore``.
+  workers, and the job's control keys in the job store.
+* :mod:`.store` — the authenticated job store (a ``torch.distributed.Store``); :mod:`.gate`
+  — bounded resources for connections that have not authenticated yet.
 * :mod:`.loop` — running an asyncio service on a background thread.
 * :mod:`.worker` — the framework-neutral worker (one per device) driving an adapter.
 

@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from resihp_core.config import DetectorConfig
 from resihp_core.protocol import (
@@ -61,15 +61,19 @@ from resihp_core.protocol import (
     AuthError,
     Error,
     FailureReport,
+    Hello,
     IterationProfile,
     Message,
+    NodeRejoin,
     ProtocolError,
     WorkerProcess,
     WorkerSummary,
+    node_credential,
     read_msg,
     server_handshake,
     write_msg,
 )
+from resihp_core.runtime.gate import MAX_PENDING_HANDSHAKES, PreAuthGate
 from resihp_core.runtime.heartbeat import BYE
 
 if TYPE_CHECKING:
@@ -93,6 +97,7 @@ class NodeView:
     state: AgentState | None = None
     devices: set[int] = field(default_factory=set)  # every device ever reported by its agent
     running: set[int] = field(default_factory=set)  # workers its agent launched and saw no end of
+    environment: float = 0.0  # CPU contention its agent's probe last measured (0 = none)
 
     def workers(self) -> dict[int, WorkerSummary]:
         return {w.device: w for w in self.state.workers} if self.state is not None else {}
@@ -118,6 +123,13 @@ class Controller:
         ranks the agents report alive.
     :param on_process: called on the loop with each agent's ``WorkerProcess``.
     :param on_node_lost: called on the loop with the node id of a lost agent.
+    :param node_devices: the job's topology, node id -> its devices: an agent of another
+        node is refused at the handshake, and a message about a device of another node
+        is dropped and logged (``event=identity_violation``). None: any node id (tests).
+    :param handshake_timeout, max_pending_handshakes: bounds on connections that have
+        not authenticated yet (see :mod:`resihp_core.runtime.gate`).
+    :param on_rejoin: called on the loop with a node id and its devices when the agent of
+        a node cut off earlier is back (its stale workers fenced) and offers them again.
     """
 
     def __init__(
@@ -134,9 +146,12 @@ class Controller:
         agent_timeout_s: float | None = None,
         expected_ranks: set[int] | None = None,
         handshake_timeout: float = 5.0,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        node_devices: Mapping[int, Iterable[int]] | None = None,
         on_detection: Callable[[Detection], None] | None = None,
         on_process: Callable[[WorkerProcess], None] | None = None,
         on_node_lost: Callable[[int], None] | None = None,
+        on_rejoin: Callable[[int, tuple[int, ...]], None] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -144,7 +159,7 @@ class Controller:
         self._secret = secret
         self.host, self.port = host, port
         self.on_report, self.on_detection = on_report, on_detection
-        self.on_process, self.on_node_lost = on_process, on_node_lost
+        self.on_process, self.on_node_lost, self.on_rejoin = on_process, on_node_lost, on_rejoin
         self._plugins = plugins
         self.generation = generation
         # A dead agent is seen at once (its connection closes); the timeout only catches a
@@ -165,7 +180,7 @@ class Controller:
         self._done_iters: set[int] = set()
         self._last_complete = -1
         self._queue: asyncio.Queue[FailureReport] | None = None
-        self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile]]] | None = None
+        self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile], dict[int, float]]] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._conns: dict[int, asyncio.StreamWriter] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -175,6 +190,10 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.address: tuple[str, int] | None = None
         self._stopping = False
+        self.node_devices: dict[int, frozenset[int]] | None = (
+            None if node_devices is None else {int(n): frozenset(ds) for n, ds in node_devices.items()})
+        self.rejected = 0  # messages dropped because they spoke about another node's devices
+        self._gate = PreAuthGate("controller", max_pending_handshakes)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
@@ -198,6 +217,7 @@ class Controller:
 
     async def stop(self) -> None:
         self._stopping = True
+        self._gate.close_all()
         if self._server is not None:
             self._server.close()
         for t in self._tasks:
@@ -217,6 +237,21 @@ class Controller:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         self._pool.shutdown(wait=False)
+
+    async def finish(self, timeout: float = 10.0) -> list[int]:
+        """End the job for every connected agent: each is told goodbye, reaps its
+        workers and leaves (exit status 0). Returns the nodes still connected after
+        ``timeout`` seconds."""
+        self._stopping = True
+        for node, w in list(self._conns.items()):
+            with contextlib.suppress(Exception):
+                await write_msg(w, Ack(what=BYE))
+        deadline = time.monotonic() + timeout
+        while self._conns and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._conns:
+            logger.warning("event=agents_linger nodes=%s", sorted(self._conns))
+        return sorted(self._conns)
 
     @property
     def address_text(self) -> str:
@@ -240,6 +275,14 @@ class Controller:
                 missing = sorted(nodes - self._conns.keys())
                 raise TimeoutError(f"no agent connected for node(s) {missing} within {timeout:.0f} s")
             await asyncio.sleep(0.02)
+
+    def workers_up(self) -> set[int]:
+        """Devices whose workers connected agents report alive (heartbeating)."""
+        out: set[int] = set()
+        for v in self.nodes.values():
+            if v.connected:
+                out |= {d for d, w in v.workers().items() if w.alive and w.reason != "finished"}
+        return out
 
     # ------------------------------------------------------------ generations
     def set_generation(self, generation: int, *, plan: ParallelPlan | None = None,
@@ -326,25 +369,31 @@ class Controller:
         node: int | None = None
         why = "connection closed"
         try:
+            if not self._gate.admit(writer):
+                return
             try:
-                hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
-                role, _, ident = hello.identity.partition(":")
-                if hello.role != "agent" or role != "agent" or not ident.isdigit():
-                    await write_msg(writer, Error("bad-identity", f"expected agent:<node>, got {hello.identity!r}"))
-                    return
-                node = int(ident)
+                try:
+                    hello = await server_handshake(reader, writer, self._agent_key, timeout=self.handshake_timeout)
+                finally:
+                    self._gate.done(writer)
+                node = self._agent_node(hello)
             except AuthError as e:
-                logger.warning("controller: refused a connection: %s", e)
+                if not self._stopping:
+                    logger.warning("event=auth_refused listener=controller reason=%r", str(e))
                 return
             view = self.nodes.get(node)
             if view is not None and view.connected and node in self._conns:
                 await write_msg(writer, Error("duplicate-node", f"an agent for node {node} is already connected"))
                 node = None
                 return
+            back = view is not None and not view.connected and not view.finished
             self.nodes[node] = view = view or NodeView(node)
             view.connected, view.finished, view.last_seen = True, False, time.monotonic()
             self._conns[node] = writer
             logger.info("event=agent_connected node=%d", node)
+            if back:  # lost earlier: its old workers are gone (fenced, or died with the old agent)
+                view.state = None  # what it said before it was cut off is stale
+                self._offer(view, ())
             why = await self._agent_messages(view, reader)
         except (ProtocolError, ConnectionError, OSError) as e:
             why = f"connection error: {e!r}"
@@ -373,14 +422,23 @@ class Controller:
             self.messages += 1
             view.last_seen = time.monotonic()
             if isinstance(msg, AgentState):
+                if self._foreign(view, msg, [w.device for w in msg.workers]):
+                    continue
                 self._on_state(view, msg)
             elif isinstance(msg, IterationProfile):
+                if self._foreign(view, msg, [msg.device]):
+                    continue
                 self._on_profile(msg)
             elif isinstance(msg, FailureReport):
+                if self._foreign(view, msg, list(msg.devices) + list(msg.throughput)):
+                    continue
                 self._emit(msg)
             elif isinstance(msg, WorkerProcess):
                 if msg.node != view.node:
-                    logger.warning("controller: agent of node %d spoke for node %d", view.node, msg.node)
+                    logger.warning("event=identity_violation node=%d claimed_node=%d message=WorkerProcess",
+                                   view.node, msg.node)
+                    continue
+                if self._foreign(view, msg, [msg.device]):
                     continue
                 if msg.returncode is None and not msg.error:
                     view.devices.add(msg.device)
@@ -392,6 +450,11 @@ class Controller:
                         self.on_process(msg)
                     except Exception:  # noqa: BLE001
                         logger.exception("on_process callback failed")
+            elif isinstance(msg, NodeRejoin):
+                if msg.node != view.node:
+                    logger.warning("controller: agent of node %d offered node %d", view.node, msg.node)
+                    continue
+                self._offer(view, msg.devices)
             elif isinstance(msg, Ack) and msg.what == BYE:
                 view.finished = True
                 logger.info("event=agent_left node=%d", view.node)
@@ -399,11 +462,52 @@ class Controller:
             else:
                 logger.debug("controller: ignoring %s from node %d", type(msg).__name__, view.node)
 
+    def _agent_key(self, hello: Hello) -> str:
+        """The key an agent must prove: its node's credential, for a node of the job."""
+        node = self._parse_agent(hello)
+        if self.node_devices is not None and node not in self.node_devices:
+            raise AuthError(f"node {node} is not in the job's topology (nodes {sorted(self.node_devices)})")
+        return node_credential(self._secret, node)
+
+    @staticmethod
+    def _parse_agent(hello: Hello) -> int:
+        role, _, ident = hello.identity.partition(":")
+        if hello.role != "agent" or role != "agent" or not ident.isdigit() or len(ident) > 9:
+            raise AuthError(f"bad identity: expected agent:<node>, got {hello.identity!r}")
+        return int(ident)
+
+    def _agent_node(self, hello: Hello) -> int:
+        return self._parse_agent(hello)
+
+    def _foreign(self, view: NodeView, msg: Message, devices: list[int]) -> bool:
+        """True (and logged) if ``msg`` speaks about devices outside the agent's node."""
+        if self.node_devices is None:
+            return False
+        own = self.node_devices.get(view.node, frozenset())
+        bad = sorted({d for d in devices if d not in own})
+        if not bad:
+            return False
+        logger.warning("event=identity_violation node=%d message=%s foreign_devices=%s own_devices=%s",
+                       view.node, type(msg).__name__, bad, sorted(own))
+        self.rejected += 1
+        return True
+
+    def _offer(self, view: NodeView, devices: tuple[int, ...]) -> None:
+        """A node cut off earlier is back: offer its devices to be planned in again."""
+        devs = tuple(sorted(set(devices) | view.devices))
+        logger.warning("event=node_back node=%d devices=%s", view.node, list(devs))
+        if self.on_rejoin is not None and devs:
+            try:
+                self.on_rejoin(view.node, devs)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_rejoin callback failed")
+
     def _on_state(self, view: NodeView, state: AgentState) -> None:
         if state.node != view.node:
             logger.warning("controller: agent of node %d sent a state for node %d", view.node, state.node)
             return
         view.state = state
+        view.environment = state.environment
         dead = []
         for w in state.workers:
             view.devices.add(w.device)
@@ -464,7 +568,8 @@ class Controller:
                 del self._pending[it]
                 self._done_iters.add(it)
                 self._last_complete = max(self._last_complete, it)
-                self._fs_queue.put_nowait((self.generation, it, {r: got[r] for r in sorted(got)}))
+                env = {d: v.environment for v in self.nodes.values() for d in v.devices if v.environment > 0}
+                self._fs_queue.put_nowait((self.generation, it, {r: got[r] for r in sorted(got)}, env))
         # Iterations far behind the newest complete one will never complete (a rank died).
         for it in [i for i in self._pending if i < self._last_complete - 8]:
             del self._pending[it]
@@ -474,12 +579,12 @@ class Controller:
     async def _failslow_loop(self) -> None:
         assert self._fs_queue is not None and self._loop is not None
         while True:
-            gen, it, profiles = await self._fs_queue.get()
+            gen, it, profiles, env = await self._fs_queue.get()
             fs = self.failslow
             if fs is None or gen != self.generation:
                 continue
             try:
-                det = await self._loop.run_in_executor(self._pool, fs.observe, it, profiles)
+                det = await self._loop.run_in_executor(self._pool, _observe, fs, it, profiles, env)
             except Exception:  # noqa: BLE001 - a detector bug must not stop fail-stop handling
                 logger.exception("fail-slow detector failed on iteration %d", it)
                 continue
@@ -491,6 +596,15 @@ class Controller:
                     self.on_detection(det)
             if det.report is not None and gen == self.generation:
                 self._emit(det.report)
+
+
+def _observe(fs: FailSlowDetector, iteration: int, profiles: dict[int, IterationProfile],
+             env: dict[int, float]) -> Detection:
+    """Hand the detector an iteration, with each device's node contention if it takes it."""
+    note = getattr(fs, "note_environment", None)
+    if note is not None and env:
+        note(iteration, env)
+    return fs.observe(iteration, profiles)
 
 
 # ------------------------------------------------------------------ process entry point

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["AssembledJob", "build_job", "phases", "run_job", "run_config", "configure_run"]
+__all__ = ["AssembledJob", "Phases", "build_job", "check_fits_here", "phases", "run_job", "run_config",
+           "configure_run"]
 
 
 class AssembledJob(NamedTuple):
@@ -96,21 +97,55 @@ def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
     return AssembledJob(plan, topology, spec, state, Planner(capabilities=caps), adapter.function("reference"))
 
 
-def phases(faults: list) -> Callable[[int, int], str]:
-    """Phase names for the report: healthy, then one per fault, marked once adapted."""
-    ordered = sorted(faults, key=lambda f: f.iteration)
-    first_gen: dict[int, int] = {}
+class Phases:
+    """Phase names for the report: healthy, then one phase per fault, marked once
+    adapted. A fault is an injected one (known in advance) or a detected one: a failure
+    the Detector reported that no injected fault explains (a partition, a process
+    killed from outside), or devices rejoining that no injected repair explains. Feed
+    the supervisor's events to :meth:`event`; call the object as ``phase_of(iteration,
+    generation)``."""
 
-    def phase_of(i: int, g: int) -> str:
-        k = sum(1 for f in ordered if f.iteration <= i)
+    def __init__(self, faults: list) -> None:
+        self._marks: list[tuple[int, int, str]] = []  # (first iteration, order, label)
+        self._unexplained = list(faults)
+        for f in faults:
+            what = f"{f.kind} x{f.factor:.2f}" if f.kind == "slow" else f.kind
+            self._add(f.iteration, f"{what} on device {f.device}")
+        self._first_gen: dict[int, int] = {}
+
+    def _add(self, iteration: int, label: str) -> None:
+        self._marks.append((iteration, len(self._marks), label))
+        self._marks.sort()
+
+    def _explained(self, ev: dict, kinds: tuple[str, ...]) -> bool:
+        devices = set(ev.get("devices") or ())
+        for f in self._unexplained:
+            if f.kind in kinds and f.device in devices and f.iteration <= ev["iteration"]:
+                self._unexplained.remove(f)
+                return True
+        return False
+
+    def event(self, ev: dict) -> None:
+        """A supervisor event: a failure or rejoin no injected fault explains starts a phase."""
+        devices = sorted(ev.get("devices") or ())
+        if ev.get("kind") == "failure":
+            if not self._explained(ev, ("kill", "stop", "slow", "comm", "contend")):
+                self._add(ev["iteration"], f"detected {ev.get('failure', 'failure')} of devices {devices}")
+        elif ev.get("kind") == "plan" and ev.get("kind_of_plan") == "rejoin":
+            if not self._explained(ev, ("repair",)):
+                self._add(ev["iteration"], f"rejoin of devices {devices}")
+
+    def __call__(self, i: int, g: int) -> str:
+        k = sum(1 for it, _, _ in self._marks if it <= i)
         if k == 0:
             return "1 healthy"
-        f = ordered[k - 1]
-        first_gen.setdefault(k, g)
-        what = f"{f.kind} x{f.factor:.2f}" if f.kind == "slow" else f.kind
-        return f"{k + 1} after {what} on device {f.device}" + (", adapted" if g > first_gen[k] else "")
+        self._first_gen.setdefault(k, g)
+        return f"{k + 1} after {self._marks[k - 1][2]}" + (", adapted" if g > self._first_gen[k] else "")
 
-    return phase_of
+
+def phases(faults: list) -> Phases:
+    """See :class:`Phases`."""
+    return Phases(faults)
 
 
 def run_config(args: argparse.Namespace) -> int:
@@ -121,12 +156,33 @@ def run_config(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config)
-        faults = load_scenario(args.faults) if args.faults else []
+        devices = range(cfg.runtime.nodes * cfg.runtime.devices_per_node)
+        faults = load_scenario(args.faults, devices=devices, iterations=cfg.training.iterations) if args.faults else []
+        check_fits_here(cfg, getattr(args, "agents", "local"))
         build_job(cfg, faults, Path(tempfile.gettempdir()))  # every check before anything starts
     except (ConfigError, FaultError) as e:
         raise CliError(str(e)) from e
     p = cfg.parallel
     return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run")
+
+
+def check_fits_here(cfg: Any, agents: str = "local") -> None:
+    """Refuse up front (naming the field) a job whose workers on this machine together
+    need more memory than it has (agents started here run every node's workers here)."""
+    from resihp_core.config import ConfigError, memory_estimate
+
+    if agents != "local":
+        return
+    import psutil
+
+    here = cfg.runtime.nodes * cfg.runtime.devices_per_node
+    need = memory_estimate(cfg)["total"] * here
+    have = psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(
+            f"the {here} workers of this machine need about {need / 2**30:.3g} GiB together, but it has "
+            f"{have / 2**30:.3g} GiB: make the model smaller or run the nodes' agents on other hosts",
+            path="model.hidden", value=cfg.model.hidden)
 
 
 def _agents(cfg, args: argparse.Namespace) -> dict:
@@ -152,7 +208,9 @@ def _agents(cfg, args: argparse.Namespace) -> dict:
     def tell(address: str, nodes: list[int]) -> None:
         print(f"controller listening on {address}; waiting for the agents of nodes {nodes}. On each host run:\n"
               f"  RESIHP_SECRET=<the job secret> resihp agent --controller <this host>:{address.rsplit(':', 1)[1]} "
-              f"--node <N>", flush=True)
+              f"--node <N>\n"
+              f"(or give each host only its node's credential, RESIHP_NODE_KEY=<node_credential(secret, N)>)",
+              flush=True)
 
     return dict(agents="external", listen=listen, secret=secret, on_listening=tell,
                 agent_timeout=args.agent_timeout)
@@ -193,11 +251,18 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
     observers = get_plugins()
     observers.notify_job_started(cfg, str(work))
     view = _View(args, health)
+    phase_of = phases(faults)
+
+    def on_event(ev: dict) -> None:
+        phase_of.event(ev)  # a detected failure starts a phase too
+        view.event(ev)
+
     with view:
         run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
-                            cfg.training.iterations, work / "job", phase_of=phases(faults), on_event=view.event,
+                            cfg.training.iterations, work / "job", phase_of=phase_of, on_event=on_event,
                             on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
-                            observers=observers, **agents)
+                            observers=observers, interface=getattr(args, "interface", None) or cfg.runtime.interface,
+                            **agents)
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records
@@ -304,5 +369,8 @@ def configure_run(p: argparse.ArgumentParser) -> None:
                                     ":runtime.controller_port)")
     p.add_argument("--agent-timeout", type=float, default=300.0,
                    help="seconds to wait for external agents to connect (default 300)")
+    p.add_argument("--interface", help="interface name or address every node's workers bind their collectives "
+                                       "to (default: runtime.interface, else the one each agent reaches the "
+                                       "controller on)")
 
 

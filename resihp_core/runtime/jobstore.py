@@ -1,5 +1,10 @@
 """The job's control keys in the controller-hosted job store, one place for both sides.
 
+Every connection to the job store goes through :func:`connect` (workers) and
+:func:`host` (the controller): an authenticated store bound to the address the user
+chose (:mod:`resihp_core.runtime.store`; docs/security.md). Workers may not write the
+``plan/`` keys.
+
 The whole worker protocol (keys, commit/abort, ``RESIHP_*`` variables) is written down
 in ``docs/worker-protocol.md``. Keys (generation ``g``):
 
@@ -21,7 +26,7 @@ in ``docs/worker-protocol.md``. Keys (generation ``g``):
 from __future__ import annotations
 
 import datetime
-import time
+import os
 from typing import Any
 
 from resihp_core.protocol import IterationReport, PlanUpdate, ProtocolError, decode, encode
@@ -30,23 +35,51 @@ __all__ = ["connect", "host", "post_plan", "latest_generation", "read_plan",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report"]
 
 
-def host(address: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0) -> tuple[Any, str]:
-    """Start the job store on the controller's side; returns it and its ``host:port``."""
-    import torch.distributed as dist
+ENV_SECRET = "RESIHP_SECRET"  # the worker's node credential (never on a command line)
+ENV_NODE = "RESIHP_NODE"
+ENV_DEVICE = "RESIHP_DEVICE"
 
-    store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    return store, f"{address}:{store.port}"
+
+def host(address: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0, *,
+         secret: str | None = None, nodes: set[int] | None = None) -> tuple[Any, str]:
+    """Start the job store on the controller's side, bound to ``address`` only; returns
+    it (as seen from this process: every key writable) and its ``host:port``.
+
+    ``secret`` is the job secret the workers' node credentials derive from (default:
+    ``RESIHP_SECRET``); ``nodes`` the node ids allowed to connect (None: any). The
+    returned store's ``server`` attribute is the
+    :class:`~resihp_core.runtime.store.StoreServer` (close it when the job ends).
+    """
+    from resihp_core.runtime.store import StoreServer
+
+    secret = secret or os.environ.get(ENV_SECRET, "")
+    if not secret:
+        raise ValueError(f"the job store needs the job secret (pass secret= or set {ENV_SECRET})")
+    server = StoreServer(address, secret, port, nodes=nodes)
+    store = server.local(timeout_s)
+    store.server = server  # type: ignore[attr-defined]
+    return store, server.address
 
 
 def connect(address: str, timeout_s: float = 30.0) -> Any:
-    """A worker's connection to the job store at ``host:port``."""
-    import torch.distributed as dist
+    """A worker's connection to the job store at ``host:port`` (a ``torch.distributed.Store``).
+
+    It authenticates as ``worker:<RESIHP_NODE>:<RESIHP_DEVICE>`` with the node
+    credential in ``RESIHP_SECRET`` (set by the node agent or the local launcher) and
+    checks that the store knows the job secret. ``timeout_s`` bounds connecting and
+    every blocking request.
+    """
+    from resihp_core.runtime.store import StoreClient, worker_store_identity
 
     h, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"job store address {address!r} must be host:port")
-    return dist.TCPStore(h, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    key = os.environ.get(ENV_SECRET, "")
+    if not key:
+        raise RuntimeError(f"no job-store credential: {ENV_SECRET} is not set")
+    node = int(os.environ.get(ENV_NODE, "0"))
+    device = int(os.environ.get(ENV_DEVICE, "0"))
+    return StoreClient(address, key, worker_store_identity(node, device), timeout_s=timeout_s)
 
 
 def post_plan(store: Any, msg: PlanUpdate) -> None:
@@ -88,11 +121,13 @@ def commit(store: Any, generation: int, iteration: int, executors: int,
     if store.add(f"ctl{generation}/done{iteration}", 1) == executors:
         return _verdict(store, generation, iteration, CommitResult.COMMITTED)
     key = f"ctl{generation}/verdict{iteration}"
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
+    try:
+        # Block in the store rather than poll it: a poll per half millisecond per waiting
+        # executor is real CPU in the controller's process, which serves the store.
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - torch's stores raise DistStoreError on time-out
+        if not store.check([key]):
             return _verdict(store, generation, iteration, CommitResult.ABORTED)
-        time.sleep(poll_s)
     got = store.get(key)
     return got.decode() if isinstance(got, bytes) else str(got)
 

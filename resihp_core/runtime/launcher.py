@@ -1,7 +1,7 @@
 """Launch and steer the worker processes of one job (our own launcher, not torchrun:
 torchrun tears every worker down when one dies, we must shrink in place).
 
-:class:`LocalJob` hosts the job's ``TCPStore`` (rendezvous with a fresh key prefix per
+:class:`LocalJob` hosts the job's authenticated store (rendezvous with a fresh key prefix per
 plan generation), starts one worker process per device through a process host (its
 own children, or the node agents: :mod:`resihp_core.runtime.processes`), posts plan
 generations, aborts a generation when a worker dies, and collects per-iteration
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets as _secrets
 import signal
 import tempfile
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
-from resihp_core.protocol import IterationReport, PlanUpdate
+from resihp_core.protocol import IterationReport, PlanUpdate, node_credential
 from resihp_core.runtime import jobstore
 from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
 
@@ -33,6 +34,9 @@ class JobError(RuntimeError):
 class LocalJob:
     """One training job's workers, steered through the job store it hosts.
 
+    :param host: the address the job store binds (and only that one).
+    :param secret: the job secret (default: a fresh one); workers get their node's
+        credential, never the secret itself.
     :param processes: builds the process host from the job's folder:
         :class:`~resihp_core.runtime.processes.LocalProcesses` (children of this
         process, the default) or the node agents' (``run_resilient``).
@@ -42,17 +46,22 @@ class LocalJob:
                  worker_module: str = "resihp_core.runtime.worker",
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None,
-                 processes: Callable[[Path], WorkerProcesses] = LocalProcesses) -> None:
+                 processes: Callable[[Path], WorkerProcesses] = LocalProcesses,
+                 secret: str = "") -> None:
         self.devices = sorted(devices)
         self._tmp = tempfile.TemporaryDirectory(prefix="resihp-job-") if workdir is None else None
         self.workdir = Path(workdir or self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.job_path = self.workdir / "job.json"
         self.job_path.write_text(job_json)
-        self.store, self.address = jobstore.host(host)
+        self._secret = secret or _secrets.token_hex(16)
+        self.store, self.address = jobstore.host(host, secret=self._secret)
         self.worker_module = worker_module
         self.env = env or {}
         self.processes = processes(self.workdir)
+        if isinstance(self.processes, LocalProcesses):
+            # Our own children are "node 0"; agents give their workers their node's credential.
+            self.env = {**self.env, "RESIHP_SECRET": node_credential(self._secret, 0), "RESIHP_NODE": "0"}
         self.generation = -1
         self.plan: ParallelPlan | None = None
         self.committed = 0  # iterations known committed
@@ -190,6 +199,7 @@ class LocalJob:
         except Exception:  # noqa: BLE001 - the store may be gone; still reap
             pass
         self.processes.close(timeout)
+        self.store.server.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 

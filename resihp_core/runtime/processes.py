@@ -137,6 +137,7 @@ class AgentProcesses:
         self.pids: dict[int, int] = {}
         self.exits: dict[int, int | None] = {}  # device -> return code (None: its node was lost)
         self.errors: dict[int, str] = {}
+        self.addresses: dict[int, str] = {}  # device -> address its collectives bind to
         self._cond = threading.Condition()
 
     # fed by the controller (on its loop)
@@ -148,6 +149,7 @@ class AgentProcesses:
             elif msg.returncode is None:
                 self.pids[msg.device] = msg.pid
                 self.exits.pop(msg.device, None)
+                self.addresses[msg.device] = msg.address
             else:
                 self.exits[msg.device] = msg.returncode
             self._cond.notify_all()
@@ -177,7 +179,7 @@ class AgentProcesses:
                 self.errors.pop(d, None)
         for node, devs in sorted(by_node.items()):
             msg = LaunchWorkers(devices=tuple(devs), module=module, job=job_json, store_port=int(port),
-                                store_host="" if host in ("127.0.0.1", "localhost") else host,
+                                store_host="" if host in ("127.0.0.1", "localhost", "0.0.0.0", "[::]", "::", "") else host,
                                 env=dict(env), detector=self.detector)
             self.call(self.controller.send(node, msg))
         deadline = time.monotonic() + self.launch_timeout
@@ -189,8 +191,15 @@ class AgentProcesses:
                     raise TimeoutError(f"agents did not start devices {missing} within {self.launch_timeout:.0f} s")
                 self._cond.wait(left)
             failed = {d: self.errors[d] for d in devices if d in self.errors}
+            addresses = dict(self.addresses)
         if failed:
             raise RuntimeError("; ".join(f"device {d}: {e}" for d, e in sorted(failed.items())))
+        from resihp_core.runtime.netif import check_collective_addresses
+
+        try:
+            check_collective_addresses(addresses, self.node_of)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
 
     def alive(self) -> list[int]:
         with self._cond:

@@ -9,6 +9,10 @@ N``). Agents launch their node's workers when the job starts; each worker report
 its agent, agents to the controller, the controller's failure reports go to the
 supervisor, which plans with the Scheduler and deploys. With ``supervised=False`` the
 same job runs with no Detector and no adaptation (the "no mitigation" baseline).
+
+A node whose agent was cut off and comes back (a healed partition, a restarted agent)
+offers its devices again; the supervisor plans them back in. At the end the controller
+tells every agent the job is over: they reap their workers and exit with status 0.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import os
 import queue
 import secrets as _secrets
 import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -30,13 +33,20 @@ from resihp_core.runtime.supervisor import IterationRecord, Supervisor
 __all__ = ["ResilientRun", "run_resilient", "start_local_agent"]
 
 
-def start_local_agent(node: int, controller: str, secret: str, workdir: Path) -> subprocess.Popen:
-    """Start node ``node``'s agent as a process of this machine (log: ``agent<node>.log``)."""
+def start_local_agent(node: int, controller: str, secret: str, workdir: Path,
+                      interface: str = "") -> subprocess.Popen:
+    """Start node ``node``'s agent as a process of this machine (log: ``agent<node>.log``).
+
+    It dies with this process (parent-death signal, like the workers): an agent that
+    lost its controller keeps dialling it to rejoin, which is no use once the
+    controller's process is gone."""
+    from resihp_core.runtime.processes import spawn_worker
+
     env = dict(os.environ, RESIHP_SECRET=secret)
-    with open(workdir / f"agent{node}.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.agent", "--node", str(node),
-                                 "--controller", controller, "--workdir", str(workdir), "--log-level", "INFO"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    extra = ["--interface", interface] if interface else []
+    return spawn_worker("resihp_core.runtime.agent", env, workdir / f"agent{node}.log",
+                        ["--node", str(node), "--controller", controller, "--workdir", str(workdir),
+                         "--log-level", "INFO", *extra])
 
 
 @dataclass
@@ -56,7 +66,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   supervised: bool = True, timeout: float = 900.0,
                   agents: Literal["local", "external"] = "local",
                   listen: tuple[str, int] = ("127.0.0.1", 0), secret: str = "",
-                  agent_timeout: float = 60.0,
+                  agent_timeout: float = 60.0, interface: str = "",
                   repairs: dict[int, tuple[int, ...]] | None = None,
                   phase_of: Callable[[int, int], str] = lambda i, g: "running",
                   on_event: Callable[[dict], None] = lambda ev: None,
@@ -71,6 +81,9 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     :param agents: ``"local"`` starts one agent process per node here; ``"external"``
         waits up to ``agent_timeout`` seconds for agents started elsewhere.
     :param listen: the controller's address (``(host, 0)``: any free port).
+    :param interface: the interface name or address every node's workers bind their
+        collectives to (``runtime.interface``); default: each agent's choice (the
+        interface it reaches the controller on).
     :param secret: the job secret agents authenticate with (default: a fresh one;
         external agents need it given).
     :param repairs: iteration -> devices whose workers are started again (repaired)
@@ -87,6 +100,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     from resihp_core.detector.model import WorkloadModel
     from resihp_core.runtime.controller import Controller
     from resihp_core.runtime.loop import LoopThread
+    from resihp_core.runtime.netif import INTERFACE_ENV
     from resihp_core.runtime.processes import AgentProcesses
 
     if agents == "external" and not secret:
@@ -95,6 +109,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     reports: queue.Queue = queue.Queue()
+    repaired: queue.Queue = queue.Queue()
 
     def report(r: Any) -> None:
         reports.put(r)
@@ -107,9 +122,10 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
     controller = Controller(detector, secret, host=listen[0], port=listen[1],
                             on_report=report if supervised else (lambda r: None),
-                            expected_ranks=set(plan.devices()),
+                            expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
-                            on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost)
+                            on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
+                            on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None)
     procs.controller = controller
     agent_procs: dict[int, subprocess.Popen] = {}
     job: LocalJob | None = None
@@ -122,16 +138,23 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                 agent_procs[node] = start_local_agent(node, controller.address_text, secret, workdir)
         loop.run(controller.wait_for_agents(set(nodes), agent_timeout), timeout=agent_timeout + 5)
 
+        async def _up() -> set[int]:
+            return controller.workers_up()
+
+        def ready_devices() -> set[int]:
+            return loop.run(_up(), timeout=10)
+
         def set_generation(g: int, new_plan: ParallelPlan, speeds: dict[int, float]) -> None:
             loop.call(lambda: controller.set_generation(g, plan=new_plan, speeds=speeds,
                                                         expected_ranks=set(new_plan.devices())))
 
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
-                       host=listen[0] if listen[0] not in ("", "0.0.0.0", "::") else "127.0.0.1",
-                       processes=lambda _: procs)
+                       host=listen[0] or "127.0.0.1", processes=lambda _: procs, secret=secret,
+                       env={INTERFACE_ENV: interface} if interface else None)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
                          on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
+                         repaired=repaired, ready=lambda devices: set(devices) <= ready_devices(),
                          observers=observers, fitted=model.fitted_predictor if supervised else (lambda: None))
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
@@ -148,9 +171,15 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     finally:
         if job is not None:
             job.close()
+        try:  # every agent is told the job is over: it reaps its workers and exits 0
+            loop.run(controller.finish(timeout=10), timeout=15)
+        except Exception:  # noqa: BLE001 - best effort; local agents are terminated below
+            pass
         for p in agent_procs.values():
-            if p.poll() is None:
-                p.terminate()  # the agent says goodbye, then reaps its workers
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.terminate()
         for p in agent_procs.values():
             try:
                 p.wait(10)

@@ -10,8 +10,9 @@ reports that arrive while a generation is being deployed are planned next, so a
 failure during recovery is handled like any other. A hung device is fenced (SIGKILL)
 before the next generation so it cannot block the new communicators.
 
-Repaired devices are brought back (:meth:`Supervisor.rejoin`, or ``repairs`` due at
-an iteration): their workers are started again, the Scheduler plans them back in
+Repaired devices are brought back (:meth:`Supervisor.rejoin`, ``repairs`` due at an
+iteration, or devices put on ``repaired`` at run time, e.g. by a node whose partition
+healed, once their failure has been handled): their workers are started again, the Scheduler plans them back in
 (:meth:`~resihp_core.scheduler.Planner.rejoin`), and when the new plan gives them work
 every worker reloads the last committed iteration's checkpoint, since a fresh worker
 has no state to move.
@@ -76,6 +77,12 @@ class Supervisor:
     stall_s: float = 15.0  # no commit and no report this long, with worker errors: give up
     repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration -> devices repaired then
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
+    repaired: "queue.Queue[tuple[int, ...]]" = field(default_factory=queue.Queue)  # offered at run time
+    # Whether relaunched devices' workers are up and waiting for a generation (e.g. the
+    # controller hears their heartbeats); they are planned in only then.
+    ready: Callable[[list[int]], bool] = lambda devices: True
+    join_timeout_s: float = 120.0
+    _joining: dict[int, float] = field(default_factory=dict)  # relaunched device -> give-up time
     observers: Any = None  # the plugin facade (resihp_core.plugins.Plugins): observer hooks fire here
     fitted: Callable[[], Any] = lambda: None  # the job's own fitted IterationPredictor, once there is one
     max_retries: int = 3  # same-plan redeployments after a stall that no device failure explains
@@ -117,9 +124,14 @@ class Supervisor:
                 self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)}))
                 last_commit = time.monotonic()
                 continue
+            if self._check_joining():
+                last_commit = time.monotonic()
+                continue
             pending = self._pending_reports()
             if pending:
                 self._adapt(pending)
+                last_commit = time.monotonic()
+            elif self._offered():
                 last_commit = time.monotonic()
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
@@ -242,12 +254,69 @@ class Supervisor:
         return g
 
     # ------------------------------------------------------------ repairs
+    def _offered(self) -> bool:
+        """Rejoin the devices offered on ``repaired`` whose failure was handled (a
+        device whose loss is not planned yet waits for it). Returns whether it did.
+
+        A rejoin waits until the current generation has committed an iteration: it is
+        not urgent, and superseding a generation whose workers are still meeting in
+        its rendezvous leaves some of them waiting there for the store timeout."""
+        if self.repaired.empty() or self.job.generation not in self.job.committed_in.values():
+            return False
+        offered: set[int] = set()
+        while True:
+            try:
+                offered.update(self.repaired.get_nowait())
+            except queue.Empty:
+                break
+        if not offered:
+            return False
+        alive = set(self.job.alive())
+        ready = sorted(d for d in offered if d in self.handled_devices and d not in alive)
+        waiting = tuple(sorted(d for d in offered if d not in self.handled_devices and d not in alive))
+        if waiting:
+            self.repaired.put(waiting)
+        if not ready:
+            return False
+        self.rejoin(ready)
+        return True
+
     def rejoin(self, devices: list[int]) -> None:
-        """Bring repaired ``devices`` back: start their workers, plan them in, deploy."""
-        devices = sorted(d for d in devices if d not in self.job.alive())
+        """Bring repaired ``devices`` back: start their workers now; once they are
+        ready (:attr:`ready`: started up, waiting for a generation) plan them in and
+        deploy (:meth:`_joined`). Until then the job goes on without them: a plan
+        that named them while they are still starting (seconds on a loaded host) would
+        leave the others waiting in its rendezvous."""
+        devices = sorted(d for d in devices if d not in self.job.alive() and d not in self._joining)
         if not devices:
             return
         self.job.relaunch(devices)
+        self._joining.update({d: time.monotonic() + self.join_timeout_s for d in devices})
+        self._event("relaunch", f"workers of devices {devices} started again; planned in once ready",
+                    devices=devices)
+
+    def _check_joining(self) -> bool:
+        """Plan in the relaunched devices that are ready; forget those that died or
+        never got ready. Returns whether a generation was deployed."""
+        if not self._joining:
+            return False
+        dead = set(self.job.dead())
+        now = time.monotonic()
+        gone = sorted(d for d, t in self._joining.items() if d in dead or now > t)
+        for d in gone:
+            del self._joining[d]
+            self._event("failure", f"relaunched device {d} did not get ready", failure="fail-stop",
+                        devices=[d], cause="unknown")
+            if d not in dead:
+                self.job.kill(d)
+        waiting = sorted(self._joining)
+        if not waiting or not self.ready(waiting):
+            return False
+        self._joining.clear()
+        self._joined(waiting)
+        return True
+
+    def _joined(self, devices: list[int]) -> None:
         self.handled_devices.difference_update(devices)
         t0 = time.perf_counter()
         decision = self.planner.rejoin(self.state, devices)

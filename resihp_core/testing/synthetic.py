@@ -197,7 +197,10 @@ class SyntheticCluster:
         if not address:
             raise RuntimeError("the agent did not start")
         for device, extra in self.worker_args.items():
-            env = dict(self._env(), RESIHP_AGENT_ADDR=address, RESIHP_RANK=str(device), RESIHP_DEVICE=str(device))
+            from resihp_core.protocol import node_credential
+
+            env = dict(self._env(), RESIHP_SECRET=node_credential(self.secret, self.node), RESIHP_AGENT_ADDR=address,
+                       RESIHP_RANK=str(device), RESIHP_DEVICE=str(device))
             args = [sys.executable, "-m", "resihp_core.testing.synthetic", "--iterations", str(self.iterations)]
             if self.wait_stdin:
                 args.append("--wait-stdin")

@@ -426,3 +426,112 @@ def test_a_plugin_detector_replaces_the_builtin() -> None:
     plugins.register(Mine(), "mine")
     build_failslow_detector(DetectorConfig(), plugins=plugins)
     assert made == [{"threshold": 0.8, "hazard": 0.01}]
+
+
+# ------------------------------------------------------------------ a device or its environment
+class StagedTrace(Trace):
+    """Four ranks as 2 replicas x 2 stages (TP 1)."""
+
+    def iteration(self, it: int, noise: float = 0.02) -> dict[int, IterationProfile]:
+        from dataclasses import replace
+
+        return {r: replace_profile(p, stage=r % 2, replica=r // 2) for r, p in super().iteration(it, noise).items()}
+
+
+def replace_profile(p: IterationProfile, **kw) -> IterationProfile:
+    import msgspec
+
+    return msgspec.structs.replace(p, **kw)
+
+
+def feed_env(det: WorkloadAwareDetector, trace: Trace, start: int, stop: int, env: dict[int, float]) -> list:
+    out = []
+    for it in range(start, stop):
+        det.note_environment(it, env)
+        out.append(det.observe(it, trace.iteration(it)))
+    return out
+
+
+def test_a_slowdown_the_node_probe_also_sees_is_the_environment_not_the_device() -> None:
+    trace = Trace(seed=5)
+    det = resihp()
+    calm = {10 + r: 1.3 for r in range(4)}
+    assert not [d for d in feed_env(det, trace, 0, 40, calm) if d.report is not None]
+    trace.slow[2] = 1.8  # the machine got busier; the probe outside the job slowed as much
+    busy = {**calm, 12: 1.3 * 1.8}
+    after = feed_env(det, trace, 40, 52, busy)
+    assert not [d for d in after if d.report is not None], [d.action for d in after]
+    cleared = [d for d in after if d.action == "cleared"]
+    assert cleared and "the environment, not a device" in cleared[0].verdict.evidence
+    assert "node contention" in cleared[0].verdict.evidence
+
+
+def test_a_device_slowdown_is_still_found_within_three_iterations_when_the_probe_is_calm() -> None:
+    trace = Trace(seed=5)
+    det = resihp()
+    calm = {10 + r: 1.3 for r in range(4)}
+    feed_env(det, trace, 0, 40, calm)
+    trace.slow[2] = 2.0
+    after = feed_env(det, trace, 40, 50, calm)
+    reported = [d for d in after if d.report is not None]
+    assert reported and reported[0].iteration - 40 + 1 <= 3, [d.action for d in after]
+    assert reported[0].report.devices == (12,)
+
+
+def test_executors_of_different_stages_slowing_at_once_are_not_a_device() -> None:
+    trace = StagedTrace(seed=6)
+    det = resihp()
+    feed(det, trace, 0, 40)
+    trace.slow.update({0: 2.0, 3: 1.9})  # replica 0 stage 0 and replica 1 stage 1
+    after = feed(det, trace, 40, 52)
+    assert not [d for d in after if d.report is not None], [d.action for d in after]
+    cleared = [d for d in after if d.action == "cleared"]
+    assert cleared and "executors of 2 stage(s) slowed at once" in cleared[0].verdict.evidence
+    # One device of the same layout is reported, within 3 iterations.
+    trace2 = StagedTrace(seed=6)
+    det2 = resihp()
+    feed(det2, trace2, 0, 40)
+    trace2.slow[3] = 2.0
+    rep = [d for d in feed(det2, trace2, 40, 50) if d.report is not None]
+    assert rep and rep[0].iteration <= 42 and rep[0].report.devices == (13,)
+
+
+def test_a_slowdown_that_fades_within_its_verification_window_is_not_verified() -> None:
+    trace = Trace(seed=7)
+    det = resihp()
+    feed(det, trace, 0, 40)
+    trace.slow[1] = 2.5
+    blip = feed(det, trace, 40, 42)  # two slow iterations ...
+    trace.slow.clear()
+    rest = feed(det, trace, 42, 60)  # ... and healthy again
+    acts = [d.action for d in blip + rest]
+    assert not [d for d in blip + rest if d.report is not None], acts
+    assert "faded" in acts and det.stats.verifications == 0, acts
+
+
+def test_environment_change_and_the_probe() -> None:
+    from resihp_core.detector.environment import EnvironmentProbe, environment_change
+
+    before = [{1: 1.2, 2: 1.0}, {1: 1.4, 2: 0.0}]
+    after = [{1: 2.6, 2: 2.0, 3: 5.0}]
+    assert environment_change(before, after) == pytest.approx({1: 2.0, 2: 2.0})
+    import subprocess
+    import sys
+    import time as _t
+
+    probe = EnvironmentProbe(interval_s=0.05)
+    assert probe.level == 0.0
+    assert probe.sample() >= 1.0 and probe.level >= 1.0
+    # Busy processes outside the job raise the contention; the same processes counted as
+    # the job's do not.
+    code = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    burners = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2 * probe.cores)]
+    try:
+        _t.sleep(0.5)
+        outside = EnvironmentProbe(reads=20).sample(_t.sleep)
+        inside = EnvironmentProbe(job_pids=lambda: [b.pid for b in burners], reads=20).sample(_t.sleep)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert outside > inside and outside >= 1.5, (outside, inside)

@@ -23,6 +23,7 @@ from resihp_core.protocol import (
     IterationProfile,
     MicroBatchProfile,
     client_handshake,
+    node_credential,
 )
 from resihp_core.runtime.agent import NodeAgent, process_state
 from resihp_core.runtime.controller import Controller
@@ -88,7 +89,7 @@ def stack():
 
 def client(agent: NodeAgent, device: int, rank: int | None = None, **kw) -> WorkerClient:
     assert agent.worker_address is not None
-    return WorkerClient(agent.worker_address, SECRET, rank=device if rank is None else rank, device=device,
+    return WorkerClient(agent.worker_address, node_credential(SECRET, agent.node), rank=device if rank is None else rank, device=device,
                         interval=CFG.heartbeat_interval_s, **kw).start()
 
 
@@ -194,7 +195,7 @@ def test_an_agent_connection_lost_reports_the_whole_node(stack) -> None:
     lt, ctl, agent, obs, det, got = stack
     a2 = NodeAgent(5, ctl.address_text, SECRET, CFG)
     lt.run(a2.start())
-    ws = [WorkerClient(a2.worker_address, SECRET, rank=d, device=d, interval=0.05).start() for d in (50, 51)]
+    ws = [WorkerClient(a2.worker_address, node_credential(SECRET, a2.node), rank=d, device=d, interval=0.05).start() for d in (50, 51)]
     assert wait_for(lambda: 5 in ctl.nodes and set(ctl.nodes[5].workers()) == {50, 51})
     t0 = time.monotonic()
     a2._ctl_writer.transport.abort()  # type: ignore[union-attr]  # as if the agent died
@@ -210,7 +211,7 @@ def test_an_agent_leaving_on_purpose_is_not_reported(stack) -> None:
     lt, ctl, agent, obs, det, got = stack
     a2 = NodeAgent(6, ctl.address_text, SECRET, CFG)
     lt.run(a2.start())
-    w = WorkerClient(a2.worker_address, SECRET, rank=60, device=60, interval=0.05).start()
+    w = WorkerClient(a2.worker_address, node_credential(SECRET, a2.node), rank=60, device=60, interval=0.05).start()
     assert wait_for(lambda: 6 in ctl.nodes and 60 in ctl.nodes[6].workers())
     w.close()
     lt.run(a2.stop())
@@ -224,7 +225,7 @@ def test_a_silent_agent_is_lost_after_the_timeout(stack) -> None:
 
     async def mute_agent() -> asyncio.StreamWriter:
         reader, writer = await asyncio.open_connection(*ctl.address)
-        await client_handshake(reader, writer, SECRET, "agent:7")
+        await client_handshake(reader, writer, node_credential(SECRET, 7), "agent:7")
         from resihp_core.protocol import AgentState, WorkerSummary, write_msg
 
         await write_msg(writer, AgentState(node=7, time=0.0, workers=(WorkerSummary(device=70, rank=70, alive=True),)))
@@ -290,7 +291,7 @@ def test_the_worker_client_survives_its_agent_going_away() -> None:
     with LoopThread() as lt:
         agent = NodeAgent(0, None, SECRET, CFG)
         lt.run(agent.start())
-        w = WorkerClient(agent.worker_address, SECRET, rank=0, device=0, interval=0.02,
+        w = WorkerClient(agent.worker_address, node_credential(SECRET, 0), rank=0, device=0, interval=0.02,
                          on_agent_lost=lambda e: lost.set()).start()
         lt.run(agent.stop())
         for i in range(50):

@@ -123,6 +123,8 @@ messages = st.one_of(
     st.builds(P.AgentState, ids, secs, st.lists(workers, max_size=8).map(tuple)),
     st.builds(P.Ack, ids, text),
     st.builds(P.Error, text, text),
+    st.builds(P.WorkerProcess, ids, ids, ids, st.none() | small, text, st.sampled_from(["", "10.0.0.2", "::1"])),
+    st.builds(P.NodeRejoin, ids, st.lists(ids, max_size=8).map(tuple)),
 )
 
 
@@ -134,7 +136,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 15
+    assert len(P.MESSAGE_TYPES) == 16
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -378,13 +380,14 @@ def test_tcp_right_secret_is_accepted() -> None:
         assert P.recv_msg(c, timeout=2) == P.Ack(3, "heartbeat")
     srv.join()
     assert srv.error is None
-    assert srv.result == P.Hello(P.PROTOCOL_VERSION, "agent", "agent:node0")
+    assert (srv.result.version, srv.result.role, srv.result.identity) == (P.PROTOCOL_VERSION, "agent", "agent:node0")
+    assert len(srv.result.nonce) == 32  # the client's challenge to the server
 
 
 def test_tcp_wrong_secret_is_refused_on_both_sides() -> None:
     srv = _Server(_serve_one)
     with srv.connect() as c:
-        with pytest.raises(P.AuthError, match="refused"):
+        with pytest.raises(P.AuthError, match="mutual authentication failed"):
             P.client_handshake_sync(c, "not-the-secret", "agent:node0", timeout=2)
     srv.join()
     assert isinstance(srv.error, P.AuthError)
@@ -409,7 +412,7 @@ def test_tcp_client_without_secret_is_refused() -> None:
 def test_tcp_replayed_digest_for_another_identity_is_refused() -> None:
     srv = _Server(_serve_one)
     with srv.connect() as c:
-        P.send_msg(c, P.Hello(P.PROTOCOL_VERSION, "agent", "agent:node1"))
+        P.send_msg(c, P.Hello(P.PROTOCOL_VERSION, "agent", "agent:node1", b"n" * 32))
         ch = P.recv_msg(c, timeout=2)
         assert isinstance(ch, P.Challenge)
         P.send_msg(c, P.AuthResponse(P.auth_digest(SECRET, ch.nonce, "agent:node0")))
@@ -467,6 +470,10 @@ async def _async_session(client_secret: str) -> tuple[object, object]:
         outcome["client"] = exc
     finally:
         writer.close()
+        for _ in range(200):  # let the handler see the closed stream
+            if "server" in outcome or "hello" in outcome:
+                break
+            await asyncio.sleep(0.01)
         server.close()
         await server.wait_closed()
     return outcome.get("client"), outcome.get("server", outcome.get("hello"))
@@ -475,7 +482,7 @@ async def _async_session(client_secret: str) -> tuple[object, object]:
 def test_asyncio_right_secret_is_accepted() -> None:
     client, server = asyncio.run(asyncio.wait_for(_async_session(SECRET), 5))
     assert client == P.Ack(0, "AgentState")
-    assert server == P.Hello(P.PROTOCOL_VERSION, "worker", "worker:3")
+    assert (server.version, server.role, server.identity) == (P.PROTOCOL_VERSION, "worker", "worker:3")
 
 
 def test_asyncio_wrong_secret_is_refused() -> None:
@@ -512,3 +519,68 @@ def test_asyncio_read_msg_timeout_eof_and_truncation() -> None:
         writer.close()
 
     asyncio.run(asyncio.wait_for(go(), 5))
+
+
+# ------------------------------------------------------------------ mutual authentication, node keys
+def test_client_refuses_a_server_without_the_secret_before_proving_anything() -> None:
+    """A server that does not know the key cannot forge the proof; the client stops and
+    never sends its digest (which an impostor could otherwise relay)."""
+    sent: list[object] = []
+
+    def impostor(conn: socket.socket) -> None:
+        hello = P.recv_msg(conn, timeout=2)
+        assert isinstance(hello, P.Hello)
+        P.send_msg(conn, P.Challenge(b"x" * 32, P.server_proof("guessed", hello.nonce, b"x" * 32, hello.identity)))
+        sent.append(P.recv_msg(conn, timeout=2))  # None: the client hung up
+
+    srv = _Server(impostor)
+    with srv.connect() as c:
+        with pytest.raises(P.AuthError, match="mutual authentication failed"):
+            P.client_handshake_sync(c, SECRET, "agent:0", timeout=2)
+    srv.join()
+    assert sent == [None]
+
+
+def test_server_refuses_a_hello_without_client_nonce() -> None:
+    srv = _Server(lambda conn: P.server_handshake_sync(conn, SECRET, timeout=2))
+    with srv.connect() as c:
+        P.send_msg(c, P.Hello(P.PROTOCOL_VERSION, "agent", "agent:0"))
+        res = P.recv_msg(c, timeout=2)
+        assert isinstance(res, P.AuthResult) and not res.ok and "mutual" in res.reason
+    srv.join()
+    assert isinstance(srv.error, P.AuthError)
+
+
+def test_node_credentials_are_per_node_and_a_key_source_picks_them() -> None:
+    k0, k1 = P.node_credential(SECRET, 0), P.node_credential(SECRET, 1)
+    assert k0 != k1 and len(k0) == 64 and SECRET not in k0
+    assert P.node_credential(SECRET, 0) == k0  # deterministic
+    for bad in (-1, 1.5, "0", True):
+        with pytest.raises(ValueError):
+            P.node_credential(SECRET, bad)  # type: ignore[arg-type]
+
+    def key_for(hello: P.Hello) -> str:
+        node = int(hello.identity.split(":")[1])
+        if node > 1:
+            raise P.AuthError(f"unknown node {node}")
+        return P.node_credential(SECRET, node)
+
+    srv = _Server(lambda conn: P.server_handshake_sync(conn, key_for, timeout=2))
+    with srv.connect() as c:
+        P.client_handshake_sync(c, k1, "agent:1", timeout=2)
+    srv.join()
+    assert srv.error is None and srv.result.identity == "agent:1"
+
+    srv = _Server(lambda conn: P.server_handshake_sync(conn, key_for, timeout=2))
+    with srv.connect() as c:  # node 1's credential claiming node 0
+        with pytest.raises(P.AuthError):
+            P.client_handshake_sync(c, k1, "agent:0", timeout=2)
+    srv.join()
+    assert isinstance(srv.error, P.AuthError)
+
+    srv = _Server(lambda conn: P.server_handshake_sync(conn, key_for, timeout=2))
+    with srv.connect() as c:
+        with pytest.raises(P.AuthError, match="unknown node 9"):
+            P.client_handshake_sync(c, P.node_credential(SECRET, 9), "agent:9", timeout=2)
+    srv.join()
+    assert isinstance(srv.error, P.AuthError)

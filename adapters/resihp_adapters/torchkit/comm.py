@@ -85,6 +85,10 @@ def release() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group still has to go
             pass
+    # Group names come from a process-wide counter that only a successful destroy resets:
+    # after an init_process_group that failed in its rendezvous (a peer died) the next
+    # generation's groups would get other names than its peers' and never meet.
+    dist.distributed_c10d._world.group_count = 0
     gc.collect()
 
 

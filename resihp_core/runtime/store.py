@@ -1,0 +1,496 @@
+"""The job store: an authenticated key-value store for plans, commit verdicts, reports
+and torch.distributed rendezvous (replaces an open ``TCPStore``; docs/security.md).
+
+:class:`StoreServer` runs in the controller's process, bound to the address the user
+chose. Every connection starts with the protocol's mutual handshake
+(:mod:`resihp_core.protocol.auth`): a worker proves its node's credential
+(identity ``worker:<node>:<device>``, key :func:`~resihp_core.protocol.node_credential`),
+a tool holding the job secret may connect as ``controller``. Before the handshake the
+listener holds at most 64 pending connections with 1 KiB frames; after it, requests are
+length-prefixed msgpack frames of at most 16 MiB. Workers may not write the plan keys
+(``plan/...``): only the controller posts plan generations, from its own process
+(:meth:`StoreServer.local`) or as ``controller``. Refusals are logged
+(``event=auth_refused listener=store``, ``event=store_write_refused``).
+
+:class:`StoreClient` and :class:`LocalStore` are ``torch.distributed.Store`` subclasses,
+so they work as the store of ``init_process_group`` / ``PrefixStore`` with gloo. This
+module imports torch: only workers and the controller load it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import msgspec
+import torch.distributed as dist
+
+from resihp_core.protocol import (
+    MAX_FRAME_BYTES,
+    AuthError,
+    Hello,
+    ProtocolError,
+    client_handshake_sync,
+    node_credential,
+    server_handshake_sync,
+)
+
+__all__ = ["StoreServer", "StoreClient", "LocalStore", "StoreError", "worker_store_identity"]
+
+logger = logging.getLogger("resihp.store")
+
+_HEADER = struct.Struct(">I")
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder()
+MAX_KEY_CHARS = 1024
+MAX_PENDING_HANDSHAKES = 64
+PLAN_PREFIX = "plan/"  # only the controller writes keys under it
+
+
+class StoreError(dist.DistStoreError):
+    """A store request failed (time-out, refused write, lost connection)."""
+
+
+def worker_store_identity(node: int, device: int) -> str:
+    return f"worker:{node}:{device}"
+
+
+def _b(v: str | bytes | bytearray) -> bytes:
+    return v.encode() if isinstance(v, str) else bytes(v)
+
+
+def _seconds(timeout: datetime.timedelta | float | None, default: float) -> float:
+    if timeout is None:
+        return default
+    s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return default if s <= 0 else s
+
+
+# ------------------------------------------------------------------ the table
+class _Table:
+    """The keys and values, with the operations both the server and LocalStore run."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.cond:
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def _wait(self, keys: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(k in self.data for k in keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [k for k in keys if k not in self.data]
+                raise StoreError(f"timed out after {timeout_s:.1f} s waiting for keys {missing[:4]}")
+            self.cond.wait(min(left, 1.0))
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        with self.cond:
+            self._wait([key], timeout_s)
+            return self.data[key]
+
+    def multi_get(self, keys: list[str], timeout_s: float) -> list[bytes]:
+        with self.cond:
+            self._wait(keys, timeout_s)
+            return [self.data[k] for k in keys]
+
+    def wait(self, keys: list[str], timeout_s: float) -> None:
+        with self.cond:
+            self._wait(keys, timeout_s)
+
+    def add(self, key: str, amount: int) -> int:
+        with self.cond:
+            try:
+                value = int(self.data.get(key, b"0")) + amount
+            except ValueError:
+                raise StoreError(f"key {key!r} does not hold an integer") from None
+            self.data[key] = str(value).encode()
+            self.cond.notify_all()
+            return value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """torch's semantics: set if the value equals ``expected`` (absent counts as
+        ``b""``) and return the new value, else return the current one."""
+        with self.cond:
+            cur = self.data.get(key)
+            if (cur is None and expected == b"") or cur == expected:
+                self.data[key] = desired
+                self.cond.notify_all()
+                return desired
+            return expected if cur is None else cur
+
+    def append(self, key: str, value: bytes) -> None:
+        with self.cond:
+            self.data[key] = self.data.get(key, b"") + value
+            self.cond.notify_all()
+
+    def check(self, keys: list[str]) -> bool:
+        with self.cond:
+            return all(k in self.data for k in keys)
+
+    def delete(self, key: str) -> bool:
+        with self.cond:
+            return self.data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        with self.cond:
+            return len(self.data)
+
+
+_WRITES = {"set", "add", "cas", "append", "del", "mset"}
+
+
+def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
+    if op == "set":
+        return table.set(args[0], args[1])
+    if op == "get":
+        return table.get(args[0], args[1])
+    if op == "mget":
+        return table.multi_get(args[0], args[1])
+    if op == "mset":
+        for k, v in zip(args[0], args[1]):
+            table.set(k, v)
+        return None
+    if op == "wait":
+        return table.wait(args[0], args[1])
+    if op == "add":
+        return table.add(args[0], args[1])
+    if op == "cas":
+        return table.compare_set(args[0], args[1], args[2])
+    if op == "append":
+        return table.append(args[0], args[1])
+    if op == "check":
+        return table.check(args[0])
+    if op == "del":
+        return table.delete(args[0])
+    if op == "num":
+        return table.num_keys()
+    raise StoreError(f"unknown store operation {op!r}")
+
+
+def _keys_of(op: str, args: list[Any]) -> list[str]:
+    if op in ("mget", "mset", "wait", "check"):
+        return list(args[0])
+    return [args[0]] if op != "num" else []
+
+
+def _check_request(req: Any) -> tuple[str, list[Any]]:
+    if not isinstance(req, list) or not req or not isinstance(req[0], str):
+        raise ProtocolError("a store request is a list [op, args...]")
+    op, args = req[0], req[1:]
+    keys = _keys_of(op, args) if args or op == "num" else None
+    if keys is None or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY_CHARS for k in keys):
+        raise ProtocolError(f"store request {op!r}: bad keys")
+    want = _ARG_TYPES.get(op)
+    if want is None or len(args) != len(want) or not all(t(a) for t, a in zip(want, args)):
+        raise ProtocolError(f"store request {op!r}: bad arguments")
+    return op, args
+
+
+def _is_key(a: Any) -> bool:
+    return isinstance(a, str)
+
+
+def _is_keys(a: Any) -> bool:
+    return isinstance(a, list) and all(isinstance(k, str) for k in a)
+
+
+def _is_bytes(a: Any) -> bool:
+    return isinstance(a, bytes)
+
+
+def _is_int(a: Any) -> bool:
+    return isinstance(a, int) and not isinstance(a, bool)
+
+
+def _is_seconds(a: Any) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 86400
+
+
+_ARG_TYPES = {
+    "set": (_is_key, _is_bytes), "get": (_is_key, _is_seconds), "mget": (_is_keys, _is_seconds),
+    "mset": (_is_keys, lambda a: isinstance(a, list) and all(isinstance(v, bytes) for v in a)),
+    "wait": (_is_keys, _is_seconds), "add": (_is_key, _is_int), "cas": (_is_key, _is_bytes, _is_bytes),
+    "append": (_is_key, _is_bytes), "check": (_is_keys,), "del": (_is_key,), "num": (),
+}
+
+
+# ------------------------------------------------------------------ framing
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            if buf:
+                raise ProtocolError(f"connection closed inside a frame ({len(buf)} of {n} bytes)")
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> Any:
+    header = _recv_exactly(sock, _HEADER.size)
+    if header is None:
+        return None
+    (n,) = _HEADER.unpack(header)
+    if n > MAX_FRAME_BYTES:
+        raise ProtocolError(f"store frame of {n} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    body = _recv_exactly(sock, n)
+    if body is None:
+        raise ProtocolError("connection closed inside a frame")
+    try:
+        return _DEC.decode(body)
+    except msgspec.MsgspecError as e:
+        raise ProtocolError(f"bad store frame: {e}") from None
+
+
+def _send(sock: socket.socket, obj: Any) -> None:
+    payload = _ENC.encode(obj)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise StoreError(f"store frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+# ------------------------------------------------------------------ server
+class StoreServer:
+    """The authenticated job store, served from threads of the controller's process.
+
+    :param host: the address to bind (the one the user chose; never widened).
+    :param secret: the job secret (workers prove their node's credential derived from it).
+    :param port: 0 = any free port.
+    :param nodes: node ids allowed to connect (None: any).
+    """
+
+    def __init__(self, host: str, secret: str, port: int = 0, *, nodes: set[int] | None = None,
+                 handshake_timeout: float = 5.0) -> None:
+        if not secret:
+            raise ValueError("the job secret must not be empty")
+        self._secret = secret
+        self.nodes = None if nodes is None else set(nodes)
+        self.handshake_timeout = handshake_timeout
+        self.table = _Table()
+        self.refused = 0
+        self._sock = socket.create_server((host, port), backlog=128)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._conns: set[socket.socket] = set()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="resihp-store-accept")
+        self._thread.start()
+        logger.info("event=store_started address=%s", self.address)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def local(self, timeout_s: float = 300.0) -> LocalStore:
+        """The store as seen from this process (the controller): no socket, every key writable."""
+        return LocalStore(self.table, timeout_s)
+
+    # ------------------------------------------------------------ connections
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                self.refused += 1
+                conn.close()
+                continue
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name="resihp-store-conn").start()
+
+    def _key_for(self, hello: Hello) -> str:
+        role, _, rest = hello.identity.partition(":")
+        if hello.identity == "controller":
+            return self._secret
+        node_s, _, device_s = rest.partition(":")
+        if role != "worker" or not node_s.isdigit() or not device_s.isdigit() or len(node_s) > 9:
+            raise AuthError(f"bad store identity {hello.identity!r}: expected worker:<node>:<device>")
+        node = int(node_s)
+        if self.nodes is not None and node not in self.nodes:
+            raise AuthError(f"node {node} is not in the job")
+        return node_credential(self._secret, node)
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        identity = "?"
+        try:
+            try:
+                hello = server_handshake_sync(conn, self._key_for, timeout=self.handshake_timeout)
+                identity = hello.identity
+            except AuthError as e:
+                self.refused += 1
+                if not self._closed:
+                    logger.warning("event=auth_refused listener=store peer=%s reason=%r", peer, str(e))
+                return
+            finally:
+                self._pending.release()
+            conn.settimeout(None)
+            may_plan = identity == "controller"
+            while True:
+                req = _recv(conn)
+                if req is None:
+                    return
+                op, args = _check_request(req)
+                if op in _WRITES and not may_plan and any(k.startswith(PLAN_PREFIX) for k in _keys_of(op, args)):
+                    self.refused += 1
+                    logger.warning("event=store_write_refused identity=%s op=%s keys=%s reason=%r", identity, op,
+                                   _keys_of(op, args)[:4], "only the controller posts plans")
+                    _send(conn, [False, f"{identity} may not write plan keys"])
+                    continue
+                try:
+                    _send(conn, [True, _run_op(self.table, op, args)])
+                except (StoreError, IndexError, TypeError, ValueError) as e:
+                    _send(conn, [False, str(e)])
+        except (ProtocolError, OSError) as e:
+            if not self._closed:
+                logger.info("event=store_connection_closed identity=%s reason=%r", identity, str(e))
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (quietly)."""
+        self._closed = True
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+            self._conns.clear()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+
+# ------------------------------------------------------------------ the two Store faces
+class _StoreAPI(dist.Store):
+    """torch.distributed.Store's methods on top of ``_call(op, *args)``."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self._timeout_s = timeout_s
+
+    def _call(self, op: str, *args: Any) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout_s = _seconds(timeout, self._timeout_s)
+
+    @property
+    def timeout(self) -> datetime.timedelta:  # type: ignore[override]
+        return datetime.timedelta(seconds=self._timeout_s)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("set", key, _b(value))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key, self._timeout_s)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("mget", list(keys), self._timeout_s)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._call("mset", list(keys), [_b(v) for v in values])
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call("add", key, int(value)))
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        return self._call("cas", key, _b(expected_value), _b(desired_value))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._call("append", key, _b(value))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._call("wait", list(keys), _seconds(timeout, self._timeout_s))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", list(keys)))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call("del", key))
+
+    def num_keys(self) -> int:
+        return int(self._call("num"))
+
+
+class LocalStore(_StoreAPI):
+    """The server's table as a ``dist.Store`` in the server's own process."""
+
+    def __init__(self, table: _Table, timeout_s: float = 300.0) -> None:
+        super().__init__(timeout_s)
+        self._table = table
+
+    def _call(self, op: str, *args: Any) -> Any:
+        return _run_op(self._table, op, list(args))
+
+
+class StoreClient(_StoreAPI):
+    """A connection to a :class:`StoreServer` (one request at a time; thread-safe).
+
+    :param key: the node credential (or the job secret for ``identity="controller"``).
+    """
+
+    def __init__(self, address: str, key: str, identity: str, *, timeout_s: float = 300.0,
+                 connect_timeout_s: float | None = None) -> None:
+        super().__init__(timeout_s)
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        deadline = time.monotonic() + (connect_timeout_s if connect_timeout_s is not None else timeout_s)
+        delay = 0.05
+        while True:
+            try:
+                self._sock = socket.create_connection((host, int(port)), timeout=10)
+                break
+            except OSError as e:
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(f"cannot reach the job store at {address}: {e}") from None
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+        try:
+            client_handshake_sync(self._sock, key, identity, role="worker", timeout=min(30.0, timeout_s))
+        except AuthError as e:
+            self._sock.close()
+            raise StoreError(f"job store at {address} refused {identity}: {e}") from None
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
+        self.address, self.identity = address, identity
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            try:
+                _send(self._sock, [op, *args])
+                reply = _recv(self._sock)
+            except (OSError, ProtocolError) as e:
+                raise StoreError(f"job store connection lost: {e}") from None
+        if reply is None:
+            raise StoreError("the job store closed the connection")
+        ok, value = reply
+        if not ok:
+            raise StoreError(str(value))
+        return value
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+

@@ -1,0 +1,147 @@
+"""The authenticated job store: torch.distributed semantics, credentials, plan keys,
+the bound address, and ``resihp run``'s own correctness check."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from resihp_core.protocol import PlanUpdate, node_credential  # noqa: E402
+from resihp_core.runtime import jobstore  # noqa: E402
+from resihp_core.runtime.store import StoreClient, StoreError, worker_store_identity  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = "store-test-secret"
+
+
+@pytest.fixture
+def hosted():
+    store, address = jobstore.host("127.0.0.1", secret=SECRET)
+    try:
+        yield store, address
+    finally:
+        store.server.close()
+
+
+def worker(address: str, node: int = 0, device: int = 0, key: str | None = None, **kw) -> StoreClient:
+    return StoreClient(address, key or node_credential(SECRET, node), worker_store_identity(node, device),
+                       timeout_s=kw.pop("timeout_s", 10.0), **kw)
+
+
+def test_store_semantics_match_torch(hosted) -> None:
+    store, address = hosted
+    c = worker(address)
+    c.set("a", "x")
+    assert c.get("a") == b"x" and store.get("a") == b"x"
+    assert c.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert c.compare_set("v", "", "commit") == b"commit"  # absent key: expected "" sets it
+    assert c.compare_set("v", "", "abort") == b"commit"  # exactly one verdict
+    assert c.check(["a", "v"]) and not c.check(["a", "missing"])
+    c.set_timeout(datetime.timedelta(seconds=0.2))
+    with pytest.raises(dist.DistStoreError, match="timed out"):
+        c.get("missing")
+    threading.Timer(0.1, lambda: store.set("late", "1")).start()
+    c.wait(["late"], datetime.timedelta(seconds=5))
+    assert c.delete_key("a") and not c.check(["a"])
+    c.close()
+
+
+def test_store_client_is_a_dist_store_for_gloo_rendezvous(hosted) -> None:
+    """init-ing gloo through PrefixStore over two StoreClients (two ranks, two threads)."""
+    _, address = hosted
+    out: dict[int, list[float]] = {}
+
+    def rank(r: int) -> None:
+        c = worker(address, 0, r)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gen0/", c), r, 2, datetime.timedelta(seconds=20))
+        t = torch.full((3,), float(r + 1))
+        pg.allreduce([t]).wait()
+        out[r] = t.tolist()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: [3.0] * 3, 1: [3.0] * 3}
+
+
+def test_forged_plan_commit_and_stop_without_credentials_are_rejected(hosted, caplog) -> None:
+    store, address = hosted
+    caplog.set_level(logging.INFO, logger="resihp.store")
+    jobstore.post_plan(store, PlanUpdate(generation=0, stop=True))
+    # A process without the job's credentials: the store's own client with a guess ...
+    with pytest.raises(StoreError, match="refused"):
+        worker(address, key="guessed-secret")
+    # ... another node's credential claiming node 0 ...
+    with pytest.raises(StoreError, match="refused"):
+        worker(address, 0, key=node_credential(SECRET, 1))
+    # ... and torch's own TCPStore client (the old, open protocol), from another process.
+    host, port = address.rsplit(":", 1)
+    code = ("import datetime, torch.distributed as d\n"
+            f"s = d.TCPStore({host!r}, {port}, is_master=False, timeout=datetime.timedelta(seconds=3))\n"
+            "s.set('plan/latest', '7'); s.set('ctl0/verdict0', 'commit')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert jobstore.latest_generation(store) == 0 and not store.check(["ctl0/verdict0"])
+    assert "event=auth_refused listener=store" in caplog.text
+    assert store.server.refused >= 3
+
+
+def test_workers_may_not_write_plan_keys(hosted, caplog) -> None:
+    store, address = hosted
+    caplog.set_level(logging.WARNING, logger="resihp.store")
+    jobstore.post_plan(store, PlanUpdate(generation=0, stop=True))
+    c = worker(address, 0, 0)
+    stop = PlanUpdate(generation=1, stop=True)
+    with pytest.raises(StoreError, match="may not write plan keys"):
+        jobstore.post_plan(c, stop)
+    with pytest.raises(StoreError, match="may not write plan keys"):
+        c.compare_set("plan/latest", "0", "1")
+    assert jobstore.latest_generation(c) == 0 and not store.check(["plan/1"])
+    assert "event=store_write_refused identity=worker:0:0" in caplog.text
+    # The controller (job secret) may post remotely.
+    ctl = StoreClient(address, SECRET, "controller", timeout_s=10)
+    jobstore.post_plan(ctl, stop)
+    assert jobstore.latest_generation(store) == 1
+
+
+def test_connect_reads_the_credential_from_the_environment(hosted, monkeypatch) -> None:
+    store, address = hosted
+    monkeypatch.setenv("RESIHP_SECRET", node_credential(SECRET, 2))
+    monkeypatch.setenv("RESIHP_NODE", "2")
+    monkeypatch.setenv("RESIHP_DEVICE", "5")
+    c = jobstore.connect(address, 10)
+    assert c.identity == "worker:2:5"
+    c.set("ctl0/ready/5", "{}")
+    assert store.check(["ctl0/ready/5"])
+    monkeypatch.delenv("RESIHP_SECRET")
+    with pytest.raises(RuntimeError, match="RESIHP_SECRET"):
+        jobstore.connect(address, 10)
+
+
+def test_the_store_listens_only_on_the_chosen_address(hosted) -> None:
+    store, address = hosted
+    host, port = address.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    assert store.server._sock.getsockname()[0] == "127.0.0.1"
+    # Another loopback address of this machine reaches every interface's listeners,
+    # but not this one.
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.2", int(port)), timeout=2).close()
+    socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+
+
+def test_import_resihp_core_store_free_of_torch_at_package_import() -> None:
+    code = "import sys, resihp_core, resihp_core.runtime.jobstore; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=60)
