@@ -17,7 +17,13 @@ With ``--adapter deepspeed`` it measures ResiHP's DeepSpeed adapter instead:
    (``deepspeed.initialize`` + ``train_batch``): both built in the same 4 processes and
    world, stepped alternately (medians of the slowest rank per iteration).
 
-Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed] [--quick] [--json PATH]
+With ``--adapter torch_native`` it measures instead, on the torch-native adapter
+(torch.distributed.pipelining + FSDP2, 4 workers, PP2 x DP2): SIGKILL of one rank ->
+first committed iteration, once with HSDP (state re-sharded from the surviving copy in
+memory, the survivors re-split into 3 stages) and once with FSDP2 (the dead rank's shard
+is lost: restore from the last torch.distributed.checkpoint onto the 3 survivors).
+
+Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -83,6 +89,50 @@ def kill_to_iteration(reps: int) -> dict:
             iteration_after_s=statistics.median(steady),
         ))
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
+
+
+def torch_native_kill(reps: int) -> dict:
+    """torch_native: kill -> first committed iteration, in memory (HSDP) and from DCP (FSDP2)."""
+    model = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_dim=128, dtype="float32")
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    victim = base.group(1, 0)[0]
+    survivors = [d for d in base.devices() if d != victim]
+    three = ParallelPlan(num_layers=4, layer_ranges=((0, 1), (1, 2), (2, 4)),
+                         tp_groups=(tuple((d,) for d in survivors),), num_microbatches=8,
+                         excluded=frozenset([victim]))
+    out = {}
+    for label, shard, restore in (("hsdp_memory", 1, False), ("fsdp2_dcp", 0, True)):
+        rows = []
+        for _ in range(reps):
+            ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
+            js = JobSpec(adapter="torch_native",
+                         adapter_config={"model": model, "data": {"seq_len": 32, "batch": 2}, "shard": shard},
+                         dp=2, num_microbatches=4, timeout_s=10.0, checkpoint_dir=ckpt,
+                         checkpoint_every=1 if restore else 0)
+            with LocalJob(js.to_json(), base.devices()) as job:
+                job.post(base, iterations=1000)
+                job.wait(3, timeout=180)
+                t_kill = time.perf_counter()
+                job.kill(victim, signal.SIGKILL, reap=False)
+                while victim not in job.dead():
+                    time.sleep(0.0005)
+                t_detect = time.perf_counter()
+                resume = job.abort()
+                job.post(three, iterations=1000, resume=resume, restore=resume - 1 if restore else None)
+                job.wait(resume + 1, timeout=180)
+                t_first = time.perf_counter()
+                info = job.ready_info()
+                job.wait(resume + 3, timeout=180)
+                steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
+                before = [max(r.iteration_s for r in job.report(i).values()) for i in (1, 2)]
+            rows.append(dict(kill_to_first_iteration_s=t_first - t_kill, detect_s=t_detect - t_kill,
+                             rebuild_s=max(v["rebuild_s"] for v in info.values()),
+                             state_s=max(v["state_s"] for v in info.values()),
+                             bytes_moved=sum(v["bytes_received"] for v in info.values()),
+                             iteration_before_s=statistics.median(before),
+                             iteration_after_s=statistics.median(steady)))
+        out[label] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
+    return out
 
 
 def migration_vs_bytes(quick: bool) -> list[dict]:
@@ -311,7 +361,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run")
     ap.add_argument("--json", help="write the numbers here")
-    ap.add_argument("--adapter", choices=["megatron_ref", "deepspeed"], default="megatron_ref")
+    ap.add_argument("--adapter", default="megatron_ref", choices=["megatron_ref", "deepspeed", "torch_native"],
+                    help="which adapter's reconfiguration to measure")
     args = ap.parse_args(argv)
     if args.adapter == "deepspeed":
         try:
@@ -320,6 +371,8 @@ def main(argv=None) -> int:
             print(f"reconfigure --adapter deepspeed could not measure: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.adapter == "torch_native":
+        return _main_torch_native(args)
     try:
         kill = kill_to_iteration(1 if args.quick else 3)
         mig = migration_vs_bytes(args.quick)
@@ -344,6 +397,26 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({**{f"kill_{k}": v for k, v in kill.items()}, "migration": mig, **pm,
                        "config": {"quick": args.quick}}, f, indent=2)
+    return 0
+
+
+def _main_torch_native(args) -> int:
+    try:
+        res = torch_native_kill(1 if args.quick else 3)
+    except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
+        print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
+    print(f"torch_native: SIGKILL of one rank, PP2xDP2 -> 3 survivors as PP3 (median; load {' '.join(load)})")
+    keys = list(next(iter(res.values())))
+    print(f"  {'':28s} " + " ".join(f"{k:>12s}" for k in res))
+    for k in keys:
+        vals = [res[lbl][k] for lbl in res]
+        print(f"  {k:28s} " + " ".join(f"{v:12.3f}" if isinstance(v, float) else f"{v:>12}" for v in vals))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**{f"{lbl}_{k}": v for lbl, r in res.items() for k, v in r.items()},
+                       "config": {"quick": args.quick, "adapter": "torch_native", "loadavg": load}}, f, indent=2)
     return 0
 
 

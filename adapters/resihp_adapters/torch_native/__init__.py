@@ -1,0 +1,1 @@
+"""torch-native adapter: torch.distributed.pipelining stages, FSDP2 data parallelism."""

@@ -1,0 +1,168 @@
+"""The torch-native adapter: the contract (``resihp_core.adapter``) over the engine.
+
+One instance per worker process. The engine (:mod:`.engine`) holds the torch objects of
+the current plan generation; this class maps the worker's lifecycle onto it and reads
+the adapter's own section of the job (``job.adapter_config``):
+
+``model``   :class:`~.model.LlamaConfig` fields (vocab_size, dim, n_layers, n_heads,
+            ffn_dim, dtype, ...); ``n_layers`` must equal the plan's layers.
+``data``    ``seq_len`` and ``batch`` (sequences per micro-batch) of the token batches.
+``shard``   FSDP shard degree inside each stage's replicas: 0 (default) shards over all
+            of them (FSDP2); a smaller divisor gives HSDP, whose replicate groups each
+            hold a whole copy, so a dead rank's shard survives in memory.
+``lr``, ``weight_decay``  AdamW.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
+from resihp_core.plan import ParallelPlan
+from resihp_core.program import Program
+from resihp_core.protocol import IterationProfile, MicroBatchProfile
+from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
+
+__all__ = ["TorchNativeAdapter", "parse_config"]
+
+_KEYS = {"model", "data", "shard", "lr", "weight_decay"}
+
+
+def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Validate ``job.adapter_config``; errors name the bad field."""
+    from resihp_adapters.torch_native.data import DataSpec
+    from resihp_adapters.torch_native.model import LlamaConfig
+
+    unknown = sorted(set(section) - _KEYS)
+    if unknown:
+        raise ValueError(f"adapter_config: unknown field(s) {unknown} for torch_native (known: {sorted(_KEYS)})")
+    model = dict(section.get("model", {}))
+    model.setdefault("seed", seed)
+    try:
+        cfg = LlamaConfig(**model)
+    except TypeError as e:
+        raise ValueError(f"adapter_config.model: {e}") from None
+    data = dict(section.get("data", {}))
+    unknown = sorted(set(data) - {"seq_len", "batch"})
+    if unknown:
+        raise ValueError(f"adapter_config.data: unknown field(s) {unknown} (known: batch, seq_len)")
+    spec = DataSpec(vocab_size=cfg.vocab_size, seed=seed, **data)
+    shard = section.get("shard", 0)
+    if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
+        raise ValueError(f"adapter_config.shard must be an integer >= 0, got {shard!r}")
+    lr, wd = section.get("lr", 1e-3), section.get("weight_decay", 0.0)
+    for name, v in (("lr", lr), ("weight_decay", wd)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"adapter_config.{name} must be a number >= 0, got {v!r}")
+    return {"model": cfg, "data": spec, "shard": shard, "lr": float(lr), "weight_decay": float(wd)}
+
+
+class TorchNativeAdapter(Adapter):
+    """Pipeline stages (torch.distributed.pipelining) sharded with FSDP2 / HSDP."""
+
+    name = NAME
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        import torch
+
+        from resihp_adapters.torch_native.engine import TorchNativeEngine
+
+        torch.set_num_threads(1)
+        job = ctx.job
+        c = parse_config(job.adapter_config, job.seed)
+        self.engine = TorchNativeEngine(
+            ctx.device, c["model"], c["data"], ctx.store, shard_degree=c["shard"], lr=c["lr"],
+            weight_decay=c["weight_decay"], timeout_s=ctx.timeout_s,
+            join_timeout_s=max(30.0, 6 * ctx.timeout_s),
+            global_microbatches=job.dp * job.num_microbatches)
+        self.engine.stretch = ctx.faults.stretch
+        self.engine.delay_comm = ctx.faults.delay_comm
+        self._progress = (0, 0)
+
+    # ------------------------------------------------------------ placement
+    @property
+    def where(self) -> tuple[int, int, int] | None:
+        pl = self.engine.place
+        return None if pl is None else (pl.replica, pl.stage, 0)
+
+    def _check(self, plan: ParallelPlan) -> None:
+        if plan.num_layers != self.engine.cfg.n_layers:
+            raise ValueError(f"plan has {plan.num_layers} layers, adapter_config.model.n_layers is "
+                             f"{self.engine.cfg.n_layers}")
+
+    # ------------------------------------------------------------ generations
+    def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
+        self._check(plan)
+        self.engine.rebuild(plan, generation, devices)
+
+    def start_fresh(self, plan: ParallelPlan) -> None:
+        self.engine.start_fresh()
+
+    def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
+        return self.engine.move_state(old_plan, new_plan, set(devices), self.engine.iteration)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def snapshot(self) -> None:
+        self.engine.snapshot()
+
+    def rollback(self) -> None:
+        self.engine.rollback()
+
+    # ------------------------------------------------------------ iterations
+    def run_iteration(self, program: Program, iteration: int) -> IterationResult:
+        steps = iter(range(1 << 30))
+        self.engine.before_action = lambda: self.ctx.step(iteration, next(steps))
+        self.ctx.step(iteration, next(steps))
+        r = self.engine.run(program, iteration)
+        m = self.engine.plan.num_microbatches
+        owner = self.engine.place.replica
+        stage = self.engine.place.stage
+        return IterationResult(
+            iteration=iteration, loss=r.loss,
+            computed=[(stage, owner, j) for j in range(m)],
+            forward_s={(owner, j): t for j, t in r.forward_s.items()},
+            backward_s={(owner, j): t for j, t in r.backward_s.items()},
+            iteration_s=r.iteration_s)
+
+    def profile(self) -> IterationProfile | None:
+        r, pl = self.engine.last, self.engine.place
+        if r is None or pl is None:
+            return None
+        mbs = tuple(MicroBatchProfile(owner=pl.replica, mb=j, forward_s=f, backward_s=r.backward_s.get(j, 0.0))
+                    for j, f in sorted(r.forward_s.items()))
+        return IterationProfile(rank=self.ctx.device, device=self.ctx.device, generation=max(self.engine.generation, 0),
+                                iteration=r.iteration, stage=pl.stage, replica=pl.replica, microbatches=mbs,
+                                comm_s=0.0, iteration_s=r.iteration_s)
+
+    # ------------------------------------------------------------ state
+    def held_state(self) -> dict[str, Shard]:
+        pl = self.engine.place
+        if pl is None or self.engine.module is None:
+            return {}
+        return {name: Shard(ts, dim=0, index=pl.shard_index, parts=pl.shard_degree)
+                for name, ts in self.engine.local_shards().items()}
+
+    def _path(self, iteration: int) -> str:
+        if not self.ctx.job.checkpoint_dir:
+            raise ValueError("torch_native checkpoints need job.checkpoint_dir")
+        return os.path.join(self.ctx.job.checkpoint_dir, f"torch_native-{iteration}")
+
+    def save_checkpoint(self, iteration: int) -> None:
+        """DCP, collective over the executors: each writes its own shards."""
+        self.engine.save_checkpoint(self._path(iteration))
+
+    def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
+        """The state after ``iteration``, re-sharded by DCP onto ``plan``'s layout."""
+        if iteration < 0:  # before the first committed iteration: the initial weights
+            self.engine.start_fresh()
+            return
+        self.engine.load_checkpoint(self._path(iteration), iteration + 1)
+
+    def close(self) -> None:
+        self.engine.release()

@@ -1,0 +1,62 @@
+"""Entry point ``torch_native``: registers the torch.distributed.pipelining + FSDP2 adapter.
+
+Registration is lazy: this module imports neither torch nor the adapter module. The
+adapter class declares ``capabilities = CAPABILITIES`` from here.
+
+What it promises (each proven by the conformance kit, ``tests/conformance``): any
+layer boundaries between generations (stages are rebuilt, state moves by parameter
+name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), and checkpoints
+(``torch.distributed.checkpoint``, re-sharded onto any later layout). Not promised:
+TP (one device per stage), and work migrated to another replica — a torch pipeline
+schedule drives one replica's pipeline group, so a stage cannot take a micro-batch
+from another replica's previous stage (``docs/torch_native.md``).
+"""
+
+from __future__ import annotations
+
+from resihp_core.adapter import AdapterRegistry, Capabilities
+from resihp_core.hookspecs import hookimpl
+from resihp_core.plan import ScheduleKind
+
+NAME = "torch_native"
+TARGET = "resihp_adapters.torch_native.adapter:TorchNativeAdapter"
+CAPABILITIES = Capabilities(
+    tp_resize=False,
+    heterogeneous_tp=False,
+    layer_repartition=True,
+    cross_replica_migration=False,
+    schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
+    checkpoint=True,
+)
+
+
+@hookimpl(trylast=True)
+def resihp_register_adapters(registry: AdapterRegistry) -> None:
+    """First-party default (``trylast``): a plugin may register its own ``torch_native``."""
+    registry.register(
+        NAME,
+        TARGET,
+        CAPABILITIES,
+        description="torch.distributed.pipelining stages sharded with FSDP2/HSDP (PP x DP)",
+        install_hint="pip install 'resihp[torch]'",
+        job_config="resihp_adapters.torch_native.plugin:job_section",
+        reference="resihp_adapters.torch_native.reference:reference_losses",
+    )
+
+
+def job_section(cfg) -> dict:
+    """This adapter's job section for ``resihp run``: the LLaMA of ``[model]`` (layers,
+    hidden, heads, ffn_hidden, vocab), dtype, seed and learning rate of ``[training]``,
+    one sequence of ``training.token_budget`` tokens per micro-batch; ``[adapter]``
+    may add ``shard`` (FSDP shard degree; default 0 = all replicas), ``weight_decay``,
+    or override ``model`` / ``data`` fields."""
+    mod, tr = cfg.model, cfg.training
+    extra = dict(cfg.adapter)
+    unknown = sorted(set(extra) - {"shard", "weight_decay", "model", "data"})
+    if unknown:
+        raise ValueError(f"adapter: unknown field(s) {unknown} for torch_native "
+                         "(known: data, model, shard, weight_decay)")
+    model = dict(vocab_size=mod.vocab, dim=mod.hidden, n_layers=mod.layers, n_heads=mod.heads,
+                 ffn_dim=mod.ffn, dtype=tr.dtype, seed=tr.seed, **extra.pop("model", {}))
+    data = dict(seq_len=tr.token_budget, batch=1, **extra.pop("data", {}))
+    return {"model": model, "data": data, "lr": tr.lr, **extra}

@@ -1,0 +1,124 @@
+"""torch_native pieces that need no processes: lowering, shard arithmetic, transfer plans,
+configuration errors, lazy registration."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from resihp_core.plan import Migration, ParallelPlan  # noqa: E402
+from resihp_core.predictor.schedules import emit_programs  # noqa: E402
+from resihp_adapters.torch_native.adapter import parse_config  # noqa: E402
+from resihp_adapters.torch_native.engine import place_of, shard_degree_for  # noqa: E402
+from resihp_adapters.torch_native.lowering import LoweringError, lower_pipeline, lower_program  # noqa: E402
+from resihp_adapters.torch_native.model import LlamaConfig, build_stage  # noqa: E402
+from resihp_adapters.torch_native.reshard import StateLost, chunk_rows, full_shapes, transfer_plan  # noqa: E402
+
+CFG = LlamaConfig(vocab_size=32, dim=8, n_layers=4, n_heads=2, ffn_dim=16)
+
+
+def plan(pp=2, dp=2, m=4, schedule="1f1b") -> ParallelPlan:
+    return ParallelPlan.uniform(tp=1, pp=pp, dp=dp, num_layers=4, num_microbatches=m, schedule=schedule)
+
+
+def test_1f1b_program_lowers_to_torch_actions_in_order():
+    p = {(q.replica, q.stage): q for q in emit_programs(plan())}
+    first = [str(a) for a in lower_program(p[(1, 0)])]
+    assert first[:4] == ["0UNSHARD", "0F0", "0SEND_F0", "0F1"]
+    assert first[-3:] == ["0B3", "0REDUCE_GRAD", "0RESHARD"]
+    last = [str(a) for a in lower_program(p[(1, 1)])]
+    assert last[:4] == ["1UNSHARD", "1RECV_F0", "1F0", "1B0"]
+    assert "1SEND_B0" in last
+
+
+def test_zbh1_splits_backward_into_input_and_weight():
+    acts = [str(a) for a in lower_program(emit_programs(plan(schedule="zbh1"))[0])]
+    assert any(a.endswith("I0") for a in acts) and any(a.endswith("W0") for a in acts)
+
+
+def test_runtime_accepts_the_lowered_pipeline():
+    from torch.distributed.pipelining.schedules import _validate_schedule
+
+    acts = lower_pipeline(emit_programs(plan()), replica=0)
+    assert _validate_schedule(acts, 2, 2, 4) == {0: 0, 1: 1}
+
+
+def test_migrated_work_is_refused_with_the_reason():
+    p = plan().with_(migrations=(Migration(1, 1, 3, 0),))
+    prog = next(q for q in emit_programs(p) if (q.replica, q.stage) == (0, 1))
+    with pytest.raises(LoweringError, match="replica 1 .*one replica's pipeline"):
+        lower_program(prog)
+
+
+def test_shard_degree_and_places():
+    assert [shard_degree_for(4, k) for k in (0, 1, 2, 3, 4, 8)] == [4, 1, 2, 2, 4, 4]
+    assert shard_degree_for(3, 2) == 1
+    p = plan()
+    pl = place_of(p, 3, 1)  # device 3: replica 1, stage 1
+    assert (pl.rank, pl.replica, pl.stage, pl.shard_degree, pl.replicate_index) == (3, 1, 1, 1, 1)
+
+
+def test_chunk_rows_follow_torch_chunk():
+    assert chunk_rows(10, 4) == [3, 3, 3, 1]
+    assert chunk_rows(5, 4) == [2, 2, 1, 0]
+    assert chunk_rows(2, 4) == [1, 1, 0, 0]
+    assert sum(chunk_rows(7, 3)) == 7
+
+
+def test_stage_names_are_split_independent_and_weights_seeded():
+    whole = dict(build_stage(CFG, 0, 4).named_parameters())
+    a, b = build_stage(CFG, 0, 1), build_stage(CFG, 1, 4)
+    parts = {**dict(a.named_parameters()), **dict(b.named_parameters())}
+    assert set(parts) == set(whole) == set(full_shapes(CFG))
+    assert all(torch.equal(parts[n], whole[n]) for n in whole)
+
+
+def test_transfer_plan_sources_from_a_surviving_copy_or_reports_the_lost_shard():
+    old = plan()  # devices: r0s0=0, r1s0=1, r0s1=2, r1s1=3
+    new = ParallelPlan(num_layers=4, layer_ranges=((0, 1), (1, 2), (2, 4)),
+                       tp_groups=(((0,), (2,), (3,)),), num_microbatches=8)
+    trs = transfer_plan(CFG, old, new, {0, 2, 3}, wanted_shard=1)  # HSDP: whole copies
+    assert all(t.of == 1 for t in trs)
+    assert {t.src for t in trs if t.dst == 2 and t.name.startswith("layers.1.")} == {0}
+    assert all(t.src == t.dst for t in trs if t.dst in (0, 3))
+    with pytest.raises(StateLost, match="shard 1/2 of stage 0"):
+        transfer_plan(CFG, old, new, {0, 2, 3}, wanted_shard=0)  # FSDP2: half of stage 0 died
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="unknown field.*'tp'"):
+        parse_config({"tp": 2})
+    with pytest.raises(ValueError, match="adapter_config.shard"):
+        parse_config({"shard": -1})
+    with pytest.raises(ValueError, match="LlamaConfig.dtype"):
+        parse_config({"model": {"dtype": "float16"}})
+    with pytest.raises(ValueError, match="adapter_config.data: unknown"):
+        parse_config({"data": {"len": 3}})
+    c = parse_config({"model": {"n_layers": 2}, "shard": 1}, seed=7)
+    assert c["model"].seed == 7 and c["data"].seed == 7 and c["shard"] == 1
+
+
+def test_registration_is_lazy():
+    import subprocess
+
+    code = ("import sys; from resihp_core.plugins import Plugins; "
+            "spec = Plugins().adapters().get('torch_native'); "
+            "assert spec.capabilities.layer_repartition and not spec.capabilities.cross_replica_migration; "
+            "assert 'torch' not in sys.modules, 'registration imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_resihp_plugins_lists_the_adapter_with_its_capabilities(capsys):
+    import json
+
+    from resihp_core.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    rep = {a["name"]: a for a in json.loads(capsys.readouterr().out)["adapters"]}
+    caps = rep["torch_native"]["capabilities"]
+    assert caps == {"tp_resize": False, "heterogeneous_tp": False, "layer_repartition": True,
+                    "cross_replica_migration": False, "schedules": ["1f1b", "gpipe", "zbh1"],
+                    "checkpoint": True}
