@@ -466,7 +466,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 async def _amain(args: argparse.Namespace) -> int:
     from resihp_core.config import load_config
 
-    full = load_config(args.config)
+    from resihp_core.config import ConfigError
+
+    try:
+        full = load_config(args.config)
+    except ConfigError as e:
+        print(f"agent: {e}", file=sys.stderr)
+        return 2
     config = full.detector
     args.interface = args.interface or full.runtime.interface or None
     secret = os.environ.get(args.secret_env, "")

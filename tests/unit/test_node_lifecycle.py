@@ -99,7 +99,7 @@ def test_a_finished_job_ends_its_agents_plainly(hub, tmp_path: Path) -> None:
     agent = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path, rejoin_timeout=30)
     lt.run(agent.start())
     lt.run(ctl.wait_for_agents({0}, 5.0))
-    lt.run(ctl.send(0, LaunchWorkers(devices=(0,), module="resihp_core.runtime.synthetic", job="{}", store_port=1)))
+    lt.run(ctl.send(0, LaunchWorkers(devices=(0,), module="resihp_core.testing.synthetic", job="{}", store_port=1)))
     assert wait_for(lambda: procs.alive() == [0])
     worker = agent.children[0].pid
     assert lt.run(ctl.finish(timeout=5)) == []  # every agent left
@@ -114,7 +114,7 @@ def test_an_agent_that_lost_the_controller_fences_its_workers_and_offers_its_dev
     agent = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path, rejoin_timeout=30)
     lt.run(agent.start())
     lt.run(ctl.wait_for_agents({0}, 5.0))
-    procs.launch([0, 1], module="resihp_core.runtime.synthetic", job_path=Path("unused"), job_json="{}", store="127.0.0.1:1", env={})
+    procs.launch([0, 1], module="resihp_core.testing.synthetic", job_path=Path("unused"), job_json="{}", store="127.0.0.1:1", env={})
     stale = [agent.children[d].pid for d in (0, 1)]
     assert procs.addresses == {0: "127.0.0.1", 1: "127.0.0.1"}  # bound where the agent meets the controller
     assert psutil.Process(stale[0]).environ()["GLOO_SOCKET_IFNAME"] == "lo"
@@ -122,7 +122,7 @@ def test_an_agent_that_lost_the_controller_fences_its_workers_and_offers_its_dev
     assert wait_for(lambda: agent.rejoins == 1)
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in stale)
     assert wait_for(lambda: (0, (0, 1)) in rejoined)  # offered again, once back
-    assert wait_for(lambda: procs.dead() == [0, 1] and procs.exits[0] == -9)  # the fenced ends were told
+    assert wait_for(lambda: procs.dead() == [0, 1] and procs.exits[0] == -9), (procs.dead(), procs.exits)  # fenced ends told
     assert ctl.nodes[0].connected
     lt.run(agent.stop())
 
