@@ -1,0 +1,79 @@
+"""The benchmarks' statistics: order-statistic intervals, paired normalised ratios, floors."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import benchstats as bs  # noqa: E402
+
+
+def test_median_ci_coverage_is_the_binomial_one() -> None:
+    # 3 values: no k reaches 95 %, the min-max range covers 1 - 2/8 = 75 %.
+    ci = bs.median_ci([3.0, 1.0, 2.0])
+    assert (ci.median, ci.lo, ci.hi, ci.n) == (2.0, 1.0, 3.0, 3)
+    assert ci.confidence == pytest.approx(0.75)
+    # 6 values: [x_(1), x_(6)] covers 1 - 2/64 = 96.9 %; [x_(2), x_(5)] only 78 %.
+    ci = bs.median_ci([6, 5, 4, 3, 2, 1])
+    assert (ci.lo, ci.hi) == (1, 6) and ci.confidence == pytest.approx(1 - 2 / 64)
+    # 20 values: k = 6 gives 95.9 % (k = 7: 88.5 %).
+    ci = bs.median_ci(list(range(20)))
+    assert (ci.lo, ci.hi) == (5, 14) and ci.confidence == pytest.approx(0.9586, abs=1e-4)
+    assert bs.median_ci([]).n == 0 and math.isnan(bs.median_ci([]).median)
+    assert bs.median_ci([4.0]).confidence == 0.0
+
+
+def test_median_ci_covers_the_true_median_as_often_as_it_claims() -> None:
+    rng = random.Random(1)
+    hits = 0
+    trials = 2000
+    for _ in range(trials):
+        ci = bs.median_ci([rng.expovariate(1.0) for _ in range(11)])
+        hits += ci.lo <= math.log(2) <= ci.hi
+    claimed = bs.median_ci(list(range(11))).confidence
+    assert claimed >= 0.95
+    assert abs(hits / trials - claimed) < 0.02
+
+
+def test_retained_ratio_cancels_a_run_speed_difference() -> None:
+    # Run A is 30 % faster before the fault (another tenant slowed run B throughout):
+    # both keep the same fraction, so the normalised ratio is 1 while the raw one is 1.3.
+    p = bs.Pair(a_healthy=13.0, a_faulty=6.5, b_healthy=10.0, b_faulty=5.0)
+    assert p.ratio == pytest.approx(1.0)
+    assert p.control == pytest.approx(1.3)
+    r = bs.paired_ratio([p], floor=0.5)
+    assert r.raw_ratio is not None and r.raw_ratio.median == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="healthy"):
+        bs.retained(1.0, 0.0)
+
+
+def test_pairs_whose_control_is_off_by_more_than_the_noise_are_flagged_not_averaged() -> None:
+    good = [bs.Pair(10.0, 8.0, 10.0 * c, 5.0 * c, 0.01, 0.01) for c in (1.0, 0.99, 1.01)]
+    bad = bs.Pair(10.0, 9.9, 7.0, 3.0, 0.01, 0.01)  # control 1.43, noise 1.4 %
+    r = bs.paired_ratio([good[0], bad, *good[1:]])
+    assert r.flagged == [1]
+    assert r.ratio.n == 3 and r.ratio.median == pytest.approx(1.6)
+    assert r.control.n == 4  # the control is reported over every pair
+    # A noisy healthy phase widens the tolerance: the same control then passes.
+    noisy = bs.Pair(10.0, 9.9, 7.0, 3.0, 0.12, 0.12)
+    assert bs.paired_ratio([noisy]).flagged == []
+
+
+def test_rel_se_and_floor_correction() -> None:
+    assert bs.rel_se([1.0]) == 0.0
+    assert bs.rel_se([9.0, 11.0]) == pytest.approx(math.sqrt(2) / math.sqrt(2) / 10)
+    assert bs.floor_corrected(5.0, 3.0) == pytest.approx(4.0)
+    assert bs.floor_corrected(1.0, 3.0) == 0.0
+
+
+def test_machine_and_load_are_recorded() -> None:
+    m = bs.machine()
+    assert m["cores"] and "python" in m
+    load = bs.loadavg()
+    assert load is None or len(load) == 3
