@@ -393,7 +393,7 @@ def _mark_events(ax: Any, events: list[dict[str, Any]], xs: list[float], *, anno
     lo, hi = ax.get_xlim()
     width_pt = ax.figure.get_figwidth() * 72 * ax.get_position().width
     per_unit = width_pt / (hi - lo) if hi > lo else 0.0
-    line_pt, last = 9.0, -math.inf
+    line_pt, last = 11.0, -math.inf
     for x, ev in sorted(((x, ev) for x, ev in marked if ev["text"]), key=lambda t: t[0]):
         colour = _STYLE.get(ev["kind"], _OTHER)[0]
         at = (x - lo) * per_unit
@@ -402,6 +402,7 @@ def _mark_events(ax: Any, events: list[dict[str, Any]], xs: list[float], *, anno
         ax.annotate(_short(ev["text"]), xy=(x, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(pos - at, -4), textcoords="offset points", rotation=90,
                     va="top", ha="left", fontsize=7, color=colour,
+                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8),
                     arrowprops=(None if pos - at <= 2.0 else
                                 dict(arrowstyle="-", color=colour, linewidth=0.5, alpha=0.6)))
 
@@ -432,13 +433,14 @@ def _plot_iteration_time(path: Path, rows: list[dict[str, Any]], events: list[di
     ax = fig.add_subplot()
     ax.plot([r["iteration"] for r in rows], [float(r["seconds"]) for r in rows],
             color="tab:blue", marker="o", markersize=2.5, linewidth=1.0, label="iteration time")
+    # Headroom above the slowest iteration: the event labels hang there, clear of the data.
+    ax.set_ylim(bottom=0, top=1.7 * max(float(r["seconds"]) for r in rows))
     _mark_events(ax, events, xs, annotate=True)
-    ax.set_ylim(bottom=0)
     ax.set_xlabel("iteration")
     ax.set_ylabel("seconds per iteration")
     ax.set_title(f"{title}: iteration time")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="png")
 
@@ -459,7 +461,7 @@ def _plot_throughput(path: Path, table: list[dict[str, Any]], title: str) -> Non
                     xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
                     fontsize=7)
     ax.set_xticks(xs)
-    ax.set_xticklabels([_wrap(str(r["phase"]), 16) + f"\n(n={r['iterations']})" for r in table], fontsize=8)
+    ax.set_xticklabels([_wrap(str(r["phase"]), 18) + f"\n(n={r['iterations']})" for r in table], fontsize=8)
     ax.set_ylabel("samples / s (mean, 95% CI)")
     ax.set_title(f"{title}: throughput per phase")
     ax.set_ylim(bottom=0, top=max([m + e for m, e in zip(means, errs)] + [1e-9]) * 1.15)
