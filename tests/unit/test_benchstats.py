@@ -77,3 +77,42 @@ def test_machine_and_load_are_recorded() -> None:
     assert m["cores"] and "python" in m
     load = bs.loadavg()
     assert load is None or len(load) == 3
+
+
+def test_run_all_table_leaves_flagged_pairs_out_and_states_the_load() -> None:
+    import run_all
+
+    e2e_json = {
+        "one_core_pp": {"pairs": [{}, {}, {}],
+                        "window": {"ratios": [1.5, 9.0, 1.4], "controls": [1.0, 1.4, 0.99], "flagged": [1]},
+                        "steady": {"ratios": [1.6, 1.5], "flagged": []}},
+        "failstop": {"pairs": [{}, {}], "ratios": [0.95, 0.97], "flagged_pairs": []},
+        "failed": {}, "config": {},
+    }
+    vals = run_all.e2e(e2e_json)
+    assert vals["one_core_pp: retained ratio, window"] == [1.5, 1.4]  # the flagged 9.0 left out
+    assert vals["one_core_pp: healthy-phase control"] == [1.0, 1.4, 0.99]  # controls all shown
+    assert vals["one_core_pp: flagged pairs"] == [1.0]
+    assert vals["fail-stop recovered / best fresh static"] == [0.95, 0.97]
+    bench = next(b for b in run_all.BENCHES if b.name == "e2e")
+    recs = [{"benchmark": "e2e", "rc": 0, "values": vals, "loadavg_before": [1.2, 1, 1],
+             "loadavg_after": [0.8, 1, 1]}]
+    rows = run_all.table(recs, [bench])
+    row = next(r for r in rows if r["figure"] == "one_core_pp: retained ratio, window")
+    assert (row["median"], row["min"], row["max"], row["n"], row["target"]) == (1.45, 1.4, 1.5, 2, ">= 1.3x")
+    assert row["load_1min"] == [0.8, 1.2]
+    md = run_all.markdown(rows, {"date": "2026-11-30 23:00 UTC", "machine": {"cpu": "X", "cores": 2},
+                                 "quick": True, "reps": 2, "seconds": 60, "load_min": 0.8, "load_max": 1.2,
+                                 "failed": {}})
+    assert "| `e2e.py` | one_core_pp: retained ratio, window | 1.45 | 1.40-1.50 | 2 | 0.8-1.2 | >= 1.3x |" in md
+    assert "load average (1 min) 0.8-1.2" in md and "--quick --reps 2" in md
+
+
+def test_predictor_and_reconfigure_extractors_read_the_floor() -> None:
+    import run_all
+
+    v = run_all.predictor({"mape_total_pct": 1.8, "mape_floor_pct": 0.4, "mape_total_beyond_floor_pct": 1.75})
+    assert v == {"mape_total_pct": [1.8], "mape_floor_pct": [0.4], "mape_total_beyond_floor_pct": [1.75]}
+    r = run_all.reconfigure({"kill_kill_to_first_iteration_s": 0.5, "iteration_mape_pct": 3.0,
+                             "mape_floor_pct": 1.0, "migration": [{"bytes_moved": 2e6, "state_s": 0.01}]})
+    assert r["kill -> first iteration_s"] == [0.5] and r["layer migration MB/s (median of moves)"] == [200.0]
