@@ -212,9 +212,10 @@ def throughput(records, first: int, last: int | None = None) -> float:
 
 def healthy(records, last: int) -> tuple[float, float]:
     """Throughput of iterations 1..``last`` (iteration 0 carries one-time costs) and its
-    relative standard error from the per-iteration spread."""
+    relative standard error from the per-iteration spread (of seconds per sample: the
+    throughput is total samples over total seconds)."""
     rows = [r for r in records if 1 <= r.iteration <= last]
-    return throughput(records, 1, last), rel_se([r.samples / r.seconds for r in rows])
+    return throughput(records, 1, last), rel_se([r.seconds / r.samples for r in rows])
 
 
 def plan_events(out) -> list[str]:
@@ -355,11 +356,11 @@ def fail_stop_pair(iterations: int, rep: int) -> dict:
         "healthy_before_kill_rse": out["healthy_rse"],
         "recovered_samples_per_s": out["recovered"],
         "recovered_retained": out["recovered"] / out["healthy"],
-        "recovered_rse": rel_se([r.samples / r.seconds for r in rec.records if r.iteration > out["after"]]),
+        "recovered_rse": rel_se([r.seconds / r.samples for r in rec.records if r.iteration > out["after"]]),
         "fresh_planner_plan_samples_per_s": throughput(fr.records, 1),
         "fresh_dp1_samples_per_s": throughput(single.records, 1),
         "best_static": best_name,
-        "best_static_rse": rel_se([r.samples / r.seconds for r in best_run.records if r.iteration >= 1]),
+        "best_static_rse": rel_se([r.seconds / r.samples for r in best_run.records if r.iteration >= 1]),
         "ratio_vs_best_static": out["recovered"] / best,
         "background_cores": bg,
         "recovered_plan": out["recovered_plan"].to_text(),
@@ -403,8 +404,10 @@ def _fmt(v) -> str:
 
 
 def _ci(med, ci, conf) -> str:
-    if med is None:
+    if med is None or med != med:  # None or NaN: no pair left
         return "-"
+    if conf == 0:
+        return f"{med:.2f} (one pair: no interval)"
     return f"{med:.2f} [{ci[0]:.2f} .. {ci[1]:.2f}, {100 * conf:.0f} % CI]"
 
 
@@ -428,13 +431,13 @@ def report(results: dict) -> None:
         kind = "one core per worker" if per <= 1 else f"oversubscribed {per:g} workers/core"
         print(f"\n== fail-slow [{name}] {kind}: {res['layout']} on {res['cores']} cores, "
               f"{res['repetitions']} interleaved pairs")
-        print("  rep  order          healthy/s nomit  resihp  control  retained nomit  resihp  "
+        print("  rep  order          healthy/s nomit  resihp  control (tolerance)  retained nomit  resihp  "
               "ratio(window)  ratio(steady)  adapted@  background cores")
         for k, r in enumerate(res["pairs"]):
             pw = _pair(r, "window")
             st = f"{_pair(r, 'steady').ratio:13.2f}" if "resihp_steady_samples_per_s" in r else f"{'-':>13}"
             print(f"  {k:>3}  {'/'.join(r['order']):13s}  {r['nomit_healthy_samples_per_s']:>13.2f}  "
-                  f"{r['resihp_healthy_samples_per_s']:>6.2f}  {pw.control:>7.2f}  "
+                  f"{r['resihp_healthy_samples_per_s']:>6.2f}  {pw.control:>7.2f} (±{max(3 * pw.control_noise, 0.02):.2f})  "
                   f"{r['nomit_retained_window']:>14.2f}  {r['resihp_retained_window']:>6.2f}  {pw.ratio:>13.2f}  "
                   f"{st}  {_fmt(r['adapted_at_iteration']).strip():>8}  "
                   + " ".join(f"{b:.2f}" if b is not None else "-"
