@@ -9,10 +9,11 @@ recorded. Every figure is reported as the median over the repetitions with the r
 (``--reps``), so its range is across its pairs. The README's measured table is this
 script's markdown output.
 
-    python benchmarks/run_all.py [--quick] [--reps N] [--only NAME ...] [--out DIR]
+    python benchmarks/run_all.py [--quick] [--reps N] [--only NAME ...] [--out DIR] [--compare OLD.json]
 
 Writes ``DIR/measured.md`` and ``DIR/measured.json`` (default ``benchmarks/results``)
-and prints the table. Exit status 1 if a benchmark could not measure in any repetition
+and prints the table; with ``--compare`` also ``DIR/rerun.md``: whether each median
+lies inside the range of an earlier run. Exit status 1 if a benchmark could not measure in any repetition
 (its figures are then missing from the table, and its error is in the JSON).
 """
 
@@ -247,6 +248,28 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(rows: list[dict[str, Any]], previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For every figure in both runs: is this run's median inside the previous run's range?"""
+    prev = {(r["benchmark"], r["figure"]): r for r in previous}
+    out = []
+    for r in rows:
+        p = prev.get((r["benchmark"], r["figure"]))
+        if p is not None:
+            out.append({"benchmark": r["benchmark"], "figure": r["figure"], "median": r["median"],
+                        "previous_min": p["min"], "previous_max": p["max"],
+                        "inside": p["min"] <= r["median"] <= p["max"]})
+    return out
+
+
+def compare_markdown(cmp: list[dict[str, Any]], path: Path) -> str:
+    inside = sum(c["inside"] for c in cmp)
+    lines = [f"Rerun vs `{path}`: {inside} of {len(cmp)} medians inside the previous run's range.", "",
+             "| benchmark | figure | median now | previous range | inside |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{c['benchmark']}` | {c['figure']} | {_num(c['median'])} | {_num(c['previous_min'])}-"
+              f"{_num(c['previous_max'])} | {'yes' if c['inside'] else 'NO'} |" for c in cmp]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="every benchmark's --quick (CI-sized)")
@@ -254,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=[b.name for b in BENCHES], help="this benchmark only")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="folder for measured.md / .json")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per benchmark run")
+    ap.add_argument("--compare", type=Path, help="a previous measured.json: is every median inside its range?")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be >= 1")
@@ -284,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "measured.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": records}, indent=2))
     print()
     print(md)
+    if args.compare:
+        cmp = compare(rows, json.loads(args.compare.read_text())["table"])
+        cmd = compare_markdown(cmp, args.compare)
+        (args.out / "rerun.md").write_text(cmd)
+        print(cmd)
     print(f"written: {args.out / 'measured.md'}, {args.out / 'measured.json'}")
     return 1 if failed else 0
 

@@ -116,3 +116,15 @@ def test_predictor_and_reconfigure_extractors_read_the_floor() -> None:
     r = run_all.reconfigure({"kill_kill_to_first_iteration_s": 0.5, "iteration_mape_pct": 3.0,
                              "mape_floor_pct": 1.0, "migration": [{"bytes_moved": 2e6, "state_s": 0.01}]})
     assert r["kill -> first iteration_s"] == [0.5] and r["layer migration MB/s (median of moves)"] == [200.0]
+
+
+def test_rerun_comparison_checks_each_median_against_the_previous_range() -> None:
+    import run_all
+
+    old = [{"benchmark": "a.py", "figure": "x", "min": 1.0, "max": 2.0},
+           {"benchmark": "a.py", "figure": "y", "min": 1.0, "max": 2.0}]
+    new = [{"benchmark": "a.py", "figure": "x", "median": 1.5}, {"benchmark": "a.py", "figure": "y", "median": 2.5},
+           {"benchmark": "a.py", "figure": "z", "median": 9.0}]
+    cmp = run_all.compare(new, old)
+    assert [(c["figure"], c["inside"]) for c in cmp] == [("x", True), ("y", False)]
+    assert "1 of 2 medians inside" in run_all.compare_markdown(cmp, run_all.Path("old.json"))
