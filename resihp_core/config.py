@@ -241,20 +241,13 @@ class RuntimeConfig(_Section):
 
     controller_host: str = _opt("127.0.0.1", _nonempty)
     controller_port: int = _opt(29400, _between(0, 65535))  # 0 = any free port
-    store_port: int = _opt(0, _between(0, 65535))  # TCPStore; 0 = any free port
     secret: str = _opt("", secret=True)
     nodes: int = _opt(1, _ge(1))
     devices_per_node: int = _opt(4, _ge(1))
-    workers: int = _opt(0, _ge(0))  # worker processes per node; 0 = one per device
     adapter: str = _opt("")  # "": the adapter registered as the default (resihp plugins)
-    backend: Literal["gloo", "nccl"] = _opt("gloo")
+    backend: Literal["gloo", "nccl"] = _opt("gloo")  # the workers' collectives (NCCL on GPUs)
     metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
     metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint
-    handshake_timeout_s: float = _opt(5.0, _gt(0), _finite)
-
-    @property
-    def workers_per_node(self) -> int:
-        return self.workers or self.devices_per_node
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,10 @@ ENV_BLOCK = "RESIHP_BLOCK_PLUGINS"
 BUILTINS: list[str] = ["resihp_core.detector.builtin", "resihp_core.scheduler.builtin"]
 
 #: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
-BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300}
+#: The one table of built-in adaptation stages and their order: TP selective exclusion,
+#: PP layer repartition, DP migration, then the TP-level escalation that drops a
+#: still-slow group when that is faster (``resihp_core.scheduler.builtin`` registers them).
+BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300, "drop": 400}
 
 R = TypeVar("R", bound=Registry[Any])
 

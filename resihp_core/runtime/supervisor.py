@@ -78,6 +78,8 @@ class Supervisor:
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
     observers: Any = None  # the plugin facade (resihp_core.plugins.Plugins): observer hooks fire here
     fitted: Callable[[], Any] = lambda: None  # the job's own fitted IterationPredictor, once there is one
+    max_retries: int = 3  # same-plan redeployments after a stall that no device failure explains
+    retries: int = 0
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -121,7 +123,14 @@ class Supervisor:
                 last_commit = time.monotonic()
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
-                if failures:  # workers gave up and no failure explains it: say why, stop
+                if failures and self.retries < self.max_retries:
+                    # Live workers gave up without any device failing: a race between
+                    # generations (a worker still in a superseded rendezvous while its
+                    # peers timed out in the new one). Deploy the same plan again.
+                    self.retries += 1
+                    self._retry(failures)
+                    last_commit = time.monotonic()
+                elif failures:  # retried enough: say why, stop
                     raise RuntimeError(
                         f"generation {self.job.generation} stalled at iteration {self.job.committed}; "
                         "workers failed: " + "; ".join(f"device {d}: {t}" for d, t in sorted(failures.items()))
@@ -130,6 +139,16 @@ class Supervisor:
                 raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
             time.sleep(0.005)
         return self.records
+
+    def _retry(self, failures: dict[int, str]) -> None:
+        resume = self.job.abort()
+        g = self.job.post(self.state.plan, iterations=self.iterations, resume=resume,
+                          exclude=self.handled_devices)
+        self.set_generation(g, self.state.plan, dict(self.state.speeds))
+        why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(failures.items()))[:300]
+        self._event("plan", f"generation {g} (retry {self.retries} of the same plan: workers left the "
+                            f"previous one with no device failing: {why})", plan=self.state.plan.to_text(),
+                    kind_of_plan="retry", planning_s=0.0, resume=resume)
 
     # ------------------------------------------------------------ failures
     def _pending_reports(self) -> list[FailureReport]:

@@ -48,7 +48,7 @@ Tensors3 = tuple[Tensor, Tensor, Tensor]  # parameter, exp_avg, exp_avg_sq
 
 def model_config(job) -> ModelConfig:
     """The model of this adapter's job section (``lr`` is the optimizer's)."""
-    section = {k: v for k, v in job.adapter_config.items() if k != "lr"}
+    section = {k: v for k, v in job.adapter_config.items() if k not in ("lr", "backend")}
     try:
         return ModelConfig(**section)
     except TypeError as e:
@@ -131,7 +131,8 @@ class MegatronRefAdapter(Adapter):
         self.release()  # the stage's TPContext still points at the old TP group
         self.devices = sorted(devices)
         self.comms = comm.build_communicators(
-            self.store, generation, self.devices, self.device, plan, self.timeout_s
+            self.store, generation, self.devices, self.device, plan, self.timeout_s,
+            backend=self.ctx.job.adapter_config.get("backend", "gloo"),
         )
 
     def release(self) -> None:
