@@ -160,8 +160,9 @@ def predictor_mape(quick: bool) -> dict:
         wl = {(0, j): lengths_of(data, i, 0, j) for j in range(m)}
         return pred.predict(plan, wl).iteration_time
 
-    # Per-iteration fixed costs (loss bookkeeping, optimizer, store) from the warm-up.
-    overhead = statistics.mean(measured(i) - predicted(i) for i in range(1, 1 + warm))
+    # Per-iteration fixed costs (loss bookkeeping, optimizer, store) from the warm-up
+    # (median over its iterations and runs: one slow spell must not shift every prediction).
+    overhead = statistics.median(x - predicted(i) for i in range(1, 1 + warm) for x in per_run(i))
     held_its = range(1 + warm, total)
     meas = [measured(i) for i in held_its]
     preds = [predicted(i) + overhead for i in held_its]

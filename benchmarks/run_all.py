@@ -242,7 +242,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in rows:
         load = "-" if r["load_1min"] is None else f"{r['load_1min'][0]:.1f}-{r['load_1min'][1]:.1f}"
         lines.append(f"| `{r['benchmark']}` | {r['figure']} | {_num(r['median'])} | "
-                     f"{_num(r['min'])}-{_num(r['max'])} | {r['n']} | {load} | {r['target']} |")
+                     f"{_num(r['min'])} .. {_num(r['max'])} | {r['n']} | {load} | {r['target']} |")
     if meta["failed"]:
         lines += ["", "Could not measure: " + "; ".join(f"{k} ({v})" for k, v in meta["failed"].items())]
     return "\n".join(lines) + "\n"
@@ -265,7 +265,7 @@ def compare_markdown(cmp: list[dict[str, Any]], path: Path) -> str:
     inside = sum(c["inside"] for c in cmp)
     lines = [f"Rerun vs `{path}`: {inside} of {len(cmp)} medians inside the previous run's range.", "",
              "| benchmark | figure | median now | previous range | inside |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| `{c['benchmark']}` | {c['figure']} | {_num(c['median'])} | {_num(c['previous_min'])}-"
+    lines += [f"| `{c['benchmark']}` | {c['figure']} | {_num(c['median'])} | {_num(c['previous_min'])} .. "
               f"{_num(c['previous_max'])} | {'yes' if c['inside'] else 'NO'} |" for c in cmp]
     return "\n".join(lines) + "\n"
 

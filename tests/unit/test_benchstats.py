@@ -104,7 +104,7 @@ def test_run_all_table_leaves_flagged_pairs_out_and_states_the_load() -> None:
     md = run_all.markdown(rows, {"date": "2026-11-30 23:00 UTC", "machine": {"cpu": "X", "cores": 2},
                                  "quick": True, "reps": 2, "seconds": 60, "load_min": 0.8, "load_max": 1.2,
                                  "failed": {}})
-    assert "| `e2e.py` | one_core_pp: retained ratio, window | 1.45 | 1.40-1.50 | 2 | 0.8-1.2 | >= 1.3x |" in md
+    assert "| `e2e.py` | one_core_pp: retained ratio, window | 1.45 | 1.40 .. 1.50 | 2 | 0.8-1.2 | >= 1.3x |" in md
     assert "load average (1 min) 0.8-1.2" in md and "--quick --reps 2" in md
 
 
