@@ -278,13 +278,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results", help="folder for measured.md / .json")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per benchmark run")
     ap.add_argument("--compare", type=Path, help="a previous measured.json: is every median inside its range?")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                    help="measure nothing: one table from the runs of these measured.json files "
+                         "(e.g. --only parts run side by side)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     benches = [b for b in BENCHES if not args.only or b.name in args.only]
     t0 = time.time()
     records: list[dict[str, Any]] = []
-    for rep in range(args.reps):
+    if args.combine:
+        parts = [json.loads(f.read_text()) for f in args.combine]
+        records = [r for part in parts for r in part["runs"]]
+        have = {r["benchmark"] for r in records}
+        benches = [b for b in benches if b.name in have]
+        args.reps = max(part["meta"]["reps"] for part in parts)
+        args.quick = all(part["meta"]["quick"] for part in parts)
+        t0 -= max(part["meta"]["seconds"] for part in parts)
+    for rep in range(0 if args.combine else args.reps):
         for b in benches:
             if b.internal_reps and rep > 0:
                 continue
@@ -299,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = {b.name: next((r["error"][:300] for r in records if r["benchmark"] == b.name and "error" in r), "")
               for b in benches if all(r["rc"] != 0 for r in records if r["benchmark"] == b.name)}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine(), "quick": args.quick, "reps": args.reps, "seconds": time.time() - t0,
+            "machine": parts[0]["meta"]["machine"] if args.combine else machine(), "quick": args.quick, "reps": args.reps, "seconds": time.time() - t0,
             "load_min": min(loads) if loads else float("nan"), "load_max": max(loads) if loads else float("nan"),
             "failed": failed}
     md = markdown(rows, meta)
