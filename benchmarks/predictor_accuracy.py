@@ -123,10 +123,12 @@ def _pin_one_cpu() -> int | None:
     """Keep this process on one CPU (the one it is on): no migrations between cores, whose
     caches it would refill, inside a timed pass. Returns the CPU, None where unsupported."""
     try:
-        cpu = sorted(os.sched_getaffinity(0))[-1]
-        os.sched_setaffinity(0, {cpu})
+        allowed = os.sched_getaffinity(0)
+        with open("/proc/self/stat") as f:  # field 39: the CPU this process last ran on
+            cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+        os.sched_setaffinity(0, {cpu if cpu in allowed else min(allowed)})
         return cpu
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, ValueError, IndexError):
         return None
 
 
