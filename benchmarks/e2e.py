@@ -6,8 +6,10 @@ the reference backend's LLaMA-style model (hidden 64, 4 heads, FFN 128, vocabula
 256, float32; 4 layers, 8 where noted), 1F1B, 256-token micro-batches (4 per replica
 per iteration, 8 where noted), lr 3e-3, a checkpoint every iteration (build_job's
 choice); build_job's long-tailed corpus for a 256-token budget (scale 25.6, lengths
-4-256, seed 0). Detector as in the demo (a heartbeat every 0.1 s, silent after 8
-missed, 3 warm-up iterations, change points at least 3 iterations apart). One thread
+4-256, seed 0). Detector as in the demo (a heartbeat every 0.1 s, 3 warm-up
+iterations, change points at least 3 iterations apart) except that a worker is silent
+only after 30 missed beats (3 s; the demo: 8): on a machine loaded 20x over, a starved
+worker went 0.9 s without a beat and was reported hung. One thread
 per worker process; one agent process per emulated node.
 
 1. Fail-slow. A *medium* compute fail-slow (every compute chunk 2.22x longer: a 55 %
@@ -101,7 +103,7 @@ TARGET_FAILSLOW, TARGET_FAILSTOP = 1.3, 0.9
 BASE = {
     "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128},
     "training": {"microbatches": 4, "token_budget": 256, "lr": 3e-3, "dtype": "float32"},
-    "detector": {"heartbeat_interval_s": 0.1, "heartbeat_miss_limit": 8, "hang_min_timeout_s": 20.0,
+    "detector": {"heartbeat_interval_s": 0.1, "heartbeat_miss_limit": 30, "hang_min_timeout_s": 20.0,
                  "warmup_iterations": 3, "min_changepoint_gap": 3},
 }
 
