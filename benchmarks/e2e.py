@@ -188,7 +188,8 @@ def run(cfg: Config, faults: list, supervised: bool, tag: str, plan: ParallelPla
     plan0, topology, spec, state, planner, _ = build_job(cfg, faults, work)
     if plan is not None:
         plan.validate(topology)
-        feats = workload_features(iteration_workload(CorpusSpec(**spec.corpus), 0, plan.dp, plan.num_microbatches),
+        corpus = CorpusSpec(**{k: v for k, v in spec.data.items() if k != "source"})
+        feats = workload_features(iteration_workload(corpus, 0, plan.dp, plan.num_microbatches),
                                   plan.dp, plan.num_microbatches)
         state = PlannerState.create(topology, plan, state.predictor, feats, capabilities=CAPABILITIES,
                                     k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
