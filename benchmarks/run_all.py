@@ -201,7 +201,9 @@ def run_one(b: Bench, quick: bool, reps: int, timeout: float) -> dict[str, Any]:
     finally:
         Path(path).unlink(missing_ok=True)
     if rc != 0:
-        rec["error"] = (rec.get("error", "") + f" exit {rc}: {tail[1][-1500:]}").strip()
+        said = [ln for ln in tail[1].splitlines() if "could not measure" in ln]  # the scripts' own words
+        why = " / ".join(ln[:300] for ln in said) if said else tail[1][-1500:]
+        rec["error"] = (rec.get("error", "") + f" exit {rc}: {why}").strip()
     return rec
 
 
@@ -307,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     rows = table(records, benches)
     loads = [x[0] for r in records for x in (r["loadavg_before"], r["loadavg_after"]) if x]
-    failed = {b.name: next((r["error"][:300] for r in records if r["benchmark"] == b.name and "error" in r), "")
+    failed = {b.name: next((r["error"][:600] for r in records if r["benchmark"] == b.name and "error" in r), "")
               for b in benches if all(r["rc"] != 0 for r in records if r["benchmark"] == b.name)}
+    for b in failed:  # a script that measured some of its figures says so
+        if any(r["values"] for r in records if r["benchmark"] == b):
+            failed[b] = "partly: " + failed[b]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": parts[0]["meta"]["machine"] if args.combine else machine(), "quick": args.quick, "reps": args.reps, "seconds": time.time() - t0,
             "load_min": min(loads) if loads else float("nan"), "load_max": max(loads) if loads else float("nan"),
