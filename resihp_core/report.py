@@ -350,6 +350,13 @@ def _short(text: str, n: int = 28) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def _wrap(text: str, width: int) -> str:
+    """``text`` on lines of at most ``width`` characters (words kept whole when they fit)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=True)) or text
+
+
 def _event_when(ev: Mapping[str, Any]) -> str:
     parts = []
     if "time" in ev:
@@ -372,17 +379,32 @@ def _figure(width: float = 8.0, height: float = 4.5) -> Any:
 def _mark_events(ax: Any, events: list[dict[str, Any]], xs: list[float], *, annotate: bool,
                  kinds: set[str] | None = None) -> None:
     seen: set[str] = set()
-    for ev, x in zip(events, xs):
-        if kinds is not None and ev["kind"] not in kinds:
-            continue
+    marked = [(x, ev) for ev, x in zip(events, xs) if kinds is None or ev["kind"] in kinds]
+    for x, ev in marked:
         colour, style, label = _STYLE.get(ev["kind"], _OTHER)
         ax.axvline(x, color=colour, linestyle=style, linewidth=1.2, alpha=0.85,
                    label=None if label in seen else label)
         seen.add(label)
-        if annotate and ev["text"]:
-            ax.annotate(_short(ev["text"]), xy=(x, 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(2, -4), textcoords="offset points", rotation=90,
-                        va="top", ha="left", fontsize=7, color=colour)
+    if not annotate:
+        return
+    # Vertical labels of events a few iterations apart (injection, detection, plan
+    # change) would print on top of each other: each label starts at least one line
+    # height right of the previous one, with a thin leader back to its event's line.
+    lo, hi = ax.get_xlim()
+    width_pt = ax.figure.get_figwidth() * 72 * ax.get_position().width
+    per_unit = width_pt / (hi - lo) if hi > lo else 0.0
+    line_pt, last = 11.0, -math.inf
+    for x, ev in sorted(((x, ev) for x, ev in marked if ev["text"]), key=lambda t: t[0]):
+        colour = _STYLE.get(ev["kind"], _OTHER)[0]
+        at = (x - lo) * per_unit
+        pos = max(at + 2.0, last + line_pt)
+        last = pos
+        ax.annotate(_short(ev["text"]), xy=(x, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(pos - at, -4), textcoords="offset points", rotation=90,
+                    va="top", ha="left", fontsize=7, color=colour,
+                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8),
+                    arrowprops=(None if pos - at <= 2.0 else
+                                dict(arrowstyle="-", color=colour, linewidth=0.5, alpha=0.6)))
 
 
 def _plot_loss(path: Path, rows: list[dict[str, Any]], events: list[dict[str, Any]],
@@ -411,19 +433,21 @@ def _plot_iteration_time(path: Path, rows: list[dict[str, Any]], events: list[di
     ax = fig.add_subplot()
     ax.plot([r["iteration"] for r in rows], [float(r["seconds"]) for r in rows],
             color="tab:blue", marker="o", markersize=2.5, linewidth=1.0, label="iteration time")
+    # Headroom above the slowest iteration: the event labels hang there, clear of the data.
+    ax.set_ylim(bottom=0, top=1.7 * max(float(r["seconds"]) for r in rows))
     _mark_events(ax, events, xs, annotate=True)
-    ax.set_ylim(bottom=0)
     ax.set_xlabel("iteration")
     ax.set_ylabel("seconds per iteration")
     ax.set_title(f"{title}: iteration time")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="png")
 
 
 def _plot_throughput(path: Path, table: list[dict[str, Any]], title: str) -> None:
-    fig = _figure(max(6.0, 1.6 * len(table) + 2.0), 4.5)
+    # Phase names are wrapped to the bar's width, so neighbouring labels never collide.
+    fig = _figure(max(6.0, 1.9 * len(table) + 2.0), 4.8)
     ax = fig.add_subplot()
     xs = list(range(len(table)))
     means = [r["throughput"] for r in table]
@@ -437,7 +461,7 @@ def _plot_throughput(path: Path, table: list[dict[str, Any]], title: str) -> Non
                     xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
                     fontsize=7)
     ax.set_xticks(xs)
-    ax.set_xticklabels([f"{r['phase']}\n(n={r['iterations']})" for r in table], fontsize=8)
+    ax.set_xticklabels([_wrap(str(r["phase"]), 18) + f"\n(n={r['iterations']})" for r in table], fontsize=8)
     ax.set_ylabel("samples / s (mean, 95% CI)")
     ax.set_title(f"{title}: throughput per phase")
     ax.set_ylim(bottom=0, top=max([m + e for m, e in zip(means, errs)] + [1e-9]) * 1.15)

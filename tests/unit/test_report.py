@@ -211,3 +211,27 @@ def test_malformed_events_and_reference(tmp_path: Path, kwargs: dict, match: str
 
 def test_report_error_is_a_value_error() -> None:
     assert issubclass(ReportError, ValueError)
+
+
+def test_event_labels_and_phase_names_do_not_overlap() -> None:
+    """Events one iteration apart (injection, detection, plan change) get labels side by
+    side, clear of the data; long phase names wrap instead of running into each other."""
+    from resihp_core.report import _figure, _mark_events, _wrap
+
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.plot(range(40), [1.0] * 40)
+    ax.set_ylim(0, 1.7)
+    evs = [{"kind": k, "text": f"{k} event with a long description {j}", "iteration": it}
+           for j, (k, it) in enumerate([("injection", 20), ("failure", 20), ("plan", 21), ("plan", 30)])]
+    _mark_events(ax, evs, [float(e["iteration"]) for e in evs], annotate=True)
+    fig.tight_layout()
+    from matplotlib.text import Text
+
+    renderer = fig.canvas.get_renderer()
+    boxes = [Text.get_window_extent(t, renderer) for t in ax.texts]  # the text, not its leader line
+    assert len(boxes) == 4
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not boxes[a].overlaps(boxes[b]), (a, b)
+    assert all(line == line[:18] for line in _wrap("2 after slow x2.22 on device 3, adapted", 18).splitlines())
