@@ -93,7 +93,8 @@ class LocalJob:
 
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, iterations: int, resume: int | None = None,
-             restore: int | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+             restore: int | None = None, fresh: bool = False,
+             exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Post the next generation: ``plan`` on every live worker not in ``exclude``."""
         g = self.generation + 1
         plan = plan.with_(generation=g) if plan.generation != g else plan
@@ -102,7 +103,7 @@ class LocalJob:
         if missing:
             raise JobError(f"plan generation {g} uses devices {missing} that have no live worker")
         msg = PlanUpdate.of(plan, devices=devices, resume=self.committed if resume is None else resume,
-                            iterations=iterations, restore=restore)
+                            iterations=iterations, restore=restore, fresh=fresh)
         jobstore.post_plan(self.store, msg)
         self.generation, self.plan, self.message = g, plan, msg
         self.plans[g] = plan

@@ -11,10 +11,17 @@ failure during recovery is handled like any other. A hung device is fenced (SIGK
 before the next generation so it cannot block the new communicators.
 
 Repaired devices are brought back (:meth:`Supervisor.rejoin`, or ``repairs`` due at
-an iteration): their workers are started again, the Scheduler plans them back in
+an iteration, or put on ``repair_requests`` by another thread): their workers are
+started again, the Scheduler plans them back in
 (:meth:`~resihp_core.scheduler.Planner.rejoin`), and when the new plan gives them work
-every worker reloads the last committed iteration's checkpoint, since a fresh worker
-has no state to move.
+every worker reloads a checkpoint, since a fresh worker has no state to move.
+
+A restore uses the newest *complete* checkpoint of a committed iteration (verified
+files, :mod:`resihp_core.checkpoints`); if newer ones are incomplete or corrupt it says
+so, and the job resumes from the iteration after the one restored, re-training the
+iterations in between with the same micro-batches (``docs/checkpoints.md``). Failed
+checkpoint writes reported by workers are storage faults: logged as events, and the
+job goes on.
 
 Every failure report and plan change is logged as one structured line with its
 generation, and handed to ``on_event``.
@@ -22,6 +29,7 @@ generation, and handed to ``on_event``.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import signal
@@ -29,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from resihp_core import checkpoints
 from resihp_core.protocol import FailureReport
 from resihp_core.runtime.launcher import LocalJob
 
@@ -78,6 +87,13 @@ class Supervisor:
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
     observers: Any = None  # the plugin facade (resihp_core.plugins.Plugins): observer hooks fire here
     fitted: Callable[[], Any] = lambda: None  # the job's own fitted IterationPredictor, once there is one
+    checkpoint_dir: str | None = None  # where restores look for complete checkpoints (None: assume every iteration has one)
+    checkpoint_every: int = 1  # the workers' interval: how long to wait for a write still in flight
+    checkpoint_grace_s: float = 3.0  # wait this long for a due checkpoint still being written
+    first: int = 0  # a resumed job: the first iteration this run trains
+    restore_at_start: int | None = None  # a resumed job: the checkpoint its first generation loads
+    repair_requests: "queue.Queue[list[int]]" = field(default_factory=queue.Queue)  # devices repaired now
+    storage_faults: list[dict] = field(default_factory=list)
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -88,16 +104,19 @@ class Supervisor:
 
     def run(self, timeout: float = 600.0) -> list[IterationRecord]:
         self._t0 = time.monotonic()
-        g = self.job.post(self.state.plan, iterations=self.iterations)
+        self._faults_seen = 0
+        self.job.committed = self.first
+        g = self.job.post(self.state.plan, iterations=self.iterations, resume=self.first,
+                          restore=self.restore_at_start)
         self.set_generation(g, self.state.plan, dict(self.state.speeds))
         self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
         if self.observers is not None:
             self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
         last_commit = time.monotonic()
         deadline = self._t0 + timeout
-        while len(self.records) < self.iterations:
+        while self.first + len(self.records) < self.iterations:
             self.job.committed_through()
-            for i in range(len(self.records), self.job.committed):
+            for i in range(self.first + len(self.records), self.job.committed):
                 now = time.monotonic()
                 rep = self.job.report(i)
                 rec = IterationRecord(i, sum(r.loss for r in rep.values()), now - last_commit,
@@ -108,11 +127,15 @@ class Supervisor:
                 self.on_iteration(rec)
                 if self.observers is not None:
                     self.observers.notify_iteration(rec)
-            if len(self.records) >= self.iterations:
+            if self.first + len(self.records) >= self.iterations:
                 break
+            self._storage_faults()
             due = [it for it in self.repairs if it <= self.job.committed and self.job.committed > 0]
-            if due:
-                self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)}))
+            asked = []
+            while not self.repair_requests.empty():
+                asked += self.repair_requests.get_nowait()
+            if due or asked:
+                self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)} | set(asked)))
                 last_commit = time.monotonic()
                 continue
             pending = self._pending_reports()
@@ -130,6 +153,44 @@ class Supervisor:
                 raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
             time.sleep(0.005)
         return self.records
+
+    # ------------------------------------------------------------ checkpoints
+    def _storage_faults(self) -> None:
+        """Checkpoint writes that failed on a worker: say so; training goes on."""
+        store = self.job.store
+        n = store.add("ckpt/faults", 0)
+        while self._faults_seen < n:
+            key = f"ckpt/fault/{self._faults_seen + 1}"
+            if not store.check([key]):
+                return  # counted but not yet posted: next round
+            self._faults_seen += 1
+            st = json.loads(store.get(key))
+            self.storage_faults.append(st)
+            nxt = f"at iteration {st['iteration'] + self.checkpoint_every}" if self.checkpoint_every else "never"
+            self._event("storage", f"storage fault: checkpoint of iteration {st['iteration']} not written by "
+                                   f"device {st['device']} ({st['error'][:160]}); training goes on, "
+                                   f"next checkpoint {nxt}", devices=[st["device"]], checkpoint=st["iteration"])
+
+    def _restore_point(self, resume: int) -> tuple[int | None, str]:
+        """The newest complete checkpoint of an iteration before ``resume`` (None: none,
+        restart from the seed), and what was skipped on the way."""
+        if self.checkpoint_dir is None:
+            return resume - 1, ""
+        deadline = time.monotonic() + (self.checkpoint_grace_s if self.checkpoint_every else 0.0)
+        every = max(1, self.checkpoint_every)
+        due = (resume // every) * every - 1  # the newest committed iteration due a checkpoint
+        while True:
+            it, skipped = checkpoints.newest_complete(self.checkpoint_dir, at_most=resume - 1)
+            if it is None or it >= due or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # the due one may still be in flight on a writer thread
+        note = "; ".join(f"checkpoint of iteration {s.iteration} is not usable: {s.problem}" for s in skipped)
+        if note or (it is not None and it < due):
+            self._event("checkpoint", (note + "; " if note else "") +
+                        (f"falling back to the checkpoint of iteration {it}" if it is not None
+                         else "no complete checkpoint: restarting from the initial state"),
+                        restore=it, skipped=[s.iteration for s in skipped])
+        return it, note
 
     # ------------------------------------------------------------ failures
     def _pending_reports(self) -> list[FailureReport]:
@@ -210,13 +271,19 @@ class Supervisor:
         old = self.state.plan
         self.state = decision.state
         resume = self.job.abort()
-        restore = resume - 1 if from_checkpoint and resume > 0 else None
+        restore, fresh = None, False
+        if from_checkpoint:
+            restore = self._restore_point(resume)[0] if resume > 0 else None
+            fresh = restore is None
+            resume = 0 if restore is None else restore + 1  # re-train the iterations after it
+            self.job.committed = resume
         g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
-                          exclude=self.handled_devices)
+                          fresh=fresh, exclude=self.handled_devices)
         self.set_generation(g, decision.plan, dict(self.state.speeds))
         if self.observers is not None:
             self.observers.notify_plan_changed(old, decision.plan, f"{what or kind}: {decision.reason[:200]}")
-        where = f", from the checkpoint of iteration {restore}" if restore is not None and kind != "restore" else ""
+        where = (f", from the checkpoint of iteration {restore}" if restore is not None
+                 else ", from the initial state" if fresh else "")
         self._event("plan", f"generation {g} ({what or kind}, planned in {plan_s * 1e3:.0f} ms{where}): "
                             f"{decision.reason[:200]}", plan=decision.plan.to_text(),
                     kind_of_plan=kind, planning_s=plan_s, resume=resume, **extra)
