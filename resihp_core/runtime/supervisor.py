@@ -142,6 +142,8 @@ class Supervisor:
             if pending:
                 self._adapt(pending)
                 last_commit = time.monotonic()
+            elif self._unsourceable():
+                last_commit = time.monotonic()
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
                 if failures:  # workers gave up and no failure explains it: say why, stop
@@ -155,6 +157,28 @@ class Supervisor:
         return self.records
 
     # ------------------------------------------------------------ checkpoints
+    def _unsourceable(self) -> bool:
+        """A reconfiguration whose state has no surviving copy (the adapter's
+        ``move_state`` said so): deploy the same plan again, restored from a checkpoint.
+        Checked twice a second."""
+        now = time.monotonic()
+        if now - getattr(self, "_last_source_check", 0.0) < 0.5 or self.checkpoint_dir is None:
+            return False
+        self._last_source_check = now
+        failures = self.job.worker_failures()
+        lost = {d: t for d, t in failures.items() if "no surviving complete copy" in t}
+        if not lost:
+            return False
+        from types import SimpleNamespace
+
+        self._event("failure", f"state cannot be moved to generation {self.job.generation}'s plan "
+                               f"({next(iter(lost.values()))[:120]}): restoring it from a checkpoint",
+                    failure="state-lost", devices=sorted(lost), cause="state")
+        decision = SimpleNamespace(state=self.state, plan=self.state.plan,
+                                   reason="no live copy of some state: restore from checkpoint")
+        self._deploy(decision, 0.0, "restore", from_checkpoint=True)
+        return True
+
     def _storage_faults(self) -> None:
         """Checkpoint writes that failed on a worker: say so; training goes on."""
         store = self.job.store

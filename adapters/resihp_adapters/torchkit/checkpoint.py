@@ -115,15 +115,20 @@ class CheckpointWriter:
     """One background thread per worker that writes queued checkpoints in order.
 
     :meth:`submit` takes tensors the caller has already copied (the iteration goes on
-    changing the live ones), so the training thread only pays for the copy. A write
+    changing the live ones), so the training thread only pays for the copy. At most
+    one write is in flight: if the previous one is still running when the next is due
+    (a disk slower than the interval), ``submit`` waits for it, so every writer writes
+    every due checkpoint and memory stays bounded; past ``busy_timeout_s`` (a hung
+    mount) the new checkpoint is given up and reported instead. A write
     that fails (read-only folder, full disk) becomes a :class:`WriteResult` with the
     error, never an exception in training: the next interval simply tries again.
     After a successful write, checkpoints beyond the newest ``keep`` complete ones are
     deleted (retention).
     """
 
-    def __init__(self, root: str | os.PathLike, keep: int = 0) -> None:
-        self.root, self.keep = Path(root), keep
+    def __init__(self, root: str | os.PathLike, keep: int = 0, busy_timeout_s: float = 120.0) -> None:
+        self.root, self.keep, self.busy_timeout_s = Path(root), keep, busy_timeout_s
+        self.waited_s = 0.0  # time submit spent waiting for the previous write
         self._q: queue.Queue = queue.Queue()
         self._results: list[WriteResult] = []
         self._lock = threading.Lock()
@@ -134,6 +139,14 @@ class CheckpointWriter:
 
     def submit(self, iteration: int, components: Mapping[str, Mapping[str, Sequence[Tensor]]],
                manifest: Iterable[str]) -> None:
+        t0 = time.perf_counter()
+        idle = self._idle.wait(self.busy_timeout_s)
+        self.waited_s += time.perf_counter() - t0
+        if not idle:
+            with self._lock:
+                self._results.append(WriteResult(iteration, f"the previous checkpoint write is still running after "
+                                                            f"{self.busy_timeout_s:.0f} s", 0, 0.0))
+            return
         with self._lock:
             self._pending += 1
             self._idle.clear()
