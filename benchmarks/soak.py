@@ -158,7 +158,10 @@ class Soak:
         if not reports:
             have = [gg for gg in sorted(job.plans) if any(job.store.check([f"ctl{gg}/report/{i}/{d}"])
                                                            for d in job.plans[gg].devices())]
-            self.problems.append(f"iteration {i}: no reports in generation {g} (committed_in); reports in {have}")
+            verdicts = {gg: job.store.get(f"ctl{gg}/verdict{i}").decode() for gg in sorted(job.plans)
+                        if job.store.check([f"ctl{gg}/verdict{i}"])}
+            self.problems.append(f"iteration {i}: no reports in generation {g} (committed_in); reports in {have}; "
+                                 f"verdicts {verdicts}; committed {job.committed}; records {len(self.records)}")
         loss = sum(r.loss for r in reports.values())
         self.losses[i] = loss
         self.accounting["iterations_checked"] += 1

@@ -111,7 +111,10 @@ class LocalJob:
 
     def abort(self) -> int:
         """Abort the current generation; returns the iteration to resume from."""
-        self.committed = jobstore.abort_generation(self.store, self.generation, self.committed)
+        first = self.committed
+        self.committed = jobstore.abort_generation(self.store, self.generation, first)
+        for i in range(first, self.committed):  # committed before the abort, not yet seen
+            self.committed_in[i] = self.generation
         return self.committed
 
     def committed_through(self) -> int:
