@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from resihp_core import checkpoints
 from resihp_core.protocol import FailureReport
-from resihp_core.runtime.launcher import LocalJob
+from resihp_core.runtime.launcher import JobError, LocalJob
 
 __all__ = ["Supervisor", "IterationRecord"]
 
@@ -286,7 +286,18 @@ class Supervisor:
                                    devices=tuple(dead_in_plan), evidence="died during recovery")
             self.state = decision.state
             self.handled_devices.update(dead_in_plan)
-        self._deploy(decision, plan_s, decision.kind, from_checkpoint=decision.kind == "restore")
+        try:
+            self._deploy(decision, plan_s, decision.kind, from_checkpoint=decision.kind == "restore")
+        except JobError:
+            # A device of the plan died between the check above and the post (two
+            # workers killed together, one reported first): plan again without it.
+            gone = sorted(set(decision.plan.devices()) - set(self.job.alive()))
+            if not gone:
+                raise
+            self._event("failure", f"fail-stop of devices {gone} during recovery", failure="fail-stop",
+                        devices=gone, cause="unknown")
+            self._adapt([FailureReport(generation=self.job.generation, failure="fail-stop", devices=tuple(gone),
+                                       evidence="died during recovery")])
 
     def _deploy(self, decision: Any, plan_s: float, kind: str, *, from_checkpoint: bool,
                 what: str = "", **extra: Any) -> int:
