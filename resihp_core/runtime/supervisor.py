@@ -180,7 +180,12 @@ class Supervisor:
         return True
 
     def _storage_faults(self) -> None:
-        """Checkpoint writes that failed on a worker: say so; training goes on."""
+        """Checkpoint writes that failed on a worker: say so; training goes on.
+        Polled four times a second."""
+        now = time.monotonic()
+        if now - getattr(self, "_last_fault_check", 0.0) < 0.25:
+            return
+        self._last_fault_check = now
         store = self.job.store
         n = store.add("ckpt/faults", 0)
         while self._faults_seen < n:
