@@ -68,7 +68,7 @@ from typing import Callable
 
 from resihp_core.config import Config
 from resihp_core.plan import ParallelPlan
-from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
+from resihp_core.data import create_source
 from resihp_core.predictor.predict import workload_features
 from resihp_core.runtime.resilient import run_resilient
 from resihp_core.scheduler.state import PlannerState
@@ -164,8 +164,8 @@ def run(cfg: Config, faults: list, supervised: bool, tag: str, plan: ParallelPla
     plan0, topology, spec, state, planner, _ = build_job(cfg, faults, work)
     if plan is not None:
         plan.validate(topology)
-        feats = workload_features(iteration_workload(CorpusSpec(**spec.corpus), 0, plan.dp, plan.num_microbatches),
-                                  plan.dp, plan.num_microbatches)
+        source = create_source(spec.data, dp=plan.dp, num_microbatches=plan.num_microbatches, seed=spec.seed)
+        feats = workload_features(source.workload(0), plan.dp, plan.num_microbatches)
         state = PlannerState.create(topology, plan, state.predictor, feats, capabilities=CAPABILITIES,
                                     k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
         plan0 = plan

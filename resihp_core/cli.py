@@ -57,11 +57,12 @@ def _plugins_report() -> dict[str, Any]:
         detectors = plugins.changepoint_detectors()
         verifiers = plugins.verification_strategies()
         stages = plugins.adaptation_stages()
+        sources = plugins.data_sources()
     except PluginError as e:
         raise CliError(str(e), code=1) from e
     overridden = [
         {"kind": reg.kind, "name": r.name, "source": r.source, "by": reg.source_of(r.name)}
-        for reg in (adapters, detectors, verifiers, stages)
+        for reg in (adapters, detectors, verifiers, stages, sources)
         for r in reg.shadowed()
     ]
     return {
@@ -84,6 +85,7 @@ def _plugins_report() -> dict[str, Any]:
         "adaptation_stages": [
             {"name": s.name, "order": s.order, "source": stages.source_of(s.name)} for s in stages.ordered()
         ],
+        "data_sources": [{"name": r.name, "source": r.source} for r in sources.registrations()],
         "overridden": overridden,
     }
 
@@ -113,7 +115,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     out.append("")
     for key, title in [("changepoint_detectors", "Change-point detectors"),
                        ("verification_strategies", "Verification strategies"),
-                       ("adaptation_stages", "Adaptation stages (in order)")]:
+                       ("adaptation_stages", "Adaptation stages (in order)"),
+                       ("data_sources", "Data sources")]:
         names = ", ".join(f"{e['name']} ({e['source']})" for e in rep[key]) or "(none)"
         out.append(f"{title}: {names}")
     for o in rep["overridden"]:
@@ -172,12 +175,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_config(args)
 
 
+# ------------------------------------------------------------------ simulate
+def _configure_simulate(p: argparse.ArgumentParser) -> None:
+    from resihp_core.sim.cli import configure
+
+    configure(p)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from resihp_core.sim.cli import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "agent": Command("serve as a node agent: launch and watch this host's workers for a controller",
                      _configure_agent, _cmd_agent),
     "plugins": Command("list loaded plugins and registered adapters", _configure_plugins, _cmd_plugins),
     "plan": Command("inspect parallel plans", _configure_plan, _cmd_plan),
     "run": Command("run a resilient job from a configuration file", _configure_run, _cmd_run),
+    "simulate": Command("simulate ResiHP and the comparison systems on a failure trace (cluster scale)",
+                        _configure_simulate, _cmd_simulate),
 }
 
 

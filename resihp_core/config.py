@@ -32,6 +32,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping
 __all__ = [
     "Config",
     "ConfigError",
+    "DataConfig",
     "DetectorConfig",
     "SchedulerConfig",
     "ParallelConfig",
@@ -241,20 +242,13 @@ class RuntimeConfig(_Section):
 
     controller_host: str = _opt("127.0.0.1", _nonempty)
     controller_port: int = _opt(29400, _between(0, 65535))  # 0 = any free port
-    store_port: int = _opt(0, _between(0, 65535))  # TCPStore; 0 = any free port
     secret: str = _opt("", secret=True)
     nodes: int = _opt(1, _ge(1))
     devices_per_node: int = _opt(4, _ge(1))
-    workers: int = _opt(0, _ge(0))  # worker processes per node; 0 = one per device
     adapter: str = _opt("")  # "": the adapter registered as the default (resihp plugins)
-    backend: Literal["gloo", "nccl"] = _opt("gloo")
+    backend: Literal["gloo", "nccl"] = _opt("gloo")  # the workers' collectives (NCCL on GPUs)
     metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
     metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint
-    handshake_timeout_s: float = _opt(5.0, _gt(0), _finite)
-
-    @property
-    def workers_per_node(self) -> int:
-        return self.workers or self.devices_per_node
 
 
 @dataclass(frozen=True)
@@ -295,6 +289,42 @@ class TrainingConfig(_Section):
     checkpoint_keep: int = _opt(3, lambda v: None if v == 0 or v >= 2 else "must be 0 (keep all) or >= 2")
 
 
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    """What the job trains on: ``source`` names a data source (built in: ``synthetic``,
+    ``text``; plugins add more through ``resihp_register_data_sources``), and every
+    other key of ``[data]`` is an option of that source, which validates it when the
+    job is assembled (:func:`resihp_core.data.create_source`, docs/data.md). The default
+    is the synthetic long-tailed corpus."""
+
+    SECTION: ClassVar[str] = "data"
+    OPEN: ClassVar[bool] = True  # keys besides `source` are the source's options
+
+    source: str = _opt("synthetic", _nonempty)
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, v in self.options.items():
+            path = f"data.{key}"
+            if not isinstance(key, str) or not key.isidentifier() or key == "options":
+                raise ConfigError("not a valid option name", path=path)
+            items = v if isinstance(v, list) else [v]
+            if not all(isinstance(x, (str, int, float, bool)) for x in items):
+                raise ConfigError("must be a string, number, boolean or a list of them", path=path, value=v)
+
+    def section(self) -> dict[str, Any]:
+        """The ``[data]`` table as written: ``{"source": ..., **options}``."""
+        return {"source": self.source, **self.options}
+
+
+def _open_section(values: dict[str, Any]) -> dict[str, Any]:
+    """A flat ``[data]`` table as DataConfig's fields."""
+    out = {"options": {k: v for k, v in values.items() if k != "source"}}
+    if "source" in values:
+        out["source"] = values["source"]
+    return out
+
 #: Sections whose fields belong to a plugin, not to the core (checked by their owner).
 OPAQUE_SECTIONS = ("adapter",)
 
@@ -307,6 +337,7 @@ _SECTIONS: dict[str, type[_Section]] = {
         RuntimeConfig,
         ModelConfig,
         TrainingConfig,
+        DataConfig,
     )
 }
 
@@ -321,6 +352,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     # The adapter's own section (``[adapter]``), opaque here: the adapter named by
     # runtime.adapter validates it when the job is assembled.
     adapter: dict[str, Any] = field(default_factory=dict)
@@ -354,6 +386,7 @@ class Config:
 
     def to_dict(self, *, include_secrets: bool = False) -> dict[str, dict[str, Any]]:
         out = dataclasses.asdict(self)
+        out["data"] = self.data.section()  # flat, as written in a file
         if not include_secrets:
             out["runtime"].pop("secret")
         return out
@@ -412,7 +445,7 @@ def _as_sections(data: Any, source: str) -> _Raw:
             )
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         for key in values:
-            if key not in names:
+            if key not in names and not getattr(cls, "OPEN", False):
                 raise ConfigError(
                     f"unknown key{_suggest(str(key), names)}", path=f"{section}.{key}", source=source
                 )
@@ -431,8 +464,10 @@ def _build(raw: _Raw, origins: Mapping[str, str], default_source: str) -> Config
         values = dict(raw.get(name, {}))
         hints = _hints(cls)
         for key, v in values.items():
-            if hints[key] is float and isinstance(v, str):
+            if hints.get(key) is float and isinstance(v, str):
                 values[key] = _from_text(float, v)  # YAML reads 1e-3 as text
+        if getattr(cls, "OPEN", False):
+            values = _open_section(values)
         try:
             sections[name] = cls(**values)
         except ConfigError as err:
@@ -473,6 +508,15 @@ def _read_file(path: Path) -> Any:
     )
 
 
+def _option_from_text(text: str) -> Any:
+    """A data option from the environment: JSON when it parses (numbers, true/false,
+    ``["a", "b"]``), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _env_overrides(env: Mapping[str, str]) -> tuple[_Raw, dict[str, str]]:
     """``RESIHP_<SECTION>__<FIELD>`` variables as raw values, and which variable set each."""
     raw: _Raw = {}
@@ -493,6 +537,10 @@ def _env_overrides(env: Mapping[str, str]) -> tuple[_Raw, dict[str, str]]:
             raise ConfigError(f"unknown section{_suggest(section, _SECTIONS)}", path=section, source=source)
         hints = _hints(cls)
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        if getattr(cls, "OPEN", False) and key != "source":
+            raw.setdefault(section, {})[key] = _option_from_text(env[var])
+            origins[f"{section}.{key}"] = source
+            continue
         if key not in names:
             raise ConfigError(f"unknown key{_suggest(key, names)}", path=f"{section}.{key}", source=source)
         raw.setdefault(section, {})[key] = _from_text(hints[key], env[var])

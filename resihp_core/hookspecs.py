@@ -6,7 +6,7 @@ only through the typed facade :class:`resihp_core.plugins.Plugins`, which calls 
 implementation in pluggy's order (plugins first, ``trylast`` built-ins last) and knows
 which plugin made each registration. Hook wrappers are not supported.
 
-Four families:
+Six families:
 
 - **adapters** — ``resihp_register_adapters``: the execution layer for a framework.
 - **detection** — ``resihp_register_changepoint_detectors`` and
@@ -15,6 +15,10 @@ Four families:
 - **scheduling** — ``resihp_register_adaptation_stages``: the ordered stages of the
   progressive planner (built in: ``tp``, ``pp``, ``dp``), which a plugin replaces by
   registering the same name or extends with a new name and order.
+- **simulation** — ``resihp_register_sim_policies``: the mitigation policies the
+  cluster simulator (:mod:`resihp_core.sim`) compares.
+- **data** — ``resihp_register_data_sources``: where a job's documents come from
+  (built in: ``synthetic``, ``text``).
 - **observers** — ``resihp_job_started``, ``resihp_failure_reported``,
   ``resihp_plan_changed``, ``resihp_iteration_finished``: notifications for logging, metrics, dashboards.
 
@@ -33,6 +37,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from resihp_core.adapter import AdapterRegistry
+    from resihp_core.data import DataSourceRegistry
     from resihp_core.plan import ParallelPlan
     from resihp_core.plugins import CommandRegistry, FactoryRegistry, StageRegistry
     from resihp_core.protocol import FailureReport
@@ -93,6 +98,38 @@ def resihp_register_adaptation_stages(registry: StageRegistry) -> None:
     with an order in between to add a stage.
 
     :param registry: the :class:`~resihp_core.plugins.StageRegistry` to fill.
+    """
+
+
+# ----------------------------------------------------------------- simulation
+@hookspec
+def resihp_register_sim_policies(registry: FactoryRegistry) -> None:
+    """Register mitigation policies for the cluster simulator (``resihp simulate``).
+
+    Call ``registry.register(name, factory)``; the simulator calls ``factory()`` once per
+    run and drives the result through the interface of
+    :class:`resihp_core.sim.policies.Policy` (``start``, ``on_stop``, ``on_repair``,
+    ``on_slow``, ``on_recover``, ``on_timer``, ``iteration_time``). Built-ins:
+    ``resihp``, ``none``, ``recycle``, ``oobleck``, ``greyhound``, ``adaptra``,
+    ``enh-recycle``, ``enh-oobleck``.
+
+    :param registry: a :class:`~resihp_core.plugins.FactoryRegistry` of policy factories.
+    """
+
+
+# ----------------------------------------------------------------------- data
+@hookspec
+def resihp_register_data_sources(registry: DataSourceRegistry) -> None:
+    """Register data sources: what a job trains on (``[data] source = NAME``).
+
+    Call ``registry.register(name, factory, description=...)``; ``factory(options, ctx)``
+    gets the ``[data]`` section without ``source`` and a
+    :class:`~resihp_core.data.SourceContext` (dp, micro-batches, seed, token budget,
+    vocabulary), validates the options (a :class:`~resihp_core.data.DataError` naming
+    the field) and returns a :class:`~resihp_core.data.DataSource`. Built-ins:
+    ``synthetic`` and ``text``, registered ``trylast``.
+
+    :param registry: the :class:`~resihp_core.data.DataSourceRegistry` to fill.
     """
 
 

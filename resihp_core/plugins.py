@@ -42,6 +42,7 @@ from resihp_core.adapter import (
 from resihp_core.plan import ParallelPlan
 
 if TYPE_CHECKING:
+    from resihp_core.data import DataSourceRegistry
     from resihp_core.protocol import FailureReport
 
 __all__ = [
@@ -76,10 +77,18 @@ ENV_BLOCK = "RESIHP_BLOCK_PLUGINS"
 
 #: Modules (dotted paths, imported when a :class:`Plugins` is built) that provide the
 #: built-in hook implementations; each implementation must be ``trylast``.
-BUILTINS: list[str] = ["resihp_core.detector.builtin", "resihp_core.scheduler.builtin"]
+BUILTINS: list[str] = [
+    "resihp_core.detector.builtin",
+    "resihp_core.scheduler.builtin",
+    "resihp_core.sim.builtin",
+    "resihp_core.data.builtin",
+]
 
 #: Where the built-in adaptation stages run; a plugin replacing one inherits its order.
-BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300}
+#: The one table of built-in adaptation stages and their order: TP selective exclusion,
+#: PP layer repartition, DP migration, then the TP-level escalation that drops a
+#: still-slow group when that is faster (``resihp_core.scheduler.builtin`` registers them).
+BUILTIN_STAGE_ORDER: dict[str, int] = {"tp": 100, "pp": 200, "dp": 300, "drop": 400}
 
 R = TypeVar("R", bound=Registry[Any])
 
@@ -377,9 +386,19 @@ class Plugins:
         """The planner's stages; run them in ``.ordered()`` order."""
         return self._fill("resihp_register_adaptation_stages", StageRegistry)
 
+    def sim_policies(self) -> FactoryRegistry:
+        """Policies the cluster simulator can compare (``resihp simulate``)."""
+        return self._fill("resihp_register_sim_policies", lambda: FactoryRegistry("simulation policy"))
+
     def commands(self) -> CommandRegistry:
         """Subcommands contributed by plugins (``resihp demo``, ...)."""
         return self._fill("resihp_register_commands", CommandRegistry)
+
+    def data_sources(self) -> DataSourceRegistry:
+        """Data sources a job's ``[data] source`` can name (``synthetic``, ``text``, ...)."""
+        from resihp_core.data import DataSourceRegistry
+
+        return self._fill("resihp_register_data_sources", DataSourceRegistry)
 
     def notify_failure(self, report: FailureReport) -> None:
         self._notify("resihp_failure_reported", report=report)

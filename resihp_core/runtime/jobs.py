@@ -41,7 +41,7 @@ def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
     from resihp_core.job import JobSpec
     from resihp_core.plan import ParallelPlan, ScheduleKind, Topology
     from resihp_core.plugins import get_plugins
-    from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
+    from resihp_core.data import create_source
     from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
     from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
     from resihp_core.scheduler.planner import Planner
@@ -70,9 +70,13 @@ def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
         raise ConfigError(f"adapter {adapter.name!r} cannot run this plan: {'; '.join(why)}",
                           path="runtime.adapter", value=adapter.name)
     n = tr.token_budget
-    corpus = dict(scale=max(2.0, n / 10), shape=1.0, min_len=min(4, n), max_len=n, token_budget=n, seed=tr.seed)
+    # The job's data source ([data]; default: the synthetic long-tailed corpus), built
+    # here first: a bad section fails before any worker starts, and workers rebuild the
+    # very same source from its resolved spec (paths made absolute, corpus fingerprint).
+    source = create_source(cfg.data.section(), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
+                           token_budget=n, vocab_size=mod.vocab)
     spec = JobSpec(
-        adapter=adapter.name, adapter_config=section, data=dict(source="synthetic", **corpus),
+        adapter=adapter.name, adapter_config=section, data=source.spec(),
         dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=10.0,
         checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"),
         checkpoint_every=tr.checkpoint_every, checkpoint_keep=tr.checkpoint_keep,
@@ -87,8 +91,7 @@ def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
     params = 4 * mod.hidden * mod.hidden + 3 * mod.hidden * mod.ffn
     predictor = IterationPredictor(cost, topology, ModelShape(tokens=n, hidden=mod.hidden,
                                                               params_per_layer=params, dtype_bytes=4), links)
-    feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, par.dp, tr.microbatches),
-                              par.dp, tr.microbatches)
+    feats = workload_features(source.workload(0), par.dp, tr.microbatches)
     state = PlannerState.create(topology, plan, predictor, feats, capabilities=caps,
                                 k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
     return AssembledJob(plan, topology, spec, state, Planner(capabilities=caps), adapter.function("reference"))

@@ -94,6 +94,8 @@ class Supervisor:
     restore_at_start: int | None = None  # a resumed job: the checkpoint its first generation loads
     repair_requests: "queue.Queue[list[int]]" = field(default_factory=queue.Queue)  # devices repaired now
     storage_faults: list[dict] = field(default_factory=list)
+    max_retries: int = 3  # same-plan redeployments after a stall that no device failure explains
+    retries: int = 0
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -146,7 +148,14 @@ class Supervisor:
                 last_commit = time.monotonic()
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
-                if failures:  # workers gave up and no failure explains it: say why, stop
+                if failures and self.retries < self.max_retries:
+                    # Live workers gave up without any device failing: a race between
+                    # generations (a worker still in a superseded rendezvous while its
+                    # peers timed out in the new one). Deploy the same plan again.
+                    self.retries += 1
+                    self._retry(failures)
+                    last_commit = time.monotonic()
+                elif failures:  # retried enough: say why, stop
                     raise RuntimeError(
                         f"generation {self.job.generation} stalled at iteration {self.job.committed}; "
                         "workers failed: " + "; ".join(f"device {d}: {t}" for d, t in sorted(failures.items()))
@@ -220,6 +229,16 @@ class Supervisor:
                          else "no complete checkpoint: restarting from the initial state"),
                         restore=it, skipped=[s.iteration for s in skipped])
         return it, note
+
+    def _retry(self, failures: dict[int, str]) -> None:
+        resume = self.job.abort()
+        g = self.job.post(self.state.plan, iterations=self.iterations, resume=resume,
+                          exclude=self.handled_devices)
+        self.set_generation(g, self.state.plan, dict(self.state.speeds))
+        why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(failures.items()))[:300]
+        self._event("plan", f"generation {g} (retry {self.retries} of the same plan: workers left the "
+                            f"previous one with no device failing: {why})", plan=self.state.plan.to_text(),
+                    kind_of_plan="retry", planning_s=0.0, resume=resume)
 
     # ------------------------------------------------------------ failures
     def _pending_reports(self) -> list[FailureReport]:

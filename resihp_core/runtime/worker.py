@@ -93,14 +93,14 @@ class Worker:
 
     def __init__(self, device: int, store: Any, job: JobSpec, *, factory: AdapterFactory | None = None,
                  watch: GenerationWatch | None = None, client: Any = None) -> None:
-        self.device, self.store, self.job, self.client = device, store, job, client
+        self.device, self.store, self.job, self.client = device, store, job, None
         self.faults = FaultInjector(device, job.faults)
         self.ctx = AdapterContext(device=device, job=job, store=store, faults=self.faults)
         if watch is not None:
             self.ctx.superseded = lambda: watch.latest > self.ctx.generation
-        if client is not None:
-            self.ctx.beat = client.beat
         self.adapter = (factory or registry_factory(job.adapter))(self.ctx)
+        if client is not None:
+            self.attach(client)
         self.plan: ParallelPlan | None = None  # the plan whose layout the adapter's state has
         self.msg: PlanUpdate | None = None
         self.iteration = 0  # iterations whose optimizer step this worker applied
@@ -108,6 +108,11 @@ class Worker:
         self.program: Any = None
         self._seen = -1
         store.set(f"worker/{device}/pid", str(os.getpid()))
+
+    def attach(self, client: Any) -> None:
+        """Send heartbeats (progress per primitive) and profiles through ``client``."""
+        self.client = client
+        self.ctx.beat = client.beat
 
     # ------------------------------------------------------------------ factories
     @classmethod
@@ -125,13 +130,15 @@ class Worker:
         timeout = max(30.0, job.timeout_s * 3)
         store = jobstore.connect(env["RESIHP_STORE"], timeout)
         watch = GenerationWatch(jobstore.connect(env["RESIHP_STORE"], timeout))
-        client = None
+        worker = cls(device, store, job, factory=factory, watch=watch)
         if env.get("RESIHP_AGENT_ADDR"):
+            # Heartbeats start only now: creating the adapter imports its framework, which
+            # holds the GIL for seconds and would starve the beat thread into a "hang".
             from resihp_core.runtime.heartbeat import WorkerClient
 
             env.setdefault("RESIHP_RANK", str(device))
-            client = WorkerClient.from_env(env).start()
-        return cls(device, store, job, factory=factory, watch=watch, client=client)
+            worker.attach(WorkerClient.from_env(env).start())
+        return worker
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:

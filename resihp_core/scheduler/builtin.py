@@ -8,7 +8,7 @@ between (e.g. ``order=250`` runs between PP and DP).
 from __future__ import annotations
 
 from resihp_core.hookspecs import hookimpl
-from resihp_core.plugins import StageRegistry
+from resihp_core.plugins import BUILTIN_STAGE_ORDER, StageRegistry
 from resihp_core.scheduler.dp import dp_stage
 from resihp_core.scheduler.pp import pp_stage
 from resihp_core.scheduler.tp import drop_stage, tp_stage
@@ -16,9 +16,7 @@ from resihp_core.scheduler.tp import drop_stage, tp_stage
 
 @hookimpl(trylast=True)
 def resihp_register_adaptation_stages(registry: StageRegistry) -> None:
-    """TP selective exclusion (100), PP layer repartition (200), DP migration (300),
-    then the TP-level escalation that drops still-slow groups when faster (400)."""
-    registry.register("tp", tp_stage)
-    registry.register("pp", pp_stage)
-    registry.register("dp", dp_stage)
-    registry.register("drop", drop_stage, order=400)
+    """The stages of :data:`~resihp_core.plugins.BUILTIN_STAGE_ORDER`, in its order."""
+    stages = {"tp": tp_stage, "pp": pp_stage, "dp": dp_stage, "drop": drop_stage}
+    for name in BUILTIN_STAGE_ORDER:
+        registry.register(name, stages[name])

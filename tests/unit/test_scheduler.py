@@ -30,7 +30,7 @@ from resihp_core.scheduler import (
     tp_stage,
 )
 from resihp_core.scheduler import builtin as scheduler_builtin
-from resihp_core.testing.scheduler_jobs import TOY_FORWARD_S, job_state, toy_state
+from resihp_core.sim.jobs import TOY_FORWARD_S, job_state, toy_state
 from resihp_core.scheduler.tp import drop_stage
 
 F_MS = TOY_FORWARD_S  # one layer of one micro-batch, forward, TP 1 (backward: twice)

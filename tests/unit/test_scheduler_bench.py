@@ -14,7 +14,7 @@ def test_benchmark_slice_writes_metrics(tmp_path: Path) -> None:
     out = tmp_path / "sched.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scheduler.py"), "--quick", "--jobs", "16",
-         "--exact", "none", "--latency-jobs", "256", "--runs", "1", "--json", str(out)],
+         "--exact", "none", "--optimum", "none", "--latency-jobs", "256", "--runs", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

@@ -12,8 +12,8 @@ from resihp_core.scheduler import DEFAULT_STAGES, Planner, apply_report
 from resihp_core.scheduler.exact import model_time, solve_exact, spread
 
 from resihp_core.protocol import FailureReport
-from resihp_core.testing.scheduler_jobs import TOY_FORWARD_S as F_MS
-from resihp_core.testing.scheduler_jobs import toy_state as tiny
+from resihp_core.sim.jobs import TOY_FORWARD_S as F_MS
+from resihp_core.sim.jobs import toy_state as tiny
 
 
 def slow(dev: int, p: float) -> FailureReport:

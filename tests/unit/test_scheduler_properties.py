@@ -15,7 +15,7 @@ from resihp_core.program import Forward, check_programs
 from resihp_core.protocol import FailureReport
 from resihp_core.scheduler import DEFAULT_STAGES, MemoryModel, Planner, PlannerError
 
-from resihp_core.testing.scheduler_jobs import toy_state as tiny
+from resihp_core.sim.jobs import toy_state as tiny
 
 CAPS = [
     Capabilities.all(),

@@ -49,7 +49,7 @@ Tensors3 = tuple[Tensor, Tensor, Tensor]  # parameter, exp_avg, exp_avg_sq
 
 def model_config(job) -> ModelConfig:
     """The model of this adapter's job section (``lr`` is the optimizer's)."""
-    section = {k: v for k, v in job.adapter_config.items() if k != "lr"}
+    section = {k: v for k, v in job.adapter_config.items() if k not in ("lr", "backend")}
     try:
         return ModelConfig(**section)
     except TypeError as e:
@@ -57,13 +57,21 @@ def model_config(job) -> ModelConfig:
 
 
 def data_spec(job) -> DataSpec:
+    """The job's data source (``job.data``: a ``[data]`` section, resolved by the
+    controller), built once per process (:func:`resihp_core.data.create_source`)."""
+    from dataclasses import asdict, fields
+
+    from resihp_core.data import create_source
     from resihp_core.predictor.corpus import CorpusSpec
 
-    corpus = {k: v for k, v in job.data.items() if k != "source"}
-    source = job.data.get("source", "synthetic")
-    if source != "synthetic":
-        raise ValueError(f"job.data.source {source!r}: megatron_ref reads only 'synthetic' here")
-    return DataSpec(CorpusSpec(**corpus), model_config(job).vocab_size, job.dp, job.num_microbatches, job.seed)
+    section = dict(job.data)
+    options = {k: v for k, v in section.items() if k != "source"}
+    if section.get("source", "synthetic") == "synthetic" and set(options) <= {f.name for f in fields(CorpusSpec)}:
+        # A hand-written synthetic section keeps CorpusSpec's own defaults, as before
+        # data sources existed (the controller always writes every field).
+        section = {"source": "synthetic", **asdict(CorpusSpec(**options))}
+    return DataSpec(create_source(section, dp=job.dp, num_microbatches=job.num_microbatches, seed=job.seed,
+                                  vocab_size=model_config(job).vocab_size))
 
 
 class MegatronRefAdapter(Adapter):
@@ -133,7 +141,8 @@ class MegatronRefAdapter(Adapter):
         self.release()  # the stage's TPContext still points at the old TP group
         self.devices = sorted(devices)
         self.comms = comm.build_communicators(
-            self.store, generation, self.devices, self.device, plan, self.timeout_s
+            self.store, generation, self.devices, self.device, plan, self.timeout_s,
+            backend=self.ctx.job.adapter_config.get("backend", "gloo"),
         )
 
     def release(self) -> None:

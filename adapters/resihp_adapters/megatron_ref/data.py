@@ -1,33 +1,44 @@
-"""Deterministic training data: any worker can regenerate any micro-batch.
+"""Training data of the reference backend: any worker can rebuild any micro-batch.
 
-Micro-batch ``(owner, mb)`` of iteration ``i`` is a packed sequence from the synthetic
-corpus (document lengths) with token ids drawn from a generator seeded by
-``(seed, i, owner, mb)``. Because every rank can rebuild every micro-batch, migrated
-work needs no data movement and a reference run sees exactly the same batches.
+Micro-batch ``(owner, mb)`` of iteration ``i`` comes from the job's
+:class:`~resihp_core.data.DataSource` (the ``[data]`` section: the synthetic corpus,
+local text files, a plugin's source): its document lengths and token ids depend only
+on ``(i, owner, mb)``, so migrated work needs no data movement and a reference run
+sees exactly the same batches. Labels are next-token ids within each document.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
+from resihp_core.data import DataSource
 from resihp_adapters.megatron_ref.model import IGNORE_INDEX, make_labels
 
-__all__ = ["DataSpec", "MicroBatch", "micro_batch", "label_count"]
+__all__ = ["DataSpec", "MicroBatch", "label_count", "lengths_of", "micro_batch"]
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    corpus: CorpusSpec
-    vocab_size: int
-    dp: int  # data shards of the global batch (the plan's replicas, failed or not)
-    num_microbatches: int
-    seed: int = 0
+    """The job's data as a hashable cache key: the source (one object per process and
+    configuration, see :func:`resihp_core.data.create_source`) and its batch split."""
+
+    source: DataSource
+
+    @property
+    def dp(self) -> int:  # data shards of the global batch (the plan's replicas, failed or not)
+        return self.source.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.source.num_microbatches
+
+    @property
+    def vocab_size(self) -> int:
+        return self.source.vocab_size
 
 
 @dataclass(frozen=True)
@@ -37,20 +48,15 @@ class MicroBatch:
     lengths: tuple[int, ...]
 
 
-@lru_cache(maxsize=8)
-def _workload(spec: DataSpec, iteration: int) -> dict[tuple[int, int], tuple[int, ...]]:
-    return iteration_workload(spec.corpus, iteration, spec.dp, spec.num_microbatches)
-
-
 def lengths_of(spec: DataSpec, iteration: int, owner: int, mb: int) -> tuple[int, ...]:
-    return _workload(spec, iteration)[(owner, mb)]
+    return spec.source.lengths(iteration, owner, mb)
 
 
 def micro_batch(spec: DataSpec, iteration: int, owner: int, mb: int) -> MicroBatch:
+    import numpy as np
+
     lengths = lengths_of(spec, iteration, owner, mb)
-    key = hashlib.sha256(f"resihp-data/{spec.seed}/{iteration}/{owner}/{mb}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
-    tokens = torch.randint(0, spec.vocab_size, (sum(lengths),), generator=gen)
+    tokens = torch.from_numpy(np.array(spec.source.tokens(iteration, owner, mb), dtype=np.int64))
     return MicroBatch(tokens, make_labels(tokens, lengths), lengths)
 
 
@@ -58,10 +64,7 @@ def micro_batch(spec: DataSpec, iteration: int, owner: int, mb: int) -> MicroBat
 def label_count(spec: DataSpec, iteration: int) -> int:
     """Labelled tokens in the whole global batch: the loss is their mean, so every
     micro-batch's summed loss is divided by this one number wherever it runs."""
-    total = 0
-    for lengths in _workload(spec, iteration).values():
-        total += sum(lengths) - len(lengths)
-    return total
+    return spec.source.label_count(iteration)
 
 
 assert IGNORE_INDEX < 0

@@ -1,6 +1,6 @@
-"""Ready-made jobs for tests, benchmarks and examples: SPEC §7's model scales.
+"""The model-scale jobs the cluster simulator, benchmarks and tests plan for: SPEC §7's scales.
 
-:func:`job_state` builds a :class:`~.state.PlannerState` for a LLaMA-2-like model on
+:func:`job_state` builds a :class:`~resihp_core.scheduler.state.PlannerState` for a LLaMA-2-like model on
 nodes of 8 devices (NVSwitch inside, 200 Gb/s InfiniBand between): an analytic cost
 model (FLOPs at an assumed sustained device rate), the iteration's packed workload
 from the synthetic long-tailed corpus, and a memory model (mixed-precision Adam: 16
