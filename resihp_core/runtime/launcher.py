@@ -76,8 +76,26 @@ class LocalJob:
     def relaunch(self, devices: Iterable[int]) -> None:
         """Start the workers of ``devices`` again (repaired devices); they wait for a
         plan generation that uses them."""
+        devices = sorted(devices)
+        for d in devices:  # wait_started waits for the new worker's own pid key
+            try:
+                self.store.delete_key(f"worker/{d}/pid")
+            except Exception:  # noqa: BLE001 - absent
+                pass
         self.processes.launch(sorted(devices), module=self.worker_module, job_path=self.job_path,
                               job_json=self.job_path.read_text(), store=self.address, env=self.env)
+
+    def wait_started(self, devices: Iterable[int], timeout: float = 60.0) -> bool:
+        """Wait until the workers of ``devices`` are up (each posts ``worker/<d>/pid``
+        once its adapter exists); False on time-out or if one died."""
+        devices = sorted(devices)
+        keys = [f"worker/{d}/pid" for d in devices]
+        deadline = time.monotonic() + timeout
+        while not self.store.check(keys):
+            if time.monotonic() > deadline or set(devices) & set(self.dead()):
+                return False
+            time.sleep(0.02)
+        return True
 
     def kill(self, device: int, sig: int = signal.SIGKILL, *, reap: bool = True) -> None:
         """Send ``sig`` to the device's worker; for SIGKILL, wait until it is gone so

@@ -231,9 +231,17 @@ class Supervisor:
         return it, note
 
     def _retry(self, failures: dict[int, str]) -> None:
+        prev = self.job.message
         resume = self.job.abort()
-        g = self.job.post(self.state.plan, iterations=self.iterations, resume=resume,
-                          exclude=self.handled_devices)
+        restore, fresh = None, False
+        if prev is not None and (prev.restore is not None or prev.fresh):
+            # The generation retried was a restore (a rejoin: fresh workers hold no
+            # state): so is the retry, from the newest complete checkpoint.
+            restore = self._restore_point(resume)[0] if resume > 0 else None
+            fresh = restore is None
+            resume = self.job.committed = 0 if restore is None else restore + 1
+        g = self.job.post(self.state.plan, iterations=self.iterations, resume=resume, restore=restore,
+                          fresh=fresh, exclude=self.handled_devices)
         self.set_generation(g, self.state.plan, dict(self.state.speeds))
         why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(failures.items()))[:300]
         self._event("plan", f"generation {g} (retry {self.retries} of the same plan: workers left the "
@@ -355,6 +363,11 @@ class Supervisor:
         if not devices:
             return
         self.job.relaunch(devices)
+        # Plan them in once their workers are up (imports take seconds on a busy
+        # machine; the new generation's rendezvous would time out waiting for them).
+        if not self.job.wait_started(devices, timeout=max(30.0, self.stall_s * 4)):
+            self._event("failure", f"repaired devices {devices}: workers did not start in time; "
+                                   "planning them in anyway", devices=devices, failure="slow-start")
         self.handled_devices.difference_update(devices)
         t0 = time.perf_counter()
         decision = self.planner.rejoin(self.state, devices)

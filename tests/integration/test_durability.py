@@ -116,21 +116,35 @@ def test_corrupt_newest_checkpoint_restore_falls_back_and_the_job_is_exact():
                     faults=[fail_at(plan.group(1, 1)[0], 1, "kill").to_dict()])
     repaired: queue.Queue = queue.Queue()
     victim = plan.group(1, 1)[0]
+    rejoined = threading.Event()
+
+    def on_event(ev):
+        if ev["kind"] == "plan" and "rejoin" in ev["text"]:
+            rejoined.set()
 
     def chaos(job, agents):
         def go():
-            # checkpoints at iterations 2, 5, 8, ...: corrupt 5 once it is complete, then
-            # repair the killed device: bringing it back forces every worker to restore
-            if _wait_for(lambda: checkpoints.verify(ckpt, 5).complete):
-                f = checkpoints.iteration_dir(ckpt, 5) / "layers.3.pt"
-                data = bytearray(f.read_bytes())
-                data[len(data) // 2] ^= 0xFF
-                f.write_bytes(bytes(data))
-                repaired.put([victim])
+            # Checkpoints at iterations 2, 5, 8, ...: once 5 is complete, repair the
+            # killed device (bringing it back forces every worker to restore) and
+            # corrupt 5 and every newer checkpoint that completes until the restore is
+            # planned (the rejoin waits for the new worker to start; training goes on).
+            if not _wait_for(lambda: checkpoints.verify(ckpt, 5).complete):
+                return
+            repaired.put([victim])
+            done: set[int] = set()
+            while not rejoined.is_set():
+                for info in checkpoints.scan(ckpt):
+                    if info.complete and info.iteration >= 5 and info.iteration not in done:
+                        f = checkpoints.iteration_dir(ckpt, info.iteration) / "layers.3.pt"
+                        data = bytearray(f.read_bytes())
+                        data[len(data) // 2] ^= 0xFF
+                        f.write_bytes(bytes(data))
+                        done.add(info.iteration)
+                time.sleep(0.002)
         threading.Thread(target=go, daemon=True).start()
 
-    iterations = 10
-    run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired)
+    iterations = 16
+    run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired, on_event=on_event)
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
     notes = [e for e in run.events if e["kind"] == "checkpoint"]
