@@ -337,7 +337,12 @@ class Supervisor:
         committed iteration, or from its checkpoint (none yet: from the seed)."""
         old = self.state.plan
         self.state = decision.state
+        prev = self.job.message
         resume = self.job.abort()
+        if prev is not None and (prev.restore is not None or prev.fresh) and resume <= prev.resume:
+            # The restore being replaced never committed an iteration: workers may not
+            # hold the state its plan says (a rejoined worker holds none). Restore again.
+            from_checkpoint = True
         restore, fresh = None, False
         if from_checkpoint:
             restore = self._restore_point(resume)[0] if resume > 0 else None
