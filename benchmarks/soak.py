@@ -81,7 +81,7 @@ class Soak:
         from resihp_core.runtime.jobs import build_job
 
         self.failures, self.rng, self.work = failures, random.Random(seed), work
-        self.iterations = failures * (SPACING + 20) + 20
+        self.iterations = failures * (SPACING + 40) + 20  # a repaired worker starts in ~10 s: training goes on
         cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations))
         self.cfg = Config.from_dict(cfg, source="soak")
         self.assembled = build_job(self.cfg, [], work)
