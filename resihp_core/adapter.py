@@ -214,6 +214,7 @@ class Adapter(abc.ABC):
         per iteration:         snapshot(); run_iteration(program, i) -> IterationResult
                                rollback() if the iteration does not commit everywhere
                                save_checkpoint(i) before committing i, when due
+                               checkpoint_status() (finished writes, storage faults)
         after a failure:       release()   (drop every reference to broken groups)
         at the end:            held_state() (dumps, conformance), close()
 
@@ -276,8 +277,17 @@ class Adapter(abc.ABC):
     def save_checkpoint(self, iteration: int) -> None:
         """Persist the state after ``iteration`` under ``ctx.job.checkpoint_dir``, before
         the iteration commits (collective among the executors; the adapter decides who
-        writes). A restore only ever names a committed iteration."""
+        writes). Raise only when a peer is gone: a storage error must not fail the
+        iteration; report it through :meth:`checkpoint_status` (the write may also
+        finish in the background). A restore names a complete checkpoint of a
+        committed iteration (``docs/checkpoints.md``)."""
         raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
+
+    def checkpoint_status(self) -> list[dict[str, Any]]:
+        """Checkpoint writes of this worker finished since the last call, each
+        ``{"iteration", "error" (None: written and verified), "bytes", "seconds"}``;
+        the worker reports failed ones as storage faults. Default: none."""
+        return []
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """Build this device's part of ``plan`` from checkpoint ``iteration``."""

@@ -286,6 +286,12 @@ class TrainingConfig(_Section):
     # Where workers write verified checkpoints; "" = a folder of the run's working
     # directory. Across machines it must be storage every host sees.
     checkpoint_dir: str = _opt("")
+    # A checkpoint after every this many iterations and after the last (0: none; a
+    # failure that needs a restore then restarts from the seed), and
+    # the newest complete checkpoints kept (0: all; 1 is refused because the newest
+    # may be of an iteration that never committed). See docs/checkpoints.md.
+    checkpoint_every: int = _opt(1, _ge(0))
+    checkpoint_keep: int = _opt(3, lambda v: None if v == 0 or v >= 2 else "must be 0 (keep all) or >= 2")
 
 
 @dataclass(frozen=True)

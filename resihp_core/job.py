@@ -29,7 +29,8 @@ class JobSpec:
     :param dp: data shards of the global batch (replicas of the initial plan); the
         global batch is ``dp x num_microbatches`` micro-batches whatever the plan.
     :param checkpoint_every: write a checkpoint after every this many committed
-        iterations (0: never); ``checkpoint_dir`` is where.
+        iterations (0: never), and after the last; ``checkpoint_dir`` is where.
+    :param checkpoint_keep: retention, the newest complete checkpoints kept (0: all).
     :param dump_dir: at the job's end each worker saves what it holds there (tests).
     :param faults: injected faults (``resihp_core.faults.Fault`` dicts).
     """
@@ -43,6 +44,7 @@ class JobSpec:
     timeout_s: float = 10.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_keep: int = 0
     dump_dir: str | None = None
     faults: list[dict[str, Any]] = field(default_factory=list)
 
@@ -58,6 +60,8 @@ class JobSpec:
                 raise JobSpecError(f"job.{name} must be an integer >= 1, got {v!r}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise JobSpecError(f"job.checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
+        if not isinstance(self.checkpoint_keep, int) or self.checkpoint_keep < 0 or self.checkpoint_keep == 1:
+            raise JobSpecError(f"job.checkpoint_keep must be 0 (keep all) or >= 2, got {self.checkpoint_keep!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise JobSpecError("job.checkpoint_every needs job.checkpoint_dir")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):

@@ -79,7 +79,8 @@ def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
     spec = JobSpec(
         adapter=adapter.name, adapter_config=section, data=source.spec(),
         dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=10.0,
-        checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"), checkpoint_every=1,
+        checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"),
+        checkpoint_every=tr.checkpoint_every, checkpoint_keep=tr.checkpoint_keep,
         faults=worker_faults(faults),
     )
     # A prior for the first plans only: equal per-layer cost and CPU-like links. Once
@@ -226,6 +227,31 @@ def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> t
     return worst, horizon, tol
 
 
+def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, int | None]:
+    """``--resume``: the first iteration to train and the checkpoint to load, from the
+    newest complete checkpoint in the job's checkpoint folder (docs/checkpoints.md)."""
+    from resihp_core import checkpoints
+    from resihp_core.cli import CliError
+
+    if not getattr(args, "resume", False):
+        return 0, None
+    if not getattr(args, "workdir", None) and not cfg.training.checkpoint_dir:
+        raise CliError("--resume needs the interrupted run's checkpoints: pass its --workdir "
+                       "or set training.checkpoint_dir")
+    it, skipped = checkpoints.newest_complete(spec.checkpoint_dir)
+    for s in skipped:
+        print(f"resume: checkpoint of iteration {s.iteration} is not usable ({s.problem})", flush=True)
+    if it is None:
+        print(f"resume: no complete checkpoint in {spec.checkpoint_dir}: starting from the initial state", flush=True)
+        return 0, None
+    if it + 1 >= cfg.training.iterations:
+        raise CliError(f"--resume: the checkpoint of iteration {it} in {spec.checkpoint_dir} is already the "
+                       f"job's last (training.iterations = {cfg.training.iterations}): nothing to do")
+    print(f"resume: from the checkpoint of iteration {it}; training iterations {it + 1}.."
+          f"{cfg.training.iterations - 1}", flush=True)
+    return it + 1, it
+
+
 def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: str) -> int:
     """Run ``cfg`` with ``faults``, show it live, write the report; the exit status is 1
     when the run failed or its losses differ from the fault-free reference."""
@@ -238,10 +264,17 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
     stamp = time.strftime("%Y%m%d-%H%M%S")
     outdir = Path(args.report) / f"{tag}-{stamp}"
     outdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
+    if getattr(args, "workdir", None):
+        work = Path(args.workdir).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
     agents = _agents(cfg, args)
     job = build_job(cfg, faults, work)
-    print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir})", flush=True)
+    start, restore = _resume_point(cfg, args, job.spec)
+    print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir}, "
+          f"every {cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept)",
+          flush=True)
     health = {d: "ok" for d in job.plan.devices()}
 
     def on_report(r: Any) -> None:
@@ -262,13 +295,13 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
                             cfg.training.iterations, work / "job", phase_of=phase_of, on_event=on_event,
                             on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
                             observers=observers, interface=getattr(args, "interface", None) or cfg.runtime.interface,
-                            **agents)
+                            start=start, restore=restore, **agents)
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records
     if not records:
         return 1
-    ref_losses = job.reference(job.spec, len(records)) if job.reference is not None else None
+    ref_losses = job.reference(job.spec, start + len(records))[start:] if job.reference is not None else None
     # Iteration 0 carries process start-up (imports, rendezvous): it is reported in the
     # events, not in the per-phase throughput or the iteration-time trace.
     startup = records[0].seconds
@@ -361,6 +394,11 @@ def configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="job configuration (TOML or YAML; RESIHP_<SECTION>__<FIELD> overrides)")
     p.add_argument("--faults", help="fault scenario (JSON list of {device, iteration, kind, severity|factor|delay_s})")
     p.add_argument("--report", default="reports", help="parent folder of the report")
+    p.add_argument("--workdir", help="the job's working folder (worker logs, checkpoints by default); "
+                                     "default: a fresh temporary folder")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint of the job's checkpoint folder "
+                        "(--workdir of the interrupted run, or training.checkpoint_dir)")
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
     p.add_argument("--agents", choices=["local", "external"], default="local",
                    help="local: start one agent process per node here (default); external: wait for "

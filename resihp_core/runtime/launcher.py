@@ -85,8 +85,26 @@ class LocalJob:
     def relaunch(self, devices: Iterable[int]) -> None:
         """Start the workers of ``devices`` again (repaired devices); they wait for a
         plan generation that uses them."""
+        devices = sorted(devices)
+        for d in devices:  # wait_started waits for the new worker's own pid key
+            try:
+                self.store.delete_key(f"worker/{d}/pid")
+            except Exception:  # noqa: BLE001 - absent
+                pass
         self.processes.launch(sorted(devices), module=self.worker_module, job_path=self.job_path,
                               job_json=self.job_path.read_text(), store=self.address, env=self.env)
+
+    def wait_started(self, devices: Iterable[int], timeout: float = 60.0) -> bool:
+        """Wait until the workers of ``devices`` are up (each posts ``worker/<d>/pid``
+        once its adapter exists); False on time-out or if one died."""
+        devices = sorted(devices)
+        keys = [f"worker/{d}/pid" for d in devices]
+        deadline = time.monotonic() + timeout
+        while not self.store.check(keys):
+            if time.monotonic() > deadline or set(devices) & set(self.dead()):
+                return False
+            time.sleep(0.02)
+        return True
 
     def kill(self, device: int, sig: int = signal.SIGKILL, *, reap: bool = True) -> None:
         """Send ``sig`` to the device's worker; for SIGKILL, wait until it is gone so
@@ -102,7 +120,8 @@ class LocalJob:
 
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, iterations: int, resume: int | None = None,
-             restore: int | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+             restore: int | None = None, fresh: bool = False,
+             exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Post the next generation: ``plan`` on every live worker not in ``exclude``."""
         g = self.generation + 1
         plan = plan.with_(generation=g) if plan.generation != g else plan
@@ -111,7 +130,7 @@ class LocalJob:
         if missing:
             raise JobError(f"plan generation {g} uses devices {missing} that have no live worker")
         msg = PlanUpdate.of(plan, devices=devices, resume=self.committed if resume is None else resume,
-                            iterations=iterations, restore=restore)
+                            iterations=iterations, restore=restore, fresh=fresh)
         jobstore.post_plan(self.store, msg)
         self.generation, self.plan, self.message = g, plan, msg
         self.plans[g] = plan
@@ -119,7 +138,10 @@ class LocalJob:
 
     def abort(self) -> int:
         """Abort the current generation; returns the iteration to resume from."""
-        self.committed = jobstore.abort_generation(self.store, self.generation, self.committed)
+        first = self.committed
+        self.committed = jobstore.abort_generation(self.store, self.generation, first)
+        for i in range(first, self.committed):  # committed before the abort, not yet seen
+            self.committed_in[i] = self.generation
         return self.committed
 
     def committed_through(self) -> int:

@@ -17,6 +17,7 @@ tells every agent the job is over: they reap their workers and exit with status 
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import secrets as _secrets
@@ -75,7 +76,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   on_detection: Callable[[Any], None] | None = None,
                   on_listening: Callable[[str, list[int]], None] = lambda address, nodes: None,
                   before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None,
-                  observers: Any = None) -> ResilientRun:
+                  observers: Any = None, start: int = 0, restore: int | None = None,
+                  repair_requests: queue.Queue | None = None) -> ResilientRun:
     """Run the job to ``iterations`` iterations, adapting to failures.
 
     :param agents: ``"local"`` starts one agent process per node here; ``"external"``
@@ -93,6 +95,10 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     :param before_run: called with the job and ``{node: agent process}`` (local agents)
         before the first plan is posted; chaos tests use it to kill an agent.
     :param observers: the plugin facade whose observer hooks the supervisor fires.
+    :param start: resume a job: the first iteration to train (``restore`` + 1).
+    :param restore: resume a job: the complete checkpoint the first generation loads.
+    :param repair_requests: a queue another thread puts lists of repaired devices on;
+        the supervisor starts their workers again and plans them back in.
     """
     import torch.distributed  # noqa: F401 - imported before the controller's loop runs: a
     # seconds-long import holding the GIL would starve it into declaring agents silent
@@ -106,6 +112,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     if agents == "external" and not secret:
         raise ValueError("external agents need the job secret: pass secret=")
     secret = secret or _secrets.token_hex(16)
+    spec = json.loads(job_json)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     reports: queue.Queue = queue.Queue()
@@ -155,7 +162,12 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
                          on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
                          repaired=repaired, ready=lambda devices: set(devices) <= ready_devices(),
-                         observers=observers, fitted=model.fitted_predictor if supervised else (lambda: None))
+                         observers=observers, fitted=model.fitted_predictor if supervised else (lambda: None),
+                         checkpoint_dir=spec.get("checkpoint_dir") or None,
+                         checkpoint_every=int(spec.get("checkpoint_every") or 0), first=start,
+                         restore_at_start=restore)
+        if repair_requests is not None:
+            sup.repair_requests = repair_requests
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned

@@ -10,12 +10,19 @@ reports that arrive while a generation is being deployed are planned next, so a
 failure during recovery is handled like any other. A hung device is fenced (SIGKILL)
 before the next generation so it cannot block the new communicators.
 
-Repaired devices are brought back (:meth:`Supervisor.rejoin`, ``repairs`` due at an
-iteration, or devices put on ``repaired`` at run time, e.g. by a node whose partition
-healed, once their failure has been handled): their workers are started again, the Scheduler plans them back in
+Repaired devices are brought back (:meth:`Supervisor.rejoin`: ``repairs`` due at an
+iteration, devices put on ``repair_requests`` by another thread, or offered on
+``repaired`` at run time by a node whose partition healed, once their failure has been
+handled): their workers are started again, the Scheduler plans them back in
 (:meth:`~resihp_core.scheduler.Planner.rejoin`), and when the new plan gives them work
-every worker reloads the last committed iteration's checkpoint, since a fresh worker
-has no state to move.
+every worker reloads a checkpoint, since a fresh worker has no state to move.
+
+A restore uses the newest *complete* checkpoint of a committed iteration (verified
+files, :mod:`resihp_core.checkpoints`); if newer ones are incomplete or corrupt it says
+so, and the job resumes from the iteration after the one restored, re-training the
+iterations in between with the same micro-batches (``docs/checkpoints.md``). Failed
+checkpoint writes reported by workers are storage faults: logged as events, and the
+job goes on.
 
 Every failure report and plan change is logged as one structured line with its
 generation, and handed to ``on_event``.
@@ -23,6 +30,7 @@ generation, and handed to ``on_event``.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import signal
@@ -30,8 +38,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from resihp_core import checkpoints
 from resihp_core.protocol import FailureReport
-from resihp_core.runtime.launcher import LocalJob
+from resihp_core.runtime.launcher import JobError, LocalJob
 
 __all__ = ["Supervisor", "IterationRecord"]
 
@@ -85,6 +94,13 @@ class Supervisor:
     _joining: dict[int, float] = field(default_factory=dict)  # relaunched device -> give-up time
     observers: Any = None  # the plugin facade (resihp_core.plugins.Plugins): observer hooks fire here
     fitted: Callable[[], Any] = lambda: None  # the job's own fitted IterationPredictor, once there is one
+    checkpoint_dir: str | None = None  # where restores look for complete checkpoints (None: assume every iteration has one)
+    checkpoint_every: int = 1  # the workers' interval: how long to wait for a write still in flight
+    checkpoint_grace_s: float = 3.0  # wait this long for a due checkpoint still being written
+    first: int = 0  # a resumed job: the first iteration this run trains
+    restore_at_start: int | None = None  # a resumed job: the checkpoint its first generation loads
+    repair_requests: "queue.Queue[list[int]]" = field(default_factory=queue.Queue)  # devices repaired now
+    storage_faults: list[dict] = field(default_factory=list)
     max_retries: int = 3  # same-plan redeployments after a stall that no device failure explains
     retries: int = 0
 
@@ -97,16 +113,19 @@ class Supervisor:
 
     def run(self, timeout: float = 600.0) -> list[IterationRecord]:
         self._t0 = time.monotonic()
-        g = self.job.post(self.state.plan, iterations=self.iterations)
+        self._faults_seen = 0
+        self.job.committed = self.first
+        g = self.job.post(self.state.plan, iterations=self.iterations, resume=self.first,
+                          restore=self.restore_at_start)
         self.set_generation(g, self.state.plan, dict(self.state.speeds))
         self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
         if self.observers is not None:
             self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
         last_commit = time.monotonic()
         deadline = self._t0 + timeout
-        while len(self.records) < self.iterations:
+        while self.first + len(self.records) < self.iterations:
             self.job.committed_through()
-            for i in range(len(self.records), self.job.committed):
+            for i in range(self.first + len(self.records), self.job.committed):
                 now = time.monotonic()
                 rep = self.job.report(i)
                 rec = IterationRecord(i, sum(r.loss for r in rep.values()), now - last_commit,
@@ -117,11 +136,15 @@ class Supervisor:
                 self.on_iteration(rec)
                 if self.observers is not None:
                     self.observers.notify_iteration(rec)
-            if len(self.records) >= self.iterations:
+            if self.first + len(self.records) >= self.iterations:
                 break
+            self._storage_faults()
             due = [it for it in self.repairs if it <= self.job.committed and self.job.committed > 0]
-            if due:
-                self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)}))
+            asked = []
+            while not self.repair_requests.empty():
+                asked += self.repair_requests.get_nowait()
+            if due or asked:
+                self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)} | set(asked)))
                 last_commit = time.monotonic()
                 continue
             if self._check_joining():
@@ -132,6 +155,8 @@ class Supervisor:
                 self._adapt(pending)
                 last_commit = time.monotonic()
             elif self._offered():
+                last_commit = time.monotonic()
+            elif self._unsourceable():
                 last_commit = time.monotonic()
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
@@ -152,10 +177,83 @@ class Supervisor:
             time.sleep(0.005)
         return self.records
 
+    # ------------------------------------------------------------ checkpoints
+    def _unsourceable(self) -> bool:
+        """A reconfiguration whose state has no surviving copy (the adapter's
+        ``move_state`` said so): deploy the same plan again, restored from a checkpoint.
+        Checked twice a second."""
+        now = time.monotonic()
+        if now - getattr(self, "_last_source_check", 0.0) < 0.5 or self.checkpoint_dir is None:
+            return False
+        self._last_source_check = now
+        failures = self.job.worker_failures()
+        lost = {d: t for d, t in failures.items() if "no surviving complete copy" in t}
+        if not lost:
+            return False
+        from types import SimpleNamespace
+
+        self._event("failure", f"state cannot be moved to generation {self.job.generation}'s plan "
+                               f"({next(iter(lost.values()))[:120]}): restoring it from a checkpoint",
+                    failure="state-lost", devices=sorted(lost), cause="state")
+        decision = SimpleNamespace(state=self.state, plan=self.state.plan,
+                                   reason="no live copy of some state: restore from checkpoint")
+        self._deploy(decision, 0.0, "restore", from_checkpoint=True)
+        return True
+
+    def _storage_faults(self) -> None:
+        """Checkpoint writes that failed on a worker: say so; training goes on.
+        Polled four times a second."""
+        now = time.monotonic()
+        if now - getattr(self, "_last_fault_check", 0.0) < 0.25:
+            return
+        self._last_fault_check = now
+        store = self.job.store
+        n = store.add("ckpt/faults", 0)
+        while self._faults_seen < n:
+            key = f"ckpt/fault/{self._faults_seen + 1}"
+            if not store.check([key]):
+                return  # counted but not yet posted: next round
+            self._faults_seen += 1
+            st = json.loads(store.get(key))
+            self.storage_faults.append(st)
+            nxt = f"at iteration {st['iteration'] + self.checkpoint_every}" if self.checkpoint_every else "never"
+            self._event("storage", f"storage fault: checkpoint of iteration {st['iteration']} not written by "
+                                   f"device {st['device']} ({st['error'][:160]}); training goes on, "
+                                   f"next checkpoint {nxt}", devices=[st["device"]], checkpoint=st["iteration"])
+
+    def _restore_point(self, resume: int) -> tuple[int | None, str]:
+        """The newest complete checkpoint of an iteration before ``resume`` (None: none,
+        restart from the seed), and what was skipped on the way."""
+        if self.checkpoint_dir is None:
+            return resume - 1, ""
+        deadline = time.monotonic() + (self.checkpoint_grace_s if self.checkpoint_every else 0.0)
+        every = max(1, self.checkpoint_every)
+        due = (resume // every) * every - 1  # the newest committed iteration due a checkpoint
+        while True:
+            it, skipped = checkpoints.newest_complete(self.checkpoint_dir, at_most=resume - 1)
+            if it is None or it >= due or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # the due one may still be in flight on a writer thread
+        note = "; ".join(f"checkpoint of iteration {s.iteration} is not usable: {s.problem}" for s in skipped)
+        if note or (it is not None and it < due):
+            self._event("checkpoint", (note + "; " if note else "") +
+                        (f"falling back to the checkpoint of iteration {it}" if it is not None
+                         else "no complete checkpoint: restarting from the initial state"),
+                        restore=it, skipped=[s.iteration for s in skipped])
+        return it, note
+
     def _retry(self, failures: dict[int, str]) -> None:
+        prev = self.job.message
         resume = self.job.abort()
-        g = self.job.post(self.state.plan, iterations=self.iterations, resume=resume,
-                          exclude=self.handled_devices)
+        restore, fresh = None, False
+        if prev is not None and (prev.restore is not None or prev.fresh):
+            # The generation retried was a restore (a rejoin: fresh workers hold no
+            # state): so is the retry, from the newest complete checkpoint.
+            restore = self._restore_point(resume)[0] if resume > 0 else None
+            fresh = restore is None
+            resume = self.job.committed = 0 if restore is None else restore + 1
+        g = self.job.post(self.state.plan, iterations=self.iterations, resume=resume, restore=restore,
+                          fresh=fresh, exclude=self.handled_devices)
         self.set_generation(g, self.state.plan, dict(self.state.speeds))
         why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(failures.items()))[:300]
         self._event("plan", f"generation {g} (retry {self.retries} of the same plan: workers left the "
@@ -232,7 +330,18 @@ class Supervisor:
                                    devices=tuple(dead_in_plan), evidence="died during recovery")
             self.state = decision.state
             self.handled_devices.update(dead_in_plan)
-        self._deploy(decision, plan_s, decision.kind, from_checkpoint=decision.kind == "restore")
+        try:
+            self._deploy(decision, plan_s, decision.kind, from_checkpoint=decision.kind == "restore")
+        except JobError:
+            # A device of the plan died between the check above and the post (two
+            # workers killed together, one reported first): plan again without it.
+            gone = sorted(set(decision.plan.devices()) - set(self.job.alive()))
+            if not gone:
+                raise
+            self._event("failure", f"fail-stop of devices {gone} during recovery", failure="fail-stop",
+                        devices=gone, cause="unknown")
+            self._adapt([FailureReport(generation=self.job.generation, failure="fail-stop", devices=tuple(gone),
+                                       evidence="died during recovery")])
 
     def _deploy(self, decision: Any, plan_s: float, kind: str, *, from_checkpoint: bool,
                 what: str = "", **extra: Any) -> int:
@@ -240,14 +349,25 @@ class Supervisor:
         committed iteration, or from its checkpoint (none yet: from the seed)."""
         old = self.state.plan
         self.state = decision.state
+        prev = self.job.message
         resume = self.job.abort()
-        restore = resume - 1 if from_checkpoint and resume > 0 else None
+        if prev is not None and (prev.restore is not None or prev.fresh) and resume <= prev.resume:
+            # The restore being replaced never committed an iteration: workers may not
+            # hold the state its plan says (a rejoined worker holds none). Restore again.
+            from_checkpoint = True
+        restore, fresh = None, False
+        if from_checkpoint:
+            restore = self._restore_point(resume)[0] if resume > 0 else None
+            fresh = restore is None
+            resume = 0 if restore is None else restore + 1  # re-train the iterations after it
+            self.job.committed = resume
         g = self.job.post(decision.plan, iterations=self.iterations, resume=resume, restore=restore,
-                          exclude=self.handled_devices)
+                          fresh=fresh, exclude=self.handled_devices)
         self.set_generation(g, decision.plan, dict(self.state.speeds))
         if self.observers is not None:
             self.observers.notify_plan_changed(old, decision.plan, f"{what or kind}: {decision.reason[:200]}")
-        where = f", from the checkpoint of iteration {restore}" if restore is not None and kind != "restore" else ""
+        where = (f", from the checkpoint of iteration {restore}" if restore is not None
+                 else ", from the initial state" if fresh else "")
         self._event("plan", f"generation {g} ({what or kind}, planned in {plan_s * 1e3:.0f} ms{where}): "
                             f"{decision.reason[:200]}", plan=decision.plan.to_text(),
                     kind_of_plan=kind, planning_s=plan_s, resume=resume, **extra)

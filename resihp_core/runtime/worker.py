@@ -198,7 +198,7 @@ class Worker:
             t2 = time.perf_counter()
             if msg.restore is not None:
                 a.load_checkpoint(msg.restore, plan)
-            elif self.plan is None:
+            elif self.plan is None or msg.fresh:
                 a.start_fresh(plan)
             else:
                 moved = a.move_state(self.plan, plan, list(msg.devices))
@@ -245,10 +245,10 @@ class Worker:
         # touch, fresh sockets): the Detector's healthy model starts after it.
         if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
             self.client.send_profile(prof)
-        every = self.job.checkpoint_every
-        if every and self.job.checkpoint_dir and (i + 1) % every == 0 and a.capabilities.checkpoint:
-            # Before the commit: a committed iteration always has its checkpoint, so a
-            # restore may name any committed iteration that is due one.
+        if self._checkpoint_due(i):
+            # Before the commit: the copy for the writer is taken now; the files are
+            # written in the background and the supervisor restores only from complete
+            # ones (docs/checkpoints.md). Raising here means a peer died while gathering.
             try:
                 a.save_checkpoint(i)
             except Exception as e:  # noqa: BLE001 - a peer died while gathering shards
@@ -257,6 +257,7 @@ class Worker:
                 a.rollback()
                 self._left(g, failed, "checkpoint_failed", iteration=i)
                 return None
+        self._checkpoint_reports()
         jobstore.put_report(self.store, self._report(result))
         executors = len(self.plan.devices())
         verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6)
@@ -267,6 +268,23 @@ class Worker:
             return None
         self.iteration = i + 1
         return result
+
+    def _checkpoint_due(self, i: int) -> bool:
+        every = self.job.checkpoint_every
+        return bool(every and self.job.checkpoint_dir and self.adapter.capabilities.checkpoint
+                    and ((i + 1) % every == 0 or i + 1 == self.msg.iterations))
+
+    def _checkpoint_reports(self) -> None:
+        """Post this worker's finished checkpoint writes; a failed one is a storage
+        fault (``ckpt/faults`` counter, ``ckpt/fault/<n>``): reported, never fatal."""
+        for st in self.adapter.checkpoint_status():
+            if st.get("error"):
+                n = self.store.add("ckpt/faults", 1)
+                self.store.set(f"ckpt/fault/{n}", json.dumps(dict(st, device=self.device)))
+                _log("checkpoint_write_failed", self.device, iteration=st["iteration"], reason=repr(st["error"][:200]))
+            else:
+                _log("checkpoint_written", self.device, iteration=st["iteration"], bytes=st.get("bytes", 0),
+                     seconds=f"{st.get('seconds', 0.0):.3f}")
 
     def _report(self, r: IterationResult) -> IterationReport:
         replica, stage, tp_rank = self.adapter.where
@@ -290,7 +308,7 @@ class Worker:
             torch.save({"where": self.adapter.where, "iteration": self.iteration, "plan": self.plan.to_text(),
                         "state": self.adapter.held_state()},
                        os.path.join(self.job.dump_dir, f"device{self.device}.pt"))
-        self.adapter.close()
+        self.adapter.close()  # the adapter finishes its queued checkpoint writes here
 
 
 def main() -> int:

@@ -183,8 +183,19 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
                 lj.wait(iterations, timeout=timeout, on_death="return")
             resume = lj.abort()
             new = scenario.change(base)
-            lj.post(new, iterations=iterations, resume=resume,
-                    restore=(resume - 1) if scenario.restore and resume > 0 else None)
+            point, fresh = None, False
+            if scenario.restore and resume > 0:
+                # As the supervisor does: the newest complete checkpoint (writes may be
+                # asynchronous, a killed writer may not have finished: docs/checkpoints.md);
+                # an adapter with a layout of its own is trusted with the last committed one.
+                from resihp_core import checkpoints
+
+                point = checkpoints.newest_complete(ckpt, at_most=resume - 1)[0]
+                if point is None and not checkpoints.scan(ckpt):
+                    point = resume - 1
+                fresh = point is None
+                resume = lj.committed = 0 if point is None else point + 1
+            lj.post(new, iterations=iterations, resume=resume, restore=point, fresh=fresh)
         lj.wait(iterations, timeout=timeout)
         losses, computed = [], []
         for i in range(iterations):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from resihp_core import checkpoints
 from resihp_core.plan import Migration, ranges_from_counts
 from resihp_core.runtime.launcher import LocalJob
 
@@ -45,8 +46,12 @@ def _run_then(plan0, change, *, iterations=4, switch_at=2, m=3, kill=(), restore
         else:
             resume = job.abort()
         new = change(plan0)
-        job.post(new, iterations=iterations, resume=resume,
-                 restore=(resume - 1) if restore else None)
+        point = None
+        if restore:  # as the supervisor does: the newest complete checkpoint (writes are
+            # asynchronous: a killed writer may not have finished; none: from the seed)
+            point = checkpoints.newest_complete(spec.checkpoint_dir, at_most=resume - 1)[0]
+            resume = job.committed = 0 if point is None else point + 1
+        job.post(new, iterations=iterations, resume=resume, restore=point, fresh=restore and point is None)
         job.wait(iterations)
         done = finish(job, spec, iterations)
     check_against_reference(done, iterations)

@@ -37,6 +37,7 @@ from resihp_core.program import (
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_adapters.megatron_ref import state
 from resihp_adapters.torchkit import comm
+from resihp_adapters.torchkit.checkpoint import CheckpointWriter
 from resihp_adapters.megatron_ref.data import DataSpec, label_count, lengths_of, micro_batch
 from resihp_adapters.megatron_ref.model import ModelConfig, StageModule, TPContext, shard_dim
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES, NAME
@@ -96,6 +97,7 @@ class MegatronRefAdapter(Adapter):
         self._where: tuple[int, int, int] | None = None  # (replica, stage, tp rank)
         self._snapshot: dict[str, Tensors3] | None = None
         self._last: IterationResult | None = None
+        self._ckpt_writer: CheckpointWriter | None = None
 
     @property
     def where(self) -> tuple[int, int, int] | None:
@@ -231,10 +233,16 @@ class MegatronRefAdapter(Adapter):
         r, s, _ = self.where
         return r == min(rr for rr in range(self.plan.dp) if self.plan.group(rr, s))
 
+    def _writer(self) -> CheckpointWriter:
+        if self._ckpt_writer is None:
+            self._ckpt_writer = CheckpointWriter(self.checkpoint_dir, keep=self.ctx.job.checkpoint_keep)
+        return self._ckpt_writer
+
     def save_checkpoint(self, iteration: int) -> None:
         """Collective inside the writing TP group: the lowest replica holding each stage
-        gathers full tensors; its TP rank 0 writes one verified file per component."""
-        root = Path(self.checkpoint_dir)
+        gathers full tensors (copies, so training may go on changing its own); its TP
+        rank 0 hands them to the background writer, which writes one verified file per
+        component and the manifest naming every component of the model."""
         if not self._writes_checkpoint():
             return
         tp = self.module.tp
@@ -248,14 +256,29 @@ class MegatronRefAdapter(Adapter):
                     dist.all_gather(parts, t.contiguous(), group=tp.group)
                     gathered.append(torch.cat(parts, d))
                 ts = tuple(gathered)
+            else:
+                ts = tuple(t.detach().clone() for t in ts)
             full.setdefault(state.component_of(name), {})[name] = ts
         if tp.rank == 0:
-            for comp, tensors in full.items():
-                state.save_component(root, iteration, comp, tensors)
+            every = ["embed", *(f"layers.{i}" for i in range(self.config.num_layers)), "head"]
+            self._writer().submit(iteration, full, every)
+
+    def checkpoint_status(self) -> list[dict]:
+        if self._ckpt_writer is None:
+            return []
+        return [dict(iteration=r.iteration, error=r.error, bytes=r.bytes, seconds=r.seconds, pruned=list(r.pruned))
+                for r in self._ckpt_writer.results()]
+
+    def close(self) -> None:
+        """Finish queued checkpoint writes before the process ends."""
+        if self._ckpt_writer is not None:
+            self._ckpt_writer.drain()
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """Build this worker's shards of ``plan`` from checkpoint ``iteration``."""
         root = Path(self.checkpoint_dir)
+        if self._ckpt_writer is not None:
+            self._ckpt_writer.drain()  # our own writes of the previous generation first
         self.plan = plan
         self.module = self._new_module(self.plan)
         self.optimizer.state.clear()

@@ -11,18 +11,36 @@ from resihp_adapters.megatron_ref.data import DataSpec, label_count, micro_batch
 from resihp_adapters.megatron_ref.model import ModelConfig, build_model
 from resihp_adapters.megatron_ref.state import AdamW
 
-__all__ = ["reference_run", "reference_losses"]
+__all__ = ["reference_run", "reference_losses", "reference_trajectory"]
 
 
 def reference_run(model: ModelConfig, data: DataSpec, iterations: int, lr: float = 1e-3,
                   ) -> tuple[dict[str, tuple[Tensor, Tensor, Tensor]], list[float]]:
     """Train ``iterations`` iterations; returns full (param, exp_avg, exp_avg_sq) by
     global name and the per-iteration mean loss."""
+    state: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+    losses = []
+    for _, loss, state in reference_trajectory(model, data, iterations, lr):
+        losses.append(loss)
+    return state, losses
+
+
+def reference_trajectory(model: ModelConfig, data: DataSpec, iterations: int, lr: float = 1e-3, *,
+                         start: int = 0, state: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None):
+    """Yield ``(iteration, loss, state)`` after each iteration up to ``iterations``,
+    ``state`` the full (param, exp_avg, exp_avg_sq) by global name (copies): what a
+    checkpoint of that iteration must hold. With ``state`` (a checkpoint of iteration
+    ``start - 1``) it continues from there instead of the seeded initial weights."""
     torch.manual_seed(0)
     net = build_model(model)
     opt = AdamW(lr=lr)
-    losses = []
-    for it in range(iterations):
+    if state is not None:
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                sp, sm, sv = state[name]
+                p.copy_(sp)
+                opt.state[name] = (sm.clone().to(p.dtype), sv.clone().to(p.dtype))
+    for it in range(start, iterations):
         denom = float(label_count(data, it))
         total = 0.0
         for owner in range(data.dp):
@@ -35,12 +53,11 @@ def reference_run(model: ModelConfig, data: DataSpec, iterations: int, lr: float
         opt.step(params, it + 1)
         for p in params.values():
             p.grad = None
-        losses.append(total)
-    out = {}
-    for name, p in net.named_parameters():
-        m, v = opt.ensure(name, p)
-        out[name] = (p.detach().clone(), m.clone(), v.clone())
-    return out, losses
+        out = {}
+        for name, p in net.named_parameters():
+            m, v = opt.ensure(name, p)
+            out[name] = (p.detach().clone(), m.clone(), v.clone())
+        yield it, total, out
 
 
 def reference_losses(job, iterations: int) -> list[float]:

@@ -1,0 +1,68 @@
+"""The checkpoint catalogue (complete / corrupt / in progress, fallback, retention) and
+the background writer's storage faults, on real files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from resihp_core import checkpoints
+
+torch = pytest.importorskip("torch")
+from resihp_adapters.torchkit.checkpoint import CheckpointWriter, load_component  # noqa: E402
+
+COMPS = ["embed", "head"]
+
+
+def _write(root: Path, it: int, comps=COMPS, value: float = 1.0) -> None:
+    w = CheckpointWriter(root)
+    w.submit(it, {c: {f"{c}.w": (torch.full((3,), value + it),)} for c in comps}, COMPS)
+    assert w.drain(30)
+    assert [r.error for r in w.results()] == [None]
+
+
+def test_complete_corrupt_and_incomplete_checkpoints_and_the_fallback(tmp_path):
+    for it in (1, 3, 5, 7):
+        _write(tmp_path, it)
+    assert [c.iteration for c in checkpoints.scan(tmp_path) if c.complete] == [7, 5, 3, 1]
+    # iteration 7: a flipped byte; iteration 5: a writer that never finished its part
+    f = checkpoints.iteration_dir(tmp_path, 7) / "head.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    (checkpoints.iteration_dir(tmp_path, 5) / "embed.pt").unlink()
+    it, skipped = checkpoints.newest_complete(tmp_path)
+    assert it == 3
+    assert [s.iteration for s in skipped] == [7, 5]
+    assert "corrupt" in skipped[0].problem and "head.pt" in skipped[0].problem
+    assert "missing" in skipped[1].problem
+    assert checkpoints.newest_complete(tmp_path, at_most=2)[0] == 1
+    assert load_component(tmp_path, 3, "embed")["embed.w"][0].tolist() == [4.0] * 3
+
+
+def test_retention_keeps_the_newest_complete_ones(tmp_path):
+    for it in range(6):
+        _write(tmp_path, it)
+    (checkpoints.iteration_dir(tmp_path, 5) / "manifest.json").unlink()  # still being written
+    assert checkpoints.prune(tmp_path, 2) == [2, 1, 0]
+    assert sorted(c.iteration for c in checkpoints.scan(tmp_path)) == [3, 4, 5]
+    assert checkpoints.prune(tmp_path, 0) == []
+
+
+def test_a_failed_write_is_a_result_not_an_exception(tmp_path):
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("a file where the folder should be")  # every write fails, even as root
+    w = CheckpointWriter(blocker)
+    w.submit(0, {"embed": {"embed.w": (torch.ones(2),)}}, COMPS)
+    assert w.drain(30)
+    (r,) = w.results()
+    assert r.iteration == 0 and r.error and ("NotADirectory" in r.error or "FileExists" in r.error)
+    assert not any(p.name.startswith("ckpt.") for p in tmp_path.iterdir())
+    os.unlink(blocker)
+    w.submit(1, {c: {f"{c}.w": (torch.ones(2),)} for c in COMPS}, COMPS)  # the next interval
+    assert w.drain(30)
+    (r,) = w.results()
+    assert r.error is None and r.bytes > 0
+    assert checkpoints.newest_complete(blocker)[0] == 1
