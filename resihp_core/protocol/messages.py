@@ -126,8 +126,9 @@ class PlanUpdate(_Msg, tag="plan"):
     ``plan`` is the plan text (see ``ParallelPlan.to_text``), ``devices`` every live
     worker of this generation's world (executors and standbys), ``resume`` the first
     iteration to run, ``iterations`` the count to run up to, ``restore`` the completed
-    iteration whose checkpoint to load first (None: keep or move the live state), and
-    ``stop`` the end of the job (then ``plan`` is empty). Decoding checks that the text
+    iteration whose checkpoint to load first (None: keep or move the live state),
+    ``fresh`` start again from the seed's initial state (a restore with no complete
+    checkpoint yet), and ``stop`` the end of the job (then ``plan`` is empty). Decoding checks that the text
     parses, that its generation matches, and that every program belongs to it.
     """
 
@@ -139,6 +140,7 @@ class PlanUpdate(_Msg, tag="plan"):
     iterations: NonNeg = 0
     restore: NonNeg | None = None
     stop: bool = False
+    fresh: bool = False  # start again from the seed's initial state (a restore with no checkpoint yet)
 
     def __post_init__(self) -> None:
         if self.stop:
