@@ -137,7 +137,7 @@ def test_a_repaired_device_is_brought_back_with_the_right_state():
     faults = [fail_at(victim, 2, "kill"), fail_at(victim, 4, "repair")]
     # The relaunched worker is planned in once it has started (seconds of imports): leave
     # the job enough iterations after the repair for that to happen on a busy machine.
-    iterations = 16
+    iterations = 40
     spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir(), checkpoint_dir=tmpdir(),
                     checkpoint_every=1, faults=worker_faults(faults))
     state, planner = _planner_state(plan, topology)

@@ -112,8 +112,11 @@ def test_read_only_checkpoint_folder_is_reported_and_the_job_goes_on():
 def test_corrupt_newest_checkpoint_restore_falls_back_and_the_job_is_exact():
     plan = uniform(1, 2, 2, 2)
     ckpt = tmpdir()
+    # Every device computes 4x slower from the start (no fail-slow: nothing changes), so
+    # the job is still running when the relaunched worker is up on a fast, quiet machine.
+    steady = [fail_at(d, 0, "slow", factor=4.0).to_dict() for d in plan.devices()]
     spec = job_spec(dp=2, m=2, dump_dir=tmpdir(), checkpoint_dir=ckpt, checkpoint_every=3, checkpoint_keep=3,
-                    faults=[fail_at(plan.group(1, 1)[0], 1, "kill").to_dict()])
+                    faults=[fail_at(plan.group(1, 1)[0], 1, "kill").to_dict(), *steady])
     repaired: queue.Queue = queue.Queue()
     victim = plan.group(1, 1)[0]
     rejoined = threading.Event()
@@ -143,7 +146,7 @@ def test_corrupt_newest_checkpoint_restore_falls_back_and_the_job_is_exact():
                 time.sleep(0.002)
         threading.Thread(target=go, daemon=True).start()
 
-    iterations = 16
+    iterations = 40  # the relaunched worker must be up (seconds of imports) before the job ends
     run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired, on_event=on_event)
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations

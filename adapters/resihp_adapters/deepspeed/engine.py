@@ -75,6 +75,21 @@ __all__ = [
 
 
 # ----------------------------------------------------------------- the module
+
+#: How long one point-to-point transfer may wait for its peer (set to the job's
+#: ``timeout_s`` by :func:`~resihp_adapters.deepspeed.world.bound_op_timeouts`). gloo's
+#: blocking send/recv otherwise use the timeout the world was *created* with (the long
+#: join timeout), so a survivor blocked on a peer that left its generation cleanly would
+#: wait that long instead of failing fast.
+P2P_TIMEOUT_S = 60.0
+
+
+def p2p_wait(work: Any) -> None:
+    """Wait for a send/recv, at most :data:`P2P_TIMEOUT_S` (then raise)."""
+    from datetime import timedelta
+
+    work.wait(timeout=timedelta(seconds=P2P_TIMEOUT_S))
+
 class ResiPipelineModule(PipelineModule):
     """A :class:`PipelineModule` cut at explicit layer boundaries.
 
@@ -396,7 +411,7 @@ class ResiPipelineEngine(PipelineEngine):
     def _drain(self) -> None:
         pending, self._pending = self._pending, []
         for w in pending:
-            w.wait()
+            p2p_wait(w)
         self._keep = []
 
     def _isend(self, tensor: torch.Tensor, peer: int) -> None:
@@ -416,7 +431,7 @@ class ResiPipelineEngine(PipelineEngine):
 
     def _recv_meta(self, peer: int) -> list[tuple[torch.Size, torch.dtype]]:
         buf = torch.zeros(_META_LEN, dtype=torch.int64)
-        tdist.recv(buf, src=peer)
+        p2p_wait(tdist.irecv(buf, src=peer))
         vals = buf.tolist()
         n, pos, specs = vals[0], 1, []
         for _ in range(n):
@@ -485,7 +500,7 @@ class ResiPipelineEngine(PipelineEngine):
         recvd = []
         for shape, dtype in specs:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            tdist.recv(t, src=peer)
+            p2p_wait(tdist.irecv(t, src=peer))
             t.requires_grad = t.is_floating_point()
             recvd.append(t)
         self.pipe_buffers["inputs"][buffer_id] = recvd[0] if len(recvd) == 1 else tuple(recvd)
@@ -505,7 +520,7 @@ class ResiPipelineEngine(PipelineEngine):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         grads = [torch.empty_like(t) for t in _as_list(outputs) if t.is_floating_point()]
         for g in grads:
-            tdist.recv(g, src=peer)
+            p2p_wait(tdist.irecv(g, src=peer))
         self.pipe_buffers["grads"][buffer_id] = grads[0] if torch.is_tensor(outputs) else grads
 
     def _exec_commit_point(self) -> None:

@@ -152,7 +152,7 @@ def exchange_layers(device: int, plan: ParallelPlan, transfers: list, mine: dict
     import torch
     import torch.distributed as tdist
 
-    from resihp_adapters.deepspeed.engine import device_rank
+    from resihp_adapters.deepspeed.engine import device_rank, p2p_wait
 
     out_b: dict[int, list[int]] = {}
     in_b: dict[int, list[int]] = {}
@@ -173,14 +173,14 @@ def exchange_layers(device: int, plan: ParallelPlan, transfers: list, mine: dict
     for src, layers in sorted(in_b.items()):
         peer = device_rank(plan, src)
         n = torch.zeros(1, dtype=torch.int64)
-        tdist.recv(n, src=peer)
+        p2p_wait(tdist.irecv(n, src=peer))
         payload = torch.empty(int(n.item()), dtype=torch.uint8)
-        tdist.recv(payload, src=peer)
+        p2p_wait(tdist.irecv(payload, src=peer))
         nbytes += payload.numel()
         got = unpack(payload)
         if sorted(got) != sorted(layers):
             raise RuntimeError(f"device {device}: expected layers {layers} from device {src}, got {sorted(got)}")
         received.update(got)
     for w in works:
-        w.wait()
+        p2p_wait(w)
     return received, nbytes

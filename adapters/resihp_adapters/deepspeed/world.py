@@ -61,6 +61,9 @@ def bound_op_timeouts(timeout_s: float) -> None:
     """Lower the operation timeout of every process group of this world to ``timeout_s``."""
     import torch.distributed.distributed_c10d as c10d
 
+    from resihp_adapters.deepspeed import engine
+
+    engine.P2P_TIMEOUT_S = float(timeout_s)
     td = timedelta(seconds=float(timeout_s))
     for pg in list(c10d._world.pg_map.keys()):
         try:
