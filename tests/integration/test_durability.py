@@ -80,7 +80,11 @@ def _read_only(folder: str):
 def test_read_only_checkpoint_folder_is_reported_and_the_job_goes_on():
     plan = uniform(1, 2, 2, 2)
     ckpt = tmpdir()
-    spec = job_spec(dp=2, m=2, dump_dir=tmpdir(), checkpoint_dir=ckpt, checkpoint_every=1, checkpoint_keep=2)
+    # Every device computes 4x slower from the start (nothing changes, so no fail-slow):
+    # on a fast, quiet machine the job would otherwise end before a write can fail.
+    steady = [fail_at(d, 0, "slow", factor=4.0).to_dict() for d in plan.devices()]
+    spec = job_spec(dp=2, m=2, dump_dir=tmpdir(), checkpoint_dir=ckpt, checkpoint_every=1, checkpoint_keep=2,
+                    faults=steady)
     storage = threading.Event()
 
     def on_event(ev):
