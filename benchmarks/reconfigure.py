@@ -116,8 +116,8 @@ def torch_native_kill(reps: int) -> dict:
         for _ in range(reps):
             ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
             js = JobSpec(adapter="torch_native",
-                         adapter_config={"model": model, "data": {"seq_len": 32, "batch": 2}, "shard": shard},
-                         dp=2, num_microbatches=4, timeout_s=10.0, checkpoint_dir=ckpt,
+                         adapter_config={"model": model, "shard": shard},
+                         data={"source": "synthetic", "token_budget": 64}, dp=2, num_microbatches=4, timeout_s=10.0, checkpoint_dir=ckpt,
                          checkpoint_every=1 if restore else 0)
             with LocalJob(js.to_json(), base.devices()) as job:
                 job.post(base, iterations=1000)

@@ -4,6 +4,7 @@ configuration errors, lazy registration."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from resihp_adapters.torch_native.lowering import LoweringError, lower_pipeline,
 from resihp_adapters.torch_native.model import LlamaConfig, build_stage  # noqa: E402
 from resihp_adapters.torch_native.reshard import StateLost, chunk_rows, full_shapes, transfer_plan  # noqa: E402
 
+HERE = Path(__file__).resolve().parent
 CFG = LlamaConfig(vocab_size=32, dim=8, n_layers=4, n_heads=2, ffn_dim=16)
 
 
@@ -95,10 +97,105 @@ def test_config_errors_name_the_field():
         parse_config({"shard": -1})
     with pytest.raises(ValueError, match="LlamaConfig.dtype"):
         parse_config({"model": {"dtype": "float16"}})
-    with pytest.raises(ValueError, match="adapter_config.data: unknown"):
-        parse_config({"data": {"len": 3}})
+    with pytest.raises(ValueError, match="adapter_config.data: torch_native trains on the job's data source"):
+        parse_config({"data": {"seq_len": 3}})
     c = parse_config({"model": {"n_layers": 2}, "shard": 1}, seed=7)
-    assert c["model"].seed == 7 and c["data"].seed == 7 and c["shard"] == 1
+    assert c["model"].seed == 7 and c["shard"] == 1
+
+
+DATA = {"source": "synthetic", "token_budget": 16, "scale": 3.0, "min_len": 2, "max_len": 16}
+
+
+def batches(dp=2, m=4):
+    from resihp_core.data import create_source
+    from resihp_adapters.torch_native.data import Batches
+
+    return Batches(create_source(DATA, dp=dp, num_microbatches=m, seed=3, vocab_size=32))
+
+
+def test_micro_batches_come_from_the_job_source_addressed_like_the_global_batch():
+    b = batches()
+    src = b.source
+    assert b.global_microbatches == 8
+    # plan micro-batch (owner, mb) of a plan with m per replica = global owner * m + mb
+    assert b.address(1, 2, 4) == (1, 2) and b.address(0, 6, 8) == (1, 2) and b.address(0, 3, 8) == (0, 3)
+    with pytest.raises(ValueError, match="outside the job's global batch of 8"):
+        b.address(2, 0, 4)
+    mb = b.micro_batch(5, 1, 2, 4)
+    lengths = src.lengths(5, 1, 2)
+    assert mb.lengths == tuple(lengths) and sum(lengths) == 16
+    assert mb.tokens[0].tolist() == list(src.tokens(5, 1, 2))
+    # labels: next token inside each piece, none at a piece's last token
+    ends = set(torch.cumsum(torch.tensor(lengths), 0).sub(1).tolist())
+    for i in range(16):
+        want = -100 if i in ends else int(mb.tokens[0, i + 1])
+        assert int(mb.labels[0, i]) == want
+    assert b.label_count(5) == sum(16 - len(src.lengths(5, r, j)) for r in range(2) for j in range(4))
+    # positions restart and attention stays inside each document
+    start = 0
+    for n in lengths:
+        assert mb.pos[0, start:start + n].tolist() == list(range(n))
+        assert bool(mb.mask[0, start + n - 1, start:start + n].all())
+        if start:
+            assert not bool(mb.mask[0, start, :start].any())
+        start += n
+    assert not bool(mb.mask[0].triu(1).any())
+
+
+def test_document_mask_makes_documents_independent():
+    """A token's output depends only on earlier tokens of its own document."""
+    from resihp_adapters.torch_native.data import document_mask, positions
+    from resihp_adapters.torch_native.model import build_stage
+
+    model = build_stage(CFG, 0, 4)
+    lengths = (3, 5)
+    x = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(0))
+    kw = {"pos": positions(lengths, torch.float64)[None], "mask": document_mask(lengths)[None]}
+    y = model(x, **kw)
+    x2 = x.clone()
+    x2[0, :3] = (x2[0, :3] + 1) % 32  # change only the first document
+    y2 = model(x2, **kw)
+    assert torch.equal(y[0, 3:], y2[0, 3:])
+    # the second document alone gives the same outputs as inside the pack
+    alone = model(x[:, 3:])
+    assert torch.allclose(alone[0], y[0, 3:], rtol=1e-12, atol=1e-14)
+
+
+def test_accelerate_config_picks_the_adapter(tmp_path):
+    pytest.importorskip("accelerate")
+    from resihp_adapters.launch import framework_of
+
+    ds = str(HERE.parents[1] / "examples" / "deepspeed_pipeline" / "accelerate.yaml")
+    fsdp = str(HERE.parents[1] / "examples" / "torch_native" / "accelerate.yaml")
+    assert framework_of(ds) == "deepspeed" and framework_of(fsdp) == "torch_native"
+    v1 = tmp_path / "v1.yaml"
+    v1.write_text(Path(fsdp).read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
+    with pytest.raises(ValueError, match="fsdp_config.fsdp_version is 1"):
+        framework_of(str(v1))
+    gpu = tmp_path / "gpu.yaml"
+    gpu.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n")
+    with pytest.raises(ValueError, match="distributed_type is MULTI_GPU"):
+        framework_of(str(gpu))
+
+
+def test_launch_settings_take_the_layout_from_accelerate(tmp_path):
+    from resihp_core.config import ConfigError
+    from resihp_adapters.torch_native.launch import settings
+
+    example = HERE.parents[1] / "examples" / "torch_native" / "resihp.toml"
+    cfg = settings(example, processes=4)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp) == (1, 2, 2)
+    assert cfg.runtime.adapter == "torch_native" and cfg.runtime.nodes * cfg.runtime.devices_per_node == 4
+    cfg8 = settings(example, processes=8)
+    assert cfg8.parallel.dp == 4
+    for text, field in (("[parallel]\ntp = 2\n", "parallel.tp"), ("[parallel]\npp = 3\n", "parallel.pp"),
+                        ("[parallel]\npp = 2\ndp = 3\n", "parallel.dp"),
+                        ("[runtime]\nadapter = 'deepspeed'\n", "runtime.adapter")):
+        f = tmp_path / "bad.toml"
+        f.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            settings(f, processes=4)
+        assert e.value.path == field, (text, e.value)
 
 
 def test_registration_is_lazy():

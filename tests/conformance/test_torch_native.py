@@ -15,8 +15,8 @@ MODEL = {"vocab_size": 64, "dim": 16, "n_layers": 4, "n_heads": 2, "ffn_dim": 32
 
 
 def job(**config) -> JobSpec:
-    return JobSpec(adapter="torch_native", adapter_config={"model": MODEL, "data": {"seq_len": 8, "batch": 2},
-                                                           **config},
+    return JobSpec(adapter="torch_native", adapter_config={"model": MODEL, **config},
+                   data={"source": "synthetic", "token_budget": 16, "scale": 3.0, "min_len": 2, "max_len": 16},
                    dp=2, num_microbatches=2, seed=5, timeout_s=5.0)
 
 

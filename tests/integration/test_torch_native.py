@@ -27,7 +27,8 @@ pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).parent
 MODEL = {"vocab_size": 64, "dim": 16, "n_layers": 4, "n_heads": 2, "ffn_dim": 32, "dtype": "float64"}
-DATA = {"vocab_size": 64, "seq_len": 8, "batch": 2}
+# The job's data: synthetic documents packed into 16-token micro-batches (several per pack).
+DATA = {"source": "synthetic", "token_budget": 16, "scale": 3.0, "min_len": 2, "max_len": 16}
 TOL = 1e-9
 
 
@@ -73,12 +74,16 @@ def max_rel_err(a: dict, b: dict) -> float:
                for k in a for x, y in zip(a[k], b[k]))
 
 
-def reference(microbatches: list[int]) -> tuple[dict, list[float]]:
-    from resihp_adapters.torch_native.data import DataSpec
+def reference(iterations: int, dp: int = 2, m: int = 4) -> tuple[dict, list[float]]:
+    """One process over the job's global batch (dp x m micro-batches of DATA)."""
+    from resihp_core.data import create_source
+    from resihp_adapters.torch_native.data import Batches
     from resihp_adapters.torch_native.model import LlamaConfig
     from resihp_adapters.torch_native.reference import single_process_run
 
-    return single_process_run(LlamaConfig(**MODEL), DataSpec(**DATA), microbatches)
+    cfg = LlamaConfig(**MODEL)
+    data = Batches(create_source(DATA, dp=dp, num_microbatches=m, seed=0, vocab_size=cfg.vocab_size), cfg.torch_dtype)
+    return single_process_run(cfg, data, iterations)
 
 
 def plan_text(**kw) -> str:
@@ -93,7 +98,7 @@ def test_fault_free_equals_stock_torch_pipelining_with_fully_shard(tmp_path):
     reports = run_fidelity_job(tmp_path, plan, 3, shard=0, plain="1f1b")
     ours, plain = stages(tmp_path), stages(tmp_path, "plain_stage")
     assert max_rel_err(ours, plain) <= TOL
-    ref, ref_losses = reference([8, 8, 8])
+    ref, ref_losses = reference(3)
     assert max_rel_err(ours, ref) <= TOL
     last = [r for r in reports.values() if r["stage"] == 1]
     for r in last:  # each last-stage rank: its replica's share of the global loss
@@ -117,8 +122,7 @@ def kill_and_repartition(tmp: Path, *, shard: int, restore: bool) -> dict:
     from resihp_core.runtime.launcher import LocalJob
     from resihp_core.testing.conformance import _assemble
 
-    job = JobSpec(adapter="torch_native", adapter_config={"model": MODEL, "data": {"seq_len": 8, "batch": 2},
-                                                          "shard": shard},
+    job = JobSpec(adapter="torch_native", adapter_config={"model": MODEL, "shard": shard}, data=DATA,
                   dp=2, num_microbatches=4, seed=0, timeout_s=10.0, dump_dir=str(tmp / "dump"),
                   checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=1 if restore else 0)
     (tmp / "dump").mkdir()
@@ -162,7 +166,7 @@ def test_killed_rank_under_hsdp_survivors_repartition_from_memory(tmp_path):
     # devices 0 and 3 already hold whole copies of what they keep.
     assert out["ready"][2]["bytes_received"] > 0
     assert out["ready"][0]["bytes_received"] == 0 == out["ready"][3]["bytes_received"]
-    ref, ref_losses = reference([8] * 5)
+    ref, ref_losses = reference(5)
     assert max_rel_err(as_triples(out["state"]), ref) <= TOL
     assert out["losses"] == pytest.approx(ref_losses, rel=TOL)
     for it, c in enumerate(out["computed"]):  # every (stage, owner, mb) once, 8 per stage
@@ -178,6 +182,6 @@ def test_killed_rank_under_fsdp2_restores_lost_shard_from_dcp(tmp_path):
     3 stages of one replica."""
     out = kill_and_repartition(tmp_path, shard=0, restore=True)
     assert all(d["iteration"] == 5 for d in out["dumps"].values())
-    ref, ref_losses = reference([8] * 5)
+    ref, ref_losses = reference(5)
     assert max_rel_err(as_triples(out["state"]), ref) <= TOL
     assert out["losses"] == pytest.approx(ref_losses, rel=TOL)

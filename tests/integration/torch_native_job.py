@@ -7,7 +7,7 @@ rendezvous under ``gen0/``), then the same job written the stock way
 (:func:`~resihp_adapters.torch_native.reference.plain_pipeline_fsdp_run`: ``fully_shard``
 + ``PipelineStage`` + ``Schedule1F1B``/``ScheduleGPipe``) under ``plain/``. The lowest
 replica of each stage writes both runs' full stage tensors; every process writes its
-losses to ``DEVICE.json``.
+losses to ``DEVICE.json``. Both train on the same job data source (``spec['data']``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from resihp_core.data import create_source
 from resihp_core.plan import parse_plan
 from resihp_core.predictor.schedules import emit_programs
-from resihp_adapters.torch_native.data import DataSpec
+from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.engine import TorchNativeEngine
 from resihp_adapters.torch_native.model import LlamaConfig
 from resihp_adapters.torch_native.reference import plain_pipeline_fsdp_run
@@ -33,8 +34,11 @@ def main(spec_path: str, device: int, port: int) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    cfg, data = LlamaConfig(**spec["model"]), DataSpec(**spec["data"])
+    cfg = LlamaConfig(**spec["model"])
     plan, iterations = parse_plan(spec["plan"]), spec["iterations"]
+    source = create_source(spec["data"], dp=plan.dp, num_microbatches=plan.num_microbatches, seed=0,
+                           vocab_size=cfg.vocab_size)
+    data = Batches(source, cfg.torch_dtype)
     eng = TorchNativeEngine(device, cfg, data, store, shard_degree=spec["shard"], timeout_s=30.0)
     eng.rebuild(plan, 0)
     eng.start_fresh()

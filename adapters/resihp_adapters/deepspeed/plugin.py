@@ -1,5 +1,6 @@
-"""Entry point ``deepspeed``: registers the DeepSpeed PipelineEngine adapter and the
-``resihp launch`` command.
+"""Entry point ``deepspeed``: registers the DeepSpeed PipelineEngine adapter. (The
+``resihp launch`` command, which runs DeepSpeed configs through :mod:`.launch`, is
+registered by the shared :mod:`resihp_adapters.launch`.)
 
 Registration is lazy: this module imports neither torch nor deepspeed; the adapter class
 (:class:`resihp_adapters.deepspeed.adapter.DeepSpeedAdapter`, which declares
@@ -41,21 +42,3 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
         description="DeepSpeed PipelineEngine (uniform TP, 1F1B)",
         install_hint="pip install 'resihp[deepspeed]'",
     )
-
-
-@hookimpl(trylast=True)
-def resihp_register_commands(registry) -> None:
-    """``resihp launch --config_file accelerate.yaml train.py [args]``."""
-
-    def configure(p):  # noqa: ANN001, ANN202 - argparse parser
-        from resihp_adapters.deepspeed.launch import configure as _configure
-
-        _configure(p)
-
-    def run(args):  # noqa: ANN001, ANN202
-        from resihp_adapters.deepspeed.launch import run as _run
-
-        return _run(args)
-
-    registry.register("launch", "accelerate launch, resilient: run a DeepSpeed pipeline script under ResiHP",
-                      configure, run)

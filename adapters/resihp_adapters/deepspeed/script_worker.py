@@ -1,36 +1,11 @@
-"""The worker module ``resihp launch`` starts: the user's training script, given the
-environment ``accelerate launch`` would have given it.
-
-The node agent starts it (through the die-with-parent trampoline) with the ``RESIHP_*``
-worker variables and accelerate's own variables (``ACCELERATE_USE_DEEPSPEED``,
-``ACCELERATE_DEEPSPEED_CONFIG_FILE``, ...); this adds the per-process ones torchrun
-would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) from the device
-id, then runs the script as ``__main__`` with its arguments. The script's
-``resihp_adapters.deepspeed.initialize`` sees ``RESIHP_STORE`` and trains under the
-worker runtime.
-"""
+"""The worker module DeepSpeed's ``resihp launch`` starts: the shared launch worker
+(:mod:`resihp_adapters.launch_worker`), kept under this name for existing launches."""
 
 from __future__ import annotations
 
-import json
-import os
-import runpy
-import sys
+from resihp_adapters.launch_worker import main
 
-
-def main() -> None:
-    script = os.environ.get("RESIHP_LAUNCH_SCRIPT")
-    if not script:
-        raise SystemExit("resihp_adapters.deepspeed.script_worker: RESIHP_LAUNCH_SCRIPT is not set "
-                         "(it is started by 'resihp launch')")
-    args = json.loads(os.environ.get("RESIHP_LAUNCH_ARGS", "[]"))
-    device = int(os.environ["RESIHP_DEVICE"])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    os.environ.update(RANK=str(device), LOCAL_RANK=str(device % per_node), GROUP_RANK=str(device // per_node))
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     main()

@@ -6,11 +6,13 @@ the adapter's own section of the job (``job.adapter_config``):
 
 ``model``   :class:`~.model.LlamaConfig` fields (vocab_size, dim, n_layers, n_heads,
             ffn_dim, dtype, ...); ``n_layers`` must equal the plan's layers.
-``data``    ``seq_len`` and ``batch`` (sequences per micro-batch) of the token batches.
 ``shard``   FSDP shard degree inside each stage's replicas: 0 (default) shards over all
             of them (FSDP2); a smaller divisor gives HSDP, whose replicate groups each
             hold a whole copy, so a dead rank's shard survives in memory.
 ``lr``, ``weight_decay``  AdamW.
+
+The training data is the job's own source (``job.data``, the ``[data]`` section), as
+for every adapter: see :mod:`.data`.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
 
 __all__ = ["TorchNativeAdapter", "parse_config"]
 
-_KEYS = {"model", "data", "shard", "lr", "weight_decay"}
+_KEYS = {"model", "shard", "lr", "weight_decay"}
 
 
 def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     """Validate ``job.adapter_config``; errors name the bad field."""
-    from resihp_adapters.torch_native.data import DataSpec
     from resihp_adapters.torch_native.model import LlamaConfig
 
+    if "data" in section:
+        raise ValueError("adapter_config.data: torch_native trains on the job's data source (job.data, the "
+                         "[data] section; docs/data.md), not on a data section of its own")
     unknown = sorted(set(section) - _KEYS)
     if unknown:
         raise ValueError(f"adapter_config: unknown field(s) {unknown} for torch_native (known: {sorted(_KEYS)})")
@@ -44,11 +48,6 @@ def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         cfg = LlamaConfig(**model)
     except TypeError as e:
         raise ValueError(f"adapter_config.model: {e}") from None
-    data = dict(section.get("data", {}))
-    unknown = sorted(set(data) - {"seq_len", "batch"})
-    if unknown:
-        raise ValueError(f"adapter_config.data: unknown field(s) {unknown} (known: batch, seq_len)")
-    spec = DataSpec(vocab_size=cfg.vocab_size, seed=seed, **data)
     shard = section.get("shard", 0)
     if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
         raise ValueError(f"adapter_config.shard must be an integer >= 0, got {shard!r}")
@@ -56,7 +55,7 @@ def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     for name, v in (("lr", lr), ("weight_decay", wd)):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             raise ValueError(f"adapter_config.{name} must be a number >= 0, got {v!r}")
-    return {"model": cfg, "data": spec, "shard": shard, "lr": float(lr), "weight_decay": float(wd)}
+    return {"model": cfg, "shard": shard, "lr": float(lr), "weight_decay": float(wd)}
 
 
 class TorchNativeAdapter(Adapter):
@@ -69,16 +68,17 @@ class TorchNativeAdapter(Adapter):
         super().__init__(ctx)
         import torch
 
+        from resihp_adapters.torch_native.data import Batches, job_source
         from resihp_adapters.torch_native.engine import TorchNativeEngine
 
         torch.set_num_threads(1)
         job = ctx.job
         c = parse_config(job.adapter_config, job.seed)
+        data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
         self.engine = TorchNativeEngine(
-            ctx.device, c["model"], c["data"], ctx.store, shard_degree=c["shard"], lr=c["lr"],
+            ctx.device, c["model"], data, ctx.store, shard_degree=c["shard"], lr=c["lr"],
             weight_decay=c["weight_decay"], timeout_s=ctx.timeout_s,
-            join_timeout_s=max(30.0, 6 * ctx.timeout_s),
-            global_microbatches=job.dp * job.num_microbatches)
+            join_timeout_s=max(30.0, 6 * ctx.timeout_s))
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
         self._progress = (0, 0)
@@ -134,7 +134,8 @@ class TorchNativeAdapter(Adapter):
         r, pl = self.engine.last, self.engine.place
         if r is None or pl is None:
             return None
-        mbs = tuple(MicroBatchProfile(owner=pl.replica, mb=j, forward_s=f, backward_s=r.backward_s.get(j, 0.0))
+        mbs = tuple(MicroBatchProfile(owner=pl.replica, mb=j, forward_s=f, backward_s=r.backward_s.get(j, 0.0),
+                                      doc_lengths=r.lengths.get(j, ()))
                     for j, f in sorted(r.forward_s.items()))
         return IterationProfile(rank=self.ctx.device, device=self.ctx.device, generation=max(self.engine.generation, 0),
                                 iteration=r.iteration, stage=pl.stage, replica=pl.replica, microbatches=mbs,

@@ -22,10 +22,11 @@ gone) and builds them again. State crosses generations as plain tensors: the loc
 shards (:meth:`local_shards`), moved by name to the new layout (:mod:`.reshard`), or a
 ``torch.distributed.checkpoint`` checkpoint when every copy of a shard is lost.
 
-Gradients are sums: each micro-batch's loss is its summed token cross-entropy divided
-by the token count of the whole global batch, and FSDP's gradient divide factor is 1, so
-the step is the same for any number of replicas, stages or micro-batches that cover the
-same global batch (the accounting the fault-free reference uses).
+Gradients are sums: each micro-batch (the job's data source, :mod:`.data`) contributes
+its summed token cross-entropy divided by the labelled-token count of the whole global
+batch, and FSDP's gradient divide factor is 1, so the step is the same for any number of
+replicas, stages or micro-batches that cover the same global batch (the accounting the
+fault-free reference uses).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
-from resihp_adapters.torch_native.data import DataSpec, micro_batch
+from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, StageModel, init_parameters, loss_sum
 
@@ -112,6 +113,7 @@ class IterationResult:
     forward_s: dict[int, float] = field(default_factory=dict)  # mb -> seconds
     backward_s: dict[int, float] = field(default_factory=dict)
     iteration_s: float = 0.0
+    lengths: dict[int, tuple[int, ...]] = field(default_factory=dict)  # mb -> document lengths
 
 
 @contextmanager
@@ -130,10 +132,9 @@ def _default_timeout(timeout: datetime.timedelta) -> Iterator[None]:
 class TorchNativeEngine:
     """The torch objects of one worker for the current plan generation."""
 
-    def __init__(self, device: int, model: LlamaConfig, data: DataSpec, store: dist.Store, *,
+    def __init__(self, device: int, model: LlamaConfig, data: Batches, store: dist.Store, *,
                  shard_degree: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-                 timeout_s: float = 10.0, join_timeout_s: float = 60.0,
-                 global_microbatches: int | None = None) -> None:
+                 timeout_s: float = 10.0, join_timeout_s: float = 60.0) -> None:
         self.device = device
         self.cfg = model
         self.data = data
@@ -154,7 +155,6 @@ class TorchNativeEngine:
         self.schedule = None
         self._lowered: Program | None = None
         self._denom = 1.0
-        self.global_microbatches = global_microbatches  # None: the plan's dp x m
         self.rank_of: dict[int, int] = {}
         self.executors_group = None
         self.stretch: Callable[[float], float] = lambda seconds: seconds  # fault injection
@@ -234,10 +234,6 @@ class TorchNativeEngine:
         self.module = module
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=self.lr,
                                            weight_decay=self.weight_decay, foreach=False)
-        b, t, d = self.data.batch, self.data.seq_len, self.cfg.dim
-        dtype = self.cfg.torch_dtype
-        x = torch.zeros(b, t, dtype=torch.long) if module.is_first else torch.zeros(b, t, d, dtype=dtype)
-        y = torch.zeros(b, t, self.cfg.vocab_size, dtype=dtype) if module.is_last else torch.zeros(b, t, d, dtype=dtype)
         self.stage = PipelineStage(module, place.stage, plan.pp, torch.device("cpu"),
                                    group=self.mesh["pp"].get_group())
         self._hook_stage(self.stage)
@@ -445,16 +441,17 @@ class TorchNativeEngine:
         self._current = res
         t_iter = time.perf_counter()
         m = plan.num_microbatches
-        total = self.global_microbatches or plan.dp * m
-        self._denom = float(total * self.data.tokens_per_microbatch)
-        batches = [micro_batch(self.data, it, place.replica * m + j) for j in range(m)]
-        args = [(x,) for x, _ in batches] if place.stage == 0 else None
-        targets = [y for _, y in batches] if place.stage == plan.pp - 1 else None
+        self._denom = float(self.data.label_count(it))
+        batches = [self.data.micro_batch(it, place.replica, j, m) for j in range(m)]
+        res.lengths = {j: b.lengths for j, b in enumerate(batches)}
+        args = [(b.tokens,) for b in batches] if place.stage == 0 else None
+        kwargs = [b.kwargs() for b in batches]  # every stage: positions and document mask
+        targets = [b.labels for b in batches] if place.stage == plan.pp - 1 else None
         losses: list[Tensor] = []
         self.stage.has_backward = True
         self.stage.clear_runtime_states()
         try:
-            self.schedule._step_microbatches(args, None, targets, losses, return_outputs=False)
+            self.schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)
         except BaseException:
             self.schedule = None
             raise

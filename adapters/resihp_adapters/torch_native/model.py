@@ -10,9 +10,11 @@ Why it looks like this:
 * **Split-independent initialisation.** Every parameter is drawn from a generator seeded
   by ``(seed, name)``: the weights are identical whatever the stage boundaries or data
   parallel degree, so runs under different plans can be compared to 1e-10 (float64).
-* **Fixed shapes.** A micro-batch is ``[batch, seq_len]`` token ids; a stage's input and
-  output shapes are known up front, so ``PipelineStage`` runs in its static mode (no
-  shape inference traffic at the first step).
+* **Documents kept apart.** A micro-batch is one packed sequence of the job's data
+  (:mod:`.data`): every stage's forward takes ``pos`` (RoPE positions restarting in each
+  document) and ``mask`` (block-diagonal causal attention) as keyword arguments, which
+  torch's pipeline runtime hands to all stages; only activations travel between them.
+  Without them a stage treats the sequence as one causal document.
 """
 
 from __future__ import annotations
@@ -77,11 +79,12 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def _rope(x: Tensor, theta: float) -> Tensor:
-    """Rotary position embedding over ``[batch, heads, seq, head_dim]``."""
-    t, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=x.dtype) / d))
-    ang = torch.outer(torch.arange(t, dtype=x.dtype), inv)  # [seq, d/2]
+def _rope(x: Tensor, theta: float, pos: Tensor) -> Tensor:
+    """Rotary position embedding over ``[batch, heads, seq, head_dim]`` at positions
+    ``pos`` (``[batch, seq]``)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d))
+    ang = pos.to(x.dtype)[:, None, :, None] * inv  # [batch, 1, seq, d/2]
     cos, sin = ang.cos(), ang.sin()
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
@@ -96,12 +99,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor, mask: Tensor | None) -> Tensor:
         b, t, d = x.shape
         split = lambda y: y.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)  # noqa: E731
         q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
-        q, k = _rope(q, self.theta), _rope(k, self.theta)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k = _rope(q, self.theta, pos), _rope(k, self.theta, pos)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # [batch, seq, seq] -> one mask for every head
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.wo(out.transpose(1, 2).reshape(b, t, d))
 
 
@@ -126,8 +132,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: Tensor, pos: Tensor, mask: Tensor | None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -146,10 +152,15 @@ class StageModel(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if self.is_last else None
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if self.is_last else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        """``x``: token ids ``[batch, seq]`` (first stage) or activations; ``pos``
+        ``[batch, seq]`` (default 0..seq-1), ``mask`` ``[batch, seq, seq]`` bool (default
+        causal)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        if pos is None:
+            pos = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, pos, mask)
         if self.output is not None:
             h = self.output(self.norm(h))
         return h
@@ -189,5 +200,7 @@ def parameter_names(cfg: LlamaConfig, layers: Iterable[int], first: bool, last: 
 
 
 def loss_sum(logits: Tensor, targets: Tensor) -> Tensor:
-    """Summed next-token cross-entropy of one micro-batch (the caller scales it)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    """Summed next-token cross-entropy of one micro-batch over its labelled tokens
+    (targets of -100 have none); the caller scales it."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
+                           ignore_index=-100)

@@ -45,18 +45,18 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
 
 
 def job_section(cfg) -> dict:
-    """This adapter's job section for ``resihp run``: the LLaMA of ``[model]`` (layers,
-    hidden, heads, ffn_hidden, vocab), dtype, seed and learning rate of ``[training]``,
-    one sequence of ``training.token_budget`` tokens per micro-batch; ``[adapter]``
-    may add ``shard`` (FSDP shard degree; default 0 = all replicas), ``weight_decay``,
-    or override ``model`` / ``data`` fields."""
+    """This adapter's job section for ``resihp run`` / ``resihp launch``: the LLaMA of
+    ``[model]`` (layers, hidden, heads, ffn_hidden, vocab), dtype, seed and learning rate
+    of ``[training]``; ``[adapter]`` may add ``shard`` (FSDP shard degree; default 0 = all
+    replicas), ``weight_decay``, or override ``model`` fields. The data is the job's
+    ``[data]`` source (one packed sequence of ``training.token_budget`` tokens per
+    micro-batch)."""
     mod, tr = cfg.model, cfg.training
     extra = dict(cfg.adapter)
-    unknown = sorted(set(extra) - {"shard", "weight_decay", "model", "data"})
+    unknown = sorted(set(extra) - {"shard", "weight_decay", "model"})
     if unknown:
         raise ValueError(f"adapter: unknown field(s) {unknown} for torch_native "
-                         "(known: data, model, shard, weight_decay)")
+                         "(known: model, shard, weight_decay; the data is the [data] section)")
     model = dict(vocab_size=mod.vocab, dim=mod.hidden, n_layers=mod.layers, n_heads=mod.heads,
                  ffn_dim=mod.ffn, dtype=tr.dtype, seed=tr.seed, **extra.pop("model", {}))
-    data = dict(seq_len=tr.token_budget, batch=1, **extra.pop("data", {}))
-    return {"model": model, "data": data, "lr": tr.lr, **extra}
+    return {"model": model, "lr": tr.lr, **extra}

@@ -1,117 +1,171 @@
-"""References the adapter is checked against.
+"""References the adapter is checked against, and the stock-torch trainer.
 
-* :func:`plain_pipeline_fsdp_run`: what a user writes with stock torch — stages with
-  ``fully_shard``, ``PipelineStage`` and ``Schedule1F1B`` / ``ScheduleGPipe`` stepping
-  whole batches — with none of ResiHP's machinery (no lowered programs, no rebuilds).
+* :class:`StockPipeline`: what a user writes with stock torch — stages with
+  ``fully_shard`` (HSDP with a 2-D mesh when asked), ``PipelineStage`` and
+  ``Schedule1F1B`` / ``ScheduleGPipe`` stepping whole batches — with none of ResiHP's
+  machinery (no lowered programs, no rebuilds). It is also what
+  :func:`~resihp_adapters.torch_native.api.initialize` runs outside ``resihp launch``
+  (plain ``accelerate launch`` / ``torchrun``): nothing survives a failure there.
 * :func:`single_process_run`: the whole model in one process over the same global
   batches (any plan that covers a global batch with the same micro-batches must give
   these parameters).
+
+Both read the job's data source through :class:`~.data.Batches`, like the adapter.
 """
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
-from resihp_adapters.torch_native.data import DataSpec, micro_batch
+from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.model import LlamaConfig, build_stage, loss_sum
 
-__all__ = ["plain_pipeline_fsdp_run", "reference_losses", "single_process_run"]
+__all__ = ["StockPipeline", "plain_pipeline_fsdp_run", "reference_losses", "single_process_run"]
+
+#: (parameter, exp_avg, exp_avg_sq) by parameter name
+Full = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def reference_losses(job, iterations: int) -> list[float]:
     """Fault-free losses of ``job`` (a :class:`~resihp_core.job.JobSpec`) in one process:
-    ``job.dp x job.num_microbatches`` micro-batches per iteration, whatever the plan."""
+    the job's whole global batch (``job.dp x job.num_microbatches``) per iteration."""
     from resihp_adapters.torch_native.adapter import parse_config
+    from resihp_adapters.torch_native.data import job_source
 
     torch.set_num_threads(1)
     c = parse_config(job.adapter_config, job.seed)
-    return single_process_run(c["model"], c["data"], [job.dp * job.num_microbatches] * iterations,
-                              lr=c["lr"], weight_decay=c["weight_decay"])[1]
+    data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
+    return single_process_run(c["model"], data, iterations, lr=c["lr"], weight_decay=c["weight_decay"])[1]
 
 
-def single_process_run(cfg: LlamaConfig, data: DataSpec, microbatches: list[int], *,
-                       lr: float = 1e-3, weight_decay: float = 0.0) -> tuple[dict, list[float]]:
-    """Train the whole model, iteration ``i`` on global micro-batches
-    ``0 .. microbatches[i] - 1`` (the accounting of the plan that ran it); returns
+def _full(model: torch.nn.Module, opt: torch.optim.Optimizer, gather: bool) -> Full:
+    out: Full = {}
+    for name, p in model.named_parameters():
+        st = opt.state.get(p, {})
+        full = (lambda t: t.full_tensor()) if gather else (lambda t: t)  # noqa: E731
+        out[name] = (full(p).detach().clone(),
+                     full(st["exp_avg"]).clone() if "exp_avg" in st else torch.zeros_like(full(p)),
+                     full(st["exp_avg_sq"]).clone() if "exp_avg_sq" in st else torch.zeros_like(full(p)))
+    return out
+
+
+def single_process_run(cfg: LlamaConfig, data: Batches, iterations: int, *, lr: float = 1e-3,
+                       weight_decay: float = 0.0) -> tuple[Full, list[float]]:
+    """Train the whole model on every global micro-batch of each iteration; returns
     ({name: (param, exp_avg, exp_avg_sq)}, losses)."""
     model = build_stage(cfg, 0, cfg.n_layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    g_all = data.global_microbatches
     losses = []
-    for it, count in enumerate(microbatches):
-        denom = float(count * data.tokens_per_microbatch)
+    for it in range(iterations):
+        denom = float(data.label_count(it))
         total = 0.0
-        for g in range(count):
-            x, y = micro_batch(data, it, g)
-            loss = loss_sum(model(x), y) / denom
+        for g in range(g_all):
+            mb = data.micro_batch(it, 0, g, g_all)
+            loss = loss_sum(model(mb.tokens, **mb.kwargs()), mb.labels) / denom
             loss.backward()
             total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    out = {}
-    for name, p in model.named_parameters():
-        st = opt.state.get(p, {})
-        out[name] = (p.detach().clone(), st.get("exp_avg", torch.zeros_like(p)).clone(),
-                     st.get("exp_avg_sq", torch.zeros_like(p)).clone())
-    return out, losses
+    return _full(model, opt, gather=False), losses
 
 
-def plain_pipeline_fsdp_run(rank: int, world: int, store: dist.Store, cfg: LlamaConfig,
-                            data: DataSpec, *, pp: int, layer_ranges: list[tuple[int, int]],
-                            num_microbatches: int, iterations: int, lr: float = 1e-3,
-                            weight_decay: float = 0.0, schedule: str = "1f1b", timeout_s: float = 30.0) -> tuple[dict, list[float]]:
-    """Stock torch: ``pp`` stages x ``world // pp`` FSDP2 replicas (world rank
-    ``stage * dp + replica``). Returns this rank's full stage tensors (gathered) and
-    the per-iteration loss of its replica (last stage; zeros elsewhere)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, Schedule1F1B
+class StockPipeline:
+    """Stock torch on the default group: ``pp`` stages x ``world // pp`` FSDP2 replicas
+    (world rank ``stage * dp + replica``), HSDP when ``shard`` is a smaller divisor of
+    the replicas. :meth:`step` trains one iteration of the job's data and returns this
+    rank's share of the loss (its replica's, on the last stage; 0 elsewhere)."""
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    try:
-        dp = world // pp
-        s, r = divmod(rank, dp)
-        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-        a, b = layer_ranges[s]
+    def __init__(self, cfg: LlamaConfig, data: Batches, *, pp: int, num_microbatches: int,
+                 layer_ranges: list[tuple[int, int]] | None = None, shard: int = 0, lr: float = 1e-3,
+                 weight_decay: float = 0.0, schedule: str = "1f1b") -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from resihp_adapters.torch_native.engine import shard_degree_for
+
+        kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        if schedule not in kinds:
+            raise ValueError(f"schedule {schedule!r}: the stock trainer runs {sorted(kinds)}")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % pp:
+            raise ValueError(f"{world} processes do not split into pp={pp} stages")
+        if layer_ranges is None:
+            from resihp_core.plan import ParallelPlan
+
+            layer_ranges = list(ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=cfg.n_layers).layer_ranges)
+        self.cfg, self.data, self.pp, self.m = cfg, data, pp, num_microbatches
+        self.dp = world // pp
+        self.stage_index, self.replica = divmod(rank, self.dp)
+        k = shard_degree_for(self.dp, shard)
+        mesh = init_device_mesh("cpu", (pp, self.dp // k, k), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        a, b = layer_ranges[self.stage_index]
         module = build_stage(cfg, a, b)
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
         for block in module.layers.values():
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
         for block in (*module.layers.values(), module):
             block.set_gradient_divide_factor(1.0)  # per FSDP module: it is not recursive
             block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
-        opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
-        m = num_microbatches
-        denom = float(dp * m * data.tokens_per_microbatch)
-        stage = PipelineStage(module, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
-        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-        sched = kind(stage, m, loss_fn=lambda out, y: loss_sum(out, y) / denom, scale_grads=False)
-        losses = []
-        for it in range(iterations):
-            mbs = [micro_batch(data, it, r * m + j) for j in range(m)]
-            x = torch.cat([x for x, _ in mbs])
-            y = torch.cat([y for _, y in mbs])
-            out: list = []
-            if s == 0 and s == pp - 1:
-                sched.step(x, target=y, losses=out)
-            elif s == 0:
-                sched.step(x)
-            elif s == pp - 1:
-                sched.step(target=y, losses=out)
-            else:
-                sched.step()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(sum(float(v.detach()) for v in out)))
-        full = {}
-        for name, p in module.named_parameters():
-            st = opt.state[p]
-            full[name] = (p.full_tensor().clone(), st["exp_avg"].full_tensor().clone(),
-                          st["exp_avg_sq"].full_tensor().clone())
-        return full, losses
+        self.module = module
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+        self._denom = 1.0
+        stage = PipelineStage(module, self.stage_index, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        self.schedule = kinds[schedule](stage, num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.iteration = 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_index == self.pp - 1
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_sum(out, y) / self._denom
+
+    def step(self) -> float:
+        it, m = self.iteration, self.m
+        self._denom = float(self.data.label_count(it))
+        mbs = [self.data.micro_batch(it, self.replica, j, m) for j in range(m)]
+        kwargs = {"pos": torch.cat([b.pos for b in mbs]), "mask": torch.cat([b.mask for b in mbs])}
+        x = torch.cat([b.tokens for b in mbs])
+        y = torch.cat([b.labels for b in mbs])
+        out: list = []
+        first, last = self.stage_index == 0, self.is_last_stage
+        if first and last:
+            self.schedule.step(x, target=y, losses=out, **kwargs)
+        elif first:
+            self.schedule.step(x, **kwargs)
+        elif last:
+            self.schedule.step(target=y, losses=out, **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        return float(sum(float(v.detach()) for v in out))
+
+    def full_state(self) -> Full:
+        """Full tensors of this stage (collective over its data-parallel ranks)."""
+        return _full(self.module, self.optimizer, gather=True)
+
+
+def plain_pipeline_fsdp_run(rank: int, world: int, store: dist.Store, cfg: LlamaConfig, data: Batches, *,
+                            pp: int, layer_ranges: list[tuple[int, int]], num_microbatches: int,
+                            iterations: int, lr: float = 1e-3, weight_decay: float = 0.0,
+                            schedule: str = "1f1b", timeout_s: float = 30.0) -> tuple[Full, list[float]]:
+    """:class:`StockPipeline` in a world of its own (``store``); returns this rank's full
+    stage tensors (gathered) and its per-iteration loss share."""
+    import datetime
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        run = StockPipeline(cfg, data, pp=pp, num_microbatches=num_microbatches, layer_ranges=layer_ranges,
+                            lr=lr, weight_decay=weight_decay, schedule=schedule)
+        losses = [run.step() for _ in range(iterations)]
+        return run.full_state(), losses
     finally:
         dist.destroy_process_group()
