@@ -17,8 +17,15 @@ Per plan generation the engine builds, over the plan's devices only:
 
 Nothing of a generation can be re-pointed at new groups (stages, meshes and FSDP bind
 their groups at construction), so :meth:`TorchNativeEngine.rebuild` drops every object
-of the old generation (gloo closes sockets only when the last reference to a group is
-gone) and builds them again. State crosses generations as plain tensors: the local
+of the old generation and builds them again. gloo closes a group's sockets only when the
+last reference to it is gone, and two things in torch keep old groups alive (found
+while bringing kill -> first iteration from ~10 s to ~1 s; docs/torch_native.md): modules
+imported after a group exists capture it as a default argument (``group=dist.group.WORLD``
+in ``torch.distributed.nn.functional``, FSDP's grad scaler, ZeRO), so this module imports
+them before any group exists (:data:`_EARLY`); and FSDP2's objects of a built stage are
+not freed by the garbage collector (a reference it cannot see), keeping their device
+meshes and groups, so :meth:`TorchNativeEngine.release` unbinds the groups from every
+mesh and FSDP mesh info of the generation (:func:`_unbind_groups`). State crosses generations as plain tensors: the local
 shards (:meth:`local_shards`), moved by name to the new layout (:mod:`.reshard`), or a
 ``torch.distributed.checkpoint`` checkpoint when every copy of a shard is lost.
 
@@ -48,7 +55,63 @@ from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, StageModel, init_parameters, loss_sum
 
-__all__ = ["TorchNativeEngine", "Place", "shard_degree_for", "place_of", "IterationResult"]
+__all__ = ["TorchNativeEngine", "Place", "shard_degree_for", "place_of", "IterationResult", "captured_groups"]
+
+#: torch modules whose import, once a process group exists, binds that group for good
+#: (as a default argument): imported here, before this process creates any group.
+_EARLY = ("torch._dynamo", "torch.distributed.nn.functional", "torch.distributed.optim",
+          "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor",
+          "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict")
+
+
+def _import_early() -> None:
+    import importlib
+
+    for name in _EARLY:
+        importlib.import_module(name)
+    from torch.distributed.fsdp import fully_shard  # noqa: F401 - its lazy imports too
+
+
+_import_early()
+
+
+def captured_groups() -> list[str]:
+    """Function defaults in loaded ``torch`` modules that hold a process group (each pins
+    that group's sockets for the life of the process); empty when :data:`_EARLY` did its
+    job. For tests and diagnosis: it walks every loaded torch module."""
+    import inspect
+    import sys
+
+    hits = []
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("torch") or not isinstance(getattr(mod, "__dict__", None), dict):
+            continue
+        for key, value in list(mod.__dict__.items()):
+            try:
+                funcs = list(vars(value).values()) if inspect.isclass(value) else [value]
+                for f in funcs:
+                    f = getattr(f, "__func__", f)
+                    defaults = [*(getattr(f, "__defaults__", None) or ()),
+                                *(getattr(f, "__kwdefaults__", None) or {}).values()]
+                    if any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                        hits.append(f"{mod_name}.{key}")
+            except Exception:  # noqa: BLE001 - lazy module attributes may raise
+                continue
+    return hits
+
+
+def _unbind_groups(meshes: list, fsdp_infos: list) -> None:
+    """Drop the process groups a generation's device meshes and FSDP mesh infos hold:
+    those objects may outlive the generation (see the module docstring), their groups
+    must not."""
+    for mesh in meshes:
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    for info in fsdp_infos:
+        for attr in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
+            if getattr(info, attr, None) is not None:
+                setattr(info, attr, None)
 
 #: (parameter, exp_avg, exp_avg_sq) local shards of one parameter, plain tensors.
 Shards = tuple[Tensor, Tensor, Tensor]
@@ -163,6 +226,7 @@ class TorchNativeEngine:
         self.last: IterationResult | None = None
         self._kept: tuple[ParallelPlan | None, dict[str, Shards]] = (None, {})
         self._snapshot: tuple[dict[str, Shards], int] | None = None
+        self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
 
     # ------------------------------------------------------------ generations
     def release(self) -> None:
@@ -174,6 +238,8 @@ class TorchNativeEngine:
         self.schedule = self.stage = self.optimizer = self.module = self.mesh = None
         self.executors_group = None
         self._lowered = None
+        _unbind_groups(*self._bound)
+        self._bound = ([], [])
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
@@ -211,6 +277,7 @@ class TorchNativeEngine:
             mesh = DeviceMesh("cpu", layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
             self.executors_group = None if world == executors else dist.new_group(
                 list(range(executors)), timeout=self.timeout)
+        self._bound[0].append(mesh)
         self.mesh = mesh if self.place is not None else None
 
     def _layers(self, plan: ParallelPlan, stage: int) -> tuple[int, int]:
@@ -223,7 +290,8 @@ class TorchNativeEngine:
         from torch.distributed.pipelining import PipelineStage
 
         plan, place = self.plan, self.place
-        dp_mesh = self.mesh["dp_replicate", "dp_shard"]
+        dp_mesh, pp_mesh = self.mesh["dp_replicate", "dp_shard"], self.mesh["pp"]
+        self._bound[0].extend((dp_mesh, pp_mesh))
         with _default_timeout(self.timeout):
             for block in module.layers.values():
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
@@ -231,11 +299,14 @@ class TorchNativeEngine:
         for block in (*module.layers.values(), module):
             block.set_gradient_divide_factor(1.0)  # sums: the loss carries the global scale
             block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
+            group = getattr(block._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is not None:
+                self._bound[1].extend(i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None)
         self.module = module
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=self.lr,
                                            weight_decay=self.weight_decay, foreach=False)
         self.stage = PipelineStage(module, place.stage, plan.pp, torch.device("cpu"),
-                                   group=self.mesh["pp"].get_group())
+                                   group=pp_mesh.get_group())
         self._hook_stage(self.stage)
         self.schedule = None
 
