@@ -1,0 +1,58 @@
+"""A torch_native generation that is released (not killed) closes its sockets at once.
+
+A survivor whose generation is superseded stops and releases its groups; a peer still
+blocked in a receive from it must fail fast, not wait out the op timeout (that wait made
+kill -> first committed iteration 10-13 s). Two real processes over gloo: rank 0 releases
+mid-iteration, rank 1's pending receive must fail well inside the 30 s op timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.timeout(240)
+def test_released_generation_closes_its_sockets(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+    try:
+        for d in range(2):
+            log = open(tmp_path / f"{d}.log", "w")
+            procs[d] = subprocess.Popen([sys.executable, str(HERE / "torch_native_release_job.py"), str(d),
+                                         str(store.port), str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
+                                        env=env)
+        deadline = time.monotonic() + 200
+        for p in procs.values():
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs.values():  # by pid, only what this test started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for d, p in procs.items():
+        assert p.returncode == 0, (tmp_path / f"{d}.log").read_text()[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"{d}.json").read_text()) for d in range(2))
+    assert r0["aborted"] == "generation superseded"
+    assert r0["captured"] == [] == r1["captured"], "torch functions hold a process group as a default argument"
+    assert r1["error"] is not None, "rank 1 finished an iteration its peer never ran"
+    assert "timed out" not in r1["error"].lower(), r1["error"]
+    # Rank 1 waited for rank 0's abort and release, then saw its sockets close: far less
+    # than the 30 s op timeout it would otherwise have waited.
+    assert r1["wait_s"] < 10.0, r1
