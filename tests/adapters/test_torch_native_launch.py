@@ -89,4 +89,6 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     assert last.get(3, 0) <= 2, "the killed rank went on training"
     for r in (0, 1, 2):
         assert len(seen[r]) == 1, f"rank {r} changed process"
-        assert last.get(r, 0) == ITERATIONS, f"rank {r} stopped at iteration {last.get(r)}"
+    # The survivors' next plan runs on some of them (the Scheduler may keep one as a
+    # standby, alive in its process): they trained every remaining iteration.
+    assert sum(last[r] == ITERATIONS for r in (0, 1, 2)) >= 2, last

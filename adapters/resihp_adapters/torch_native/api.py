@@ -13,7 +13,7 @@
   trained on the same job data, the same number of iterations. Nothing survives a
   failure there.
 
-Both read the same ResiHP configuration (``config``, else ``$RESIHP_CONFIG``), whose
+Both read the same ResiHP configuration (``config``, else ``$RESIHP_CONFIG`` for a plain launch), whose
 ``[model]`` is the adapter's LLaMA (:mod:`.model`).
 """
 

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         job = build_job(cfg, faults, work)
     except (ValueError, OSError, ConfigError, FaultError) as e:
         raise CliError(str(e)) from e
-    env.update(RESIHP_LAUNCH_SCRIPT=script, RESIHP_LAUNCH_ARGS=json.dumps(script_args), RESIHP_CONFIG=str(path),
+    env.update(RESIHP_LAUNCH_SCRIPT=script, RESIHP_LAUNCH_ARGS=json.dumps(script_args),
                WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(cfg.runtime.devices_per_node),
                MASTER_ADDR=str(a.main_process_ip or "127.0.0.1"), MASTER_PORT=str(a.main_process_port or 29500),
                OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))

@@ -96,7 +96,8 @@ class StockPipeline:
         if layer_ranges is None:
             from resihp_core.plan import ParallelPlan
 
-            layer_ranges = list(ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=cfg.n_layers).layer_ranges)
+            layer_ranges = list(ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=cfg.n_layers,
+                                                        num_microbatches=num_microbatches).layer_ranges)
         self.cfg, self.data, self.pp, self.m = cfg, data, pp, num_microbatches
         self.dp = world // pp
         self.stage_index, self.replica = divmod(rank, self.dp)
