@@ -95,30 +95,35 @@ class CpuWaitMeter:
     chunks (see the module docstring). The worker calls :meth:`start_iteration`; every
     primitive starts with :meth:`start_chunk` (``AdapterContext.step``) and every compute
     chunk ends with :meth:`end_chunk` (``FaultInjector.stretch``, before any injected
-    sleep). Call all of them from the thread that trains."""
+    sleep). Readings from any thread but the one that started the iteration are ignored."""
 
     def __init__(self, clock: Callable[[], float | None] = run_delay_s) -> None:
         self.clock = clock
         self.compute_s = 0.0  # waited during this iteration's compute chunks
         self._iteration0: float | None = None
         self._chunk0: float | None = None
+        self._thread = threading.get_ident()  # readings of one thread only are comparable
+
+    def _read(self) -> float | None:
+        return self.clock() if threading.get_ident() == self._thread else None
 
     def start_iteration(self) -> None:
-        self._iteration0 = self._chunk0 = self.clock()
+        self._thread = threading.get_ident()
+        self._iteration0 = self._chunk0 = self._read()
         self.compute_s = 0.0
 
     def start_chunk(self) -> None:
-        self._chunk0 = self.clock()
+        self._chunk0 = self._read()
 
     def end_chunk(self) -> None:
-        now = self.clock()
+        now = self._read()
         if now is not None and self._chunk0 is not None:
             self.compute_s += max(0.0, now - self._chunk0)
         self._chunk0 = now  # a chunk that follows without its own start counts from here
 
     def iteration_s(self) -> float:
         """Waited since :meth:`start_iteration` (0.0 when not measurable)."""
-        now = self.clock()
+        now = self._read()
         if now is None or self._iteration0 is None:
             return 0.0
         return max(0.0, now - self._iteration0)

@@ -20,10 +20,15 @@ import sys
 
 import pytest
 
-from resihp_core.faults import fail_at
+from pathlib import Path
 
-from .backend_harness import uniform
-from .test_chaos import SLOW_DETECTOR, _chaos
+from resihp_core.faults import fail_at
+from resihp_core.job import JobSpec
+from resihp_core.plan import Topology
+from resihp_core.runtime.resilient import run_resilient
+
+from .backend_harness import HEADS, LAYERS, Finished, check_against_reference, read_dumps, tmpdir, uniform
+from .test_chaos import SLOW_DETECTOR, _chaos, _planner_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -51,8 +56,10 @@ def test_a_cpu_burst_from_outside_the_job_is_not_a_fail_slow():
             for p in burners:
                 p.kill()
 
+    detections = []
     try:
-        run = _chaos(plan, [], iterations=ITERATIONS, detector=SLOW_DETECTOR, on_iteration=on_iteration)
+        run = _chaos(plan, [], iterations=ITERATIONS, detector=SLOW_DETECTOR, on_iteration=on_iteration,
+                     on_detection=detections.append)
     finally:
         for p in burners:
             p.kill()
@@ -62,22 +69,47 @@ def test_a_cpu_burst_from_outside_the_job_is_not_a_fail_slow():
     before = statistics.median(seconds[i] for i in range(3, BURST_FROM))
     assert during > 1.2 * before, f"the burst did not slow training ({before:.3f} s -> {during:.3f} s)"
     slow = [e for e in run.events if e["kind"] == "failure"]
-    assert slow == [], slow
+    verified = [(d.iteration, d.action, d.verdict.evidence[:200]) for d in detections if d.verdict is not None]
+    print("verifications:", verified)
+    assert slow == [], (slow, verified)
     assert not [e for e in run.events if e["kind"] == "plan" and e["generation"] >= 1], run.events
 
 
 ONSET = 10
+# Compute must be most of an iteration for a 2x compute slowdown to show in the
+# iteration time (the detector's 25 % filter); the harness's tiny model is mostly
+# framework overhead, so this test uses a wider one.
+WIDE = dict(vocab_size=64, hidden=96, num_heads=HEADS, ffn_hidden=384, num_layers=LAYERS, dtype="float64")
+WIDE_DATA = dict(source="synthetic", scale=24.0, shape=0.8, min_len=2, max_len=128, token_budget=128)
+
+
+def _wide_run(plan, faults, iterations, **run_kw):
+    """``test_chaos._chaos`` with the wider model: run, then check every survivor
+    against the fault-free float64 reference."""
+    spec = JobSpec(adapter="megatron_ref", adapter_config=WIDE, data=WIDE_DATA, dp=plan.dp,
+                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir(),
+                   faults=[f.to_dict() for f in faults])
+    topology = Topology.uniform(2, len(plan.devices()) // 2)
+    state, planner = _planner_state(plan, topology)
+    run = run_resilient(spec.to_json(), plan, topology, state, planner, SLOW_DETECTOR, iterations,
+                        Path(tmpdir()), timeout=240, **run_kw)
+    assert run.ok, f"{run.error}; logs in {run.logs}"
+    assert len(run.records) == iterations
+    check_against_reference(Finished(spec, read_dumps(spec), [r.loss for r in run.records], []), iterations)
+    return run
 
 
 def test_a_2x_compute_slowdown_of_one_device_is_found_within_3_iterations():
-    plan = uniform(1, 2, 2, 3)
+    # One pipeline (TP1 x PP2 x DP1): the slow stage is the critical path. (With a second
+    # replica on an oversubscribed machine, the slow device's time off the CPU overlaps
+    # the other replica's waiting for it, and the iteration hardly slows.)
+    plan = uniform(1, 2, 1, 4)
     device = plan.group(0, 1)[0]
     detections = []
-    run = _chaos(plan, [fail_at(device, ONSET, "slow", factor=2.0)], iterations=ONSET + 6, detector=SLOW_DETECTOR,
-                 on_detection=detections.append)
+    run = _wide_run(plan, [fail_at(device, ONSET, "slow", factor=2.0)], ONSET + 6, on_detection=detections.append)
+    seen = [(d.iteration, d.action, round(d.measured, 3), d.ratio and round(d.ratio, 2), d.notes) for d in detections]
     reports = [e for e in run.events if e["kind"] == "failure"]
-    assert [(e["failure"], e["devices"], e["cause"]) for e in reports] == [("fail-slow", [device], "compute")], \
-        [(d.iteration, d.action, d.notes) for d in detections]
+    assert [(e["failure"], e["devices"], e["cause"]) for e in reports] == [("fail-slow", [device], "compute")], seen
     found = next(d for d in detections if d.report is not None)
-    assert found.iteration - ONSET + 1 <= 3, [(d.iteration, d.action) for d in detections]
+    assert found.iteration - ONSET + 1 <= 3, seen  # latency in iterations, the onset included
     assert 0.3 <= found.report.throughput[device] <= 0.7, found.report

@@ -589,7 +589,9 @@ def test_contention_that_moves_between_executors_stays_the_environment() -> None
     later = feed(det, trace, 60, 80)
     reported = [d for d in later if d.report]
     assert reported and reported[0].report.devices == (11,), [(d.iteration, d.action) for d in later]
-    assert reported[0].iteration - 60 + 1 <= 3
+    # The iteration time did not change (waiting turned into a slow device): no change
+    # point; the sustained-excess check finds it within min_gap + 1 iterations.
+    assert reported[0].iteration - 60 + 1 <= 3 + 1
 
 
 def test_cpu_wait_meter_counts_only_the_compute_chunks() -> None:
