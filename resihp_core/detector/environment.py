@@ -97,15 +97,47 @@ class CpuWaitMeter:
     chunk ends with :meth:`end_chunk` (``FaultInjector.stretch``, before any injected
     sleep). Readings from any thread but the one that started the iteration are ignored."""
 
-    def __init__(self, clock: Callable[[], float | None] = run_delay_s) -> None:
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float | None] | None = None) -> None:
+        self.clock = clock  # None: this thread's schedstat, through a file kept open
         self.compute_s = 0.0  # waited during this iteration's compute chunks
         self._iteration0: float | None = None
         self._chunk0: float | None = None
         self._thread = threading.get_ident()  # readings of one thread only are comparable
+        self._fd: int | None = None
+        self._fd_thread: int | None = None
 
     def _read(self) -> float | None:
-        return self.clock() if threading.get_ident() == self._thread else None
+        if threading.get_ident() != self._thread:
+            return None
+        if self.clock is not None:
+            return self.clock()
+        if self._fd_thread != self._thread:
+            # An open /proc/thread-self file stays the opening thread's: re-read with
+            # pread (~3 us) instead of opening it at every primitive (~13 us).
+            self._close()
+            self._fd_thread = self._thread
+            if not _no_schedstat:
+                try:
+                    self._fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+                except OSError:
+                    self._fd = None
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def __del__(self) -> None:
+        self._close()
 
     def start_iteration(self) -> None:
         self._thread = threading.get_ident()
