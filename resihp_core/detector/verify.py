@@ -148,11 +148,14 @@ class _Totals:
         pred = self.predicted.get(rank, 0.0)
         return self.device_measured(rank) / pred if pred > 0 else 1.0
 
+    def outside_waited(self, rank: int) -> float:
+        """Seconds outside compute ``rank`` lost waiting for a CPU, beyond its healthy share."""
+        share = self.wait_share.get(self.device[rank], (0.0, 0.0))[1]
+        return max(0.0, self.outside_wait[rank] - share * self.expected_outside.get(rank, 0.0))
+
     def device_outside(self, rank: int) -> float:
         """Time outside compute without its waiting for a CPU beyond the healthy share."""
-        share = self.wait_share.get(self.device[rank], (0.0, 0.0))[1]
-        extra = max(0.0, self.outside_wait[rank] - share * self.expected_outside.get(rank, 0.0))
-        return max(0.0, self.outside[rank] - extra)
+        return max(0.0, self.outside[rank] - self.outside_waited(rank))
 
 
 class ProfileVerifier:
@@ -246,6 +249,9 @@ class ProfileVerifier:
                            + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(together))
                            + "): the environment, not a device")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
+        # The iteration's excess without what other processes took (at most the most any
+        # rank waited for a CPU beyond its share) is what a device must account for.
+        excess -= max((t.waited(r) + t.outside_waited(r) for r in t.measured), default=0.0)
         explained = max((t.device_measured(r) - t.predicted[r] for ranks in suspects.values() for r in ranks),
                         default=0.0)
         if suspects and (excess <= 0 or explained >= self.explain * excess):
