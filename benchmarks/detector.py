@@ -58,6 +58,7 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import statistics
 import subprocess
@@ -687,7 +688,7 @@ class ReferenceIteration:
         self._tmp = tempfile.mkdtemp(prefix="resihp-ov-ref-")
         job = build_job(cfg, [], Path(self._tmp))
         spec = dataclasses.replace(job.spec, checkpoint_every=0, checkpoint_dir=None)
-        self.store, _ = jobstore.host()
+        self.store, _ = jobstore.host(secret=secrets.token_hex(16))  # in-process: only this worker uses it
         self.worker = Worker(job.plan.devices()[0], self.store, spec)
         plan = job.plan.with_(generation=0)
         jobstore.post_plan(self.store, PlanUpdate.of(plan, devices=tuple(plan.devices()), resume=0,

@@ -169,7 +169,11 @@ class AdapterContext:
 
     def step(self, iteration: int, step: int) -> None:
         """Call before each primitive: beats progress and raises
-        :class:`GenerationAborted` once this generation is superseded."""
+        :class:`GenerationAborted` once this generation is superseded. Starts a chunk
+        for the worker's CPU-wait meter (``faults.cpu_wait``, if it has one)."""
+        meter = getattr(self.faults, "cpu_wait", None)
+        if meter is not None:
+            meter.start_chunk()
         self.beat(iteration, step)
         if self.superseded():
             raise GenerationAborted(f"generation {self.generation} was superseded")

@@ -184,7 +184,8 @@ class VerificationContext:
     plan: ParallelPlan | None = None
     threshold: float = 0.25
     # Per device: how much its node's CPU contention (a probe outside the job) rose from
-    # before the change to these iterations; absent = not measured (detector/environment.py).
+    # before the change to these iterations; absent = not measured. Evidence only: each
+    # rank's own waiting for a CPU is in its profiles (detector/environment.py).
     environment: Mapping[int, float] = field(default_factory=dict)
 
 

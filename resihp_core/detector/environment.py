@@ -1,24 +1,26 @@
-"""Telling a device from its environment: CPU demand from processes outside the job.
+"""Telling a device from its environment: the time a worker waits for a CPU.
 
-A slowdown the whole machine feels (other processes' CPU load, a power cap) is not a
-device failure: no plan runs faster around it. Each node agent runs
-:class:`EnvironmentProbe`: a few times per interval it reads how many tasks are
-runnable on the machine (``procs_running`` in ``/proc/stat``) and how many of them are
-the job's workers (state ``R`` in ``/proc/<pid>/stat``), and reports the **contention**
-factor the other tasks impose on a CPU-bound worker::
+A slowdown caused by other processes on the machine is not a device failure: no plan
+runs faster around it. A compute chunk's wall time splits into three parts (Linux
+accounts the first two per thread, ``/proc/thread-self/schedstat``)::
 
-    max(1, (job + outside) / cores) / max(1, job / cores)      # >= 1; 1.0 = nothing else runs
+    wall = time on a CPU + time runnable but waiting for a CPU (run delay) + time off the CPU
 
-A device's own slowdown (a slow accelerator, or an injected one) does not raise it; a
-burst of other work on the machine does. Two simpler probes were tried first and
-dropped: a short hashing probe (woken from sleep, the scheduler favours it, so it
-under-reads what CPU-bound workers feel) and the CPU time taken outside the job
-(it saturates at the core count on a busy machine, where demand does not).
+A slow device lengthens the first (a slower processor) or the third (waiting for a slow
+accelerator; the :class:`~resihp_core.runtime.injector.FaultInjector` sleeps); other
+processes competing for the cores lengthen only the second. :class:`CpuWaitMeter` sums
+the training thread's run delay over each iteration and over its compute chunks; the
+worker sends both in its :class:`~resihp_core.protocol.IterationProfile`
+(``cpu_wait_s``, ``compute_wait_s``) and verification takes the rise of that wait
+over its healthy level out of the measured compute before it blames a device
+(docs/design.md, "Device or environment").
 
-The controller attaches each node's recent contention to every iteration it hands the
-fail-slow detector; the verifier compares a suspect's compute slowdown with how much
-its node's contention rose from before the change to the verification window
-(:func:`environment_change`). See docs/security.md ("Fail-slow and the environment").
+This replaced a node-wide estimate (:class:`EnvironmentProbe`, still reported by the
+agents and quoted in the evidence, no longer a deciding input): the contention factor
+other runnable tasks impose on an average worker. The scheduler is not fair per process
+over short windows, so one executor could lose far more time than the node average
+(1.69x slower against a 1.26x contention rise); the worker's own run delay measures
+exactly the time it lost.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ import logging
 import os
 import statistics
 import threading
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-__all__ = ["EnvironmentProbe", "environment_change", "runnable_tasks", "is_running"]
+if TYPE_CHECKING:
+    from resihp_core.protocol import IterationProfile
+
+__all__ = [
+    "CpuWaitMeter", "EnvironmentProbe", "environment_change", "is_running", "run_delay_s", "runnable_tasks",
+    "wait_shares",
+]
 
 logger = logging.getLogger("resihp.environment")
 
@@ -63,8 +71,99 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+_no_schedstat = False
+
+
+def run_delay_s() -> float | None:
+    """Seconds the calling thread has been runnable but waiting for a CPU since it
+    started (the second field of ``/proc/thread-self/schedstat``); None where the kernel
+    does not say (not Linux, or no scheduler statistics): nothing is corrected then."""
+    global _no_schedstat
+    if _no_schedstat:
+        return None
+    try:
+        with open(_SCHEDSTAT, "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        _no_schedstat = True
+        return None
+
+
+class CpuWaitMeter:
+    """The training thread's waits for a CPU over one iteration and over its compute
+    chunks (see the module docstring). The worker calls :meth:`start_iteration`; every
+    primitive starts with :meth:`start_chunk` (``AdapterContext.step``) and every compute
+    chunk ends with :meth:`end_chunk` (``FaultInjector.stretch``, before any injected
+    sleep). Readings from any thread but the one that started the iteration are ignored."""
+
+    def __init__(self, clock: Callable[[], float | None] | None = None) -> None:
+        self.clock = clock  # None: this thread's schedstat, through a file kept open
+        self.compute_s = 0.0  # waited during this iteration's compute chunks
+        self._iteration0: float | None = None
+        self._chunk0: float | None = None
+        self._thread = threading.get_ident()  # readings of one thread only are comparable
+        self._fd: int | None = None
+        self._fd_thread: int | None = None
+
+    def _read(self) -> float | None:
+        if threading.get_ident() != self._thread:
+            return None
+        if self.clock is not None:
+            return self.clock()
+        if self._fd_thread != self._thread:
+            # An open /proc/thread-self file stays the opening thread's: re-read with
+            # pread (~3 us) instead of opening it at every primitive (~13 us).
+            self._close()
+            self._fd_thread = self._thread
+            if not _no_schedstat:
+                try:
+                    self._fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+                except OSError:
+                    self._fd = None
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def __del__(self) -> None:
+        self._close()
+
+    def start_iteration(self) -> None:
+        self._thread = threading.get_ident()
+        self._iteration0 = self._chunk0 = self._read()
+        self.compute_s = 0.0
+
+    def start_chunk(self) -> None:
+        self._chunk0 = self._read()
+
+    def end_chunk(self) -> None:
+        now = self._read()
+        if now is not None and self._chunk0 is not None:
+            self.compute_s += max(0.0, now - self._chunk0)
+        self._chunk0 = now  # a chunk that follows without its own start counts from here
+
+    def iteration_s(self) -> float:
+        """Waited since :meth:`start_iteration` (0.0 when not measurable)."""
+        now = self._read()
+        if now is None or self._iteration0 is None:
+            return 0.0
+        return max(0.0, now - self._iteration0)
+
+
 class EnvironmentProbe:
-    """Samples the CPU demand of processes outside the job, from a background thread.
+    """Samples the CPU demand of processes outside the job, from a background thread
+    (the node agent's; reported to the controller and quoted in verification evidence).
 
     :param job_pids: the job's processes on this node (the agent's workers).
     :param interval_s: time between samples; each averages ``reads`` reads spread over it.
@@ -145,3 +244,21 @@ def environment_change(before: Sequence[Mapping[int, float]], after: Sequence[Ma
 
     b, a = medians(before), medians(after)
     return {d: a[d] / b[d] for d in a.keys() & b.keys() if b[d] > 0}
+
+
+def wait_shares(iterations: Iterable[Mapping[int, IterationProfile]]) -> dict[int, tuple[float, float]]:
+    """Per device: the share of its compute, and of its time outside compute, that it
+    spent waiting for a CPU over ``iterations`` (per-rank profiles). Taken over healthy
+    iterations it is the waiting a healthy prediction already contains. Devices that
+    reported no waiting at all are left out (not measured, or nothing to take out)."""
+    sums: dict[int, list[float]] = {}
+    for profiles in iterations:
+        for p in profiles.values():
+            comp = sum(mb.forward_s + mb.backward_s for mb in p.microbatches)
+            s = sums.setdefault(p.device, [0.0, 0.0, 0.0, 0.0])
+            s[0] += p.compute_wait_s
+            s[1] += comp
+            s[2] += max(0.0, p.cpu_wait_s - p.compute_wait_s)
+            s[3] += max(0.0, p.iteration_s - comp)
+    return {d: (w / c if c > 0 else 0.0, wo / o if o > 0 else 0.0)
+            for d, (w, c, wo, o) in sums.items() if w > 0 or wo > 0}

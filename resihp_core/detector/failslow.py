@@ -111,12 +111,12 @@ class _Base:
         self._reported: dict[tuple[int, str], float] = {}
         self._last_retained: int | None = None
         self._env: dict[int, Mapping[int, float]] = {}  # iteration -> device -> node contention
-        self._env_episode_until = -1  # a slowdown put down to the environment is watched until then
-        self._env_episode_onset = 0
 
     def note_environment(self, iteration: int, contention: Mapping[int, float]) -> None:
         """The CPU contention of each device's node (a probe outside the job) when
-        ``iteration`` completed; verification compares it before and after a change."""
+        ``iteration`` completed; verification quotes its rise across a change as
+        evidence (the deciding measure is each rank's own waiting for a CPU, in its
+        profile: detector/environment.py)."""
         self._env[iteration] = dict(contention)
         if len(self._env) > 2 * self._history_len:
             for k in sorted(self._env)[: len(self._env) - self._history_len]:
@@ -405,22 +405,8 @@ class WorkloadAwareDetector(_Base):
                 self._watch = (onset, iteration + self.min_gap)
                 return Detection(iteration, measured, "faded", cp, predicted, ratio, onset=onset,
                                  notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
-        if iteration <= self._env_episode_until:
-            # Still inside a slowdown already put down to the environment: while the
-            # machine stays contended against the level before the episode, a new change
-            # belongs to the same episode, not to a device.
-            since = self._environment(self._env_episode_onset)
-            if any(e > 1.0 + self.slow_threshold for e in since.values()):
-                self._last_retained = iteration
-                self._env_episode_until = iteration + self.min_gap
-                return Detection(iteration, measured, "cleared", cp, predicted, ratio, onset=onset,
-                                 notes=("the environment's slowdown goes on (node contention still high)",))
         env = self._environment(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env)
-        if not verdict.confirmed and "the environment" in verdict.evidence:
-            if iteration > self._env_episode_until:
-                self._env_episode_onset = onset
-            self._env_episode_until = iteration + self.min_gap
         self._last_retained = iteration
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
                     self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])

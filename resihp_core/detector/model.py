@@ -30,6 +30,7 @@ import statistics
 from collections import defaultdict
 from typing import TYPE_CHECKING, Mapping
 
+from resihp_core.detector.environment import wait_shares
 from resihp_core.predictor.cost import CostModel, CostModelError, StageCost, fit_stage
 from resihp_core.predictor.simulator import SimulationError
 
@@ -134,6 +135,9 @@ class WorkloadModel:
         self.fit_error: str | None = None
         self._predictor: IterationPredictor | None = None
         self._group: dict[Executor, tuple[int, ...]] = {}
+        # device -> share of compute / of time outside compute spent waiting for a CPU
+        # in the warm-up: the waiting the healthy predictions contain (detector/environment.py)
+        self.wait_share: dict[int, tuple[float, float]] = {}
 
     def set_speeds(self, speeds: Mapping[int, float]) -> None:
         """Known slow devices changed (a report): predictions include them from now on."""
@@ -203,6 +207,7 @@ class WorkloadModel:
             return
         self.costs = costs
         self.fit_error = "; ".join(problems) or None
+        self.wait_share = wait_shares(self._warm)
         if self.calibrate:
             ratios = []
             for profiles in self._warm:

@@ -6,10 +6,12 @@ Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
 iterations since the change point and the healthy model, and probes only where the
 profiles cannot decide:
 
-0. **environment** — a slowdown is not a device failure when the CPU contention a probe
-   outside the job measured on the suspect's node rose as much
-   (:mod:`~resihp_core.detector.environment`), or when executors of different stages
-   slowed at once (one device slows only its own executor).
+0. **environment** — a slowdown is not a device failure when it is time the suspect's
+   training thread spent runnable but waiting for a CPU that other processes held (its
+   run delay beyond the share the healthy prediction contains;
+   :mod:`~resihp_core.detector.environment`), or when executors of different stages
+   slowed at once (one device slows only its own executor). Every slowdown below is
+   measured with that waiting taken out.
 
 1. **compute** — each rank's measured compute (Σ forward + backward of its
    micro-batches) over its healthy prediction for the same documents gives a slowdown
@@ -49,6 +51,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
+from resihp_core.detector.environment import wait_shares
 
 if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
@@ -67,6 +70,8 @@ class _Totals:
         self.measured: dict[int, float] = defaultdict(float)  # compute seconds
         self.predicted: dict[int, float] = defaultdict(float)
         self.outside: dict[int, float] = defaultdict(float)  # iteration - compute
+        self.compute_wait: dict[int, float] = defaultdict(float)  # runnable, waiting for a CPU
+        self.outside_wait: dict[int, float] = defaultdict(float)
         self.expected_outside: dict[int, float] = defaultdict(float)
         self.iteration_measured = 0.0
         self.iteration_predicted = 0.0
@@ -89,6 +94,8 @@ class _Totals:
                 comp = sum(mb.forward_s + mb.backward_s for mb in p.microbatches)
                 self.measured[rank] += comp
                 self.outside[rank] += max(0.0, p.iteration_s - comp)
+                self.compute_wait[rank] += p.compute_wait_s
+                self.outside_wait[rank] += max(0.0, p.cpu_wait_s - p.compute_wait_s)
                 self.device[rank] = p.device
                 self.executor[rank] = (p.replica, p.stage)
                 pred = None
@@ -105,6 +112,11 @@ class _Totals:
                         self.expected_outside[rank] += max(0.0, it_pred - pred)
         if not self.have_model:
             self._peer_predictions(ctx)
+        # The waiting for a CPU the predictions already contain: the model's warm-up
+        # (healthy by assumption, the level its predictions come from), else the
+        # iterations just before the change.
+        shares = getattr(model, "wait_share", None) if ready else None
+        self.wait_share: dict[int, tuple[float, float]] = shares if shares is not None else wait_shares(ctx.before)
 
     def _peer_predictions(self, ctx: VerificationContext) -> None:
         """No model: a rank's "healthy" compute is the median of its stage's ranks."""
@@ -118,8 +130,32 @@ class _Totals:
         self.expected_outside = defaultdict(float, {r: med_out for r in self.outside})
 
     def q(self, rank: int) -> float:
+        """Measured over healthy compute."""
         pred = self.predicted.get(rank, 0.0)
         return self.measured[rank] / pred if pred > 0 else 1.0
+
+    def waited(self, rank: int) -> float:
+        """Compute seconds ``rank`` lost waiting for a CPU, beyond its healthy share."""
+        share = self.wait_share.get(self.device[rank], (0.0, 0.0))[0]
+        return max(0.0, self.compute_wait[rank] - share * self.predicted.get(rank, 0.0))
+
+    def device_measured(self, rank: int) -> float:
+        """Measured compute without the time other processes held the CPU: the device's own."""
+        return self.measured[rank] - self.waited(rank)
+
+    def qd(self, rank: int) -> float:
+        """The device's own compute slowdown (:meth:`q` without the waiting for a CPU)."""
+        pred = self.predicted.get(rank, 0.0)
+        return self.device_measured(rank) / pred if pred > 0 else 1.0
+
+    def outside_waited(self, rank: int) -> float:
+        """Seconds outside compute ``rank`` lost waiting for a CPU, beyond its healthy share."""
+        share = self.wait_share.get(self.device[rank], (0.0, 0.0))[1]
+        return max(0.0, self.outside_wait[rank] - share * self.expected_outside.get(rank, 0.0))
+
+    def device_outside(self, rank: int) -> float:
+        """Time outside compute without its waiting for a CPU beyond the healthy share."""
+        return max(0.0, self.outside[rank] - self.outside_waited(rank))
 
 
 class ProfileVerifier:
@@ -134,9 +170,9 @@ class ProfileVerifier:
         holding at least half of the largest excess are at most this fraction of all.
     :param share: an executor is a compute suspect only if its excess slowdown is at
         least this fraction of the worst executor's.
-    :param env_margin: a compute suspect is the environment's doing when its node's CPU
-        contention (a probe outside the job, ``ctx.environment``) rose by more than
-        ``compute_margin`` and its slowdown is at most this much above that rise.
+    :param waiting: a compute suspect whose waiting for a CPU (beyond its healthy share)
+        is at least this fraction of its lost compute time is the environment's doing
+        (one that is healthy without that waiting always is).
     :param together: executors slowed at once point at the environment when at least two
         have this fraction of the worst executor's excess (a lone slow device slows one).
     :param explain: compute suspects must account for at least this fraction of the
@@ -156,15 +192,16 @@ class ProfileVerifier:
         concentrated: float = 0.25,
         share: float = 0.5,
         explain: float = 0.3,
-        env_margin: float = 0.25,
         together: float = 0.6,
+        waiting: float = 0.5,
     ) -> None:
-        for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin)):
+        for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
+                     ("waiting", waiting)):
             if not 0 < v < 1:
                 raise ValueError(f"{n} must be in (0, 1), got {v!r}")
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
         self.concentrated, self.share, self.explain = concentrated, share, explain
-        self.env_margin, self.together = env_margin, together
+        self.together, self.waiting = together, waiting
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -173,30 +210,30 @@ class ProfileVerifier:
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for rank, ex in t.executor.items():
             groups[ex].append(rank)
-        worst = {ex: max(t.q(r) for r in ranks) for ex, ranks in groups.items()}
+        raw = {ex: max(t.q(r) for r in ranks) for ex, ranks in groups.items()}
+        suspects = self._suspects(groups, raw)
+        # What other processes took: the suspects' waiting for a CPU beyond its healthy
+        # share comes out of their compute; a suspect that is healthy without it, or
+        # whose lost time is mostly that waiting, was slowed by its environment. (A
+        # device slow during heavy contention is reported once the contention is over:
+        # the sustained-excess check verifies again.)
+        worst = {ex: max(t.qd(r) for r in ranks) for ex, ranks in groups.items()}
+        waited = {ex for ex, ranks in suspects.items()
+                  if worst[ex] <= 1 + self.compute_margin
+                  or all(t.waited(r) >= self.waiting * (t.measured[r] - t.predicted[r]) for r in ranks)}
+        if waited and len(waited) == len(suspects):
+            env = ctx.environment
+            return Verdict({}, "unknown", "the compute slowdown is time spent waiting for a CPU other processes "
+                           "held (" + ", ".join(
+                               f"replica {ex[0]} stage {ex[1]}: compute {raw[ex]:.2f}x, {worst[ex]:.2f}x without "
+                               f"the {max(t.waited(r) for r in groups[ex]):.3f} s it waited"
+                               + (f", node contention {max(env.get(t.device[r], 0.0) for r in groups[ex]):.2f}x"
+                                  if any(env.get(t.device[r]) for r in groups[ex]) else "")
+                               for ex in sorted(waited)) + "): the environment, not a device")
+        suspects = {ex: ranks for ex, ranks in suspects.items() if ex not in waited}
         top = max(worst.values(), default=1.0)
-        # A suspect is well above healthy and carries a fair share of the worst excess:
-        # a rank 1.2x slow next to one 2x slow is noise (or a separate, minor matter),
-        # not the cause of this alarm.
-        suspects = {
-            ex: ranks for ex, ranks in groups.items()
-            if worst[ex] > 1 + self.compute_margin and worst[ex] - 1 >= self.share * (top - 1)
-        }
-        env = ctx.environment
-        explained = {
-            ex: ranks for ex, ranks in suspects.items()
-            if env and all(env.get(t.device[r], 0.0) > 1 + self.compute_margin
-                           and t.q(r) <= env[t.device[r]] * (1 + self.env_margin) for r in ranks)
-        }
-        if explained:
-            if len(explained) == len(suspects):
-                return Verdict({}, "unknown", "the slowdown matches the CPU contention a probe outside the job "
-                               "measured on the same nodes (" + ", ".join(
-                                   f"replica {ex[0]} stage {ex[1]}: compute {worst[ex]:.2f}x, node contention "
-                                   f"{max(env[t.device[r]] for r in ranks):.2f}x"
-                                   for ex, ranks in sorted(explained.items())) + "): the environment, not a device")
-            suspects = {ex: ranks for ex, ranks in suspects.items() if ex not in explained}
-        if len(groups) >= 2 and len(suspects) == len(groups) and top <= min(worst.values()) * (1 + self.spread):
+        if (len(groups) >= 2 and len(suspects) == len(groups)
+                and max(worst[ex] for ex in suspects) <= min(worst[ex] for ex in suspects) * (1 + self.spread)):
             # Every executor equally slow: the machine or cluster slowed (other jobs, a
             # shared-power cap), not a device; no plan would run faster around it.
             return Verdict({}, "unknown", "every executor is equally slow in compute ("
@@ -212,10 +249,23 @@ class ProfileVerifier:
                            + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(together))
                            + "): the environment, not a device")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
-        explained = max((t.measured[r] - t.predicted[r] for ranks in suspects.values() for r in ranks), default=0.0)
+        # The iteration's excess without what other processes took (at most the most any
+        # rank waited for a CPU beyond its share) is what a device must account for.
+        excess -= max((t.waited(r) + t.outside_waited(r) for r in t.measured), default=0.0)
+        explained = max((t.device_measured(r) - t.predicted[r] for ranks in suspects.values() for r in ranks),
+                        default=0.0)
         if suspects and (excess <= 0 or explained >= self.explain * excess):
             return self._compute(ctx, t, suspects)
         return self._communication(ctx, t)
+
+    def _suspects(self, groups: dict[tuple[int, int], list[int]], worst: dict[tuple[int, int], float]
+                  ) -> dict[tuple[int, int], list[int]]:
+        """Executors well above healthy that carry a fair share of the worst excess: a
+        rank 1.2x slow next to one 2x slow is noise (or a separate, minor matter), not
+        the cause of this alarm."""
+        top = max(worst.values(), default=1.0)
+        return {ex: ranks for ex, ranks in groups.items()
+                if worst[ex] > 1 + self.compute_margin and worst[ex] - 1 >= self.share * (top - 1)}
 
     # ------------------------------------------------------------ compute
     def _compute(self, ctx: VerificationContext, t: _Totals, suspects: dict[tuple[int, int], list[int]]) -> Verdict:
@@ -224,13 +274,15 @@ class ProfileVerifier:
         rounds, probe_s = 0, 0.0
         cause = "compute"
         for (rep, stage), ranks in sorted(suspects.items()):
-            qs = {r: t.q(r) for r in ranks}
+            qs = {r: t.qd(r) for r in ranks}
             where = f"replica {rep} stage {stage}"
             if len(ranks) == 1:
                 r = ranks[0]
                 slow[t.device[r]] = _clip_p(1.0 / qs[r])
                 env = ctx.environment.get(t.device[r])
+                w = t.waited(r)
                 notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}"
+                             + (f" without the {w:.3f} s it waited for a CPU" if w > 0 else "")
                              + (f" (its node's CPU contention {env:.2f}x)" if env is not None else ""))
                 continue
             lo = min(qs.values())
@@ -270,7 +322,8 @@ class ProfileVerifier:
 
     # ------------------------------------------------------------ communication
     def _communication(self, ctx: VerificationContext, t: _Totals) -> Verdict:
-        excess = {r: t.outside[r] - t.expected_outside.get(r, 0.0) for r in t.outside}
+        outside = {r: t.device_outside(r) for r in t.outside}
+        excess = {r: outside[r] - t.expected_outside.get(r, 0.0) for r in outside}
         top = max(excess.values(), default=0.0)
         slowdown = t.iteration_measured / t.iteration_predicted if t.iteration_predicted > 0 else None
         if top > 0:
@@ -278,7 +331,7 @@ class ProfileVerifier:
             if len(heavy) <= max(1, int(self.concentrated * len(excess))) and len(heavy) < len(excess):
                 slow = {}
                 for r in heavy:
-                    exp, meas = t.expected_outside.get(r, 0.0), t.outside[r]
+                    exp, meas = t.expected_outside.get(r, 0.0), outside[r]
                     p = exp / meas if exp > 0 and meas > 0 else (1.0 / slowdown if slowdown else 0.5)
                     slow[t.device[r]] = _clip_p(p)
                 ev = (

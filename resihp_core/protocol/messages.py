@@ -101,6 +101,11 @@ class IterationProfile(_Msg, tag="profile"):
     microbatches: tuple[MicroBatchProfile, ...]
     comm_s: Seconds
     iteration_s: Seconds
+    # Seconds the rank's training thread was runnable but waiting for a CPU (Linux run
+    # delay) in the whole iteration and in its compute chunks; 0 = not measured. Time
+    # other processes took from it: the environment, not the device (detector/environment.py).
+    cpu_wait_s: Seconds = 0.0
+    compute_wait_s: Seconds = 0.0
 
 
 class FailureReport(_Msg, tag="failure"):

@@ -5,6 +5,11 @@ of this device scheduled for that iteration happen then, each once (kinds: see
 ``resihp_core.faults``). Process-level faults (kill, stop, CPU contention) act here;
 the adapter honours the two it must apply itself: :attr:`slowdown` (stretch every
 compute chunk) and :attr:`comm_delay_s` (delay every receive and reduction).
+
+Because every adapter ends each compute chunk here, the injector also carries the
+worker's :class:`~resihp_core.detector.environment.CpuWaitMeter` (:attr:`cpu_wait`):
+the time the chunk waited for a CPU is taken before an injected slowdown sleeps, so a
+slow device never shows as waiting and contention always does.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import subprocess
 import sys
 import time
 from typing import Any, Iterable
+
+from resihp_core.detector.environment import CpuWaitMeter
 
 __all__ = ["FaultInjector"]
 
@@ -31,8 +38,10 @@ class FaultInjector:
         self.comm_delay_s = 0.0  # added to every receive and reduction
         self._applied: set[int] = set()
         self._busy: list[subprocess.Popen] = []
+        self.cpu_wait = CpuWaitMeter()
 
     def at_iteration(self, iteration: int) -> None:
+        self.cpu_wait.start_iteration()
         for n, f in enumerate(self.faults):
             if f["iteration"] != iteration or n in self._applied:
                 continue
@@ -53,7 +62,9 @@ class FaultInjector:
 
     def stretch(self, seconds: float) -> float:
         """Under an injected slowdown, sleep so a compute chunk that took ``seconds``
-        takes ``slowdown`` times as long; returns the stretched duration."""
+        takes ``slowdown`` times as long; returns the stretched duration. Ends the
+        chunk for :attr:`cpu_wait` first."""
+        self.cpu_wait.end_chunk()
         if self.slowdown > 1.0:
             time.sleep(seconds * (self.slowdown - 1.0))
             return seconds * self.slowdown

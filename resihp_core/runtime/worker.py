@@ -244,7 +244,7 @@ class Worker:
         # The first iteration of a generation carries one-time costs (allocator, first
         # touch, fresh sockets): the Detector's healthy model starts after it.
         if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
-            self.client.send_profile(prof)
+            self.client.send_profile(self._with_cpu_wait(prof))
         if self._checkpoint_due(i):
             # Before the commit: the copy for the writer is taken now; the files are
             # written in the background and the supervisor restores only from complete
@@ -268,6 +268,16 @@ class Worker:
             return None
         self.iteration = i + 1
         return result
+
+    def _with_cpu_wait(self, prof: Any) -> Any:
+        """The profile with the time this thread waited for a CPU (the environment's
+        share of its wall time; detector/environment.py), unless the adapter set it."""
+        if prof.cpu_wait_s or prof.compute_wait_s:
+            return prof
+        import msgspec
+
+        meter = self.faults.cpu_wait
+        return msgspec.structs.replace(prof, cpu_wait_s=meter.iteration_s(), compute_wait_s=meter.compute_s)
 
     def _checkpoint_due(self, i: int) -> bool:
         every = self.job.checkpoint_every

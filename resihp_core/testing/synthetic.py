@@ -26,6 +26,7 @@ import argparse
 import sys
 import time
 
+from resihp_core.detector.environment import CpuWaitMeter
 from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_core.runtime.heartbeat import WorkerClient
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.wait_stdin:
         sys.stdin.readline()
     it = 0
+    waits = CpuWaitMeter()  # what it waited for a CPU, as a real worker reports it
     try:
         while a.iterations <= 0 or it < a.iterations:
             if it == a.exit_at:
@@ -89,14 +91,19 @@ def main(argv: list[str] | None = None) -> int:
             cc = a.slow_comm if slow else 1.0
             work = iteration_workload(spec, it, a.replicas, a.microbatches)
             t_iter = time.perf_counter()
+            waits.start_iteration()
             mbs = []
             for j in range(a.microbatches):
                 lengths = work[(replica % a.replicas, j)]
                 fwd = (a.alpha * sum(lengths) + a.beta * sum(l * l for l in lengths)) * fc
                 client.beat(it, 2 * j)
+                waits.start_chunk()
                 f = _sleep(fwd)
+                waits.end_chunk()
                 client.beat(it, 2 * j + 1)
+                waits.start_chunk()
                 b = _sleep(2 * fwd)
+                waits.end_chunk()
                 mbs.append(MicroBatchProfile(owner=replica, mb=j, forward_s=f, backward_s=b, doc_lengths=lengths))
             client.beat(it, 2 * a.microbatches)
             comm = _sleep(a.comm * cc)
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             client.send_profile(IterationProfile(
                 rank=client.rank, device=client.device, generation=client.generation, iteration=it,
                 stage=a.stage, replica=replica, microbatches=tuple(mbs), comm_s=comm, iteration_s=total,
+                cpu_wait_s=waits.iteration_s(), compute_wait_s=waits.compute_s,
             ))
             it += 1
     except KeyboardInterrupt:

@@ -121,10 +121,34 @@ def test_predictor_and_reconfigure_extractors_read_the_floor() -> None:
 def test_rerun_comparison_checks_each_median_against_the_previous_range() -> None:
     import run_all
 
-    old = [{"benchmark": "a.py", "figure": "x", "min": 1.0, "max": 2.0},
-           {"benchmark": "a.py", "figure": "y", "min": 1.0, "max": 2.0}]
-    new = [{"benchmark": "a.py", "figure": "x", "median": 1.5}, {"benchmark": "a.py", "figure": "y", "median": 2.5},
-           {"benchmark": "a.py", "figure": "z", "median": 9.0}]
-    cmp = run_all.compare(new, old)
-    assert [(c["figure"], c["inside"]) for c in cmp] == [("x", True), ("y", False)]
-    assert "1 of 2 medians inside" in run_all.compare_markdown(cmp, run_all.Path("old.json"))
+    def row(fig, med, lo, hi, n=3, target="<= 2"):
+        return {"benchmark": "a.py", "figure": fig, "median": med, "min": lo, "max": hi, "n": n, "target": target}
+
+    old = [row("x", 1.5, 1.0, 2.0), row("y", 1.5, 1.0, 2.0), row("w", 1.5, 1.0, 2.0),
+           row("flagged pairs", 0.0, 0.0, 0.0)]
+    new = [row("x", 1.5, 1.2, 1.8), row("y", 2.5, 2.1, 2.9), row("w", 2.1, 1.9, 2.4), row("z", 9.0, 9.0, 9.0),
+           row("flagged pairs", 1.0, 1.0, 1.0)]
+    cmp = {c["figure"]: c for c in run_all.compare(new, old)}
+    assert sorted(cmp) == ["w", "x", "y"]  # z is new; diagnostic counts are not compared
+    assert (cmp["x"]["inside"], cmp["y"]["inside"], cmp["w"]["inside"]) == (True, False, False)
+    assert (cmp["y"]["overlap"], cmp["w"]["overlap"]) == (False, True)
+    assert cmp["x"]["verdict_same"] and not cmp["w"]["verdict_same"]  # 1.5 met <= 2; 2.1 did not
+    md = run_all.compare_markdown(list(cmp.values()), run_all.Path("old.json"))
+    assert "1 of 3 medians inside" in md and "2 of 3 ranges overlap" in md
+
+
+def test_chance_that_a_reproducible_median_lands_inside_a_small_range() -> None:
+    import run_all
+
+    # The median of 3 draws lies inside the min-max of 3 others with probability 0.6
+    # (exactly 3/5 for continuous draws); with more repetitions it approaches 1.
+    assert abs(run_all.chance_inside(3, 3) - 0.6) < 0.02
+    assert run_all.chance_inside(3, 3) < run_all.chance_inside(5, 5) < run_all.chance_inside(7, 7) < 1
+    assert run_all.chance_inside(1, 3) == 0.0
+
+
+def test_target_verdicts_are_read_from_the_target_text() -> None:
+    import run_all
+
+    assert run_all._meets("<= 2 %", 2.0) and not run_all._meets("< 1 % (to judge 2 %)", 1.0)
+    assert run_all._meets(">= 1.3x", 1.31) and run_all._meets("all", 5) is None

@@ -14,10 +14,18 @@ takes the module's layers (ResiHP builds the module again for every plan generat
 - Started any other way (``accelerate launch``, ``deepspeed``, ``torchrun``): stock
   ``deepspeed.initialize`` with a ``PipelineModule`` of the same layers, fed the same
   addressed micro-batches. Nothing survives a failure there.
+
+Either way the engine is closed when the script's process exits (``atexit``): its
+process groups are destroyed while the interpreter is still whole. Left to interpreter
+shutdown, a gloo worker thread could drop its last reference to the tensors of the final
+collective after Python had started tearing down, and the process died with SIGABRT
+("terminate called without an active exception") after training had finished, which
+under ``accelerate launch`` fails the whole job (``docs/deepspeed.md``).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Any, Callable, Sequence
 
@@ -53,6 +61,11 @@ class ResilientEngine:
         e = self.worker.adapter.engine
         return bool(e is not None and e.is_last_stage())
 
+    def close(self) -> None:
+        """Release the engine and this generation's process groups (idempotent; also
+        run at exit, when the script's loop ends before the job's stop reached it)."""
+        self.worker.adapter.close()
+
 
 class StockEngine:
     """Plain DeepSpeed (no ResiHP runtime): the same interface, the same data order."""
@@ -69,6 +82,19 @@ class StockEngine:
         loss = self.engine.train_batch(self._data)
         self.iteration += 1
         return float(loss)
+
+    def close(self) -> None:
+        """Break the engine apart and destroy every process group (idempotent; run at
+        exit): the gloo worker threads are joined before the interpreter shuts down."""
+        from resihp_adapters.deepspeed.world import dismantle, teardown_world
+
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        self._data = None
+        dismantle(engine)
+        del engine
+        teardown_world()
 
 
 def initialize(
@@ -105,8 +131,11 @@ def initialize(
         # What is loaded so far lives for the whole process: keep it out of the
         # collections that run when a generation's groups are released.
         gc.freeze()
-        return ResilientEngine(worker)
-    return _stock(spec, num_stages or int(spec.resihp.get("pp", 2)))
+        handle: ResilientEngine | StockEngine = ResilientEngine(worker)
+    else:
+        handle = _stock(spec, num_stages or int(spec.resihp.get("pp", 2)))
+    atexit.register(handle.close)
+    return handle
 
 
 def _stock(spec: PipelineSpec, num_stages: int) -> StockEngine:

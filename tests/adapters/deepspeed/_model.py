@@ -62,6 +62,7 @@ def build(adapter_config: dict, job):
     lr = float(adapter_config.get("lr", 1e-3))
     cfg = config(adapter_config.get("micro_batch_size", 2), job.num_microbatches, job.dp,
                  adapter_config.get("zero", 0))
-    return PipelineSpec(layers=layer_specs(int(adapter_config.get("num_layers", 6))), config=cfg, dataset=Samples(),
+    h = int(adapter_config.get("hidden", H))
+    return PipelineSpec(layers=layer_specs(int(adapter_config.get("num_layers", 6)), h), config=cfg, dataset=Samples(h=h),
                         loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr),
                         base_seed=int(adapter_config.get("seed", 7)))

@@ -24,8 +24,9 @@ def generations() -> list[tuple[ParallelPlan, int]]:
     return [(p0, 2), (p1, 2), (p2, 1), (p3, 1), (p4, 1)]
 
 
-def reference(replicas_per_iteration: list[int]):
-    """Per-layer parameters and per-iteration losses of the same training in one process."""
+def reference(replicas_per_iteration: list[int], *, hidden: int | None = None, micro_batch_size: int = MBS):
+    """Per-layer parameters and per-iteration losses of the same training in one process
+    (``hidden`` and ``micro_batch_size`` as the job's ``adapter_config`` gave them)."""
     import sys
     import os
 
@@ -36,13 +37,14 @@ def reference(replicas_per_iteration: list[int]):
     from resihp_adapters.deepspeed.data import MicroBatchSource
 
     torch.set_default_dtype(torch.float64)
+    h = hidden or M.H
     blocks = []
     for idx in range(LAYERS):
         torch.manual_seed(SEED + idx)
-        blocks.append(M.Block())
+        blocks.append(M.Block(h))
     model = torch.nn.Sequential(*blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    src = MicroBatchSource(M.Samples(), MicroBatchSource.default_collate, MBS, MB, DP)
+    src = MicroBatchSource(M.Samples(h=h), MicroBatchSource.default_collate, micro_batch_size, MB, DP)
     losses = []
     params = list(model.parameters())
     for it, dp in enumerate(replicas_per_iteration):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,17 @@ LINE = re.compile(r"rank=(\d+) pid=(\d+) iteration=(\d+)(?: loss=([0-9.]+))?")
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _copy(tmp: Path, iterations: int, faults: list) -> Path:
-    for f in ("accelerate.yaml", "train.py"):
-        shutil.copy(EXAMPLE / f, tmp / f)
+    shutil.copy(EXAMPLE / "train.py", tmp / "train.py")
+    # torchrun's rendezvous port: a free one, not the default 29500 another job may hold.
+    yaml = (EXAMPLE / "accelerate.yaml").read_text()
+    (tmp / "accelerate.yaml").write_text(yaml + f"main_process_port: {_free_port()}\n")
     cfg = json.loads((EXAMPLE / "ds_config.json").read_text())
     cfg["resihp"].update(iterations=iterations, faults=faults)
     (tmp / "ds_config.json").write_text(json.dumps(cfg))
@@ -43,9 +52,6 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProce
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason=(
-    "open in issue 12: failed in 1 of 4 fresh-clone CI runs (passed in the other 3); "
-    "cause not yet found"))
 def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_path):
     iters = 4
     plain = tmp_path / "plain"
@@ -69,7 +75,10 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     last: dict[int, int] = {}
     losses: dict[int, float] = {}
     for d in range(4):
-        for r, p, i, l in _lines((work / "job" / f"worker{d}.log").read_text()):
+        log = (work / "job" / f"worker{d}.log").read_text()
+        # A worker whose gloo threads outlived the interpreter died with SIGABRT here.
+        assert "terminate called" not in log, log[-2000:]
+        for r, p, i, l in _lines(log):
             seen.setdefault(r, set()).add(p)
             last[r] = max(last.get(r, 0), i)
             if l is not None:
