@@ -16,7 +16,8 @@ at a time, chosen at random:
 - ``agent``: the last failure: SIGKILL one node's agent (the node is lost, not repaired).
 
 Killed and stopped devices are repaired afterwards (their workers start again and
-rejoin). After each recovery (a commit in a newer plan generation) and each rejoin
+rejoin); so is any device the job fenced after a false, load-induced report (counted as
+``false_reports_repaired``), before the next failure. After each recovery (a commit in a newer plan generation) and each rejoin
 it checks:
 
 - micro-batch accounting, from the iteration reports of the generation that committed
@@ -96,6 +97,7 @@ class Soak:
         self.anchor: tuple[int, dict] | None = None
         self.rows: list[dict] = []
         self.repairs: queue.Queue = queue.Queue()
+        self.stray_repairs = 0  # devices repaired after a false report fenced them
         self.job = None
         self.agents: dict = {}
         self.done = threading.Event()
@@ -307,6 +309,29 @@ class Soak:
         except Exception as e:  # noqa: BLE001 - a driver bug must show, not hang the soak
             self.problems.append(f"driver: {type(e).__name__}: {e}")
 
+    def repair(self, devices: list[int], timeout: float = 240.0):
+        """Offer ``devices`` for repair and wait until a rejoin plan brought every one
+        back and an iteration committed after it; returns that record (None: it did not)."""
+        g1 = self.job.generation
+        self.repairs.put(list(devices))
+        back: dict[int, int] = {}
+
+        def rejoined() -> bool:
+            for e in self.events:
+                if e["kind"] == "plan" and e.get("kind_of_plan") == "rejoin" and e["generation"] > g1:
+                    back.update({d: e["generation"] for d in e.get("devices", ()) if d in devices})
+            return set(back) >= set(devices)
+
+        if not self.wait(rejoined, timeout):
+            return None
+        return self.commit_after(max(back.values()) - 1, timeout)
+
+    def stray(self) -> list[int]:
+        """Devices the job lost that no injected failure took (a load-induced false
+        report fenced them), on nodes whose agent is alive: repaired like the others."""
+        lost_nodes = {n for n, a in self.agents.items() if a.poll() is not None}
+        return sorted(d for d in self.job.dead() if self.node_of.get(d) not in lost_nodes)
+
     def _drive(self) -> None:
         next_at = 5
         for k in range(self.failures):
@@ -316,6 +341,17 @@ class Soak:
             if not self.wait(lambda: len(self.records) >= next_at):
                 self.problems.append(f"failure {k}: the job stopped committing before iteration {next_at}")
                 return
+            if stray := self.stray():
+                print(f"      devices {stray} were fenced after a false report: repairing them", flush=True)
+                self.stray_repairs += len(stray)
+                if self.repair(stray) is None:
+                    self.problems.append(f"before failure {k + 1}: the repair of fenced devices {stray} "
+                                         "did not come back")
+                    return
+                next_at = len(self.records) + SPACING
+                if not self.wait(lambda: len(self.records) >= next_at):
+                    self.problems.append(f"failure {k}: the job stopped committing before iteration {next_at}")
+                    return
             self.take_anchor()
             kind, devices = self.choose(k)
             g0, at = self.job.generation, len(self.records)
@@ -358,10 +394,8 @@ class Soak:
                 deadline = time.monotonic() + 60
                 while set(devices) - set(self.job.dead()) and time.monotonic() < deadline:
                     time.sleep(0.05)  # a stopped worker is fenced (SIGKILL) by the supervisor
-                g1 = self.job.generation
-                self.repairs.put(list(devices))
-                rec = self.commit_after(g1)
-                if rec is None or not self.wait(lambda: self.job.generation > g1):
+                rec = self.repair(devices)
+                if rec is None:
                     self.problems.append(f"failure {k + 1}: the repair of {devices} did not come back")
                     self.rows.append(row)
                     return
@@ -421,6 +455,7 @@ class Soak:
             device_failures=sum(len(r["devices"]) for r in self.rows),
             by_kind=dict(Counter(r["kind"] for r in self.rows)),
             restores_with_fallback=sum(1 for r in self.rows if r.get("fallback")),
+            false_reports_repaired=self.stray_repairs,
             lost_microbatches=self.accounting["lost"], doubled_microbatches=self.accounting["doubled"],
             iterations=len(run.records), iterations_accounted=self.accounting["iterations_checked"],
             loss_checks=self.accounting["loss_checks"], loss_failures=self.accounting["loss_failures"],
