@@ -470,7 +470,13 @@ class Supervisor:
             if d not in dead:
                 self.job.kill(d)
         waiting = sorted(self._joining)
-        if not waiting or not self.ready(waiting):
+        if not waiting:
+            return False
+        try:
+            if not self.ready(waiting):
+                return False
+        except Exception:  # noqa: BLE001 - the controller did not answer in time (a loaded host): ask again
+            logger.warning("could not learn whether relaunched devices %s are ready; asking again", waiting)
             return False
         self._joining.clear()
         self._joined(waiting)
