@@ -199,11 +199,10 @@ class Soak:
         return hit[0] if self.wait(pred, timeout) and hit else None
 
     def pid(self, device: int) -> int | None:
-        from resihp_core.runtime import jobstore
-
-        store = jobstore.connect(self.job.address, 10)
+        """The worker's process id, from the job store (this process hosts it)."""
+        key = f"worker/{device}/pid"
         try:
-            return int(store.get(f"worker/{device}/pid"))
+            return int(self.job.store.get(key)) if self.job.store.check([key]) else None
         except Exception:  # noqa: BLE001
             return None
 
