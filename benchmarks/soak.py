@@ -77,13 +77,13 @@ HORIZON = 40  # iterations over which the run from the initial weights is a mean
 
 
 class Soak:
-    def __init__(self, failures: int, seed: int, work: Path) -> None:
+    def __init__(self, failures: int, seed: int, work: Path, keep: int = 4) -> None:
         from resihp_core.config import Config
         from resihp_core.runtime.jobs import build_job
 
         self.failures, self.rng, self.work = failures, random.Random(seed), work
         self.iterations = failures * (SPACING + 40) + 20  # a repaired worker starts in ~10 s: training goes on
-        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations))
+        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations, checkpoint_keep=keep))
         self.cfg = Config.from_dict(cfg, source="soak")
         self.assembled = build_job(self.cfg, [], work)
         self.spec = self.assembled.spec
@@ -245,11 +245,13 @@ class Soak:
                 err = self._compare(it, got)
                 if err <= TOL:
                     self.anchor = (it, got)  # verified: the next checks continue from here
+                else:
+                    self._diagnose(it)
                 return it, err
             time.sleep(0.05)
         return None
 
-    def _compare(self, it: int, got: dict) -> float:
+    def _compare(self, it: int, got: dict, *, losses: bool = True) -> float:
         from resihp_adapters.megatron_ref.reference import reference_trajectory
 
         a, state = self.anchor if self.anchor is not None else (-1, None)
@@ -257,15 +259,37 @@ class Soak:
         for j, loss, ref in reference_trajectory(self.model, self.data, it + 1, lr=self.lr, start=a + 1,
                                                  state=state):
             have = self.losses.get(j)
-            if have is not None and abs(have - loss) > TOL * abs(loss):
+            if losses and have is not None and abs(have - loss) > TOL * abs(loss):
                 self.problems.append(f"iteration {j}: loss {have!r} != reference from checkpoint {a}: {loss!r}")
-        worst = 0.0
+        worst, self.worst_tensor = 0.0, ""
         if set(got) != set(ref):
             raise ValueError(f"checkpoint {it} has parameters {sorted(set(got) ^ set(ref))} differing")
         for name, tensors in got.items():
-            for g, exp in zip(tensors, ref[name]):
-                worst = max(worst, ((g - exp).abs().max() / exp.abs().max().clamp_min(1e-30)).item())
+            for what, g, exp in zip(("param", "exp_avg", "exp_avg_sq"), tensors, ref[name]):
+                err = ((g - exp).abs().max() / exp.abs().max().clamp_min(1e-30)).item()
+                if err > worst:
+                    worst, self.worst_tensor = err, f"{name} {what}"
         return worst
+
+    def _diagnose(self, it: int) -> None:
+        """A failed parameter check: say which tensor is worst, and how the error grew
+        over the checkpoints still kept between the anchor and ``it``."""
+        from resihp_core import checkpoints
+        from resihp_adapters.torchkit.checkpoint import CheckpointError, load_component
+
+        worst = self.worst_tensor
+        a = self.anchor[0] if self.anchor else -1
+        seen = []
+        for info in checkpoints.scan(self.ckpt):
+            if info.complete and a < info.iteration:
+                try:
+                    err = self._compare(info.iteration, self._load(info.iteration, load_component), losses=False)
+                except (CheckpointError, FileNotFoundError, ValueError):
+                    continue
+                seen.append(f"{info.iteration}: {err:.1e} ({self.worst_tensor})")
+        gens = {i: self.job.committed_in.get(i) for i in range(a, it + 1)}
+        self.problems.append(f"checkpoint {it} vs reference from {a}: worst {worst}; kept checkpoints "
+                             f"{'; '.join(seen)}; committed in generations {gens}")
 
     # ------------------------------------------------------------ failures
     def executors(self) -> list[int]:
@@ -482,6 +506,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (worker logs, checkpoints)")
+    ap.add_argument("--checkpoint-keep", type=int, default=4,
+                    help="checkpoints retained (more: a failed check can say where the error grew)")
     args = ap.parse_args()
     n = 10 if args.quick else args.failures
     if n < 2:
@@ -489,9 +515,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="resihp-soak-", ignore_cleanup_errors=True) as tmp:
         if args.keep:
             tmp = tempfile.mkdtemp(prefix="resihp-soak-kept-")
-        soak = Soak(n, args.seed, Path(tmp))
+        soak = Soak(n, args.seed, Path(tmp), keep=args.checkpoint_keep)
         print(f"soak: {n} failures, {soak.iterations} iterations budget, TP1 x PP2 x DP2 on 2 nodes, float64, "
-              f"checkpoint every iteration (newest 4 kept); work folder {tmp}", flush=True)
+              f"checkpoint every iteration (newest {args.checkpoint_keep} kept); work folder {tmp}", flush=True)
         print("   n  kind       devices  at      recovery          plans                          "
               "         parameter error (after recovery / after repair)", flush=True)
         res = soak.run()
