@@ -16,7 +16,8 @@ at a time, chosen at random:
 - ``agent``: the last failure: SIGKILL one node's agent (the node is lost, not repaired).
 
 Killed and stopped devices are repaired afterwards (their workers start again and
-rejoin). After each recovery (a commit in a newer plan generation) and each rejoin
+rejoin); so is any device the job fenced after a false, load-induced report (counted as
+``false_reports_repaired``), before the next failure. After each recovery (a commit in a newer plan generation) and each rejoin
 it checks:
 
 - micro-batch accounting, from the iteration reports of the generation that committed
@@ -76,13 +77,13 @@ HORIZON = 40  # iterations over which the run from the initial weights is a mean
 
 
 class Soak:
-    def __init__(self, failures: int, seed: int, work: Path) -> None:
+    def __init__(self, failures: int, seed: int, work: Path, keep: int = 4) -> None:
         from resihp_core.config import Config
         from resihp_core.runtime.jobs import build_job
 
         self.failures, self.rng, self.work = failures, random.Random(seed), work
         self.iterations = failures * (SPACING + 40) + 20  # a repaired worker starts in ~10 s: training goes on
-        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations))
+        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations, checkpoint_keep=keep))
         self.cfg = Config.from_dict(cfg, source="soak")
         self.assembled = build_job(self.cfg, [], work)
         self.spec = self.assembled.spec
@@ -96,6 +97,7 @@ class Soak:
         self.anchor: tuple[int, dict] | None = None
         self.rows: list[dict] = []
         self.repairs: queue.Queue = queue.Queue()
+        self.stray_repairs = 0  # devices repaired after a false report fenced them
         self.job = None
         self.agents: dict = {}
         self.done = threading.Event()
@@ -197,11 +199,10 @@ class Soak:
         return hit[0] if self.wait(pred, timeout) and hit else None
 
     def pid(self, device: int) -> int | None:
-        from resihp_core.runtime import jobstore
-
-        store = jobstore.connect(self.job.address, 10)
+        """The worker's process id, from the job store (this process hosts it)."""
+        key = f"worker/{device}/pid"
         try:
-            return int(store.get(f"worker/{device}/pid"))
+            return int(self.job.store.get(key)) if self.job.store.check([key]) else None
         except Exception:  # noqa: BLE001
             return None
 
@@ -244,11 +245,13 @@ class Soak:
                 err = self._compare(it, got)
                 if err <= TOL:
                     self.anchor = (it, got)  # verified: the next checks continue from here
+                else:
+                    self._diagnose(it)
                 return it, err
             time.sleep(0.05)
         return None
 
-    def _compare(self, it: int, got: dict) -> float:
+    def _compare(self, it: int, got: dict, *, losses: bool = True) -> float:
         from resihp_adapters.megatron_ref.reference import reference_trajectory
 
         a, state = self.anchor if self.anchor is not None else (-1, None)
@@ -256,15 +259,37 @@ class Soak:
         for j, loss, ref in reference_trajectory(self.model, self.data, it + 1, lr=self.lr, start=a + 1,
                                                  state=state):
             have = self.losses.get(j)
-            if have is not None and abs(have - loss) > TOL * abs(loss):
+            if losses and have is not None and abs(have - loss) > TOL * abs(loss):
                 self.problems.append(f"iteration {j}: loss {have!r} != reference from checkpoint {a}: {loss!r}")
-        worst = 0.0
+        worst, self.worst_tensor = 0.0, ""
         if set(got) != set(ref):
             raise ValueError(f"checkpoint {it} has parameters {sorted(set(got) ^ set(ref))} differing")
         for name, tensors in got.items():
-            for g, exp in zip(tensors, ref[name]):
-                worst = max(worst, ((g - exp).abs().max() / exp.abs().max().clamp_min(1e-30)).item())
+            for what, g, exp in zip(("param", "exp_avg", "exp_avg_sq"), tensors, ref[name]):
+                err = ((g - exp).abs().max() / exp.abs().max().clamp_min(1e-30)).item()
+                if err > worst:
+                    worst, self.worst_tensor = err, f"{name} {what}"
         return worst
+
+    def _diagnose(self, it: int) -> None:
+        """A failed parameter check: say which tensor is worst, and how the error grew
+        over the checkpoints still kept between the anchor and ``it``."""
+        from resihp_core import checkpoints
+        from resihp_adapters.torchkit.checkpoint import CheckpointError, load_component
+
+        worst = self.worst_tensor
+        a = self.anchor[0] if self.anchor else -1
+        seen = []
+        for info in checkpoints.scan(self.ckpt):
+            if info.complete and a < info.iteration:
+                try:
+                    err = self._compare(info.iteration, self._load(info.iteration, load_component), losses=False)
+                except (CheckpointError, FileNotFoundError, ValueError):
+                    continue
+                seen.append(f"{info.iteration}: {err:.1e} ({self.worst_tensor})")
+        gens = {i: self.job.committed_in.get(i) for i in range(a, it + 1)}
+        self.problems.append(f"checkpoint {it} vs reference from {a}: worst {worst}; kept checkpoints "
+                             f"{'; '.join(seen)}; committed in generations {gens}")
 
     # ------------------------------------------------------------ failures
     def executors(self) -> list[int]:
@@ -307,6 +332,29 @@ class Soak:
         except Exception as e:  # noqa: BLE001 - a driver bug must show, not hang the soak
             self.problems.append(f"driver: {type(e).__name__}: {e}")
 
+    def repair(self, devices: list[int], timeout: float = 240.0):
+        """Offer ``devices`` for repair and wait until a rejoin plan brought every one
+        back and an iteration committed after it; returns that record (None: it did not)."""
+        g1 = self.job.generation
+        self.repairs.put(list(devices))
+        back: dict[int, int] = {}
+
+        def rejoined() -> bool:
+            for e in self.events:
+                if e["kind"] == "plan" and e.get("kind_of_plan") == "rejoin" and e["generation"] > g1:
+                    back.update({d: e["generation"] for d in e.get("devices", ()) if d in devices})
+            return set(back) >= set(devices)
+
+        if not self.wait(rejoined, timeout):
+            return None
+        return self.commit_after(max(back.values()) - 1, timeout)
+
+    def stray(self) -> list[int]:
+        """Devices the job lost that no injected failure took (a load-induced false
+        report fenced them), on nodes whose agent is alive: repaired like the others."""
+        lost_nodes = {n for n, a in self.agents.items() if a.poll() is not None}
+        return sorted(d for d in self.job.dead() if self.node_of.get(d) not in lost_nodes)
+
     def _drive(self) -> None:
         next_at = 5
         for k in range(self.failures):
@@ -316,6 +364,17 @@ class Soak:
             if not self.wait(lambda: len(self.records) >= next_at):
                 self.problems.append(f"failure {k}: the job stopped committing before iteration {next_at}")
                 return
+            if stray := self.stray():
+                print(f"      devices {stray} were fenced after a false report: repairing them", flush=True)
+                self.stray_repairs += len(stray)
+                if self.repair(stray) is None:
+                    self.problems.append(f"before failure {k + 1}: the repair of fenced devices {stray} "
+                                         "did not come back")
+                    return
+                next_at = len(self.records) + SPACING
+                if not self.wait(lambda: len(self.records) >= next_at):
+                    self.problems.append(f"failure {k}: the job stopped committing before iteration {next_at}")
+                    return
             self.take_anchor()
             kind, devices = self.choose(k)
             g0, at = self.job.generation, len(self.records)
@@ -358,10 +417,8 @@ class Soak:
                 deadline = time.monotonic() + 60
                 while set(devices) - set(self.job.dead()) and time.monotonic() < deadline:
                     time.sleep(0.05)  # a stopped worker is fenced (SIGKILL) by the supervisor
-                g1 = self.job.generation
-                self.repairs.put(list(devices))
-                rec = self.commit_after(g1)
-                if rec is None or not self.wait(lambda: self.job.generation > g1):
+                rec = self.repair(devices)
+                if rec is None:
                     self.problems.append(f"failure {k + 1}: the repair of {devices} did not come back")
                     self.rows.append(row)
                     return
@@ -421,6 +478,7 @@ class Soak:
             device_failures=sum(len(r["devices"]) for r in self.rows),
             by_kind=dict(Counter(r["kind"] for r in self.rows)),
             restores_with_fallback=sum(1 for r in self.rows if r.get("fallback")),
+            false_reports_repaired=self.stray_repairs,
             lost_microbatches=self.accounting["lost"], doubled_microbatches=self.accounting["doubled"],
             iterations=len(run.records), iterations_accounted=self.accounting["iterations_checked"],
             loss_checks=self.accounting["loss_checks"], loss_failures=self.accounting["loss_failures"],
@@ -448,6 +506,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (worker logs, checkpoints)")
+    ap.add_argument("--checkpoint-keep", type=int, default=4,
+                    help="checkpoints retained (more: a failed check can say where the error grew)")
     args = ap.parse_args()
     n = 10 if args.quick else args.failures
     if n < 2:
@@ -455,9 +515,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="resihp-soak-", ignore_cleanup_errors=True) as tmp:
         if args.keep:
             tmp = tempfile.mkdtemp(prefix="resihp-soak-kept-")
-        soak = Soak(n, args.seed, Path(tmp))
+        soak = Soak(n, args.seed, Path(tmp), keep=args.checkpoint_keep)
         print(f"soak: {n} failures, {soak.iterations} iterations budget, TP1 x PP2 x DP2 on 2 nodes, float64, "
-              f"checkpoint every iteration (newest 4 kept); work folder {tmp}", flush=True)
+              f"checkpoint every iteration (newest {args.checkpoint_keep} kept); work folder {tmp}", flush=True)
         print("   n  kind       devices  at      recovery          plans                          "
               "         parameter error (after recovery / after repair)", flush=True)
         res = soak.run()

@@ -12,6 +12,9 @@ in ``docs/worker-protocol.md``. Keys (generation ``g``):
   :class:`~resihp_core.protocol.PlanUpdate`, msgpack-encoded (the typed wire message,
   validated when read).
 - ``gen<g>/...``: torch.distributed rendezvous of that generation (``PrefixStore``).
+  Workers reach it through :func:`generation_fenced`: a wait on a ``gen<g>/`` key ends
+  as soon as a newer generation is posted, so no worker lingers in a superseded
+  rendezvous while its peers meet in the new one (docs/worker-protocol.md).
 - ``ctl<g>/done<i>``: commit counter of iteration ``i``: each executor adds 1 after its
   optimizer step. ``ctl<g>/verdict<i>``: the executor whose add completes the count
   writes ``commit``, a coordinator aborting the generation writes ``abort``, both with
@@ -27,12 +30,15 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+import re
+import time
+from typing import Any, Callable
 
 from resihp_core.protocol import IterationReport, PlanUpdate, ProtocolError, decode, encode
 
-__all__ = ["connect", "host", "post_plan", "latest_generation", "read_plan",
-           "commit", "CommitResult", "abort_generation", "put_report", "get_report"]
+__all__ = ["connect", "host", "post_plan", "latest_generation", "wait_generation", "read_plan",
+           "commit", "CommitResult", "abort_generation", "put_report", "get_report",
+           "generation_fenced", "rendezvous_generation", "Superseded"]
 
 
 ENV_SECRET = "RESIHP_SECRET"  # the worker's node credential (never on a command line)
@@ -94,6 +100,21 @@ def latest_generation(store: Any) -> int:
     return int(store.get("plan/latest"))
 
 
+def wait_generation(store: Any, after: int, timeout_s: float) -> int:
+    """Block up to ``timeout_s`` until a generation newer than ``after`` is posted;
+    returns the newest one (``after`` if none came). It blocks inside the store (on
+    ``plan/<after+1>``, which is written before ``plan/latest``) instead of polling it,
+    so an idle worker costs the controller nothing."""
+    g = latest_generation(store)
+    if g > after:
+        return g
+    try:
+        store.wait([f"plan/{after + 1}"], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - torch's stores raise DistStoreError on time-out
+        return max(after, latest_generation(store))
+    return max(after + 1, latest_generation(store))
+
+
 def read_plan(store: Any, generation: int) -> PlanUpdate:
     """Generation ``generation``'s plan message; ``ValueError`` if it is malformed."""
     try:
@@ -153,3 +174,142 @@ def get_report(store: Any, generation: int, iteration: int, device: int) -> Iter
     if not isinstance(msg, IterationReport):
         raise ValueError(f"{key} holds a {type(msg).__name__}, not an iteration report")
     return msg
+
+
+# ------------------------------------------------------------------ rendezvous fence
+_RENDEZVOUS_KEY = re.compile(r"^/*gen(\d+)/")
+
+
+def rendezvous_generation(keys: list[str]) -> int | None:
+    """The generation whose rendezvous ``keys`` belong to (``gen<g>/...``, as a
+    ``PrefixStore`` writes them), or None for any other key."""
+    for k in keys:
+        m = _RENDEZVOUS_KEY.match(k)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+class Superseded(RuntimeError):
+    """A wait in generation ``g``'s rendezvous ended because a newer one was posted."""
+
+
+_FENCED_CLASS: Any = None
+
+
+def generation_fenced(store: Any, latest: Callable[[], int], *, patience_s: float,
+                      poll_s: float = 0.2) -> Any:
+    """The worker's job store as its adapter sees it: every operation passes through,
+    except that a wait (``wait``, ``get``, ``multi_get``) on keys of generation ``g``'s
+    rendezvous (``gen<g>/...``) is cut into ``poll_s`` slices and
+
+    - ends with :class:`Superseded` (a ``DistStoreError``) within ``poll_s`` once
+      ``latest()`` exceeds ``g``: a worker still meeting in a superseded generation
+      leaves at once for the new one, instead of holding its new peers up for the
+      store timeout;
+    - otherwise waits ``max(timeout, patience_s)``: while its generation is current a
+      slow peer (a loaded host) is worth waiting for; a dead one is reported by the
+      Detector and its generation superseded, which ends the wait.
+
+    Without this, peers of one generation can end up in different groups of it: one
+    times out in group k (its key stays in the store) while a late peer passes group k
+    on that key and waits in group k+1 for a peer that has left (docs/worker-protocol.md).
+    """
+    global _FENCED_CLASS
+    if _FENCED_CLASS is None:
+        _FENCED_CLASS = _fenced_class()
+    return _FENCED_CLASS(store, latest, patience_s, poll_s)
+
+
+def _fenced_class() -> type:
+    import torch.distributed as dist
+
+    class SupersededStoreError(Superseded, dist.DistStoreError):
+        """Raised through torch.distributed: a store error, and :class:`Superseded`."""
+
+    _superseded, _timeout = SupersededStoreError, dist.DistStoreError
+
+    class GenerationFencedStore(dist.Store):
+        def __init__(self, inner: Any, latest: Callable[[], int], patience_s: float, poll_s: float) -> None:
+            super().__init__()
+            self._inner, self._latest = inner, latest
+            self._patience_s, self._poll_s = patience_s, poll_s
+            self._timeout_s = _seconds(getattr(inner, "timeout", None), 300.0)
+
+        def _fence(self, keys: list[str], timeout_s: float | None) -> None:
+            """Wait for ``keys`` of a rendezvous, leaving when superseded."""
+            g = rendezvous_generation(keys)
+            if g is None:
+                return
+            budget = max(self._timeout_s if timeout_s is None else timeout_s, self._patience_s)
+            deadline = time.monotonic() + budget
+            while True:
+                latest = self._latest()
+                if latest > g:
+                    raise _superseded(f"generation {g} was superseded by generation {latest} while "
+                                      f"waiting in its rendezvous for {keys[:2]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _timeout(f"rendezvous of generation {g} timed out after {budget:.0f} s "
+                                   f"waiting for keys {keys[:4]}")
+                try:
+                    self._inner.wait(keys, datetime.timedelta(seconds=min(self._poll_s, left)))
+                    return
+                except dist.DistStoreError as e:
+                    if "timed out" not in str(e) and "timeout" not in str(e):
+                        raise  # a lost connection, not a slice that ran out
+
+        def set_timeout(self, timeout: datetime.timedelta) -> None:
+            self._timeout_s = _seconds(timeout, self._timeout_s)
+
+        @property
+        def timeout(self) -> datetime.timedelta:  # type: ignore[override]
+            return datetime.timedelta(seconds=self._timeout_s)
+
+        def set(self, key: str, value: Any) -> None:
+            self._inner.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            self._fence([key], None)
+            return self._inner.get(key)
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            self._fence(list(keys), None)
+            return self._inner.multi_get(keys)
+
+        def multi_set(self, keys: list[str], values: list[Any]) -> None:
+            self._inner.multi_set(keys, values)
+
+        def add(self, key: str, value: int) -> int:
+            return self._inner.add(key, value)
+
+        def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+            return self._inner.compare_set(key, expected_value, desired_value)
+
+        def append(self, key: str, value: Any) -> None:
+            self._inner.append(key, value)
+
+        def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+            keys = list(keys)
+            if rendezvous_generation(keys) is None:
+                self._inner.wait(keys, timeout) if timeout is not None else self._inner.wait(keys)
+                return
+            self._fence(keys, None if timeout is None else _seconds(timeout, self._timeout_s))
+
+        def check(self, keys: list[str]) -> bool:
+            return self._inner.check(keys)
+
+        def delete_key(self, key: str) -> bool:
+            return self._inner.delete_key(key)
+
+        def num_keys(self) -> int:
+            return self._inner.num_keys()
+
+    return GenerationFencedStore
+
+
+def _seconds(timeout: Any, default: float) -> float:
+    if timeout is None:
+        return default
+    s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return default if s <= 0 else s

@@ -98,7 +98,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     :param start: resume a job: the first iteration to train (``restore`` + 1).
     :param restore: resume a job: the complete checkpoint the first generation loads.
     :param repair_requests: a queue another thread puts lists of repaired devices on;
-        the supervisor starts their workers again and plans them back in.
+        the supervisor starts their workers again and plans them back in. It is the
+        supervisor's one queue of repaired devices: healed nodes offer theirs on it too.
     """
     import torch.distributed  # noqa: F401 - imported before the controller's loop runs: a
     # seconds-long import holding the GIL would starve it into declaring agents silent
@@ -116,7 +117,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     reports: queue.Queue = queue.Queue()
-    repaired: queue.Queue = queue.Queue()
+    repaired: queue.Queue = repair_requests if repair_requests is not None else queue.Queue()
 
     def report(r: Any) -> None:
         reports.put(r)
@@ -166,8 +167,6 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                          checkpoint_dir=spec.get("checkpoint_dir") or None,
                          checkpoint_every=int(spec.get("checkpoint_every") or 0), first=start,
                          restore_at_start=restore)
-        if repair_requests is not None:
-            sup.repair_requests = repair_requests
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned

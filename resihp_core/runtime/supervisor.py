@@ -10,12 +10,18 @@ reports that arrive while a generation is being deployed are planned next, so a
 failure during recovery is handled like any other. A hung device is fenced (SIGKILL)
 before the next generation so it cannot block the new communicators.
 
-Repaired devices are brought back (:meth:`Supervisor.rejoin`: ``repairs`` due at an
-iteration, devices put on ``repair_requests`` by another thread, or offered on
-``repaired`` at run time by a node whose partition healed, once their failure has been
-handled): their workers are started again, the Scheduler plans them back in
-(:meth:`~resihp_core.scheduler.Planner.rejoin`), and when the new plan gives them work
-every worker reloads a checkpoint, since a fresh worker has no state to move.
+Repaired devices are brought back (:meth:`Supervisor.rejoin`). They arrive on one
+queue, ``repaired``: offered at run time by a node whose partition healed, put there by
+another thread (an operator, the soak), or moved there from ``repairs`` once their
+iteration is committed. A device is taken from it once its failure has been handled and
+the current generation has committed an iteration: its worker is started again, the
+Scheduler plans it back in (:meth:`~resihp_core.scheduler.Planner.rejoin`), and when
+the new plan gives it work every worker reloads a checkpoint, since a fresh worker has
+no state to move.
+
+A generation that moved state and was superseded before every live worker finished
+reconfiguring may leave workers holding state in different layouts (some moved, some
+did not): the next generation restores from a checkpoint instead of moving state.
 
 A restore uses the newest *complete* checkpoint of a committed iteration (verified
 files, :mod:`resihp_core.checkpoints`); if newer ones are incomplete or corrupt it says
@@ -86,7 +92,9 @@ class Supervisor:
     stall_s: float = 15.0  # no commit and no report this long, with worker errors: give up
     repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration -> devices repaired then
     rejoined: dict[int, int] = field(default_factory=dict)  # device -> generation it rejoined in
-    repaired: "queue.Queue[tuple[int, ...]]" = field(default_factory=queue.Queue)  # offered at run time
+    # Devices repaired at run time (lists or tuples of ids), from any thread: healed
+    # nodes, operators, ``repairs`` once due. The only way a device comes back.
+    repaired: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     # Whether relaunched devices' workers are up and waiting for a generation (e.g. the
     # controller hears their heartbeats); they are planned in only then.
     ready: Callable[[list[int]], bool] = lambda devices: True
@@ -99,9 +107,8 @@ class Supervisor:
     checkpoint_grace_s: float = 3.0  # wait this long for a due checkpoint still being written
     first: int = 0  # a resumed job: the first iteration this run trains
     restore_at_start: int | None = None  # a resumed job: the checkpoint its first generation loads
-    repair_requests: "queue.Queue[list[int]]" = field(default_factory=queue.Queue)  # devices repaired now
     storage_faults: list[dict] = field(default_factory=list)
-    max_retries: int = 3  # same-plan redeployments after a stall that no device failure explains
+    max_retries: int = 3  # same-plan redeployments in a row (no commit between) after unexplained stalls
     retries: int = 0
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
@@ -132,6 +139,7 @@ class Supervisor:
                                       self.samples, self.job.committed_in.get(i, self.job.generation),
                                       self.phase_of(i, self.job.generation))
                 last_commit = now
+                self.retries = 0  # the job makes progress: a later stall gets its own retries
                 self.records.append(rec)
                 self.on_iteration(rec)
                 if self.observers is not None:
@@ -139,14 +147,6 @@ class Supervisor:
             if self.first + len(self.records) >= self.iterations:
                 break
             self._storage_faults()
-            due = [it for it in self.repairs if it <= self.job.committed and self.job.committed > 0]
-            asked = []
-            while not self.repair_requests.empty():
-                asked += self.repair_requests.get_nowait()
-            if due or asked:
-                self.rejoin(sorted({d for it in due for d in self.repairs.pop(it)} | set(asked)))
-                last_commit = time.monotonic()
-                continue
             if self._check_joining():
                 last_commit = time.monotonic()
                 continue
@@ -161,9 +161,9 @@ class Supervisor:
             elif time.monotonic() - last_commit > self.stall_s:
                 failures = self.job.worker_failures()
                 if failures and self.retries < self.max_retries:
-                    # Live workers gave up without any device failing: a race between
-                    # generations (a worker still in a superseded rendezvous while its
-                    # peers timed out in the new one). Deploy the same plan again.
+                    # Live workers gave up without any device failing (a rendezvous
+                    # that ran out of patience, a peer that left for a transient
+                    # reason). Deploy the same plan again.
                     self.retries += 1
                     self._retry(failures)
                     last_commit = time.monotonic()
@@ -246,9 +246,10 @@ class Supervisor:
         prev = self.job.message
         resume = self.job.abort()
         restore, fresh = None, False
-        if prev is not None and (prev.restore is not None or prev.fresh):
+        if self._needs_restore(prev, resume):
             # The generation retried was a restore (a rejoin: fresh workers hold no
-            # state): so is the retry, from the newest complete checkpoint.
+            # state) or left workers in different layouts: restore from the newest
+            # complete checkpoint.
             restore = self._restore_point(resume)[0] if resume > 0 else None
             fresh = restore is None
             resume = self.job.committed = 0 if restore is None else restore + 1
@@ -259,6 +260,41 @@ class Supervisor:
         self._event("plan", f"generation {g} (retry {self.retries} of the same plan: workers left the "
                             f"previous one with no device failing: {why})", plan=self.state.plan.to_text(),
                     kind_of_plan="retry", planning_s=0.0, resume=resume)
+
+    def _needs_restore(self, prev: Any, resume: int) -> bool:
+        """Whether the generation after ``prev`` (aborted at ``resume``) must restore
+        from a checkpoint because the live workers may not hold the state ``prev``'s
+        plan says, or not all in the same layout.
+
+        Only a ``prev`` that committed no iteration is in doubt (a commit needs every
+        executor reconfigured). Then: a restore being replaced is restored again (a
+        rejoined worker holds no state); a state move is trusted only if every live
+        worker of ``prev`` finished it (``ready``) or every one gave it up before
+        (``failed``, its previous layout kept) -- a mix, or a worker still busy, means
+        some hold the old layout and some the new one (docs/worker-protocol.md)."""
+        if prev is None or resume > prev.resume or prev.stop:
+            return False
+        if prev.restore is not None or prev.fresh:
+            return True
+        if self.checkpoint_dir is None:
+            return False  # nothing to restore from: moving is the only way
+        g, store, alive = prev.generation, self.job.store, set(self.job.alive())
+        states = set()
+        for d in prev.devices:
+            if d not in alive or d in self.handled_devices:
+                continue
+            if store.check([f"ctl{g}/ready/{d}"]):
+                states.add("moved")
+            elif store.check([f"ctl{g}/failed/{d}"]):
+                states.add("kept")
+            else:
+                states.add("unknown")
+        if "unknown" not in states and len(states) <= 1:
+            return False
+        self._event("checkpoint", f"generation {g} was superseded while its workers moved state "
+                                  f"({', '.join(sorted(states))}): restoring from a checkpoint",
+                    layout=sorted(states))
+        return True
 
     # ------------------------------------------------------------ failures
     def _pending_reports(self) -> list[FailureReport]:
@@ -351,9 +387,7 @@ class Supervisor:
         self.state = decision.state
         prev = self.job.message
         resume = self.job.abort()
-        if prev is not None and (prev.restore is not None or prev.fresh) and resume <= prev.resume:
-            # The restore being replaced never committed an iteration: workers may not
-            # hold the state its plan says (a rejoined worker holds none). Restore again.
+        if not from_checkpoint and self._needs_restore(prev, resume):
             from_checkpoint = True
         restore, fresh = None, False
         if from_checkpoint:
@@ -375,24 +409,24 @@ class Supervisor:
 
     # ------------------------------------------------------------ repairs
     def _offered(self) -> bool:
-        """Rejoin the devices offered on ``repaired`` whose failure was handled (a
-        device whose loss is not planned yet waits for it). Returns whether it did.
+        """Rejoin the devices on ``repaired`` whose failure was handled (a device whose
+        loss is not planned yet stays on the queue until it is). Returns whether it did.
 
         A rejoin waits until the current generation has committed an iteration: it is
         not urgent, and superseding a generation whose workers are still meeting in
-        its rendezvous leaves some of them waiting there for the store timeout."""
+        its rendezvous or moving state only costs another reconfiguration."""
+        for it in sorted(it for it in self.repairs if it <= self.job.committed and self.job.committed > 0):
+            self.repaired.put(tuple(self.repairs.pop(it)))  # scheduled repairs, now due
         if self.repaired.empty() or self.job.generation not in self.job.committed_in.values():
             return False
         offered: set[int] = set()
         while True:
             try:
-                offered.update(self.repaired.get_nowait())
+                offered.update(int(d) for d in self.repaired.get_nowait())
             except queue.Empty:
                 break
-        if not offered:
-            return False
         alive = set(self.job.alive())
-        ready = sorted(d for d in offered if d in self.handled_devices and d not in alive)
+        ready = sorted(d for d in offered if d in self.handled_devices and d not in alive and d not in self._joining)
         waiting = tuple(sorted(d for d in offered if d not in self.handled_devices and d not in alive))
         if waiting:
             self.repaired.put(waiting)
@@ -410,7 +444,13 @@ class Supervisor:
         devices = sorted(d for d in devices if d not in self.job.alive() and d not in self._joining)
         if not devices:
             return
-        self.job.relaunch(devices)
+        try:
+            self.job.relaunch(devices)
+        except Exception as e:  # noqa: BLE001 - e.g. their node's agent is gone: they stay out
+            self._event("failure", f"workers of devices {devices} could not be started again: "
+                                   f"{type(e).__name__}: {str(e)[:200]}", failure="fail-stop", devices=devices,
+                        cause="unknown")
+            return
         self._joining.update({d: time.monotonic() + self.join_timeout_s for d in devices})
         self._event("relaunch", f"workers of devices {devices} started again; planned in once ready",
                     devices=devices)
@@ -430,7 +470,13 @@ class Supervisor:
             if d not in dead:
                 self.job.kill(d)
         waiting = sorted(self._joining)
-        if not waiting or not self.ready(waiting):
+        if not waiting:
+            return False
+        try:
+            if not self.ready(waiting):
+                return False
+        except Exception:  # noqa: BLE001 - the controller did not answer in time (a loaded host): ask again
+            logger.warning("could not learn whether relaunched devices %s are ready; asking again", waiting)
             return False
         self._joining.clear()
         self._joined(waiting)

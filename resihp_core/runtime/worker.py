@@ -48,21 +48,23 @@ def _log(event: str, device: int, **kv: Any) -> None:
 
 class GenerationWatch:
     """Background thread on its own store connection: notices a newer generation within
-    milliseconds so a worker stops mid-iteration instead of finishing doomed work."""
+    milliseconds so a worker stops mid-iteration (and leaves a superseded rendezvous)
+    instead of finishing doomed work. It blocks in the store on the next generation's
+    plan key rather than polling, so it costs the controller nothing while nothing
+    changes."""
 
-    def __init__(self, store: Any, poll_s: float = 0.003) -> None:
+    def __init__(self, store: Any, wait_s: float = 2.0) -> None:
         self.latest = -1
         self._store = store
-        self._poll_s = poll_s
+        self._wait_s = wait_s
         threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch").start()
 
     def _run(self) -> None:
         while True:
             try:
-                self.latest = jobstore.latest_generation(self._store)
+                self.latest = jobstore.wait_generation(self._store, self.latest, self._wait_s)
             except Exception:  # noqa: BLE001 - the job store went away: the job is over
                 return
-            time.sleep(self._poll_s)
 
 
 def registry_factory(name: str) -> AdapterFactory:
@@ -95,7 +97,12 @@ class Worker:
                  watch: GenerationWatch | None = None, client: Any = None) -> None:
         self.device, self.store, self.job, self.client = device, store, job, None
         self.faults = FaultInjector(device, job.faults)
-        self.ctx = AdapterContext(device=device, job=job, store=store, faults=self.faults)
+        latest: Callable[[], int] = ((lambda: watch.latest) if watch is not None
+                                     else (lambda: jobstore.latest_generation(store)))
+        # The adapter rendezvouses through a fenced view of the store: a wait in a
+        # superseded generation's rendezvous ends at once (docs/worker-protocol.md).
+        fenced = jobstore.generation_fenced(store, latest, patience_s=job.timeout_s * 6)
+        self.ctx = AdapterContext(device=device, job=job, store=fenced, faults=self.faults)
         if watch is not None:
             self.ctx.superseded = lambda: watch.latest > self.ctx.generation
         self.adapter = (factory or registry_factory(job.adapter))(self.ctx)
@@ -166,8 +173,8 @@ class Worker:
 
     def _enter_next(self) -> bool:
         """Wait for a newer generation and enter it; False when it is the stop."""
-        while (g := jobstore.latest_generation(self.store)) <= self._seen:
-            time.sleep(0.002)
+        while (g := jobstore.wait_generation(self.store, self._seen, 2.0)) <= self._seen:
+            pass
         self._seen = g
         msg = jobstore.read_plan(self.store, g)
         self.ctx.generation = g
