@@ -32,22 +32,15 @@ DATA = {"source": "synthetic", "token_budget": 16, "scale": 3.0, "min_len": 2, "
 TOL = 1e-9
 
 
-def run_fidelity_job(tmp: Path, plan: str, iterations: int, *, shard: int, plain: str,
-                     timeout: float = 360.0) -> dict[int, dict]:
-    """One process per device (torch_native_job.py), a store hosted here; reports by device."""
-    spec = {"model": MODEL, "data": DATA, "shard": shard, "plan": plan, "iterations": iterations,
-            "plain": plain, "out": str(tmp)}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+def run_devices(argv, n: int, logs: Path, timeout: float) -> None:
+    """Start ``python *argv(d)`` for devices 0..n-1 (logs in ``logs/<d>.log``), wait for all,
+    kill (by pid) what is left at the timeout; assert every one exited 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {}
     try:
-        for d in range(4):
-            log = open(tmp / f"{d}.log", "w")
-            procs[d] = subprocess.Popen(
-                [sys.executable, str(HERE / "torch_native_job.py"), str(tmp / "spec.json"), str(d),
-                 str(store.port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        for d in range(n):
+            with open(logs / f"{d}.log", "w") as log:
+                procs[d] = subprocess.Popen([sys.executable, *argv(d)], stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         for p in procs.values():
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -57,8 +50,20 @@ def run_fidelity_job(tmp: Path, plan: str, iterations: int, *, shard: int, plain
                 p.kill()
                 p.wait()
     for d, p in procs.items():
-        assert p.returncode == 0, f"device {d} failed:\n{(tmp / f'{d}.log').read_text()[-3000:]}"
-    return {d: json.loads((tmp / f"{d}.json").read_text()) for d in procs}
+        assert p.returncode == 0, f"device {d} failed:\n{(logs / f'{d}.log').read_text()[-3000:]}"
+
+
+def run_fidelity_job(tmp: Path, plan: str, iterations: int, *, shard: int, plain: str,
+                     timeout: float = 360.0) -> dict[int, dict]:
+    """One process per device (torch_native_job.py), a store hosted here; reports by device."""
+    spec = {"model": MODEL, "data": DATA, "shard": shard, "plan": plan, "iterations": iterations,
+            "plain": plain, "out": str(tmp)}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    run_devices(lambda d: [str(HERE / "torch_native_job.py"), str(tmp / "spec.json"), str(d), str(store.port)],
+                4, tmp, timeout)
+    return {d: json.loads((tmp / f"{d}.json").read_text()) for d in range(4)}
 
 
 def stages(tmp: Path, prefix: str = "stage") -> dict:

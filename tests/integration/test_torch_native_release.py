@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,8 @@ import torch.distributed as dist  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
+from tests.integration.test_torch_native import run_devices  # noqa: E402
+
 HERE = Path(__file__).parent
 
 
@@ -30,24 +28,8 @@ HERE = Path(__file__).parent
 def test_released_generation_closes_its_sockets(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {}
-    try:
-        for d in range(2):
-            log = open(tmp_path / f"{d}.log", "w")
-            procs[d] = subprocess.Popen([sys.executable, str(HERE / "torch_native_release_job.py"), str(d),
-                                         str(store.port), str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
-                                        env=env)
-        deadline = time.monotonic() + 200
-        for p in procs.values():
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs.values():  # by pid, only what this test started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for d, p in procs.items():
-        assert p.returncode == 0, (tmp_path / f"{d}.log").read_text()[-3000:]
+    run_devices(lambda d: [str(HERE / "torch_native_release_job.py"), str(d), str(store.port), str(tmp_path)],
+                2, tmp_path, 200)
     r0, r1 = (json.loads((tmp_path / f"{d}.json").read_text()) for d in range(2))
     assert r0["aborted"] == "generation superseded"
     assert r0["captured"] == [] == r1["captured"], "torch functions hold a process group as a default argument"
