@@ -26,11 +26,15 @@ def reference_run(model: ModelConfig, data: DataSpec, iterations: int, lr: float
 
 
 def reference_trajectory(model: ModelConfig, data: DataSpec, iterations: int, lr: float = 1e-3, *,
-                         start: int = 0, state: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None):
+                         start: int = 0, state: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None,
+                         reverse: bool = False):
     """Yield ``(iteration, loss, state)`` after each iteration up to ``iterations``,
     ``state`` the full (param, exp_avg, exp_avg_sq) by global name (copies): what a
     checkpoint of that iteration must hold. With ``state`` (a checkpoint of iteration
-    ``start - 1``) it continues from there instead of the seeded initial weights."""
+    ``start - 1``) it continues from there instead of the seeded initial weights.
+    ``reverse`` adds the micro-batches' gradients in the opposite order: the same
+    training up to rounding, as a plan that moved work computes it (for studying how
+    rounding differences grow, ``benchmarks/soak_sensitivity.py``)."""
     torch.manual_seed(0)
     net = build_model(model)
     opt = AdamW(lr=lr)
@@ -43,12 +47,12 @@ def reference_trajectory(model: ModelConfig, data: DataSpec, iterations: int, lr
     for it in range(start, iterations):
         denom = float(label_count(data, it))
         total = 0.0
-        for owner in range(data.dp):
-            for mb in range(data.num_microbatches):
-                b = micro_batch(data, it, owner, mb)
-                loss = net(b.tokens, b.lengths, b.labels) / denom
-                loss.backward()
-                total += float(loss.detach())
+        order = [(owner, mb) for owner in range(data.dp) for mb in range(data.num_microbatches)]
+        for owner, mb in reversed(order) if reverse else order:
+            b = micro_batch(data, it, owner, mb)
+            loss = net(b.tokens, b.lengths, b.labels) / denom
+            loss.backward()
+            total += float(loss.detach())
         params = dict(net.named_parameters())
         opt.step(params, it + 1)
         for p in params.values():
