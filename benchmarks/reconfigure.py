@@ -63,6 +63,33 @@ def spec(dp, m, hidden=32, layers=4, tokens=64, heads=4, ffn=64, vocab=64, scale
     )
 
 
+def timed_kill(job: LocalJob, plan: ParallelPlan, victim: int, after: ParallelPlan, timeout: float,
+               restore: bool = False) -> dict:
+    """Train ``plan`` 3 iterations, SIGKILL ``victim``'s worker, post ``after`` from the
+    first uncommitted iteration (from the checkpoint before it if ``restore``) and time
+    kill -> detected -> first committed iteration; then 2 more iterations for the
+    steady iteration time after it."""
+    job.post(plan, iterations=1000)
+    job.wait(3, timeout=timeout)
+    t_kill = time.perf_counter()
+    job.kill(victim, signal.SIGKILL, reap=False)
+    while victim not in job.dead():
+        time.sleep(0.0005)
+    t_detect = time.perf_counter()
+    resume = job.abort()
+    job.post(after, iterations=1000, resume=resume, restore=resume - 1 if restore else None)
+    job.wait(resume + 1, timeout=timeout)
+    t_first = time.perf_counter()
+    info = job.ready_info()
+    job.wait(resume + 3, timeout=timeout)
+    steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
+    return dict(kill_to_first_iteration_s=t_first - t_kill, detect_s=t_detect - t_kill,
+                rebuild_s=max(v["rebuild_s"] for v in info.values()),
+                state_s=max(v["state_s"] for v in info.values()),
+                bytes_moved=sum(v["bytes_received"] for v in info.values()),
+                iteration_after_s=statistics.median(steady))
+
+
 def kill_to_iteration(reps: int) -> dict:
     rows = []
     for _ in range(reps):
@@ -73,28 +100,7 @@ def kill_to_iteration(reps: int) -> dict:
         groups[0][1] = groups[0][1][:1]
         shrunk = plan.with_(tp_groups=tuple(tuple(r) for r in groups), excluded=frozenset([victim]))
         with LocalJob(js.to_json(), plan.devices()) as job:
-            job.post(plan, iterations=1000)
-            job.wait(3, timeout=120)
-            t_kill = time.perf_counter()
-            job.kill(victim, signal.SIGKILL, reap=False)
-            while victim not in job.dead():
-                time.sleep(0.0005)
-            t_detect = time.perf_counter()
-            resume = job.abort()
-            job.post(shrunk, iterations=1000, resume=resume)
-            job.wait(resume + 1, timeout=120)
-            t_first = time.perf_counter()
-            info = job.ready_info()
-            job.wait(resume + 3, timeout=120)
-            steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
-        rows.append(dict(
-            kill_to_first_iteration_s=t_first - t_kill,
-            detect_s=t_detect - t_kill,
-            rebuild_s=max(v["rebuild_s"] for v in info.values()),
-            state_s=max(v["state_s"] for v in info.values()),
-            bytes_moved=sum(v["bytes_received"] for v in info.values()),
-            iteration_after_s=statistics.median(steady),
-        ))
+            rows.append(timed_kill(job, plan, victim, shrunk, timeout=120))
     ci = median_ci([r["kill_to_first_iteration_s"] for r in rows])
     return ({k: statistics.median(r[k] for r in rows) for k in rows[0]}
             | {"repetitions": reps, "kill_to_first_iteration_range_s": [ci.lo, ci.hi],
@@ -120,27 +126,9 @@ def torch_native_kill(reps: int) -> dict:
                          data={"source": "synthetic", "token_budget": 64}, dp=2, num_microbatches=4, timeout_s=10.0, checkpoint_dir=ckpt,
                          checkpoint_every=1 if restore else 0)
             with LocalJob(js.to_json(), base.devices()) as job:
-                job.post(base, iterations=1000)
-                job.wait(3, timeout=180)
-                t_kill = time.perf_counter()
-                job.kill(victim, signal.SIGKILL, reap=False)
-                while victim not in job.dead():
-                    time.sleep(0.0005)
-                t_detect = time.perf_counter()
-                resume = job.abort()
-                job.post(three, iterations=1000, resume=resume, restore=resume - 1 if restore else None)
-                job.wait(resume + 1, timeout=180)
-                t_first = time.perf_counter()
-                info = job.ready_info()
-                job.wait(resume + 3, timeout=180)
-                steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
+                row = timed_kill(job, base, victim, three, timeout=180, restore=restore)
                 before = [max(r.iteration_s for r in job.report(i).values()) for i in (1, 2)]
-            rows.append(dict(kill_to_first_iteration_s=t_first - t_kill, detect_s=t_detect - t_kill,
-                             rebuild_s=max(v["rebuild_s"] for v in info.values()),
-                             state_s=max(v["state_s"] for v in info.values()),
-                             bytes_moved=sum(v["bytes_received"] for v in info.values()),
-                             iteration_before_s=statistics.median(before),
-                             iteration_after_s=statistics.median(steady)))
+            rows.append(row | {"iteration_before_s": statistics.median(before)})
         out[label] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
     return out
 
@@ -257,30 +245,10 @@ def ds_kill_to_iteration(reps: int, timeout_s: float) -> dict:
                              migrations=tuple(Migration(1, 1, j, 0) for j in range(4)))
         work = tempfile.mkdtemp(prefix="resihp-ds-kill-")
         with LocalJob(js.to_json(), plan.devices(), workdir=work) as job:
-            job.post(plan, iterations=1000)
-            job.wait(3, timeout=300)
-            pids = {d: job.processes.procs[d].pid for d in plan.devices()} if hasattr(job.processes, "procs") else {}
-            t_kill = time.perf_counter()
-            job.kill(victim, signal.SIGKILL, reap=False)
-            while victim not in job.dead():
-                time.sleep(0.0005)
-            t_detect = time.perf_counter()
-            resume = job.abort()
-            job.post(dropped, iterations=1000, resume=resume)
-            job.wait(resume + 1, timeout=300)
-            t_first = time.perf_counter()
-            info = job.ready_info()
-            job.wait(resume + 3, timeout=300)
-            steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
+            pids = {d: job.processes.procs[d].pid for d in plan.devices()}  # started with the job
+            row = timed_kill(job, plan, victim, dropped, timeout=300)
             same = all(job.processes.procs[d].pid == p for d, p in pids.items() if d in dropped.devices())
-        rows.append(dict(
-            kill_to_first_iteration_s=t_first - t_kill,
-            detect_s=t_detect - t_kill,
-            rebuild_s=max(v["rebuild_s"] for v in info.values()),
-            state_s=max(v["state_s"] for v in info.values()),
-            iteration_after_s=statistics.median(steady),
-            survivors_kept_pid=float(same),
-        ))
+        rows.append(row | {"survivors_kept_pid": float(same)})
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps, "op_timeout_s": timeout_s}
 
 
