@@ -25,14 +25,16 @@ rejoin); so is any device the job fenced after a false, load-induced report (cou
 - every committed iteration, one step at a time: checkpoint ``k`` (parameters and
   AdamW state) equals one fault-free single-process float64 step of iteration ``k``'s
   micro-batches from checkpoint ``k - 1`` (relative 1e-9), and so does the iteration's
-  loss. A verifier follows the checkpoints as the job writes them; a checkpoint a
-  failure left incomplete is bridged by a few reference steps. Each recovery and repair
-  row reports the worst step error since the previous row.
+  loss. The job keeps every checkpoint; the soak verifies them while it waits between
+  failures (and the backlog when the job ends) and deletes each one once verified. A
+  checkpoint a failure left incomplete is bridged by a few reference steps. Each
+  failure's row reports the worst step error through its recovery and its repair.
 
 Why one step at a time: two float64 runs that add gradients in a different order (a
 degraded plan does) differ by rounding, and this model's training amplifies that
-difference chaotically: on the soak's own trajectory 1e-16 grew to 1e-9 in about 25
-iterations and to 1e-7 in the loss after 35 (``benchmarks/soak_sensitivity.py``). A
+difference chaotically: on a soak's own trajectory the state's difference passed 1e-9
+within 17-24 iterations and the loss's reached 1e-8..1e-7 after 35-45
+(``benchmarks/soak_sensitivity.py``). A
 comparison over a degraded phase of 20-40 iterations against one run from an earlier
 checkpoint therefore fails without any fault in the job; a one-step comparison has no
 such horizon, for any length of soak.
@@ -63,7 +65,8 @@ sys.path.insert(0, str(ROOT))
 CONFIG = dict(
     parallel=dict(tp=1, pp=2, dp=2),
     model=dict(layers=4, hidden=32, heads=4, vocab=64, ffn_hidden=64),
-    training=dict(microbatches=2, token_budget=64, dtype="float64", lr=3e-3, checkpoint_every=1, checkpoint_keep=4),
+    # Every checkpoint is kept until the soak has verified it (then it deletes it).
+    training=dict(microbatches=2, token_budget=64, dtype="float64", lr=3e-3, checkpoint_every=1, checkpoint_keep=0),
     runtime=dict(nodes=2, devices_per_node=2),
     # Heartbeats every 0.1 s, 4 s of silence to declare a hang, and a fail-slow only
     # beyond 2x the prediction: a loaded shared machine starves processes for seconds
@@ -74,10 +77,11 @@ CONFIG = dict(
 SPACING = 5  # committed iterations between the end of one recovery and the next failure
 TOL = 1e-9
 BRIDGE = 4  # most reference steps between two verified checkpoints (incomplete ones between)
+BEHIND = 8  # verified checkpoints kept behind the newest verified one (a restore may go back to them)
 
 
 class Soak:
-    def __init__(self, failures: int, seed: int, work: Path, keep: int = 40) -> None:
+    def __init__(self, failures: int, seed: int, work: Path) -> None:
         from resihp_core.config import Config
         from resihp_core.runtime.jobs import build_job
 
@@ -85,7 +89,7 @@ class Soak:
         # A repaired worker takes seconds to start while training goes on: on a fast,
         # quiet machine a failure and its repair span up to ~60 iterations.
         self.iterations = failures * (SPACING + 65) + 20
-        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations, checkpoint_keep=keep))
+        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations))
         self.cfg = Config.from_dict(cfg, source="soak")
         self.assembled = build_job(self.cfg, [], work)
         self.spec = self.assembled.spec
@@ -100,7 +104,8 @@ class Soak:
         self.losses: dict[int, float] = {}  # iteration -> loss of the generation that committed it last
         self.verified: tuple[int, dict | None] = (-1, None)  # newest verified checkpoint (-1: the seed)
         self.rewind: int | None = None  # a restore re-trains from here: the chain goes back to it
-        self.step_worst = 0.0  # worst step error since the last row
+        self.step_err: dict[int, float] = {}  # iteration -> error of the step that verified it
+        self.pruned = 0  # checkpoints before this one are deleted
         self.rows: list[dict] = []
         self.events: list[dict] = []
         self.repairs: queue.Queue = queue.Queue()
@@ -108,10 +113,11 @@ class Soak:
         self.job = None
         self.agents: dict = {}
         self.done = threading.Event()
-        self._reference()
+        self._reference_inputs()
 
     # ------------------------------------------------------------ reference
-    def _reference(self) -> None:
+    def _reference_inputs(self) -> None:
+        """The model, data and learning rate the fault-free reference steps use."""
         import torch
 
         from resihp_adapters.megatron_ref.adapter import data_spec, model_config
@@ -215,9 +221,15 @@ class Soak:
         return out
 
     def _complete(self, it: int) -> bool:
+        """Every file of checkpoint ``it`` is there (reading it verifies the hashes)."""
         from resihp_core import checkpoints
 
-        return checkpoints.verify(self.ckpt, it).complete
+        d = checkpoints.iteration_dir(self.ckpt, it)
+        try:
+            comps = json.loads((d / checkpoints.MANIFEST).read_text())["components"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return all((d / f"{c}.pt").exists() and (d / f"{c}.sha256").exists() for c in comps)
 
     def advance(self, upto: int | None = None, budget_s: float = float("inf")) -> None:
         """Verify the committed iterations after the newest verified checkpoint (up to
@@ -226,11 +238,11 @@ class Soak:
         from resihp_adapters.megatron_ref.reference import reference_trajectory
         from resihp_adapters.torchkit.checkpoint import CheckpointError
 
-        t0 = time.monotonic()
+        t0, unreadable = time.monotonic(), 0
         while time.monotonic() - t0 < budget_s:
             with self.lock:
                 rewind, self.rewind = self.rewind, None
-                committed = len(self.records) if self.job is None else self.job.committed
+            committed = self.job.committed
             if rewind is not None and rewind < self.verified[0]:
                 try:  # the job restored checkpoint ``rewind`` (verified before) and re-trains after it
                     self.verified = (rewind, self._load(rewind) if rewind >= 0 else None)
@@ -241,17 +253,21 @@ class Soak:
             last = committed - 1 if upto is None else min(upto, committed - 1)
             nxt = next((k for k in range(v + 1, min(v + BRIDGE, last) + 1) if self._complete(k)), None)
             if nxt is None:
-                if last - v > BRIDGE and any(self._complete(k) for k in range(v + BRIDGE + 1, last + 1)):
-                    self.problems.append(f"checkpoints {v + 1}..{v + BRIDGE} were deleted before the soak "
-                                         "verified them (raise --checkpoint-keep)")
-                    newest = max(k for k in range(v + BRIDGE + 1, last + 1) if self._complete(k))
-                    self.verified = (newest, self._load(newest))  # go on from there, unverified
+                later = next((k for k in range(v + BRIDGE + 1, last + 1) if self._complete(k)), None)
+                if later is not None:  # never expected: the job writes every iteration's checkpoint
+                    self.problems.append(f"checkpoints {v + 1}..{later - 1} are incomplete: that stretch "
+                                         "cannot be verified")
+                    self.verified = (later, self._load(later))  # go on from there, unverified
                 return
             if any(j not in self.losses for j in range(v + 1, nxt + 1)):
                 return  # committed, but its reports are not accounted yet
             try:
                 got = self._load(nxt)
-            except (CheckpointError, FileNotFoundError):
+            except (CheckpointError, FileNotFoundError) as e:
+                unreadable += 1
+                if unreadable > 100:
+                    self.problems.append(f"checkpoint {nxt} stays unreadable: {e}")
+                    return
                 time.sleep(0.02)  # a newer generation is rewriting it: read it again
                 continue
             ref = state
@@ -265,12 +281,13 @@ class Soak:
                                          f"{have!r} != {loss!r}, one fault-free step from checkpoint {j - 1}")
             err, worst = self._error(got, ref)
             self.checked.update(range(v + 1, nxt + 1))
-            self.step_worst = max(self.step_worst, err)
+            self.step_err.update(dict.fromkeys(range(v + 1, nxt + 1), err))
             self.accounting["worst_step_error"] = max(self.accounting["worst_step_error"], err)
             if err > TOL:
                 self.problems.append(f"checkpoint {nxt} (generation {self.job.committed_in.get(nxt)}) differs from "
                                      f"{nxt - v} fault-free step(s) from checkpoint {v} by {err:.2g} ({worst})")
             self.verified = (nxt, got)
+            self._prune(nxt - BEHIND)
 
     @staticmethod
     def _error(got: dict, ref: dict) -> tuple[float, str]:
@@ -285,19 +302,20 @@ class Soak:
                     worst, where = err, f"{name} {what}"
         return worst, where
 
-    def check_params(self, at_least: int) -> tuple[int, float] | None:
-        """Verify up to iteration ``at_least`` at least; returns the newest verified
-        iteration and the worst step error since the previous call (None: it did not
-        get there within a minute)."""
-        deadline = time.monotonic() + 60
-        while self.verified[0] < at_least and time.monotonic() < deadline:
-            self.advance(upto=at_least)
-            if self.verified[0] < at_least:
-                time.sleep(0.05)
-        if self.verified[0] < at_least:
-            return None
-        worst, self.step_worst = self.step_worst, 0.0
-        return self.verified[0], worst
+    def _prune(self, before: int) -> None:
+        """Delete the verified checkpoints before ``before`` (the job keeps them all)."""
+        import shutil
+
+        from resihp_core import checkpoints
+
+        for k in range(self.pruned, before):
+            shutil.rmtree(checkpoints.iteration_dir(self.ckpt, k), ignore_errors=True)
+        self.pruned = max(self.pruned, before)
+
+    def worst_between(self, first: int, last: int) -> float | None:
+        """Worst step error over iterations ``first``..``last`` (None: one is not verified)."""
+        errs = [self.step_err.get(i) for i in range(first, last + 1)]
+        return None if None in errs else max(errs, default=0.0)
 
     # ------------------------------------------------------------ failures
     def executors(self) -> list[int]:
@@ -420,10 +438,7 @@ class Soak:
                        plans=[e["text"].split("(", 1)[1].split(",")[0] for e in self.events
                               if e["kind"] == "plan" and e["generation"] > g0][:3],
                        fallback=any(e["kind"] == "checkpoint" and e["generation"] >= g0 for e in self.events))
-            got = self.check_params(rec.iteration)
-            row["param_iteration"], row["param_err"] = (got if got else (None, None))
-            if got is None:
-                self.problems.append(f"failure {k + 1}: iterations after the recovery were not verified in time")
+            row["recovered_at"] = rec.iteration
             if kind in ("kill", "kill-stage", "stop"):
                 deadline = time.monotonic() + 60
                 while set(devices) - set(self.job.dead()) and time.monotonic() < deadline:
@@ -433,10 +448,7 @@ class Soak:
                     self.problems.append(f"failure {k + 1}: the repair of {devices} did not come back")
                     self.rows.append(row)
                     return
-                got = self.check_params(rec.iteration)
-                row["repair_param_err"] = got[1] if got else None
-                if got is None:
-                    self.problems.append(f"failure {k + 1}: iterations after the repair were not verified in time")
+                row["repaired_at"] = rec.iteration
                 row["repaired_s"] = round(time.monotonic() - t0, 2)
             self.rows.append(row)
             print(_row_text(row), flush=True)
@@ -473,6 +485,11 @@ class Soak:
             if self.verified[0] != self.iterations - 1:
                 self.problems.append(f"verified up to iteration {self.verified[0]} only, not the last "
                                      f"({self.iterations - 1})")
+        for r in self.rows:  # each failure's worst step, through its recovery and through its repair
+            if "recovered_at" in r:
+                r["param_err"] = self.worst_between(r["iteration"], r["recovered_at"])
+            if "repaired_at" in r:
+                r["repair_param_err"] = self.worst_between(r["recovered_at"] + 1, r["repaired_at"])
         survived = sum(1 for r in self.rows if r.get("recovered"))
         checks = [r.get(k) for r in self.rows for k in ("param_err", "repair_param_err") if k in r]
         return dict(
@@ -510,8 +527,6 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (worker logs, checkpoints)")
-    ap.add_argument("--checkpoint-keep", type=int, default=40,
-                    help="checkpoints retained (the verifier must read each one before it is deleted)")
     args = ap.parse_args()
     n = 10 if args.quick else args.failures
     if n < 2:
@@ -519,12 +534,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="resihp-soak-", ignore_cleanup_errors=True) as tmp:
         if args.keep:
             tmp = tempfile.mkdtemp(prefix="resihp-soak-kept-")
-        soak = Soak(n, args.seed, Path(tmp), keep=args.checkpoint_keep)
+        soak = Soak(n, args.seed, Path(tmp))
         print(f"soak: {n} failures, {soak.iterations} iterations budget, TP1 x PP2 x DP2 on 2 nodes, float64, "
-              f"checkpoint every iteration (newest {args.checkpoint_keep} kept); work folder {tmp}", flush=True)
+              f"checkpoint every iteration (kept until verified); work folder {tmp}", flush=True)
         print("   n  kind       devices  at      recovery          plans                          "
               "         worst step error (to the recovery / to the repair)", flush=True)
         res = soak.run()
+    print("\nverified, per failure:")
+    for r in res["rows"]:
+        print(_row_text(r))
     print()
     width = max(len(k) for k in res if k not in ("rows", "problems"))
     for k, v in res.items():

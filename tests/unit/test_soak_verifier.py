@@ -1,6 +1,6 @@
 """The soak's step-by-step verifier (benchmarks/soak.py): it passes a correct run's
-checkpoints, bridges an incomplete one, names the first wrong step or loss, and goes
-back to the restored checkpoint when the job re-trains."""
+checkpoints, bridges an incomplete one, names the first wrong step or loss, goes back
+to the restored checkpoint when the job re-trains, and deletes what it verified."""
 
 from __future__ import annotations
 
@@ -85,3 +85,12 @@ def test_a_restore_sends_the_verifier_back(run) -> None:
     s.on_event({"kind": "plan", "resume": 2, "iteration": 2, "generation": 1, "text": "restore (x, y)"})
     s.advance()
     assert s.verified[0] == 3 and s.problems == []
+
+
+def test_verified_checkpoints_are_deleted_but_the_newest_kept(run, monkeypatch) -> None:
+    s, _ = run
+    monkeypatch.setattr(soak, "BEHIND", 2)
+    s.advance()
+    left = sorted(p.name for p in s.ckpt.iterdir())
+    assert left == [f"iter{k:08d}" for k in range(N - 1 - 2, N)]
+    assert s.worst_between(0, N - 1) is not None and s.worst_between(0, N) is None
