@@ -404,7 +404,6 @@ class Soak:
                 if not self.wait(lambda: len(self.records) >= next_at):
                     self.problems.append(f"failure {k}: the job stopped committing before iteration {next_at}")
                     return
-            self.advance(upto=self.job.committed - 1)  # what committed before the failure is verified
             kind, devices = self.choose(k)
             g0, at = self.job.generation, len(self.records)
             t0 = time.monotonic()
