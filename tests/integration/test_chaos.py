@@ -61,10 +61,16 @@ def _planner_state(plan, topology):
 
 
 def _chaos(plan, faults, iterations=6, detector=DETECTOR, **run_kw):
-    topology = Topology.uniform(2, len(plan.devices()) // 2)  # exactly the workers we start
     spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir(),
                     checkpoint_dir=tmpdir(), checkpoint_every=1,
                     faults=[f.to_dict() for f in faults])
+    return run_checked(spec, plan, detector, iterations, **run_kw)
+
+
+def run_checked(spec, plan, detector, iterations, **run_kw):
+    """Run ``spec`` under the supervisor on two emulated nodes, then check every
+    survivor against the fault-free float64 reference."""
+    topology = Topology.uniform(2, len(plan.devices()) // 2)  # exactly the workers we start
     state, planner = _planner_state(plan, topology)
     run = run_resilient(spec.to_json(), plan, topology, state, planner, detector, iterations,
                         Path(tmpdir()), timeout=240, **run_kw)

@@ -17,17 +17,14 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from resihp_core.faults import fail_at
 from resihp_core.job import JobSpec
-from resihp_core.plan import Topology
-from resihp_core.runtime.resilient import run_resilient
 
-from .backend_harness import HEADS, LAYERS, Finished, check_against_reference, read_dumps, tmpdir, uniform
-from .test_chaos import SLOW_DETECTOR, _chaos, _planner_state
+from .backend_harness import HEADS, LAYERS, tmpdir, uniform
+from .test_chaos import SLOW_DETECTOR, _chaos, run_checked
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -79,19 +76,11 @@ WIDE_DATA = dict(source="synthetic", scale=24.0, shape=0.8, min_len=2, max_len=1
 
 
 def _wide_run(plan, faults, iterations, **run_kw):
-    """``test_chaos._chaos`` with the wider model: run, then check every survivor
-    against the fault-free float64 reference."""
+    """``test_chaos._chaos`` with the wider model (no checkpoints)."""
     spec = JobSpec(adapter="megatron_ref", adapter_config=WIDE, data=WIDE_DATA, dp=plan.dp,
                    num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir(),
                    faults=[f.to_dict() for f in faults])
-    topology = Topology.uniform(2, len(plan.devices()) // 2)
-    state, planner = _planner_state(plan, topology)
-    run = run_resilient(spec.to_json(), plan, topology, state, planner, SLOW_DETECTOR, iterations,
-                        Path(tmpdir()), timeout=240, **run_kw)
-    assert run.ok, f"{run.error}; logs in {run.logs}"
-    assert len(run.records) == iterations
-    check_against_reference(Finished(spec, read_dumps(spec), [r.loss for r in run.records], []), iterations)
-    return run
+    return run_checked(spec, plan, SLOW_DETECTOR, iterations, **run_kw)
 
 
 def test_a_2x_compute_slowdown_of_one_device_is_found_within_3_iterations():

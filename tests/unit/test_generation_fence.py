@@ -21,15 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = "fence-test-secret"
 
 
-@pytest.fixture
-def hosted():
-    store, address = jobstore.host("127.0.0.1", secret=SECRET)
-    try:
-        yield store, address
-    finally:
-        store.server.close()
-
-
 def client(address: str, device: int = 0) -> StoreClient:
     return StoreClient(address, node_credential(SECRET, 0), worker_store_identity(0, device), timeout_s=30.0)
 

@@ -24,15 +24,6 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = "store-test-secret"
 
 
-@pytest.fixture
-def hosted():
-    store, address = jobstore.host("127.0.0.1", secret=SECRET)
-    try:
-        yield store, address
-    finally:
-        store.server.close()
-
-
 def worker(address: str, node: int = 0, device: int = 0, key: str | None = None, **kw) -> StoreClient:
     return StoreClient(address, key or node_credential(SECRET, node), worker_store_identity(node, device),
                        timeout_s=kw.pop("timeout_s", 10.0), **kw)
