@@ -29,6 +29,7 @@ __all__ = [
     "Adapter",
     "AdapterContext",
     "GenerationAborted",
+    "StateLost",
     "IterationResult",
     "Shard",
     "AdapterSpec",
@@ -136,6 +137,13 @@ class Capabilities:
 class GenerationAborted(RuntimeError):
     """A newer plan generation was posted while this iteration ran: stop at once so
     peers blocked on this worker fail fast and everyone moves on."""
+
+
+class StateLost(RuntimeError):
+    """Raised by ``move_state`` (on every device alike) when some piece of the training
+    state has no surviving holder: the supervisor then restores the newest complete
+    checkpoint every survivor can read. Any adapter raises this one class; the core never
+    reads an adapter's error text."""
 
 
 @dataclass
@@ -277,6 +285,16 @@ class Adapter(abc.ABC):
     def held_state(self) -> dict[str, Shard]:
         """Every parameter piece (with its optimizer state) this device holds, by the
         parameter's global name."""
+
+    def full_state(self) -> dict[str, Any]:
+        """The framework's own complete training state held by this device, flattened to
+        ``{name: tensor or plain value}``: everything the framework itself would put in a
+        checkpoint (parameters by fully qualified name including tied ones, optimizer
+        state including master weights and step counts, LR scheduler, loss scaler, RNG,
+        data position). Names must not depend on the layout (stage split, TP degree,
+        sharding), so the conformance kit can compare two runs of any layout. Default:
+        not provided (the kit then compares :meth:`held_state` only and says so)."""
+        raise NotImplementedError(f"adapter {self.name!r} does not report its full state")
 
     def save_checkpoint(self, iteration: int) -> None:
         """Persist the state after ``iteration`` under ``ctx.job.checkpoint_dir``, before
