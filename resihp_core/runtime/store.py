@@ -50,6 +50,8 @@ _DEC = msgspec.msgpack.Decoder()
 MAX_KEY_CHARS = 1024
 MAX_PENDING_HANDSHAKES = 64
 PLAN_PREFIX = "plan/"  # only the controller writes keys under it
+CONTROLLER_PREFIX = "controller/"  # nor these (presence, shutdown; docs/failover.md)
+PRESENT_KEY = "controller/present"  # exists while a controller is connected (presence=True)
 
 
 class StoreError(dist.DistStoreError):
@@ -268,10 +270,13 @@ class StoreServer:
     :param secret: the job secret (workers prove their node's credential derived from it).
     :param port: 0 = any free port.
     :param nodes: node ids allowed to connect (None: any).
+    :param presence: keep ``controller/present`` while a ``controller`` connection is
+        open (a store hosted outside the controller's process: workers hold their
+        commits while it is absent; docs/failover.md).
     """
 
     def __init__(self, host: str, secret: str, port: int = 0, *, nodes: set[int] | None = None,
-                 handshake_timeout: float = 5.0) -> None:
+                 handshake_timeout: float = 5.0, presence: bool = False) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
         self._secret = secret
@@ -285,6 +290,9 @@ class StoreServer:
         self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._lock = threading.Lock()
         self._closed = False
+        self.presence = presence
+        self.controllers = 0  # open connections of the controller identity
+        self.controller_left = time.monotonic()  # when the last one closed
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="resihp-store-accept")
         self._thread.start()
         logger.info("event=store_started address=%s", self.address)
@@ -341,21 +349,13 @@ class StoreServer:
                 self._pending.release()
             conn.settimeout(None)
             may_plan = identity == "controller"
-            while True:
-                req = _recv(conn)
-                if req is None:
-                    return
-                op, args = _check_request(req)
-                if op in _WRITES and not may_plan and any(k.startswith(PLAN_PREFIX) for k in _keys_of(op, args)):
-                    self.refused += 1
-                    logger.warning("event=store_write_refused identity=%s op=%s keys=%s reason=%r", identity, op,
-                                   _keys_of(op, args)[:4], "only the controller posts plans")
-                    _send(conn, [False, f"{identity} may not write plan keys"])
-                    continue
-                try:
-                    _send(conn, [True, _run_op(self.table, op, args)])
-                except (StoreError, IndexError, TypeError, ValueError) as e:
-                    _send(conn, [False, str(e)])
+            if may_plan:
+                self._controller_joined()
+            try:
+                self._requests(conn, identity, may_plan)
+            finally:
+                if may_plan:
+                    self._controller_gone()
         except (ProtocolError, OSError) as e:
             if not self._closed:
                 logger.info("event=store_connection_closed identity=%s reason=%r", identity, str(e))
@@ -363,6 +363,41 @@ class StoreServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _controller_joined(self) -> None:
+        with self._lock:
+            self.controllers += 1
+        if self.presence:
+            self.table.set(PRESENT_KEY, b"1")
+
+    def _controller_gone(self) -> None:
+        with self._lock:
+            self.controllers -= 1
+            none_left = self.controllers == 0
+            if none_left:
+                self.controller_left = time.monotonic()
+        if none_left and self.presence:
+            self.table.delete(PRESENT_KEY)
+            logger.warning("event=controller_absent listener=store")
+
+    def _requests(self, conn: socket.socket, identity: str, may_plan: bool) -> None:
+        """Serve one authenticated connection's requests until it closes."""
+        while True:
+            req = _recv(conn)
+            if req is None:
+                return
+            op, args = _check_request(req)
+            if op in _WRITES and not may_plan and any(k.startswith((PLAN_PREFIX, CONTROLLER_PREFIX))
+                                                      for k in _keys_of(op, args)):
+                self.refused += 1
+                logger.warning("event=store_write_refused identity=%s op=%s keys=%s reason=%r", identity, op,
+                               _keys_of(op, args)[:4], "only the controller posts plans")
+                _send(conn, [False, f"{identity} may not write plan keys"])
+                continue
+            try:
+                _send(conn, [True, _run_op(self.table, op, args)])
+            except (StoreError, IndexError, TypeError, ValueError) as e:
+                _send(conn, [False, str(e)])
 
     def close(self) -> None:
         """Stop listening and drop every connection (quietly)."""
