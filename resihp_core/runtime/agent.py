@@ -473,7 +473,8 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         timer = GraceTimer(self._grace(), time.monotonic)
         timer.lost()
         assert self._closed is not None and self._loop is not None
-        keeper = self._loop.create_task(self._hold_progress(), name=f"agent{self.node}-hold-progress")
+        keeper = self._loop.create_task(self._hold_progress(2 * timer.grace_s), name=f"agent{self.node}-hold-progress")
+        self._tasks.append(keeper)
         logger.warning("event=controller_lost_holding node=%d workers=%s grace_s=%.0f", self.node,
                        sorted(d for d, c in self.children.items() if c.poll() is None), timer.grace_s)
         announced: str | None = None
@@ -489,18 +490,21 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
                 except (OSError, ProtocolError, asyncio.TimeoutError):
                     pass
                 if self.refused or timer.expired():
+                    keeper.cancel()
                     self._grace_expired(timer.grace_s)
                     return
                 await asyncio.sleep(max(0.05, min(delay, timer.left())))
                 delay = min(1.0, delay * 2)
-        finally:
+        except BaseException:
             keeper.cancel()
+            raise
         if self._closed.is_set():
             return
         if announced and announced != self.incarnation:
             self.incarnation = announced
             self._reattach()
         else:  # the same controller, or one that does not announce itself: as after a partition
+            keeper.cancel()
             self._healed_same_controller()
 
     async def _read_announcement(self) -> str | None:
@@ -514,13 +518,19 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
             raise ProtocolError(self.refused)
         return None
 
-    async def _hold_progress(self) -> None:
-        """While the controller is away the workers wait at their commit: that is not a
-        hang. Their progress clocks restart once it is back."""
-        while True:
+    async def _hold_progress(self, limit_s: float) -> None:
+        """While the controller is away the workers wait at their commit, and after a
+        restarted one re-attached until it lets them commit: that is not a hang. Each
+        worker's progress clock restarts once its progress moves (or after ``limit_s``)."""
+        held = {d: (w.generation, w.iteration, w.step) for d, w in self.monitor.workers.items()}
+        deadline = time.monotonic() + limit_s
+        while held and time.monotonic() < deadline:
             now = self.clock()
-            for w in self.monitor.workers.values():
-                if w.last_progress is not None:
+            for d, mark in list(held.items()):
+                w = self.monitor.workers.get(d)
+                if w is None or (w.generation, w.iteration, w.step) != mark:
+                    del held[d]
+                elif w.last_progress is not None:
                     w.last_progress = now
             await asyncio.sleep(self.monitor.interval / 2)
 

@@ -227,6 +227,40 @@ def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> t
     return worst, horizon, tol
 
 
+def _failover_secret(cfg: Any, work: Path) -> str:
+    """The job secret a restarted controller can find again: ``runtime.secret`` or
+    ``RESIHP_SECRET`` if given, else the work folder's ``job.secret`` (made once)."""
+    import os
+
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.failover import StateError, job_secret
+
+    given = cfg.runtime.secret or os.environ.get("RESIHP_SECRET", "")
+    if given:
+        return given
+    try:
+        return job_secret(work, create=True)
+    except StateError as e:
+        raise CliError(str(e), code=1) from None
+
+
+def _attachable(args: argparse.Namespace, work: Path, secret: str) -> Any:
+    """``--resume`` of a job that outlived its controller: its authenticated state, to
+    re-attach to its live workers (docs/failover.md); None: restore from a checkpoint."""
+    from resihp_core.runtime.failover import STATE_FILE, StateError, read_state
+
+    if not getattr(args, "resume", False) or not secret or not (work / STATE_FILE).exists():
+        return None
+    try:
+        state = read_state(work, secret)
+    except StateError as e:
+        print(f"resume: not re-attaching: {e}", flush=True)
+        return None
+    print(f"resume: re-attaching to the job's live workers (generation {state.generation}, store at "
+          f"{state.store_address})", flush=True)
+    return state
+
+
 def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, int | None]:
     """``--resume``: the first iteration to train and the checkpoint to load, from the
     newest complete checkpoint in the job's checkpoint folder (docs/checkpoints.md)."""
@@ -269,9 +303,20 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
         work.mkdir(parents=True, exist_ok=True)
     else:
         work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.failover import ControllerLock, ControllerRunning
+
+    try:
+        lock = ControllerLock(work).acquire()  # one controller per job, released when this process ends
+    except ControllerRunning as e:
+        raise CliError(str(e), code=1) from None
     agents = _agents(cfg, args)
     job = build_job(cfg, faults, work)
-    start, restore = _resume_point(cfg, args, job.spec)
+    grace = cfg.runtime.controller_grace_s
+    if grace > 0 and "secret" not in agents:
+        agents["secret"] = _failover_secret(cfg, work)
+    attach = _attachable(args, work, agents.get("secret", ""))
+    start, restore = (0, None) if attach is not None else _resume_point(cfg, args, job.spec)
     print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir}, "
           f"every {cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept)",
           flush=True)
@@ -290,12 +335,26 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
         phase_of.event(ev)  # a detected failure starts a phase too
         view.event(ev)
 
+    from resihp_core.runtime.resilient import AttachFailed
+
+    common = dict(phase_of=phase_of, on_event=on_event, on_iteration=view.iteration, on_report=on_report,
+                  repairs=repairs(faults), observers=observers,
+                  interface=getattr(args, "interface", None) or cfg.runtime.interface,
+                  controller_grace_s=grace, state_dir=work, **agents)
     with view:
-        run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
-                            cfg.training.iterations, work / "job", phase_of=phase_of, on_event=on_event,
-                            on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
-                            observers=observers, interface=getattr(args, "interface", None) or cfg.runtime.interface,
-                            start=start, restore=restore, **agents)
+        run = None
+        if attach is not None:
+            try:
+                run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
+                                    cfg.training.iterations, work / "job", attach=attach, **common)
+                start = run.extra.get("first", 0)
+            except AttachFailed as e:
+                print(f"resume: cannot re-attach to the running job ({e}): restoring from a checkpoint", flush=True)
+                start, restore = _resume_point(cfg, args, job.spec)
+        if run is None:
+            run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
+                                cfg.training.iterations, work / "job", start=start, restore=restore, **common)
+    lock.release()
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records

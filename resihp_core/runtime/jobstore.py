@@ -24,9 +24,10 @@ in ``docs/worker-protocol.md``. Keys (generation ``g``):
   ``ctl<g>/failed/<device>``: why this worker left the generation;
   ``ctl<g>/report/<i>/<device>``: the :class:`~resihp_core.protocol.IterationReport`.
 - ``worker/<device>/pid``: the worker's process id.
-- ``controller/present``: set by a store host (its own process, docs/failover.md)
-  while a controller is connected; a worker started with ``RESIHP_CONTROLLER_GRACE``
-  holds each commit until it exists. ``controller/shutdown``: the controller ends the
+- ``controller/present``: set by the controller once it steers the job, dropped by a
+  store host (its own process, docs/failover.md) when the controller's connection
+  closes; a worker started with ``RESIHP_CONTROLLER_GRACE`` holds each commit until
+  it exists. ``controller/shutdown``: the controller ends the
   store host. Workers may not write ``controller/`` keys.
 """
 

@@ -51,7 +51,7 @@ MAX_KEY_CHARS = 1024
 MAX_PENDING_HANDSHAKES = 64
 PLAN_PREFIX = "plan/"  # only the controller writes keys under it
 CONTROLLER_PREFIX = "controller/"  # nor these (presence, shutdown; docs/failover.md)
-PRESENT_KEY = "controller/present"  # exists while a controller is connected (presence=True)
+PRESENT_KEY = "controller/present"  # set by the controller once it steers the job; dropped with it (presence=True)
 
 
 class StoreError(dist.DistStoreError):
@@ -270,9 +270,10 @@ class StoreServer:
     :param secret: the job secret (workers prove their node's credential derived from it).
     :param port: 0 = any free port.
     :param nodes: node ids allowed to connect (None: any).
-    :param presence: keep ``controller/present`` while a ``controller`` connection is
-        open (a store hosted outside the controller's process: workers hold their
-        commits while it is absent; docs/failover.md).
+    :param presence: drop ``controller/present`` (which the controller sets once it
+        steers the job) when the last ``controller`` connection closes: a store hosted
+        outside the controller's process, whose workers hold their commits while no
+        controller steers them (docs/failover.md).
     """
 
     def __init__(self, host: str, secret: str, port: int = 0, *, nodes: set[int] | None = None,
@@ -367,8 +368,6 @@ class StoreServer:
     def _controller_joined(self) -> None:
         with self._lock:
             self.controllers += 1
-        if self.presence:
-            self.table.set(PRESENT_KEY, b"1")
 
     def _controller_gone(self) -> None:
         with self._lock:

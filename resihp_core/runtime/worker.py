@@ -116,7 +116,8 @@ class Worker:
         self._seen = -1
         # A store hosted outside the controller: hold each commit while it is away
         # (docs/failover.md); the agent ends this worker when its grace period is over.
-        self.hold_s = float(os.environ.get(jobstore.ENV_GRACE, "0") or 0)
+        grace = float(os.environ.get(jobstore.ENV_GRACE, "0") or 0)
+        self.hold_s = 2 * grace + 30 if grace > 0 else 0.0  # a backstop: the agent and the store host end it first
         store.set(f"worker/{device}/pid", str(os.getpid()))
 
     def attach(self, client: Any) -> None:
