@@ -488,7 +488,10 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
                 except AuthError as e:
                     self.refused = str(e)
                 except (OSError, ProtocolError, asyncio.TimeoutError):
-                    pass
+                    # Close a half-made connection: left open, the controller would
+                    # refuse the next dial as a duplicate of this node.
+                    if self._ctl_writer is not None:
+                        self._ctl_writer.close()
                 if self.refused or timer.expired():
                     keeper.cancel()
                     self._grace_expired(timer.grace_s)
@@ -514,8 +517,9 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         if isinstance(msg, Ack) and msg.what.startswith(ANNOUNCE):
             return msg.what[len(ANNOUNCE):]
         if isinstance(msg, Error):
-            self.refused = f"{msg.code}: {msg.detail}"
-            raise ProtocolError(self.refused)
+            if msg.code != "duplicate-node":  # that one: our previous connection is not gone yet
+                self.refused = f"{msg.code}: {msg.detail}"
+            raise ProtocolError(f"{msg.code}: {msg.detail}")
         return None
 
     async def _hold_progress(self, limit_s: float) -> None:
