@@ -282,6 +282,10 @@ class Controller:
                 raise TimeoutError(f"no agent connected for node(s) {missing} within {timeout:.0f} s")
             await asyncio.sleep(0.02)
 
+    def connected_nodes(self) -> set[int]:
+        """Nodes whose agent is connected now."""
+        return set(self._conns)
+
     def workers_up(self) -> set[int]:
         """Devices whose workers connected agents report alive (heartbeating)."""
         out: set[int] = set()

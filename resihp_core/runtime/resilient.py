@@ -26,7 +26,7 @@ import secrets as _secrets
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from resihp_core.config import DetectorConfig
 from resihp_core.plan import ParallelPlan, Topology
@@ -34,6 +34,13 @@ from resihp_core.runtime.failover import JobState, remove_state, write_state
 from resihp_core.runtime.jobstore import SHUTDOWN_KEY
 from resihp_core.runtime.launcher import LocalJob
 from resihp_core.runtime.supervisor import IterationRecord, Supervisor
+
+if TYPE_CHECKING:
+    from resihp_core.protocol import PlanUpdate
+    from resihp_core.runtime.controller import Controller
+    from resihp_core.runtime.loop import LoopThread
+    from resihp_core.runtime.processes import AgentProcesses
+    from resihp_core.runtime.store import StoreClient
 
 __all__ = ["AttachFailed", "ResilientRun", "run_resilient", "start_local_agent", "start_store_host"]
 
@@ -86,7 +93,7 @@ def start_store_host(workdir: Path, host: str, secret: str, grace_s: float,
     return proc, addr.read_text().strip()
 
 
-def connect_store(address: str, secret: str, timeout: float = 300.0, connect_timeout: float = 10.0) -> Any:
+def connect_store(address: str, secret: str, timeout: float = 300.0, connect_timeout: float = 10.0) -> StoreClient:
     """This controller's connection to a store host (identity ``controller``)."""
     from resihp_core.runtime.store import StoreClient
 
@@ -173,7 +180,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
 
     node_of = {d: node for node, devs in topology.nodes().items() for d in devs}
     nodes = sorted({node_of[d] for d in plan.devices()})
-    store: Any = None
+    store: StoreClient | None = None
     if attach is not None:
         try:
             store = connect_store(attach.store_address, secret, connect_timeout=5.0)
@@ -198,7 +205,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     out = ResilientRun([], [], True, logs=workdir)
     store_proc: subprocess.Popen | None = None
     store_address = ""
-    attached: Any = None  # the generation re-attached to
+    attached: PlanUpdate | None = None  # the generation re-attached to
     try:
         if attach is not None:
             try:
@@ -312,8 +319,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     return out
 
 
-def _reattach(controller: Any, procs: Any, loop: Any, store: Any, attach: JobState, nodes: list[int],
-              node_of: dict[int, int], grace_s: float) -> Any:
+def _reattach(controller: Controller, procs: AgentProcesses, loop: LoopThread, store: StoreClient,
+              attach: JobState, nodes: list[int], node_of: dict[int, int], grace_s: float) -> PlanUpdate:
     """Wait for the job's agents to dial back and report their live workers; returns
     the generation they are in. :class:`AttachFailed` if no agent came back."""
     import time
@@ -332,7 +339,7 @@ def _reattach(controller: Any, procs: Any, loop: Any, store: Any, attach: JobSta
         loop.run(controller.wait_for_agents(set(nodes), wait_s), timeout=wait_s + 5)
     except TimeoutError:
         pass
-    up = set(controller._conns)  # noqa: SLF001 - which agents dialled back
+    up = controller.connected_nodes()  # called off the loop: a set copy of a dict's keys
     if not up:
         raise AttachFailed(f"no agent of nodes {nodes} dialled back within {wait_s:.0f} s")
     members = set(msg.devices)
@@ -347,7 +354,7 @@ def _reattach(controller: Any, procs: Any, loop: Any, store: Any, attach: JobSta
 
 
 def _saving_state(on_event: Callable[[dict], None], job: LocalJob, sup: Callable[[], Supervisor], state_dir: Path,
-                  secret: str, controller: Any, store_address: str, store_pid: int, iterations: int,
+                  secret: str, controller: Controller, store_address: str, store_pid: int, iterations: int,
                   nodes: list[int]) -> Callable[[dict], None]:
     """``on_event`` that also writes the job's state at every plan change (docs/failover.md)."""
     host, port = controller.address
