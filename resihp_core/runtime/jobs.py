@@ -247,18 +247,36 @@ def _failover_secret(cfg: Any, work: Path) -> str:
 def _attachable(args: argparse.Namespace, work: Path, secret: str) -> Any:
     """``--resume`` of a job that outlived its controller: its authenticated state, to
     re-attach to its live workers (docs/failover.md); None: restore from a checkpoint."""
+    from resihp_core.cli import CliError
     from resihp_core.runtime.failover import STATE_FILE, StateError, read_state
 
-    if not getattr(args, "resume", False) or not secret or not (work / STATE_FILE).exists():
+    if not secret or not (work / STATE_FILE).exists():
         return None
     try:
         state = read_state(work, secret)
     except StateError as e:
-        print(f"resume: not re-attaching: {e}", flush=True)
+        print(f"{'resume: not re-attaching' if getattr(args, 'resume', False) else 'note'}: {e}", flush=True)
+        return None
+    if not getattr(args, "resume", False):
+        if _store_answers(state.store_address, secret):
+            raise CliError(f"the job in {work} is still running without a controller (its job store at "
+                           f"{state.store_address} answers): re-attach to it with --resume, or wait until its "
+                           "grace period is over (runtime.controller_grace_s)", code=1)
         return None
     print(f"resume: re-attaching to the job's live workers (generation {state.generation}, store at "
           f"{state.store_address})", flush=True)
     return state
+
+
+def _store_answers(address: str, secret: str) -> bool:
+    """Whether a job store at ``address`` accepts this controller (the job secret)."""
+    from resihp_core.runtime.resilient import connect_store
+
+    try:
+        connect_store(address, secret, timeout=5.0, connect_timeout=1.0).close()
+    except Exception:  # noqa: BLE001 - gone, or not this job's
+        return False
+    return True
 
 
 def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, int | None]:

@@ -293,7 +293,7 @@ class StoreServer:
         self._closed = False
         self.presence = presence
         self.controllers = 0  # open connections of the controller identity
-        self.controller_left = time.monotonic()  # when the last one closed
+        self.controller_left = time.monotonic()  # when the last steering one closed
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="resihp-store-accept")
         self._thread.start()
         logger.info("event=store_started address=%s", self.address)
@@ -370,10 +370,11 @@ class StoreServer:
             self.controllers += 1
 
     def _controller_gone(self) -> None:
+        steered = not self.presence or self.table.check([PRESENT_KEY])
         with self._lock:
             self.controllers -= 1
             none_left = self.controllers == 0
-            if none_left:
+            if none_left and steered:  # a controller that only looked (never steered) starts no grace period
                 self.controller_left = time.monotonic()
         if none_left and self.presence:
             self.table.delete(PRESENT_KEY)
