@@ -402,6 +402,10 @@ class StoreServer:
     def close(self) -> None:
         """Stop listening and drop every connection (quietly)."""
         self._closed = True
+        try:  # wakes the thread blocked in accept(): a plain close leaves the socket listening
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             conns = list(self._conns)

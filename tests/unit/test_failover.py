@@ -193,3 +193,25 @@ def test_workers_hold_their_commit_while_no_controller_steers_the_store():
         probe.close()
     finally:
         server.close()
+
+
+def test_a_fresh_run_is_refused_while_the_old_job_runs_without_a_controller(tmp_path):
+    import argparse
+
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.jobs import _attachable
+    from resihp_core.runtime.store import StoreServer
+
+    server = StoreServer("127.0.0.1", SECRET, presence=True)
+    try:
+        write_state(tmp_path, _state(store_address=server.address), SECRET)
+        fresh, resume = argparse.Namespace(resume=False), argparse.Namespace(resume=True)
+        with pytest.raises(CliError, match="still running without a controller"):
+            _attachable(fresh, tmp_path, SECRET)
+        assert _attachable(resume, tmp_path, SECRET).store_address == server.address
+        assert server.controllers == 0 and not server.table.check(["controller/present"])
+    finally:
+        server.close()
+    assert _attachable(fresh, tmp_path, SECRET) is None  # its store is gone: start afresh
+    # A state file that does not verify is never used to re-attach.
+    assert _attachable(resume, tmp_path, "c" * 64) is None
