@@ -132,11 +132,10 @@ def _start(cfg: Path, work: Path, tmp: Path, *extra: str) -> tuple[subprocess.Po
 
 
 def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_path):
-    # TP2 x PP2 x DP2 would be 8 worker processes on CI's 2 cores; TP1 x PP2 x DP2 keeps
-    # the same mechanics (agents on 2 nodes, pipeline and data parallel) in budget.
-    iterations, kill_at = 20, 8
+    # TP2 x PP2 x DP2: 8 workers on 2 nodes of 4 devices.
+    iterations, kill_at, n = 20, 8, 8
     cfg = tmp_path / "job.toml"
-    cfg.write_text(CONFIG.format(tp=1, per_node=2, iterations=iterations, grace=60))
+    cfg.write_text(CONFIG.format(tp=2, per_node=4, iterations=iterations, grace=60))
     work = tmp_path / "work"
     first, out1 = _start(cfg, work, tmp_path)
     family: set[int] = set()
@@ -154,7 +153,7 @@ def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_pa
         assert m and first.poll() is None, out1.text[-3000:]
         family = _descendants(first.pid)
         workers = {p for p in family if "runtime.worker" in _cmdline(p)}
-        assert len(workers) == 4, [_cmdline(p) for p in family]
+        assert len(workers) == n, [_cmdline(p) for p in family]
         first.kill()  # the controller dies: SIGKILL, no clean-up of its own
         first.wait(10)
         seen = int(m.group(1))
@@ -183,7 +182,7 @@ def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_pa
     launches = re.findall(r"event=worker_launched node=\d+ device=(\d+) pid=(\d+)",
                           "".join((logs / f"agent{n}.log").read_text() for n in (0, 1)))
     assert sorted(int(p) for _, p in launches) == sorted(workers), launches
-    for d in range(4):
+    for d in range(n):
         entered = re.findall(r"event=generation_entered device=\d+ generation=(\d+)",
                              (logs / f"worker{d}.log").read_text())
         assert entered == ["0"], f"device {d} entered generations {entered}: a reconfiguration or restore"
