@@ -379,8 +379,11 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
             return
         self.controller_lost = exc
         rejoin = self.rejoin_timeout > 0 and not self.refused and self.on_controller_lost is None
-        logger.log(logging.WARNING if rejoin else logging.ERROR, "event=controller_lost node=%d error=%r%s",
-                   self.node, exc, f" action=fence_and_rejoin within={self.rejoin_timeout:.0f}s" if rejoin else "")
+        hold = self._grace() > 0 and not self.refused and self.on_controller_lost is None
+        action = (f" action=hold_and_redial within={self._grace():.0f}s" if hold else
+                  f" action=fence_and_rejoin within={self.rejoin_timeout:.0f}s" if rejoin else "")
+        logger.log(logging.WARNING if rejoin or hold else logging.ERROR, "event=controller_lost node=%d error=%r%s",
+                   self.node, exc, action)
         if self.on_controller_lost is not None:
             try:
                 self.on_controller_lost(exc)
