@@ -377,6 +377,9 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records
     if not records:
+        if run.ok and start >= cfg.training.iterations:  # re-attached to a job that had committed everything
+            print(f"the job had already committed all {cfg.training.iterations} iterations: finished", flush=True)
+            return 0
         return 1
     ref_losses = job.reference(job.spec, start + len(records))[start:] if job.reference is not None else None
     # Iteration 0 carries process start-up (imports, rendezvous): it is reported in the
