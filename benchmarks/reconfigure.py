@@ -413,8 +413,9 @@ class _Lines:
         raise RuntimeError(f"no line matching {pattern!r}; output:\n" + "".join(l for _, l in self.lines)[-3000:])
 
 
-def controller_restart(reps: int) -> dict:
-    """SIGKILL the controller at iteration 8, restart it at once with ``--resume``."""
+def controller_restart(reps: int, grace_s: float = 60.0) -> dict:
+    """SIGKILL the controller at iteration 8, restart it at once with ``--resume``
+    (``grace_s = 0``: nothing outlives it, the restart restores from a checkpoint)."""
     import subprocess
 
     cli = [sys.executable, "-m", "resihp_core.cli", "run"]
@@ -423,7 +424,7 @@ def controller_restart(reps: int) -> dict:
         tmp = tempfile.mkdtemp(prefix="resihp-ctl-restart-")
         cfg = os.path.join(tmp, "job.toml")
         with open(cfg, "w") as f:
-            f.write(_RESTART_CONFIG)
+            f.write(_RESTART_CONFIG.replace("controller_grace_s = 60", f"controller_grace_s = {grace_s:g}"))
         args = [*cli, cfg, "--no-live", "--report", os.path.join(tmp, "reports"), "--workdir", os.path.join(tmp, "w")]
         first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         _Lines(first).wait(r"^iteration\s+([89]|1\d)\s+loss", 300)
@@ -432,29 +433,37 @@ def controller_restart(reps: int) -> dict:
         killed = time.monotonic()
         second = subprocess.Popen([*args, "--resume"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         out = _Lines(second)
-        attached, _ = out.wait(r"attach: controller restarted", 300)
+        attached, _ = out.wait(r"attach: controller restarted" if grace_s > 0 else r"plan: generation 0", 300)
         committed, m = out.wait(r"^iteration\s+(\d+)\s+loss", 300)
         if second.wait(300) != 0:
             raise RuntimeError("the resumed run failed:\n" + "".join(l for _, l in out.lines)[-3000:])
+        if grace_s > 0 and "from the checkpoint" in "".join(l for _, l in out.lines):
+            raise RuntimeError("the restart restored from a checkpoint instead of re-attaching")
         rows.append({"restart_to_reattached_s": attached - killed, "restart_to_first_commit_s": committed - killed,
-                     "reattached_to_first_commit_s": committed - attached})
+                     "reattached_to_first_commit_s": committed - attached,
+                     "first_iteration_after_restart": int(m.group(1))})
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": len(rows)}
 
 
 def _main_controller_restart(args) -> int:
+    reps = 1 if args.quick else 3
     try:
-        res = controller_restart(1 if args.quick else 3)
+        res = {"re-attach": controller_restart(reps, 60.0), "restore (grace 0)": controller_restart(reps, 0.0)}
     except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
         print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
-    print(f"controller SIGKILL at iteration 8, restarted at once with --resume "
-          f"(TP1xPP2xDP2, median of {res['runs']}; load {' '.join(load)})")
-    for k, v in res.items():
-        print(f"  {k:30s} {v:10.3f}" if isinstance(v, float) else f"  {k:30s} {v:>10}")
+    print(f"controller SIGKILL at iteration 8 of 20, restarted at once with --resume "
+          f"(TP1xPP2xDP2, checkpoint every 4; median of {reps}; load {' '.join(load)})")
+    print("  (restore: 'reattached' is the first plan generation posted; the job restarts every process)")
+    print(f"  {'':32s} " + " ".join(f"{k:>18s}" for k in res))
+    for k in res["re-attach"]:
+        vals = [r[k] for r in res.values()]
+        print(f"  {k:32s} " + " ".join(f"{v:18.3f}" if isinstance(v, float) else f"{v!s:>18}" for v in vals))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**res, "config": {"quick": args.quick, "loadavg": load}}, f, indent=2)
+            json.dump({**{f"{lbl}_{k}": v for lbl, r in res.items() for k, v in r.items()},
+                       "config": {"quick": args.quick, "loadavg": load}}, f, indent=2)
     return 0
 
 
