@@ -292,7 +292,9 @@ class Adapter(abc.ABC):
         checkpoint (parameters by fully qualified name including tied ones, optimizer
         state including master weights and step counts, LR scheduler, loss scaler, RNG,
         data position). Names must not depend on the layout (stage split, TP degree,
-        sharding), so the conformance kit can compare two runs of any layout. Default:
+        sharding), so the conformance kit can compare two runs of any layout; a tensor
+        this device holds only part of is given as a :class:`Shard` of it (the kit
+        assembles the pieces of every device). Default:
         not provided (the kit then compares :meth:`held_state` only and says so)."""
         raise NotImplementedError(f"adapter {self.name!r} does not report its full state")
 

@@ -135,7 +135,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                             on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
                             on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None,
                             # the supervisor notifies observers of each failure once
-                            notify_failures=not supervised)
+                            notify_failures=not supervised, plugins=observers)
     procs.controller = controller
     agent_procs: dict[int, subprocess.Popen] = {}
     job: LocalJob | None = None

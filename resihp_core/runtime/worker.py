@@ -324,8 +324,12 @@ class Worker:
         if self.job.dump_dir and self.adapter.where is not None and self.plan is not None:
             import torch
 
+            try:  # the framework's own complete state, for the conformance kit
+                full: dict[str, Any] | None = self.adapter.full_state()
+            except NotImplementedError:
+                full = None
             torch.save({"where": self.adapter.where, "iteration": self.iteration, "plan": self.plan.to_text(),
-                        "state": self.adapter.held_state()},
+                        "state": self.adapter.held_state(), "full": full},
                        os.path.join(self.job.dump_dir, f"device{self.device}.pt"))
         self.adapter.close()  # the adapter finishes its queued checkpoint writes here
 

@@ -13,6 +13,7 @@ test_durability.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,7 @@ def test_deepspeed_killed_rank_restores_from_iteration_7(monkeypatch):
     from resihp_adapters.deepspeed.plugin import CAPABILITIES
 
     # The workers import the test model (_model.py) by name: agents pass the environment on.
-    monkeypatch.setenv("PYTHONPATH", f"{DS_DIR}:" + __import__("os").environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PYTHONPATH", ":".join(p for p in (str(DS_DIR), os.environ.get("PYTHONPATH", "")) if p))
     monkeypatch.syspath_prepend(str(DS_DIR))
     plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=2)
     spec = JobSpec(adapter="deepspeed", adapter_config={"model": "_model:build", "lr": 1e-3, "num_layers": 6},
@@ -123,7 +124,7 @@ def test_deepspeed_killed_rank_restores_from_iteration_7(monkeypatch):
     spec, run = _killed_at_10(spec, plan, CAPABILITIES, victims=[plan.group(0, 1)[0], plan.group(1, 1)[0]])
     _check_resumed_from_7(spec, run)
     want = run_scenario(dataclasses.replace(spec, faults=[]), plan, None, iterations=ITERATIONS,
-                        env={"PYTHONPATH": str(DS_DIR), "OMP_NUM_THREADS": "1"}, timeout=300)
+                        env={"PYTHONPATH": os.environ["PYTHONPATH"], "OMP_NUM_THREADS": "1"}, timeout=300)
     got = _assemble(read_dumps(spec))
     assert _max_rel_err(got, want.state) <= 1e-9
     assert [r.loss for r in run.records] == pytest.approx(want.losses, rel=1e-9)
