@@ -39,9 +39,14 @@ def test_example_adapter_passes_for_what_it_declares():
 
 
 def test_checkpoints_the_supervisor_cannot_select_fail_the_restore_scenario():
+    """The kit's restore scenario (run alone: it fails before any comparison)."""
+    from resihp_core.testing.conformance import run_scenario, scenarios
+    from resihp_example_adapter.plugin import CAPABILITIES
+
     base = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=1, num_microbatches=2)
+    restore = next(sc for sc in scenarios(CAPABILITIES, base) if sc.name == "restore")
     with pytest.raises(ConformanceError, match=r"restore: the supervisor finds no complete checkpoint.*mine-"):
-        check_adapter(_example_job("liar:OwnCheckpointLayout"), base, env=ENV, only=["restore"])
+        run_scenario(_example_job("liar:OwnCheckpointLayout"), base, restore, env=ENV)
 
 
 def test_a_declared_capability_the_adapter_lacks_fails_the_kit():

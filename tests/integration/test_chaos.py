@@ -233,7 +233,7 @@ def test_one_sigkill_is_one_failure_on_the_prometheus_endpoint():
     port = exporter.serve(0)
     try:
         plan = uniform(1, 2, 2, 2)
-        _chaos(plan, [fail_at(plan.group(1, 1)[0], 2, "kill")], observers=observers)
+        _chaos(plan, [fail_at(plan.group(1, 1)[0], 2, "kill")], iterations=4, observers=observers)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             body = r.read().decode()
     finally:
