@@ -303,7 +303,11 @@ class Adapter(abc.ABC):
         the iteration commits (collective among the executors; the adapter decides who
         writes). Raise only when a peer is gone: a storage error must not fail the
         iteration; report it through :meth:`checkpoint_status` (the write may also
-        finish in the background). A restore names a complete checkpoint of a
+        finish in the background). The core owns the layout: write your files (any
+        format) inside :func:`resihp_core.checkpoints.iteration_dir`, then, once every
+        writer has finished, one writer calls :func:`resihp_core.checkpoints.seal` and
+        :func:`~resihp_core.checkpoints.prune` (``job.checkpoint_keep``); only sealed
+        checkpoints are ever selected. A restore names a complete checkpoint of a
         committed iteration (``docs/checkpoints.md``)."""
         raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
 
