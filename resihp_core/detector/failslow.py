@@ -148,11 +148,11 @@ class _Base:
 
     def _verify(self, iterations: list[ProfileSet], before: list[ProfileSet], model: object | None,
                 threshold: float, environment: Mapping[int, float] | None = None,
-                noise: Mapping[int, float] | None = None) -> Verdict:
+                noise: Mapping[int, float] | None = None, unmeasured: frozenset[int] = frozenset()) -> Verdict:
         ctx = VerificationContext(
             generation=self.generation, iterations=iterations, before=before, model=model,
             prober=self.prober, plan=self.plan, threshold=threshold, environment=environment or {},
-            noise=noise or {},
+            noise=noise or {}, unmeasured=unmeasured,
         )
         t0 = time.process_time()
         verdict = self.verifier.verify(ctx)
@@ -329,6 +329,13 @@ class WorkloadAwareDetector(_Base):
                             self.changepoint.rebase(cp.index)
                 except ModelNotReady:
                     pass
+            if self.model.ready:
+                # ... and give each device's peer excess its first healthy values.
+                try:
+                    for it, _, ps in self._hist:
+                        self.local.update(it, peer_excess(ps, self.model.rank_compute))
+                except ModelNotReady:
+                    pass
             return Detection(iteration, measured, "warmup")
         det = self._observe_series(iteration, measured, profiles)
         if det.report is None and det.action not in ("cleared", "known"):
@@ -380,7 +387,7 @@ class WorkloadAwareDetector(_Base):
         onset = min(found.values())
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
-                               self._environment(onset), noise)
+                               self._environment(onset), noise, self.local.unmeasured())
         self._last_retained = iteration
         self._watch = None
         ratio, predicted = self._ratio_since(onset)
@@ -463,7 +470,7 @@ class WorkloadAwareDetector(_Base):
                                  notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
         env = self._environment(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
-                               self.local.noise())
+                               self.local.noise(), self.local.unmeasured())
         self._last_retained = iteration
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
                     self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])

@@ -93,7 +93,7 @@ class PeerExcessWatch:
 
     def reset(self) -> None:
         self._healthy: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self._history_len))
-        self._run: dict[int, list[int]] = {}  # device -> flagged iterations in a row
+        self._run: dict[int, list[tuple[int, float]]] = {}  # device -> flagged (iteration, excess) in a row
 
     def level(self, device: int) -> float:
         h = self._healthy.get(device)
@@ -112,18 +112,26 @@ class PeerExcessWatch:
         """Device -> healthy noise, for devices with enough history."""
         return {d: self.sigma(d) for d, h in self._healthy.items() if len(h) >= self.min_history}
 
+    def unmeasured(self) -> frozenset[int]:
+        """Devices seen with too little healthy history to measure their noise."""
+        return frozenset(d for d, h in self._healthy.items() if len(h) < self.min_history)
+
     def update(self, iteration: int, excess: Mapping[int, float]) -> dict[int, int]:
         """Add one iteration's peer excess; returns device -> onset iteration for every
-        device flagged in each of the last ``window`` iterations (reported once per run)."""
+        device flagged in each of the last ``window`` iterations (reported once per run).
+        A run of flagged values that ends sooner was noise: its values join the healthy
+        history (leaving them out would understate the noise)."""
         found: dict[int, int] = {}
         for d, x in excess.items():
             h = self._healthy[d]
             if len(h) >= self.min_history and x - self.level(d) > self.threshold(d):
                 run = self._run.setdefault(d, [])
-                run.append(iteration)
+                run.append((iteration, x))
                 if len(run) == self.window:
-                    found[d] = run[0]
+                    found[d] = run[0][0]
             else:
+                if len(self._run.get(d, ())) < self.window:
+                    h.extend(v for _, v in self._run.get(d, ()))
                 self._run.pop(d, None)
                 h.append(x)
         for d in [d for d in self._run if d not in excess]:

@@ -190,6 +190,8 @@ class ProfileVerifier:
         its host: reported with cause ``"contention"`` when it is slower than its peers,
         the environment's (not reported) in a job of one executor.
     :param noise_k: see ``compute_margin``.
+    :param unmeasured_margin: the margin for devices whose noise is not measured yet,
+        when the noise of others is (the first iterations after a warm-up).
     :param explain: compute suspects must account for at least this fraction of the
         iteration's excess over its prediction (in seconds); otherwise the slowdown is
         elsewhere (communication) and a little compute noise on some rank must not be
@@ -209,6 +211,7 @@ class ProfileVerifier:
         explain: float = 0.3,
         waiting: float = 0.5,
         noise_k: float = 4.0,
+        unmeasured_margin: float = 0.5,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
                      ("waiting", waiting)):
@@ -216,7 +219,7 @@ class ProfileVerifier:
                 raise ValueError(f"{n} must be in (0, 1), got {v!r}")
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
         self.concentrated, self.share, self.explain = concentrated, share, explain
-        self.waiting, self.noise_k = waiting, noise_k
+        self.waiting, self.noise_k, self.unmeasured_margin = waiting, noise_k, unmeasured_margin
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -262,6 +265,10 @@ class ProfileVerifier:
         """Relative compute excess that makes an executor a suspect: ``compute_margin``,
         or more where its devices' healthy timing is noisier (``noise_k`` of their noise
         scales, averaged down over the iterations verified)."""
+        if any(t.device[r] in ctx.unmeasured for r in ranks):
+            # Devices whose healthy timing was not measured (too little history yet):
+            # only a slowdown well beyond any plausible noise counts.
+            return max(self.compute_margin, self.unmeasured_margin)
         sig = max((ctx.noise.get(t.device[r], 0.0) for r in ranks), default=0.0)
         n = max(1, len(ctx.iterations))
         return max(self.compute_margin, math.expm1(self.noise_k * sig / math.sqrt(n)))

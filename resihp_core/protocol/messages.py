@@ -124,6 +124,9 @@ class FailureReport(_Msg, tag="failure"):
     throughput: dict[NonNeg, Throughput] = {}
     evidence: str = ""
     time: Seconds = 0.0
+    # Fail-stopped devices (of ``devices``) whose processes are alive and stopped: fenced
+    # (work planned elsewhere) but not killed; offered back when they resume (docs/detector.md).
+    paused: tuple[NonNeg, ...] = ()
 
 
 # ------------------------------------------------------------------- scheduler traffic

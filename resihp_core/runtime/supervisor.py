@@ -110,6 +110,9 @@ class Supervisor:
     storage_faults: list[dict] = field(default_factory=list)
     max_retries: int = 3  # same-plan redeployments in a row (no commit between) after unexplained stalls
     retries: int = 0
+    # Fail-stopped devices whose processes were stopped, not dead: fenced, not killed;
+    # planned back in without a relaunch when their node offers them (docs/detector.md).
+    paused: set[int] = field(default_factory=set)
 
     def _event(self, kind: str, text: str, **extra: Any) -> None:
         ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
@@ -341,9 +344,13 @@ class Supervisor:
                                f"({report.cause}): {report.evidence[:120]}",
                     failure=report.failure, devices=list(report.devices), cause=report.cause)
         if report.failure == "fail-stop":
+            paused = {d for r in stops for d in r.paused}
             for d in report.devices:
                 self.handled_devices.add(d)
-                if d in self.job.alive():
+                if d in paused:
+                    self.paused.add(d)  # stopped, not hung: fenced by the plan, kept alive
+                elif d in self.job.alive():
+                    self.paused.discard(d)
                     self.job.kill(d, signal.SIGKILL)  # fence a hung device (SIGCONT first)
         for attempt in range(4):
             # Processes found dead meanwhile join the report: never plan onto them.
@@ -426,6 +433,7 @@ class Supervisor:
             except queue.Empty:
                 break
         alive = set(self.job.alive())
+        self._resumed(sorted(d for d in offered if d in self.paused and d in alive))
         ready = sorted(d for d in offered if d in self.handled_devices and d not in alive and d not in self._joining)
         waiting = tuple(sorted(d for d in offered if d not in self.handled_devices and d not in alive))
         if waiting:
@@ -434,6 +442,17 @@ class Supervisor:
             return False
         self.rejoin(ready)
         return True
+
+    def _resumed(self, devices: list[int]) -> None:
+        """Paused workers back and healthy (their agent checked): the same process is
+        planned in once the controller hears it, as a relaunched one would be."""
+        devices = [d for d in devices if d in self.handled_devices and d not in self._joining]
+        if not devices:
+            return
+        self.paused.difference_update(devices)
+        self._joining.update({d: time.monotonic() + self.join_timeout_s for d in devices})
+        self._event("resumed", f"paused workers of devices {devices} are back and healthy; planned in once ready",
+                    devices=devices)
 
     def rejoin(self, devices: list[int]) -> None:
         """Bring repaired ``devices`` back: start their workers now; once they are
