@@ -190,8 +190,6 @@ class VerificationContext:
     # Per device: the robust spread of its healthy compute relative to its peers (log
     # scale; detector/localise.py); thresholds scale with it. Absent = not measured.
     noise: Mapping[int, float] = field(default_factory=dict)
-    # Devices whose healthy timing has too little history to measure its noise yet.
-    unmeasured: frozenset[int] = frozenset()
 
 
 @runtime_checkable

@@ -148,11 +148,11 @@ class _Base:
 
     def _verify(self, iterations: list[ProfileSet], before: list[ProfileSet], model: object | None,
                 threshold: float, environment: Mapping[int, float] | None = None,
-                noise: Mapping[int, float] | None = None, unmeasured: frozenset[int] = frozenset()) -> Verdict:
+                noise: Mapping[int, float] | None = None) -> Verdict:
         ctx = VerificationContext(
             generation=self.generation, iterations=iterations, before=before, model=model,
             prober=self.prober, plan=self.plan, threshold=threshold, environment=environment or {},
-            noise=noise or {}, unmeasured=unmeasured,
+            noise=noise or {},
         )
         t0 = time.process_time()
         verdict = self.verifier.verify(ctx)
@@ -387,7 +387,7 @@ class WorkloadAwareDetector(_Base):
         onset = min(found.values())
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
-                               self._environment(onset), noise, self.local.unmeasured())
+                               self._environment(onset), noise)
         self._last_retained = iteration
         self._watch = None
         ratio, predicted = self._ratio_since(onset)
@@ -470,7 +470,7 @@ class WorkloadAwareDetector(_Base):
                                  notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
         env = self._environment(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
-                               self.local.noise(), self.local.unmeasured())
+                               self.local.noise())
         self._last_retained = iteration
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
                     self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])

@@ -79,11 +79,13 @@ class PeerExcessWatch:
         are not worth a new plan.
     :param window: consecutive flagged iterations that make a localised slowdown (its
         onset is the first of them; 3 keeps the latency <= 3 iterations).
-    :param min_history: healthy values a device needs before it can be flagged.
+    :param min_history: healthy values a device needs before it can be flagged (the
+        detector gives it the warm-up's at once, so a slowdown right after the warm-up
+        is judged against them instead of becoming part of the "healthy" history).
     :param history: healthy values kept per device.
     """
 
-    def __init__(self, *, k: float = 4.0, floor: float = 0.25, window: int = 3, min_history: int = 4,
+    def __init__(self, *, k: float = 4.0, floor: float = 0.25, window: int = 3, min_history: int = 3,
                  history: int = 32) -> None:
         if k <= 0 or floor <= 0 or window < 1 or min_history < 2 or history < min_history:
             raise ValueError("need k > 0, floor > 0, window >= 1, 2 <= min_history <= history")
@@ -111,10 +113,6 @@ class PeerExcessWatch:
     def noise(self) -> dict[int, float]:
         """Device -> healthy noise, for devices with enough history."""
         return {d: self.sigma(d) for d, h in self._healthy.items() if len(h) >= self.min_history}
-
-    def unmeasured(self) -> frozenset[int]:
-        """Devices seen with too little healthy history to measure their noise."""
-        return frozenset(d for d, h in self._healthy.items() if len(h) < self.min_history)
 
     def update(self, iteration: int, excess: Mapping[int, float]) -> dict[int, int]:
         """Add one iteration's peer excess; returns device -> onset iteration for every

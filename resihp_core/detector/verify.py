@@ -190,8 +190,8 @@ class ProfileVerifier:
         its host: reported with cause ``"contention"`` when it is slower than its peers,
         the environment's (not reported) in a job of one executor.
     :param noise_k: see ``compute_margin``.
-    :param unmeasured_margin: the margin for devices whose noise is not measured yet,
-        when the noise of others is (the first iterations after a warm-up).
+    :param shared_wait: a suspect slowed by contention is the machine's when its peers
+        lost at least this share of their compute waiting for a CPU too.
     :param explain: compute suspects must account for at least this fraction of the
         iteration's excess over its prediction (in seconds); otherwise the slowdown is
         elsewhere (communication) and a little compute noise on some rank must not be
@@ -211,7 +211,7 @@ class ProfileVerifier:
         explain: float = 0.3,
         waiting: float = 0.5,
         noise_k: float = 4.0,
-        unmeasured_margin: float = 0.5,
+        shared_wait: float = 0.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
                      ("waiting", waiting)):
@@ -219,7 +219,8 @@ class ProfileVerifier:
                 raise ValueError(f"{n} must be in (0, 1), got {v!r}")
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
         self.concentrated, self.share, self.explain = concentrated, share, explain
-        self.waiting, self.noise_k, self.unmeasured_margin = waiting, noise_k, unmeasured_margin
+        self.waiting, self.noise_k = waiting, noise_k
+        self.shared_wait = shared_wait
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -242,7 +243,14 @@ class ProfileVerifier:
                 return Verdict({}, "unknown", "every executor slowed alike in compute ("
                                + ", ".join(f"replica {r} stage {s}: {raw[(r, s)]:.2f}x" for r, s in sorted(groups))
                                + "): a machine-wide slowdown, no device to plan around")
-            suspects = {ex: ranks for ex, ranks in suspects.items() if ex in local}
+            shared = {ex for ex in local if self._shared_contention(t, groups, ex)}
+            if local and shared == local:
+                return Verdict({}, "unknown", "the slowdown is waiting for a CPU that its peers share ("
+                               + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
+                                           f"{100 * self._peer_wait(t, groups, (r, s)):.0f} % of their compute"
+                                           for r, s in sorted(shared))
+                               + "): the whole machine is contended, unevenly; not a device")
+            suspects = {ex: ranks for ex, ranks in suspects.items() if ex in local and ex not in shared}
         else:
             # One executor has no peers to compare with: a slowdown that is time its
             # ranks waited for a CPU other processes held cannot be told from the
@@ -265,10 +273,6 @@ class ProfileVerifier:
         """Relative compute excess that makes an executor a suspect: ``compute_margin``,
         or more where its devices' healthy timing is noisier (``noise_k`` of their noise
         scales, averaged down over the iterations verified)."""
-        if any(t.device[r] in ctx.unmeasured for r in ranks):
-            # Devices whose healthy timing was not measured (too little history yet):
-            # only a slowdown well beyond any plausible noise counts.
-            return max(self.compute_margin, self.unmeasured_margin)
         sig = max((ctx.noise.get(t.device[r], 0.0) for r in ranks), default=0.0)
         n = max(1, len(ctx.iterations))
         return max(self.compute_margin, math.expm1(self.noise_k * sig / math.sqrt(n)))
@@ -276,6 +280,20 @@ class ProfileVerifier:
     def _contended(self, t: _Totals, rank: int) -> bool:
         """Most of what ``rank`` lost in compute is time it waited for a CPU."""
         return t.waited(rank) >= self.waiting * (t.measured[rank] - t.predicted[rank])
+
+    def _peer_wait(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> float:
+        """Median over the other executors of the share of their healthy compute they
+        lost waiting for a CPU (beyond their healthy share)."""
+        shares = [max(t.waited(r) / t.predicted[r] if t.predicted.get(r, 0.0) > 0 else 0.0 for r in ranks)
+                  for e, ranks in groups.items() if e != ex]
+        return statistics.median(shares) if shares else 0.0
+
+    def _shared_contention(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> bool:
+        """A suspect slowed by contention whose peers lost ``shared_wait`` of their
+        compute waiting for a CPU as well: the machine is contended, and how much each
+        worker loses is the scheduler's unevenness, not a property of its device."""
+        return (all(self._contended(t, r) for r in groups[ex])
+                and self._peer_wait(t, groups, ex) >= self.shared_wait)
 
     def _above_peers(self, ctx: VerificationContext, t: _Totals, groups: dict[tuple[int, int], list[int]],
                      ex: tuple[int, int], margin: float) -> bool:

@@ -178,7 +178,17 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
             time.sleep(0.005)
+        self._end_pauses()
         return self.records
+
+    def _end_pauses(self) -> None:
+        """The job is done: workers still paused (fenced, never back) hold stale state
+        and are no part of its end; they are killed, not stopped with the others."""
+        alive = set(self.job.alive())
+        for d in sorted(self.paused & alive):
+            self._event("kill", f"device {d} was still paused at the job's end: killed", devices=[d])
+            self.job.kill(d, signal.SIGKILL)
+        self.paused.clear()
 
     # ------------------------------------------------------------ checkpoints
     def _unsourceable(self) -> bool:

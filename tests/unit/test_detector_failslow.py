@@ -659,3 +659,17 @@ def test_adapter_steps_and_compute_ends_drive_the_workers_meter() -> None:
     ctx.step(1, 1)  # a receive: not compute
     now[0] += 0.5
     assert inj.cpu_wait.compute_s == pytest.approx(0.25) and inj.cpu_wait.iteration_s() == pytest.approx(1.75)
+
+
+def test_contention_every_device_shares_unevenly_is_the_machine() -> None:
+    # Busy processes on every core: every rank waits for a CPU, one much more than the
+    # others for a while (the scheduler is not fair per process). Its peers' own
+    # waiting shows the contention is the machine's: nothing is reported.
+    trace = Trace(seed=11)
+    trace.base_wait = 0.05
+    det = resihp()
+    feed(det, trace, 0, 40)
+    trace.contended.update({0: 1.8, 1: 1.7, 2: 4.0, 3: 1.9})
+    after = feed(det, trace, 40, 56)
+    assert not [d for d in after if d.report is not None], [d.action for d in after]
+    assert any("its peers share" in d.verdict.evidence for d in after if d.verdict is not None)

@@ -163,3 +163,18 @@ def test_peer_excess_and_the_watch() -> None:
     w.forget({0})
     assert 0 not in w.noise()
     assert robust_sigma([1.0]) == 0.0 and robust_sigma([1.0, 1.0, 1.0]) == 0.0
+
+
+def test_a_slowdown_right_after_the_warm_up_is_judged_against_the_warm_up() -> None:
+    # The warm-up's iterations give every device its first healthy values at once: a
+    # slowdown from the first iteration after it does not become the device's "healthy"
+    # history (which would make its noise look huge and hide it).
+    job = Job(ranks=2, scale=0.3, seed=8)
+    det = detector()
+    for it in range(4):  # 1 skipped + 3 fitted
+        assert det.observe(it, job.iteration(it)).action == "warmup"
+    job.slow[1] = 3.0
+    dets = [det.observe(it, job.iteration(it)) for it in range(4, 12)]
+    rep = [d for d in dets if d.report is not None]
+    assert rep and rep[0].report.devices == (1,) and rep[0].report.cause == "compute", [d.action for d in dets]
+    assert rep[0].iteration - 4 + 1 <= 3
