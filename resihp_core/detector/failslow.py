@@ -28,6 +28,12 @@ decides what is worth verifying. ``series="raw"`` is the literal reading of docs
 (:class:`~.changepoint.GreyhoundChangePoint`) is verified
 (:class:`~.verify.GreyhoundVerifier`).
 
+Next to the iteration-time path, a per-device path (:class:`~.localise.PeerExcessWatch`,
+docs/detector.md): each rank's compute over its healthy prediction, relative to the
+other executors', against the noise of its own healthy history; a device above it for
+``verify_window`` iterations in a row is verified at once, however little the iteration
+time moved (small models, DP replicas). Verification gets each device's measured noise.
+
 A failure already reported (same devices and cause, throughput within 10 %) is not
 reported again; after a report its devices' throughput is given to the model, so the
 prediction of later iterations expects them to be slow.

@@ -6,16 +6,21 @@ Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
 iterations since the change point and the healthy model, and probes only where the
 profiles cannot decide:
 
-0. **environment** — a slowdown is not a device failure when it is time the suspect's
-   training thread spent runnable but waiting for a CPU that other processes held (its
-   run delay beyond the share the healthy prediction contains;
-   :mod:`~resihp_core.detector.environment`), or when executors of different stages
-   slowed at once (one device slows only its own executor). Every slowdown below is
-   measured with that waiting taken out.
+0. **localised or machine-wide** (docs/detector.md) — a suspect must be slower than the
+   median of the other executors by its margin (``compute_margin``, or more where its
+   device's healthy timing is noisier: ``VerificationContext.noise``), over the
+   iterations verified and in most of them: every executor slowed alike is the
+   machine, not a device. A localised suspect whose lost time is mostly time its
+   training thread waited for a CPU other processes held (its run delay beyond the
+   share the healthy prediction contains; :mod:`~resihp_core.detector.environment`)
+   is reported with cause ``"contention"`` — unless its peers waited much as well
+   (the whole machine is contended, unevenly). With a single executor (no peers) such
+   waiting is the environment's. A device's own slowdown is measured with the waiting
+   taken out.
 
 1. **compute** — each rank's measured compute (Σ forward + backward of its
    micro-batches) over its healthy prediction for the same documents gives a slowdown
-   ``q``. Executors (replica, stage) with ``q > 1 + compute_margin`` and at least half
+   ``q``. Executors (replica, stage) with ``q`` above their margin and at least half
    the worst executor's excess are suspects.
 
    * TP degree 1: the device is found, ``p = 1 / q``.
