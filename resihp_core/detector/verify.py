@@ -269,7 +269,12 @@ class ProfileVerifier:
                                    f"without the {max(t.waited(r) for r in groups[ex]):.3f} s it waited"
                                    for ex in sorted(waited)) + "): the environment, not a device")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
-        explained = max((t.measured[r] - t.predicted[r] for ranks in suspects.values() for r in ranks), default=0.0)
+        # The iteration's excess without what other processes took (at most the most any
+        # rank waited for a CPU beyond its share) is what the suspects must account for:
+        # a device's own slowdown, or for a contended one, its waiting as well.
+        excess -= max((t.waited(r) + t.outside_waited(r) for r in t.measured), default=0.0)
+        explained = max(((t.measured[r] if self._contended(t, r) else t.device_measured(r)) - t.predicted[r]
+                         for ranks in suspects.values() for r in ranks), default=0.0)
         if suspects and (excess <= 0 or explained >= self.explain * excess):
             return self._compute(ctx, t, suspects)
         return self._communication(ctx, t)
