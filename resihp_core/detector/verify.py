@@ -195,6 +195,9 @@ class ProfileVerifier:
         its host: reported with cause ``"contention"`` when it is slower than its peers,
         the environment's (not reported) in a job of one executor.
     :param noise_k: see ``compute_margin``.
+    :param max_margin: the noise-relative margin is at most this: a noise estimate from a
+        few wild iterations (a warm-up on a loaded machine) must not hide a device
+        computing twice as slowly as its peers.
     :param shared_wait: a suspect slowed by contention is the machine's when its peers
         lost at least this share of their compute waiting for a CPU too.
     :param explain: compute suspects must account for at least this fraction of the
@@ -216,6 +219,7 @@ class ProfileVerifier:
         explain: float = 0.3,
         waiting: float = 0.5,
         noise_k: float = 4.0,
+        max_margin: float = 1.0,
         shared_wait: float = 0.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
@@ -225,7 +229,7 @@ class ProfileVerifier:
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
         self.concentrated, self.share, self.explain = concentrated, share, explain
         self.waiting, self.noise_k = waiting, noise_k
-        self.shared_wait = shared_wait
+        self.shared_wait, self.max_margin = shared_wait, max_margin
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -244,7 +248,8 @@ class ProfileVerifier:
             # slowed it (its device, or other processes on its cores: the cause then
             # says "contention"); every executor slowed alike is the machine.
             local = {ex for ex in suspects if self._above_peers(ctx, t, groups, ex, margin[ex])}
-            if suspects and not local:
+            everyone = all(raw[ex] > 1 + self.compute_margin for ex in groups)
+            if (suspects or everyone) and not local:
                 return Verdict({}, "unknown", "every executor slowed alike in compute ("
                                + ", ".join(f"replica {r} stage {s}: {raw[(r, s)]:.2f}x" for r, s in sorted(groups))
                                + "): a machine-wide slowdown, no device to plan around")
@@ -285,7 +290,7 @@ class ProfileVerifier:
         scales, averaged down over the iterations verified)."""
         sig = max((ctx.noise.get(t.device[r], 0.0) for r in ranks), default=0.0)
         n = max(1, len(ctx.iterations))
-        return max(self.compute_margin, math.expm1(self.noise_k * sig / math.sqrt(n)))
+        return max(self.compute_margin, min(self.max_margin, math.expm1(self.noise_k * sig / math.sqrt(n))))
 
     def _contended(self, t: _Totals, rank: int) -> bool:
         """Most of what ``rank`` lost in compute is time it waited for a CPU."""
