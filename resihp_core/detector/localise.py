@@ -83,13 +83,14 @@ class PeerExcessWatch:
         detector gives it the warm-up's at once, so a slowdown right after the warm-up
         is judged against them instead of becoming part of the "healthy" history).
     :param history: healthy values kept per device.
+    :param cap: see :meth:`threshold` (verification caps its margin the same way).
     """
 
     def __init__(self, *, k: float = 4.0, floor: float = 0.25, window: int = 3, min_history: int = 3,
-                 history: int = 32) -> None:
+                 history: int = 32, cap: float = 1.0) -> None:
         if k <= 0 or floor <= 0 or window < 1 or min_history < 2 or history < min_history:
             raise ValueError("need k > 0, floor > 0, window >= 1, 2 <= min_history <= history")
-        self.k, self.floor, self.window, self.min_history = k, floor, window, min_history
+        self.k, self.floor, self.window, self.min_history, self.cap = k, floor, window, min_history, cap
         self._history_len = history
         self.reset()
 
@@ -107,8 +108,10 @@ class PeerExcessWatch:
         return robust_sigma(list(h)) if h else 0.0
 
     def threshold(self, device: int) -> float:
-        """Log excess over the healthy level that flags ``device``."""
-        return max(math.log1p(self.floor), self.k * self.sigma(device))
+        """Log excess over the healthy level that flags ``device`` (never more than
+        ``log(1 + cap)``: a device ``1 + cap`` times slower than its peers is flagged
+        however noisy its few healthy values looked)."""
+        return max(math.log1p(self.floor), min(math.log1p(self.cap), self.k * self.sigma(device)))
 
     def noise(self) -> dict[int, float]:
         """Device -> healthy noise, for devices with enough history."""
