@@ -162,7 +162,7 @@ class FailStopMonitor:
             raise ValueError("need interval > 0, miss_limit >= 1, grace >= 0, max_pause_s > 0")
         self.max_pause_s = max_pause_s
         # The health check of a resumed worker: it beats steadily this long.
-        self.resume_check_s = resume_check_s if resume_check_s is not None else max(0.5, 5 * interval)
+        self.resume_check_s = resume_check_s if resume_check_s is not None else max(0.3, 3 * interval)
         self._resumed: list[int] = []
         self.interval, self.miss_limit, self.grace = interval, miss_limit, grace
         self.hang_factor, self.hang_min_timeout = hang_factor, hang_min_timeout
