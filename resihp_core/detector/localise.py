@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
@@ -139,7 +139,7 @@ class PeerExcessWatch:
             del self._run[d]
         return found
 
-    def forget(self, devices: Mapping[int, object] | set[int]) -> None:
+    def forget(self, devices: Iterable[int]) -> None:
         """The slowdown of ``devices`` was judged: they start a new healthy history at
         their new level (a reported device stays slow until the next plan)."""
         for d in devices:
