@@ -37,6 +37,11 @@ simulated: compute-probe and link-probe rounds of ``PROBE_ROUND_S`` each plus
 ``PROBE_PAUSE_S`` to drain and resume the pipeline — the verification cost is the
 training time these take (assumed values, stated in the output).
 
+Externally made slowdowns (a CPU hog pinned to one worker's core, a duty-cycled
+SIGSTOP, a whole-machine load that must not be reported, a small and a large model,
+DP-only): real busy worker processes pinned to cores, ``benchmarks/detector_external.py``
+(docs/detector.md), with misses, false reports and latency per case.
+
 Overhead: :func:`measure_overhead` alternates iterations with the detector's
 per-iteration work on (the worker beats at every primitive and sends a profile per
 iteration, through a real agent and controller) and off, paired and interleaved (ABBA)
@@ -610,7 +615,7 @@ def real_failstop(config: DetectorConfig) -> dict[str, Any]:
         out["stalled_progress"] = {"detected": rep is not None, "evidence": rep.evidence if rep else "",
                                    "waited_s": time.monotonic() - t_stall}
         timed("sigkill_agent", lambda: agent.send_signal(signal.SIGKILL), stopped(3))
-        out["hang_reported_as_hang"] = "hang" in out["sigstop_worker"]["evidence"]
+        out["sigstop_reported_as_paused"] = "paused" in out["sigstop_worker"]["evidence"]
         out["false_reports"] = sum(1 for r in ctl.reports if not (set(r.devices) <= {0, 1, 2, 3}))
         lt.run(ctl.stop())
     finally:
@@ -854,7 +859,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dwell", type=float, default=50.0, help="mean iterations a source dominates (drift)")
     ap.add_argument("--changepoint", choices=("bocpd", "cusum"), default="bocpd", help="ResiHP's detector")
     ap.add_argument("--no-record", action="store_true", help="Gaussian 2 %% noise instead of recorded profiles")
-    ap.add_argument("--no-processes", action="store_true", help="skip the real-process and overhead parts")
+    ap.add_argument("--no-processes", action="store_true",
+                    help="skip the real-process parts (fail-stop, externally made slowdowns, overhead)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -999,6 +1005,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     # ---------------------------------------------------------------- real processes, overhead
     if not args.no_processes:
         result["fail_stop_real"] = real_failstop(config)
+        import detector_external
+
+        result["external"] = detector_external.run(args.quick)
         ref = ReferenceIteration()
         try:
             result["overhead"] = measure_overhead(ref, pairs=40 if args.quick else 150)
@@ -1108,8 +1117,13 @@ def _table(r: dict[str, Any]) -> str:
             lat = v[k]["latency_s"]
             lines.append(f"  {k:<16} {'reported' if v[k]['detected'] else 'MISSED'}"
                          f"{'' if lat is None else f' in {lat * 1e3:.0f} ms'}")
-        lines.append(f"  SIGSTOP reported as a hang: {v['hang_reported_as_hang']}; stalled progress "
+        lines.append(f"  SIGSTOP reported as a pause (fenced, not killed): {v['sigstop_reported_as_paused']}; stalled progress "
                      f"{'reported' if v['stalled_progress']['detected'] else 'MISSED'}")
+    if "external" in r:
+        import detector_external
+
+        lines.append("")
+        lines.append(detector_external.table(r["external"]))
     if "overhead" in r:
         o = r["overhead"]
         lines.append("")

@@ -200,6 +200,10 @@ class DetectorConfig(_Section):
     # hang_min_timeout_s (so a short early history cannot cause a false alarm).
     hang_timeout_factor: float = _opt(10.0, _gt(1), _finite)
     hang_min_timeout_s: float = _opt(5.0, _gt(0), _finite)
+    # A silent worker whose process is stopped (SIGSTOP, a debugger, a preempting host)
+    # is fenced, not killed, for up to this long; it is offered back when it resumes
+    # and beats steadily again (docs/detector.md "Paused workers").
+    pause_max_s: float = _opt(300.0, _gt(0), _finite)
     changepoint_method: str = _opt("bocpd", _nonempty)
     changepoint_threshold: float = _opt(0.8, _between(0, 1))  # posterior probability
     changepoint_hazard: float = _opt(0.01, _between(0, 1), _gt(0))  # 1 / expected run length

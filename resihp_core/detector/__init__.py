@@ -54,7 +54,7 @@ __all__ = [
     "Verdict",
 ]
 
-Cause = Literal["compute", "communication", "unknown"]
+Cause = Literal["compute", "communication", "contention", "unknown"]
 
 #: The profiles of one iteration: rank -> what that rank measured.
 ProfileSet = Mapping[int, "IterationProfile"]
@@ -187,6 +187,9 @@ class VerificationContext:
     # before the change to these iterations; absent = not measured. Evidence only: each
     # rank's own waiting for a CPU is in its profiles (detector/environment.py).
     environment: Mapping[int, float] = field(default_factory=dict)
+    # Per device: the robust spread of its healthy compute relative to its peers (log
+    # scale; detector/localise.py); thresholds scale with it. Absent = not measured.
+    noise: Mapping[int, float] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -28,6 +28,12 @@ decides what is worth verifying. ``series="raw"`` is the literal reading of docs
 (:class:`~.changepoint.GreyhoundChangePoint`) is verified
 (:class:`~.verify.GreyhoundVerifier`).
 
+Next to the iteration-time path, a per-device path (:class:`~.localise.PeerExcessWatch`,
+docs/detector.md): each rank's compute over its healthy prediction, relative to the
+other executors', against the noise of its own healthy history; a device above it for
+``verify_window`` iterations in a row is verified at once, however little the iteration
+time moved (small models, DP replicas). Verification gets each device's measured noise.
+
 A failure already reported (same devices and cause, throughput within 10 %) is not
 reported again; after a report its devices' throughput is given to the model, so the
 prediction of later iterations expects them to be slow.
@@ -36,6 +42,7 @@ prediction of later iterations expects them to be slow.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -54,6 +61,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
+from resihp_core.detector.localise import PeerExcessWatch, peer_excess
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 
 if TYPE_CHECKING:
@@ -145,10 +153,12 @@ class _Base:
         return self._fed[-1][0]
 
     def _verify(self, iterations: list[ProfileSet], before: list[ProfileSet], model: object | None,
-                threshold: float, environment: Mapping[int, float] | None = None) -> Verdict:
+                threshold: float, environment: Mapping[int, float] | None = None,
+                noise: Mapping[int, float] | None = None) -> Verdict:
         ctx = VerificationContext(
             generation=self.generation, iterations=iterations, before=before, model=model,
             prober=self.prober, plan=self.plan, threshold=threshold, environment=environment or {},
+            noise=noise or {},
         )
         t0 = time.process_time()
         verdict = self.verifier.verify(ctx)
@@ -240,10 +250,12 @@ class WorkloadAwareDetector(_Base):
         plan: ParallelPlan | None = None,
         clock: Callable[[], float] = time.time,
         verify_window: int = 3,
+        local: PeerExcessWatch | None = None,
     ) -> None:
         if not slow_threshold > 0 or min_gap < 1 or verify_window < 1:
             raise ValueError("need slow_threshold > 0, min_gap >= 1 and verify_window >= 1")
         self.verify_window = verify_window
+        self.local = local if local is not None else PeerExcessWatch(window=verify_window, floor=slow_threshold)
         if series not in ("normalised", "raw"):
             raise ValueError(f"series must be 'normalised' or 'raw', got {series!r}")
         self.slow_threshold, self.min_gap, self.series = slow_threshold, min_gap, series
@@ -257,6 +269,8 @@ class WorkloadAwareDetector(_Base):
         self._pred: dict[int, float] = {}
         self._watch: tuple[int, int] | None = None  # (onset, until iteration) of a benign change
         self._opening: list[float] = []  # the normalised series' first values: its healthy level
+        if hasattr(self, "local"):
+            self.local.reset()
 
     def _feed_normalised(self, iteration: int, ratio: float) -> Any:
         if len(self._opening) < 4:
@@ -286,6 +300,7 @@ class WorkloadAwareDetector(_Base):
         self._reset_state(generation, plan)
         for d, p in (speeds or {}).items():
             self._reported[(d, "compute")] = p
+            self._reported[(d, "contention")] = p
 
     def _ratio_since(self, onset: int) -> tuple[float, float | None]:
         after, _ = self._window(onset)
@@ -320,7 +335,23 @@ class WorkloadAwareDetector(_Base):
                             self.changepoint.rebase(cp.index)
                 except ModelNotReady:
                     pass
+            if self.model.ready:
+                # ... and give each device's peer excess its first healthy values.
+                try:
+                    for it, _, ps in self._hist:
+                        self.local.update(it, peer_excess(ps, self.model.rank_compute))
+                except ModelNotReady:
+                    pass
             return Detection(iteration, measured, "warmup")
+        det = self._observe_series(iteration, measured, profiles)
+        if det.report is None and det.action not in ("cleared", "known"):
+            local = self._observe_local(iteration, measured, profiles)
+            if local is not None:
+                return local
+        return det
+
+    def _observe_series(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection:
+        """The iteration-time path: change point, workload filter, verification."""
         try:
             if self.series == "normalised":
                 cp = self._feed_normalised(iteration, measured / self.predict_healthy(iteration, profiles))
@@ -346,6 +377,44 @@ class WorkloadAwareDetector(_Base):
             self._watch = (onset, iteration + self.min_gap)
             return Detection(iteration, measured, "benign", cp, predicted, ratio, onset=onset)
         return self._verify_change(iteration, measured, cp, onset, ratio, predicted)
+
+    def _observe_local(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection | None:
+        """The per-device path (detector/localise.py): a device whose compute, relative
+        to its peers', stays above its own healthy noise for ``verify_window``
+        iterations is verified at once, however little the iteration time moved."""
+        try:
+            excess = peer_excess(profiles, self.model.rank_compute)
+        except ModelNotReady:
+            return None
+        noise = self.local.noise()
+        found = self.local.update(iteration, excess)
+        if not found:
+            return None
+        onset = min(found.values())
+        after, before = self._window(onset)
+        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
+                               self._environment(onset), noise)
+        self._last_retained = iteration
+        self._watch = None
+        ratio, predicted = self._ratio_since(onset)
+        note = "devices " + ", ".join(
+            f"{d} ({math.exp(excess[d]):.2f}x its peers, noise {noise.get(d, 0.0):.3f})" for d in sorted(found)
+        ) + f" slower than their peers since iteration {onset}"
+        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d path=local confirmed=%s evidence=%r",
+                    self.generation, iteration, onset, verdict.confirmed, verdict.evidence[:300])
+        # Judged: the flagged devices' histories restart at their current level.
+        self.local.forget(set(found) | set(verdict.slow))
+        if not verdict.confirmed:
+            return Detection(iteration, measured, "cleared", None, predicted, ratio, verdict, onset=onset,
+                             notes=(note,))
+        if self._known(verdict):
+            return Detection(iteration, measured, "known", None, predicted, ratio, verdict, onset=onset, notes=(note,))
+        report = self._report(verdict)
+        if verdict.cause in ("compute", "contention"):
+            self.model.set_speeds(verdict.slow)
+            self._pred.clear()
+        return Detection(iteration, measured, "reported", None, predicted, ratio, verdict, report, onset=onset,
+                         notes=(note,))
 
     def _persistent_excess(self, iteration: int, measured: float) -> Detection:
         """Backstop for a change the change-point detector cannot place: every one of the
@@ -406,7 +475,8 @@ class WorkloadAwareDetector(_Base):
                 return Detection(iteration, measured, "faded", cp, predicted, ratio, onset=onset,
                                  notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
         env = self._environment(onset)
-        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env)
+        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
+                               self.local.noise())
         self._last_retained = iteration
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
                     self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])
@@ -415,7 +485,8 @@ class WorkloadAwareDetector(_Base):
         if self._known(verdict):
             return Detection(iteration, measured, "known", cp, predicted, ratio, verdict, onset=onset)
         report = self._report(verdict)
-        if verdict.cause == "compute":
+        self.local.forget(set(verdict.slow))
+        if verdict.cause in ("compute", "contention"):
             self.model.set_speeds(verdict.slow)
             self._pred.clear()
         return Detection(iteration, measured, "reported", cp, predicted, ratio, verdict, report, onset=onset)

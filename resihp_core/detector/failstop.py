@@ -8,6 +8,12 @@ unit-testable with a fake clock (docs/design.md §3.1):
   small grace). If the worker's process is known to be alive (a pid to look at) the
   failure is classified a *hang* (e.g. the process is stopped, ``SIGSTOP``, or every
   thread is stuck), otherwise a silent death;
+* **a pause** — silent while its process is *stopped* (state ``T``: SIGSTOP, a debugger,
+  a preempting host): declared ``paused``, which fences it (its work is planned
+  elsewhere) without killing it. If it beats again and keeps beating for
+  ``resume_check_s`` (the health check) it is healthy again (:meth:`FailStopMonitor.take_resumed`):
+  it is offered back. Stopped longer than ``max_pause_s``, or running again but still
+  silent, it is a hang (``after_pause``: the agent kills it, nobody else will);
 * **connection loss** and **process exit** — at once;
 * **hang with progress stalled** — heartbeats keep coming (the worker's beat thread is
   alive) but ``(iteration, step)`` has not advanced for longer than a timeout *learned
@@ -54,6 +60,7 @@ class FailureKind(str, enum.Enum):
     DISCONNECT = "disconnect"  # its connection to the agent closed
     MISSED_BEATS = "missed-beats"  # silent, process state unknown or gone
     HANG = "hang"  # process alive but silent, or beating without progress
+    PAUSED = "paused"  # silent while its process is stopped: fenced, not killed
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class WorkerFailure:
     time: float
     iteration: int = 0
     step: int = 0
+    after_pause: bool = False  # a hang that followed a pause: its fence is already planned, kill it here
 
 
 class HangTimeout:
@@ -116,6 +124,11 @@ class WorkerStatus:
     finished: bool = False
     connected: bool = True
     hang: HangTimeout | None = field(default=None, repr=False)
+    resumed_at: float | None = None  # a paused worker's first beat since the pause
+
+    @property
+    def paused(self) -> bool:
+        return self.failure is not None and self.failure.kind is FailureKind.PAUSED
 
     @property
     def alive(self) -> bool:
@@ -142,9 +155,15 @@ class FailStopMonitor:
         *,
         grace: float = 0.5,
         process_state: Callable[[int], ProcessState] | None = None,
+        max_pause_s: float = 300.0,
+        resume_check_s: float | None = None,
     ) -> None:
-        if interval <= 0 or miss_limit < 1 or grace < 0:
-            raise ValueError("need interval > 0, miss_limit >= 1, grace >= 0")
+        if interval <= 0 or miss_limit < 1 or grace < 0 or max_pause_s <= 0:
+            raise ValueError("need interval > 0, miss_limit >= 1, grace >= 0, max_pause_s > 0")
+        self.max_pause_s = max_pause_s
+        # The health check of a resumed worker: it beats steadily this long.
+        self.resume_check_s = resume_check_s if resume_check_s is not None else max(0.3, 3 * interval)
+        self._resumed: list[int] = []
         self.interval, self.miss_limit, self.grace = interval, miss_limit, grace
         self.hang_factor, self.hang_min_timeout = hang_factor, hang_min_timeout
         self.process_state = process_state
@@ -157,6 +176,7 @@ class FailStopMonitor:
             config.heartbeat_miss_limit,
             config.hang_timeout_factor,
             config.hang_min_timeout_s,
+            max_pause_s=config.pause_max_s,
             **kwargs,  # type: ignore[arg-type]
         )
 
@@ -177,6 +197,9 @@ class FailStopMonitor:
 
     def beat(self, device: int, now: float, iteration: int, step: int, generation: int = 0) -> None:
         w = self.workers.get(device)
+        if w is not None and w.paused:
+            self._paused_beat(w, now, iteration, step, generation)
+            return
         if w is None or not w.alive:
             return
         w.last_beat = now
@@ -210,28 +233,81 @@ class FailStopMonitor:
         )
         return self._fail(w, now, FailureKind.EXIT, f"process {how}")
 
-    def _fail(self, w: WorkerStatus, now: float, kind: FailureKind, reason: str) -> WorkerFailure | None:
-        if not w.alive:
-            return None
-        w.failure = WorkerFailure(w.device, w.rank, kind, reason, now, w.iteration, w.step)
+    def _fail(self, w: WorkerStatus, now: float, kind: FailureKind, reason: str,
+              after_pause: bool = False) -> WorkerFailure | None:
+        if not w.alive and not (w.paused and kind is not FailureKind.PAUSED):
+            return None  # a paused worker may still fail for good (exit, hang)
+        w.resumed_at = None
+        w.failure = WorkerFailure(w.device, w.rank, kind, reason, now, w.iteration, w.step, after_pause)
         return w.failure
+
+    # ------------------------------------------------------------- pauses
+    def _paused_beat(self, w: WorkerStatus, now: float, iteration: int, step: int, generation: int) -> None:
+        """A paused worker beats again: its health check starts (or goes on)."""
+        if now - w.last_beat > self.silence_limit:
+            w.resumed_at = None  # silent again in between: the check starts over
+        w.last_beat = now
+        if w.resumed_at is None:
+            w.resumed_at = now
+        w.iteration, w.step, w.generation = iteration, step, generation
+
+    def _check_paused(self, w: WorkerStatus, now: float, state: ProcessState) -> WorkerFailure | None:
+        """The rules for a paused worker: a hang after too long a pause or silent while
+        running, healthy again after a steady ``resume_check_s`` of beats."""
+        assert w.failure is not None
+        silent = now - w.last_beat
+        if state == "dead":
+            return self._fail(w, now, FailureKind.EXIT, f"process {w.pid} is gone (paused since {w.failure.time:.2f})")
+        if silent <= self.silence_limit and w.resumed_at is not None:
+            if now - w.resumed_at >= self.resume_check_s and state != "stopped":
+                w.failure, w.resumed_at = None, None
+                w.last_progress = None  # disarmed until it makes progress again
+                self._resumed.append(w.device)
+            return None
+        if state == "stopped":
+            paused = now - w.failure.time
+            if paused > self.max_pause_s:
+                return self._fail(w, now, FailureKind.HANG, f"process {w.pid} stopped for {paused:.1f} s "
+                                  f"(more than the {self.max_pause_s:.0f} s a pause may last)", after_pause=True)
+            return None
+        # Running (or unknown) and silent beyond the limit: a hang, not a pause.
+        if silent > self.silence_limit and now - w.failure.time > self.silence_limit:
+            return self._fail(w, now, FailureKind.HANG, f"process {w.pid} runs again but has not beaten "
+                              f"for {silent:.2f} s after a pause", after_pause=True)
+        return None
+
+    def take_resumed(self) -> list[int]:
+        """Devices whose paused worker passed its health check since the last call."""
+        out, self._resumed = self._resumed, []
+        return out
 
     # ------------------------------------------------------------- the clock
     def check(self, now: float) -> list[WorkerFailure]:
         """Apply the time-based rules at ``now``; returns the newly failed workers."""
         out: list[WorkerFailure] = []
         for w in self.workers.values():
+            if w.paused:
+                state: ProcessState = "unknown"
+                if w.pid is not None and self.process_state is not None:
+                    state = self.process_state(w.pid)
+                f = self._check_paused(w, now, state)
+                if f:
+                    out.append(f)
+                continue
             if not w.alive:
                 continue
             silent = now - w.last_beat
             if silent > self.silence_limit:
-                state: ProcessState = "unknown"
+                state = "unknown"
                 if w.pid is not None and self.process_state is not None:
                     state = self.process_state(w.pid)
                 if state == "dead":
                     f = self._fail(w, now, FailureKind.EXIT, f"process {w.pid} is gone (no heartbeat for {silent:.2f} s)")
-                elif state in ("alive", "stopped"):
-                    what = "stopped" if state == "stopped" else "alive"
+                elif state == "stopped":
+                    f = self._fail(w, now, FailureKind.PAUSED, f"no heartbeat for {silent:.2f} s while process "
+                                   f"{w.pid} is stopped: fenced, kept up to {self.max_pause_s:.0f} s")
+                elif state == "alive":
+                    what = "alive"
                     f = self._fail(
                         w, now, FailureKind.HANG,
                         f"no heartbeat for {silent:.2f} s ({self.miss_limit} missed) while "

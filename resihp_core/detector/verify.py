@@ -6,16 +6,21 @@ Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
 iterations since the change point and the healthy model, and probes only where the
 profiles cannot decide:
 
-0. **environment** — a slowdown is not a device failure when it is time the suspect's
-   training thread spent runnable but waiting for a CPU that other processes held (its
-   run delay beyond the share the healthy prediction contains;
-   :mod:`~resihp_core.detector.environment`), or when executors of different stages
-   slowed at once (one device slows only its own executor). Every slowdown below is
-   measured with that waiting taken out.
+0. **localised or machine-wide** (docs/detector.md) — a suspect must be slower than the
+   median of the other executors by its margin (``compute_margin``, or more where its
+   device's healthy timing is noisier: ``VerificationContext.noise``), over the
+   iterations verified and in most of them: every executor slowed alike is the
+   machine, not a device. A localised suspect whose lost time is mostly time its
+   training thread waited for a CPU other processes held (its run delay beyond the
+   share the healthy prediction contains; :mod:`~resihp_core.detector.environment`)
+   is reported with cause ``"contention"`` — unless its peers waited much as well
+   (the whole machine is contended, unevenly). With a single executor (no peers) such
+   waiting is the environment's. A device's own slowdown is measured with the waiting
+   taken out.
 
 1. **compute** — each rank's measured compute (Σ forward + backward of its
    micro-batches) over its healthy prediction for the same documents gives a slowdown
-   ``q``. Executors (replica, stage) with ``q > 1 + compute_margin`` and at least half
+   ``q``. Executors (replica, stage) with ``q`` above their margin and at least half
    the worst executor's excess are suspects.
 
    * TP degree 1: the device is found, ``p = 1 / q``.
@@ -46,12 +51,14 @@ same ratios to the per-rank profile totals.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
 from resihp_core.detector.environment import wait_shares
+from resihp_core.detector.localise import compute_of
 
 if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
@@ -80,6 +87,7 @@ class _Totals:
         self.have_model = True
         model: Any = ctx.model
         ready = model is not None and getattr(model, "ready", False)
+        self._model = model if ready else None
         for profiles in ctx.iterations:
             it_meas = max(p.iteration_s for p in profiles.values())
             it_pred = None
@@ -129,6 +137,17 @@ class _Totals:
         med_out = statistics.median(self.outside.values()) if self.outside else 0.0
         self.expected_outside = defaultdict(float, {r: med_out for r in self.outside})
 
+    def rank_prediction(self, p: IterationProfile, profiles: Mapping[int, IterationProfile]) -> float | None:
+        """Healthy compute of one rank in one iteration: the model's, else the median of
+        its stage's ranks in that iteration."""
+        if self._model is not None and self.have_model:
+            try:
+                return float(self._model.rank_compute(p))
+            except Exception:  # noqa: BLE001 - a model that cannot predict: fall back to peers
+                pass
+        same = [compute_of(o) for o in profiles.values() if o.stage == p.stage]
+        return statistics.median(same) if same else None
+
     def q(self, rank: int) -> float:
         """Measured over healthy compute."""
         pred = self.predicted.get(rank, 0.0)
@@ -162,7 +181,8 @@ class ProfileVerifier:
     """ResiHP's verification: profiles first, targeted probes only when they cannot decide.
 
     :param compute_margin: an executor is a compute suspect when its compute is this
-        much (relative) above healthy.
+        much (relative) above healthy, or ``noise_k`` noise scales of its devices'
+        healthy timing where that is more (``VerificationContext.noise``).
     :param spread: ranks of one TP group are told apart when their slowdowns differ by
         more than this (relative).
     :param probe_margin: a probed device is slow when its throughput is below 1 - this.
@@ -171,10 +191,15 @@ class ProfileVerifier:
     :param share: an executor is a compute suspect only if its excess slowdown is at
         least this fraction of the worst executor's.
     :param waiting: a compute suspect whose waiting for a CPU (beyond its healthy share)
-        is at least this fraction of its lost compute time is the environment's doing
-        (one that is healthy without that waiting always is).
-    :param together: executors slowed at once point at the environment when at least two
-        have this fraction of the worst executor's excess (a lone slow device slows one).
+        is at least this fraction of its lost compute time was slowed by contention of
+        its host: reported with cause ``"contention"`` when it is slower than its peers,
+        the environment's (not reported) in a job of one executor.
+    :param noise_k: see ``compute_margin``.
+    :param max_margin: the noise-relative margin is at most this: a noise estimate from a
+        few wild iterations (a warm-up on a loaded machine) must not hide a device
+        computing twice as slowly as its peers.
+    :param shared_wait: a suspect slowed by contention is the machine's when its peers
+        lost at least this share of their compute waiting for a CPU too.
     :param explain: compute suspects must account for at least this fraction of the
         iteration's excess over its prediction (in seconds); otherwise the slowdown is
         elsewhere (communication) and a little compute noise on some rank must not be
@@ -192,8 +217,10 @@ class ProfileVerifier:
         concentrated: float = 0.25,
         share: float = 0.5,
         explain: float = 0.3,
-        together: float = 0.6,
         waiting: float = 0.5,
+        noise_k: float = 4.0,
+        max_margin: float = 1.0,
+        shared_wait: float = 0.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
                      ("waiting", waiting)):
@@ -201,7 +228,8 @@ class ProfileVerifier:
                 raise ValueError(f"{n} must be in (0, 1), got {v!r}")
         self.compute_margin, self.spread, self.probe_margin = compute_margin, spread, probe_margin
         self.concentrated, self.share, self.explain = concentrated, share, explain
-        self.together, self.waiting = together, waiting
+        self.waiting, self.noise_k = waiting, noise_k
+        self.shared_wait, self.max_margin = shared_wait, max_margin
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -211,61 +239,111 @@ class ProfileVerifier:
         for rank, ex in t.executor.items():
             groups[ex].append(rank)
         raw = {ex: max(t.q(r) for r in ranks) for ex, ranks in groups.items()}
-        suspects = self._suspects(groups, raw)
-        # What other processes took: the suspects' waiting for a CPU beyond its healthy
-        # share comes out of their compute; a suspect that is healthy without it, or
-        # whose lost time is mostly that waiting, was slowed by its environment. (A
-        # device slow during heavy contention is reported once the contention is over:
-        # the sustained-excess check verifies again.)
+        margin = {ex: self._margin(ctx, t, ranks) for ex, ranks in groups.items()}
+        suspects = self._suspects(groups, raw, margin)
         worst = {ex: max(t.qd(r) for r in ranks) for ex, ranks in groups.items()}
-        waited = {ex for ex, ranks in suspects.items()
-                  if worst[ex] <= 1 + self.compute_margin
-                  or all(t.waited(r) >= self.waiting * (t.measured[r] - t.predicted[r]) for r in ranks)}
-        if waited and len(waited) == len(suspects):
-            env = ctx.environment
-            return Verdict({}, "unknown", "the compute slowdown is time spent waiting for a CPU other processes "
-                           "held (" + ", ".join(
-                               f"replica {ex[0]} stage {ex[1]}: compute {raw[ex]:.2f}x, {worst[ex]:.2f}x without "
-                               f"the {max(t.waited(r) for r in groups[ex]):.3f} s it waited"
-                               + (f", node contention {max(env.get(t.device[r], 0.0) for r in groups[ex]):.2f}x"
-                                  if any(env.get(t.device[r]) for r in groups[ex]) else "")
-                               for ex in sorted(waited)) + "): the environment, not a device")
-        suspects = {ex: ranks for ex, ranks in suspects.items() if ex not in waited}
-        top = max(worst.values(), default=1.0)
-        if (len(groups) >= 2 and len(suspects) == len(groups)
-                and max(worst[ex] for ex in suspects) <= min(worst[ex] for ex in suspects) * (1 + self.spread)):
-            # Every executor equally slow: the machine or cluster slowed (other jobs, a
-            # shared-power cap), not a device; no plan would run faster around it.
-            return Verdict({}, "unknown", "every executor is equally slow in compute ("
-                           + ", ".join(f"{q:.2f}x" for q in sorted(worst.values()))
-                           + "): an environment-wide slowdown, no device to plan around")
-        together = {ex: ranks for ex, ranks in suspects.items() if worst[ex] - 1 >= self.together * (top - 1)}
-        if len(together) >= 2:
-            # One slow device slows one executor (its TP group) in compute; several
-            # executors (of different stages, or replicas) slowing at the same iteration
-            # point at what they share: the machine, not a device.
-            stages = len({s for _, s in together})
-            return Verdict({}, "unknown", f"{len(together)} executors of {stages} stage(s) slowed at once ("
-                           + ", ".join(f"replica {r} stage {s}: {worst[(r, s)]:.2f}x" for r, s in sorted(together))
-                           + "): the environment, not a device")
+        if len(groups) >= 2:
+            # Localised or machine-wide (detector/localise.py): only an executor slower
+            # than its peers in most of the iterations verified is a fail-slow, whatever
+            # slowed it (its device, or other processes on its cores: the cause then
+            # says "contention"); every executor slowed alike is the machine.
+            local = {ex for ex in suspects if self._above_peers(ctx, t, groups, ex, margin[ex])}
+            everyone = all(raw[ex] > 1 + self.compute_margin for ex in groups)
+            if (suspects or everyone) and not local:
+                return Verdict({}, "unknown", "every executor slowed alike in compute ("
+                               + ", ".join(f"replica {r} stage {s}: {raw[(r, s)]:.2f}x" for r, s in sorted(groups))
+                               + "): a machine-wide slowdown, no device to plan around")
+            shared = {ex for ex in local if self._shared_contention(t, groups, ex)}
+            if local and shared == local:
+                return Verdict({}, "unknown", "the slowdown is waiting for a CPU that its peers share ("
+                               + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
+                                           f"{100 * self._peer_wait(t, groups, (r, s)):.0f} % of their compute"
+                                           for r, s in sorted(shared))
+                               + "): the whole machine is contended, unevenly; not a device")
+            suspects = {ex: ranks for ex, ranks in suspects.items() if ex in local and ex not in shared}
+        else:
+            # One executor has no peers to compare with: a slowdown that is time its
+            # ranks waited for a CPU other processes held cannot be told from the
+            # machine's, and no plan of one executor runs around it.
+            waited = {ex for ex, ranks in suspects.items()
+                      if worst[ex] <= 1 + margin[ex] or all(self._contended(t, r) for r in ranks)}
+            if waited and len(waited) == len(suspects):
+                return Verdict({}, "unknown", "the compute slowdown is time spent waiting for a CPU other "
+                               "processes held, on the job's only executor (" + ", ".join(
+                                   f"replica {ex[0]} stage {ex[1]}: compute {raw[ex]:.2f}x, {worst[ex]:.2f}x "
+                                   f"without the {max(t.waited(r) for r in groups[ex]):.3f} s it waited"
+                                   for ex in sorted(waited)) + "): the environment, not a device")
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
         # The iteration's excess without what other processes took (at most the most any
-        # rank waited for a CPU beyond its share) is what a device must account for.
+        # rank waited for a CPU beyond its share) is what the suspects must account for:
+        # a device's own slowdown, or for a contended one, its waiting as well.
         excess -= max((t.waited(r) + t.outside_waited(r) for r in t.measured), default=0.0)
-        explained = max((t.device_measured(r) - t.predicted[r] for ranks in suspects.values() for r in ranks),
-                        default=0.0)
+        explained = max(((t.measured[r] if self._contended(t, r) else t.device_measured(r)) - t.predicted[r]
+                         for ranks in suspects.values() for r in ranks), default=0.0)
         if suspects and (excess <= 0 or explained >= self.explain * excess):
             return self._compute(ctx, t, suspects)
         return self._communication(ctx, t)
 
-    def _suspects(self, groups: dict[tuple[int, int], list[int]], worst: dict[tuple[int, int], float]
-                  ) -> dict[tuple[int, int], list[int]]:
+    def _margin(self, ctx: VerificationContext, t: _Totals, ranks: list[int]) -> float:
+        """Relative compute excess that makes an executor a suspect: ``compute_margin``,
+        or more where its devices' healthy timing is noisier (``noise_k`` of their noise
+        scales, averaged down over the iterations verified)."""
+        sig = max((ctx.noise.get(t.device[r], 0.0) for r in ranks), default=0.0)
+        n = max(1, len(ctx.iterations))
+        return max(self.compute_margin, min(self.max_margin, math.expm1(self.noise_k * sig / math.sqrt(n))))
+
+    def _contended(self, t: _Totals, rank: int) -> bool:
+        """Most of what ``rank`` lost in compute is time it waited for a CPU."""
+        return t.waited(rank) >= self.waiting * (t.measured[rank] - t.predicted[rank])
+
+    def _peer_wait(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> float:
+        """Median over the other executors of the share of their healthy compute they
+        lost waiting for a CPU (beyond their healthy share)."""
+        shares = [max(t.waited(r) / t.predicted[r] if t.predicted.get(r, 0.0) > 0 else 0.0 for r in ranks)
+                  for e, ranks in groups.items() if e != ex]
+        return statistics.median(shares) if shares else 0.0
+
+    def _shared_contention(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> bool:
+        """A suspect slowed by contention whose peers lost ``shared_wait`` of their
+        compute waiting for a CPU as well: the machine is contended, and how much each
+        worker loses is the scheduler's unevenness, not a property of its device."""
+        return (all(self._contended(t, r) for r in groups[ex])
+                and self._peer_wait(t, groups, ex) >= self.shared_wait)
+
+    def _above_peers(self, ctx: VerificationContext, t: _Totals, groups: dict[tuple[int, int], list[int]],
+                     ex: tuple[int, int], margin: float) -> bool:
+        """Whether executor ``ex`` computed more than ``margin`` slower (relative to its
+        healthy time) than the median of the other executors, over the iterations
+        verified taken together and in most of them one by one."""
+        def ratio(profiles: Mapping[int, IterationProfile] | None, ranks: list[int]) -> float:
+            if profiles is None:
+                return max(t.q(r) for r in ranks)
+            vals = []
+            for r in ranks:
+                p = profiles.get(r)
+                pred = t.rank_prediction(p, profiles) if p is not None else None
+                if p is not None and pred:
+                    vals.append(compute_of(p) / pred)
+            return max(vals) if vals else 1.0
+
+        def above(profiles: Mapping[int, IterationProfile] | None) -> bool:
+            mine = ratio(profiles, groups[ex])
+            peers = [ratio(profiles, ranks) for e, ranks in groups.items() if e != ex]
+            return mine > statistics.median(peers) * (1 + margin)
+
+        if not above(None):
+            return False
+        each = [above(ps) for ps in ctx.iterations]
+        return sum(each) * 2 > len(each)
+
+    def _suspects(self, groups: dict[tuple[int, int], list[int]], worst: dict[tuple[int, int], float],
+                  margin: dict[tuple[int, int], float]) -> dict[tuple[int, int], list[int]]:
         """Executors well above healthy that carry a fair share of the worst excess: a
         rank 1.2x slow next to one 2x slow is noise (or a separate, minor matter), not
         the cause of this alarm."""
         top = max(worst.values(), default=1.0)
         return {ex: ranks for ex, ranks in groups.items()
-                if worst[ex] > 1 + self.compute_margin and worst[ex] - 1 >= self.share * (top - 1)}
+                if worst[ex] > 1 + margin[ex] and worst[ex] - 1 >= self.share * (top - 1)}
 
     # ------------------------------------------------------------ compute
     def _compute(self, ctx: VerificationContext, t: _Totals, suspects: dict[tuple[int, int], list[int]]) -> Verdict:
@@ -273,17 +351,27 @@ class ProfileVerifier:
         notes: list[str] = []
         rounds, probe_s = 0, 0.0
         cause = "compute"
+        contended: set[int] = set()
         for (rep, stage), ranks in sorted(suspects.items()):
-            qs = {r: t.qd(r) for r in ranks}
+            # A rank slowed mostly by waiting for a CPU is slowed by its host: what it
+            # delivers (its throughput) counts that waiting; a device slow by itself is
+            # measured without it.
+            contended.update(t.device[r] for r in ranks if self._contended(t, r))
+            qs = {r: (t.q(r) if t.device[r] in contended else t.qd(r)) for r in ranks}
             where = f"replica {rep} stage {stage}"
             if len(ranks) == 1:
                 r = ranks[0]
                 slow[t.device[r]] = _clip_p(1.0 / qs[r])
                 env = ctx.environment.get(t.device[r])
                 w = t.waited(r)
-                notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}"
-                             + (f" without the {w:.3f} s it waited for a CPU" if w > 0 else "")
-                             + (f" (its node's CPU contention {env:.2f}x)" if env is not None else ""))
+                if t.device[r] in contended:
+                    notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}, "
+                                 f"{w:.3f} s of it waiting for a CPU other processes held (host contention)"
+                                 + (f"; its node's CPU contention {env:.2f}x" if env is not None else ""))
+                else:
+                    notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}"
+                                 + (f" without the {w:.3f} s it waited for a CPU" if w > 0 else "")
+                                 + (f" (its node's CPU contention {env:.2f}x)" if env is not None else ""))
                 continue
             lo = min(qs.values())
             if max(qs.values()) > lo * (1 + self.spread):
@@ -317,6 +405,8 @@ class ProfileVerifier:
                 notes.append(f"{where}: TP group {qg:.2f}x slow, probes found nothing")
         if not slow:
             return Verdict({}, "unknown", "; ".join(notes), rounds, probe_s)
+        if cause == "compute" and set(slow) <= contended:
+            cause = "contention"
         ev = f"{cause} slowdown: " + "; ".join(notes) + f" -> {_fmt(slow)}"
         return Verdict(slow, cause, ev, rounds, probe_s)  # type: ignore[arg-type]
 

@@ -34,7 +34,8 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Digest = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 FailureClass = Literal["fail-stop", "fail-slow"]
-Cause = Literal["compute", "communication", "unknown"]
+# "contention": other processes on the device's host took its CPU (docs/detector.md)
+Cause = Literal["compute", "communication", "contention", "unknown"]
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -109,7 +110,8 @@ class IterationProfile(_Msg, tag="profile"):
 
 
 class FailureReport(_Msg, tag="failure"):
-    """A confirmed failure. ``cause`` says compute or communication (``kind`` is the tag).
+    """A confirmed failure. ``cause`` says compute, communication or contention of the
+    device's host (``kind`` is the tag); the Scheduler plans around all of them alike.
 
     ``throughput`` maps device id to its normalised throughput p_i in (0, 1]; devices
     absent from it are at full speed, fail-stopped devices are in ``devices`` only.
@@ -122,6 +124,9 @@ class FailureReport(_Msg, tag="failure"):
     throughput: dict[NonNeg, Throughput] = {}
     evidence: str = ""
     time: Seconds = 0.0
+    # Fail-stopped devices (of ``devices``) whose processes are alive and stopped: fenced
+    # (work planned elsewhere) but not killed; offered back when they resume (docs/detector.md).
+    paused: tuple[NonNeg, ...] = ()
 
 
 # ------------------------------------------------------------------- scheduler traffic

@@ -98,6 +98,7 @@ class NodeView:
     devices: set[int] = field(default_factory=set)  # every device ever reported by its agent
     running: set[int] = field(default_factory=set)  # workers its agent launched and saw no end of
     environment: float = 0.0  # CPU contention its agent's probe last measured (0 = none)
+    paused: set[int] = field(default_factory=set)  # devices whose workers are stopped, fenced, not killed
 
     def workers(self) -> dict[int, WorkerSummary]:
         return {w.device: w for w in self.state.workers} if self.state is not None else {}
@@ -365,7 +366,7 @@ class Controller:
                     return None
                 self._cond.wait(left)
 
-    def _fail_stop(self, devices: list[int], evidence: str) -> None:
+    def _fail_stop(self, devices: list[int], evidence: str, paused: Iterable[int] = ()) -> None:
         new = sorted(d for d in devices if d not in self._stopped)
         if not new:
             return
@@ -373,6 +374,7 @@ class Controller:
         self._emit(FailureReport(
             generation=self.generation, failure="fail-stop", devices=tuple(new),
             evidence=evidence[:4000], time=max(0.0, time.time()),
+            paused=tuple(d for d in new if d in set(paused)),
         ))
 
     # ------------------------------------------------------------ agents
@@ -508,9 +510,10 @@ class Controller:
         self.rejected += 1
         return True
 
-    def _offer(self, view: NodeView, devices: tuple[int, ...]) -> None:
-        """A node cut off earlier is back: offer its devices to be planned in again."""
-        devs = tuple(sorted(set(devices) | view.devices))
+    def _offer(self, view: NodeView, devices: tuple[int, ...], *, only: bool = False) -> None:
+        """A node cut off earlier is back: offer its devices to be planned in again
+        (``only``: just ``devices``, e.g. workers back from a pause)."""
+        devs = tuple(sorted(set(devices) if only else set(devices) | view.devices))
         logger.warning("event=node_back node=%d devices=%s", view.node, list(devs))
         if self.on_rejoin is not None and devs:
             try:
@@ -531,9 +534,26 @@ class Controller:
                 dead.append(w)
         for w in dead:
             self._fail_stop([w.device], f"node {view.node}: device {w.device} (rank {w.rank}) {w.reason}; "
-                                        f"last progress iteration {w.iteration} step {w.step}")
+                                        f"last progress iteration {w.iteration} step {w.step}",
+                            paused=[w.device] if _is_paused(w) else [])
+        self._note_pauses(view, state)
         if dead:
             self._recheck_pending()
+
+    def _note_pauses(self, view: NodeView, state: AgentState) -> None:
+        """Paused workers (stopped, fenced, not killed) that the agent says are healthy
+        again are offered back, like the devices of a healed node (docs/detector.md)."""
+        back = []
+        for w in state.workers:
+            if _is_paused(w):
+                view.paused.add(w.device)
+            elif w.device in view.paused:
+                view.paused.discard(w.device)
+                if w.alive:
+                    back.append(w.device)
+        if back:
+            logger.warning("event=worker_resumed node=%d devices=%s", view.node, back)
+            self._offer(view, tuple(back), only=True)
 
     def _node_lost(self, view: NodeView, why: str) -> None:
         if view.state is not None:
@@ -612,6 +632,11 @@ class Controller:
                     self.on_detection(det)
             if det.report is not None and gen == self.generation:
                 self._emit(det.report)
+
+
+def _is_paused(w: WorkerSummary) -> bool:
+    """The agent fenced this worker as paused (stopped), not as dead."""
+    return not w.alive and w.reason.startswith("paused:")
 
 
 def _observe(fs: FailSlowDetector, iteration: int, profiles: dict[int, IterationProfile],

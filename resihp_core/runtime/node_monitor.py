@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 
 from resihp_core.detector.failstop import ProcessState, WorkerFailure
@@ -115,8 +116,31 @@ class WorkerMonitor:
         if f is not None:
             self._failed(f)
 
+    # ------------------------------------------------------------ pauses
+    def _after_pauses(self) -> None:
+        """Workers back from a pause and healthy: tell the controller now (it offers
+        them back). docs/detector.md "Paused workers"."""
+        back = self.monitor.take_resumed()
+        for d in back:
+            logger.warning("event=worker_resumed node=%d device=%d", self.node, d)
+        if back and self._changed is not None:
+            self._changed.set()
+
+    def _kill_after_pause(self, f: WorkerFailure) -> None:
+        """A pause that became a hang: its work is planned elsewhere already and nobody
+        else will end it, so the agent does (by pid)."""
+        w = self.monitor.workers.get(f.device)
+        if w is None or w.pid is None:
+            return
+        logger.warning("event=worker_killed node=%d device=%d pid=%d reason=%r", self.node, f.device, w.pid, f.reason)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(w.pid, signal.SIGKILL)
+            os.kill(w.pid, signal.SIGCONT)
+
     # ------------------------------------------------------------ failures
     def _failed(self, f: WorkerFailure) -> None:
+        if f.after_pause:
+            self._kill_after_pause(f)
         self.failures.append(f)
         logger.warning("event=worker_failed node=%d device=%d rank=%d kind=%s reason=%r",
                        self.node, f.device, f.rank, f.kind.value, f.reason)
@@ -145,6 +169,7 @@ class WorkerMonitor:
             if now - wake <= self.monitor.interval:
                 for f in self.monitor.check(now):
                     self._failed(f)
+                self._after_pauses()
             cap = self.monitor.interval / 4
             wait = min(cap, max(0.005, self.monitor.next_deadline(now) - now + 0.001))
             wake = now + wait

@@ -113,6 +113,9 @@ class Supervisor:
     # A restarted controller re-attached to the job's live workers: the job's current
     # generation goes on as it is (no post, no restore; docs/failover.md).
     adopt: bool = False
+    # Fail-stopped devices whose processes were stopped, not dead: fenced, not killed;
+    # planned back in without a relaunch when their node offers them (docs/detector.md).
+    paused: set[int] = field(default_factory=set)
 
     def _event(self, kind: str, text: str, *, at: int | None = None, **extra: Any) -> None:
         """Log and hand on one event, labelled with the iteration the job was at
@@ -184,6 +187,7 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
             time.sleep(0.005)
+        self._end_pauses()
         return self.records
 
     def _adopted(self) -> None:
@@ -195,6 +199,15 @@ class Supervisor:
         self._event("attach", f"controller restarted: re-attached to generation {g} at iteration "
                               f"{self.first} with its live workers (no restore)",
                     plan=self.state.plan.to_text(), resume=self.first)
+
+    def _end_pauses(self) -> None:
+        """The job is done: workers still paused (fenced, never back) hold stale state
+        and are no part of its end; they are killed, not stopped with the others."""
+        alive = set(self.job.alive())
+        for d in sorted(self.paused & alive):
+            self._event("kill", f"device {d} was still paused at the job's end: killed", devices=[d])
+            self.job.kill(d, signal.SIGKILL)
+        self.paused.clear()
 
     # ------------------------------------------------------------ checkpoints
     def _unsourceable(self) -> bool:
@@ -360,9 +373,13 @@ class Supervisor:
                                f"({report.cause}): {report.evidence[:120]}",
                     failure=report.failure, devices=list(report.devices), cause=report.cause)
         if report.failure == "fail-stop":
+            paused = {d for r in stops for d in r.paused}
             for d in report.devices:
                 self.handled_devices.add(d)
-                if d in self.job.alive():
+                if d in paused:
+                    self.paused.add(d)  # stopped, not hung: fenced by the plan, kept alive
+                elif d in self.job.alive():
+                    self.paused.discard(d)
                     self.job.kill(d, signal.SIGKILL)  # fence a hung device (SIGCONT first)
         for attempt in range(4):
             # Processes found dead meanwhile join the report: never plan onto them.
@@ -445,6 +462,7 @@ class Supervisor:
             except queue.Empty:
                 break
         alive = set(self.job.alive())
+        self._resumed(sorted(d for d in offered if d in self.paused and d in alive))
         ready = sorted(d for d in offered if d in self.handled_devices and d not in alive and d not in self._joining)
         waiting = tuple(sorted(d for d in offered if d not in self.handled_devices and d not in alive))
         if waiting:
@@ -453,6 +471,17 @@ class Supervisor:
             return False
         self.rejoin(ready)
         return True
+
+    def _resumed(self, devices: list[int]) -> None:
+        """Paused workers back and healthy (their agent checked): the same process is
+        planned in once the controller hears it, as a relaunched one would be."""
+        devices = [d for d in devices if d in self.handled_devices and d not in self._joining]
+        if not devices:
+            return
+        self.paused.difference_update(devices)
+        self._joining.update({d: time.monotonic() + self.join_timeout_s for d in devices})
+        self._event("resumed", f"paused workers of devices {devices} are back and healthy; planned in once ready",
+                    devices=devices)
 
     def rejoin(self, devices: list[int]) -> None:
         """Bring repaired ``devices`` back: start their workers now; once they are

@@ -12,6 +12,11 @@ Faults are injected on the command line:
 * ``--stall-at I``: stop making progress at iteration I (the beat thread goes on: a hang);
 * ``--exit-at I``: exit at iteration I with status 1, without goodbye.
 
+With ``--busy`` the compute is a fixed amount of CPU work (calibrated at start to the
+times above) instead of a sleep, so other processes on its core, a SIGSTOP or a
+throttle lengthen it as they would a real trainer's (the detector benchmark's
+externally made slowdowns).
+
 It connects with :meth:`WorkerClient.from_env` (``RESIHP_AGENT_ADDR``, ``RESIHP_SECRET``,
 ``RESIHP_RANK``, ``RESIHP_DEVICE``). Prints ``ready`` once connected (and with
 ``--wait-stdin`` waits for a line on stdin, so several workers start together). Sleeping (not
@@ -52,6 +57,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stall-at", type=int, default=-1)
     ap.add_argument("--exit-at", type=int, default=-1)
     ap.add_argument("--interval", type=float, help="heartbeat interval (default: environment or 0.1)")
+    ap.add_argument("--busy", action="store_true",
+                    help="compute is CPU work (calibrated to the times above), not a sleep")
     ap.add_argument("--wait-stdin", action="store_true",
                     help="after 'ready', wait for a line on stdin before the first iteration")
     return ap.parse_args(argv)
@@ -61,6 +68,27 @@ def _sleep(seconds: float) -> float:
     t0 = time.perf_counter()
     if seconds > 0:
         time.sleep(seconds)
+    return time.perf_counter() - t0
+
+
+def _spin_rate(seconds: float = 0.05) -> float:
+    """Loop turns per second of this CPU (the best of a few short tries)."""
+    best = 0.0
+    for _ in range(3):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(1000):
+                pass
+            n += 1000
+        best = max(best, n / (time.perf_counter() - t0))
+    return best
+
+
+def _spin(seconds: float, rate: float) -> float:
+    """Do ``seconds`` worth of CPU work (at ``rate`` turns per second); returns the wall time."""
+    t0 = time.perf_counter()
+    for _ in range(int(seconds * rate)):
+        pass
     return time.perf_counter() - t0
 
 
@@ -76,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdin.readline()
     it = 0
     waits = CpuWaitMeter()  # what it waited for a CPU, as a real worker reports it
+    rate = _spin_rate() if a.busy else 0.0
+    compute = (lambda s: _spin(s, rate)) if a.busy else _sleep
     try:
         while a.iterations <= 0 or it < a.iterations:
             if it == a.exit_at:
@@ -98,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                 fwd = (a.alpha * sum(lengths) + a.beta * sum(l * l for l in lengths)) * fc
                 client.beat(it, 2 * j)
                 waits.start_chunk()
-                f = _sleep(fwd)
+                f = compute(fwd)
                 waits.end_chunk()
                 client.beat(it, 2 * j + 1)
                 waits.start_chunk()
-                b = _sleep(2 * fwd)
+                b = compute(2 * fwd)
                 waits.end_chunk()
                 mbs.append(MicroBatchProfile(owner=replica, mb=j, forward_s=f, backward_s=b, doc_lengths=lengths))
             client.beat(it, 2 * a.microbatches)

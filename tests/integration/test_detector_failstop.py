@@ -47,14 +47,15 @@ def test_sigkill_of_a_worker_is_reported_within_a_second() -> None:
         assert [r.devices for r in c.controller.reports] == [(0,)]  # nothing about 1 or 2
 
 
-def test_sigstop_of_a_worker_is_reported_as_a_hang() -> None:
+def test_sigstop_of_a_worker_is_reported_as_a_pause() -> None:
     with SyntheticCluster(CFG, {0: FAST, 1: FAST}, failslow=False) as c:
         settle(c)
         t0 = time.monotonic()
         c.workers[1].send_signal(signal.SIGSTOP)
         rep = c.controller.wait_for_report(fail_stop_of(1), 5.0)
         assert rep is not None
-        assert "hang" in rep.evidence and "stopped" in rep.evidence, rep.evidence
+        assert "paused" in rep.evidence and "stopped" in rep.evidence, rep.evidence
+        assert rep.paused == (1,)  # fenced, not to be killed while it is stopped
         assert time.monotonic() - t0 < 1.5  # 3 missed beats of 0.1 s, plus slack
         assert rep.devices == (1,)
 

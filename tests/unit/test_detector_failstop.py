@@ -39,7 +39,7 @@ def test_missed_beats_are_declared_after_the_limit() -> None:
     assert m.check(last + 1.0) == []  # reported once
 
 
-@pytest.mark.parametrize("state,kind", [("alive", FailureKind.HANG), ("stopped", FailureKind.HANG),
+@pytest.mark.parametrize("state,kind", [("alive", FailureKind.HANG), ("stopped", FailureKind.PAUSED),
                                         ("dead", FailureKind.EXIT)])
 def test_silence_is_classified_by_the_process_state(state: str, kind: FailureKind) -> None:
     m = monitor(state)
@@ -152,3 +152,93 @@ def test_from_config() -> None:
     assert m.silence_limit == pytest.approx((5 + 0.5) * 0.2)
     with pytest.raises(ValueError):
         FailStopMonitor(0.0, 3)
+
+
+# ------------------------------------------------------------------ paused workers
+class Proc:
+    """A fake process whose state the test sets."""
+
+    def __init__(self) -> None:
+        self.state = "alive"
+
+    def __call__(self, pid: int) -> str:
+        return self.state
+
+
+def paused_monitor(**kw) -> tuple[FailStopMonitor, Proc]:
+    proc = Proc()
+    m = FailStopMonitor(0.1, 3, hang_min_timeout=1.0, process_state=proc, resume_check_s=1.0, **kw)  # type: ignore[arg-type]
+    m.add(0, 0, 0.0, pid=123)
+    return m, proc
+
+
+def test_a_stopped_worker_is_fenced_not_killed_and_comes_back_after_its_health_check() -> None:
+    m, proc = paused_monitor(max_pause_s=60.0)
+    t = beat_until(m, 0, 0.0, 1.0)
+    proc.state = "stopped"
+    (f,) = m.check(t + 0.5)
+    assert f.kind is FailureKind.PAUSED and not f.after_pause and "stopped" in f.reason
+    assert not m.workers[0].alive  # fenced: the controller plans without it
+    assert m.check(t + 20.0) == [] and m.take_resumed() == []  # stopped 20 s: still a pause
+    proc.state = "alive"  # SIGCONT: it beats again ...
+    t = t + 20.0
+    for i in range(5):
+        m.beat(0, t + 0.1 * i, 0, 10)
+        assert m.check(t + 0.1 * i) == []
+    assert m.take_resumed() == []  # ... but the health check wants a steady second of beats
+    for i in range(5, 12):
+        m.beat(0, t + 0.1 * i, 0, 10)
+        assert m.check(t + 0.1 * i) == []
+    assert m.take_resumed() == [0] and m.workers[0].alive
+    assert m.take_resumed() == []
+    # Healthy again: the usual rules apply (a second stop is a second pause).
+    proc.state = "stopped"
+    (f,) = m.check(t + 3.0)
+    assert f.kind is FailureKind.PAUSED
+
+
+def test_a_pause_longer_than_allowed_is_a_hang_the_agent_kills() -> None:
+    m, proc = paused_monitor(max_pause_s=30.0)
+    t = beat_until(m, 0, 0.0, 1.0)
+    proc.state = "stopped"
+    (f,) = m.check(t + 0.5)
+    assert f.kind is FailureKind.PAUSED
+    assert m.check(t + 30.0) == []
+    (f,) = m.check(t + 31.0)
+    assert f.kind is FailureKind.HANG and f.after_pause and "30 s" in f.reason
+    assert m.check(t + 40.0) == []  # reported once
+
+
+def test_a_worker_running_and_silent_after_a_pause_is_a_hang() -> None:
+    m, proc = paused_monitor()
+    t = beat_until(m, 0, 0.0, 1.0)
+    proc.state = "stopped"
+    assert [f.kind for f in m.check(t + 0.5)] == [FailureKind.PAUSED]
+    proc.state = "alive"  # resumed, but no beat comes: a real hang
+    (f,) = m.check(t + 1.0)
+    assert f.kind is FailureKind.HANG and f.after_pause
+    # A worker alive, running and silent with no pause before is a hang at once (killed
+    # by the supervisor after the usual report).
+    m2, proc2 = paused_monitor()
+    t = beat_until(m2, 0, 0.0, 1.0)
+    (f,) = m2.check(t + 0.5)
+    assert f.kind is FailureKind.HANG and not f.after_pause
+
+
+def test_a_paused_worker_that_exits_or_stops_beating_during_its_check_is_not_offered() -> None:
+    m, proc = paused_monitor()
+    t = beat_until(m, 0, 0.0, 1.0)
+    proc.state = "stopped"
+    m.check(t + 0.5)
+    proc.state = "alive"
+    m.beat(0, t + 1.0, 0, 10)
+    m.check(t + 1.0)
+    proc.state = "stopped"  # stopped again during the check: a pause again, the check restarts
+    assert m.check(t + 1.5) == []
+    proc.state = "alive"
+    m.beat(0, t + 2.0, 0, 10)
+    m.check(t + 2.0)
+    assert m.workers[0].resumed_at == pytest.approx(t + 2.0)
+    (f,) = [f for f in [m.process_exited(0, t + 2.2, -9)] if f]
+    assert f.kind is FailureKind.EXIT
+    assert m.check(t + 5.0) == [] and m.take_resumed() == []

@@ -1,0 +1,227 @@
+"""Fail-slow detection of slowdowns made from outside the job (docs/detector.md), next to
+the injector's: real processes on this machine.
+
+Each case runs a controller with the default fail-slow detector, one node agent and DP
+replicas of :mod:`resihp_core.testing.synthetic` workers in ``--busy`` mode (their
+compute is a fixed amount of CPU work, so other processes on their core, a SIGSTOP or
+a throttle lengthen it as they would a trainer's), each pinned to a core of its own
+(``os.sched_setaffinity``, every thread; replicas share cores round-robin when there
+are more replicas than cores). Cases:
+
+* **pinned CPU hog** — three busy processes pinned to worker 0's core from the onset;
+* **duty-cycled SIGSTOP** — worker 1 stopped 0.1 s of every 0.2 s from the onset;
+* **whole-machine load** — three busy processes pinned to *every* worker's core: every
+  replica slowed alike, which must not be reported;
+* **small / large model** — the injector's way (``--slow-compute 1.5``): 1.5x slower
+  compute of worker 1, iterations of ~0.05 s and ~0.5 s of compute;
+* **DP-only** — four replicas, one 3x slower (injected).
+
+Per case: runs, misses (no report naming the slowed device), false reports (reports
+naming any other device, or any report where nothing must be reported) and latency in
+iterations (from the onset to the report, the onset included; for the external cases
+the onset is the second iteration after the controller saw the one before it complete:
+the replicas are already computing the next one when the slowdown starts).
+
+    python benchmarks/detector_external.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "adapters"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from resihp_core.config import DetectorConfig  # noqa: E402
+from resihp_core.testing.synthetic import SyntheticCluster  # noqa: E402
+
+ONSET = 12  # warm-up (1 skipped + 3 fitted) and healthy per-device history before it
+AFTER = 10  # iterations watched after the onset
+# The detector's defaults, but beats may lapse for long: a busy worker's beat thread
+# starved on a loaded core must not be taken for a hang (this measures fail-slow only).
+CONFIG = DetectorConfig(heartbeat_miss_limit=100, hang_min_timeout_s=120.0)
+HOG = "import os, time\nend = time.time() + 300\nwhile time.time() < end and os.getppid() != 1: pass\n"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    replicas: int
+    compute_s: float  # per iteration, healthy
+    external: str = ""  # "hog", "hog-all", "duty" or "" (injected or none)
+    inject: float = 1.0  # compute factor of ``target`` from ONSET (the injector's way)
+    target: int | None = None  # the device that must be reported (None: nothing)
+
+
+CASES = (
+    Case("pinned CPU hog, one worker's core", 2, 0.15, external="hog", target=0),
+    Case("duty-cycled SIGSTOP 50 %", 2, 0.15, external="duty", target=1),
+    Case("whole-machine load, every core", 2, 0.15, external="hog-all"),
+    Case("small model, 1.5x (injected)", 2, 0.05, inject=1.5, target=1),
+    Case("large model, 1.5x (injected)", 2, 0.5, inject=1.5, target=1),
+    Case("DP-only 4 replicas, one 3x (inj.)", 4, 0.15, inject=3.0, target=3),
+)
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def _pin(pid: int, core: int) -> None:
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), {core})
+
+
+def _hogs(cores: list[int], per_core: int = 3) -> list[subprocess.Popen]:
+    out = []
+    for c in cores:
+        for _ in range(per_core):
+            p = subprocess.Popen([sys.executable, "-c", HOG])
+            os.sched_setaffinity(p.pid, {c})
+            out.append(p)
+    return out
+
+
+def _duty(pid: int, stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.1)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+    except ProcessLookupError:
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def run_case(case: Case, timeout_s: float = 180.0) -> dict[str, Any]:
+    """One run of ``case``; returns what the controller reported and when."""
+    cores = _cores()
+    alpha = case.compute_s / (12 * 1024)  # 4 micro-batches x (forward + 2 x backward) x ~N tokens
+    workers = {}
+    for d in range(case.replicas):
+        args = ["--busy", "--alpha", f"{alpha:.3g}", "--beta", "0", "--microbatches", "4", "--comm", "0.005",
+                "--seed", "0"]
+        if case.inject != 1.0 and d == case.target:
+            args += ["--slow-compute", str(case.inject), "--slow-from", str(ONSET)]
+        workers[d] = args
+    extra: list[subprocess.Popen] = []
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    onset = ONSET
+    loads = []
+    with SyntheticCluster(CONFIG, workers) as c:
+        for d, p in c.workers.items():
+            _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
+        c.go()
+        ctl = c.controller
+        deadline = time.monotonic() + timeout_s
+        started = False
+        while time.monotonic() < deadline:
+            done = max((d.iteration for d in list(ctl.detections)), default=-1)  # type: ignore[attr-defined]
+            loads.append(os.getloadavg()[0])
+            if case.external and not started and done >= ONSET - 2:
+                onset, started = done + 2, True
+                for d, p in c.workers.items():  # threads started since (the beat thread) too
+                    _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
+                if case.external == "hog":
+                    extra += _hogs([cores[case.target % len(cores)]])  # type: ignore[operator]
+                elif case.external == "hog-all":
+                    extra += _hogs(sorted({cores[d % len(cores)] for d in c.workers}))
+                elif case.external == "duty":
+                    t = threading.Thread(target=_duty, args=(c.workers[case.target].pid, stop), daemon=True)  # type: ignore[index,attr-defined]
+                    t.start()
+                    threads.append(t)
+            if done >= onset + AFTER:
+                break
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(5)
+        for p in extra:
+            p.kill()
+            p.wait(10)
+        dets = list(ctl.detections)  # type: ignore[attr-defined]
+        reports = [d for d in dets if d.report is not None]
+    hit = next((d for d in reports if case.target is not None and case.target in d.report.devices
+                and d.iteration >= onset), None)
+    false = [d for d in reports if case.target is None or set(d.report.devices) - {case.target}
+             or d.iteration < onset]
+    return {
+        "onset": onset,
+        "iterations": max((d.iteration for d in dets), default=-1) + 1,
+        "detected": hit is not None if case.target is not None else None,
+        "latency": hit.iteration - onset + 1 if hit is not None else None,
+        "cause": hit.report.cause if hit is not None else None,
+        "false_reports": len(false),
+        "reports": [(d.iteration, list(d.report.devices), d.report.cause) for d in reports],
+        "load": [min(loads, default=0.0), max(loads, default=0.0)],
+    }
+
+
+def run(quick: bool, runs: int | None = None) -> dict[str, Any]:
+    n = runs or (1 if quick else 3)
+    out: dict[str, Any] = {"runs": n, "cases": {}}
+    t0 = time.perf_counter()
+    for case in CASES:
+        rs = [run_case(case) for _ in range(n)]
+        lats = [r["latency"] for r in rs if r["latency"] is not None]
+        out["cases"][case.name] = {
+            "runs": n,
+            "expect": "report" if case.target is not None else "nothing",
+            "misses": sum(1 for r in rs if r["detected"] is False),
+            "false_reports": sum(r["false_reports"] for r in rs),
+            "latency_max": max(lats) if lats else None,
+            "latency_mean": statistics.fmean(lats) if lats else None,
+            "causes": sorted({r["cause"] for r in rs if r["cause"]}),
+            "load": [min(r["load"][0] for r in rs), max(r["load"][1] for r in rs)],
+            "details": rs,
+        }
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [f"externally made slowdowns (real busy workers pinned to cores, {r['runs']} run(s) per case, "
+             f"onset at iteration {ONSET}, watched {AFTER} after):",
+             f"  {'case':<36} {'expect':<8} {'misses':>6} {'false reports':>13} {'latency max':>11}  cause         load avg"]
+    for name, v in r["cases"].items():
+        lat = "-" if v["latency_max"] is None else f"{v['latency_max']} it"
+        lines.append(f"  {name:<36} {v['expect']:<8} {v['misses']:>6} {v['false_reports']:>13} {lat:>11}  "
+                     f"{','.join(v['causes']) or '-':<13} {v['load'][0]:.1f}-{v['load'][1]:.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    r = run(a.quick, a.runs)
+    print(table(r))
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=2, default=float) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Localised or machine-wide: is one device slower than its peers? (docs/detector.md)
+
+A slowdown that one device (its executor) shows more than the others is a fail-slow
+whatever its cause — a slower device, other processes contending for its cores, a
+throttled or duty-cycled process — because moving work away from it helps. One that
+every device shows alike (the whole machine is loaded) or that the workload explains
+(longer documents: the healthy model predicts them) is not: no plan runs faster around it.
+
+The measure is per rank and per iteration: the log of its measured compute over its
+healthy prediction for the same documents (:meth:`~.model.WorkloadModel.rank_compute`),
+minus the median of the same quantity over the ranks of *other* executors (its peers).
+The workload cancels in the ratio, a machine-wide slowdown cancels in the difference
+(replicas of a DP-only job do the same kind of work and compare directly), and what is
+left is how much slower this device is than its peers right now.
+
+Thresholds are relative to the noise of each device's own healthy history of that
+measure (:class:`PeerExcessWatch`): a device is flagged when its excess over its own
+healthy level is above ``max(log(1 + floor), k x sigma)``, sigma the robust spread of
+its healthy values, so the sensitivity depends on how steady the device's timing is,
+not on how long an iteration takes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict, deque
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+
+if TYPE_CHECKING:
+    from resihp_core.detector import ProfileSet
+    from resihp_core.protocol import IterationProfile
+
+__all__ = ["PeerExcessWatch", "compute_of", "peer_excess", "robust_sigma"]
+
+
+def compute_of(p: IterationProfile) -> float:
+    """Seconds of compute a rank measured in one iteration (Σ forward + backward)."""
+    return sum(mb.forward_s + mb.backward_s for mb in p.microbatches)
+
+
+def robust_sigma(xs: list[float]) -> float:
+    """Robust standard deviation (1.4826 x median absolute deviation); 0 for < 2 values."""
+    if len(xs) < 2:
+        return 0.0
+    med = statistics.median(xs)
+    return 1.4826 * statistics.median(abs(x - med) for x in xs)
+
+
+def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], float]) -> dict[int, float]:
+    """Per device: log(measured / healthy compute) minus the median of that over the ranks
+    of the other executors. Empty when fewer than two executors computed anything."""
+    logs: dict[int, float] = {}
+    ex: dict[int, tuple[int, int]] = {}
+    for p in profiles.values():
+        comp = compute_of(p)
+        if comp <= 0:
+            continue
+        h = healthy(p)
+        if not h > 0:
+            continue
+        logs[p.device] = math.log(comp / h)
+        ex[p.device] = (p.replica, p.stage)
+    if len(set(ex.values())) < 2:
+        return {}
+    out = {}
+    for d, x in logs.items():
+        peers = [y for e, y in logs.items() if ex[e] != ex[d]]
+        out[d] = x - statistics.median(peers)
+    return out
+
+
+class PeerExcessWatch:
+    """Flags a device whose peer excess stays above its own healthy noise.
+
+    :param k: noise scales (robust sigma of the device's healthy peer excess) a value
+        must exceed its healthy level by to count.
+    :param floor: ... and at least ``log(1 + floor)``: slowdowns below ``1 + floor``
+        are not worth a new plan.
+    :param window: consecutive flagged iterations that make a localised slowdown (its
+        onset is the first of them; 3 keeps the latency <= 3 iterations).
+    :param min_history: healthy values a device needs before it can be flagged (the
+        detector gives it the warm-up's at once, so a slowdown right after the warm-up
+        is judged against them instead of becoming part of the "healthy" history).
+    :param history: healthy values kept per device.
+    :param cap: see :meth:`threshold` (verification caps its margin the same way).
+    """
+
+    def __init__(self, *, k: float = 4.0, floor: float = 0.25, window: int = 3, min_history: int = 3,
+                 history: int = 32, cap: float = 1.0) -> None:
+        if k <= 0 or floor <= 0 or window < 1 or min_history < 2 or history < min_history:
+            raise ValueError("need k > 0, floor > 0, window >= 1, 2 <= min_history <= history")
+        self.k, self.floor, self.window, self.min_history, self.cap = k, floor, window, min_history, cap
+        self._history_len = history
+        self.reset()
+
+    def reset(self) -> None:
+        self._healthy: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self._history_len))
+        self._run: dict[int, list[tuple[int, float]]] = {}  # device -> flagged (iteration, excess) in a row
+
+    def level(self, device: int) -> float:
+        h = self._healthy.get(device)
+        return statistics.median(h) if h else 0.0
+
+    def sigma(self, device: int) -> float:
+        """The device's healthy noise (robust sigma of its peer excess)."""
+        h = self._healthy.get(device)
+        return robust_sigma(list(h)) if h else 0.0
+
+    def threshold(self, device: int) -> float:
+        """Log excess over the healthy level that flags ``device`` (never more than
+        ``log(1 + cap)``: a device ``1 + cap`` times slower than its peers is flagged
+        however noisy its few healthy values looked)."""
+        return max(math.log1p(self.floor), min(math.log1p(self.cap), self.k * self.sigma(device)))
+
+    def noise(self) -> dict[int, float]:
+        """Device -> healthy noise, for devices with enough history."""
+        return {d: self.sigma(d) for d, h in self._healthy.items() if len(h) >= self.min_history}
+
+    def update(self, iteration: int, excess: Mapping[int, float]) -> dict[int, int]:
+        """Add one iteration's peer excess; returns device -> onset iteration for every
+        device flagged in each of the last ``window`` iterations (reported once per run).
+        A run of flagged values that ends sooner was noise: its values join the healthy
+        history (leaving them out would understate the noise)."""
+        found: dict[int, int] = {}
+        for d, x in excess.items():
+            h = self._healthy[d]
+            if len(h) >= self.min_history and x - self.level(d) > self.threshold(d):
+                run = self._run.setdefault(d, [])
+                run.append((iteration, x))
+                if len(run) == self.window:
+                    found[d] = run[0][0]
+            else:
+                if len(self._run.get(d, ())) < self.window:
+                    h.extend(v for _, v in self._run.get(d, ()))
+                self._run.pop(d, None)
+                h.append(x)
+        for d in [d for d in self._run if d not in excess]:
+            del self._run[d]
+        return found
+
+    def forget(self, devices: Iterable[int]) -> None:
+        """The slowdown of ``devices`` was judged: they start a new healthy history at
+        their new level (a reported device stays slow until the next plan)."""
+        for d in devices:
+            self._healthy.pop(d, None)
+            self._run.pop(d, None)

@@ -1,0 +1,180 @@
+"""Localised versus machine-wide, thresholds relative to each device's own noise
+(detector/localise.py): pure logic on synthetic per-rank profiles, no processes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from resihp_core.detector.changepoint import BOCPD
+from resihp_core.detector.failslow import WorkloadAwareDetector
+from resihp_core.detector.localise import PeerExcessWatch, peer_excess, robust_sigma
+from resihp_core.detector.verify import ProfileVerifier
+from resihp_core.protocol import IterationProfile, MicroBatchProfile
+
+
+class Job:
+    """DP replicas (one stage, TP 1) doing the same kind of work: about ``scale``
+    seconds of compute per iteration (4 micro-batches, cost ``N + Σl²/1024``) with
+    relative ``noise``, plus a fixed ``overhead`` outside compute (a small model is
+    mostly framework overhead)."""
+
+    def __init__(self, ranks: int = 4, scale: float = 0.3, noise: float = 0.02, overhead: float = 0.0,
+                 seed: int = 0) -> None:
+        self.ranks, self.scale, self.noise, self.overhead = ranks, scale, noise, overhead
+        self.rng = random.Random(seed)
+        self.slow: dict[int, float] = {}
+        self.noisy: dict[int, float] = {}  # rank -> its own noise, if not the default
+
+    def iteration(self, it: int) -> dict[int, IterationProfile]:
+        comps = {}
+        for r in range(self.ranks):
+            mbs = []
+            for j in range(4):
+                docs = tuple(self.rng.randint(16, 512) for _ in range(4))
+                t = self.scale / 12 * (sum(docs) + sum(l * l for l in docs) / 1024) / 1400
+                e = math.exp(self.rng.gauss(0, self.noisy.get(r, self.noise))) * self.slow.get(r, 1.0)
+                mbs.append(MicroBatchProfile(owner=r, mb=j, forward_s=t * e, backward_s=2 * t * e, doc_lengths=docs))
+            comps[r] = mbs
+        total = max(sum(m.forward_s + m.backward_s for m in mbs) for mbs in comps.values()) + self.overhead
+        out = {}
+        for r, mbs in comps.items():
+            comp = sum(m.forward_s + m.backward_s for m in mbs)
+            out[r] = IterationProfile(rank=r, device=r, generation=0, iteration=it, stage=0, replica=r,
+                                      microbatches=tuple(mbs), comm_s=total - comp, iteration_s=total)
+        return out
+
+
+def detector() -> WorkloadAwareDetector:
+    return WorkloadAwareDetector(BOCPD(), ProfileVerifier(), clock=lambda: 0.0)
+
+
+def run(job: Job, onset: int = 30, stop: int = 45):
+    det = detector()
+    healthy = [det.observe(it, job.iteration(it)) for it in range(onset)]
+    assert not [d for d in healthy if d.report is not None], [d.action for d in healthy]
+    return det, [det.observe(it, job.iteration(it)) for it in range(onset, stop)]
+
+
+def latency(dets, onset: int = 30) -> int | None:
+    rep = [d for d in dets if d.report is not None]
+    return rep[0].iteration - onset + 1 if rep else None
+
+
+@pytest.mark.parametrize("scale", [0.03, 0.3, 3.0], ids=["0.03s", "0.3s", "3s"])
+def test_a_1_5x_slowdown_is_found_within_3_iterations_whatever_the_iteration_time(scale: float) -> None:
+    job = Job(scale=scale, seed=3)
+    job.slow[2] = 1.5
+    job_slow_from = 30
+    det = detector()
+    for it in range(45):
+        p = job.iteration(it) if it >= job_slow_from else _healthy(job, it)
+        d = det.observe(it, p)
+        if it < job_slow_from:
+            assert d.report is None
+        elif d.report is not None:
+            assert d.report.devices == (2,) and d.report.cause == "compute"
+            assert d.report.throughput[2] == pytest.approx(1 / 1.5, abs=0.05)
+            assert it - job_slow_from + 1 <= 3
+            return
+    pytest.fail("not reported")
+
+
+def _healthy(job: Job, it: int) -> dict[int, IterationProfile]:
+    slow, job.slow = job.slow, {}
+    try:
+        return job.iteration(it)
+    finally:
+        job.slow = slow
+
+
+def test_a_small_model_whose_iteration_is_mostly_overhead_is_not_blind() -> None:
+    # Compute is a third of the iteration: a 1.5x slowdown of one device lengthens the
+    # iteration by ~17 %, under the 25 % iteration filter; its peers show it at once.
+    job = Job(scale=0.2, overhead=0.4, seed=4)
+    det = detector()
+    for it in range(30):
+        assert det.observe(it, job.iteration(it)).report is None
+    job.slow[1] = 1.5
+    dets = [det.observe(it, job.iteration(it)) for it in range(30, 40)]
+    assert latency(dets) is not None and latency(dets) <= 3, [(d.iteration, d.action) for d in dets]
+    rep = next(d.report for d in dets if d.report is not None)
+    assert rep.devices == (1,)
+
+
+def test_dp_only_one_replica_slowed_3x_is_found_within_3_iterations_and_not_every_replica_alike() -> None:
+    job = Job(ranks=4, scale=0.3, seed=5)
+    job.slow[3] = 3.0
+    det = detector()
+    for it in range(30):
+        assert det.observe(it, _healthy(job, it)).report is None
+    dets = [det.observe(it, job.iteration(it)) for it in range(30, 40)]
+    assert latency(dets) is not None and latency(dets) <= 3
+    assert next(d.report for d in dets if d.report is not None).devices == (3,)
+    # Every replica 3x slower (a machine-wide slowdown): nothing to report.
+    job2 = Job(ranks=4, scale=0.3, seed=5)
+    det2 = detector()
+    for it in range(30):
+        det2.observe(it, job2.iteration(it))
+    job2.slow = {r: 3.0 for r in range(4)}
+    assert not [d for d in (det2.observe(it, job2.iteration(it)) for it in range(30, 50)) if d.report is not None]
+
+
+def test_the_threshold_follows_each_devices_own_noise() -> None:
+    # Device 0 times its compute with ~20 % noise, the others with ~0.5 %: a 1.35x slowdown
+    # stands out of the steady ones' noise, not out of the noisy one's.
+    for noisy_slow, expect in ((1, True), (0, False)):
+        job = Job(noise=0.01, seed=6)
+        job.noisy[0] = 0.4  # per micro-batch: ~20 % per iteration
+        det = detector()
+        for it in range(30):
+            assert det.observe(it, job.iteration(it)).report is None, it
+        noise = det.local.noise()
+        assert noise[0] > 5 * noise[1], noise
+        job.slow[noisy_slow] = 1.35
+        dets = [det.observe(it, job.iteration(it)) for it in range(30, 36)]
+        found = [d.report.devices for d in dets if d.report is not None]
+        assert (found == [(noisy_slow,)]) == expect, (noisy_slow, found, noise)
+
+
+def test_peer_excess_and_the_watch() -> None:
+    job = Job(ranks=3, noise=0.0, seed=1)
+    job.slow[1] = 2.0
+    p = job.iteration(0)
+    # healthy: the compute without the slowdown; the slow rank is 2x its peers, each of
+    # the others half of log 2 below the median of its two peers
+    healthy = lambda prof: sum(m.forward_s + m.backward_s for m in prof.microbatches) / job.slow.get(prof.rank, 1.0)  # noqa: E731
+    ex = peer_excess(p, healthy)
+    assert ex[1] == pytest.approx(math.log(2.0))
+    assert ex[0] == pytest.approx(-math.log(2.0) / 2) and ex[2] == pytest.approx(-math.log(2.0) / 2)
+    assert peer_excess(p, lambda prof: sum(m.forward_s + m.backward_s for m in prof.microbatches)) == \
+        pytest.approx({0: 0.0, 1: 0.0, 2: 0.0})  # a prediction that knows the slowdown: no excess
+    assert peer_excess({0: p[0]}, healthy) == {}  # one executor has no peers
+    w = PeerExcessWatch(k=4.0, floor=0.25, window=3, min_history=4)
+    for it in range(8):
+        assert w.update(it, {0: 0.01 * (it % 2), 1: 0.0}) == {}
+    assert w.threshold(0) == pytest.approx(math.log(1.25))
+    assert w.update(8, {0: 0.5, 1: 0.0}) == {}
+    assert w.update(9, {0: 0.5, 1: 0.0}) == {}
+    assert w.update(10, {0: 0.5, 1: 0.0}) == {0: 8}
+    assert w.update(11, {0: 0.5, 1: 0.0}) == {}  # reported once per run
+    w.forget({0})
+    assert 0 not in w.noise()
+    assert robust_sigma([1.0]) == 0.0 and robust_sigma([1.0, 1.0, 1.0]) == 0.0
+
+
+def test_a_slowdown_right_after_the_warm_up_is_judged_against_the_warm_up() -> None:
+    # The warm-up's iterations give every device its first healthy values at once: a
+    # slowdown from the first iteration after it does not become the device's "healthy"
+    # history (which would make its noise look huge and hide it).
+    job = Job(ranks=2, scale=0.3, seed=8)
+    det = detector()
+    for it in range(4):  # 1 skipped + 3 fitted
+        assert det.observe(it, job.iteration(it)).action == "warmup"
+    job.slow[1] = 3.0
+    dets = [det.observe(it, job.iteration(it)) for it in range(4, 12)]
+    rep = [d for d in dets if d.report is not None]
+    assert rep and rep[0].report.devices == (1,) and rep[0].report.cause == "compute", [d.action for d in dets]
+    assert rep[0].iteration - 4 + 1 <= 3
