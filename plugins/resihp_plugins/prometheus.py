@@ -7,7 +7,7 @@ rendered in the Prometheus text exposition format (version 0.0.4) by
 ==========================================  =======  ===========================================
 ``resihp_failures_total{failure,cause}``    counter  confirmed failures (``failure``: fail-stop /
                                                      fail-slow; ``cause``: compute /
-                                                     communication / unknown); every known
+                                                     communication / contention / unknown); every known
                                                      combination starts at 0
 ``resihp_plan_changes_total``               counter  plan generations deployed
 ``resihp_plan_generation``                  gauge    the running plan's generation

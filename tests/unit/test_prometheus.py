@@ -8,12 +8,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.plugins import Plugins
 from resihp_core.protocol import FailureReport
+from resihp_core.protocol.messages import Cause
 from resihp_plugins import prometheus
 from resihp_plugins.prometheus import CONTENT_TYPE, PrometheusExporter, escape_label, format_value
 
@@ -87,7 +89,9 @@ def test_render_fresh_exporter() -> None:
     for name, kind in types.items():  # counters end in _total, gauges do not
         assert name.endswith("_total") == (kind == "counter")
     failures = {k: v for k, v in samples.items() if k[0] == "resihp_failures_total"}
-    assert len(failures) == 6 and set(failures.values()) == {0.0}
+    # one series per (failure class, cause), declared before the first report
+    assert len(failures) == 2 * len(get_args(Cause)) and set(failures.values()) == {0.0}
+    assert ("resihp_failures_total", '{failure="fail-slow",cause="contention"}') in failures
     assert ("resihp_failures_total", '{failure="fail-stop",cause="communication"}') in failures
     assert samples[("resihp_iterations_total", "")] == 0
     assert ("resihp_plan_generation", "") not in samples  # unknown gauges have no sample
