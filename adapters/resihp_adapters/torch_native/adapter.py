@@ -64,7 +64,10 @@ class TorchNativeAdapter(Adapter):
     name = NAME
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx: AdapterContext) -> None:
+    def __init__(self, ctx: AdapterContext, user: Any = None) -> None:
+        """``user``: the script's model, optimizer, scheduler and data
+        (:class:`~.api.UserJob`, from ``initialize(model, ...)``); None: the adapter's own
+        LLaMA of ``adapter_config.model`` on the job's data source."""
         super().__init__(ctx)
         import torch
 
@@ -74,10 +77,14 @@ class TorchNativeAdapter(Adapter):
         torch.set_num_threads(1)
         job = ctx.job
         c = parse_config(job.adapter_config, job.seed)
-        data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
+        if user is not None:
+            model, recipe, data = user.stages, user.recipe, user.data(job.dp * job.num_microbatches)
+        else:
+            model, recipe = c["model"], None
+            data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
         self.engine = TorchNativeEngine(
-            ctx.device, c["model"], data, ctx.store, shard_degree=c["shard"], lr=c["lr"],
-            weight_decay=c["weight_decay"], timeout_s=ctx.timeout_s,
+            ctx.device, model, data, ctx.store, shard_degree=c["shard"], lr=c["lr"],
+            weight_decay=c["weight_decay"], recipe=recipe, timeout_s=ctx.timeout_s,
             join_timeout_s=max(30.0, 6 * ctx.timeout_s))
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
@@ -90,9 +97,9 @@ class TorchNativeAdapter(Adapter):
         return None if pl is None else (pl.replica, pl.stage, 0)
 
     def _check(self, plan: ParallelPlan) -> None:
-        if plan.num_layers != self.engine.cfg.n_layers:
-            raise ValueError(f"plan has {plan.num_layers} layers, adapter_config.model.n_layers is "
-                             f"{self.engine.cfg.n_layers}")
+        if plan.num_layers != self.engine.model.n_layers:
+            what = "adapter_config.model.n_layers" if self.engine.cfg is not None else "the model's blocks"
+            raise ValueError(f"plan has {plan.num_layers} layers, {what}: {self.engine.model.n_layers}")
 
     # ------------------------------------------------------------ generations
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
@@ -146,8 +153,14 @@ class TorchNativeAdapter(Adapter):
         pl = self.engine.place
         if pl is None or self.engine.module is None:
             return {}
-        return {name: Shard(ts, dim=0, index=pl.shard_index, parts=pl.shard_degree)
-                for name, ts in self.engine.local_shards().items()}
+        return {name: Shard(h.tensors(), dim=0, index=pl.shard_index, parts=pl.shard_degree)
+                for name, h in self.engine.local_shards().items()}
+
+    def full_state(self) -> dict[str, Any]:
+        """This stage's complete state by layout-independent names
+        (:meth:`~.engine.TorchNativeEngine.flat_state`; collective over the stage's
+        data-parallel ranks: every executor calls it at the same point)."""
+        return self.engine.flat_state()
 
     def _path(self, iteration: int) -> str:
         if not self.ctx.job.checkpoint_dir:
