@@ -1,7 +1,9 @@
 """One process of the Hugging Face fidelity test: a tiny HF model trained with the
 user's AdamW, LambdaLR warm-up and clipping at 1.0 by the torch_native engine (core
 programs lowered into torch's pipeline runtime, FSDP2 / HSDP), then the same under stock
-``Schedule1F1B`` + ``fully_shard``. Run as ``python torch_native_hf_job.py SPEC.json
+``Schedule1F1B`` + ``fully_shard``. Half-way the engine loses device 1 and the
+other three continue as pp3 x dp1, their state restored from a DCP checkpoint or moved
+from memory (``spec["recover"]``). Run as ``python torch_native_hf_job.py SPEC.json
 DEVICE STORE_PORT``; writes ``DEVICE.pt`` (both runs' flattened complete stage state on
 the lowest replica of each stage, losses everywhere)."""
 
@@ -44,8 +46,25 @@ def main(spec_path: str, device: int, port: int) -> None:
     eng.start_fresh()
     r, s = eng.place.replica, eng.place.stage
     prog = {(p.replica, p.stage): p for p in emit_programs(plan)}[(r, s)]
-    losses = [eng.run(prog).loss for _ in range(iterations)]
-    state = eng.flat_state()
+    half = iterations // 2
+    losses = [eng.run(prog).loss for _ in range(half)]
+    # Device 1 is lost after `half` iterations: the other three go on as pp3 x dp1 (new
+    # stage boundaries, the tied head on another stage), with their state read back from
+    # a DCP checkpoint ("restore") or moved from the survivors' memory (HSDP, "move").
+    ckpt = str(Path(spec["out"]) / "ckpt")
+    if spec["recover"] == "restore":
+        eng.save_checkpoint(ckpt)
+    state: dict = {}
+    if device != 1:
+        new = parse_plan(spec["plan_after"])
+        eng.rebuild(new, 1, [0, 2, 3])
+        if spec["recover"] == "restore":
+            eng.load_checkpoint(ckpt, half)
+        else:
+            eng.move_state(plan, new, {0, 2, 3}, half)
+        prog = {(p.replica, p.stage): p for p in emit_programs(new)}[(eng.place.replica, eng.place.stage)]
+        losses += [eng.run(prog).loss for _ in range(iterations - half)]
+        state = eng.flat_state()
     eng.release()
     rank = s * plan.dp + r
     dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=rank,
@@ -58,7 +77,7 @@ def main(spec_path: str, device: int, port: int) -> None:
     stock_state = stock.flat_state()
     dist.destroy_process_group()
     torch.save({"replica": r, "stage": s, "losses": losses, "stock_losses": stock_losses,
-                "state": state if r == 0 else {}, "stock_state": stock_state if r == 0 else {}},
+                "state": state, "stock_state": stock_state if r == 0 else {}},
                Path(spec["out"]) / f"{device}.pt")
 
 
