@@ -1,10 +1,10 @@
 """One process of the Hugging Face fidelity test: a tiny HF model trained with the
 user's AdamW, LambdaLR warm-up and clipping at 1.0 by the torch_native engine (core
 programs lowered into torch's pipeline runtime, FSDP2 / HSDP), then the same under stock
-``Schedule1F1B`` + ``fully_shard``. Half-way the engine loses device 1 and the
+``Schedule1F1B`` + ``fully_shard``, for each case of the spec (a JSON list). Half-way the engine loses device 1 and the
 other three continue as pp3 x dp1, their state restored from a DCP checkpoint or moved
 from memory (``spec["recover"]``). Run as ``python torch_native_hf_job.py SPEC.json
-DEVICE STORE_PORT``; writes ``DEVICE.pt`` (both runs' flattened complete stage state on
+DEVICE STORE_PORT``; writes ``KIND-DEVICE.pt`` (both runs' flattened complete stage state on
 the lowest replica of each stage, losses everywhere)."""
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ def job(spec: dict):
 
 def main(spec_path: str, device: int, port: int) -> None:
     torch.set_num_threads(1)
-    spec = json.loads(Path(spec_path).read_text())
+    cases = json.loads(Path(spec_path).read_text())
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    for c, spec in enumerate(cases):  # one process set for every case: startup is most of the cost
+        run_case(spec, device, dist.PrefixStore(f"case{c}/", store))
+
+
+def run_case(spec: dict, device: int, store: dist.Store) -> None:
     plan, iterations = parse_plan(spec["plan"]), spec["iterations"]
     user = job(spec)
     data = user.data(plan.dp * plan.num_microbatches)
@@ -78,7 +83,7 @@ def main(spec_path: str, device: int, port: int) -> None:
     dist.destroy_process_group()
     torch.save({"replica": r, "stage": s, "losses": losses, "stock_losses": stock_losses,
                 "state": state, "stock_state": stock_state if r == 0 else {}},
-               Path(spec["out"]) / f"{device}.pt")
+               Path(spec["out"]) / f"{spec['kind']}-{device}.pt")
 
 
 if __name__ == "__main__":
