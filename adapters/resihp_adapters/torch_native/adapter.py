@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
+
+if TYPE_CHECKING:
+    from resihp_adapters.torch_native.api import UserJob
 
 __all__ = ["TorchNativeAdapter", "parse_config"]
 
@@ -64,7 +67,7 @@ class TorchNativeAdapter(Adapter):
     name = NAME
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx: AdapterContext, user: Any = None) -> None:
+    def __init__(self, ctx: AdapterContext, user: UserJob | None = None) -> None:
         """``user``: the script's model, optimizer, scheduler and data
         (:class:`~.api.UserJob`, from ``initialize(model, ...)``); None: the adapter's own
         LLaMA of ``adapter_config.model`` on the job's data source."""

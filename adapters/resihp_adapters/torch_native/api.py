@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from resihp_adapters.torch_native.data import UserData
+    from resihp_adapters.torch_native.engine import Recipe
+    from resihp_adapters.torch_native.split import UserStages
 
 __all__ = ["initialize", "ResilientTrainer", "StockTrainer", "UserJob", "user_job"]
 
@@ -86,9 +91,9 @@ class UserJob:
     """What ``initialize(model, ...)`` hands the adapter: the model as stages, the
     recipe, and the data for a global batch of ``G`` micro-batches (``data(G)``)."""
 
-    stages: Any  # split.UserStages
-    recipe: Any  # engine.Recipe
-    data: Callable[[int], Any]  # G -> data.UserData
+    stages: UserStages
+    recipe: Recipe
+    data: Callable[[int], UserData]  # global micro-batches G -> the data
 
 
 def _optimizer_factory(optimizer: Any) -> Callable[[list], Any]:

@@ -158,10 +158,20 @@ class StageSource(Protocol):
     def names(self, start: int, end: int) -> list[str]: ...
 
 
+class Batch(Protocol):
+    """One micro-batch as the pipeline takes it (:class:`~.data.MicroBatch`, :class:`~.data.UserBatch`)."""
+
+    args: tuple[Tensor, ...]  # the first stage's input
+    target: Tensor  # the last stage's loss target
+    lengths: tuple[int, ...]  # document lengths, for the profiles
+
+    def kwargs(self) -> dict[str, Tensor]: ...  # every stage's keyword arguments
+
+
 class Feed(Protocol):
     """The job's data as micro-batches (:class:`~.data.Batches`, :class:`~.data.UserData`)."""
 
-    def micro_batch(self, iteration: int, owner: int, mb: int, per_replica: int): ...
+    def micro_batch(self, iteration: int, owner: int, mb: int, per_replica: int) -> Batch: ...
 
     def denominator(self, iteration: int) -> float: ...
 
