@@ -50,7 +50,7 @@ def compare_states(got: dict, ref: dict) -> float:
     return worst
 
 
-def reference(kind: str, iterations: int, global_microbatches: int) -> tuple[dict, list[float]]:
+def reference(kind: str, iterations: int, global_microbatches: int, text: Path = TEXT) -> tuple[dict, list[float]]:
     from hf_model import TextWindows, adamw, tiny_model, warmup_cosine
 
     from resihp_adapters.torch_native.api import user_job
@@ -58,7 +58,7 @@ def reference(kind: str, iterations: int, global_microbatches: int) -> tuple[dic
 
     torch.set_num_threads(1)
     user = user_job(tiny_model(kind), optimizer=adamw, lr_scheduler=warmup_cosine(iterations), max_grad_norm=1.0,
-                    dataset=TextWindows(TEXT, 16), micro_batch_size=2)
+                    dataset=TextWindows(text, 16), micro_batch_size=2)
     return user_single_process_run(user.stages, user.recipe, user.data(global_microbatches), iterations)
 
 
@@ -71,7 +71,7 @@ CASES = [  # (kind, FSDP shard degree, how the survivors get the state)
 @pytest.mark.timeout(900)
 def test_hf_models_pp2_dp2_equal_stock_path_and_single_process(tmp_path):
     """Both models in one set of 4 processes (startup dominates the cost)."""
-    from test_torch_native import run_devices
+    from .test_torch_native import run_devices
 
     iterations, m = 4, 2
     plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=m)

@@ -40,9 +40,7 @@ def _copy(dst: Path) -> Path:
 
 @pytest.mark.timeout(600)
 def test_hf_llama_killed_rank_final_state_equals_single_process(tmp_path):
-    from test_torch_native_hf import compare_states, reference
-
-    import test_torch_native_hf
+    from .test_torch_native_hf import compare_states, reference
 
     ex = _copy(tmp_path / "ex")
     (tmp_path / "kill.json").write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"}]))
@@ -55,8 +53,7 @@ def test_hf_llama_killed_rank_final_state_equals_single_process(tmp_path):
     assert "fail-stop of devices [3]" in out, out[-3000:]
     committed = {int(i): float(l) for i, l in COMMITTED.findall(out)}
     assert sorted(committed) == list(range(ITERATIONS)), out[-3000:]
-    test_torch_native_hf.TEXT = ex / "README.md"  # the example trains on its README
-    ref, losses = reference("llama", ITERATIONS, 4)
+    ref, losses = reference("llama", ITERATIONS, 4, ex / "README.md")  # the example trains on its README
     for i, loss in committed.items():  # the controller's global loss, printed with 10 decimals
         assert abs(loss - losses[i]) <= 1e-9 * losses[i], (i, loss, losses[i])
     state: dict = {}
