@@ -108,3 +108,6 @@ def test_what_cannot_be_carried_is_refused_up_front():
     # an optimizer instance is rebuilt from its class and defaults
     built = user_job(model, optimizer=opt, dataset=ds).recipe.optimizer([torch.nn.Parameter(torch.zeros(2))])
     assert type(built) is type(opt) and built.defaults == opt.defaults
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    again = user_job(model, optimizer=sgd, dataset=ds).recipe.optimizer([torch.nn.Parameter(torch.zeros(2))])
+    assert type(again) is torch.optim.SGD and again.defaults == sgd.defaults

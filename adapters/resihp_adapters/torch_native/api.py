@@ -103,7 +103,13 @@ def _optimizer_factory(optimizer: Any) -> Callable[[list], Any]:
         if len(optimizer.param_groups) != 1:
             raise ValueError("initialize(optimizer=...): an optimizer instance with several parameter groups "
                              "cannot be rebuilt per stage; pass a factory: optimizer=lambda params: ...")
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        import inspect
+
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
+        defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
         return lambda params: cls(params, **defaults)
     if callable(optimizer):
         return optimizer
