@@ -111,3 +111,27 @@ def test_what_cannot_be_carried_is_refused_up_front():
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     again = user_job(model, optimizer=sgd, dataset=ds).recipe.optimizer([torch.nn.Parameter(torch.zeros(2))])
     assert type(again) is torch.optim.SGD and again.defaults == sgd.defaults
+
+
+def test_the_lr_schedule_is_rebuilt_at_the_committed_iteration_from_the_factorys_lr():
+    """However the optimizer's groups were left (a restored checkpoint's or a rolled-back
+    step's scheduled lr), the rebuilt scheduler is where the fault-free run's is."""
+    from hf_model import warmup_cosine
+
+    from resihp_adapters.torch_native.engine import TorchNativeEngine
+
+    user = user_job(tiny_model("llama"), optimizer=adamw, lr_scheduler=warmup_cosine(8), dataset=TextWindows(TEXT, 16))
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    ref_opt = adamw(params)
+    ref = warmup_cosine(8)(ref_opt)
+    for _ in range(5):
+        ref_opt.step()
+        ref.step()
+    eng = TorchNativeEngine(0, user.stages, None, None, recipe=user.recipe)
+    eng.optimizer = adamw(params)
+    eng._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in eng.optimizer.param_groups]
+    eng.optimizer.param_groups[0]["lr"] = 123.0  # what a loaded state dict may leave
+    eng.iteration = 5
+    eng._make_scheduler()
+    assert eng.optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert eng.scheduler.state_dict()["last_epoch"] == ref.state_dict()["last_epoch"] == 5

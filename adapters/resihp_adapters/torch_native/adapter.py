@@ -10,6 +10,8 @@ the adapter's own section of the job (``job.adapter_config``):
             of them (FSDP2); a smaller divisor gives HSDP, whose replicate groups each
             hold a whole copy, so a dead rank's shard survives in memory.
 ``lr``, ``weight_decay``  AdamW.
+``user``    ``module:function`` returning a user's job (``api.user_job(model, ...)``):
+            the user's model, optimizer, scheduler and data in place of the above.
 
 The training data is the job's own source (``job.data``, the ``[data]`` section), as
 for every adapter: see :mod:`.data`.
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchNativeAdapter", "parse_config"]
 
-_KEYS = {"model", "shard", "lr", "weight_decay"}
+_KEYS = {"model", "shard", "lr", "weight_decay", "user"}
 
 
 def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -58,7 +60,27 @@ def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     for name, v in (("lr", lr), ("weight_decay", wd)):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             raise ValueError(f"adapter_config.{name} must be a number >= 0, got {v!r}")
-    return {"model": cfg, "shard": shard, "lr": float(lr), "weight_decay": float(wd)}
+    user = section.get("user")
+    if user is not None and (not isinstance(user, str) or ":" not in user):
+        raise ValueError(f"adapter_config.user must be 'module:function' (a function returning "
+                         f"resihp_adapters.torch_native.api.user_job(...)), got {user!r}")
+    return {"model": cfg, "shard": shard, "lr": float(lr), "weight_decay": float(wd), "user": user}
+
+
+def load_user(target: str) -> UserJob:
+    """``adapter_config.user``: ``module:function`` returning the user's job (what
+    ``initialize(model, ...)`` hands the adapter), for ``resihp run`` and the
+    conformance kit, which build adapters from the job description alone."""
+    import importlib
+
+    from resihp_adapters.torch_native.api import UserJob
+
+    mod, _, fn = target.partition(":")
+    job = getattr(importlib.import_module(mod), fn)()
+    if not isinstance(job, UserJob):
+        raise TypeError(f"adapter_config.user: {target} returned {type(job).__name__}, not a UserJob "
+                        "(resihp_adapters.torch_native.api.user_job(model, optimizer=..., dataset=...))")
+    return job
 
 
 class TorchNativeAdapter(Adapter):
@@ -80,6 +102,8 @@ class TorchNativeAdapter(Adapter):
         torch.set_num_threads(1)
         job = ctx.job
         c = parse_config(job.adapter_config, job.seed)
+        if user is None and c["user"]:
+            user = load_user(c["user"])
         if user is not None:
             model, recipe, data = user.stages, user.recipe, user.data(job.dp * job.num_microbatches)
         else:

@@ -401,6 +401,8 @@ class TorchNativeEngine:
                 self._bound[1].extend(i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None)
         self.module = module
         self.optimizer = self.recipe.optimizer(list(module.parameters()))
+        # the factory's hyper-parameters: every scheduler built later starts from them
+        self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self._make_scheduler()
         self.stage = PipelineStage(module, place.stage, plan.pp, torch.device("cpu"),
                                    group=pp_mesh.get_group())
@@ -415,8 +417,9 @@ class TorchNativeEngine:
         self.scheduler = None
         if self.recipe.lr_scheduler is None or self.optimizer is None:
             return
-        for group in self.optimizer.param_groups:
-            group.pop("initial_lr", None)  # a new scheduler starts from the factory's lr
+        for group, base in zip(self.optimizer.param_groups, self._base_groups):
+            group.pop("initial_lr", None)  # a new scheduler starts from the factory's lr,
+            group.update(base)  # not from a restored or rolled-back group's scheduled one
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "step() before optimizer.step()": replaying, on purpose
             sched = self.recipe.lr_scheduler(self.optimizer)
