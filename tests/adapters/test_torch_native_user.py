@@ -135,3 +135,40 @@ def test_the_lr_schedule_is_rebuilt_at_the_committed_iteration_from_the_factorys
     eng._make_scheduler()
     assert eng.optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
     assert eng.scheduler.state_dict()["last_epoch"] == ref.state_dict()["last_epoch"] == 5
+
+
+def test_any_model_through_the_split_protocol():
+    """A plain module (not HF) described by a Split: stages under its own names, chained
+    equal to its own forward; (input, target) samples; a mean loss is divided by G."""
+    from resihp_adapters.torch_native.split import Split
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Linear(3, 4)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for b in self.blocks:
+                h = torch.relu(b(h))
+            return self.head(h)
+
+    split = Split(pre=("emb",), blocks=("blocks.0", "blocks.1", "blocks.2"), post=("head",),
+                  embed=lambda st, x, kw: st.part("emb")(x), block=lambda m, h, ctx: torch.relu(m(h)),
+                  head=lambda st, h: st.part("head")(h))
+    net = Net()
+    ds = [(torch.randn(3), torch.tensor(i % 2)) for i in range(8)]
+    user = user_job(net, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    loss_fn=torch.nn.functional.cross_entropy, dataset=ds, split=split, micro_batch_size=2)
+    a, b = user.stages.build(0, 1), user.stages.build(1, 3)
+    assert [n for n, _ in b.named_parameters()] == ["blocks.1.weight", "blocks.1.bias", "blocks.2.weight",
+                                                    "blocks.2.bias", "head.weight", "head.bias"]
+    mb = user.data(4).micro_batch(0, 1, 1, 2)  # global micro-batch 3: samples 6, 7
+    assert torch.equal(mb.args[0], torch.stack([ds[6][0], ds[7][0]])) and mb.target.tolist() == [0, 1]
+    assert torch.equal(b(a(mb.args[0])), net(mb.args[0]))
+    assert user.data(4).denominator(0) == 4.0
+    with pytest.raises(ValueError, match="in no pre / block / post module"):
+        UserStages(net, Split(pre=("emb",), blocks=("blocks.0",), post=("head",), embed=split.embed,
+                              block=split.block, head=split.head))

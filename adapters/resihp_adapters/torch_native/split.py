@@ -10,7 +10,9 @@ stage. Four functions say what flows between them:
 * ``context(stage, hidden, kwargs) -> dict``: keyword arguments every block of the stage
   takes, computed once per stage and micro-batch (HF: rotary cos/sin, the mask);
 * ``block(module, hidden, context) -> hidden``;
-* ``head(stage, hidden) -> output`` on the last stage.
+* ``head(stage, hidden) -> output`` on the last stage;
+* optionally ``prepare(batch) -> UserBatch``: a collated batch as the pipeline's inputs,
+  keyword arguments for every stage and loss target.
 
 Only ``hidden`` travels between stages; ``kwargs`` (positions, masks) are handed to every
 stage by torch's pipeline runtime. A stage (:class:`Stage`) keeps each held submodule at
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +53,9 @@ class Split:
     head: Callable[["Stage", Tensor], Tensor]
     context: Callable[["Stage", Tensor, Kwargs], dict] = field(default=lambda stage, h, kw: dict(kw))
     shared: tuple[str, ...] = ()
+    #: collated batch -> :class:`~.data.UserBatch` (inputs, every stage's kwargs, target);
+    #: None: an ``(input, target)`` pair, or a Hugging Face style dict
+    prepare: Callable[[object], object] | None = None
 
     @property
     def n_layers(self) -> int:
