@@ -61,3 +61,13 @@ def warmup_cosine(total: int, warmup: int = 3):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def user_llama(iterations: int = 1000):  # noqa: ANN201 - resihp_adapters.torch_native.api.UserJob
+    """The whole user job as ``adapter_config.user = "hf_model:user_llama"`` names it
+    (``resihp run``, benchmarks): this folder's model, optimizer, schedule, clipping and
+    README as the text."""
+    from resihp_adapters.torch_native.api import user_job
+
+    return user_job(tiny_model("llama"), optimizer=adamw, lr_scheduler=warmup_cosine(iterations), max_grad_norm=1.0,
+                    dataset=TextWindows(Path(__file__).resolve().parent / "README.md", 16), micro_batch_size=2)
