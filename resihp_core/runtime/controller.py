@@ -152,10 +152,12 @@ class Controller:
         on_process: Callable[[WorkerProcess], None] | None = None,
         on_node_lost: Callable[[int], None] | None = None,
         on_rejoin: Callable[[int, tuple[int, ...]], None] | None = None,
+        notify_failures: bool = True,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
         self.config = config or DetectorConfig()
+        self._notify_failures = notify_failures
         self._secret = secret
         self.host, self.port = host, port
         self.on_report, self.on_detection = on_report, on_detection
@@ -328,7 +330,9 @@ class Controller:
                 self.on_report(report)
             except Exception:  # noqa: BLE001
                 logger.exception("on_report callback failed")
-        plugins = self._plugins_or_default()
+        # A supervised job's observers hear each failure once, from the supervisor
+        # (which merges reports of one failure): it passes notify_failures=False.
+        plugins = self._plugins_or_default() if self._notify_failures else None
         if plugins is not None:
             plugins.notify_failure(report)
 

@@ -21,7 +21,9 @@ in ``docs/worker-protocol.md``. Keys (generation ``g``):
   an atomic compare-and-set on an absent key, so exactly one verdict exists and every
   worker and the coordinator read the same one.
 - ``ctl<g>/ready/<device>``: reconfiguration done (JSON timings);
-  ``ctl<g>/failed/<device>``: why this worker left the generation;
+  ``ctl<g>/failed/<device>``: why this worker left the generation (a
+  :class:`~resihp_core.protocol.WorkerLeft`, msgpack-encoded; its ``state_lost`` flag
+  is the typed "restore from a checkpoint" signal);
   ``ctl<g>/report/<i>/<device>``: the :class:`~resihp_core.protocol.IterationReport`.
 - ``worker/<device>/pid``: the worker's process id.
 """
@@ -34,10 +36,10 @@ import re
 import time
 from typing import Any, Callable
 
-from resihp_core.protocol import IterationReport, PlanUpdate, ProtocolError, decode, encode
+from resihp_core.protocol import IterationReport, PlanUpdate, ProtocolError, WorkerLeft, decode, encode
 
 __all__ = ["connect", "host", "post_plan", "latest_generation", "wait_generation", "read_plan",
-           "commit", "CommitResult", "abort_generation", "put_report", "get_report",
+           "commit", "CommitResult", "abort_generation", "put_report", "get_report", "put_left", "get_left",
            "generation_fenced", "rendezvous_generation", "Superseded"]
 
 
@@ -174,6 +176,28 @@ def get_report(store: Any, generation: int, iteration: int, device: int) -> Iter
     if not isinstance(msg, IterationReport):
         raise ValueError(f"{key} holds a {type(msg).__name__}, not an iteration report")
     return msg
+
+
+def put_left(store: Any, left: WorkerLeft) -> None:
+    """Say why a worker left generation ``left.generation``."""
+    store.set(f"ctl{left.generation}/failed/{left.device}", encode(left))
+
+
+def get_left(store: Any, generation: int, device: int) -> WorkerLeft | None:
+    """Why ``device`` left ``generation`` (None: it did not). A value that is not a
+    :class:`~resihp_core.protocol.WorkerLeft` (plain text) reads as a reason with no
+    state-lost signal."""
+    key = f"ctl{generation}/failed/{device}"
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    try:
+        msg = decode(raw)
+    except ProtocolError:
+        msg = None
+    if isinstance(msg, WorkerLeft):
+        return msg
+    return WorkerLeft(generation=generation, device=device, reason=bytes(raw).decode(errors="replace"))
 
 
 # ------------------------------------------------------------------ rendezvous fence

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
-from resihp_core.protocol import IterationReport, PlanUpdate, node_credential
+from resihp_core.protocol import IterationReport, PlanUpdate, WorkerLeft, node_credential
 from resihp_core.runtime import jobstore
 from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
 
@@ -182,12 +182,16 @@ class LocalJob:
 
     def worker_failures(self, generation: int | None = None) -> dict[int, str]:
         """Devices whose iteration raised in ``generation`` (default: current), with why."""
+        return {d: left.reason for d, left in self.workers_left(generation).items()}
+
+    def workers_left(self, generation: int | None = None) -> dict[int, WorkerLeft]:
+        """Devices that left ``generation`` (default: current), with their typed reports."""
         g = self.generation if generation is None else generation
         out = {}
         for d in self.message.devices if self.message else []:
-            key = f"ctl{g}/failed/{d}"
-            if self.store.check([key]):
-                out[d] = self.store.get(key).decode(errors="replace")
+            left = jobstore.get_left(self.store, g, d)
+            if left is not None:
+                out[d] = left
         return out
 
     def ready_info(self, generation: int | None = None) -> dict[int, dict[str, float]]:

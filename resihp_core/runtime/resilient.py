@@ -133,7 +133,9 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                             expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
                             on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
-                            on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None)
+                            on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None,
+                            # the supervisor notifies observers of each failure once
+                            notify_failures=not supervised, plugins=observers)
     procs.controller = controller
     agent_procs: dict[int, subprocess.Popen] = {}
     job: LocalJob | None = None

@@ -5,7 +5,7 @@ DeepSpeed names a pipeline layer's parameters by the layer's global index
 can be taken out of one engine and put into another built for a different plan: layer
 repartition, a dropped replica, a standby that joins. :func:`transfer_plan` decides, the
 same way on every rank, which surviving rank sends each layer a rank now needs; a layer
-no survivor holds means the state must come from a checkpoint (:class:`RestoreRequired`).
+no survivor holds means the state must come from a checkpoint (:class:`LayersLost`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import io
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from resihp_core.adapter import StateLost
 from resihp_core.plan import ParallelPlan
 
-__all__ = ["RestoreRequired", "Transfer", "transfer_plan", "layers_of", "extract_layers", "apply_layers",
+__all__ = ["LayersLost", "Transfer", "transfer_plan", "layers_of", "extract_layers", "apply_layers",
            "pack", "unpack", "check_zero_stage", "exchange_layers"]
 
 
-class RestoreRequired(RuntimeError):
-    """No surviving rank holds some layer's state: restore from a checkpoint."""
+class LayersLost(StateLost):
+    """No surviving rank holds some layer's state: restore from a checkpoint (the
+    contract's state-lost signal, which the supervisor acts on)."""
 
     def __init__(self, missing: dict[int, list[int]]) -> None:
         self.missing = missing
@@ -52,7 +54,7 @@ def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Itera
     """Every layer move ``new`` needs. ``have_state`` are the devices that still hold
     their ``old`` state and are in ``new``'s world (senders must be in the new world).
     A device keeps the layers it already holds; others get each layer from a holder
-    (rotated by layer index to spread the load). Raises :class:`RestoreRequired`."""
+    (rotated by layer index to spread the load). Raises :class:`LayersLost`."""
     if old is None:
         return []
     holders: dict[tuple[int, int], list[int]] = {}
@@ -78,7 +80,7 @@ def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Itera
                 continue
             out.append(Transfer(layer, cands[layer % len(cands)], d))
     if missing:
-        raise RestoreRequired(missing)
+        raise LayersLost(missing)
     return out
 
 

@@ -34,12 +34,17 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from resihp_core.adapter import StateLost
+from resihp_core.adapter import StateLost as _ContractStateLost
 from resihp_core.plan import ParallelPlan
 from resihp_adapters.torch_native.engine import Held, place_of
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, StageModel
 
 __all__ = ["StateLost", "Transfer", "transfer_plan", "exchange", "chunk_rows", "full_shapes"]
+
+
+class StateLost(_ContractStateLost):
+    """Every device holding some shard is dead: restore from a checkpoint (the
+    contract's state-lost signal, which the supervisor acts on)."""
 
 
 class Names(Protocol):
