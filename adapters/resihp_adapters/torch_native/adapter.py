@@ -185,10 +185,10 @@ class TorchNativeAdapter(Adapter):
                 for name, h in self.engine.local_shards().items()}
 
     def full_state(self) -> dict[str, Any]:
-        """This stage's complete state by layout-independent names
-        (:meth:`~.engine.TorchNativeEngine.flat_state`; collective over the stage's
-        data-parallel ranks: every executor calls it at the same point)."""
-        return self.engine.flat_state()
+        """This rank's share of the complete state by layout-independent names
+        (:meth:`~.engine.TorchNativeEngine.flat_state`): parameters and sharded optimizer
+        state as FSDP pieces (:class:`Shard`), the rest whole. No communication."""
+        return self.engine.flat_state(gather=False)
 
     # ------------------------------------------------------------ checkpoints
     # The core's layout (docs/checkpoints.md): DCP writes its files into ``dcp/`` inside

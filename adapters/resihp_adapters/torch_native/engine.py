@@ -608,12 +608,24 @@ class TorchNativeEngine:
             out.setdefault(self.canonical(name), h)
         return out
 
-    def flat_state(self) -> dict[str, object]:
+    def flat_state(self, gather: bool = True) -> dict[str, object]:
         """:meth:`full_state` and the rest of the training state, flattened by
-        layout-independent names (collective like it; see :func:`flatten_state`)."""
+        layout-independent names (see :func:`flatten_state`). ``gather``: full tensors
+        (collective over the stage's data-parallel ranks, like :meth:`full_state`);
+        else this rank's FSDP pieces as :class:`~resihp_core.adapter.Shard` (no
+        communication: what the worker dumps at the job's end for the conformance kit,
+        which puts the pieces together)."""
         if self.module is None:
             return {}
-        return flatten_state(self.full_state(), self.optimizer, self.scheduler, self.iteration)
+        if gather:
+            return flatten_state(self.full_state(), self.optimizer, self.scheduler, self.iteration)
+        from resihp_core.adapter import Shard
+
+        pl = self.place
+        piece = lambda t: Shard((t,), dim=0, index=pl.shard_index, parts=pl.shard_degree)  # noqa: E731
+        local = {name: Held(piece(h.param), {k: piece(v) for k, v in h.sharded.items()}, h.other)
+                 for name, h in self.local_shards().items()}
+        return flatten_state(local, self.optimizer, self.scheduler, self.iteration)
 
     # ------------------------------------------------------------ execution
     def _loss(self, out: Tensor, target: Tensor) -> Tensor:
@@ -762,7 +774,7 @@ class TorchNativeEngine:
         self._make_scheduler()
 
 
-def flatten_state(full: dict[str, Held], optimizer: torch.optim.Optimizer, scheduler: object | None,
+def flatten_state(full: dict[str, Held] | dict, optimizer: torch.optim.Optimizer, scheduler: object | None,
                   iteration: int) -> dict[str, object]:
     """The complete training state of a stage by layout-independent names:
     ``param/NAME`` (state names: the model's own, a tied copy under its first name),
