@@ -32,7 +32,8 @@ SIGKILLed at iteration 8 and restarted with ``--resume`` at once: restart -> re-
 (the new process's start-up, the agents dialling back) and restart -> first committed
 iteration, median of 3 (1 with ``--quick``).
 
-Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--controller-restart]
+Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--model llama|hf_llama]
+       [--controller-restart]
        [--quick] [--json PATH]
 """
 
@@ -114,9 +115,15 @@ def kill_to_iteration(reps: int) -> dict:
                "kill_to_first_iteration_ci_confidence": ci.confidence})
 
 
-def torch_native_kill(reps: int) -> dict:
-    """torch_native: kill -> first committed iteration, in memory (HSDP) and from DCP (FSDP2)."""
+def torch_native_kill(reps: int, hf: bool = False) -> dict:
+    """torch_native: kill -> first committed iteration, in memory (HSDP) and from DCP (FSDP2).
+    ``hf``: the user's tiny HF LLaMA of examples/hf_llama (AdamW, warm-up + cosine,
+    clipping, float64) through ``adapter_config.user`` instead of the adapter's LLaMA."""
     model = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_dim=128, dtype="float32")
+    env = None
+    if hf:
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_llama")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
     victim = base.group(1, 0)[0]
     survivors = [d for d in base.devices() if d != victim]
@@ -129,10 +136,11 @@ def torch_native_kill(reps: int) -> dict:
         for _ in range(reps):
             ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
             js = JobSpec(adapter="torch_native",
-                         adapter_config={"model": model, "shard": shard},
+                         adapter_config={"shard": shard, **({"user": "hf_model:user_llama"} if hf else
+                                                            {"model": model})},
                          data={"source": "synthetic", "token_budget": 64}, dp=2, num_microbatches=4, timeout_s=10.0, checkpoint_dir=ckpt,
                          checkpoint_every=1 if restore else 0)
-            with LocalJob(js.to_json(), base.devices()) as job:
+            with LocalJob(js.to_json(), base.devices(), env=env) as job:
                 row = timed_kill(job, base, victim, three, timeout=180, restore=restore)
                 before = [max(r.iteration_s for r in job.report(i).values()) for i in (1, 2)]
             rows.append(row | {"iteration_before_s": statistics.median(before)})
@@ -479,6 +487,8 @@ def main(argv=None) -> int:
                     help="which adapter's reconfiguration to measure")
     ap.add_argument("--controller-restart", action="store_true",
                     help="measure controller restart -> first committed iteration instead (docs/failover.md)")
+    ap.add_argument("--model", default="llama", choices=["llama", "hf_llama"],
+                    help="torch_native: the adapter's LLaMA, or the user's tiny HF LLaMA of examples/hf_llama")
     args = ap.parse_args(argv)
     if args.controller_restart:
         return _main_controller_restart(args)
@@ -522,12 +532,13 @@ def main(argv=None) -> int:
 
 def _main_torch_native(args) -> int:
     try:
-        res = torch_native_kill(1 if args.quick else 3)
+        res = torch_native_kill(1 if args.quick else 3, hf=args.model == "hf_llama")
     except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
         print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
-    print(f"torch_native: SIGKILL of one rank, PP2xDP2 -> 3 survivors as PP3 (median; load {' '.join(load)})")
+    print(f"torch_native ({args.model}): SIGKILL of one rank, PP2xDP2 -> 3 survivors as PP3 (median; "
+          f"load {' '.join(load)})")
     keys = list(next(iter(res.values())))
     print(f"  {'':28s} " + " ".join(f"{k:>12s}" for k in res))
     for k in keys:
@@ -536,7 +547,8 @@ def _main_torch_native(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**{f"{lbl}_{k}": v for lbl, r in res.items() for k, v in r.items()},
-                       "config": {"quick": args.quick, "adapter": "torch_native", "loadavg": load}}, f, indent=2)
+                       "config": {"quick": args.quick, "adapter": "torch_native", "model": args.model,
+                                  "loadavg": load}}, f, indent=2)
     return 0
 
 

@@ -28,6 +28,42 @@ def main() -> None:
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+    if not os.environ.get("RESIHP_INITIALIZED") and "resihp_core.runtime.worker" not in sys.modules:
+        never_initialized(script, device)
+
+
+#: The marker a worker leaves beside its job file when the script ended without calling
+#: ``initialize()``; ``resihp launch`` turns it into one clear error.
+MARKER = "never-initialized-{device}"
+
+
+def never_initialized(script: str, device: int) -> None:
+    """The script returned without handing its training to ResiHP: say so once (the
+    launcher reads the marker) instead of leaving the controller to see exited workers."""
+    job = os.environ.get("RESIHP_JOB")
+    if job:
+        with open(os.path.join(os.path.dirname(job), MARKER.format(device=device)), "w") as f:
+            f.write(script)
+    print(f"resihp launch: {script} ended without calling initialize() (resihp_adapters.torch_native."
+          "initialize or resihp_adapters.deepspeed.initialize); nothing was trained under ResiHP",
+          file=sys.stderr, flush=True)
+    raise SystemExit(3)
+
+
+def check_initialized(workdir: str | os.PathLike) -> None:
+    """Raise :class:`NeverInitialized` if a worker of the job under ``workdir`` left the marker."""
+    from pathlib import Path
+
+    hits = sorted(Path(workdir).rglob(MARKER.format(device="*")))
+    if hits:
+        raise NeverInitialized(f"{hits[0].read_text()} never called initialize(): under 'resihp launch' the script "
+                               "must hand its training to ResiHP (resihp_adapters.torch_native.initialize(model, "
+                               "optimizer=..., dataset=...), or resihp_adapters.deepspeed.initialize); "
+                               f"{len(hits)} worker(s) ended without it")
+
+
+class NeverInitialized(RuntimeError):
+    """The launched script never called ``initialize()``."""
 
 
 if __name__ == "__main__":

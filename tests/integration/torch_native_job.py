@@ -45,7 +45,7 @@ def main(spec_path: str, device: int, port: int) -> None:
     r, s = eng.place.replica, eng.place.stage
     prog = {(p.replica, p.stage): p for p in emit_programs(plan)}[(r, s)]
     losses = [eng.run(prog).loss for _ in range(iterations)]
-    full = eng.full_state()
+    full = {k: h.tensors() for k, h in eng.full_state().items()}
     eng.release()
     plain, plain_losses = plain_pipeline_fsdp_run(
         s * plan.dp + r, plan.dp * plan.pp, dist.PrefixStore("plain/", store), cfg, data, pp=plan.pp,

@@ -10,6 +10,8 @@ the adapter's own section of the job (``job.adapter_config``):
             of them (FSDP2); a smaller divisor gives HSDP, whose replicate groups each
             hold a whole copy, so a dead rank's shard survives in memory.
 ``lr``, ``weight_decay``  AdamW.
+``user``    ``module:function`` returning a user's job (``api.user_job(model, ...)``):
+            the user's model, optimizer, scheduler and data in place of the above.
 
 The training data is the job's own source (``job.data``, the ``[data]`` section), as
 for every adapter: see :mod:`.data`.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
@@ -27,9 +29,12 @@ from resihp_core.program import Program
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
 
+if TYPE_CHECKING:
+    from resihp_adapters.torch_native.api import UserJob
+
 __all__ = ["TorchNativeAdapter", "parse_config"]
 
-_KEYS = {"model", "shard", "lr", "weight_decay"}
+_KEYS = {"model", "shard", "lr", "weight_decay", "user"}
 
 
 def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -55,7 +60,27 @@ def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     for name, v in (("lr", lr), ("weight_decay", wd)):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             raise ValueError(f"adapter_config.{name} must be a number >= 0, got {v!r}")
-    return {"model": cfg, "shard": shard, "lr": float(lr), "weight_decay": float(wd)}
+    user = section.get("user")
+    if user is not None and (not isinstance(user, str) or ":" not in user):
+        raise ValueError(f"adapter_config.user must be 'module:function' (a function returning "
+                         f"resihp_adapters.torch_native.api.user_job(...)), got {user!r}")
+    return {"model": cfg, "shard": shard, "lr": float(lr), "weight_decay": float(wd), "user": user}
+
+
+def load_user(target: str) -> UserJob:
+    """``adapter_config.user``: ``module:function`` returning the user's job (what
+    ``initialize(model, ...)`` hands the adapter), for ``resihp run`` and the
+    conformance kit, which build adapters from the job description alone."""
+    import importlib
+
+    from resihp_adapters.torch_native.api import UserJob
+
+    mod, _, fn = target.partition(":")
+    job = getattr(importlib.import_module(mod), fn)()
+    if not isinstance(job, UserJob):
+        raise TypeError(f"adapter_config.user: {target} returned {type(job).__name__}, not a UserJob "
+                        "(resihp_adapters.torch_native.api.user_job(model, optimizer=..., dataset=...))")
+    return job
 
 
 class TorchNativeAdapter(Adapter):
@@ -64,7 +89,10 @@ class TorchNativeAdapter(Adapter):
     name = NAME
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx: AdapterContext) -> None:
+    def __init__(self, ctx: AdapterContext, user: UserJob | None = None) -> None:
+        """``user``: the script's model, optimizer, scheduler and data
+        (:class:`~.api.UserJob`, from ``initialize(model, ...)``); None: the adapter's own
+        LLaMA of ``adapter_config.model`` on the job's data source."""
         super().__init__(ctx)
         import torch
 
@@ -74,10 +102,16 @@ class TorchNativeAdapter(Adapter):
         torch.set_num_threads(1)
         job = ctx.job
         c = parse_config(job.adapter_config, job.seed)
-        data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
+        if user is None and c["user"]:
+            user = load_user(c["user"])
+        if user is not None:
+            model, recipe, data = user.stages, user.recipe, user.data(job.dp * job.num_microbatches)
+        else:
+            model, recipe = c["model"], None
+            data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
         self.engine = TorchNativeEngine(
-            ctx.device, c["model"], data, ctx.store, shard_degree=c["shard"], lr=c["lr"],
-            weight_decay=c["weight_decay"], timeout_s=ctx.timeout_s,
+            ctx.device, model, data, ctx.store, shard_degree=c["shard"], lr=c["lr"],
+            weight_decay=c["weight_decay"], recipe=recipe, timeout_s=ctx.timeout_s,
             join_timeout_s=max(30.0, 6 * ctx.timeout_s))
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
@@ -91,9 +125,9 @@ class TorchNativeAdapter(Adapter):
         return None if pl is None else (pl.replica, pl.stage, 0)
 
     def _check(self, plan: ParallelPlan) -> None:
-        if plan.num_layers != self.engine.cfg.n_layers:
-            raise ValueError(f"plan has {plan.num_layers} layers, adapter_config.model.n_layers is "
-                             f"{self.engine.cfg.n_layers}")
+        if plan.num_layers != self.engine.model.n_layers:
+            what = "adapter_config.model.n_layers" if self.engine.cfg is not None else "the model's blocks"
+            raise ValueError(f"plan has {plan.num_layers} layers, {what}: {self.engine.model.n_layers}")
 
     # ------------------------------------------------------------ generations
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
@@ -147,8 +181,14 @@ class TorchNativeAdapter(Adapter):
         pl = self.engine.place
         if pl is None or self.engine.module is None:
             return {}
-        return {name: Shard(ts, dim=0, index=pl.shard_index, parts=pl.shard_degree)
-                for name, ts in self.engine.local_shards().items()}
+        return {name: Shard(h.tensors(), dim=0, index=pl.shard_index, parts=pl.shard_degree)
+                for name, h in self.engine.local_shards().items()}
+
+    def full_state(self) -> dict[str, Any]:
+        """This rank's share of the complete state by layout-independent names
+        (:meth:`~.engine.TorchNativeEngine.flat_state`): parameters and sharded optimizer
+        state as FSDP pieces (:class:`Shard`), the rest whole. No communication."""
+        return self.engine.flat_state(gather=False)
 
     # ------------------------------------------------------------ checkpoints
     # The core's layout (docs/checkpoints.md): DCP writes its files into ``dcp/`` inside

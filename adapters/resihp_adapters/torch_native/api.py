@@ -1,6 +1,11 @@
 """``initialize``: a training script that runs under plain ``accelerate launch`` (or
 ``torchrun``) and, unchanged, under ``resihp launch``.
 
+The script brings its own model, optimizer, LR scheduler, loss, clipping and data
+(``initialize(model, optimizer=..., lr_scheduler=..., dataset=..., ...)``; see
+docs/torch_native.md, "Your model"), or names only a ResiHP configuration to train the
+adapter's own LLaMA on the job's data source (``initialize("resihp.toml")``).
+
 - Started by ``resihp launch`` (``RESIHP_STORE`` set): the job is the controller's
   (assembled from the ResiHP configuration by :mod:`.launch`); the returned trainer's
   :meth:`ResilientTrainer.train_batch` runs one iteration through the worker runtime
@@ -10,19 +15,25 @@
   standby; at the job's end it returns None.
 - Started any other way: :class:`~.reference.StockPipeline` — ``fully_shard`` stages in a
   stock ``Schedule1F1B`` / ``ScheduleGPipe`` over the default group torchrun set up,
-  trained on the same job data, the same number of iterations. Nothing survives a
-  failure there.
+  trained on the same data, the same number of iterations. Nothing survives a failure
+  there.
 
-Both read the same ResiHP configuration (``config``, else ``$RESIHP_CONFIG`` for a plain launch), whose
-``[model]`` is the adapter's LLaMA (:mod:`.model`).
+Both read the same ResiHP configuration (``config``, else ``$RESIHP_CONFIG`` for a plain
+launch): pipeline depth, micro-batches per replica, iterations, FSDP shard degree.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
-__all__ = ["initialize", "ResilientTrainer", "StockTrainer"]
+if TYPE_CHECKING:
+    from resihp_adapters.torch_native.data import UserData
+    from resihp_adapters.torch_native.engine import Recipe
+    from resihp_adapters.torch_native.split import UserStages
+
+__all__ = ["initialize", "ResilientTrainer", "StockTrainer", "UserJob", "user_job"]
 
 
 class ResilientTrainer:
@@ -46,6 +57,11 @@ class ResilientTrainer:
         e = self.worker.adapter.engine
         return e.place is not None and e.place.stage == e.plan.pp - 1
 
+    def full_state(self) -> dict[str, Any]:
+        """This rank's stage's complete state by layout-independent names (collective
+        over the stage's data-parallel ranks; empty on a standby)."""
+        return self.worker.adapter.engine.flat_state()
+
 
 class StockTrainer:
     """Plain torch (no ResiHP runtime): the same interface, the same data."""
@@ -66,26 +82,168 @@ class StockTrainer:
     def is_last_stage(self) -> bool:
         return self.pipeline.is_last_stage
 
+    def full_state(self) -> dict[str, Any]:
+        return self.pipeline.flat_state()
 
-def initialize(config: str | os.PathLike | None = None) -> ResilientTrainer | StockTrainer:
-    """See the module docstring. ``config``: the ResiHP configuration file for a plain
-    launch (default ``$RESIHP_CONFIG``); under ``resihp launch`` the job's own is used."""
+
+@dataclass
+class UserJob:
+    """What ``initialize(model, ...)`` hands the adapter: the model as stages, the
+    recipe, and the data for a global batch of ``G`` micro-batches (``data(G)``)."""
+
+    stages: UserStages
+    recipe: Recipe
+    data: Callable[[int], UserData]  # global micro-batches G -> the data
+
+
+def _optimizer_factory(optimizer: Any) -> Callable[[list], Any]:
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if len(optimizer.param_groups) != 1:
+            raise ValueError("initialize(optimizer=...): an optimizer instance with several parameter groups "
+                             "cannot be rebuilt per stage; pass a factory: optimizer=lambda params: ...")
+        import inspect
+
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
+        defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+        return lambda params: cls(params, **defaults)
+    if callable(optimizer):
+        return optimizer
+    raise TypeError("initialize(optimizer=...): a torch.optim.Optimizer or a factory of a parameter list")
+
+
+def _scheduler_factory(lr_scheduler: Any) -> Callable[[Any], Any] | None:
+    import torch
+
+    if lr_scheduler is None:
+        return None
+    if isinstance(lr_scheduler, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        raise TypeError("initialize(lr_scheduler=...): pass a factory of the optimizer "
+                        "(lr_scheduler=lambda opt: LambdaLR(opt, warmup)), not an instance: the optimizer is "
+                        "rebuilt for every stage layout and the scheduler with it, at the committed iteration")
+    if not callable(lr_scheduler):
+        raise TypeError("initialize(lr_scheduler=...): a factory of the optimizer")
+    return lr_scheduler
+
+
+def _refuse_dropout(model: Any) -> None:
+    """Active dropout draws from an RNG stream that depends on which rank runs which
+    micro-batch: no layout change could reproduce it. Refused up front."""
+    import torch
+
+    bad = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    cfg = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(cfg, key, None), (int, float)) and getattr(cfg, key) > 0:
+            bad.append(f"config.{key}")
+    if bad:
+        raise ValueError(f"initialize(model): active dropout ({', '.join(bad[:4])}) draws random numbers whose "
+                         "stream depends on the layout, so training could not continue exactly across a "
+                         "reconfiguration; set it to 0")
+
+
+def user_job(model: Any, *, optimizer: Any, lr_scheduler: Any = None, loss_fn: Any = None,
+             max_grad_norm: float | None = None, dataset: Any = None, collate_fn: Any = None,
+             micro_batch_size: int = 1, split: Any = None) -> UserJob:
+    """Validate the user's pieces (errors name the argument) and bundle them."""
+    import torch
+
+    from resihp_adapters.torch_native.data import UserData, hf_batch, hf_label_count, hf_loss_sum
+    from resihp_adapters.torch_native.engine import Recipe
+    from resihp_adapters.torch_native.split import UserStages
+
+    if not isinstance(model, torch.nn.Module):
+        if not callable(model):
+            raise TypeError("initialize(model): an nn.Module or a factory that builds one")
+        model = model()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"initialize(model): the factory returned {type(model).__name__}, not an nn.Module")
+    if optimizer is None:
+        raise TypeError("initialize(model, optimizer=...): the optimizer (or a factory of a parameter list) is "
+                        "needed; it is rebuilt over each stage's parameters")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"initialize(max_grad_norm=...): a number > 0, got {max_grad_norm!r}")
+    if dataset is None:
+        raise TypeError("initialize(model, dataset=...): a map-style dataset (with collate_fn) is needed, so that "
+                        "any rank can read any micro-batch of any iteration")
+    model.train()
+    _refuse_dropout(model)
+    stages = UserStages(model, split)
+    recipe = Recipe(optimizer=_optimizer_factory(optimizer), loss=loss_fn or hf_loss_sum,
+                    lr_scheduler=_scheduler_factory(lr_scheduler),
+                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm))
+    prepare = hf_batch(stages.dtype) if split is None else _split_prepare(stages)
+    count = hf_label_count if loss_fn is None else None
+
+    def data(global_microbatches: int) -> UserData:
+        return UserData(dataset, collate_fn, micro_batch_size=micro_batch_size,
+                        global_microbatches=global_microbatches, prepare=prepare, count=count)
+
+    return UserJob(stages, recipe, data)
+
+
+def _split_prepare(stages: Any) -> Callable[[Any], Any]:
+    """A custom split's batches: ``prepare`` of the split when it has one, else a
+    collated ``(input, target)`` pair or a dict with ``input_ids`` / ``labels``."""
+    from resihp_adapters.torch_native.data import UserBatch, hf_batch
+
+    own = getattr(stages.split, "prepare", None)
+    if callable(own):
+        return own
+    hf = hf_batch(stages.dtype)
+
+    def prepare(batch: Any) -> Any:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return UserBatch((batch[0],), {}, batch[1])
+        return hf(batch)
+
+    return prepare
+
+
+def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None, loss_fn: Any = None,
+               max_grad_norm: float | None = None, dataset: Any = None, collate_fn: Any = None,
+               micro_batch_size: int = 1, split: Any = None,
+               config: str | os.PathLike | None = None) -> ResilientTrainer | StockTrainer:
+    """See the module docstring. ``model``: the user's ``nn.Module`` (its current
+    weights are the initial state) or a factory building it; a path instead names the
+    ResiHP configuration and trains the adapter's own LLaMA. ``optimizer``: a factory of
+    a parameter list (``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``) or an optimizer
+    (rebuilt from its class and defaults). ``lr_scheduler``: a factory of the optimizer.
+    ``loss_fn(output, target)``: a mean per micro-batch (default: Hugging Face's shifted
+    token cross-entropy, normalised by the global batch's labelled tokens).
+    ``max_grad_norm``: clip the global gradient norm. ``dataset`` / ``collate_fn`` /
+    ``micro_batch_size``: the data (:class:`~.data.UserData`). ``split``: a
+    :class:`~.split.Split` for models that are not Hugging Face decoders. ``config``: the
+    ResiHP configuration file for a plain launch (default ``$RESIHP_CONFIG``)."""
+    if isinstance(model, (str, os.PathLike)):
+        if config is not None:
+            raise TypeError("initialize(): a configuration path given twice (positional and config=)")
+        config, model = model, None
+    user = None if model is None else user_job(
+        model, optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
+        dataset=dataset, collate_fn=collate_fn, micro_batch_size=micro_batch_size, split=split)
     if os.environ.get("RESIHP_STORE"):
         import gc
 
         from resihp_core.runtime.worker import Worker
+        from resihp_adapters.torch_native.adapter import TorchNativeAdapter
 
-        worker = Worker.from_env()
+        os.environ["RESIHP_INITIALIZED"] = "1"
+        worker = Worker.from_env(factory=lambda ctx: TorchNativeAdapter(ctx, user=user))
         if worker.job.adapter != "torch_native":
             raise RuntimeError(f"this script trains with torch_native, the job runs {worker.job.adapter!r}")
         # What is loaded so far lives for the whole process: keep it out of the
         # collections that run when a generation's groups are released.
         gc.freeze()
         return ResilientTrainer(worker)
-    return _stock(config or os.environ.get("RESIHP_CONFIG"))
+    return _stock(config or os.environ.get("RESIHP_CONFIG"), user)
 
 
-def _stock(config: str | os.PathLike | None) -> StockTrainer:
+def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrainer:
     import datetime
 
     import torch
@@ -100,8 +258,8 @@ def _stock(config: str | os.PathLike | None) -> StockTrainer:
     from resihp_adapters.torch_native.reference import StockPipeline
 
     if not config:
-        raise RuntimeError("initialize(): name the ResiHP configuration file (initialize('resihp.toml') or "
-                           "RESIHP_CONFIG=...): it holds the model, the data and the pipeline depth")
+        raise RuntimeError("initialize(): name the ResiHP configuration file (initialize(..., config='resihp.toml') "
+                           "or RESIHP_CONFIG=...): it holds the pipeline depth, micro-batches and iterations")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -109,10 +267,17 @@ def _stock(config: str | os.PathLike | None) -> StockTrainer:
     tr = cfg.training
     # The job resihp launch would run: the adapter's section and the [data] source.
     c = parse_config(job_section(cfg), tr.seed)
-    source = create_source(cfg.data.section(), dp=cfg.parallel.dp, num_microbatches=tr.microbatches, seed=tr.seed,
-                           token_budget=tr.token_budget, vocab_size=cfg.model.vocab)
-    data = Batches(source, c["model"].torch_dtype)
-    pipeline = StockPipeline(c["model"], data, pp=cfg.parallel.pp, num_microbatches=tr.microbatches,
+    if user is not None:
+        model, recipe = user.stages, user.recipe
+        data = user.data(cfg.parallel.dp * tr.microbatches)
+        if model.n_layers != cfg.model.layers:
+            raise ValueError(f"model.layers = {cfg.model.layers} in {config}, the model has {model.n_layers} blocks")
+    else:
+        model, recipe = c["model"], None
+        source = create_source(cfg.data.section(), dp=cfg.parallel.dp, num_microbatches=tr.microbatches,
+                               seed=tr.seed, token_budget=tr.token_budget, vocab_size=cfg.model.vocab)
+        data = Batches(source, c["model"].torch_dtype)
+    pipeline = StockPipeline(model, data, pp=cfg.parallel.pp, num_microbatches=tr.microbatches,
                              shard=c["shard"], lr=c["lr"], weight_decay=c["weight_decay"],
-                             schedule=cfg.scheduler.schedule)
+                             schedule=cfg.scheduler.schedule, recipe=recipe)
     return StockTrainer(pipeline, tr.iterations)

@@ -43,19 +43,20 @@ import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
 from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
-from resihp_adapters.torch_native.model import LlamaConfig, StageModel, init_parameters, loss_sum
+from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
 
-__all__ = ["TorchNativeEngine", "Place", "shard_degree_for", "place_of", "IterationResult", "captured_groups"]
+__all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
+           "IterationResult", "captured_groups", "adamw_recipe"]
 
 #: torch modules whose import, once a process group exists, binds that group for good
 #: (as a default argument): imported here, before this process creates any group.
@@ -113,8 +114,72 @@ def _unbind_groups(meshes: list, fsdp_infos: list) -> None:
             if getattr(info, attr, None) is not None:
                 setattr(info, attr, None)
 
-#: (parameter, exp_avg, exp_avg_sq) local shards of one parameter, plain tensors.
-Shards = tuple[Tensor, Tensor, Tensor]
+@dataclass
+class Held:
+    """One parameter's state on one rank as plain tensors (valid after the groups are
+    gone): its dim-0 FSDP shard (or the whole tensor), the optimizer state sharded like
+    it (``exp_avg``, ``momentum_buffer``, ...), and the rest, which every holder has
+    whole (step counts). Names of the user's optimizer state are kept as they are."""
+
+    param: Tensor
+    sharded: dict[str, Tensor] = field(default_factory=dict)
+    other: dict[str, object] = field(default_factory=dict)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The parameter, then its sharded optimizer state by key (the held-state order)."""
+        return (self.param, *(self.sharded[k] for k in sorted(self.sharded)))
+
+
+@dataclass
+class Recipe:
+    """The parts of the user's training that are not the model: optimizer factory (any
+    ``torch.optim`` class over a list of parameters), loss (unscaled, see :meth:`run`),
+    LR scheduler factory (its position follows the committed iteration) and clipping of
+    the global gradient norm."""
+
+    optimizer: Callable[[list], torch.optim.Optimizer]
+    loss: Callable[[Tensor, Tensor], Tensor]
+    lr_scheduler: Callable[[torch.optim.Optimizer], object] | None = None
+    max_grad_norm: float | None = None
+
+
+class StageSource(Protocol):
+    """What the engine needs of a model (:class:`~.model.LlamaStages`,
+    :class:`~.split.UserStages`): stages by block range, named by the model's own names."""
+
+    n_layers: int
+    dtype: torch.dtype
+    aliases: dict[str, str]
+
+    def build(self, start: int, end: int) -> nn.Module: ...
+
+    def blocks(self, module: nn.Module) -> list[nn.Module]: ...
+
+    def names(self, start: int, end: int) -> list[str]: ...
+
+
+class Batch(Protocol):
+    """One micro-batch as the pipeline takes it (:class:`~.data.MicroBatch`, :class:`~.data.UserBatch`)."""
+
+    args: tuple[Tensor, ...]  # the first stage's input
+    target: Tensor  # the last stage's loss target
+    lengths: tuple[int, ...]  # document lengths, for the profiles
+
+    def kwargs(self) -> dict[str, Tensor]: ...  # every stage's keyword arguments
+
+
+class Feed(Protocol):
+    """The job's data as micro-batches (:class:`~.data.Batches`, :class:`~.data.UserData`)."""
+
+    def micro_batch(self, iteration: int, owner: int, mb: int, per_replica: int) -> Batch: ...
+
+    def denominator(self, iteration: int) -> float: ...
+
+
+def adamw_recipe(lr: float, weight_decay: float) -> Recipe:
+    """The built-in model's recipe: AdamW, summed token cross-entropy, no clipping."""
+    return Recipe(optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, foreach=False),
+                  loss=loss_sum)
 
 
 def shard_degree_for(dp: int, wanted: int) -> int:
@@ -193,18 +258,27 @@ def _default_timeout(timeout: datetime.timedelta) -> Iterator[None]:
 
 
 class TorchNativeEngine:
-    """The torch objects of one worker for the current plan generation."""
+    """The torch objects of one worker for the current plan generation.
 
-    def __init__(self, device: int, model: LlamaConfig, data: Batches, store: dist.Store, *,
+    ``model``: the adapter's :class:`~.model.LlamaConfig` (trained with AdamW at ``lr``
+    / ``weight_decay``) or a :class:`StageSource` (a user's model) with its ``recipe``.
+    ``data``: a :class:`Feed`."""
+
+    def __init__(self, device: int, model: LlamaConfig | StageSource, data: Feed, store: dist.Store, *,
                  shard_degree: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-                 timeout_s: float = 10.0, join_timeout_s: float = 60.0) -> None:
+                 recipe: Recipe | None = None, timeout_s: float = 10.0, join_timeout_s: float = 60.0) -> None:
         self.device = device
-        self.cfg = model
+        if isinstance(model, LlamaConfig):
+            self.cfg: LlamaConfig | None = model
+            self.model: StageSource = LlamaStages(model)
+            self.recipe = recipe or adamw_recipe(lr, weight_decay)
+        else:
+            if recipe is None:
+                raise ValueError("a user's model needs its recipe (optimizer factory, loss)")
+            self.cfg, self.model, self.recipe = None, model, recipe
         self.data = data
         self.store = store
         self.wanted_shard = shard_degree
-        self.lr = lr
-        self.weight_decay = weight_decay
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.join_timeout = datetime.timedelta(seconds=join_timeout_s)
         self.plan: ParallelPlan | None = None
@@ -212,21 +286,32 @@ class TorchNativeEngine:
         self.generation = -1
         self.iteration = 0  # optimizer steps applied
         self.mesh = None
-        self.module: StageModel | None = None
+        self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: object | None = None
         self.stage = None
         self.schedule = None
         self._lowered: Program | None = None
         self._denom = 1.0
         self.rank_of: dict[int, int] = {}
         self.executors_group = None
+        self._ties: list[tuple[object, str]] = []  # (group, this stage's name of the tied parameter)
         self.stretch: Callable[[float], float] = lambda seconds: seconds  # fault injection
         self.delay_comm: Callable[[], None] = lambda: None  # fault injection
         self.before_action: Callable[[], None] = lambda: None  # abort checks, heartbeats
         self.last: IterationResult | None = None
-        self._kept: tuple[ParallelPlan | None, dict[str, Shards]] = (None, {})
-        self._snapshot: tuple[dict[str, Shards], int] | None = None
+        self._kept: tuple[ParallelPlan | None, dict[str, Held]] = (None, {})
+        self._snapshot: tuple[dict[str, Held], int] | None = None
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
+
+    def canonical(self, name: str) -> str:
+        """The state's name of a stage parameter (a tied copy is named by its first name)."""
+        return self.model.aliases.get(name, name)
+
+    def stage_names(self, plan: ParallelPlan, stage: int) -> list[str]:
+        """State names (canonical) of the parameters ``plan``'s stage holds."""
+        a, b = plan.layer_ranges[stage]
+        return list(dict.fromkeys(self.canonical(n) for n in self.model.names(a, b)))
 
     # ------------------------------------------------------------ generations
     def release(self) -> None:
@@ -235,8 +320,9 @@ class TorchNativeEngine:
         are kept as plain tensors for :meth:`move_state`."""
         if self.module is not None:
             self._kept = (self.plan, self.local_shards())
-        self.schedule = self.stage = self.optimizer = self.module = self.mesh = None
+        self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
         self.executors_group = None
+        self._ties = []
         self._lowered = None
         _unbind_groups(*self._bound)
         self._bound = ([], [])
@@ -277,38 +363,69 @@ class TorchNativeEngine:
             mesh = DeviceMesh("cpu", layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
             self.executors_group = None if world == executors else dist.new_group(
                 list(range(executors)), timeout=self.timeout)
+            for stages, where in tie_sets(self.model, plan):
+                for r in range(plan.dp):
+                    ranks = [s * plan.dp + r for s in stages]
+                    g = dist.new_group(ranks, timeout=self.timeout)
+                    if self.place is not None and self.place.replica == r and self.place.stage in where:
+                        self._ties.append((g, where[self.place.stage]))
         self._bound[0].append(mesh)
         self.mesh = mesh if self.place is not None else None
 
     def _layers(self, plan: ParallelPlan, stage: int) -> tuple[int, int]:
         return plan.layer_ranges[stage]
 
-    def _wrap(self, module: StageModel) -> None:
-        """FSDP2 / HSDP over this stage's data-parallel ranks, then optimizer, pipeline
-        stage and schedule runtime."""
+    def _build(self) -> nn.Module:
+        a, b = self._layers(self.plan, self.place.stage)
+        return self.model.build(a, b)
+
+    def _wrap(self, module: nn.Module) -> None:
+        """FSDP2 / HSDP over this stage's data-parallel ranks, then optimizer, LR
+        scheduler, pipeline stage and schedule runtime."""
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.pipelining import PipelineStage
 
         plan, place = self.plan, self.place
         dp_mesh, pp_mesh = self.mesh["dp_replicate", "dp_shard"], self.mesh["pp"]
         self._bound[0].extend((dp_mesh, pp_mesh))
+        blocks = self.model.blocks(module)
         with _default_timeout(self.timeout):
-            for block in module.layers.values():
+            for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
-        for block in (*module.layers.values(), module):
+        for block in (*blocks, module):
             block.set_gradient_divide_factor(1.0)  # sums: the loss carries the global scale
             block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
             group = getattr(block._get_fsdp_state(), "_fsdp_param_group", None)
             if group is not None:
                 self._bound[1].extend(i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None)
         self.module = module
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=self.lr,
-                                           weight_decay=self.weight_decay, foreach=False)
+        self.optimizer = self.recipe.optimizer(list(module.parameters()))
+        # the factory's hyper-parameters: every scheduler built later starts from them
+        self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self._make_scheduler()
         self.stage = PipelineStage(module, place.stage, plan.pp, torch.device("cpu"),
                                    group=pp_mesh.get_group())
         self._hook_stage(self.stage)
         self.schedule = None
+
+    def _make_scheduler(self) -> None:
+        """The user's LR scheduler at the committed iteration: built anew and stepped
+        ``iteration`` times, the sequence the fault-free run took."""
+        import warnings
+
+        self.scheduler = None
+        if self.recipe.lr_scheduler is None or self.optimizer is None:
+            return
+        for group, base in zip(self.optimizer.param_groups, self._base_groups):
+            group.pop("initial_lr", None)  # a new scheduler starts from the factory's lr,
+            group.update(base)  # not from a restored or rolled-back group's scheduled one
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "step() before optimizer.step()": replaying, on purpose
+            sched = self.recipe.lr_scheduler(self.optimizer)
+            for _ in range(self.iteration):
+                sched.step()
+        self.scheduler = sched
 
     def _hook_stage(self, stage) -> None:
         """Run ``before_action`` (abort check, progress beat) before every compute chunk,
@@ -344,76 +461,84 @@ class TorchNativeEngine:
     _current: IterationResult | None = None
 
     def start_fresh(self) -> None:
-        """Generation 0: the seeded initial weights, empty optimizer state."""
+        """Generation 0: the model's initial weights, empty optimizer state."""
         self.iteration = 0
         if self.place is None:
             return
-        a, b = self._layers(self.plan, self.place.stage)
-        module = StageModel(self.cfg, a, b).to(self.cfg.torch_dtype)
-        init_parameters(module, self.cfg)
-        self._wrap(module)
+        self._wrap(self._build())
 
-    def install(self, full: dict[str, Shards], step: int) -> None:
-        """Build the stage from full (unsharded) tensors by name: parameters and both
-        AdamW moments; each rank keeps its own FSDP shard of them."""
+    def install(self, full: dict[str, Held], step: int) -> None:
+        """Build the stage from full (unsharded) tensors by name: parameters and their
+        optimizer state; each rank keeps its own FSDP shard of them."""
         from torch.distributed.tensor import distribute_tensor
-        from torch.optim.optimizer import _get_scalar_dtype
 
         self.iteration = step
         if self.place is None:
             return
-        a, b = self._layers(self.plan, self.place.stage)
-        module = StageModel(self.cfg, a, b).to(self.cfg.torch_dtype)
+        module = self._build()
         with torch.no_grad():
             for name, p in module.named_parameters():
-                if name not in full:
-                    raise KeyError(f"device {self.device}: no state for parameter {name!r}")
-                p.copy_(full[name][0])
+                key = self.canonical(name)
+                if key not in full:
+                    raise KeyError(f"device {self.device}: no state for parameter {key!r}")
+                p.copy_(full[key].param)
         self._wrap(module)
-        if step == 0:
-            return
         for name, p in self.module.named_parameters():
-            _, m, v = full[name]
-            self.optimizer.state[p] = {
-                "step": torch.tensor(float(step), dtype=_get_scalar_dtype()),
-                "exp_avg": distribute_tensor(m, p.device_mesh, p.placements, src_data_rank=None),
-                "exp_avg_sq": distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None),
-            }
+            h = full[self.canonical(name)]
+            if not h.sharded and not h.other:
+                continue
+            st = {k: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                  for k, v in h.sharded.items()}
+            st.update({k: (v.clone() if isinstance(v, Tensor) else v) for k, v in h.other.items()})
+            self.optimizer.state[p] = st
 
     # ------------------------------------------------------------ state access
-    def local_shards(self) -> dict[str, Shards]:
-        """This rank's FSDP shards of its stage's parameters and AdamW moments, by name,
-        as plain tensors (clones: valid after the groups are gone)."""
-        out: dict[str, Shards] = {}
+    def local_shards(self) -> dict[str, Held]:
+        """This rank's FSDP shards of its stage's parameters and optimizer state, by
+        state name, as plain tensors (clones: valid after the groups are gone)."""
+        import copy
+
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, Held] = {}
         if self.module is None:
             return out
         for name, p in self.module.named_parameters():
             st = self.optimizer.state.get(p, {})
-            loc = p.to_local().detach()
-            m = st["exp_avg"].to_local() if "exp_avg" in st else torch.zeros_like(loc)
-            v = st["exp_avg_sq"].to_local() if "exp_avg_sq" in st else torch.zeros_like(loc)
-            out[name] = (loc.clone(), m.clone(), v.clone())
+            h = Held(p.to_local().detach().clone())
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    h.sharded[k] = v.to_local().detach().clone()
+                else:
+                    h.other[k] = v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+            out.setdefault(self.canonical(name), h)
         return out
 
-    def restore_local(self, shards: dict[str, Shards], step: int) -> None:
+    def restore_local(self, shards: dict[str, Held], step: int) -> None:
         """Put back what :meth:`local_shards` returned (rollback within a generation)."""
-        from torch.optim.optimizer import _get_scalar_dtype
+        from torch.distributed.tensor import DTensor
 
         self.iteration = step
         if self.module is None:
             return
         with torch.no_grad():
             for name, p in self.module.named_parameters():
-                sp, sm, sv = shards[name]
-                p.to_local().copy_(sp)
+                h = shards[self.canonical(name)]
+                p.to_local().copy_(h.param)
                 p.grad = None
-                st = self.optimizer.state.get(p)
-                if step == 0:
+                if not h.sharded and not h.other:
                     self.optimizer.state.pop(p, None)
-                elif st:
-                    st["exp_avg"].to_local().copy_(sm)
-                    st["exp_avg_sq"].to_local().copy_(sv)
-                    st["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
+                    continue
+                st = self.optimizer.state.setdefault(p, {})
+                for k, v in h.sharded.items():
+                    if isinstance(st.get(k), DTensor):
+                        st[k].to_local().copy_(v)
+                    else:
+                        st[k] = DTensor.from_local(v.clone(), p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+                for k, v in h.other.items():
+                    st[k] = v.clone() if isinstance(v, Tensor) else v
+        self._make_scheduler()
         self.schedule = None  # a failed step leaves receives and unshards pending in it
 
     def snapshot(self) -> None:
@@ -433,26 +558,24 @@ class TorchNativeEngine:
         # A step failed while FSDP had the stage unsharded: its objects are in no state
         # to reuse. Keep the snapshot for the next generation, which rebuilds the stage.
         self._kept = (self.plan if self.module is not None else self._kept[0], shards)
-        self.schedule = self.stage = self.optimizer = self.module = None
+        self.schedule = self.stage = self.optimizer = self.scheduler = self.module = None
         self.iteration = step
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int],
                    step: int) -> int:
         """Build this plan's stage from the survivors' shards of ``old_plan`` (after
         :meth:`rebuild`); returns bytes received. Raises
-        :class:`~.reshard.StateLost` (on every device alike) when some shard has no
-        surviving copy among ``alive`` devices of the new plan."""
-        from resihp_adapters.torch_native.reshard import exchange, transfer_plan
-
-        from resihp_adapters.torch_native.reshard import StateLost
+        :class:`~resihp_core.adapter.StateLost` (on every device alike) when some shard
+        has no surviving copy among ``alive`` devices of the new plan."""
+        from resihp_adapters.torch_native.reshard import StateLost, exchange, transfer_plan
 
         members = set(alive) & set(self.rank_of)  # only they are in the new world
         try:
-            plan = transfer_plan(self.cfg, old_plan, new_plan, members, self.wanted_shard)
+            plan = transfer_plan(self, old_plan, new_plan, members, self.wanted_shard)
         except StateLost:
             if step != 0:
                 raise
-            plan = None  # nothing trained yet: the seeded initial weights are the state
+            plan = None  # nothing trained yet: the initial weights are the state
         if plan is None:
             self.start_fresh()
             return 0
@@ -461,27 +584,52 @@ class TorchNativeEngine:
                 kept_plan is None or kept_plan.layer_ranges != old_plan.layer_ranges
                 or kept_plan.location(self.device) != old_plan.location(self.device)):
             raise ValueError(f"device {self.device}: the shards it kept are not from the old plan")
-        full, nbytes = exchange(self.cfg, plan, self.device, self.rank_of, kept)
+        full, nbytes = exchange(plan, self.device, self.rank_of, kept)
         if self.place is not None:
             self.install(full, step)
         else:
             self.iteration = step
         return nbytes
 
-    def full_state(self) -> dict[str, Shards]:
-        """Full tensors of this stage (collective over the stage's data-parallel ranks)."""
-        out: dict[str, Shards] = {}
+    def full_state(self) -> dict[str, Held]:
+        """Full tensors of this stage by state name (collective over the stage's
+        data-parallel ranks): parameters and their optimizer state."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, Held] = {}
         for name, p in self.module.named_parameters():
             st = self.optimizer.state.get(p, {})
-            full = p.full_tensor().detach().clone()
-            m = st["exp_avg"].full_tensor() if "exp_avg" in st else torch.zeros_like(full)
-            v = st["exp_avg_sq"].full_tensor() if "exp_avg_sq" in st else torch.zeros_like(full)
-            out[name] = (full, m.clone(), v.clone())
+            h = Held(p.full_tensor().detach().clone())
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    h.sharded[k] = v.full_tensor().clone()
+                else:
+                    h.other[k] = v.detach().clone() if isinstance(v, Tensor) else v
+            out.setdefault(self.canonical(name), h)
         return out
 
+    def flat_state(self, gather: bool = True) -> dict[str, object]:
+        """:meth:`full_state` and the rest of the training state, flattened by
+        layout-independent names (see :func:`flatten_state`). ``gather``: full tensors
+        (collective over the stage's data-parallel ranks, like :meth:`full_state`);
+        else this rank's FSDP pieces as :class:`~resihp_core.adapter.Shard` (no
+        communication: what the worker dumps at the job's end for the conformance kit,
+        which puts the pieces together)."""
+        if self.module is None:
+            return {}
+        if gather:
+            return flatten_state(self.full_state(), self.optimizer, self.scheduler, self.iteration)
+        from resihp_core.adapter import Shard
+
+        pl = self.place
+        piece = lambda t: Shard((t,), dim=0, index=pl.shard_index, parts=pl.shard_degree)  # noqa: E731
+        local = {name: Held(piece(h.param), {k: piece(v) for k, v in h.sharded.items()}, h.other)
+                 for name, h in self.local_shards().items()}
+        return flatten_state(local, self.optimizer, self.scheduler, self.iteration)
+
     # ------------------------------------------------------------ execution
-    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return loss_sum(logits, targets) / self._denom
+    def _loss(self, out: Tensor, target: Tensor) -> Tensor:
+        return self.recipe.loss(out, target) / self._denom
 
     def _prepare(self, program: Program) -> None:
         from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
@@ -503,8 +651,24 @@ class TorchNativeEngine:
         sched._prepare_schedule_with_comms(actions, format="compute_comms")
         self.schedule, self._lowered = sched, program
 
+    def finish_grads(self) -> float | None:
+        """After the backward of every micro-batch: sum the gradients of tied copies
+        across their stages, then clip by the global norm over every stage and FSDP
+        shard (each counted once). Returns the norm when clipping (collective over the
+        executors)."""
+        for group, name in self._ties:
+            p = dict(self.module.named_parameters())[name]
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local(), group=group)
+        if self.recipe.max_grad_norm is None:
+            return None
+        copies = self.plan.dp // shard_degree_for(self.plan.dp, self.wanted_shard)
+        return clip_global(self.module, self.model.aliases, self.recipe.max_grad_norm, self.executors_group, copies)
+
     def run(self, program: Program, iteration: int | None = None) -> IterationResult:
-        """One iteration of this executor's program, then its optimizer step."""
+        """One iteration of this executor's program, then its optimizer (and LR
+        scheduler) step. Each micro-batch's loss is divided by the data's denominator for
+        the whole global batch, so gradients are sums over any layout."""
         it = self.iteration if iteration is None else iteration
         plan, place = self.plan, self.place
         self._prepare(program)
@@ -512,12 +676,12 @@ class TorchNativeEngine:
         self._current = res
         t_iter = time.perf_counter()
         m = plan.num_microbatches
-        self._denom = float(self.data.label_count(it))
+        self._denom = float(self.data.denominator(it))
         batches = [self.data.micro_batch(it, place.replica, j, m) for j in range(m)]
         res.lengths = {j: b.lengths for j, b in enumerate(batches)}
-        args = [(b.tokens,) for b in batches] if place.stage == 0 else None
-        kwargs = [b.kwargs() for b in batches]  # every stage: positions and document mask
-        targets = [b.labels for b in batches] if place.stage == plan.pp - 1 else None
+        args = [b.args for b in batches] if place.stage == 0 else None
+        kwargs = [b.kwargs() for b in batches]  # every stage: positions and masks
+        targets = [b.target for b in batches] if place.stage == plan.pp - 1 else None
         losses: list[Tensor] = []
         self.stage.has_backward = True
         self.stage.clear_runtime_states()
@@ -529,7 +693,10 @@ class TorchNativeEngine:
         finally:
             self._current = None
         self.before_action()
+        self.finish_grads()
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         res.loss = float(sum(float(x.detach()) for x in losses))
         self.iteration = it + 1
@@ -539,16 +706,19 @@ class TorchNativeEngine:
 
     # ------------------------------------------------------------ checkpoints
     def _state_dicts(self) -> dict:
+        """Model and (flattened) optimizer state dicts keyed by state names: a tied
+        copy is saved and read under its first name, so any split reads any other's."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
 
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        return {"model": get_model_state_dict(self.module, options=opts),
-                "optim": get_optimizer_state_dict(self.module, self.optimizer, options=opts)}
+        return {"model": _canon_keys(get_model_state_dict(self.module, options=opts), self.model.aliases),
+                "optim": _canon_keys(get_optimizer_state_dict(self.module, self.optimizer, options=opts),
+                                     self.model.aliases)}
 
     def save_checkpoint(self, path: str) -> None:
         """Collective over the whole world: every stage writes its shards by name
-        (FQNs are split-independent, so any later layout can read them)."""
+        (names are split-independent, so any later layout can read them)."""
         import torch.distributed.checkpoint as dcp
 
         if self.module is None:
@@ -557,14 +727,30 @@ class TorchNativeEngine:
         dcp.save(self._state_dicts(), checkpoint_id=path, process_group=self.executors_group)
 
     def _ensure_optimizer_state(self) -> None:
-        """AdamW creates its state lazily; a checkpoint needs every key present."""
-        from torch.optim.optimizer import _get_scalar_dtype
-
+        """Optimizers create their state lazily; a checkpoint needs every key present:
+        one step with zero gradients and a zero learning rate creates it (then the
+        state is reset to its initial values, which are zeros and step 0 for the
+        torch.optim classes)."""
+        if all(self.optimizer.state.get(p) for p in self.module.parameters()):
+            return
+        saved = [dict(g) for g in self.optimizer.param_groups]
         for p in self.module.parameters():
-            if p not in self.optimizer.state or not self.optimizer.state[p]:
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),
-                    "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            p.grad = torch.zeros_like(p)
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
+        before = [p.detach().clone() for p in self.module.parameters()]
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, b in zip(self.module.parameters(), before):
+                p.copy_(b)
+                for k, v in self.optimizer.state[p].items():
+                    if isinstance(v, Tensor):
+                        v.zero_()
+        for g, s in zip(self.optimizer.param_groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        self.optimizer.zero_grad(set_to_none=True)
 
     def load_checkpoint(self, path: str, step: int) -> None:
         """Build this plan's stage and read its shards from checkpoint ``path``, written
@@ -576,11 +762,110 @@ class TorchNativeEngine:
         self.iteration = step
         if self.place is None:
             return
-        a, b = self._layers(self.plan, self.place.stage)
-        self._wrap(StageModel(self.cfg, a, b).to(self.cfg.torch_dtype))
+        self._wrap(self._build())
         self._ensure_optimizer_state()
         sd = self._state_dicts()
         dcp.load(sd, checkpoint_id=path, process_group=self.executors_group)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        set_model_state_dict(self.module, sd["model"], options=opts)
-        set_optimizer_state_dict(self.module, self.optimizer, sd["optim"], options=opts)
+        aliases = self.model.aliases
+        set_model_state_dict(self.module, _local_keys(sd["model"], self.module, aliases), options=opts)
+        set_optimizer_state_dict(self.module, self.optimizer,
+                                 _local_keys(sd["optim"], self.module, aliases), options=opts)
+        self._make_scheduler()
+
+
+def flatten_state(full: dict[str, Held] | dict, optimizer: torch.optim.Optimizer, scheduler: object | None,
+                  iteration: int) -> dict[str, object]:
+    """The complete training state of a stage by layout-independent names:
+    ``param/NAME`` (state names: the model's own, a tied copy under its first name),
+    ``optim/NAME/KEY`` (every optimizer state entry, step counts included),
+    ``optim/group/KEY`` (the optimizer's hyper-parameters, learning rate included; one
+    group), ``lr_scheduler/KEY`` (its state dict, functions left out) and
+    ``data/iteration`` (the next micro-batches' address). No RNG: the engine draws no
+    random numbers and models with active dropout are refused (docs/torch_native.md)."""
+    out: dict[str, object] = {"data/iteration": iteration}
+    for name, h in full.items():
+        out[f"param/{name}"] = h.param
+        for k, v in {**h.sharded, **h.other}.items():
+            out[f"optim/{name}/{k}"] = v
+    for i, g in enumerate(optimizer.param_groups):
+        for k, v in g.items():
+            if k != "params":
+                out[f"optim/group{i}/{k}"] = v
+    if scheduler is not None:
+        for k, v in scheduler.state_dict().items():
+            if not callable(v) and not (isinstance(v, list) and any(callable(x) for x in v)):
+                out[f"lr_scheduler/{k}"] = v
+    return out
+
+
+def tie_sets(model: StageSource, plan: ParallelPlan) -> list[tuple[list[int], dict[int, str]]]:
+    """Tied parameters split over ``plan``'s stages: (stages holding a copy, stage ->
+    its name of the parameter there). Their gradients are summed across those stages."""
+    out = []
+    groups: dict[str, list[str]] = {}
+    for alias, canon in sorted(model.aliases.items()):
+        groups.setdefault(canon, [canon]).append(alias)
+    for canon, names in sorted(groups.items()):
+        where: dict[int, str] = {}
+        for s in range(plan.pp):
+            held = set(model.names(*plan.layer_ranges[s]))
+            for n in names:
+                if n in held:
+                    where.setdefault(s, n)
+        if len(where) > 1:
+            out.append((sorted(where), where))
+    return out
+
+
+def _rename(key: str, aliases: dict[str, str]) -> str:
+    """``key`` with an alias parameter name inside it replaced by its state name."""
+    for alias, canon in aliases.items():
+        if f".{alias}." in f".{key}.":
+            return key.replace(alias, canon, 1)
+    return key
+
+
+def _canon_keys(sd: dict, aliases: dict[str, str]) -> dict:
+    out: dict = {}
+    for k, v in sd.items():
+        out.setdefault(_rename(k, aliases), v)
+    return out
+
+
+def _local_keys(sd: dict, module: nn.Module, aliases: dict[str, str]) -> dict:
+    """The state dict back under this stage's own names (a tied copy reads its first name's)."""
+    names = {n for n, _ in module.named_parameters()}
+    back = {canon: alias for alias, canon in aliases.items() if alias in names and canon not in names}
+    if not back:
+        return sd
+    out: dict = {}
+    for k, v in sd.items():
+        for canon, alias in back.items():
+            if k == canon or f".{canon}." in f".{k}.":
+                k = k.replace(canon, alias, 1)
+                break
+        out[k] = v
+    return out
+
+
+def clip_global(module: nn.Module, aliases: dict[str, str], max_norm: float, group: object,
+                copies: int) -> float:
+    """Scale every gradient by ``max_norm / (norm + 1e-6)`` (at most 1), torch's
+    ``clip_grad_norm_`` rule, with the norm over the whole model: local FSDP shards'
+    squares summed over ``group`` (every executor), divided by the ``copies`` of each
+    shard (HSDP replicate groups); tied copies (alias names) counted once."""
+    grads = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in aliases]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in local:
+        sq += g.detach().to(torch.float64).pow(2).sum()
+    dist.all_reduce(sq, group=group)
+    norm = float((sq / copies).sqrt())
+    coef = min(max_norm / (norm + 1e-6), 1.0)
+    if coef < 1.0:
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                if p.grad is not None:
+                    (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
+    return norm

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from resihp_core.runtime.resilient import run_resilient
 
     from resihp_adapters.launch import print_event, print_iteration
+    from resihp_adapters.launch_worker import NeverInitialized, check_initialized
 
     script = os.path.abspath(args.training_script)
     script_args = [a for a in args.training_script_args if a != "--"] if args.training_script_args else []
@@ -154,10 +155,20 @@ def run(args: argparse.Namespace) -> int:
     p = job.plan
     print(f"resihp launch: {n} workers of {script} on torch_native (PP{p.pp} x DP{p.dp}, FSDP2), "
           f"{cfg.training.iterations} iterations; settings {path}; logs in {work / 'job'}", flush=True)
+
+    def on_event(ev: dict) -> None:
+        check_initialized(work / "job")  # a script without initialize(): one error, not fail-stops
+        print_event(ev)
+
     out = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
                         cfg.training.iterations, work / "job", worker_module="resihp_adapters.launch_worker",
-                        timeout=args.timeout, on_iteration=print_iteration, on_event=print_event,
+                        timeout=args.timeout, on_iteration=print_iteration, on_event=on_event,
                         repairs=repairs(faults))
+    try:
+        check_initialized(work / "job")
+    except NeverInitialized as e:
+        print(f"resihp launch failed: {e}", file=sys.stderr)
+        return 1
     if not out.ok:
         print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)
         return 1

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LlamaConfig", "StageModel", "TransformerBlock", "build_stage", "init_parameters", "loss_sum"]
+__all__ = ["LlamaConfig", "LlamaStages", "StageModel", "TransformerBlock", "build_stage", "init_parameters", "loss_sum",
+           "parameter_names"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -204,3 +205,24 @@ def loss_sum(logits: Tensor, targets: Tensor) -> Tensor:
     (targets of -100 have none); the caller scales it."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
                            ignore_index=-100)
+
+
+class LlamaStages:
+    """The adapter's own LLaMA as the engine's model (the interface
+    :class:`~.split.UserStages` also has): stages with seeded, split-independent weights."""
+
+    aliases: dict[str, str] = {}
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        self.cfg = cfg
+        self.n_layers = cfg.n_layers
+        self.dtype = cfg.torch_dtype
+
+    def build(self, start: int, end: int) -> StageModel:
+        return build_stage(self.cfg, start, end)
+
+    def blocks(self, module: StageModel) -> list[nn.Module]:
+        return list(module.layers.values())
+
+    def names(self, start: int, end: int) -> list[str]:
+        return parameter_names(self.cfg, range(start, end), start == 0, end == self.cfg.n_layers)

@@ -4,33 +4,40 @@ Old layout: stage ``s`` of the old plan is FSDP-sharded ``k`` ways (dim 0, in to
 order, as FSDP2 does); replica ``r`` holds chunk ``r % k``, so under HSDP (``k`` < the
 replicas) each chunk lives on ``dp / k`` devices. New layout: any stage boundaries, any
 number of replicas. Every device of the new plan needs, for each parameter of its new
-stage, the full parameter and both AdamW moments; it then keeps its own new shard
-(:meth:`~.engine.TorchNativeEngine.install`).
+stage (by its state name: the model's own fully qualified name), the full parameter and
+its optimizer state; it then keeps its own new shard
+(:meth:`~.engine.TorchNativeEngine.install`). A tied parameter held by two stages (a
+copy each) can come from either.
 
 :func:`transfer_plan` is computed identically by every device from the two plans and the
 alive devices, so no negotiation is needed: for each (parameter, old chunk, receiver)
 one surviving holder sends, itself when the receiver holds the chunk, otherwise
 holders in turn (spreading the load). When every holder of some chunk is dead the
-state is lost in memory: :class:`StateLost` says which, and the job restores from a
-``torch.distributed.checkpoint`` checkpoint instead.
+state is lost in memory: :class:`~resihp_core.adapter.StateLost` says which, and the job
+restores from a ``torch.distributed.checkpoint`` checkpoint instead.
 
-Cost: each receiver gets three full tensors (parameter, exp_avg, exp_avg_sq) per
-parameter of its stage — the stage's state times three — from up to ``k`` senders.
+The optimizer is the user's, so the state of a parameter is whatever it keeps: each
+sender serialises its chunks (parameter, sharded state, scalar state) with
+``torch.save`` and sends one message per receiver (its length first).
+
+Cost: each receiver gets its new stage's full parameters and optimizer state from up to
+``k`` senders.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from resihp_core.adapter import StateLost as _ContractStateLost
 from resihp_core.plan import ParallelPlan
-from resihp_adapters.torch_native.engine import Shards, place_of
-from resihp_adapters.torch_native.model import LlamaConfig, StageModel
+from resihp_adapters.torch_native.engine import Held, place_of
+from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, StageModel
 
 __all__ = ["StateLost", "Transfer", "transfer_plan", "exchange", "chunk_rows", "full_shapes"]
 
@@ -38,6 +45,10 @@ __all__ = ["StateLost", "Transfer", "transfer_plan", "exchange", "chunk_rows", "
 class StateLost(_ContractStateLost):
     """Every device holding some shard is dead: restore from a checkpoint (the
     contract's state-lost signal, which the supervisor acts on)."""
+
+
+class Names(Protocol):
+    def stage_names(self, plan: ParallelPlan, stage: int) -> list[str]: ...
 
 
 @dataclass(frozen=True, order=True)
@@ -63,27 +74,19 @@ def chunk_rows(rows: int, n: int) -> list[int]:
     return sizes + [0] * (n - len(sizes))
 
 
-def _stage_of(plan: ParallelPlan, name: str) -> int:
-    if name.startswith("tok_embeddings."):
-        return 0
-    if name.startswith("layers."):
-        layer = int(name.split(".")[1])
-        return next(s for s, (a, b) in enumerate(plan.layer_ranges) if a <= layer < b)
-    return plan.pp - 1
+class _LlamaNames:
+    def __init__(self, cfg: LlamaConfig) -> None:
+        self.model = LlamaStages(cfg)
+
+    def stage_names(self, plan: ParallelPlan, stage: int) -> list[str]:
+        return self.model.names(*plan.layer_ranges[stage])
 
 
-def _names(cfg: LlamaConfig, plan: ParallelPlan, stage: int) -> list[str]:
-    a, b = plan.layer_ranges[stage]
-    keep = []
-    for name in full_shapes(cfg):
-        if _stage_of(plan, name) == stage:
-            keep.append(name)
-    return keep
-
-
-def transfer_plan(cfg: LlamaConfig, old_plan: ParallelPlan, new_plan: ParallelPlan,
+def transfer_plan(model: Names | LlamaConfig, old_plan: ParallelPlan, new_plan: ParallelPlan,
                   alive: set[int] | frozenset[int], wanted_shard: int) -> list[Transfer]:
-    """Who sends which old chunk of which parameter to whom (see the module docstring)."""
+    """Who sends which old chunk of which parameter to whom (see the module docstring).
+    ``model`` names each stage's parameters (the engine, or the adapter's LLaMA config)."""
+    names = _LlamaNames(model) if isinstance(model, LlamaConfig) else model
     holders: dict[tuple[int, int], list[int]] = {}
     degree: dict[int, int] = {}
     for d in sorted(alive):
@@ -91,40 +94,56 @@ def transfer_plan(cfg: LlamaConfig, old_plan: ParallelPlan, new_plan: ParallelPl
         if pl is not None:
             holders.setdefault((pl.stage, pl.shard_index), []).append(d)
             degree[pl.stage] = pl.shard_degree
+    old_stages: dict[str, list[int]] = {}
+    for s in range(old_plan.pp):
+        for name in names.stage_names(old_plan, s):
+            old_stages.setdefault(name, []).append(s)
     out: list[Transfer] = []
     for dst in sorted(new_plan.devices()):
         pl = place_of(new_plan, dst, wanted_shard)
-        for name in _names(cfg, new_plan, pl.stage):
-            s_old = _stage_of(old_plan, name)
-            k = degree.get(s_old)
-            if k is None:
-                raise StateLost(f"stage {s_old} of the old plan has no surviving device ({name})")
+        own = place_of(old_plan, dst, wanted_shard)
+        for name in names.stage_names(new_plan, pl.stage):
+            candidates = old_stages.get(name, [])
+            if own is not None and own.stage in candidates:  # prefer the copy it holds
+                candidates = [own.stage] + [s for s in candidates if s != own.stage]
+            why = f"no stage of the old plan holds {name}"
+            chosen = None
+            for s_old in candidates:
+                k = degree.get(s_old)
+                if k is None:
+                    why = f"stage {s_old} of the old plan has no surviving device ({name})"
+                    continue
+                lost = [c for c in range(k) if not holders.get((s_old, c))]
+                if lost:
+                    why = f"shard {lost[0]}/{k} of stage {s_old} ({name}) was held only by dead devices"
+                    continue
+                chosen = (s_old, k)
+                break
+            if chosen is None:
+                raise StateLost(why)
+            s_old, k = chosen
             for c in range(k):
-                hs = holders.get((s_old, c), [])
-                if not hs:
-                    raise StateLost(
-                        f"shard {c}/{k} of stage {s_old} ({name}) was held only by dead devices"
-                    )
+                hs = holders[(s_old, c)]
                 src = dst if dst in hs else hs[dst % len(hs)]
                 out.append(Transfer(dst, name, c, k, src))
     return sorted(out)
 
 
-def _numel(cfg: LlamaConfig, tr: Transfer) -> int:
-    shape = full_shapes(cfg)[tr.name]
-    rows = chunk_rows(shape[0], tr.of)[tr.chunk]
-    rest = 1
-    for x in shape[1:]:
-        rest *= x
-    return rows * rest
+def _wire(h: Held) -> dict:
+    return {"param": h.param, "sharded": h.sharded, "other": h.other}
 
 
-def exchange(cfg: LlamaConfig, plan: list[Transfer], me: int, rank_of: dict[int, int],
-             local: dict[str, Shards]) -> tuple[dict[str, Shards], int]:
+def _pack(obj: object) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def exchange(plan: list[Transfer], me: int, rank_of: dict[int, int],
+             local: dict[str, Held]) -> tuple[dict[str, Held], int]:
     """Run this device's part of ``plan`` over the default group (one message per
-    sender/receiver pair); returns the full tensors this device needs and bytes received."""
-    dtype = cfg.torch_dtype
-    shapes = full_shapes(cfg)
+    sender/receiver pair, its length first); returns the full state this device needs
+    by name, and the bytes received."""
     to: dict[int, list[Transfer]] = {}
     frm: dict[int, list[Transfer]] = {}
     for tr in plan:
@@ -132,33 +151,38 @@ def exchange(cfg: LlamaConfig, plan: list[Transfer], me: int, rank_of: dict[int,
             to.setdefault(tr.dst, []).append(tr)
         if tr.dst == me and tr.src != me:
             frm.setdefault(tr.src, []).append(tr)
-    works, bufs = [], {}
-    for dst, trs in sorted(to.items()):
-        flat = torch.cat([t.reshape(-1) for tr in trs for t in local[tr.name]]).to(dtype)
-        works.append(dist.isend(flat, rank_of[dst], tag=1))
-    for src, trs in sorted(frm.items()):
-        buf = torch.empty(3 * sum(_numel(cfg, tr) for tr in trs), dtype=dtype)
-        works.append(dist.irecv(buf, rank_of[src], tag=1))
-        bufs[src] = buf
+    out_msgs = {dst: _pack({(tr.name, tr.chunk): _wire(local[tr.name]) for tr in trs}) for dst, trs in to.items()}
+    works = []
+    sizes = {src: torch.zeros(1, dtype=torch.int64) for src in frm}
+    for dst, msg in sorted(out_msgs.items()):
+        works.append(dist.isend(torch.tensor([msg.numel()], dtype=torch.int64), rank_of[dst], tag=1))
+    for src in sorted(frm):
+        works.append(dist.irecv(sizes[src], rank_of[src], tag=1))
     for w in works:
         w.wait()
-    pieces: dict[str, dict[int, tuple[Tensor, Tensor, Tensor]]] = {}
+    works, bufs = [], {}
+    for dst, msg in sorted(out_msgs.items()):
+        works.append(dist.isend(msg, rank_of[dst], tag=2))
+    for src in sorted(frm):
+        bufs[src] = torch.empty(int(sizes[src]), dtype=torch.uint8)
+        works.append(dist.irecv(bufs[src], rank_of[src], tag=2))
+    for w in works:
+        w.wait()
+    pieces: dict[str, dict[int, dict]] = {}
     nbytes = 0
-    for src, trs in frm.items():
-        buf, off = bufs[src], 0
-        nbytes += buf.numel() * buf.element_size()
-        for tr in trs:
-            n = _numel(cfg, tr)
-            rows = chunk_rows(shapes[tr.name][0], tr.of)[tr.chunk]
-            shape = (rows, *shapes[tr.name][1:])
-            three = tuple(buf[off + i * n: off + (i + 1) * n].view(shape) for i in range(3))
-            pieces.setdefault(tr.name, {})[tr.chunk] = three  # type: ignore[assignment]
-            off += 3 * n
+    for src, buf in bufs.items():
+        nbytes += buf.numel()
+        got = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True)
+        for (name, chunk), w in got.items():
+            pieces.setdefault(name, {})[chunk] = w
     for tr in plan:
         if tr.dst == me and tr.src == me:
-            pieces.setdefault(tr.name, {})[tr.chunk] = local[tr.name]
-    full: dict[str, Shards] = {}
+            pieces.setdefault(tr.name, {})[tr.chunk] = _wire(local[tr.name])
+    full: dict[str, Held] = {}
     for name, parts in pieces.items():
         order = [parts[c] for c in sorted(parts)]
-        full[name] = tuple(torch.cat([p[i] for p in order], 0) for i in range(3))  # type: ignore[assignment]
+        first = order[0]
+        full[name] = Held(torch.cat([p["param"] for p in order], 0),
+                          {k: torch.cat([p["sharded"][k] for p in order], 0) for k in first["sharded"]},
+                          dict(first["other"]))
     return full, nbytes

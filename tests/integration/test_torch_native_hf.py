@@ -1,0 +1,108 @@
+"""The user's own Hugging Face model on torch_native: a tiny LlamaForCausalLM (grouped-
+query attention, tied embeddings) and a tiny Qwen2 (biased projections, untied head),
+each with the user's AdamW, a LambdaLR warm-up and clipping at 1.0, over a dataset of
+local text. PP2 x DP2 (4 worker processes, gloo, float64): the resilient engine and the
+stock path (Schedule1F1B + fully_shard) both equal one process running the whole model
+with torch's own clip_grad_norm_ (losses and the complete final state: parameters,
+every optimizer state entry, learning rate, scheduler position), and so does the engine
+after losing a device half-way and going on as pp3 over the other three."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+import torch.distributed as dist  # noqa: E402
+
+from resihp_core.plan import ParallelPlan  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "hf_llama"))
+TEXT = ROOT / "docs" / "torch_native.md"
+TOL = 1e-9
+
+
+def compare_states(got: dict, ref: dict) -> float:
+    """Largest relative difference over every entry (tensors by max-abs, numbers
+    exactly); the key sets must be equal."""
+    assert set(got) == set(ref), sorted(set(got) ^ set(ref))[:10]
+    worst = 0.0
+    for k, want in ref.items():
+        have = got[k]
+        if isinstance(want, torch.Tensor):
+            have = torch.as_tensor(have)
+            scale = float(want.double().abs().max().clamp_min(1e-300)) if want.numel() else 1.0
+            err = float((have.double() - want.double()).abs().max()) / scale if want.numel() else 0.0
+            worst = max(worst, err)
+        elif isinstance(want, float):
+            worst = max(worst, abs(float(have) - want) / max(abs(want), 1e-300))
+        else:
+            assert have == want, (k, have, want)
+    return worst
+
+
+def reference(kind: str, iterations: int, global_microbatches: int, text: Path = TEXT) -> tuple[dict, list[float]]:
+    from hf_model import TextWindows, adamw, tiny_model, warmup_cosine
+
+    from resihp_adapters.torch_native.api import user_job
+    from resihp_adapters.torch_native.reference import user_single_process_run
+
+    torch.set_num_threads(1)
+    user = user_job(tiny_model(kind), optimizer=adamw, lr_scheduler=warmup_cosine(iterations), max_grad_norm=1.0,
+                    dataset=TextWindows(text, 16), micro_batch_size=2)
+    return user_single_process_run(user.stages, user.recipe, user.data(global_microbatches), iterations)
+
+
+CASES = [  # (kind, FSDP shard degree, how the survivors get the state)
+    ("llama", 0, "restore"),  # FSDP2: losing device 1 loses a shard -> DCP; tied head stage 1 -> 2
+    ("qwen2", 1, "move"),  # HSDP: the survivors move the state from memory
+]
+
+
+@pytest.mark.timeout(900)
+def test_hf_models_pp2_dp2_equal_stock_path_and_single_process(tmp_path):
+    """Both models in one set of 4 processes (startup dominates the cost)."""
+    from .test_torch_native import run_devices
+
+    iterations, m = 4, 2
+    plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=m)
+    after = ParallelPlan(num_layers=4, layer_ranges=((0, 1), (1, 2), (2, 4)), tp_groups=(((0,), (2,), (3,)),),
+                         num_microbatches=plan.dp * m)
+    cases = [{"kind": kind, "shard": shard, "plan": plan.to_text(), "iterations": iterations, "text": str(TEXT),
+              "out": str(tmp_path), "recover": recover, "plan_after": after.to_text()}
+             for kind, shard, recover in CASES]
+    (tmp_path / "spec.json").write_text(json.dumps(cases))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    run_devices(lambda d: [str(HERE / "torch_native_hf_job.py"), str(tmp_path / "spec.json"), str(d),
+                           str(store.port)], 4, tmp_path, 840)
+    for kind, _, _ in CASES:
+        check(kind, [torch.load(tmp_path / f"{kind}-{d}.pt", weights_only=False) for d in range(4)], iterations,
+              plan.dp * m)
+
+
+def check(kind: str, out: list[dict], iterations: int, global_microbatches: int) -> None:
+    ref_state, ref_losses = reference(kind, iterations, global_microbatches)
+    for key in ("losses", "stock_losses"):
+        total = [sum(o[key][i] for o in out if i < len(o[key])) for i in range(iterations)]
+        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(total, ref_losses)), (kind, key, total, ref_losses)
+    for key in ("state", "stock_state"):
+        merged: dict = {}
+        for o in out:
+            merged.update(o[key])
+        # every stage reports the shared entries (hyper-parameters, scheduler, iteration)
+        assert compare_states(merged, ref_state) <= TOL, (kind, key)
+    if kind == "llama":  # the tied weight: one state name; the embedding's and the head's copies equal it
+        assert "param/lm_head.weight" not in ref_state and "param/model.embed_tokens.weight" in ref_state
+        tied = {k: v for k, v in ref_state.items() if k.startswith(("param/model.embed_tokens.", "optim/model.embed_tokens."))}
+        for d in (0, 3):  # pp3: stage 0 (embedding) and stage 2 (head)
+            assert compare_states({k: out[d]["state"][k] for k in tied}, tied) <= TOL, d

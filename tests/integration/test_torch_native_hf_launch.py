@@ -1,0 +1,74 @@
+"""``examples/hf_llama`` under ``resihp launch`` (the production path: controller,
+agents, Scheduler, supervisor): the user's tiny LlamaForCausalLM (GQA, tied embeddings)
+with AdamW, a warm-up + cosine LambdaLR and clipping at 1.0, PP2 x DP2 HSDP, a rank
+SIGKILLed at iteration 5. Every iteration commits and the complete final state
+(parameters, every optimizer entry, learning rate, scheduler position, iteration)
+equals one process training the whole model (float64). And a script that never calls
+``initialize()`` gets one clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "adapters"))
+from test_torch_native_launch import BIN, COMMITTED, _run  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_llama"
+ITERATIONS = 6  # the kill lands in the last one
+
+
+def _copy(dst: Path) -> Path:
+    dst.mkdir()
+    for f in ("accelerate.yaml", "train.py", "hf_model.py", "README.md"):
+        shutil.copy(EXAMPLE / f, dst / f)
+    text = re.sub(r"iterations = \d+", f"iterations = {ITERATIONS}", (EXAMPLE / "resihp.toml").read_text())
+    (dst / "resihp.toml").write_text(text)
+    return dst
+
+
+@pytest.mark.timeout(600)
+def test_hf_llama_killed_rank_final_state_equals_single_process(tmp_path):
+    from .test_torch_native_hf import compare_states, reference
+
+    ex = _copy(tmp_path / "ex")
+    (tmp_path / "kill.json").write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"}]))
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    rc, out = _run([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--faults",
+                    str(tmp_path / "kill.json"), "--workdir", str(tmp_path / "work"), "--timeout", "420", "train.py",
+                    "--iterations", str(ITERATIONS), "--dump", str(dump)], ex, 540)
+    assert rc == 0, out[-4000:]
+    assert "fail-stop of devices [3]" in out, out[-3000:]
+    committed = {int(i): float(l) for i, l in COMMITTED.findall(out)}
+    assert sorted(committed) == list(range(ITERATIONS)), out[-3000:]
+    ref, losses = reference("llama", ITERATIONS, 4, ex / "README.md")  # the example trains on its README
+    for i, loss in committed.items():  # the controller's global loss, printed with 10 decimals
+        assert abs(loss - losses[i]) <= 1e-9 * losses[i], (i, loss, losses[i])
+    state: dict = {}
+    for f in sorted(dump.glob("rank*.pt")):
+        state.update(torch.load(f, weights_only=False))
+    assert state["lr_scheduler/last_epoch"] == ITERATIONS and state["data/iteration"] == ITERATIONS
+    assert compare_states(state, ref) <= 1e-9
+
+
+@pytest.mark.timeout(300)
+def test_script_without_initialize_gets_one_clear_error(tmp_path):
+    ex = _copy(tmp_path / "ex")
+    (ex / "train.py").write_text("print('training my own way')\n")
+    rc, out = _run([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--workdir",
+                    str(tmp_path / "work"), "--timeout", "200", "train.py"], ex, 260)
+    assert rc == 1, out[-3000:]
+    assert "never called initialize()" in out, out[-3000:]
+    assert "PlannerError" not in out and "fail-stop" not in out, out[-3000:]
