@@ -535,12 +535,13 @@ def _torchrun_worker(a: dict) -> None:
             groups = [dict(g) for g in osd["param_groups"]]
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=str(ckdir / f"step{start}"))
-            # DCP drops the tuple-valued hyper-parameters (AdamW's betas) of the groups it
-            # loads: keep the job's own (the same on every restart) for the missing keys.
-            for g, fresh in zip(state["optim"]["param_groups"], groups):
-                for key, v in fresh.items():
-                    g.setdefault(key, v)
             set_state_dict(sp.module, sp.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            # The loaded groups lack the tuple-valued hyper-parameters (AdamW's betas: DCP
+            # does not bring them back); they are the job's own, the same on every restart.
+            for g, fresh in zip(sp.optimizer.param_groups, groups):
+                for key, v in fresh.items():
+                    if key != "params":
+                        g.setdefault(key, v)
         sp.iteration = start
 
         def step(it: int) -> None:
@@ -624,8 +625,8 @@ def _torchft_worker(a: dict) -> None:
                 (loss_sum(ddp(mb.tokens, **mb.kwargs()), mb.labels) / denom).backward()
         faults.stretch(time.perf_counter() - t0)
         opt.step()  # steps only if the quorum commits
-        if manager.current_step() > it:
-            log.write(f"{it} {time.time():.6f} {manager.num_participants() * m}\n")
+        if manager.current_step() > it:  # committed (a healing replica's counter jumps to the quorum's step)
+            log.write(f"{manager.current_step() - 1} {time.time():.6f} {manager.num_participants() * m}\n")
             log.flush()
     manager.shutdown(wait=False)
 
@@ -675,6 +676,14 @@ def _ci(xs: Sequence[float]) -> MedianCI:
     return median_ci([x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)])
 
 
+def _txt(c: MedianCI, fmt: str = "{:.2f}") -> str:
+    """``median [lo .. hi]`` (the interval's confidence is stated once, under the table)."""
+    if c.n == 0:
+        return "-"
+    m = fmt.format(c.median)
+    return m if c.n == 1 else f"{m} [{fmt.format(c.lo)} .. {fmt.format(c.hi)}]"
+
+
 def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[str, list[Event]],
           systems: Sequence[str]) -> tuple[list[str], dict]:
     """The job's table lines and figures."""
@@ -687,7 +696,9 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
         rounds.setdefault((r.system, r.trace), []).append(s["round"])
     fig: dict = {}
     lines = [f"### {job.name}: PP{job.pp} x DP{job.dp}, {job.workers} CPU workers, {iterations} iterations "
-             f"of {job.batch} samples (goodput after iteration {warmup})", ""]
+             f"of {job.batch} samples (goodput after iteration {warmup})", "",
+             "Each cell: median [order-statistic interval: the min-max range up to 5 values, a 75 % "
+             "interval for 3 values, 94 % for 5]; kill figures pool every kill of every run.", ""]
     plain = by.get(("plain", "none"), [])
     base_it = _ci([s["iteration_s"] for s in plain])
     lines += ["fault-free iteration time (median of each run's steady iterations), and over plain torch "
@@ -704,7 +715,7 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
         floor = statistics.median([s["iteration_rse"] for s in ss]) if ss else math.nan
         fig[f"{sysname} fault-free iteration_s"] = its.to_dict()
         fig[f"{sysname} fault-free / plain"] = rc.to_dict()
-        lines.append(f"| {sysname} | {its.text('{:.3f}')} | {rc.text('{:.2f}')} | {100 * floor:.1f} % |")
+        lines.append(f"| {sysname} | {_txt(its, '{:.3f}')} | {_txt(rc)} | {100 * floor:.1f} % |")
     del base_it
     lines += ["", "| trace | system | completed | kill -> next commit s | back to the killed iteration s | "
               "redone per failure | goodput samples/s | goodput / own fault-free | resihp / system |",
@@ -731,9 +742,9 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
                         "back_to_killed_iteration_s": back.to_dict(), "redone_per_failure": red.to_dict(),
                         "goodput": good.to_dict(), "goodput_over_fault_free": rel.to_dict(),
                         "resihp_over_system": vs.to_dict(), "failures": crashed}
-            lines.append(f"| {tname} | {sysname} | {done}/{len(ss)} | {gap.text('{:.2f}')} | {back.text('{:.2f}')} | "
-                         f"{red.text('{:.1f}')} | {good.text('{:.1f}')} | {rel.text('{:.2f}')} | "
-                         f"{'-' if sysname == 'resihp' else vs.text('{:.2f}')} |")
+            lines.append(f"| {tname} | {sysname} | {done}/{len(ss)} | {_txt(gap)} | {_txt(back)} | "
+                         f"{_txt(red, '{:.1f}')} | {_txt(good, '{:.1f}')} | {_txt(rel)} | "
+                         f"{'-' if sysname == 'resihp' else _txt(vs)} |")
             for i, why in enumerate(crashed):
                 lines.append(f"|  | {sysname}: run {i + 1} did not finish | {why} |  |  |  |  |  |  |")
     return lines, fig
