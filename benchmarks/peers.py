@@ -829,6 +829,10 @@ def main(argv: list[str] | None = None) -> int:
                     r.extra["round"] = rnd
                     load.append(loadavg())
                     runs.append(r)
+                    if args.json:  # every run so far, in case the benchmark is stopped
+                        Path(args.json + ".partial").write_text(json.dumps(
+                            [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
+                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]} for x in all_runs + runs]))
                     print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
                           f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
                           f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
@@ -843,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not have_torchft:
             lines += ["", "torchft: not installed, column skipped"]
         report += lines + [""]
+        print("\n".join(lines) + "\n", flush=True)
         all_runs += runs
         out["jobs"].setdefault(job.name, {}).update(
             {"figures": fig, "traces": {t: [asdict(e) for e in ev] for t, ev in traces.items()}})
