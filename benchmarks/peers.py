@@ -207,6 +207,7 @@ class Job:
 JOBS = {"dp4": Job("dp4", 1, 4, 3), "pp2dp2": Job("pp2dp2", 2, 2, 4)}
 MODEL = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128}
 TIMEOUT_S = 10.0  # every system's collective timeout where it has one to set (torchft: its example's)
+HEARTBEAT_MISSES = 50  # x 0.1 s: ResiHP's hang timeout matched to torchft's 5 s heartbeat timeout
 
 
 def resihp_config(job: Job, iterations: int, checkpoint_dir: str) -> dict:
@@ -220,8 +221,11 @@ def resihp_config(job: Job, iterations: int, checkpoint_dir: str) -> dict:
                     "controller_port": 0},
         # HSDP copies (shard 1): a dead rank's state survives in a peer replica's memory.
         "adapter": {"shard": 1},
-        "detector": {"heartbeat_interval_s": 0.1, "heartbeat_miss_limit": 8, "hang_min_timeout_s": 20.0,
-                     "warmup_iterations": 3, "min_changepoint_gap": 3},
+        # A hang is declared after 5 s without a heartbeat: torchft's lighthouse heartbeat
+        # timeout as shipped (a dead process is seen at once by its exit). 0.1 s x 8, the
+        # example's setting, killed healthy workers at load 30 on 2 cores (docs/benchmarks.md).
+        "detector": {"heartbeat_interval_s": 0.1, "heartbeat_miss_limit": HEARTBEAT_MISSES,
+                     "hang_min_timeout_s": 20.0, "warmup_iterations": 3, "min_changepoint_gap": 3},
     }
 
 
@@ -857,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{reps} round(s), systems interleaved (order rotated every round); medians with "
             f"order-statistic intervals (min-max below 4 values).",
             f"timeouts: collectives {TIMEOUT_S:.0f} s (ResiHP job, torchrun workers), torchft gloo 5 s / manager 30 s "
-            f"/ lighthouse heartbeat {args.torchft_heartbeat_ms} ms; ResiHP heartbeat 0.1 s x 8; torchrun "
+            f"/ lighthouse heartbeat {args.torchft_heartbeat_ms} ms; ResiHP heartbeat 0.1 s x {HEARTBEAT_MISSES} "
+            f"(a dead process is seen by its exit); torchrun "
             f"--max-restarts {args.max_restarts}, default monitor interval.", ""]
     print("\n".join(head + report))
     out["loadavg"] = [min(loads), max(loads)]
