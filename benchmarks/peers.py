@@ -267,9 +267,11 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
     def on_iteration(rec) -> None:
         run.commits.append(Commit(rec.iteration, time.time(), int(rec.samples)))
 
+    # agent_timeout (``resihp run --agent-timeout``, 60 s by default) bounds the agent's and
+    # its workers' start: at load 30 on 2 cores the workers' imports alone took longer.
     res = run_resilient(aj.spec.to_json(), aj.plan, aj.topology, aj.state, aj.planner, cfg.detector,
                         iterations, work / "job", on_iteration=on_iteration, repairs=repairs(faults),
-                        timeout=timeout)
+                        timeout=timeout, agent_timeout=timeout)
     run.ok, run.error, run.wall_s = res.ok, res.error[:300], time.time() - t0
     run.extra["plans"] = [e.get("text", "")[:160] for e in res.events if e.get("kind") == "plan"]
     return run
