@@ -216,7 +216,7 @@ def resihp_config(job: Job, iterations: int, checkpoint_dir: str) -> dict:
         "parallel": {"tp": 1, "pp": job.pp, "dp": job.dp},
         "model": dict(MODEL),
         "training": {"microbatches": job.microbatches, "token_budget": 64, "iterations": iterations,
-                     "lr": 0.003, "checkpoint_every": 0, "checkpoint_dir": checkpoint_dir},
+                     "lr": 0.003, "checkpoint_dir": checkpoint_dir},  # checkpoints as shipped: every iteration
         "runtime": {"adapter": "torch_native", "nodes": 1, "devices_per_node": job.workers,
                     "controller_port": 0},
         # HSDP copies (shard 1): a dead rank's state survives in a peer replica's memory.
@@ -267,12 +267,27 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
     def on_iteration(rec) -> None:
         run.commits.append(Commit(rec.iteration, time.time(), int(rec.samples)))
 
+    resumes: list[tuple[int, int]] = []  # (iterations committed, iteration the next generation resumes at)
+
+    def on_event(ev: dict) -> None:
+        if ev.get("kind") == "plan" and isinstance(ev.get("resume"), int):
+            resumes.append((len(run.commits), ev["resume"]))
+
     # agent_timeout (``resihp run --agent-timeout``, 60 s by default) bounds the agent's and
     # its workers' start: at load 30 on 2 cores the workers' imports alone took longer.
     res = run_resilient(aj.spec.to_json(), aj.plan, aj.topology, aj.state, aj.planner, cfg.detector,
                         iterations, work / "job", on_iteration=on_iteration, repairs=repairs(faults),
-                        timeout=timeout, agent_timeout=timeout)
+                        timeout=timeout, agent_timeout=timeout, on_event=on_event)
     run.ok, run.error, run.wall_s = res.ok, res.error[:300], time.time() - t0
+    # The supervisor reports each iteration once; a generation that resumes before the
+    # iterations already committed (a restore) trains them again: put them in the log,
+    # committed just before the next new iteration (their own times are not reported).
+    for n, r in reversed(resumes):
+        if r < n < len(run.commits):
+            t_next = run.commits[n].t
+            redo = [Commit(i, t_next - 1e-6 * (n - i), run.commits[i].samples) for i in range(r, n)]
+            run.commits[n:n] = redo
+    run.extra["resumes"] = resumes
     run.extra["plans"] = [e.get("text", "")[:160] for e in res.events if e.get("kind") == "plan"]
     return run
 
