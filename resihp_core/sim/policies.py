@@ -530,20 +530,22 @@ class Adaptra(NoMitigation):
 # ------------------------------------------------------------------ what users run instead
 @dataclass(frozen=True)
 class PeerCalibration:
-    """What ``benchmarks/peers.py`` measured of the two peers on real runs (4 CPU
+    """The peers' costs that ``benchmarks/peers.py`` measures on real runs (4 CPU
     workers, gloo; docs/benchmarks.md "ResiHP next to torchft and checkpoint-restart"),
-    as far as it carries to a cluster:
+    as far as they carry to a cluster:
 
-    - ``torchft_quorum_s``: torchft's per-step cost over plain DDP (its per-step quorum
-      and commit round trips to the lighthouse and the replica managers), seconds per
-      step. A fixed cost, not a fraction: it does not grow with the model;
+    - ``torchft_quorum_s``: torchft's fault-free step time over plain DDP's in the same
+      round (its per-step quorum and commit round trips to the lighthouse and the
+      replica managers), seconds per step: a fixed cost, not a fraction of the step;
     - ``torchft_pause_s``: from a SIGKILL to the survivors' next committed step, less
-      one iteration: the lighthouse's heartbeat timeout (5 s as shipped) plus a quorum;
-    - ``torchft_heal_s``: a restarted replica's start (imports, process group, quorum)
-      before it heals from a peer; at cluster scale the simulator's ``restart_s``
-      (scheduler requeue) is used instead when larger;
+      one step: the lighthouse's heartbeat timeout as shipped (5 s) plus a quorum;
+    - ``torchft_heal_s``: a restarted replica's start before it heals from a peer (its
+      imports, process group and quorum: 13 s, then 0.5 s to heal, measured by hand in
+      issue 27); at cluster scale ``Costs.restart_s`` (a scheduler requeue) is used
+      instead when larger;
     - ``checkpoint_write_bandwidth``: bytes/s one device writes its checkpoint shard at
-      (the C of Young/Daly: shard bytes over this).
+      (the C of Young/Daly). Not measurable here (the benchmark's model writes in
+      milliseconds): the simulator's shared-storage figure, as ``Costs.reload_bandwidth``.
     """
 
     torchft_quorum_s: float = 0.02
