@@ -20,6 +20,8 @@ POLICY_CLASSES = {
     "adaptra": "Adaptra",
     "enh-recycle": "EnhancedReCycle",
     "enh-oobleck": "EnhancedOobleck",
+    "torchft": "TorchFT",
+    "checkpoint-restart": "CheckpointRestart",
 }
 
 

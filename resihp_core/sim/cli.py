@@ -85,12 +85,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{job.devices} devices, {job.model} (tp={job.tp} pp={job.pp} dp={job.dp} "
           f"m={job.num_microbatches}); {scen_name}; {len(out['traces'][scen_name])} trace(s) of "
           f"{out['traces'][scen_name][0].duration_s / 3600:g} h")
-    print(f"{'policy':<12} {'samples/s':>18} {'retained':>16} {'resihp / policy':>18}")
+    print(f"{'policy':<18} {'samples/s':>18} {'retained':>16} {'resihp / policy':>18}")
     for pol in pols:
         d = summary[scen_name][pol]
         ratio = d.get("resihp_over")
         rtxt = "-" if ratio is None else f"{ratio:.3f}±{d['resihp_over_ci95']:.3f}"
-        print(f"{pol:<12} {d['throughput']:>10.2f}±{d['throughput_ci95']:<7.2f} "
+        print(f"{pol:<18} {d['throughput']:>10.2f}±{d['throughput_ci95']:<7.2f} "
               f"{d['retained']:>9.3f}±{d['retained_ci95']:<6.3f} {rtxt:>18}")
     if args.plot:
         runs = [out["results"][scen_name][p][0] for p in pols]

@@ -151,6 +151,7 @@ class SimContext:
         self.health = Health()
         self.now = 0.0
         self.since_checkpoint_s = 0.0  # job time of progress that a crash would lose
+        self.mtbf_s = math.inf  # the trace's mean time between fail-stops (duration / stops)
         self._evals: dict[tuple, Any] = {}
         self._feats: dict[tuple[int, int], Any] = {}
 
@@ -253,6 +254,8 @@ def run(trace: Trace, policy: Policy, *, costs: Costs | None = None, state0: Pla
     job = trace.job
     state0 = state0 if state0 is not None else job.state()
     ctx = SimContext(job, costs, state0)
+    stops = sum(1 for e in trace.events if e.kind == "stop")
+    ctx.mtbf_s = trace.duration_s / stops if stops else math.inf
     healthy_t = ctx.time(ctx.origin)
     batch = job.global_batch
     plan = policy.start(ctx)
@@ -277,7 +280,10 @@ def run(trace: Trace, policy: Policy, *, costs: Costs | None = None, state0: Pla
     t = 0.0
     progress = 0.0  # iterations
     ckpt_progress = 0.0
-    next_ckpt = costs.checkpoint_interval_s
+    ckpt_every = policy.checkpoint_interval(ctx)
+    if not (math.isfinite(ckpt_every) and ckpt_every > 0):
+        raise SimError(f"policy {policy.name}: checkpoint interval must be > 0, got {ckpt_every!r}")
+    next_ckpt = ckpt_every
     busy_until = 0.0
     cur_t = policy.iteration_time(ctx, plan)
     horizon = trace.duration_s
@@ -299,7 +305,7 @@ def run(trace: Trace, policy: Policy, *, costs: Costs | None = None, state0: Pla
                     ckpt_progress = progress
                 _seg(t, next_ckpt, r)
                 t = next_ckpt
-                next_ckpt += costs.checkpoint_interval_s
+                next_ckpt += ckpt_every
             progress += r * (end - t)
             _seg(t, end, r)
             t = end

@@ -16,6 +16,7 @@ Policies are plugins: each is registered by name through the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from resihp_core.plan import ParallelPlan
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Adaptra",
+    "CheckpointRestart",
+    "PEER_CALIBRATION",
+    "PeerCalibration",
+    "TorchFT",
+    "young_daly_interval",
     "EnhancedOobleck",
     "EnhancedReCycle",
     "Greyhound",
@@ -72,6 +78,10 @@ class Policy:
 
     def on_timer(self, ctx: SimContext, tag: str) -> Reaction | None:
         return None
+
+    def checkpoint_interval(self, ctx: SimContext) -> float:
+        """Seconds of job time between this policy's checkpoints (the job's default)."""
+        return ctx.costs.checkpoint_interval_s
 
 
 # ------------------------------------------------------------------ ResiHP
@@ -517,8 +527,161 @@ class Adaptra(NoMitigation):
         return NoMitigation.on_stop(self, ctx, e)
 
 
+# ------------------------------------------------------------------ what users run instead
+@dataclass(frozen=True)
+class PeerCalibration:
+    """The peers' costs that ``benchmarks/peers.py`` measures on real runs (4 CPU
+    workers, gloo; docs/benchmarks.md "ResiHP next to torchft and checkpoint-restart"),
+    as far as they carry to a cluster:
+
+    - ``torchft_quorum_s``: torchft's fault-free step time over plain DDP's in the same
+      round (its per-step quorum and commit round trips to the lighthouse and the
+      replica managers), seconds per step: a fixed cost, not a fraction of the step;
+    - ``torchft_pause_s``: from a SIGKILL to the survivors' next committed step, less
+      one step: the lighthouse's heartbeat timeout as shipped (5 s) plus a quorum;
+    - ``torchft_heal_s``: a restarted replica's start before it heals from a peer (its
+      imports, process group and quorum: 13 s, then 0.5 s to heal, measured by hand in
+      issue 27); at cluster scale ``Costs.restart_s`` (a scheduler requeue) is used
+      instead when larger;
+    - ``checkpoint_write_bandwidth``: bytes/s one device writes its checkpoint shard at
+      (the C of Young/Daly). Not measurable here (the benchmark's model writes in
+      milliseconds): the simulator's shared-storage figure, as ``Costs.reload_bandwidth``.
+    """
+
+    torchft_quorum_s: float = 0.02
+    torchft_pause_s: float = 5.0
+    torchft_heal_s: float = 15.0
+    checkpoint_write_bandwidth: float = 2e9
+
+
+#: The measured defaults (docs/benchmarks.md).
+PEER_CALIBRATION = PeerCalibration()
+
+
+def young_daly_interval(write_s: float, mtbf_s: float) -> float:
+    """Young/Daly's optimal checkpoint interval ``sqrt(2 C MTBF)`` (seconds of work
+    between checkpoints), what checkpoint-restart users are told to pick."""
+    if write_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"need write_s >= 0 and mtbf_s > 0, got {write_s}, {mtbf_s}")
+    return math.sqrt(2.0 * write_s * mtbf_s)
+
+
+class TorchFT(Policy):
+    """torchft (fail-stop, data parallelism only): each DP replica of the job is a
+    torchft replica group (its TP x PP devices; HSDP inside it), joined by a per-step
+    quorum. A stopped device takes its whole replica group out of the quorum; the other
+    groups go on after the lighthouse's heartbeat timeout (``torchft_pause_s``, the
+    interrupted step lost) with the group's samples missing from every step (torchft does
+    not re-spread the batch: a step of ``k`` of ``dp`` groups trains ``k/dp`` of it,
+    modelled as an iteration ``dp/k`` times longer). A repaired group restarts
+    (``restart_s``), then heals from a peer (its replica state at ``state_bandwidth``,
+    the others pausing for it) and rejoins. Every step costs ``torchft_quorum_s``.
+    No fail-slow handling: a slow device slows its group and, through the
+    synchronous step, every group. The last group gone: the job restarts from its
+    checkpoint. Simplified from torchft: healing is priced as one transfer from one peer;
+    the quorum's cost is a fixed per-step time."""
+
+    name = "torchft"
+
+    def __init__(self, calibration: PeerCalibration = PEER_CALIBRATION) -> None:
+        self.cal = calibration
+
+    def start(self, ctx: SimContext) -> ParallelPlan:
+        self.plan = ctx.origin
+        self.live = set(range(ctx.origin.dp))
+        return self.plan
+
+    def _replica_of(self, device: int) -> int | None:
+        loc = self.plan.location(device)
+        return None if loc is None else loc[0]
+
+    def iteration_time(self, ctx: SimContext, plan: ParallelPlan) -> float:
+        if not self.live:
+            return math.inf
+        devs = {d for r in self.live for g in plan.tp_groups[r] for d in g}
+        if any(d in ctx.health.failed for d in devs):
+            return math.inf  # a live group's device stopped: stalled until the quorum drops it
+        h = Health(frozenset(), tuple((d, p) for d, p in ctx.health.speeds if d in devs),
+                   tuple((d, p) for d, p in ctx.health.links if d in devs))
+        return (ctx.time(plan, h) + self.cal.torchft_quorum_s) * plan.dp / len(self.live)
+
+    def on_stop(self, ctx: SimContext, e: FailureEvent) -> Reaction | None:
+        r = self._replica_of(e.device)
+        if r is None or r not in self.live:
+            return None
+        self.live.discard(r)
+        if not self.live:
+            self.live = set()
+            return Reaction(self.plan, ctx.restart_seconds(self.plan), "checkpoint",
+                            timers=((0.0, "rejoin-all"),), note="torchft: every replica group lost")
+        pause = max(0.0, self.cal.torchft_pause_s - ctx.costs.heartbeat_detect_s)
+        return Reaction(self.plan, pause, "iteration", note=f"torchft: replica group {r} left the quorum")
+
+    def _heal_timers(self, ctx: SimContext, device: int) -> tuple[tuple[float, str], ...]:
+        r = self._replica_of(device)
+        if r is None or r in self.live:
+            return ()
+        if any(d in ctx.health.failed for g in self.plan.tp_groups[r] for d in g):
+            return ()
+        return ((max(ctx.costs.restart_s, self.cal.torchft_heal_s), f"heal {r}"),)
+
+    def on_repair(self, ctx: SimContext, e: FailureEvent) -> Reaction | None:
+        timers = self._heal_timers(ctx, e.device)
+        return Reaction(timers=timers, note=f"torchft: replica group restarting after repair of {e.device}") \
+            if timers else None
+
+    def on_timer(self, ctx: SimContext, tag: str) -> Reaction | None:
+        if tag == "rejoin-all":
+            healthy = {r for r in range(self.plan.dp)
+                       if not any(d in ctx.health.failed for g in self.plan.tp_groups[r] for d in g)}
+            self.live = healthy
+            return Reaction(self.plan, 0.0, "none", note=f"torchft: {len(healthy)} replica groups back after the restart")
+        r = int(tag.split()[1])
+        if r in self.live or any(d in ctx.health.failed for g in self.plan.tp_groups[r] for d in g):
+            return None
+        self.live.add(r)
+        per_replica = ctx.job.state_bytes_per_layer() * self.plan.num_layers / (ctx.job.tp * ctx.job.pp)
+        return Reaction(self.plan, per_replica / ctx.costs.state_bandwidth, "none",
+                        note=f"torchft: replica group {r} healed from a peer")
+
+
+class CheckpointRestart(NoMitigation):
+    """Checkpoint-restart as ``torchrun --max-restarts`` (or a scheduler requeue) runs
+    it: a fail-stop restarts every worker from the newest checkpoint (restart plus
+    reading the shard: ``restart_s`` + shard / ``reload_bandwidth``), losing the work
+    since it, laid out as :class:`NoMitigation` does (elastic: the surviving devices,
+    back onto the whole layout once repaired). Unlike ``none`` (a fixed 30-minute
+    interval, writes free), the interval is Young/Daly's ``sqrt(2 C MTBF)`` with ``C``
+    the shard write time and ``MTBF`` the trace's mean time between fail-stops, and
+    every checkpoint costs ``C`` of training time (a synchronous write). Fail-slow is
+    not handled. Simplified from a real restart: the write cost is spread over the
+    iterations (``C`` per interval) rather than paid as a pause at each checkpoint, and
+    the MTBF is the trace's own (duration over stops)."""
+
+    name = "checkpoint-restart"
+
+    def __init__(self, calibration: PeerCalibration = PEER_CALIBRATION) -> None:
+        self.cal = calibration
+
+    def write_seconds(self, ctx: SimContext) -> float:
+        """C: the largest checkpoint shard of the job's layout over the write bandwidth."""
+        per_layer = ctx.job.state_bytes_per_layer()
+        o = ctx.origin
+        shard = max(o.layers(s) * per_layer / len(o.group(r, s)) for r, s in o.executors())
+        return shard / self.cal.checkpoint_write_bandwidth
+
+    def checkpoint_interval(self, ctx: SimContext) -> float:
+        c = self.write_seconds(ctx)
+        mtbf = ctx.mtbf_s if math.isfinite(ctx.mtbf_s) else ctx.costs.checkpoint_interval_s
+        return max(1e-3, young_daly_interval(c, mtbf)) if c > 0 else ctx.costs.checkpoint_interval_s
+
+    def iteration_time(self, ctx: SimContext, plan: ParallelPlan) -> float:
+        t = ctx.time(plan)
+        return t * (1.0 + self.write_seconds(ctx) / self.checkpoint_interval(ctx))
+
+
 #: Built-in policies by name, in the report's column order.
 BUILTIN_POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (ResiHP, NoMitigation, ReCycle, Oobleck, Greyhound, Adaptra, EnhancedReCycle,
-                        EnhancedOobleck)
+                        EnhancedOobleck, TorchFT, CheckpointRestart)
 }

@@ -1,0 +1,896 @@
+"""ResiHP next to what its users would run instead, on the same job, data and failures (issue 27).
+
+Systems, each on the same CPU workers (gloo) with the same model (the torch_native
+adapter's LLaMA, built by the same code from the same seeded configuration) and the same
+data (the job's data source: every system reads micro-batch ``(iteration, replica, j)``
+from it):
+
+* ``resihp``: the job through ResiHP's production path (``build_job`` + ``run_resilient``,
+  what ``resihp run CONFIG --faults FILE`` runs: agents, controller, detector, Scheduler,
+  supervisor) on the torch_native adapter;
+* ``torchft``: torchft 0.2.0 as its ``train_ddp.py`` example runs it: one replica group
+  per worker, ``torchft.DistributedDataParallel`` + ``torchft.Optimizer``, gloo with a
+  5 s timeout, ``PGTransport`` for healing, ``Manager(min_replica_size=1, timeout=30 s)``,
+  a lighthouse (``torchft._torchft.LighthouseServer``, ``min_replicas=1``,
+  ``join_timeout_ms=10000``, ``quorum_tick_ms=100``, heartbeat timeout 5 s by default as
+  shipped: ``--torchft-heartbeat-ms``). It runs data parallelism only (no pipelines);
+* ``ckpt``: checkpoint-restart: a plain torch script (DDP, or stock pipelining + FSDP2
+  for PP2 x DP2) under ``torchrun --max-restarts`` that saves a checkpoint every ``k``
+  iterations and loads the newest one at start; ``k`` from Young/Daly,
+  ``sqrt(2 * C * MTBF)`` with ``C`` the measured checkpoint write time and ``MTBF`` the
+  kill-every-N trace's mean time between failures (``ckpt_interval``);
+* ``plain``: the same script as ``ckpt`` without checkpoints or restarts (fault-free
+  runs only): the reference for each system's fault-free overhead.
+
+Traces (seeded; the same events for every system; ``make_trace``): ``none``; ``one-kill``
+(SIGKILL of one worker at the start of an iteration a third of the way in);
+``kill-every-n`` (a SIGKILL every N iterations, the device repaired R iterations later:
+ResiHP's runtime relaunches its worker and plans it back in, the driver restarts a
+torchft replica, torchrun restarts every worker at once anyway); ``slow`` (one worker's
+compute ``--slow-factor`` x slower from a third of the way in to the end).
+
+Figures (``summarise``): iteration time of each fault-free system over plain torch's;
+time from the commit before a kill to the next commit (the kill is at the start of the
+next iteration, so this includes that iteration); iterations lost and done again per
+failure; goodput (samples of the iterations in the final trajectory after the warm-up,
+per second) as a ratio to the same system's fault-free run of the same round; and
+ResiHP's goodput over each peer's. Rounds interleave the systems (their order rotates
+every round) so the machine's drift hits all alike; medians with order-statistic
+intervals (benchstats.py), the load average, and the fault-free runs' spread as the
+noise floor. A run that does not reach the last iteration is reported as crashed.
+
+Usage: python benchmarks/peers.py [--quick] [--reps N] [--jobs dp4,pp2dp2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from benchstats import MedianCI, loadavg, machine, median_ci, rel_se  # noqa: E402
+
+SYSTEMS = ("resihp", "torchft", "ckpt")
+TRACES = ("none", "one-kill", "kill-every-n", "slow")
+
+
+# ---------------------------------------------------------------- traces (pure)
+@dataclass(frozen=True)
+class Event:
+    """At the start of ``iteration``: ``kill`` (SIGKILL the device's worker),
+    ``repair`` (the device is back: its worker is started again), ``slow`` (its
+    compute ``factor`` x slower from then on)."""
+
+    iteration: int
+    kind: str
+    device: int
+    factor: float = 1.0
+
+
+def make_trace(name: str, iterations: int, devices: int, *, every: int = 10, repair_after: int = 5,
+               slow_factor: float = 2.22, seed: int = 0) -> list[Event]:
+    """The seeded failure trace ``name`` over ``iterations`` iterations of a job on
+    ``devices`` workers. Device 0 is never a victim (it hosts torchrun's rank 0 and the
+    first replica; any other is alike for every system)."""
+    rng = random.Random(f"peers/{name}/{seed}")
+    start = max(3, iterations // 3)
+    if name == "none":
+        return []
+    if name == "one-kill":
+        return [Event(start, "kill", rng.randrange(1, devices))]
+    if name == "slow":
+        return [Event(start, "slow", rng.randrange(1, devices), slow_factor)]
+    if name != "kill-every-n":
+        raise ValueError(f"unknown trace {name!r} (one of {', '.join(TRACES)})")
+    if every < 2 or repair_after < 1:
+        raise ValueError("kill-every-n needs every >= 2 and repair_after >= 1")
+    out: list[Event] = []
+    down: dict[int, int] = {}  # device -> iteration it is repaired at
+    it = start
+    while it < iterations - 2:
+        down = {d: r for d, r in down.items() if r > it}
+        victim = rng.choice([d for d in range(1, devices) if d not in down])
+        out.append(Event(it, "kill", victim))
+        if it + repair_after < iterations - 1:
+            out.append(Event(it + repair_after, "repair", victim))
+        down[victim] = it + repair_after
+        it += every
+    return sorted(out, key=lambda e: (e.iteration, e.kind != "repair"))
+
+
+def mtbf_iterations(trace: Sequence[Event], iterations: int) -> float:
+    """Mean iterations between kills of ``trace`` (its length when it has none)."""
+    kills = sum(1 for e in trace if e.kind == "kill")
+    return iterations / kills if kills else float(iterations)
+
+
+def ckpt_interval(write_s: float, mtbf_s: float, iteration_s: float) -> int:
+    """Young/Daly's checkpoint interval ``sqrt(2 C MTBF)``, in whole iterations (>= 1)."""
+    if write_s < 0 or mtbf_s <= 0 or iteration_s <= 0:
+        raise ValueError("need write_s >= 0, mtbf_s > 0 and iteration_s > 0")
+    return max(1, round(math.sqrt(2.0 * write_s * mtbf_s) / iteration_s))
+
+
+# ---------------------------------------------------------------- figures (pure)
+@dataclass(frozen=True)
+class Commit:
+    """Iteration ``iteration`` committed at wall time ``t`` (s) with ``samples`` samples."""
+
+    iteration: int
+    t: float
+    samples: int
+
+
+def summarise(commits: Sequence[Commit], trace: Sequence[Event], iterations: int, warmup: int) -> dict:
+    """Figures of one run from its commits (in commit order).
+
+    * ``complete``: iteration ``iterations - 1`` committed;
+    * ``goodput``: samples of iterations ``warmup+1 .. last`` as last committed (the final
+      trajectory: an iteration done twice counts once) over the time from the first
+      commit of ``warmup`` to the last commit;
+    * ``iteration_s``: median gap between consecutive first commits before the first event;
+    * ``redone``: commits of an iteration already committed (work lost and done again);
+    * per kill: ``gap_s`` from the last commit before it to the next commit, and
+      ``back_s`` until the first commit of an iteration >= the kill's (its progress back).
+    """
+    order = sorted(commits, key=lambda c: c.t)
+    last: dict[int, Commit] = {}
+    first: dict[int, Commit] = {}
+    redone = 0
+    high = -1
+    for c in order:
+        if c.iteration <= high:
+            redone += 1
+        high = max(high, c.iteration)
+        first.setdefault(c.iteration, c)
+        last[c.iteration] = c
+    out: dict = {"complete": (iterations - 1) in last, "committed": high + 1, "redone": redone}
+    if warmup in first and high > warmup:
+        t0 = first[warmup].t
+        t1 = order[-1].t
+        samples = sum(last[i].samples for i in range(warmup + 1, high + 1) if i in last)
+        out["goodput"] = samples / (t1 - t0) if t1 > t0 else math.nan
+        out["window_s"] = t1 - t0
+    ev0 = min((e.iteration for e in trace), default=iterations)
+    gaps = [first[i + 1].t - first[i].t for i in range(warmup, ev0 - 1) if i in first and i + 1 in first]
+    out["iteration_s"] = statistics.median(gaps) if gaps else math.nan
+    out["iteration_rse"] = rel_se(gaps)
+    kills = []
+    for e in trace:
+        if e.kind != "kill":
+            continue
+        before = [c for c in order if c.iteration < e.iteration and c.iteration == e.iteration - 1]
+        if not before:
+            continue
+        tb = before[0].t
+        after = [c for c in order if c.t > tb]
+        back = [c for c in after if c.iteration >= e.iteration]
+        kills.append({"iteration": e.iteration, "device": e.device,
+                      "gap_s": after[0].t - tb if after else math.nan,
+                      "back_s": back[0].t - tb if back else math.nan})
+    out["kills"] = kills
+    nk = len(kills)
+    out["redone_per_failure"] = redone / nk if nk else 0.0
+    return out
+
+
+# ---------------------------------------------------------------- jobs
+@dataclass(frozen=True)
+class Job:
+    name: str
+    pp: int
+    dp: int
+    microbatches: int  # per replica
+
+    @property
+    def workers(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def batch(self) -> int:
+        return self.dp * self.microbatches
+
+
+JOBS = {"dp4": Job("dp4", 1, 4, 3), "pp2dp2": Job("pp2dp2", 2, 2, 4)}
+MODEL = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128}
+TIMEOUT_S = 10.0  # every system's collective timeout where it has one to set (torchft: its example's)
+HEARTBEAT_MISSES = 50  # x 0.1 s: ResiHP's hang timeout matched to torchft's 5 s heartbeat timeout
+
+
+def resihp_config(job: Job, iterations: int, checkpoint_dir: str) -> dict:
+    """The ``resihp run`` configuration of ``job`` (the peers read its model and data)."""
+    return {
+        "parallel": {"tp": 1, "pp": job.pp, "dp": job.dp},
+        "model": dict(MODEL),
+        "training": {"microbatches": job.microbatches, "token_budget": 64, "iterations": iterations,
+                     "lr": 0.003, "checkpoint_dir": checkpoint_dir},  # checkpoints as shipped: every iteration
+        "runtime": {"adapter": "torch_native", "nodes": 1, "devices_per_node": job.workers,
+                    "controller_port": 0},
+        # HSDP copies (shard 1): a dead rank's state survives in a peer replica's memory.
+        "adapter": {"shard": 1},
+        # A hang is declared after 5 s without a heartbeat: torchft's lighthouse heartbeat
+        # timeout as shipped (a dead process is seen at once by its exit). 0.1 s x 8, the
+        # example's setting, killed healthy workers at load 30 on 2 cores (docs/benchmarks.md).
+        "detector": {"heartbeat_interval_s": 0.1, "heartbeat_miss_limit": HEARTBEAT_MISSES,
+                     "hang_min_timeout_s": 20.0, "warmup_iterations": 3, "min_changepoint_gap": 3},
+    }
+
+
+def job_spec_json(job: Job, iterations: int, work: Path) -> str:
+    """The workers' JobSpec of ``job`` as ResiHP assembles it (model and data for the peers)."""
+    from resihp_core.config import Config
+    from resihp_core.runtime.jobs import build_job
+
+    cfg = Config.from_dict(resihp_config(job, iterations, str(work / "ckpt")))
+    return build_job(cfg, [], work).spec.to_json()
+
+
+# ---------------------------------------------------------------- runs
+@dataclass
+class Run:
+    system: str
+    job: str
+    trace: str
+    commits: list[Commit] = field(default_factory=list)
+    ok: bool = True
+    error: str = ""
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeout: float) -> Run:
+    """The job through ResiHP's production path (what ``resihp run --faults`` runs)."""
+    from resihp_core.config import Config
+    from resihp_core.faults import Fault, repairs
+    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.resilient import run_resilient
+
+    faults = [Fault(e.device, e.iteration, e.kind, e.factor) for e in trace]
+    cfg = Config.from_dict(resihp_config(job, iterations, str(work / "ckpt")))
+    aj = build_job(cfg, faults, work)
+    run = Run("resihp", job.name, "")
+    t0 = time.time()
+
+    def on_iteration(rec) -> None:
+        run.commits.append(Commit(rec.iteration, time.time(), int(rec.samples)))
+
+    resumes: list[tuple[int, int]] = []  # (iterations committed, iteration the next generation resumes at)
+
+    def on_event(ev: dict) -> None:
+        if ev.get("kind") == "plan" and isinstance(ev.get("resume"), int):
+            resumes.append((len(run.commits), ev["resume"]))
+
+    # agent_timeout (``resihp run --agent-timeout``, 60 s by default) bounds the agent's and
+    # its workers' start: at load 30 on 2 cores the workers' imports alone took longer.
+    res = run_resilient(aj.spec.to_json(), aj.plan, aj.topology, aj.state, aj.planner, cfg.detector,
+                        iterations, work / "job", on_iteration=on_iteration, repairs=repairs(faults),
+                        timeout=timeout, agent_timeout=timeout, on_event=on_event)
+    run.ok, run.error, run.wall_s = res.ok, res.error[:300], time.time() - t0
+    # The supervisor reports each iteration once; a generation that resumes before the
+    # iterations already committed (a restore) trains them again: put them in the log,
+    # committed just before the next new iteration (their own times are not reported).
+    for n, r in reversed(resumes):
+        if r < n < len(run.commits):
+            t_next = run.commits[n].t
+            redo = [Commit(i, t_next - 1e-6 * (n - i), run.commits[i].samples) for i in range(r, n)]
+            run.commits[n:n] = redo
+    run.extra["resumes"] = resumes
+    run.extra["plans"] = [e.get("text", "")[:160] for e in res.events if e.get("kind") == "plan"]
+    return run
+
+
+def _read_commits(paths: Iterable[Path]) -> list[Commit]:
+    out = []
+    for p in paths:
+        if p.exists():
+            for line in p.read_text().splitlines():
+                try:
+                    it, t, s = line.split()
+                    out.append(Commit(int(it), float(t), int(s)))
+                except ValueError:
+                    continue  # a line cut by a kill
+    return out
+
+
+def _reap(procs: Iterable[subprocess.Popen], grace: float = 5.0) -> None:
+    """Stop the processes this benchmark started (by pid): SIGTERM, then SIGKILL."""
+    procs = [p for p in procs if p.poll() is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _worker_cmd(system: str, args: dict) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--_worker", system, json.dumps(args)]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_torchft(job: Job, trace: list[Event], iterations: int, work: Path, spec: str, timeout: float,
+                heartbeat_ms: int) -> Run:
+    """torchft: one replica group per worker, a lighthouse in this process; a repaired
+    device's replica is started again once the repair iteration has committed."""
+    if job.pp != 1:
+        raise ValueError("torchft runs data-parallel replicas only (no pipelines)")
+    lh = _Lighthouse(work, heartbeat_ms)
+    run = Run("torchft", job.name, "", extra={"heartbeat_timeout_ms": heartbeat_ms})
+    logs = [work / f"commits{r}.txt" for r in range(job.dp)]
+    procs: dict[int, subprocess.Popen] = {}
+    all_procs: list[subprocess.Popen] = []
+
+    def start(r: int) -> None:
+        a = {"spec": spec, "replica": r, "iterations": iterations, "out": str(work), "lighthouse": lh.address(),
+             "trace": [asdict(e) for e in trace], "m": job.microbatches}
+        log = open(work / f"worker{r}.log", "ab")  # noqa: SIM115 - the child holds it
+        procs[r] = subprocess.Popen(_worker_cmd("torchft", a), env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        all_procs.append(procs[r])
+
+    t0 = time.time()
+    try:
+        for r in range(job.dp):
+            start(r)
+        repairs = sorted((e.iteration, e.device) for e in trace if e.kind == "repair")
+        while True:
+            commits = _read_commits(logs)
+            high = max((c.iteration for c in commits), default=-1)
+            while repairs and high >= repairs[0][0] - 1:
+                _, d = repairs.pop(0)
+                if procs[d].poll() is not None:
+                    start(d)
+            if high >= iterations - 1:
+                break
+            if all(p.poll() is not None for p in procs.values()):
+                run.ok, run.error = False, f"every replica exited (codes {[p.returncode for p in procs.values()]})"
+                break
+            if time.time() - t0 > timeout:
+                run.ok, run.error = False, f"no progress to iteration {iterations - 1} in {timeout:.0f} s"
+                break
+            time.sleep(0.05)
+    finally:
+        _reap(all_procs)
+        lh.shutdown()
+    run.wall_s = time.time() - t0
+    # One commit per step: the first replica that saw it commit (every participant commits it).
+    seen: dict[int, Commit] = {}
+    for c in sorted(_read_commits(logs), key=lambda c: c.t):
+        seen.setdefault(c.iteration, c)
+    run.commits = sorted(seen.values(), key=lambda c: c.t)
+    if not run.ok:
+        run.error += "; " + _tail([work / f"worker{r}.log" for r in range(job.dp)])
+    return run
+
+
+class _Lighthouse:
+    """torchft's lighthouse (``torchft._torchft.LighthouseServer``, the server its
+    ``torchft_lighthouse`` command runs) in a child process, its log in ``work``."""
+
+    def __init__(self, work: Path, heartbeat_ms: int) -> None:
+        code = ("import sys; from torchft._torchft import LighthouseServer as L; "
+                f"s = L(bind='[::]:0', min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100, "
+                f"heartbeat_timeout_ms={int(heartbeat_ms)}); print(s.address(), flush=True); sys.stdin.read()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(work / "lighthouse.log", "ab"), text=True)
+        line = self.proc.stdout.readline().strip() if self.proc.stdout else ""
+        if not line:
+            _reap([self.proc])
+            raise RuntimeError(f"torchft lighthouse did not start (log: {work / 'lighthouse.log'})")
+        self._address = line
+
+    def address(self) -> str:
+        return self._address
+
+    def shutdown(self) -> None:
+        _reap([self.proc])
+
+
+def _tail(paths: Iterable[Path], n: int = 400) -> str:
+    for p in paths:
+        if p.exists():
+            text = p.read_text(errors="replace")
+            for key in ("AssertionError", "Error", "Traceback"):
+                i = text.find(key)
+                if i >= 0:
+                    return f"{p.name}: " + text[i:i + n].replace("\n", " | ")
+    return ""
+
+
+def run_torchrun(system: str, job: Job, trace: list[Event], iterations: int, work: Path, spec: str,
+                 timeout: float, every: int, max_restarts: int) -> Run:
+    """``plain`` (no checkpoints, no restarts) or ``ckpt`` (a checkpoint every ``every``
+    iterations, ``torchrun --max-restarts``), the script in ``_torchrun_worker``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    a = {"spec": spec, "iterations": iterations, "out": str(work), "trace": [asdict(e) for e in trace],
+         "pp": job.pp, "m": job.microbatches, "every": every if system == "ckpt" else 0}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(job.workers),
+           "--max-restarts", str(max_restarts if system == "ckpt" else 0), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"peers-{os.getpid()}",
+           *_worker_cmd("torchrun", a)[1:]]
+    # Without it restarted gloo workers read the dead workers' addresses from the shared
+    # rendezvous store and fail or hang (torch 2.13; docs/benchmarks.md).
+    env = dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    run = Run(system, job.name, "", extra={"checkpoint_every": a["every"], "max_restarts": max_restarts})
+    t0 = time.time()
+    log = open(work / "torchrun.log", "ab")
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        rc = p.wait(timeout=timeout)
+        if rc != 0:
+            run.ok, run.error = False, f"torchrun exited {rc}; " + _tail([work / "torchrun.log"])
+    except subprocess.TimeoutExpired:
+        run.ok, run.error = False, f"timed out after {timeout:.0f} s"
+    finally:
+        _reap([p], grace=10.0)
+    run.wall_s = time.time() - t0
+    run.commits = _read_commits([work / "commits.txt"])
+    run.extra["restarts"] = len(list(work.glob("start-*")))
+    wt = [float(x) for x in (work / "ckpt_write_s.txt").read_text().split()] if (work / "ckpt_write_s.txt").exists() else []
+    if wt:
+        run.extra["checkpoint_write_s"] = statistics.median(wt)
+    return run
+
+
+# ---------------------------------------------------------------- workers
+def _model_and_data(spec_json: str):
+    import torch
+
+    from resihp_adapters.torch_native.adapter import parse_config
+    from resihp_adapters.torch_native.data import Batches, job_source
+    from resihp_core.job import JobSpec
+
+    torch.set_num_threads(1)
+    js = JobSpec.from_json(spec_json)
+    c = parse_config(js.adapter_config, js.seed)
+    return js, c, Batches(job_source(js, c["model"].vocab_size), c["model"].torch_dtype)
+
+
+class _Faults:
+    """A worker's view of the trace: SIGKILL itself at the start of a kill's iteration
+    (once: a marker file survives the restart), and its slowdown factor."""
+
+    def __init__(self, trace: list[dict], device: int, out: Path) -> None:
+        self.events = [Event(**e) for e in trace if e["device"] == device]
+        self.device, self.out, self.factor = device, out, 1.0
+
+    def at(self, iteration: int) -> None:
+        for e in self.events:
+            if e.iteration == iteration and e.kind == "kill":
+                marker = self.out / f"killed-{e.iteration}-{e.device}"
+                if not marker.exists():
+                    marker.touch()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if e.iteration <= iteration and e.kind == "slow":
+                self.factor = e.factor
+
+    def stretch(self, seconds: float) -> None:
+        if self.factor > 1.0:
+            time.sleep((self.factor - 1.0) * seconds)
+
+
+def _torchrun_worker(a: dict) -> None:
+    """Plain torch under torchrun: DDP (pp 1) or stock pipelining + FSDP2 (pp > 1); with
+    ``every`` > 0 a checkpoint every ``every`` iterations, the newest loaded at start."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    out = Path(a["out"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    (out / f"start-{rank}-{os.getpid()}").touch()
+    js, c, data = _model_and_data(a["spec"])
+    cfg, m, pp, every = c["model"], a["m"], a["pp"], a["every"]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    faults = _Faults(a["trace"], rank, out)
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(exist_ok=True)
+    newest = ckdir / "newest"
+    start = int(newest.read_text()) if every and newest.exists() else 0
+    log = open(out / "commits.txt", "a") if rank == 0 else None
+    if pp == 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from resihp_adapters.torch_native.model import build_stage, loss_sum
+
+        model = build_stage(cfg, 0, cfg.n_layers)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], weight_decay=c["weight_decay"], foreach=False)
+        if start:
+            st = torch.load(ckdir / f"step{start}.pt", weights_only=False)
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optim"])
+
+        def step(it: int) -> None:
+            import contextlib
+
+            denom = float(sum(data.micro_batch(it, rank, j, m).labels.ne(-100).sum() for j in range(m)))
+            t0 = time.perf_counter()
+            for j in range(m):
+                mb = data.micro_batch(it, rank, j, m)
+                with ddp.no_sync() if j < m - 1 else contextlib.nullcontext():
+                    (loss_sum(ddp(mb.tokens, **mb.kwargs()), mb.labels) / denom).backward()
+            faults.stretch(time.perf_counter() - t0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def save(it: int) -> None:
+            if rank == 0:
+                path = ckdir / f"step{it}.pt"
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, str(path) + ".tmp")
+                os.replace(str(path) + ".tmp", path)
+                _publish(newest, it)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from resihp_adapters.torch_native.reference import StockPipeline
+
+        sp = StockPipeline(cfg, data, pp=pp, num_microbatches=m, shard=1, lr=c["lr"], weight_decay=c["weight_decay"])
+        if start:
+            msd, osd = get_state_dict(sp.module, sp.optimizer)
+            groups = [dict(g) for g in osd["param_groups"]]
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(ckdir / f"step{start}"))
+            set_state_dict(sp.module, sp.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            # The loaded groups lack the tuple-valued hyper-parameters (AdamW's betas: DCP
+            # does not bring them back); they are the job's own, the same on every restart.
+            for g, fresh in zip(sp.optimizer.param_groups, groups):
+                for key, v in fresh.items():
+                    if key != "params":
+                        g.setdefault(key, v)
+        sp.iteration = start
+
+        def step(it: int) -> None:
+            t0 = time.perf_counter()
+            sp.step()
+            faults.stretch(time.perf_counter() - t0)
+
+        def save(it: int) -> None:
+            msd, osd = get_state_dict(sp.module, sp.optimizer)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckdir / f"step{it}"))
+            dist.barrier()
+            if rank == 0:
+                _publish(newest, it)
+
+    for it in range(start, a["iterations"]):
+        faults.at(it)
+        step(it)
+        if log is not None:
+            log.write(f"{it} {time.time():.6f} {world // pp * m}\n")
+            log.flush()
+        if every and (it + 1) % every == 0 and it + 1 < a["iterations"]:
+            t0 = time.perf_counter()
+            save(it + 1)
+            if rank == 0:
+                with open(out / "ckpt_write_s.txt", "a") as f:
+                    f.write(f"{time.perf_counter() - t0:.6f}\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _publish(newest: Path, it: int) -> None:
+    tmp = newest.with_suffix(".tmp")
+    tmp.write_text(str(it))
+    os.replace(tmp, newest)
+
+
+def _torchft_worker(a: dict) -> None:
+    """One torchft replica group of one worker, as torchft's train_ddp.py builds it."""
+    import contextlib
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import TCPStore
+
+    from resihp_adapters.torch_native.model import build_stage, loss_sum
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    out, r, m = Path(a["out"]), a["replica"], a["m"]
+    js, c, data = _model_and_data(a["spec"])
+    cfg = c["model"]
+    faults = _Faults(a["trace"], r, out)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the replica group's (torchrun's) store
+    model = build_stage(cfg, 0, cfg.n_layers)
+    inner = torch.optim.AdamW(model.parameters(), lr=c["lr"], weight_decay=c["weight_decay"], foreach=False)
+
+    def load_state_dict(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
+                      replica_id=f"peers_{r}", timeout=timedelta(seconds=30), rank=0, world_size=1,
+                      store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=a["lighthouse"],
+                      checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")))
+    ddp = DistributedDataParallel(manager, model)
+    opt = Optimizer(manager, inner)
+    log = open(out / f"commits{r}.txt", "a")
+    while manager.current_step() < a["iterations"]:
+        it = manager.current_step()
+        faults.at(it)
+        opt.zero_grad()  # starts the quorum
+        denom = float(sum(data.micro_batch(it, r, j, m).labels.ne(-100).sum() for j in range(m)))
+        t0 = time.perf_counter()
+        for j in range(m):
+            mb = data.micro_batch(it, r, j, m)
+            with ddp.no_sync() if j < m - 1 else contextlib.nullcontext():
+                (loss_sum(ddp(mb.tokens, **mb.kwargs()), mb.labels) / denom).backward()
+        faults.stretch(time.perf_counter() - t0)
+        opt.step()  # steps only if the quorum commits
+        if manager.current_step() > it:  # committed (a healing replica's counter jumps to the quorum's step)
+            log.write(f"{manager.current_step() - 1} {time.time():.6f} {manager.num_participants() * m}\n")
+            log.flush()
+    manager.shutdown(wait=False)
+
+
+# ---------------------------------------------------------------- driver
+def checkpoint_write_s(spec: str, pp: int) -> float:
+    """Seconds to write this job's checkpoint (model + AdamW state, torch.save), the C of
+    Young/Daly, measured here (median of 5)."""
+    import torch
+
+    from resihp_adapters.torch_native.model import build_stage, loss_sum
+
+    js, c, data = _model_and_data(spec)
+    cfg = c["model"]
+    model = build_stage(cfg, 0, cfg.n_layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], foreach=False)
+    mb = data.micro_batch(0, 0, 0, 1)
+    loss_sum(model(mb.tokens, **mb.kwargs()), mb.labels).backward()
+    opt.step()
+    times = []
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(5):
+            t0 = time.perf_counter()
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(d, f"{i}.pt"))
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / pp  # each stage writes its share in parallel
+
+
+def one_run(system: str, job: Job, trace_name: str, trace: list[Event], iterations: int, root: Path,
+            spec: str, args: argparse.Namespace, every: int) -> Run:
+    work = Path(tempfile.mkdtemp(prefix=f"{system}-{job.name}-{trace_name}-", dir=root))
+    timeout = args.run_timeout
+    try:
+        if system == "resihp":
+            run = run_resihp(job, trace, iterations, work, timeout)
+        elif system == "torchft":
+            run = run_torchft(job, trace, iterations, work, spec, timeout, args.torchft_heartbeat_ms)
+        else:
+            run = run_torchrun(system, job, trace, iterations, work, spec, timeout, every, args.max_restarts)
+    except Exception as e:  # noqa: BLE001 - a system that cannot run is a result, reported as such
+        run = Run(system, job.name, trace_name, ok=False, error=f"{type(e).__name__}: {e}"[:300])
+    run.trace = trace_name
+    return run
+
+
+def _ci(xs: Sequence[float]) -> MedianCI:
+    return median_ci([x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)])
+
+
+def _txt(c: MedianCI, fmt: str = "{:.2f}") -> str:
+    """``median [lo .. hi]`` (the interval's confidence is stated once, under the table)."""
+    if c.n == 0:
+        return "-"
+    m = fmt.format(c.median)
+    return m if c.n == 1 else f"{m} [{fmt.format(c.lo)} .. {fmt.format(c.hi)}]"
+
+
+def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[str, list[Event]],
+          systems: Sequence[str]) -> tuple[list[str], dict]:
+    """The job's table lines and figures."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    rounds: dict[tuple[str, str], list[int]] = {}
+    for i, r in enumerate(runs):
+        s = summarise(r.commits, traces[r.trace], iterations, warmup)
+        s["ok"], s["error"], s["round"] = r.ok and s["complete"], r.error, r.extra.get("round", 0)
+        by.setdefault((r.system, r.trace), []).append(s)
+        rounds.setdefault((r.system, r.trace), []).append(s["round"])
+    fig: dict = {}
+    lines = [f"### {job.name}: PP{job.pp} x DP{job.dp}, {job.workers} CPU workers, {iterations} iterations "
+             f"of {job.batch} samples (goodput after iteration {warmup})", "",
+             "Each cell: median [order-statistic interval: the min-max range up to 5 values, a 75 % "
+             "interval for 3 values, 94 % for 5]; kill figures pool every kill of every run.", ""]
+    plain = by.get(("plain", "none"), [])
+    base_it = _ci([s["iteration_s"] for s in plain])
+    lines += ["fault-free iteration time (median of each run's steady iterations), and over plain torch "
+              "in the same round:", "",
+              "| system | iteration s | / plain torch | noise floor (rel. s.e. of a run's iterations) |",
+              "| --- | --- | --- | --- |"]
+    for sysname in ("plain", *systems):
+        ss = by.get((sysname, "none"), [])
+        if not ss:
+            continue
+        its = _ci([s["iteration_s"] for s in ss])
+        ratios = [s["iteration_s"] / p["iteration_s"] for s in ss for p in plain if p["round"] == s["round"]]
+        rc = _ci(ratios)
+        floor = statistics.median([s["iteration_rse"] for s in ss]) if ss else math.nan
+        fig[f"{sysname} fault-free iteration_s"] = its.to_dict()
+        fig[f"{sysname} fault-free / plain"] = rc.to_dict()
+        lines.append(f"| {sysname} | {_txt(its, '{:.3f}')} | {_txt(rc)} | {100 * floor:.1f} % |")
+    del base_it
+    lines += ["", "| trace | system | completed | kill -> next commit s | back to the killed iteration s | "
+              "redone per failure | goodput samples/s | goodput / own fault-free | resihp / system |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for tname in traces:
+        if tname == "none":
+            continue
+        for sysname in systems:
+            ss = by.get((sysname, tname), [])
+            if not ss:
+                continue
+            done = sum(1 for s in ss if s["ok"])
+            gap = _ci([k["gap_s"] for s in ss for k in s["kills"]])
+            back = _ci([k["back_s"] for s in ss for k in s["kills"]])
+            red = _ci([s["redone_per_failure"] for s in ss if s["kills"]])
+            good = _ci([s.get("goodput", math.nan) for s in ss if s["ok"]])
+            own = {s["round"]: s.get("goodput", math.nan) for s in by.get((sysname, "none"), []) if s["ok"]}
+            rel = _ci([s["goodput"] / own[s["round"]] for s in ss if s["ok"] and s["round"] in own])
+            mine = {s["round"]: s.get("goodput", math.nan) for s in by.get(("resihp", tname), []) if s["ok"]}
+            vs = _ci([mine[s["round"]] / s["goodput"] for s in ss if s["ok"] and s["round"] in mine])
+            crashed = [s["error"][:160] for s in ss if not s["ok"]]
+            key = f"{sysname} {tname}"
+            fig[key] = {"completed": done, "runs": len(ss), "kill_to_next_commit_s": gap.to_dict(),
+                        "back_to_killed_iteration_s": back.to_dict(), "redone_per_failure": red.to_dict(),
+                        "goodput": good.to_dict(), "goodput_over_fault_free": rel.to_dict(),
+                        "resihp_over_system": vs.to_dict(), "failures": crashed}
+            lines.append(f"| {tname} | {sysname} | {done}/{len(ss)} | {_txt(gap)} | {_txt(back)} | "
+                         f"{_txt(red, '{:.1f}')} | {_txt(good, '{:.1f}')} | {_txt(rel)} | "
+                         f"{'-' if sysname == 'resihp' else _txt(vs)} |")
+            for i, why in enumerate(crashed):
+                lines.append(f"|  | {sysname}: run {i + 1} did not finish | {why} |  |  |  |  |  |  |")
+    return lines, fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--_worker":
+        a = json.loads(argv[2])
+        {"torchrun": _torchrun_worker, "torchft": _torchft_worker}[argv[1]](a)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized: 1 round, dp4 only, fault-free and kill-every-n")
+    ap.add_argument("--reps", type=int, help="rounds (default 3; 1 with --quick)")
+    ap.add_argument("--jobs", help="comma-separated: dp4, pp2dp2 (default both; dp4 with --quick)")
+    ap.add_argument("--traces", help=f"comma-separated of {', '.join(TRACES)}")
+    ap.add_argument("--iterations", type=int, help="iterations per run (default 60; 30 with --quick)")
+    ap.add_argument("--every", type=int, default=None, help="kill-every-n: iterations between kills")
+    ap.add_argument("--repair-after", type=int, default=None, help="kill-every-n: iterations until the repair")
+    ap.add_argument("--slow-factor", type=float, default=2.22, help="slow trace: compute slowdown (medium: 2.22)")
+    ap.add_argument("--torchft-heartbeat-ms", type=int, default=5000, help="torchft lighthouse heartbeat timeout "
+                    "(5000: as shipped)")
+    ap.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts for checkpoint-restart")
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run counts as stuck")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write every run and figure here")
+    args = ap.parse_args(argv)
+    reps = args.reps or (1 if args.quick else 3)
+    iterations = args.iterations or (30 if args.quick else 60)
+    every = args.every or (10 if args.quick else 15)
+    repair_after = args.repair_after or 5
+    warmup = 3
+    jobs = [JOBS[j] for j in (args.jobs or ("dp4" if args.quick else "dp4,pp2dp2")).split(",")]
+    tnames = (args.traces or ("none,kill-every-n" if args.quick else ",".join(TRACES))).split(",")
+    if "none" not in tnames:
+        tnames.insert(0, "none")
+    try:
+        import torchft  # noqa: F401
+        have_torchft = True
+    except ImportError as e:
+        have_torchft = False
+        print(f"torchft is not installed ({e}): its column is skipped (pip install -e '.[peers]')")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = Path(tempfile.mkdtemp(prefix="resihp-peers-"))
+    load: list[list[float] | None] = [loadavg()]
+    t_start = time.time()
+    all_runs: list[Run] = []
+    out: dict = {"machine": machine(), "command": "python benchmarks/peers.py " + " ".join(argv),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jobs": {}}
+    report: list[str] = []
+    for job in jobs:
+        systems = [s for s in SYSTEMS if s != "torchft" or (have_torchft and job.pp == 1)]
+        traces = {t: make_trace(t, iterations, job.workers, every=every, repair_after=repair_after,
+                                slow_factor=args.slow_factor, seed=args.seed) for t in tnames}
+        spec = job_spec_json(job, iterations, root / f"spec-{job.name}")
+        c_s = checkpoint_write_s(spec, job.pp)
+        runs: list[Run] = []
+        k = None
+        order = ["plain", *systems]
+        for rnd in range(reps):
+            for tname in tnames:
+                sys_now = order if tname == "none" else systems
+                sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
+                for sysname in sys_now:
+                    if k is None and sysname == "ckpt":
+                        # Young/Daly from the measured write time and the kill-every-N trace's MTBF
+                        # (plain torch's fault-free iteration time; measured first when needed).
+                        base = [r for r in runs if r.system == "plain" and r.trace == "none"]
+                        if not base:
+                            base = [one_run("plain", job, "none", [], iterations, root, spec, args, 0)]
+                            base[0].extra["round"] = -1
+                        it_s = summarise(base[0].commits, [], iterations, warmup)["iteration_s"]
+                        if not (it_s > 0):
+                            it_s = 0.2
+                        kev = make_trace("kill-every-n", iterations, job.workers, every=every,
+                                         repair_after=repair_after, seed=args.seed)
+                        mtbf_s = mtbf_iterations(kev, iterations) * it_s
+                        k = ckpt_interval(c_s, mtbf_s, it_s)
+                        out["jobs"].setdefault(job.name, {})["young_daly"] = {
+                            "checkpoint_write_s": c_s, "mtbf_s": mtbf_s, "iteration_s": it_s, "every": k}
+                    r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args, k or 0)
+                    r.extra["round"] = rnd
+                    load.append(loadavg())
+                    runs.append(r)
+                    if args.json:  # every run so far, in case the benchmark is stopped
+                        Path(args.json + ".partial").write_text(json.dumps(
+                            [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
+                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]} for x in all_runs + runs]))
+                    print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
+                          f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
+                          f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
+        lines, fig = table(job, runs, iterations, warmup, traces, systems)
+        yd = out["jobs"].get(job.name, {}).get("young_daly")
+        if yd:
+            lines += ["", f"checkpoint-restart: a checkpoint every {yd['every']} iteration(s) = "
+                      f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
+                      f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1)"]
+        if job.pp != 1:
+            lines += ["", "torchft: not run (it runs data-parallel replicas; it has no pipeline parallelism)"]
+        elif not have_torchft:
+            lines += ["", "torchft: not installed, column skipped"]
+        report += lines + [""]
+        print("\n".join(lines) + "\n", flush=True)
+        all_runs += runs
+        out["jobs"].setdefault(job.name, {}).update(
+            {"figures": fig, "traces": {t: [asdict(e) for e in ev] for t, ev in traces.items()}})
+    loads = [x[0] for x in load if x]
+    head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({out['date']}, {time.time() - t_start:.0f} s)",
+            f"`{out['command']}`; load average (1 min) {min(loads):.1f}-{max(loads):.1f} during the runs; "
+            f"{reps} round(s), systems interleaved (order rotated every round); medians with "
+            f"order-statistic intervals (min-max below 4 values).",
+            f"timeouts: collectives {TIMEOUT_S:.0f} s (ResiHP job, torchrun workers), torchft gloo 5 s / manager 30 s "
+            f"/ lighthouse heartbeat {args.torchft_heartbeat_ms} ms; ResiHP heartbeat 0.1 s x {HEARTBEAT_MISSES} "
+            f"(a dead process is seen by its exit); torchrun "
+            f"--max-restarts {args.max_restarts}, default monitor interval.", ""]
+    print("\n".join(head + report))
+    out["loadavg"] = [min(loads), max(loads)]
+    out["runs"] = [{"system": r.system, "job": r.job, "trace": r.trace, "ok": r.ok, "error": r.error,
+                    "wall_s": r.wall_s, "extra": r.extra, "commits": [asdict(c) for c in r.commits]}
+                   for r in all_runs]
+    out["markdown"] = "\n".join(head + report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
