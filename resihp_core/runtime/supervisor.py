@@ -19,6 +19,11 @@ Scheduler plans it back in (:meth:`~resihp_core.scheduler.Planner.rejoin`), and 
 the new plan gives it work every worker reloads a checkpoint, since a fresh worker has
 no state to move.
 
+When the Scheduler answers a failure with a fresh layout (its "restore" decision), the
+survivors first try to move their copies onto it; only an adapter that finds a piece
+with no surviving holder (:class:`~resihp_core.adapter.StateLost`) sends the job to its
+newest checkpoint.
+
 A generation that moved state and was superseded before every live worker finished
 reconfiguring may leave workers holding state in different layouts (some moved, some
 did not): the next generation restores from a checkpoint instead of moving state.
@@ -106,6 +111,9 @@ class Supervisor:
     checkpoint_every: int = 1  # the workers' interval: how long to wait for a write still in flight
     checkpoint_grace_s: float = 3.0  # wait this long for a due checkpoint still being written
     first: int = 0  # a resumed job: the first iteration this run trains
+    # Restore decisions first try moving the survivors' copies onto the fresh layout
+    # (False: always read the newest checkpoint, as before).
+    move_before_restore: bool = True
     restore_at_start: int | None = None  # a resumed job: the checkpoint its first generation loads
     storage_faults: list[dict] = field(default_factory=list)
     max_retries: int = 3  # same-plan redeployments in a row (no commit between) after unexplained stalls
@@ -403,7 +411,12 @@ class Supervisor:
             self.state = decision.state
             self.handled_devices.update(dead_in_plan)
         try:
-            self._deploy(decision, plan_s, decision.kind, from_checkpoint=decision.kind == "restore")
+            # A restore decision is a fresh layout over the survivors. Where they still
+            # hold a copy of every piece (replicas), moving it there beats reading a
+            # checkpoint and re-training since it: try the move; an adapter that finds a
+            # piece with no holder raises StateLost, and _unsourceable restores then.
+            from_checkpoint = decision.kind == "restore" and not self.move_before_restore
+            self._deploy(decision, plan_s, decision.kind, from_checkpoint=from_checkpoint)
         except JobError:
             # A device of the plan died between the check above and the post (two
             # workers killed together, one reported first): plan again without it.

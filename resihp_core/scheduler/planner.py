@@ -346,7 +346,8 @@ class Planner:
         state = _rebase(state, plan, feats)
         degree = max(len(g) for rep in plan.tp_groups for g in rep)
         state = state.with_plan(plan, f"restore: {why}; fresh layout dp={plan.dp} pp={plan.pp} "
-                                      f"tp={degree} m={plan.num_microbatches} from a checkpoint")
+                                      f"tp={degree} m={plan.num_microbatches} (state moved from the survivors; "
+                                      "from a checkpoint where none holds it)")
         timings["restore"] = time.perf_counter() - t0
         try:
             return self._run(state, timings, previous=None)
