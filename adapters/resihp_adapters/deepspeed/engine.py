@@ -333,6 +333,9 @@ class ResiPipelineEngine(PipelineEngine):
         # over its replicas. None: DeepSpeed's gradient_accumulation_steps (stock).
         self.loss_divisor: float | None = None
         self.micro_batch_address: Callable[[int, int], tuple[int, int]] | None = None
+        # Micro-batches per data shard and iteration, for DeepSpeed's per-layer dropout
+        # seed (``PipelineModule.micro_offset``); None: this plan's count.
+        self.rng_microbatches: int | None = None
         self.timings: list[tuple[str, int, int, float]] = []
         self._lowered: LoweredSchedule | None = None
         self._owner_mb: dict[int, tuple[int, int]] = {}
@@ -348,6 +351,23 @@ class ResiPipelineEngine(PipelineEngine):
             # DeepSpeed reduces gradients in float32 unless told otherwise, and its JSON
             # config cannot say float64: keep a float64 model's reduction exact.
             self.communication_data_type = torch.float64
+
+    def _configure_bf16_optimizer(self, optimizer: Any) -> Any:
+        """DeepSpeed's ``BF16_Optimizer``, with the fp32 master weights and their optimizer
+        state kept whole on every replica: DeepSpeed partitions them over the stage's
+        data-parallel ranks (as ZeRO 1 would), so a dead rank would take its part of
+        them along. Gradients are still all-reduced in full over the replicas, so each
+        replica steps the same update (``docs/deepspeed.md``)."""
+        mpu = self.mpu
+        if mpu is None or mpu.get_slice_parallel_world_size() != 1:
+            raise ValueError("bf16 with tensor parallelism: ResiHP's DeepSpeed adapter keeps the fp32 master "
+                             "weights whole per rank and supports bf16 with TP degree 1 only")
+        saved = self.seq_data_parallel_group
+        self.seq_data_parallel_group = mpu.get_slice_parallel_group()  # this rank alone
+        try:
+            return super()._configure_bf16_optimizer(optimizer)
+        finally:
+            self.seq_data_parallel_group = saved
 
     # -------------------------------------------------------------- configuration
     def set_work(self, plan: ParallelPlan, program: Program, source: Any) -> None:
@@ -454,6 +474,15 @@ class ResiPipelineEngine(PipelineEngine):
 
     def _exec_forward(self, buffer_id: int) -> None:
         t0 = time.perf_counter()
+        # DeepSpeed seeds each layer's forward from the count of forwards this rank ran
+        # (``seed_layers``). Set that count from the micro-batch's data address instead,
+        # so a moved, migrated or replayed micro-batch draws the dropout masks the
+        # fault-free run drew (and the fault-free run draws stock DeepSpeed's).
+        owner, mb = self._owner_mb[buffer_id]
+        if self.micro_batch_address is not None:
+            _, mb = self.micro_batch_address(owner, mb)
+        m = self.rng_microbatches or (self.plan.num_microbatches if self.plan is not None else self.micro_batches)
+        self.module.micro_offset = self.iteration * m + mb
         super()._exec_forward_pass(buffer_id)
         if self.is_last_stage():
             self.pipe_buffers["losses"][buffer_id] = self.loss
@@ -527,8 +556,10 @@ class ResiPipelineEngine(PipelineEngine):
         self._drain()
         ok = True if self.commit_hook is None else bool(self.commit_hook(self))
         if not ok:
+            from resihp_adapters.deepspeed.state import zero_grads
+
             self._aborted = True
-            self.optimizer.zero_grad(set_to_none=True)
+            zero_grads(self)
 
     def _exec_reduce(self) -> None:
         if self.fault_hook is not None:

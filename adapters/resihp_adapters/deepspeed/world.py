@@ -155,6 +155,8 @@ def build_engine(
     seed_layers: bool = True,
     base_seed: int = 1234,
     lr_scheduler: Any = None,
+    activation_checkpoint_interval: int = 0,
+    checkpointable_layers: list[str] | None = None,
 ):
     """A :class:`ResiPipelineModule` over ``parts`` and a :class:`ResiPipelineEngine`,
     built directly (``deepspeed.initialize`` hard-codes the stock engine class)."""
@@ -163,7 +165,8 @@ def build_engine(
     from resihp_adapters.deepspeed.engine import ResiPipelineEngine, ResiPipelineModule
 
     module = ResiPipelineModule(
-        layers, parts=parts, topology=topology, loss_fn=loss_fn, seed_layers=seed_layers, base_seed=base_seed
+        layers, parts=parts, topology=topology, loss_fn=loss_fn, seed_layers=seed_layers, base_seed=base_seed,
+        activation_checkpoint_interval=activation_checkpoint_interval, checkpointable_layers=checkpointable_layers,
     )
     mpu = module.mpu()
     engine = ResiPipelineEngine(
