@@ -130,6 +130,7 @@ class DeepSpeedAdapter(Adapter):
         m = plan.num_microbatches
         engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
         engine.rng_microbatches = job.num_microbatches
+        engine.clip_norm_layers = initial_stage0_layers(len(self.spec.layers), plan.pp)
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
         bound_op_timeouts(self.ctx.timeout_s)
@@ -213,6 +214,9 @@ class DeepSpeedAdapter(Adapter):
         t0 = time.perf_counter()
         agg = e.train_batch()
         dt = time.perf_counter() - t0
+        # DeepSpeed counts samples by this generation's batch; the job's batch is fixed.
+        job = self.ctx.job
+        e.global_samples = e.iteration * job.dp * job.num_microbatches * self.spec.micro_batch_size
         self.last_loss = float(agg) if agg is not None else None
         res = IterationResult(iteration=iteration, iteration_s=dt)
         for kind, owner, mb, sec in e.timings:
@@ -339,6 +343,14 @@ class DeepSpeedAdapter(Adapter):
 
 
 # ---------------------------------------------------------------------- helpers
+def initial_stage0_layers(num_layers: int, pp: int) -> range:
+    """The layers stage 0 holds in the job's initial partition (DeepSpeed's uniform
+    split, as ``resihp launch`` starts): DeepSpeed's gradient clipping counts these."""
+    from deepspeed.runtime.utils import partition_uniform
+
+    return range(0, int(partition_uniform(num_items=num_layers, num_parts=pp)[1]))
+
+
 def _live(plan: ParallelPlan) -> list[int]:
     from resihp_adapters.deepspeed.engine import live_replicas
 

@@ -336,6 +336,9 @@ class ResiPipelineEngine(PipelineEngine):
         # Micro-batches per data shard and iteration, for DeepSpeed's per-layer dropout
         # seed (``PipelineModule.micro_offset``); None: this plan's count.
         self.rng_microbatches: int | None = None
+        # Layers of stage 0 in the job's initial partition: DeepSpeed's gradient-norm
+        # clipping counts only those (see :meth:`clip_fp32_gradients`); None: this layout's.
+        self.clip_norm_layers: range | None = None
         self.timings: list[tuple[str, int, int, float]] = []
         self._lowered: LoweredSchedule | None = None
         self._owner_mb: dict[int, tuple[int, int]] = {}
@@ -570,6 +573,59 @@ class ResiPipelineEngine(PipelineEngine):
         if getattr(self, "_aborted", False):
             return
         super()._exec_optimizer_step(lr_kwargs)
+
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed's fp32 gradient clipping, independent of the layout.
+
+        DeepSpeed's ``clip_grad_norm_`` counts a parameter only on model-parallel rank
+        0, which in a pipeline is stage 0: the norm is that of stage 0's gradients (tied
+        copies there included). Which layers sit on stage 0 changes with a repartition,
+        so the clip factor would change too. This computes the same norm over the layers
+        stage 0 held in the job's *initial* partition (:attr:`clip_norm_layers`), from
+        every stage's per-parameter norms in DeepSpeed's order, with DeepSpeed's own
+        float32 arithmetic: bit-identical to stock DeepSpeed in the initial layout, and
+        unchanged by any later one (``docs/deepspeed.md``)."""
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        from deepspeed.utils import groups
+
+        keep = self.clip_norm_layers
+        if keep is None or self.grid.get_slice_parallel_world_size() != 1 or any(
+                is_model_parallel_parameter(p) for p in self.module.parameters()):
+            return super().clip_fp32_gradients()
+        tied = {}
+        for idx, spec in enumerate(self.module._layer_specs):
+            key = getattr(spec, "key", None)
+            if key is not None and hasattr(spec, "tied_weight_attr"):
+                tied.setdefault(key, idx)  # the first layer using it: where its copy is built first
+        counted = {k for k, idx in tied.items()
+                   if any(i in keep for i, s in enumerate(self.module._layer_specs) if getattr(s, "key", None) == k)}
+
+        def order(name: str) -> tuple[int, int] | None:
+            head = name.split(".", 2)
+            if head[0] == "tied_modules":
+                return (0, tied[head[1]]) if head[1] in counted else None
+            return (1, int(head[0])) if int(head[0]) in keep else None
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        mine = [(n, order(n), i, p.grad.data.detach().float().norm(2.0)) for i, (n, p) in
+                enumerate((n, p) for n, p in self.module.named_parameters() if p.grad is not None)]
+        mine = [m for m in mine if m[1] is not None]
+        gathered: list[Any] = [None] * self.mpu.get_model_parallel_world_size()
+        tdist.all_gather_object(gathered, mine, group=self.mpu.get_model_parallel_group())
+        seen: dict[str, tuple[tuple[int, int], int, torch.Tensor]] = {}
+        for part in gathered:
+            for n, o, i, v in part:
+                seen.setdefault(n, (o, i, v))  # a tied copy held by several stages counts once
+        norms = [v for o, i, v in sorted(seen.values(), key=lambda t: (t[0], t[1]))]
+        total = torch.stack(norms).pow(2.0).sum().float() if norms else torch.zeros(1, dtype=torch.float32)
+        total = total.pow(1.0 / 2.0)
+        pg = groups._get_data_parallel_group()
+        scaled = total * 1.0 / float(tdist.get_world_size(group=pg))
+        tdist.all_reduce(scaled, group=pg)
+        clip = torch.tensor([float(self.gradient_clipping())]) / (scaled + 1e-6)
+        clip = torch.min(torch.tensor([1.0]), clip)
+        for p in params:
+            p.grad.data.mul_(clip)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

@@ -175,6 +175,9 @@ class PipelineRunner:
         program = next(p for p in emit_programs(plan) if (p.replica, p.stage) == (replica, stage))
         engine.set_work(plan, program, self.source)
         engine.commit_hook = self.commit_hook
+        from resihp_adapters.deepspeed.adapter import initial_stage0_layers
+
+        engine.clip_norm_layers = initial_stage0_layers(len(self.layers), plan.pp)
         return engine
 
     # ---------------------------------------------------------------- iterations
