@@ -368,9 +368,22 @@ class ResiPipelineEngine(PipelineEngine):
         saved = self.seq_data_parallel_group
         self.seq_data_parallel_group = mpu.get_slice_parallel_group()  # this rank alone
         try:
-            return super()._configure_bf16_optimizer(optimizer)
+            bf = super()._configure_bf16_optimizer(optimizer)
         finally:
             self.seq_data_parallel_group = saved
+        # A stage whose only parameters are a tied copy another stage owns (a plan may cut
+        # it so) has no gradient for the norm, and DeepSpeed's norm of an empty list
+        # raises: give it a zero, which adds nothing to the global norm.
+        counted = bf.get_grads_for_norm
+
+        def grads_for_norm(for_clipping: bool = False) -> Any:
+            out = counted(for_clipping=for_clipping)
+            if not for_clipping and not out[0]:
+                return [torch.zeros(1, dtype=torch.float32)], out[1]
+            return out
+
+        bf.get_grads_for_norm = grads_for_norm
+        return bf
 
     # -------------------------------------------------------------- configuration
     def set_work(self, plan: ParallelPlan, program: Program, source: Any) -> None:

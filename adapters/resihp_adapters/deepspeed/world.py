@@ -106,6 +106,13 @@ def teardown_world() -> None:
                  "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mesh_device"):
         if hasattr(groups, name):
             setattr(groups, name, None)
+    # DeepSpeed tracks the autograd graphs its engine's backward runs in a module-level
+    # object; a backward interrupted by a failure can leave a registration behind that the
+    # next engine's gradient hooks would read. Start every generation with a fresh one.
+    ds_engine = importlib.import_module("deepspeed.runtime.engine")
+    if hasattr(ds_engine, "_EngineBackwardGraphTracker"):
+        ds_engine._ENGINE_BACKWARD_GRAPH_TRACKER = ds_engine._EngineBackwardGraphTracker()
+        ds_engine._ENGINE_BACKWARD_GRAPH_CONTEXT.set(())
     if tdist.is_initialized():
         try:
             tdist.destroy_process_group()

@@ -41,7 +41,9 @@ def head(module: Embed, x: torch.Tensor) -> torch.Tensor:
 
 class Block(nn.TransformerEncoderLayer):
     def __init__(self) -> None:
-        super().__init__(H, nhead=2, dim_feedforward=2 * H, dropout=0.1, batch_first=True)
+        # No biases: an attention key bias gets no gradient, and under bf16 Adam turns its
+        # rounding noise into updates of full size, which no two runs share.
+        super().__init__(H, nhead=2, dim_feedforward=2 * H, dropout=0.1, batch_first=True, bias=False)
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -120,17 +120,30 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+#: (loss, weights, optimizer moments) bounds, relative to each tensor's largest value:
+#: float64 is exact up to summation order; bf16 is not (module docstring). Measured for
+#: bf16: losses 1.4e-4, weights 1.0e-2, moments 0.11 (they average recent bf16 gradients).
+#: Step counts, scheduler state, hyperparameters and counters are compared exactly.
+BOUNDS = {"json": (1e-9, 1e-9, 1e-9), "torch": (1e-3, 5e-2, 0.25)}
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("variant,tol", [("json", 1e-9), ("torch", 3e-2)], ids=["fp64-jsonAdam-WarmupLR", "bf16-torchAdamW-LambdaLR"])
-def test_a_killed_rank_leaves_the_fault_free_runs_complete_state(tmp_path, variant, tol):
-    free, kill = tmp_path / "free", tmp_path / "kill"
-    procs = [launch(free, variant, []), launch(kill, variant, [{"device": 3, "iteration": KILL_AT, "kind": "kill"}])]
-    wait(procs, 800)
-    for w, p in ((free, procs[0]), (kill, procs[1])):
+def test_a_killed_rank_leaves_the_fault_free_runs_complete_state(tmp_path):
+    """fp64 + JSON Adam + WarmupLR, and bf16 + torch AdamW + LambdaLR: 4 launches at once."""
+    runs = {(v, kind): tmp_path / f"{v}-{kind}" for v in BOUNDS for kind in ("free", "kill")}
+    procs = [launch(w, v, [] if kind == "free" else [{"device": 3, "iteration": KILL_AT, "kind": "kill"}])
+             for (v, kind), w in runs.items()]
+    wait(procs, 840)
+    for ((v, kind), w), p in zip(runs.items(), procs):
         text = (w / "console.txt").read_text()
-        assert p.returncode == 0, text[-3000:]
+        assert p.returncode == 0, (v, kind, text[-3000:])
         assert f"{ITERATIONS} iterations committed" in text, text[-3000:]
-    assert "fail-stop of devices [3]" in (kill / "console.txt").read_text()
+        assert ("fail-stop of devices [3]" in text) == (kind == "kill"), text[-3000:]
+    for v, bounds in BOUNDS.items():
+        check(v, runs[(v, "free")], runs[(v, "kill")], *bounds)
+
+
+def check(variant: str, free: Path, kill: Path, loss_tol: float, tol: float, moment_tol: float) -> None:
     ref_losses, ref_lrs, ref_full, _ = results(free)
     losses, lrs, full, pids = results(kill)
     assert sorted(ref_losses) == sorted(losses) == list(range(1, ITERATIONS + 1))
@@ -140,7 +153,7 @@ def test_a_killed_rank_leaves_the_fault_free_runs_complete_state(tmp_path, varia
     assert lrs == ref_lrs, [(i, lrs.get(i), ref_lrs[i]) for i in ref_lrs if lrs.get(i) != ref_lrs[i]]
     assert ref_lrs[KILL_AT + 1][0] > ref_lrs[1][0]
     for i, want in ref_losses.items():
-        assert abs(losses[i] - want) <= tol * abs(want), (i, losses[i], want)
+        assert abs(losses[i] - want) <= loss_tol * abs(want), (variant, i, losses[i], want)
     assert set(full) == set(ref_full), sorted(set(full) ^ set(ref_full))
     assert any(k.startswith("tied_modules.embed.") for k in full)
     if variant == "torch":
@@ -151,10 +164,9 @@ def test_a_killed_rank_leaves_the_fault_free_runs_complete_state(tmp_path, varia
     for k, want in ref_full.items():
         got = full[k]
         if torch.is_tensor(want) and want.is_floating_point() and want.dim() > 0:
-            # bf16 parameters are the master weights rounded: compare at bf16's resolution.
-            bound = max(tol, 2 ** -7) if (variant == "torch" and want.dtype == torch.bfloat16) else tol
-            assert rel(got, want) <= bound, (k, rel(got, want))
+            bound = moment_tol if k.startswith("optimizer.") else tol
+            assert rel(got, want) <= bound, (variant, k, rel(got, want))
         elif torch.is_tensor(want):
-            assert torch.equal(got, want), (k, got, want)
+            assert torch.equal(got, want), (variant, k, got, want)
         else:
-            assert got == want, (k, got, want)
+            assert got == want, (variant, k, got, want)
