@@ -87,7 +87,49 @@ def test_transfer_plan_moves_layers_and_asks_for_a_restore_when_nobody_holds_one
     # Device 1 dead, a new standby 4 takes its place: it gets stage 0 from device 0.
     back = old.with_(tp_groups=(old.tp_groups[0], ((4,), (3,))), excluded=frozenset({1}))
     ok = transfer_plan(old, back, {0, 2, 3})
-    assert {(t.layer, t.src, t.dst) for t in ok} == {(0, 0, 4), (1, 0, 4), (2, 0, 4)}
+    # ... and the global unit (optimizer hyperparameters, LR scheduler, counters) from a survivor.
+    assert {(t.layer, t.dst) for t in ok} == {(0, 4), (1, 4), (2, 4), ("global", 4)}
+    assert {t.src for t in ok if t.layer != "global"} == {0}
+
+
+def test_a_tied_group_moves_once_to_every_stage_that_needs_it():
+    from resihp_adapters.deepspeed.state import transfer_plan, units_of
+
+    # Layers 0 and 5 share one weight (TiedLayerSpec "embed"): both stages hold a copy.
+    tied = {"embed": {0, 5}}
+    old = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=2)  # r0: 0,2  r1: 1,3
+    assert units_of(old, 0, tied) == ([0, 1, 2, "tied.embed", "global"], 0)
+    assert units_of(old, 2, tied) == ([3, 4, 5, "tied.embed", "global"], 0)
+    # Device 3 dead, replica 0 alone, layers (5, 1): stage 1 keeps its copy, layers 3, 4 move.
+    new = old.with_(tp_groups=(old.tp_groups[0],), layer_ranges=((0, 5), (5, 6)), standbys=(1,),
+                    excluded=frozenset({3}))
+    moves = transfer_plan(old, new, {0, 1, 2}, tied)
+    assert {(t.layer, t.src, t.dst) for t in moves} == {(3, 2, 0), (4, 2, 0)}
+    # A plan cutting the tied layers into one stage: the copy is still held, once, there.
+    one = old.with_(layer_ranges=((0, 1), (1, 6)))
+    assert "tied.embed" in units_of(one, 0, tied)[0] and "tied.embed" in units_of(one, 2, tied)[0]
+    # Nobody holds the tied group (both stages' devices gone): a restore is required.
+    from resihp_adapters.deepspeed.state import RestoreRequired
+
+    gone = old.with_(tp_groups=(((4,), (5,)),), standbys=(), excluded=frozenset({0, 1, 2, 3}))
+    with pytest.raises(RestoreRequired, match="tied.embed"):
+        transfer_plan(old, gone, set(), tied)
+
+
+def test_json_adam_becomes_deepspeeds_own_torch_fallback_and_unsupported_configs_are_refused():
+    from resihp_adapters.deepspeed.spec import check_supported, torch_optimizer_config
+
+    said = []
+    cfg = torch_optimizer_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, log=said.append)
+    assert cfg["optimizer"]["params"] == {"lr": 1e-3, "torch_adam": True} and "FusedAdam" in said[0]
+    same = {"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}
+    assert torch_optimizer_config(same) == same  # the user's explicit choice stays
+    assert torch_optimizer_config({"optimizer": {"type": "SGD"}}) == {"optimizer": {"type": "SGD"}}
+    for bad, why in (({"zero_optimization": {"stage": 2}}, "stages 0 and 1 only"),
+                     ({"zero_optimization": {"stage": 1}}, "dead rank's shard"),
+                     ({"fp16": {"enabled": True}}, "loss scaler")):
+        with pytest.raises(ValueError, match=why):
+            check_supported(bad)
 
 
 def test_micro_batches_are_addressed_like_deepspeeds_sampler():
