@@ -190,3 +190,33 @@ def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
     assert live_replicas(x) == [0] and 1 in x.standbys
     assert x.executor_map() == {k: 0 for k in partial.executor_map()}  # every piece once, on replica 0
     assert whole_replicas(base) is base
+
+
+def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, capsys):
+    """ZeRO 2/3 (and 1, fp16) and a script that never calls initialize() stop the launch
+    before any worker starts: the reason on the console, a non-zero exit, no device failure."""
+    import argparse
+    import shutil
+
+    from resihp_adapters.deepspeed.launch import run
+    from resihp_core.cli import CliError
+
+    example = os.path.join(HERE, "..", "..", "..", "examples", "deepspeed_pipeline")
+    for f in ("accelerate.yaml", "train.py", "ds_config.json"):
+        shutil.copy(os.path.join(example, f), tmp_path / f)
+    ns = argparse.Namespace(config_file=str(tmp_path / "accelerate.yaml"), workdir=str(tmp_path / "w"), timeout=60.0,
+                            training_script=str(tmp_path / "train.py"), training_script_args=[])
+    cfg = json.loads((tmp_path / "ds_config.json").read_text())
+    for stage, why in ((2, "ZeRO stages 0 and 1 only"), (3, "ZeRO stages 0 and 1 only"), (1, "dead rank's shard")):
+        (tmp_path / "ds_config.json").write_text(json.dumps({**cfg, "zero_optimization": {"stage": stage}}))
+        with pytest.raises(CliError, match=why) as e:
+            run(ns)
+        assert e.value.code != 0
+    (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "train.py").write_text("import deepspeed\nprint('training without initialize')\n")
+    with pytest.raises(CliError, match="never calls initialize"):
+        run(ns)
+    (tmp_path / "train.py").write_text("import deepspeed\nengine, *_ = deepspeed.initialize(model=None)\n")
+    with pytest.raises(CliError, match="never calls initialize"):
+        run(ns)
+    assert not (tmp_path / "w").exists()  # nothing was started
