@@ -63,7 +63,8 @@ class DeepSpeedAdapter(Adapter):
         self.config = torch_optimizer_config(self.spec.config, log=lambda m: print(f"resihp: {m}", flush=True))
         self.optimizer_factory = optimizer_factory(self.spec.optimizer)
         self.source = MicroBatchSource(self.spec.dataset, self.spec.collate_fn or MicroBatchSource.default_collate,
-                                       self.spec.micro_batch_size, ctx.job.num_microbatches, ctx.job.dp)
+                                       self.spec.micro_batch_size, ctx.job.num_microbatches, ctx.job.dp,
+                                       shuffle=self.spec.shuffle, seed=self.spec.data_seed)
         self.engine: Any = None
         self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
         self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs

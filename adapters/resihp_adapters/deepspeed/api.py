@@ -167,6 +167,8 @@ def initialize(
     lr_scheduler: Callable[[Any], Any] | None = None,
     activation_checkpoint_interval: int = 0,
     checkpointable_layers: list[str] | None = None,
+    shuffle: bool = False,
+    data_seed: int = 0,
 ) -> ResilientEngine | StockEngine:
     """ResiHP's stand-in for ``deepspeed.initialize`` (see the module docstring).
 
@@ -181,12 +183,16 @@ def initialize(
         None: the DeepSpeed config's ``scheduler``, if any. Its state is carried across
         reconfigurations.
     :param activation_checkpoint_interval, checkpointable_layers: as ``PipelineModule``'s.
+    :param shuffle, data_seed: False: the order of the pipeline engine's own
+        ``training_data`` loader; True: the order ``engine.deepspeed_io(dataset)`` gives
+        (a shuffling ``DistributedSampler`` with seed ``data_seed``). Either way every
+        micro-batch is addressed by (iteration, replica, micro-batch).
     """
     cfg = load_ds_config(config)
     spec = PipelineSpec(layers=list(layers), config=cfg, dataset=training_data, loss_fn=loss_fn,
                         collate_fn=collate_fn, optimizer=optimizer, base_seed=base_seed, lr_scheduler=lr_scheduler,
                         activation_checkpoint_interval=activation_checkpoint_interval,
-                        checkpointable_layers=checkpointable_layers)
+                        checkpointable_layers=checkpointable_layers, shuffle=shuffle, data_seed=data_seed)
     if os.environ.get("RESIHP_STORE"):
         from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
         from resihp_core.runtime.worker import Worker
@@ -229,5 +235,6 @@ def _stock(spec: PipelineSpec, num_stages: int) -> StockEngine:
         engine.communication_data_type = torch.float64
     dp = engine.grid.data_parallel_size
     source = MicroBatchSource(spec.dataset, spec.collate_fn or MicroBatchSource.default_collate,
-                              spec.micro_batch_size, engine.gradient_accumulation_steps(), dp)
+                              spec.micro_batch_size, engine.gradient_accumulation_steps(), dp,
+                              shuffle=spec.shuffle, seed=spec.data_seed)
     return StockEngine(engine, source)

@@ -35,6 +35,8 @@ class PipelineSpec:
     lr_scheduler: Any = None
     activation_checkpoint_interval: int = 0
     checkpointable_layers: list[str] | None = None
+    shuffle: bool = False
+    data_seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

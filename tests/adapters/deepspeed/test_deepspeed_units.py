@@ -145,6 +145,14 @@ def test_micro_batches_are_addressed_like_deepspeeds_sampler():
         assert got == order[: len(got)]
     with pytest.raises(ValueError, match="replica 2"):
         src.indices(0, 2, 0)
+    # deepspeed_io's order: a shuffling DistributedSampler (seed 0, epoch 0 on every pass),
+    # with a dataset that does not split evenly (the sampler pads), over two passes.
+    data = list(range(41))
+    src = MicroBatchSource(data, list, micro_batch_size=3, num_microbatches=2, replicas=2, shuffle=True, seed=0)
+    for r in range(2):
+        order = list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) * 3
+        got = [i for it in range(6) for j in range(2) for i in src.indices(it, r, j)]
+        assert got == order[: len(got)]
 
 
 def test_zero_stage_1_is_refused_with_the_reason():
