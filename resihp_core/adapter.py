@@ -292,7 +292,9 @@ class Adapter(abc.ABC):
         checkpoint (parameters by fully qualified name including tied ones, optimizer
         state including master weights and step counts, LR scheduler, loss scaler, RNG,
         data position). Names must not depend on the layout (stage split, TP degree,
-        sharding), so the conformance kit can compare two runs of any layout. Default:
+        sharding), so the conformance kit can compare two runs of any layout; a tensor
+        this device holds only part of is given as a :class:`Shard` of it (the kit
+        assembles the pieces of every device). Default:
         not provided (the kit then compares :meth:`held_state` only and says so)."""
         raise NotImplementedError(f"adapter {self.name!r} does not report its full state")
 
@@ -301,7 +303,11 @@ class Adapter(abc.ABC):
         the iteration commits (collective among the executors; the adapter decides who
         writes). Raise only when a peer is gone: a storage error must not fail the
         iteration; report it through :meth:`checkpoint_status` (the write may also
-        finish in the background). A restore names a complete checkpoint of a
+        finish in the background). The core owns the layout: write your files (any
+        format) inside :func:`resihp_core.checkpoints.iteration_dir`, then, once every
+        writer has finished, one writer calls :func:`resihp_core.checkpoints.seal` and
+        :func:`~resihp_core.checkpoints.prune` (``job.checkpoint_keep``); only sealed
+        checkpoints are ever selected. A restore names a complete checkpoint of a
         committed iteration (``docs/checkpoints.md``)."""
         raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
 

@@ -78,6 +78,7 @@ __all__ = [
     "SignalWorker",
     "WorkerProcess",
     "NodeRejoin",
+    "WorkerLeft",
     "Message",
     "MESSAGE_TYPES",
     "encode",

@@ -20,7 +20,7 @@ __all__ = [
     "PROTOCOL_VERSION", "Hello", "Challenge", "AuthResponse", "AuthResult", "Heartbeat",
     "MicroBatchProfile", "IterationProfile", "FailureReport", "PlanUpdate", "IterationReport", "WorkerSummary",
     "AgentState", "Ack", "Error", "LaunchWorkers", "SignalWorker", "WorkerProcess",
-    "NodeRejoin",
+    "NodeRejoin", "WorkerLeft",
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
@@ -195,6 +195,19 @@ class IterationReport(_Msg, tag="iteration_report"):
     microbatches: tuple[MicroBatchProfile, ...] = ()
 
 
+class WorkerLeft(_Msg, tag="worker_left"):
+    """Why a worker left a generation (a peer died, a state move failed), as the
+    supervisor reads it from the job store. ``state_lost`` is the typed signal that the
+    adapter raised :class:`~resihp_core.adapter.StateLost` (some state has no surviving
+    holder: restore from a checkpoint); the core never reads ``reason``'s text for it."""
+
+    generation: NonNeg
+    device: NonNeg
+    reason: str
+    error: str = ""  # the exception's class name
+    state_lost: bool = False
+
+
 # ------------------------------------------------------------------- agent traffic
 class WorkerSummary(msgspec.Struct, frozen=True):
     """An agent's view of one local worker: its last heartbeat and whether it is alive."""
@@ -303,6 +316,7 @@ Message = Union[
     SignalWorker,
     WorkerProcess,
     NodeRejoin,
+    WorkerLeft,
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 

@@ -110,24 +110,33 @@ class Supervisor:
     storage_faults: list[dict] = field(default_factory=list)
     max_retries: int = 3  # same-plan redeployments in a row (no commit between) after unexplained stalls
     retries: int = 0
+    # A restarted controller re-attached to the job's live workers: the job's current
+    # generation goes on as it is (no post, no restore; docs/failover.md).
+    adopt: bool = False
 
-    def _event(self, kind: str, text: str, **extra: Any) -> None:
-        ev = {"time": time.monotonic() - self._t0, "iteration": self.job.committed, "kind": kind,
+    def _event(self, kind: str, text: str, *, at: int | None = None, **extra: Any) -> None:
+        """Log and hand on one event, labelled with the iteration the job was at
+        (``at``; default: the committed count), not the one a restore rewinds to."""
+        it = self.job.committed if at is None else at
+        ev = {"time": time.monotonic() - self._t0, "iteration": it, "kind": kind,
               "generation": self.job.generation, "text": text, **extra}
         self.events.append(ev)
-        logger.info("event=%s generation=%d iteration=%d %s", kind, self.job.generation, self.job.committed, text)
+        logger.info("event=%s generation=%d iteration=%d %s", kind, self.job.generation, it, text)
         self.on_event(ev)
 
     def run(self, timeout: float = 600.0) -> list[IterationRecord]:
         self._t0 = time.monotonic()
         self._faults_seen = 0
-        self.job.committed = self.first
-        g = self.job.post(self.state.plan, iterations=self.iterations, resume=self.first,
-                          restore=self.restore_at_start)
-        self.set_generation(g, self.state.plan, dict(self.state.speeds))
-        self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
-        if self.observers is not None:
-            self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
+        if self.adopt:
+            self._adopted()
+        else:
+            self.job.committed = self.first
+            g = self.job.post(self.state.plan, iterations=self.iterations, resume=self.first,
+                              restore=self.restore_at_start)
+            self.set_generation(g, self.state.plan, dict(self.state.speeds))
+            self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
+            if self.observers is not None:
+                self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
         last_commit = time.monotonic()
         deadline = self._t0 + timeout
         while self.first + len(self.records) < self.iterations:
@@ -177,6 +186,16 @@ class Supervisor:
             time.sleep(0.005)
         return self.records
 
+    def _adopted(self) -> None:
+        """Go on with the generation the live workers are in (a restarted controller)."""
+        g = self.job.generation
+        self.set_generation(g, self.state.plan, dict(self.state.speeds))
+        self.first = self.job.committed_through()
+        self.job.steer()  # the held iteration commits now
+        self._event("attach", f"controller restarted: re-attached to generation {g} at iteration "
+                              f"{self.first} with its live workers (no restore)",
+                    plan=self.state.plan.to_text(), resume=self.first)
+
     # ------------------------------------------------------------ checkpoints
     def _unsourceable(self) -> bool:
         """A reconfiguration whose state has no surviving copy (the adapter's
@@ -186,8 +205,9 @@ class Supervisor:
         if now - getattr(self, "_last_source_check", 0.0) < 0.5 or self.checkpoint_dir is None:
             return False
         self._last_source_check = now
-        failures = self.job.worker_failures()
-        lost = {d: t for d, t in failures.items() if "no surviving complete copy" in t}
+        # The typed signal: a worker whose adapter raised StateLost says so in its
+        # WorkerLeft report (never matched from error text).
+        lost = {d: left.reason for d, left in self.job.workers_left().items() if left.state_lost}
         if not lost:
             return False
         from types import SimpleNamespace
@@ -223,19 +243,16 @@ class Supervisor:
 
     def _restore_point(self, resume: int) -> tuple[int | None, str]:
         """The newest complete checkpoint of an iteration before ``resume`` (None: none,
-        restart from the seed), and what was skipped on the way."""
+        restart from the seed), and what was skipped on the way: the one rule,
+        :func:`resihp_core.checkpoints.restore_point`, for every adapter."""
         if self.checkpoint_dir is None:
             return resume - 1, ""
-        deadline = time.monotonic() + (self.checkpoint_grace_s if self.checkpoint_every else 0.0)
+        it, skipped = checkpoints.restore_point(self.checkpoint_dir, resume, self.checkpoint_every,
+                                                grace_s=self.checkpoint_grace_s)
         every = max(1, self.checkpoint_every)
-        due = (resume // every) * every - 1  # the newest committed iteration due a checkpoint
-        while True:
-            it, skipped = checkpoints.newest_complete(self.checkpoint_dir, at_most=resume - 1)
-            if it is None or it >= due or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)  # the due one may still be in flight on a writer thread
+        due = (resume // every) * every - 1
         note = "; ".join(f"checkpoint of iteration {s.iteration} is not usable: {s.problem}" for s in skipped)
-        if note or (it is not None and it < due):
+        if note or (-1 if it is None else it) < due:
             self._event("checkpoint", (note + "; " if note else "") +
                         (f"falling back to the checkpoint of iteration {it}" if it is not None
                          else "no complete checkpoint: restarting from the initial state"),
@@ -244,7 +261,7 @@ class Supervisor:
 
     def _retry(self, failures: dict[int, str]) -> None:
         prev = self.job.message
-        resume = self.job.abort()
+        resume = at = self.job.abort()
         restore, fresh = None, False
         if self._needs_restore(prev, resume):
             # The generation retried was a restore (a rejoin: fresh workers hold no
@@ -258,8 +275,10 @@ class Supervisor:
         self.set_generation(g, self.state.plan, dict(self.state.speeds))
         why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(failures.items()))[:300]
         self._event("plan", f"generation {g} (retry {self.retries} of the same plan: workers left the "
-                            f"previous one with no device failing: {why})", plan=self.state.plan.to_text(),
-                    kind_of_plan="retry", planning_s=0.0, resume=resume)
+                            f"previous one with no device failing: {why}"
+                            + (f"; resumed from the checkpoint of iteration {restore}" if restore is not None else "")
+                            + ")", at=at, plan=self.state.plan.to_text(),
+                    kind_of_plan="retry", planning_s=0.0, resume=resume, restore=restore)
 
     def _needs_restore(self, prev: Any, resume: int) -> bool:
         """Whether the generation after ``prev`` (aborted at ``resume``) must restore
@@ -386,7 +405,7 @@ class Supervisor:
         old = self.state.plan
         self.state = decision.state
         prev = self.job.message
-        resume = self.job.abort()
+        resume = at = self.job.abort()
         if not from_checkpoint and self._needs_restore(prev, resume):
             from_checkpoint = True
         restore, fresh = None, False
@@ -400,11 +419,11 @@ class Supervisor:
         self.set_generation(g, decision.plan, dict(self.state.speeds))
         if self.observers is not None:
             self.observers.notify_plan_changed(old, decision.plan, f"{what or kind}: {decision.reason[:200]}")
-        where = (f", from the checkpoint of iteration {restore}" if restore is not None
-                 else ", from the initial state" if fresh else "")
+        where = (f", resumed from the checkpoint of iteration {restore} at iteration {resume}"
+                 if restore is not None else ", from the initial state (no complete checkpoint)" if fresh else "")
         self._event("plan", f"generation {g} ({what or kind}, planned in {plan_s * 1e3:.0f} ms{where}): "
-                            f"{decision.reason[:200]}", plan=decision.plan.to_text(),
-                    kind_of_plan=kind, planning_s=plan_s, resume=resume, **extra)
+                            f"{decision.reason[:200]}", at=at, plan=decision.plan.to_text(),
+                    kind_of_plan=kind, planning_s=plan_s, resume=resume, restore=restore, **extra)
         return g
 
     # ------------------------------------------------------------ repairs

@@ -29,10 +29,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult
+from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult, StateLost
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan
-from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate
+from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate, WorkerLeft
 from resihp_core.runtime import jobstore
 from resihp_core.runtime.injector import FaultInjector
 
@@ -114,6 +114,10 @@ class Worker:
         self.active = False  # in a generation, as an executor, able to run iterations
         self.program: Any = None
         self._seen = -1
+        # A store hosted outside the controller: hold each commit while it is away
+        # (docs/failover.md); the agent ends this worker when its grace period is over.
+        grace = float(os.environ.get(jobstore.ENV_GRACE, "0") or 0)
+        self.hold_s = 2 * grace + 30 if grace > 0 else 0.0  # a backstop: the agent and the store host end it first
         store.set(f"worker/{device}/pid", str(os.getpid()))
 
     def attach(self, client: Any) -> None:
@@ -199,7 +203,7 @@ class Worker:
         t1 = time.perf_counter()
         if self.client is not None:
             self.client.set_generation(g, dev)  # the Detector keys workers by device id
-        moved, failed, t2 = 0, None, t1
+        moved, failed, lost, t2 = 0, None, False, t1
         try:
             a.rebuild_communicators(plan, g, list(msg.devices))
             t2 = time.perf_counter()
@@ -211,11 +215,12 @@ class Worker:
                 moved = a.move_state(self.plan, plan, list(msg.devices))
         except Exception as e:  # noqa: BLE001 - a peer died during the reconfiguration itself
             failed = f"{type(e).__name__}: {e}"
+            lost = isinstance(e, StateLost)  # the typed signal: restore from a checkpoint
         if failed is not None:
             # Outside the except block (no traceback pins the groups). The state is the
             # previous generation's (move_state puts it back on failure): wait for the
             # generation the Scheduler makes of this new failure.
-            self._left(g, failed, "reconfiguration_failed")
+            self._left(g, failed, "reconfiguration_failed", state_lost=lost)
             return False
         self.plan = plan
         t3 = time.perf_counter()
@@ -229,8 +234,9 @@ class Worker:
         self.program = {(p.replica, p.stage): p for p in emit_programs(plan)}[a.where[:2]]
         return True
 
-    def _left(self, generation: int, reason: str, event: str, **kv: Any) -> None:
-        self.store.set(f"ctl{generation}/failed/{self.device}", reason[:500])
+    def _left(self, generation: int, reason: str, event: str, *, state_lost: bool = False, **kv: Any) -> None:
+        jobstore.put_left(self.store, WorkerLeft(generation=generation, device=self.device, reason=reason[:500],
+                                                 error=reason.partition(":")[0][:100], state_lost=state_lost))
         _log(event, self.device, generation=generation, reason=repr(reason[:200]), **kv)
         self.adapter.release()
         self.active = False
@@ -267,7 +273,8 @@ class Worker:
         self._checkpoint_reports()
         jobstore.put_report(self.store, self._report(result))
         executors = len(self.plan.devices())
-        verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6)
+        verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
+                                  hold_s=self.hold_s)
         if verdict != jobstore.CommitResult.COMMITTED:
             a.rollback()
             a.release()
@@ -322,8 +329,12 @@ class Worker:
         if self.job.dump_dir and self.adapter.where is not None and self.plan is not None:
             import torch
 
+            try:  # the framework's own complete state, for the conformance kit
+                full: dict[str, Any] | None = self.adapter.full_state()
+            except NotImplementedError:
+                full = None
             torch.save({"where": self.adapter.where, "iteration": self.iteration, "plan": self.plan.to_text(),
-                        "state": self.adapter.held_state()},
+                        "state": self.adapter.held_state(), "full": full},
                        os.path.join(self.job.dump_dir, f"device{self.device}.pt"))
         self.adapter.close()  # the adapter finishes its queued checkpoint writes here
 

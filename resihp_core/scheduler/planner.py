@@ -346,7 +346,7 @@ class Planner:
         state = _rebase(state, plan, feats)
         degree = max(len(g) for rep in plan.tp_groups for g in rep)
         state = state.with_plan(plan, f"restore: {why}; fresh layout dp={plan.dp} pp={plan.pp} "
-                                      f"tp={degree} m={plan.num_microbatches} from the last checkpoint")
+                                      f"tp={degree} m={plan.num_microbatches} from a checkpoint")
         timings["restore"] = time.perf_counter() - t0
         try:
             return self._run(state, timings, previous=None)

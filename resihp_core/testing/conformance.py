@@ -8,9 +8,13 @@ through :class:`~resihp_core.runtime.launcher.LocalJob`, trains a few iterations
 changes the plan the way the capability promises (with a SIGKILLed peer where that is
 the point), finishes, and compares:
 
-- the full state (every parameter and its optimizer tensors, assembled from the
-  :class:`~resihp_core.adapter.Shard` pieces the workers dump) with the fault-free run
-  of the same adapter, to ``tol`` relative error;
+- the complete training state by the framework's own account
+  (:meth:`~resihp_core.adapter.Adapter.full_state` of every device: parameters including
+  tied ones, optimizer state including step counts, LR scheduler, RNG, data position)
+  with the fault-free run of the same adapter, to ``tol`` relative error, when the
+  adapter provides it (``progress`` says when it does not);
+- every parameter and its optimizer tensors, assembled from the
+  :class:`~resihp_core.adapter.Shard` pieces the workers dump (``held_state``);
 - the loss of every iteration with the fault-free run's;
 - the micro-batch accounting: every (stage, owner, micro-batch) exactly once per
   iteration.
@@ -21,6 +25,11 @@ SIGKILLed mid-iteration; the survivors go on with a plan the adapter declares it
 run, or restore), and one per declared capability: ``tp_resize``, ``layer_repartition``,
 ``migration``, ``replica_drop``, ``restore``. A capability declared but failed is a
 :class:`ConformanceError`; a capability not declared is not run.
+
+The ``restore`` scenario picks its checkpoint with the supervisor's own rule
+(:func:`resihp_core.checkpoints.restore_point`): an adapter whose checkpoints the
+supervisor cannot find or verify (not in the core's layout, ``docs/checkpoints.md``)
+fails it.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from resihp_core.adapter import Capabilities
+from resihp_core.adapter import Capabilities, Shard
 from resihp_core.job import JobSpec
 from resihp_core.plan import Migration, ParallelPlan, ranges_from_counts
 
@@ -65,6 +74,7 @@ class Outcome:
     state: dict[str, list[Any]]
     losses: list[float]
     computed: list[Counter] = field(default_factory=list)
+    full: dict[str, Any] | None = None  # the framework's complete state (None: not provided)
 
 
 def capabilities_of(adapter: str) -> Capabilities:
@@ -160,6 +170,40 @@ def _assemble(dumps: dict[int, dict]) -> dict[str, list[Any]]:
     return out
 
 
+def _assemble_full(dumps: dict[int, dict]) -> dict[str, Any] | None:
+    """The job's complete state from every device's ``full_state()``: tensors and plain
+    values must agree wherever several devices report a name (replicas); :class:`Shard`
+    pieces are put together as in :func:`_assemble`. None if the adapter gives none."""
+    import torch
+
+    fulls = {dev: d.get("full") for dev, d in dumps.items()}
+    if any(f is None for f in fulls.values()):
+        return None
+    plain: dict[str, Any] = {}
+    pieces: dict[int, dict] = {}
+    for dev, full in sorted(fulls.items()):
+        shards = {}
+        for name, v in full.items():
+            if isinstance(v, Shard):
+                shards[name] = v
+                continue
+            if name not in plain:
+                plain[name] = v
+                continue
+            have = plain[name]
+            same = (torch.equal(have, v) if isinstance(v, torch.Tensor) and isinstance(have, torch.Tensor)
+                    and have.shape == v.shape else have == v)
+            if not same:
+                raise ConformanceError(f"complete state: {name} differs between devices (device {dev})")
+        pieces[dev] = {"state": shards}
+    out = dict(plain)
+    for name, ts in _assemble(pieces).items():
+        if name in out:
+            raise ConformanceError(f"complete state: {name} is reported both whole and as pieces")
+        out[name] = ts[0]
+    return out
+
+
 def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *, iterations: int = 4,
                  switch_at: int = 2, env: dict[str, str] | None = None, timeout: float = 120.0) -> Outcome:
     """Run one scenario (None: the fault-free run) with real workers; return its outcome."""
@@ -185,14 +229,19 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
             new = scenario.change(base)
             point, fresh = None, False
             if scenario.restore and resume > 0:
-                # As the supervisor does: the newest complete checkpoint (writes may be
-                # asynchronous, a killed writer may not have finished: docs/checkpoints.md);
-                # an adapter with a layout of its own is trusted with the last committed one.
+                # The supervisor's own rule (docs/checkpoints.md): the newest complete
+                # checkpoint before ``resume``, waiting briefly for one still being written.
                 from resihp_core import checkpoints
 
-                point = checkpoints.newest_complete(ckpt, at_most=resume - 1)[0]
-                if point is None and not checkpoints.scan(ckpt):
-                    point = resume - 1
+                point, skipped = checkpoints.restore_point(ckpt, resume, spec.checkpoint_every)
+                if point is None:
+                    found = sorted(os.listdir(ckpt))[:8]
+                    why = "; ".join(f"iteration {s.iteration}: {s.problem}" for s in skipped)
+                    raise ConformanceError(
+                        f"{scenario.name}: the supervisor finds no complete checkpoint of iterations "
+                        f"< {resume} in {ckpt} (it holds {found or 'nothing'}{'; ' + why if why else ''}): "
+                        "an adapter writes its files inside iter<NNNNNNNN>/ and seals them with a manifest "
+                        "(resihp_core.checkpoints.seal; docs/checkpoints.md)")
                 fresh = point is None
                 resume = lj.committed = 0 if point is None else point + 1
             lj.post(new, iterations=iterations, resume=resume, restore=point, fresh=fresh)
@@ -210,11 +259,52 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
     for dev, d in dumps.items():
         if d["iteration"] != iterations:
             raise ConformanceError(f"device {dev} ended at iteration {d['iteration']}, not {iterations}")
-    return Outcome(_assemble(dumps), losses, computed)
+    return Outcome(_assemble(dumps), losses, computed, _assemble_full(dumps))
+
+
+def _close(a: Any, b: Any, tol: float) -> tuple[bool, float]:
+    """Whether value ``a`` equals the fault-free ``b`` (tensors and floats to ``tol``
+    relative error; anything else exactly), and the relative error."""
+    import torch
+
+    if isinstance(b, torch.Tensor):
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+            return False, float("inf")
+        if not b.is_floating_point():
+            return bool(torch.equal(a, b)), 0.0
+        if not b.numel():
+            return True, 0.0
+        err = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+        return err <= tol, err
+    if isinstance(b, float) and isinstance(a, (int, float)) and not isinstance(a, bool):
+        err = abs(a - b) / max(abs(b), 1e-30)
+        return err <= tol, err
+    if isinstance(b, (list, tuple)) and isinstance(a, (list, tuple)) and len(a) == len(b):
+        res = [_close(x, y, tol) for x, y in zip(a, b)]
+        return all(ok for ok, _ in res), max((e for _, e in res), default=0.0)
+    return a == b, 0.0
+
+
+def _compare_full(name: str, got: dict[str, Any], want: dict[str, Any], tol: float) -> float:
+    """The complete state of a scenario against the fault-free run's, name by name."""
+    if set(got) != set(want):
+        raise ConformanceError(f"{name}: complete state: {sorted(set(got) ^ set(want))} missing or extra "
+                               "(compared with the fault-free run)")
+    worst = 0.0
+    for key in sorted(want):
+        ok, err = _close(got[key], want[key], tol)
+        if not ok:
+            show = (lambda v: f"{v!r}"[:80]) if not hasattr(want[key], "shape") else (lambda v: "tensor")
+            raise ConformanceError(f"{name}: complete state: {key} differs from the fault-free run "
+                                   f"({show(got[key])} vs {show(want[key])}, relative error {err:.3g} > {tol:g})")
+        worst = max(worst, err)
+    return worst
 
 
 def _compare(name: str, got: Outcome, want: Outcome, base: ParallelPlan, job: JobSpec, tol: float) -> float:
     worst = 0.0
+    if got.full is not None and want.full is not None:
+        worst = _compare_full(name, got.full, want.full, tol)
     if set(got.state) != set(want.state):
         raise ConformanceError(f"{name}: parameters {sorted(set(got.state) ^ set(want.state))} missing or extra")
     for pname, ts in want.state.items():
@@ -250,6 +340,9 @@ def check_adapter(job: JobSpec, base: ParallelPlan, *, only: list[str] | None = 
     todo = [s for s in scenarios(caps, base) if only is None or s.name in only]
     progress(f"{job.adapter}: fault-free run ({base.dp}x{base.pp}, TP {base.degree(0, 0)})")
     want = run_scenario(job, base, None, iterations=iterations, env=env)
+    if want.full is None:
+        progress(f"{job.adapter}: does not report full_state(); comparing held_state() only "
+                 "(parameters and the optimizer tensors it chooses to report)")
     out = {}
     for sc in todo:
         new = sc.change(base)

@@ -4,6 +4,7 @@ have fails it."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from resihp_core.testing.conformance import ConformanceError, check_adapter
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "custom_adapter")
-ENV = {"PYTHONPATH": EXAMPLE + ":" + str(Path(__file__).resolve().parent)}
-sys.path[:0] = ENV["PYTHONPATH"].split(":")  # the kit reads the adapters' capabilities here too
+HERE = str(Path(__file__).resolve().parent)
+# The workers import the example and the liars; the rest of the path is kept as it is.
+ENV = {"PYTHONPATH": ":".join(p for p in (EXAMPLE, HERE, os.environ.get("PYTHONPATH", "")) if p)}
+sys.path[:0] = [EXAMPLE, HERE]  # the kit reads the adapters' capabilities here too
 
 
 def _example_job(adapter: str) -> JobSpec:
@@ -26,9 +29,24 @@ def _example_job(adapter: str) -> JobSpec:
 
 def test_example_adapter_passes_for_what_it_declares():
     base = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=1, num_microbatches=2)
-    got = check_adapter(_example_job("resihp_example_adapter.adapter:ExampleAdapter"), base, env=ENV)
+    said: list[str] = []
+    got = check_adapter(_example_job("resihp_example_adapter.adapter:ExampleAdapter"), base, env=ENV,
+                        progress=said.append)
     assert set(got) == {"regeneration", "migration", "replica_drop", "restore"}
     assert max(got.values()) <= 1e-12
+    # It reports no full_state(): the kit says it compares held_state() only.
+    assert any("does not report full_state()" in line for line in said), said
+
+
+def test_checkpoints_the_supervisor_cannot_select_fail_the_restore_scenario():
+    """The kit's restore scenario (run alone: it fails before any comparison)."""
+    from resihp_core.testing.conformance import run_scenario, scenarios
+    from resihp_example_adapter.plugin import CAPABILITIES
+
+    base = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=1, num_microbatches=2)
+    restore = next(sc for sc in scenarios(CAPABILITIES, base) if sc.name == "restore")
+    with pytest.raises(ConformanceError, match=r"restore: the supervisor finds no complete checkpoint.*mine-"):
+        run_scenario(_example_job("liar:OwnCheckpointLayout"), base, restore, env=ENV)
 
 
 def test_a_declared_capability_the_adapter_lacks_fails_the_kit():
@@ -37,13 +55,37 @@ def test_a_declared_capability_the_adapter_lacks_fails_the_kit():
         check_adapter(_example_job("liar:SkipsMigrated"), base, env=ENV, only=["migration"])
 
 
-def test_reference_backend_passes():
-    job = JobSpec(adapter="megatron_ref",
-                  adapter_config=dict(vocab_size=64, hidden=32, num_heads=4, ffn_hidden=64, num_layers=4,
-                                      dtype="float64"),
-                  data=dict(source="synthetic", scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64),
-                  dp=2, num_microbatches=2)
+def _reference_job(adapter: str = "megatron_ref") -> JobSpec:
+    return JobSpec(adapter=adapter,
+                   adapter_config=dict(vocab_size=64, hidden=32, num_heads=4, ffn_hidden=64, num_layers=4,
+                                       dtype="float64"),
+                   data=dict(source="synthetic", scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64),
+                   dp=2, num_microbatches=2)
+
+
+def test_an_adapter_that_loses_part_of_its_state_fails_the_complete_state_check():
+    """Leaving out one optimizer-state tensor, or the step count, on a move: the
+    framework's complete state (full_state) differs from the fault-free run's. One
+    fault-free run serves both (what check_adapter does per adapter)."""
+    from resihp_core.testing.conformance import _compare, run_scenario, scenarios
+    from resihp_adapters.megatron_ref.plugin import CAPABILITIES
+
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2, num_heads=4)
-    got = check_adapter(job, base)
+    want = run_scenario(_reference_job(), base, None, env=ENV)
+    assert want.full is not None and want.full["optimizer.step"] == 4
+    regeneration = next(sc for sc in scenarios(CAPABILITIES, base) if sc.name == "regeneration")
+    for liar, what in (("liar:DropsOptimizerTensor", r"optimizer\.\S+\.exp_avg_sq|model\."),
+                       ("liar:LosesStepOnMove", r"data\.iteration|optimizer\.step")):
+        got = run_scenario(_reference_job(liar), base, regeneration, env=ENV)
+        with pytest.raises(ConformanceError, match=rf"regeneration: complete state: ({what})"):
+            _compare("regeneration", got, want, base, _reference_job(liar), 1e-9)
+
+
+def test_reference_backend_passes():
+    job = _reference_job()
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2, num_heads=4)
+    said: list[str] = []
+    got = check_adapter(job, base, progress=said.append)
+    assert not any("full_state" in line for line in said), said  # the complete state was compared
     assert {"regeneration", "layer_repartition", "migration", "replica_drop", "restore"} <= set(got)
     assert max(got.values()) <= 1e-9

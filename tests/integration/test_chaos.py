@@ -217,3 +217,28 @@ def test_cpu_contention_on_one_device_leaves_training_exact_and_nothing_behind()
     while _job_processes(job["path"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _job_processes(job["path"]), "processes of the job outlived it"
+
+
+def test_one_sigkill_is_one_failure_on_the_prometheus_endpoint():
+    """The controller and the supervisor both see a killed worker; observers hear of it
+    once (the supervisor notifies them), so ``resihp_failures_total`` is 1."""
+    import urllib.request
+
+    from resihp_core.plugins import Plugins
+    from resihp_plugins.prometheus import PrometheusExporter
+
+    exporter = PrometheusExporter()
+    observers = Plugins(autoload=False, builtins=[])
+    observers.register(exporter, "prometheus")
+    port = exporter.serve(0)
+    try:
+        plan = uniform(1, 2, 2, 2)
+        _chaos(plan, [fail_at(plan.group(1, 1)[0], 2, "kill")], iterations=4, observers=observers)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            body = r.read().decode()
+    finally:
+        exporter.shutdown()
+    counts = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+              if line.startswith("resihp_failures_total{")]
+    assert sum(counts) == 1, body
+    assert 'resihp_failures_total{failure="fail-stop",cause="unknown"} 1' in body, body

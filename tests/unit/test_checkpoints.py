@@ -66,3 +66,61 @@ def test_a_failed_write_is_a_result_not_an_exception(tmp_path):
     (r,) = w.results()
     assert r.error is None and r.bytes > 0
     assert checkpoints.newest_complete(blocker)[0] == 1
+
+
+# ------------------------------------------------------------ an adapter's own files
+def _adapter_checkpoint(root: Path, it: int) -> Path:
+    """What a DCP- or per-layer-style adapter writes: its own files, a subfolder, then the seal."""
+    d = checkpoints.iteration_dir(root, it) / "dcp"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"meta %d" % it)
+    (d / "__0_0.distcp").write_bytes(os.urandom(64))
+    (d / "__1_0.distcp.tmp123").write_bytes(b"an unfinished write: never sealed")
+    return d
+
+
+def test_seal_lists_an_adapters_own_files_and_verify_checks_each(tmp_path):
+    d = _adapter_checkpoint(tmp_path, 4)
+    assert not checkpoints.verify(tmp_path, 4).complete  # not sealed yet: in progress
+    assert checkpoints.newest_complete(tmp_path)[0] is None
+    digests = checkpoints.seal(tmp_path, 4)
+    assert sorted(digests) == ["dcp/.metadata", "dcp/__0_0.distcp"]
+    assert checkpoints.verify(tmp_path, 4).complete
+    assert checkpoints.newest_complete(tmp_path)[0] == 4
+    data = bytearray((d / "__0_0.distcp").read_bytes())
+    data[3] ^= 0x01
+    (d / "__0_0.distcp").write_bytes(bytes(data))
+    info = checkpoints.verify(tmp_path, 4)
+    assert not info.complete and "__0_0.distcp is corrupt" in info.problem
+    (d / "__0_0.distcp").unlink()
+    assert "missing" in checkpoints.verify(tmp_path, 4).problem
+
+
+def test_a_manifest_naming_a_path_outside_its_folder_is_not_complete(tmp_path):
+    _adapter_checkpoint(tmp_path, 2)
+    (tmp_path / "outside").write_bytes(b"x")
+    import hashlib
+    import json
+
+    m = {"iteration": 2, "files": {"../outside": hashlib.sha256(b"x").hexdigest()}}
+    (checkpoints.iteration_dir(tmp_path, 2) / "manifest.json").write_text(json.dumps(m))
+    info = checkpoints.verify(tmp_path, 2)
+    assert not info.complete and "not a path inside" in info.problem
+    with pytest.raises(ValueError, match="not a path inside"):
+        checkpoints.seal(tmp_path, 2, files=["../outside"])
+
+
+def test_retention_and_the_restore_point_for_sealed_checkpoints(tmp_path):
+    for it in (3, 7, 11):
+        _adapter_checkpoint(tmp_path, it)
+        checkpoints.seal(tmp_path, it)
+    _adapter_checkpoint(tmp_path, 15)  # in flight: kept, not chosen
+    # A job at iteration 10 (first uncommitted), interval 4: the due one is 7.
+    assert checkpoints.restore_point(tmp_path, 10, 4, grace_s=0.0)[0] == 7
+    # At 16 the due one (15) is still being written: wait, then fall back to 11.
+    it, skipped = checkpoints.restore_point(tmp_path, 16, 4, grace_s=0.2)
+    assert it == 11 and [s.iteration for s in skipped] == [15]
+    assert checkpoints.restore_point(None, 10, 4) == (9, [])  # no checkpoints kept: survivors hold 9
+    assert checkpoints.restore_point(tmp_path, 0, 4) == (None, [])
+    assert checkpoints.prune(tmp_path, 2) == [3]
+    assert [c.iteration for c in checkpoints.scan(tmp_path)] == [15, 11, 7]

@@ -125,6 +125,7 @@ messages = st.one_of(
     st.builds(P.Error, text, text),
     st.builds(P.WorkerProcess, ids, ids, ids, st.none() | small, text, st.sampled_from(["", "10.0.0.2", "::1"])),
     st.builds(P.NodeRejoin, ids, st.lists(ids, max_size=8).map(tuple)),
+    st.builds(P.WorkerLeft, ids, ids, text, text, st.booleans()),
 )
 
 
@@ -136,7 +137,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 16
+    assert len(P.MESSAGE_TYPES) == 17
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])

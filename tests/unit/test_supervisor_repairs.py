@@ -131,3 +131,60 @@ def test_a_generation_that_committed_or_restores_is_decided_by_that() -> None:
     assert not layout_case(ready={0}, failed={1}, resume=41)  # it committed: every executor was ready
     assert layout_case(ready={0, 1, 2, 3}, failed=set(), restore=39)  # a restore that never committed
     assert not layout_case(ready={0}, failed={1}, checkpoint_dir=None)  # nothing to restore from
+
+
+# ------------------------------------------------------------------ state lost
+class LostJob(Job):
+    """A job whose workers left generation 3 with typed reports; records what is posted."""
+
+    def __init__(self, left: dict, committed: int = 10) -> None:
+        super().__init__(alive=[0, 2, 3], generation=3, committed=committed)
+        self.left, self.posted = left, []
+        self.message = SimpleNamespace(generation=3, resume=8, devices=(0, 2, 3), restore=None, fresh=False,
+                                       stop=False)
+
+    def workers_left(self) -> dict:
+        return self.left
+
+    def abort(self) -> int:
+        return self.committed
+
+    def post(self, plan, **kw) -> int:
+        self.posted.append(kw)
+        self.generation += 1
+        return self.generation
+
+
+def _sealed(root, *iterations: int) -> None:
+    from resihp_core import checkpoints
+
+    for it in iterations:
+        d = checkpoints.iteration_dir(root, it)
+        d.mkdir(parents=True)
+        (d / "layer_0000-tp0.pt").write_bytes(b"state %d" % it)
+        checkpoints.seal(root, it)
+
+
+def test_state_lost_is_read_from_the_typed_flag_and_restores_the_newest_complete_checkpoint(tmp_path) -> None:
+    from resihp_core.plan import ParallelPlan
+    from resihp_core.protocol import WorkerLeft
+
+    _sealed(tmp_path, 3, 7)
+    plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
+    state = SimpleNamespace(plan=plan, speeds={})
+    # Error text that reads like a lost state, without the typed flag: not acted on.
+    text_only = {0: WorkerLeft(generation=3, device=0, reason="LookupError: no surviving complete copy of x")}
+    job = LostJob(text_only)
+    sup = supervisor(job, checkpoint_dir=str(tmp_path), checkpoint_every=4, checkpoint_grace_s=0.0)
+    sup.state = state
+    assert not sup._unsourceable() and job.posted == []
+    typed = {d: WorkerLeft(generation=3, device=d, reason="StateLost: shard 1/2 of stage 0", error="StateLost",
+                           state_lost=True) for d in (0, 2, 3)}
+    job = LostJob(typed)
+    sup = supervisor(job, checkpoint_dir=str(tmp_path), checkpoint_every=4, checkpoint_grace_s=0.0)
+    sup.state = state
+    assert sup._unsourceable()
+    assert job.posted[-1]["restore"] == 7 and job.posted[-1]["resume"] == 8 and not job.posted[-1]["fresh"]
+    plan_ev = [e for e in sup.events if e["kind"] == "plan"][-1]
+    assert "resumed from the checkpoint of iteration 7" in plan_ev["text"]
+    assert plan_ev["iteration"] == 10 and plan_ev["restore"] == 7  # labelled where the job was

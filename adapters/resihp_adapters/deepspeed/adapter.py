@@ -73,6 +73,7 @@ class DeepSpeedAdapter(Adapter):
         self._program: Program | None = None
         self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
         self._last: IterationResult | None = None
+        self._ckpt_status: list[dict[str, Any]] = []  # checkpoint writes finished since the last report
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         prepare_deepspeed(ctx.timeout_s)
 
@@ -289,31 +290,67 @@ class DeepSpeedAdapter(Adapter):
         return out
 
     # ------------------------------------------------------------------ checkpoints
+    # The core's layout (docs/checkpoints.md): per-layer files in ``layers/`` inside the
+    # iteration's folder; after every writer has finished (an all-reduce of their error
+    # flags, which is also the barrier), world rank 0 seals the manifest and applies
+    # retention, as every adapter does.
+    LAYERS_FOLDER = "layers"
+
     def _ckpt_dir(self, iteration: int) -> str:
+        from resihp_core import checkpoints
+
         base = self.ctx.job.checkpoint_dir
         if not base:
             raise RuntimeError("the job has no checkpoint_dir")
-        return os.path.join(base, f"deepspeed-iter{iteration:08d}")
+        return str(checkpoints.iteration_dir(base, iteration) / self.LAYERS_FOLDER)
 
     def save_checkpoint(self, iteration: int) -> None:
         """Each executor of the first live replica writes its layers (parameters and
-        optimizer state, by global layer index and TP index)."""
+        optimizer state, by global layer index and TP index); then rank 0 seals. A
+        storage error is reported through :meth:`checkpoint_status`, not raised."""
         import torch
+        import torch.distributed as tdist
 
+        from resihp_core import checkpoints
         from resihp_adapters.deepspeed.state import extract_units, unit_name
 
         if self.engine is None:
-            return
+            return  # idle or a standby: not in DeepSpeed's world
+        t0 = time.perf_counter()
+        error, nbytes = None, 0
         r, _, t = self.xplan.location(self.ctx.device)
-        if r != _live(self.xplan)[0]:
-            return
-        path = self._ckpt_dir(iteration)
-        os.makedirs(path, exist_ok=True)
-        for key, st in extract_units(self.engine).items():
-            # Tied groups and the global unit are held by several stages: each writes its own temporary.
-            final = os.path.join(path, f"{unit_name(key)}-tp{t}.pt")
-            torch.save(st, f"{final}.{os.getpid()}.tmp")
-            os.replace(f"{final}.{os.getpid()}.tmp", final)
+        if r == _live(self.xplan)[0]:
+            try:
+                path = self._ckpt_dir(iteration)
+                os.makedirs(path, exist_ok=True)
+                for key, st in extract_units(self.engine).items():
+                    # Tied groups and the global unit are held by several stages: each
+                    # writes its own temporary.
+                    final = os.path.join(path, f"{unit_name(key)}-tp{t}.pt")
+                    torch.save(st, f"{final}.{os.getpid()}.tmp")
+                    os.replace(f"{final}.{os.getpid()}.tmp", final)
+                    nbytes += os.path.getsize(final)
+            except (OSError, RuntimeError) as e:
+                error = f"{type(e).__name__}: {e}"
+        # Barrier and verdict at once; a dead peer raises here (a failure, not a fault).
+        failed = torch.tensor([0 if error is None else 1])
+        tdist.all_reduce(failed, op=tdist.ReduceOp.MAX)
+        if tdist.get_rank() == 0:
+            if error is None and int(failed) == 0:
+                try:
+                    checkpoints.seal(self.ctx.job.checkpoint_dir, iteration)
+                    checkpoints.prune(self.ctx.job.checkpoint_dir, self.ctx.job.checkpoint_keep)
+                except (OSError, ValueError) as e:
+                    error = f"{type(e).__name__}: {e}"
+            elif error is None:
+                error = "another writer of this checkpoint failed; it is left unsealed (incomplete)"
+        if error is not None or nbytes:
+            self._ckpt_status.append({"iteration": iteration, "error": error, "bytes": nbytes,
+                                      "seconds": time.perf_counter() - t0})
+
+    def checkpoint_status(self) -> list[dict[str, Any]]:
+        out, self._ckpt_status = self._ckpt_status, []
+        return out
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         import torch

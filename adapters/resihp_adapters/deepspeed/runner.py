@@ -26,7 +26,7 @@ from resihp_adapters.deepspeed.data import MicroBatchSource
 from resihp_adapters.deepspeed.engine import device_rank, plan_topology
 from resihp_adapters.deepspeed.spec import optimizer_factory
 from resihp_adapters.deepspeed.state import (
-    RestoreRequired,
+    LayersLost,
     apply_layers,
     check_zero_stage,
     exchange_layers,
@@ -123,7 +123,7 @@ class PipelineRunner:
         try:
             transfers = transfer_plan(previous, plan, have, self._tied())
             restore = False
-        except RestoreRequired:
+        except LayersLost:
             if checkpoint_dir is None:
                 raise
             transfers, restore = [], True

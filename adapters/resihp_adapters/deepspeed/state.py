@@ -5,7 +5,7 @@ DeepSpeed names a pipeline layer's parameters by the layer's global index
 can be taken out of one engine and put into another built for a different plan: layer
 repartition, a dropped replica, a standby that joins. :func:`transfer_plan` decides, the
 same way on every rank, which surviving rank sends each layer a rank now needs; a layer
-no survivor holds means the state must come from a checkpoint (:class:`RestoreRequired`).
+no survivor holds means the state must come from a checkpoint (:class:`LayersLost`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Union
 
+from resihp_core.adapter import StateLost
 from resihp_core.plan import ParallelPlan
 
-__all__ = ["RestoreRequired", "Transfer", "transfer_plan", "layers_of", "units_of", "extract_units", "apply_units",
+__all__ = ["LayersLost", "Transfer", "transfer_plan", "layers_of", "units_of", "extract_units", "apply_units",
            "extract_layers", "apply_layers", "unit_keys", "unit_name", "tied_layers", "GLOBAL", "zero_grads",
            "pack", "unpack", "check_zero_stage", "exchange_layers"]
 
@@ -26,8 +27,9 @@ __all__ = ["RestoreRequired", "Transfer", "transfer_plan", "layers_of", "units_o
 Unit = Union[int, str]
 
 
-class RestoreRequired(RuntimeError):
-    """No surviving rank holds some layer's state: restore from a checkpoint."""
+class LayersLost(StateLost):
+    """No surviving rank holds some layer's state: restore from a checkpoint (the
+    contract's state-lost signal, which the supervisor acts on)."""
 
     def __init__(self, missing: dict[int, list[Any]]) -> None:
         self.missing = missing
@@ -83,7 +85,7 @@ def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Itera
     their ``old`` state and are in ``new``'s world (senders must be in the new world).
     A device keeps the units it already holds; others get each unit from a holder
     (rotated by unit to spread the load). ``tied``: tie key -> layer indices (a tied
-    group is held by every stage with one of its layers). Raises :class:`RestoreRequired`."""
+    group is held by every stage with one of its layers). Raises :class:`LayersLost`."""
     if old is None:
         return []
     holders: dict[tuple[Unit, int], list[int]] = {}
@@ -109,7 +111,7 @@ def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Itera
                 continue
             out.append(Transfer(u, cands[_spread(u) % len(cands)], d))
     if missing:
-        raise RestoreRequired(missing)
+        raise LayersLost(missing)
     return out
 
 

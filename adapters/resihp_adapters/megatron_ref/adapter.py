@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 from pathlib import Path
 
 import torch
@@ -98,6 +98,8 @@ class MegatronRefAdapter(Adapter):
         self._snapshot: dict[str, Tensors3] | None = None
         self._last: IterationResult | None = None
         self._ckpt_writer: CheckpointWriter | None = None
+        self.steps = 0  # optimizer updates the held state has had (AdamW's step count)
+        self._snapshot_steps = 0
 
     @property
     def where(self) -> tuple[int, int, int] | None:
@@ -121,14 +123,37 @@ class MegatronRefAdapter(Adapter):
             out[name] = (p.data, m, v)
         return out
 
+    def full_state(self) -> dict[str, Any]:
+        """Everything this framework's training state is, by layout-independent name:
+        each parameter (``model.<name>``) and its AdamW moments
+        (``optimizer.<name>.exp_avg`` / ``.exp_avg_sq``), TP-sharded ones as
+        :class:`Shard` pieces the kit assembles; AdamW's step count and learning rate
+        (constant: no scheduler); the data position (the next iteration's micro-batches
+        are a function of it). No random numbers are drawn while training (weights are
+        seeded per name), so there is no RNG state."""
+        tp = self.module.tp if self.module is not None else None
+        out: dict[str, Any] = {}
+        for name, ts in self.tensors().items():
+            d = shard_dim(name)
+            for key, t in zip((f"model.{name}", f"optimizer.{name}.exp_avg", f"optimizer.{name}.exp_avg_sq"), ts):
+                out[key] = Shard((t.detach().clone(),), d, tp.rank, tp.size) if d is not None else t.detach().clone()
+        out["optimizer.step"] = self.steps
+        out["optimizer.lr"] = self.optimizer.lr
+        out["optimizer.betas"] = tuple(self.optimizer.betas)
+        out["optimizer.weight_decay"] = self.optimizer.weight_decay
+        out["data.iteration"] = self.steps
+        return out
+
     def snapshot(self) -> None:
         """Remember the state at the start of an iteration, for rollback."""
         self._snapshot = {k: tuple(t.clone() for t in v) for k, v in self.tensors().items()}
+        self._snapshot_steps = self.steps
 
     def rollback(self) -> None:
         """Return to the last snapshot (an iteration that was not committed everywhere)."""
         if self._snapshot is None:
             return
+        self.steps = self._snapshot_steps
         with torch.no_grad():
             for name, (p, m, v) in self.tensors().items():
                 sp, sm, sv = self._snapshot[name]
@@ -173,6 +198,7 @@ class MegatronRefAdapter(Adapter):
         self.plan = plan
         self.module = self._new_module(plan)
         self.optimizer.state.clear()
+        self.steps = 0
         with torch.no_grad():
             for name, p in self._params().items():
                 full = init_parameter(self.config, name)
@@ -282,6 +308,7 @@ class MegatronRefAdapter(Adapter):
         self.plan = plan
         self.module = self._new_module(self.plan)
         self.optimizer.state.clear()
+        self.steps = iteration + 1
         if self.module is not None:
             tp = self.module.tp
             comps: dict[str, dict[str, list[Tensor]]] = {}
@@ -313,6 +340,11 @@ class MegatronRefAdapter(Adapter):
             generation=self.comms.generation if self.comms else 0, iteration=st.iteration,
             stage=s, replica=r, microbatches=mbs, comm_s=st.comm_s, iteration_s=st.iteration_s,
         )
+
+    def _step_number(self, iteration: int) -> int:
+        """AdamW's step number for ``iteration``'s update (1-based): the iteration's own
+        count, so it survives any move of state."""
+        return iteration + 1
 
     def _data_index(self, owner: int, mb: int) -> tuple[int, int]:
         """The job's data shard of the plan's micro-batch (owner, mb). A restore onto
@@ -412,7 +444,8 @@ class MegatronRefAdapter(Adapter):
                 comm.reduce_grads(s, self.device, t, len(me), grads, comms)
                 st.comm_s += time.perf_counter() - t0
             elif isinstance(op, OptimizerStep):
-                self.optimizer.step(self._params(), iteration + 1)
+                self.steps = self._step_number(iteration)
+                self.optimizer.step(self._params(), self.steps)
                 for p in params:
                     p.grad = None
             else:

@@ -82,6 +82,7 @@ class TorchNativeAdapter(Adapter):
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
         self._progress = (0, 0)
+        self._status: list[dict[str, Any]] = []  # checkpoint writes sealed since the last report
 
     # ------------------------------------------------------------ placement
     @property
@@ -149,14 +150,59 @@ class TorchNativeAdapter(Adapter):
         return {name: Shard(ts, dim=0, index=pl.shard_index, parts=pl.shard_degree)
                 for name, ts in self.engine.local_shards().items()}
 
+    # ------------------------------------------------------------ checkpoints
+    # The core's layout (docs/checkpoints.md): DCP writes its files into ``dcp/`` inside
+    # the iteration's folder; once every executor has written (DCP's save ends with a
+    # gather to its coordinator), the coordinator seals the manifest and applies
+    # retention, as every adapter does.
+    DCP_FOLDER = "dcp"
+
     def _path(self, iteration: int) -> str:
+        from resihp_core import checkpoints
+
         if not self.ctx.job.checkpoint_dir:
             raise ValueError("torch_native checkpoints need job.checkpoint_dir")
-        return os.path.join(self.ctx.job.checkpoint_dir, f"torch_native-{iteration}")
+        return str(checkpoints.iteration_dir(self.ctx.job.checkpoint_dir, iteration) / self.DCP_FOLDER)
+
+    def _coordinator(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.get_rank(group=self.engine.executors_group) == 0
 
     def save_checkpoint(self, iteration: int) -> None:
-        """DCP, collective over the executors: each writes its own shards."""
-        self.engine.save_checkpoint(self._path(iteration))
+        """DCP, collective over the executors: each writes its own shards; the
+        coordinator then seals the checkpoint. A storage error is reported through
+        :meth:`checkpoint_status`, not raised (a peer that died still raises)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from resihp_core import checkpoints
+
+        if self.engine.module is None:
+            return  # a standby: not in the executors' group
+        t0 = time.perf_counter()
+        error = None
+        try:
+            os.makedirs(self._path(iteration), exist_ok=True)
+            self.engine.save_checkpoint(self._path(iteration))
+        except (OSError, CheckpointException) as e:  # every executor gets DCP's verdict alike
+            error = f"{type(e).__name__}: {e}"
+        if not self._coordinator():
+            return
+        nbytes = 0
+        if error is None:
+            try:
+                nbytes = sum(os.path.getsize(os.path.join(self._path(iteration), f))
+                             for f in os.listdir(self._path(iteration)))
+                checkpoints.seal(self.ctx.job.checkpoint_dir, iteration)
+                checkpoints.prune(self.ctx.job.checkpoint_dir, self.ctx.job.checkpoint_keep)
+            except (OSError, ValueError) as e:
+                error = f"{type(e).__name__}: {e}"
+        self._status.append({"iteration": iteration, "error": error, "bytes": nbytes,
+                             "seconds": time.perf_counter() - t0})
+
+    def checkpoint_status(self) -> list[dict[str, Any]]:
+        out, self._status = self._status, []
+        return out
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """The state after ``iteration``, re-sharded by DCP onto ``plan``'s layout."""

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from resihp_core.adapter import StateLost as _ContractStateLost
 from resihp_core.plan import ParallelPlan
 from resihp_adapters.torch_native.engine import Shards, place_of
 from resihp_adapters.torch_native.model import LlamaConfig, StageModel
@@ -34,8 +35,9 @@ from resihp_adapters.torch_native.model import LlamaConfig, StageModel
 __all__ = ["StateLost", "Transfer", "transfer_plan", "exchange", "chunk_rows", "full_shapes"]
 
 
-class StateLost(RuntimeError):
-    """Every device holding some shard is dead: restore from a checkpoint."""
+class StateLost(_ContractStateLost):
+    """Every device holding some shard is dead: restore from a checkpoint (the
+    contract's state-lost signal, which the supervisor acts on)."""
 
 
 @dataclass(frozen=True, order=True)

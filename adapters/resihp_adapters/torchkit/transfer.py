@@ -11,11 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from resihp_core.adapter import StateLost
 from resihp_core.plan import ParallelPlan
 
-__all__ = ["Transfer", "transfer_plan"]
+__all__ = ["NoSurvivingCopy", "Transfer", "transfer_plan"]
 
 ComponentsOf = Callable[[ParallelPlan, int], list[str]]
+
+
+class NoSurvivingCopy(StateLost, LookupError):
+    """No live device holds a complete copy of a component: the contract's state-lost
+    signal (the supervisor restores from a checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ def transfer_plan(old: ParallelPlan, new: ParallelPlan, alive: Iterable[int],
     A device that already holds exactly the shard it needs keeps it. Otherwise the
     source is the replica's own old TP group for that component when all its members
     are alive, else the lowest-numbered replica whose group is: all replicas hold the
-    same state after a completed iteration. Raises ``LookupError`` naming the component
+    same state after a completed iteration. Raises :class:`NoSurvivingCopy` (a
+    ``LookupError`` and the contract's ``StateLost``) naming the component
     when no complete copy survives (the caller must restore from a checkpoint).
     """
     alive = set(alive)
@@ -65,7 +72,7 @@ def transfer_plan(old: ParallelPlan, new: ParallelPlan, alive: Iterable[int],
                 if mine and len(mine[0][1]) == len(group) and mine[0][1].index(dev) == t:
                     continue  # already holds exactly this shard
                 if not whole:
-                    raise LookupError(
+                    raise NoSurvivingCopy(
                         f"no surviving complete copy of {comp} (needed by replica {r} stage {s})"
                     )
                 src_g = next((g for rr, g in whole if rr == r), whole[0][1])

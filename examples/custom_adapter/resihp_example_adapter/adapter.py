@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from resihp_core import checkpoints
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Backward, Forward, Program, ReduceGrads, OptimizerStep
@@ -128,15 +129,22 @@ class ExampleAdapter(Adapter):
         return {name: Shard(tuple(t.detach().clone() for t in ts)) for name, *ts in self._tensors()}
 
     def save_checkpoint(self, iteration):
+        # The core owns the layout (docs/checkpoints.md): our file goes inside the
+        # iteration's folder; the one writer seals it (manifest with SHA-256s) and
+        # applies retention, so the supervisor can find and verify it.
         if self.ctx.device != min(self.plan.devices()):
             return
-        path = os.path.join(self.ctx.job.checkpoint_dir, f"example-{iteration}.pt")
-        os.makedirs(self.ctx.job.checkpoint_dir, exist_ok=True)
-        torch.save({"weight": self.weight.detach(), "opt": self.opt.state_dict()}, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a reader never sees half a checkpoint
+        job = self.ctx.job
+        folder = checkpoints.iteration_dir(job.checkpoint_dir, iteration)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "example.pt"
+        torch.save({"weight": self.weight.detach(), "opt": self.opt.state_dict()}, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # a reader never sees half a file
+        checkpoints.seal(job.checkpoint_dir, iteration)
+        checkpoints.prune(job.checkpoint_dir, job.checkpoint_keep)
 
     def load_checkpoint(self, iteration, plan):
-        ck = torch.load(os.path.join(self.ctx.job.checkpoint_dir, f"example-{iteration}.pt"))
+        ck = torch.load(checkpoints.iteration_dir(self.ctx.job.checkpoint_dir, iteration) / "example.pt")
         with torch.no_grad():
             self.weight.copy_(ck["weight"])
         self.opt.load_state_dict(ck["opt"])

@@ -17,7 +17,8 @@ from resihp_core.plan import ParallelPlan  # noqa: E402
 from resihp_core.testing.conformance import check_adapter  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = {"PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}
+# The workers import the test model; the rest of the path is kept as it is.
+ENV = {"PYTHONPATH": ":".join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p), "OMP_NUM_THREADS": "1"}
 sys.path.insert(0, HERE)
 
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]

@@ -73,7 +73,7 @@ def test_grid_leaves_out_dropped_replicas_and_refuses_partial_ones():
 
 
 def test_transfer_plan_moves_layers_and_asks_for_a_restore_when_nobody_holds_one():
-    from resihp_adapters.deepspeed.state import RestoreRequired, transfer_plan
+    from resihp_adapters.deepspeed.state import LayersLost, transfer_plan
 
     old = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=2)  # r0: 0,2  r1: 1,3
     new = old.with_(layer_ranges=((0, 2), (2, 6)))
@@ -82,7 +82,7 @@ def test_transfer_plan_moves_layers_and_asks_for_a_restore_when_nobody_holds_one
     assert all(t.src in (0, 1) for t in moves)  # from a stage-0 holder
     # Both stage-0 devices dead: new devices 4 and 5 cannot get layers 0-2 from anyone.
     lost = old.with_(tp_groups=(((4,), (2,)), ((5,), (3,))), excluded=frozenset({0, 1}))
-    with pytest.raises(RestoreRequired, match="device 4: layers \\[0, 1, 2\\]; device 5: layers \\[0, 1, 2\\]"):
+    with pytest.raises(LayersLost, match="device 4: layers \\[0, 1, 2\\]; device 5: layers \\[0, 1, 2\\]"):
         transfer_plan(old, lost, {2, 3})
     # Device 1 dead, a new standby 4 takes its place: it gets stage 0 from device 0.
     back = old.with_(tp_groups=(old.tp_groups[0], ((4,), (3,))), excluded=frozenset({1}))
@@ -109,10 +109,10 @@ def test_a_tied_group_moves_once_to_every_stage_that_needs_it():
     one = old.with_(layer_ranges=((0, 1), (1, 6)))
     assert "tied.embed" in units_of(one, 0, tied)[0] and "tied.embed" in units_of(one, 2, tied)[0]
     # Nobody holds the tied group (both stages' devices gone): a restore is required.
-    from resihp_adapters.deepspeed.state import RestoreRequired
+    from resihp_adapters.deepspeed.state import LayersLost
 
     gone = old.with_(tp_groups=(((4,), (5,)),), standbys=(), excluded=frozenset({0, 1, 2, 3}))
-    with pytest.raises(RestoreRequired, match="tied.embed"):
+    with pytest.raises(LayersLost, match="tied.embed"):
         transfer_plan(old, gone, set(), tied)
 
 
