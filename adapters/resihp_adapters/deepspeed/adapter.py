@@ -38,7 +38,8 @@ from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
 
 from resihp_adapters.deepspeed.plugin import CAPABILITIES, NAME
-from resihp_adapters.deepspeed.spec import PipelineSpec, optimizer_factory, spec_from_adapter_config
+from resihp_adapters.deepspeed.spec import (PipelineSpec, check_supported, optimizer_factory, spec_from_adapter_config,
+                                            torch_optimizer_config)
 
 __all__ = ["DeepSpeedAdapter"]
 
@@ -57,16 +58,13 @@ class DeepSpeedAdapter(Adapter):
         from resihp_adapters.deepspeed.world import prepare_deepspeed
 
         self.spec = spec if spec is not None else spec_from_adapter_config(ctx.job.adapter_config, ctx.job)
-        self.zero_stage = int((self.spec.config.get("zero_optimization") or {}).get("stage", 0))
-        if self.zero_stage != 0:
-            raise ValueError(
-                f"zero_optimization.stage={self.zero_stage}: ResiHP's DeepSpeed adapter needs stage 0. "
-                "ZeRO 1 partitions the optimizer state across data-parallel ranks, so a dead rank's "
-                "shard is lost and DeepSpeed cannot re-partition it onto a new layout in place"
-            )
+        check_supported(self.spec.config)
+        self.zero_stage = 0
+        self.config = torch_optimizer_config(self.spec.config, log=lambda m: print(f"resihp: {m}", flush=True))
         self.optimizer_factory = optimizer_factory(self.spec.optimizer)
         self.source = MicroBatchSource(self.spec.dataset, self.spec.collate_fn or MicroBatchSource.default_collate,
-                                       self.spec.micro_batch_size, ctx.job.num_microbatches, ctx.job.dp)
+                                       self.spec.micro_batch_size, ctx.job.num_microbatches, ctx.job.dp,
+                                       shuffle=self.spec.shuffle, seed=self.spec.data_seed)
         self.engine: Any = None
         self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
         self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs
@@ -120,17 +118,21 @@ class DeepSpeedAdapter(Adapter):
         init_world(self.ctx.store, generation, device_rank(plan, self.ctx.device), len(plan.devices()),
                    self.ctx.timeout_s)
         job = self.ctx.job
-        cfg = ds_config_for(self.spec.config, micro_batch_size=self.spec.micro_batch_size,
+        cfg = ds_config_for(self.config, micro_batch_size=self.spec.micro_batch_size,
                             num_microbatches=plan.num_microbatches, replicas=len(live))
         parts = [a for a, _ in plan.layer_ranges] + [plan.num_layers]
         if plan.num_layers != len(self.spec.layers):
             raise ValueError(f"plan has {plan.num_layers} layers, the model has {len(self.spec.layers)}")
         engine = build_engine(self.spec.layers, parts=parts, topology=plan_topology(plan), config=cfg,
                               optimizer=self.optimizer_factory, loss_fn=self.spec.loss_fn,
-                              base_seed=self.spec.base_seed)
+                              base_seed=self.spec.base_seed, lr_scheduler=self.spec.lr_scheduler,
+                              activation_checkpoint_interval=self.spec.activation_checkpoint_interval,
+                              checkpointable_layers=self.spec.checkpointable_layers)
         engine.loss_divisor = job.dp * job.num_microbatches / len(live)
         m = plan.num_microbatches
         engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
+        engine.rng_microbatches = job.num_microbatches
+        engine.clip_norm_layers = initial_stage0_layers(len(self.spec.layers), plan.pp)
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
         bound_op_timeouts(self.ctx.timeout_s)
@@ -153,21 +155,21 @@ class DeepSpeedAdapter(Adapter):
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         from resihp_adapters.deepspeed.engine import whole_replicas
-        from resihp_adapters.deepspeed.state import apply_layers, exchange_layers, transfer_plan
+        from resihp_adapters.deepspeed.state import apply_units, exchange_layers, tied_layers, transfer_plan, unit_keys
 
         if self.engine is None:
             return 0  # a standby (or idle device) keeps what it held
         old_plan, new_plan = whole_replicas(old_plan), self.xplan
         have = set(devices) & set(old_plan.devices()) & set(new_plan.devices())
-        transfers = transfer_plan(old_plan, new_plan, have)
+        transfers = transfer_plan(old_plan, new_plan, have, tied_layers(self.engine))
         mine = self._held if self.ctx.device in old_plan.devices() else {}
         received, nbytes = exchange_layers(self.ctx.device, new_plan, transfers, mine)
-        local = self.engine.module.local_layers()
+        local = unit_keys(self.engine)
         keep = {i: st for i, st in mine.items() if i in local}
-        apply_layers(self.engine, {**keep, **received})
-        missing = sorted(set(local) - set(keep) - set(received))
+        apply_units(self.engine, {**keep, **received})
+        missing = [u for u in local if u not in keep and u not in received]
         if missing:
-            raise RuntimeError(f"device {self.ctx.device}: no state arrived for layers {missing}")
+            raise RuntimeError(f"device {self.ctx.device}: no state arrived for units {missing}")
         self._held = {}
         return nbytes
 
@@ -182,8 +184,10 @@ class DeepSpeedAdapter(Adapter):
         if self._snap is None:
             return
         if self.engine is not None:
+            from resihp_adapters.deepspeed.state import zero_grads
+
             apply_layers(self.engine, self._snap)
-            self.engine.optimizer.zero_grad(set_to_none=True)
+            zero_grads(self.engine)
         else:
             self._held = self._snap
         self._snap = None
@@ -212,6 +216,9 @@ class DeepSpeedAdapter(Adapter):
         t0 = time.perf_counter()
         agg = e.train_batch()
         dt = time.perf_counter() - t0
+        # DeepSpeed counts samples by this generation's batch; the job's batch is fixed.
+        job = self.ctx.job
+        e.global_samples = e.iteration * job.dp * job.num_microbatches * self.spec.micro_batch_size
         self.last_loss = float(agg) if agg is not None else None
         res = IterationResult(iteration=iteration, iteration_s=dt)
         for kind, owner, mb, sec in e.timings:
@@ -244,22 +251,42 @@ class DeepSpeedAdapter(Adapter):
                                 comm_s=r.comm_s, iteration_s=r.iteration_s)
 
     def held_state(self) -> dict[str, Shard]:
-        from resihp_adapters.deepspeed.state import extract_layers
+        from resihp_adapters.deepspeed.state import extract_units, param_name
 
         if self.idle:
             return {}  # left out of the run: what it holds is not current
-        layers = extract_layers(self.engine) if self.engine is not None else self._held
+        units = extract_units(self.engine) if self.engine is not None else self._held
         where = self.where
         t = where[2] if where is not None else 0
         tp = self.plan.degree(*where[:2]) if where is not None else 1
         out = {}
-        for idx, st in layers.items():
-            for name, p in st["params"].items():
+        for key, st in units.items():
+            for name, p in st.get("params", {}).items():
                 opt = st["opt"].get(name, {})
+                # bf16: the fp32 master weights are what the optimizer steps.
+                p = st.get("master", {}).get(name, p)
                 tensors = (p, *(opt[k] for k in sorted(opt) if hasattr(opt[k], "dim") and opt[k].dim() > 0))
                 # Uniform TP: a layer shards itself over DeepSpeed's model-parallel group in
                 # its own way, so a TP piece is named by its TP index, not placed.
-                out[f"{idx}.{name}" if tp == 1 else f"{idx}.{name}@tp{t}"] = Shard(tensors)
+                full = param_name(key, name)
+                out[full if tp == 1 else f"{full}@tp{t}"] = Shard(tensors)
+        return out
+
+    def full_state(self) -> dict[str, Any]:
+        """DeepSpeed's own complete state of this rank, by layout-independent names
+        (``docs/deepspeed.md``): every parameter (``"3.fc.weight"``, tied groups once as
+        ``"tied_modules.embed.weight"``), bf16 master weights (``"master.<param>"``), the
+        optimizer state per parameter (``"optimizer.<param>.<key>"``, step counts
+        included), the hyperparameters per parameter group (the LR the scheduler set),
+        the LR scheduler's state, the engine's step counters, the dropout RNG's seed
+        rule and the data position (the next iteration). Empty on a rank that runs
+        nothing (a standby, or idle in a partial replica)."""
+        from resihp_adapters.deepspeed.state import flat_state
+
+        if self.idle or self.engine is None:
+            return {}
+        out = flat_state(self.engine)
+        out["data.iteration"] = int(self.engine.iteration)
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -285,7 +312,7 @@ class DeepSpeedAdapter(Adapter):
         import torch.distributed as tdist
 
         from resihp_core import checkpoints
-        from resihp_adapters.deepspeed.state import extract_layers
+        from resihp_adapters.deepspeed.state import extract_units, unit_name
 
         if self.engine is None:
             return  # idle or a standby: not in DeepSpeed's world
@@ -296,10 +323,12 @@ class DeepSpeedAdapter(Adapter):
             try:
                 path = self._ckpt_dir(iteration)
                 os.makedirs(path, exist_ok=True)
-                for idx, st in extract_layers(self.engine).items():
-                    final = os.path.join(path, f"layer_{idx:04d}-tp{t}.pt")
-                    torch.save(st, final + ".tmp")
-                    os.replace(final + ".tmp", final)
+                for key, st in extract_units(self.engine).items():
+                    # Tied groups and the global unit are held by several stages: each
+                    # writes its own temporary.
+                    final = os.path.join(path, f"{unit_name(key)}-tp{t}.pt")
+                    torch.save(st, f"{final}.{os.getpid()}.tmp")
+                    os.replace(f"{final}.{os.getpid()}.tmp", final)
                     nbytes += os.path.getsize(final)
             except (OSError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"
@@ -326,7 +355,7 @@ class DeepSpeedAdapter(Adapter):
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         import torch
 
-        from resihp_adapters.deepspeed.state import apply_layers
+        from resihp_adapters.deepspeed.state import apply_layers, unit_keys, unit_name
 
         if self.engine is None:
             self._held = {}
@@ -334,10 +363,10 @@ class DeepSpeedAdapter(Adapter):
         path = self._ckpt_dir(iteration)
         t = self.xplan.location(self.ctx.device)[2]
         layers = {}
-        for idx in self.engine.module.local_layers():
-            f = os.path.join(path, f"layer_{idx:04d}-tp{t}.pt")
+        for idx in unit_keys(self.engine):
+            f = os.path.join(path, f"{unit_name(idx)}-tp{t}.pt")
             if not os.path.exists(f):
-                raise FileNotFoundError(f"checkpoint of iteration {iteration} has no layer {idx} (TP index {t}): {f}")
+                raise FileNotFoundError(f"checkpoint of iteration {iteration} has no {unit_name(idx)} (TP index {t}): {f}")
             layers[idx] = torch.load(f, weights_only=True)
         apply_layers(self.engine, layers)
         self._held = {}
@@ -352,6 +381,14 @@ class DeepSpeedAdapter(Adapter):
 
 
 # ---------------------------------------------------------------------- helpers
+def initial_stage0_layers(num_layers: int, pp: int) -> range:
+    """The layers stage 0 holds in the job's initial partition (DeepSpeed's uniform
+    split, as ``resihp launch`` starts): DeepSpeed's gradient clipping counts these."""
+    from deepspeed.runtime.utils import partition_uniform
+
+    return range(0, int(partition_uniform(num_items=num_layers, num_parts=pp)[1]))
+
+
 def _live(plan: ParallelPlan) -> list[int]:
     from resihp_adapters.deepspeed.engine import live_replicas
 

@@ -35,7 +35,10 @@ __all__ = ["initialize", "ResilientEngine", "StockEngine"]
 
 
 class ResilientEngine:
-    """The user's handle under ``resihp launch``: ``train_batch()`` per iteration."""
+    """The user's handle under ``resihp launch``: behaves like DeepSpeed's
+    ``PipelineEngine`` for what pipeline scripts call (``train_batch``, ``module``,
+    ``global_rank``, ``get_lr``, ``is_last_stage``, ...), each call going to the engine
+    of the current plan generation (rebuilt at every reconfiguration)."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -44,9 +47,16 @@ class ResilientEngine:
     def adapter(self) -> Any:
         return self.worker.adapter
 
-    def train_batch(self) -> float | None:
+    @property
+    def current(self) -> Any:
+        """The current generation's :class:`~.engine.ResiPipelineEngine` (None on a rank
+        that runs nothing in it)."""
+        return self.worker.adapter.engine
+
+    def train_batch(self, data_iter: Any = None) -> float | None:
         """Train one iteration; its global mean loss (on last-stage ranks; elsewhere the
-        value DeepSpeed broadcasts), or None once the job has ended."""
+        value DeepSpeed broadcasts), or None once the job has ended. ``data_iter`` is
+        ignored: micro-batches are read by address from ``training_data``."""
         r = self.worker.step()
         if r is None:
             return None
@@ -56,16 +66,45 @@ class ResilientEngine:
     def iteration(self) -> int:
         return self.worker.iteration
 
+    @property
+    def global_steps(self) -> int:
+        return self.worker.iteration
+
+    @property
+    def module(self) -> Any:
+        """This rank's ``PipelineModule`` of the current generation."""
+        e = self.current
+        return e.module if e is not None else None
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank as the launcher numbered it (stable across generations;
+        the rank inside a generation's world is ``current.global_rank``)."""
+        return int(os.environ.get("RANK", self.worker.device))
+
+    def get_lr(self) -> list[float] | None:
+        """The learning rate per parameter group (None on a rank that runs nothing now)."""
+        e = self.current
+        return e.get_lr() if e is not None else None
+
+    def full_state(self) -> dict[str, Any]:
+        """DeepSpeed's complete state of this rank by layout-independent names
+        (:meth:`~.adapter.DeepSpeedAdapter.full_state`)."""
+        return self.worker.adapter.full_state()
+
     def is_last_stage(self) -> bool:
         """True on ranks whose loss is the global mean (DeepSpeed's loss stage)."""
-        e = self.worker.adapter.engine
+        e = self.current
         return bool(e is not None and e.is_last_stage())
+
+    def is_first_stage(self) -> bool:
+        e = self.current
+        return bool(e is not None and e.is_first_stage())
 
     def close(self) -> None:
         """Release the engine and this generation's process groups (idempotent; also
         run at exit, when the script's loop ends before the job's stop reached it)."""
         self.worker.adapter.close()
-
 
 class StockEngine:
     """Plain DeepSpeed (no ResiHP runtime): the same interface, the same data order."""
@@ -77,6 +116,24 @@ class StockEngine:
 
     def is_last_stage(self) -> bool:
         return bool(self.engine.is_last_stage())
+
+    def is_first_stage(self) -> bool:
+        return bool(self.engine.is_first_stage())
+
+    @property
+    def module(self) -> Any:
+        return self.engine.module
+
+    @property
+    def global_rank(self) -> int:
+        return int(self.engine.global_rank)
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
 
     def train_batch(self) -> float:
         loss = self.engine.train_batch(self._data)
@@ -107,6 +164,11 @@ def initialize(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     base_seed: int = 1234,
     num_stages: int | None = None,
+    lr_scheduler: Callable[[Any], Any] | None = None,
+    activation_checkpoint_interval: int = 0,
+    checkpointable_layers: list[str] | None = None,
+    shuffle: bool = False,
+    data_seed: int = 0,
 ) -> ResilientEngine | StockEngine:
     """ResiHP's stand-in for ``deepspeed.initialize`` (see the module docstring).
 
@@ -117,10 +179,20 @@ def initialize(
         (``ACCELERATE_DEEPSPEED_CONFIG_FILE``). Its ``resihp`` section is ResiHP's.
     :param training_data: a map-style dataset; ``collate_fn`` makes ``(inputs, labels)``.
     :param num_stages: pipeline stages for a stock launch (default: ``resihp.pp``, 2).
+    :param lr_scheduler: a factory ``optimizer -> scheduler`` (as DeepSpeed accepts);
+        None: the DeepSpeed config's ``scheduler``, if any. Its state is carried across
+        reconfigurations.
+    :param activation_checkpoint_interval, checkpointable_layers: as ``PipelineModule``'s.
+    :param shuffle, data_seed: False: the order of the pipeline engine's own
+        ``training_data`` loader; True: the order ``engine.deepspeed_io(dataset)`` gives
+        (a shuffling ``DistributedSampler`` with seed ``data_seed``). Either way every
+        micro-batch is addressed by (iteration, replica, micro-batch).
     """
     cfg = load_ds_config(config)
     spec = PipelineSpec(layers=list(layers), config=cfg, dataset=training_data, loss_fn=loss_fn,
-                        collate_fn=collate_fn, optimizer=optimizer, base_seed=base_seed)
+                        collate_fn=collate_fn, optimizer=optimizer, base_seed=base_seed, lr_scheduler=lr_scheduler,
+                        activation_checkpoint_interval=activation_checkpoint_interval,
+                        checkpointable_layers=checkpointable_layers, shuffle=shuffle, data_seed=data_seed)
     if os.environ.get("RESIHP_STORE"):
         from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
         from resihp_core.runtime.worker import Worker
@@ -148,15 +220,21 @@ def _stock(spec: PipelineSpec, num_stages: int) -> StockEngine:
 
     prepare_deepspeed(float(spec.resihp.get("timeout_s", 600)))
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    from resihp_adapters.deepspeed.spec import torch_optimizer_config
+
     module = PipelineModule(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
-                            base_seed=spec.base_seed, partition_method="uniform")
+                            base_seed=spec.base_seed, partition_method="uniform",
+                            activation_checkpoint_interval=spec.activation_checkpoint_interval,
+                            checkpointable_layers=spec.checkpointable_layers)
     opt = spec.optimizer
     if opt is not None and not isinstance(opt, torch.optim.Optimizer):
         opt = opt([p for p in module.parameters() if p.requires_grad])
-    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=dict(spec.config))
+    cfg = torch_optimizer_config(spec.config, log=lambda m: print(f"resihp: {m}", flush=True))
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=cfg, lr_scheduler=spec.lr_scheduler)
     if any(p.dtype == torch.float64 for p in module.parameters()):
         engine.communication_data_type = torch.float64
     dp = engine.grid.data_parallel_size
     source = MicroBatchSource(spec.dataset, spec.collate_fn or MicroBatchSource.default_collate,
-                              spec.micro_batch_size, engine.gradient_accumulation_steps(), dp)
+                              spec.micro_batch_size, engine.gradient_accumulation_steps(), dp,
+                              shuffle=spec.shuffle, seed=spec.data_seed)
     return StockEngine(engine, source)

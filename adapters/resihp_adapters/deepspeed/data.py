@@ -7,11 +7,16 @@ and computes every micro-batch's sample indices from its address, so a recovered
 migrated micro-batch is exactly the one the fault-free run would have read.
 
 The index layout is the one DeepSpeed's pipeline engine gets from its
-``DistributedSampler(shuffle=False)`` over ``replicas`` data-parallel ranks: replica
-``r``'s k-th micro-batch (k counted over iterations) holds samples
-``replicas * (k * micro_batch_size + i) + r``. ``replicas`` is the job's *nominal* DP
-degree (fixed for the job), so a replica keeps its share of the data when the plan's
-replica count changes.
+``DistributedSampler(shuffle=False)`` over ``replicas`` data-parallel ranks (the
+engine's own ``training_data`` loader): replica ``r``'s k-th micro-batch (k counted over
+iterations) holds the sampler's positions ``k * micro_batch_size + i``, repeating the
+epoch as DeepSpeed's ``RepeatingLoader`` does. With ``shuffle`` it is the order
+``engine.deepspeed_io(dataset)`` gives: ``DistributedSampler(shuffle=True, seed=seed)``
+at epoch 0 on every pass (DeepSpeed's loader never advances the epoch). ``replicas`` is
+the job's *nominal* DP degree (fixed for the job), so a replica keeps its share of the
+data when the plan's replica count changes. An epoch whose per-replica length is not a
+multiple of the micro-batch size ends in a short batch under DeepSpeed; here batches run
+on into the next pass instead.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class MicroBatchSource:
     micro_batch_size: int
     num_microbatches: int
     replicas: int
+    shuffle: bool = False
+    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "num_microbatches", "replicas"):
@@ -51,7 +58,28 @@ class MicroBatchSource:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
         k = iteration * self.num_microbatches + mb
         n = len(self.dataset)
-        return [(self.replicas * (k * self.micro_batch_size + i) + replica) % n for i in range(self.micro_batch_size)]
+        per_replica = -(-n // self.replicas)  # DistributedSampler pads to a multiple of replicas
+        order = self._order()
+        out = []
+        for i in range(self.micro_batch_size):
+            pos = (k * self.micro_batch_size + i) % per_replica
+            g = (pos * self.replicas + replica) % n
+            out.append(order[g] if order is not None else g)
+        return out
+
+    def _order(self) -> list[int] | None:
+        """The shuffled dataset order (``DistributedSampler``'s, epoch 0), or None."""
+        if not self.shuffle:
+            return None
+        cached = self.__dict__.get("_perm")
+        if cached is None:
+            import torch
+
+            g = torch.Generator()
+            g.manual_seed(int(self.seed))
+            cached = torch.randperm(len(self.dataset), generator=g).tolist()
+            object.__setattr__(self, "_perm", cached)
+        return cached
 
     def micro_batch(self, iteration: int, replica: int, mb: int) -> Any:
         """The collated micro-batch at this address."""

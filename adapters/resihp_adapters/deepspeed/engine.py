@@ -333,6 +333,12 @@ class ResiPipelineEngine(PipelineEngine):
         # over its replicas. None: DeepSpeed's gradient_accumulation_steps (stock).
         self.loss_divisor: float | None = None
         self.micro_batch_address: Callable[[int, int], tuple[int, int]] | None = None
+        # Micro-batches per data shard and iteration, for DeepSpeed's per-layer dropout
+        # seed (``PipelineModule.micro_offset``); None: this plan's count.
+        self.rng_microbatches: int | None = None
+        # Layers of stage 0 in the job's initial partition: DeepSpeed's gradient-norm
+        # clipping counts only those (see :meth:`clip_fp32_gradients`); None: this layout's.
+        self.clip_norm_layers: range | None = None
         self.timings: list[tuple[str, int, int, float]] = []
         self._lowered: LoweredSchedule | None = None
         self._owner_mb: dict[int, tuple[int, int]] = {}
@@ -348,6 +354,36 @@ class ResiPipelineEngine(PipelineEngine):
             # DeepSpeed reduces gradients in float32 unless told otherwise, and its JSON
             # config cannot say float64: keep a float64 model's reduction exact.
             self.communication_data_type = torch.float64
+
+    def _configure_bf16_optimizer(self, optimizer: Any) -> Any:
+        """DeepSpeed's ``BF16_Optimizer``, with the fp32 master weights and their optimizer
+        state kept whole on every replica: DeepSpeed partitions them over the stage's
+        data-parallel ranks (as ZeRO 1 would), so a dead rank would take its part of
+        them along. Gradients are still all-reduced in full over the replicas, so each
+        replica steps the same update (``docs/deepspeed.md``)."""
+        mpu = self.mpu
+        if mpu is None or mpu.get_slice_parallel_world_size() != 1:
+            raise ValueError("bf16 with tensor parallelism: ResiHP's DeepSpeed adapter keeps the fp32 master "
+                             "weights whole per rank and supports bf16 with TP degree 1 only")
+        saved = self.seq_data_parallel_group
+        self.seq_data_parallel_group = mpu.get_slice_parallel_group()  # this rank alone
+        try:
+            bf = super()._configure_bf16_optimizer(optimizer)
+        finally:
+            self.seq_data_parallel_group = saved
+        # A stage whose only parameters are a tied copy another stage owns (a plan may cut
+        # it so) has no gradient for the norm, and DeepSpeed's norm of an empty list
+        # raises: give it a zero, which adds nothing to the global norm.
+        counted = bf.get_grads_for_norm
+
+        def grads_for_norm(for_clipping: bool = False) -> Any:
+            out = counted(for_clipping=for_clipping)
+            if not for_clipping and not out[0]:
+                return [torch.zeros(1, dtype=torch.float32)], out[1]
+            return out
+
+        bf.get_grads_for_norm = grads_for_norm
+        return bf
 
     # -------------------------------------------------------------- configuration
     def set_work(self, plan: ParallelPlan, program: Program, source: Any) -> None:
@@ -454,6 +490,15 @@ class ResiPipelineEngine(PipelineEngine):
 
     def _exec_forward(self, buffer_id: int) -> None:
         t0 = time.perf_counter()
+        # DeepSpeed seeds each layer's forward from the count of forwards this rank ran
+        # (``seed_layers``). Set that count from the micro-batch's data address instead,
+        # so a moved, migrated or replayed micro-batch draws the dropout masks the
+        # fault-free run drew (and the fault-free run draws stock DeepSpeed's).
+        owner, mb = self._owner_mb[buffer_id]
+        if self.micro_batch_address is not None:
+            _, mb = self.micro_batch_address(owner, mb)
+        m = self.rng_microbatches or (self.plan.num_microbatches if self.plan is not None else self.micro_batches)
+        self.module.micro_offset = self.iteration * m + mb
         super()._exec_forward_pass(buffer_id)
         if self.is_last_stage():
             self.pipe_buffers["losses"][buffer_id] = self.loss
@@ -527,8 +572,10 @@ class ResiPipelineEngine(PipelineEngine):
         self._drain()
         ok = True if self.commit_hook is None else bool(self.commit_hook(self))
         if not ok:
+            from resihp_adapters.deepspeed.state import zero_grads
+
             self._aborted = True
-            self.optimizer.zero_grad(set_to_none=True)
+            zero_grads(self)
 
     def _exec_reduce(self) -> None:
         if self.fault_hook is not None:
@@ -539,6 +586,59 @@ class ResiPipelineEngine(PipelineEngine):
         if getattr(self, "_aborted", False):
             return
         super()._exec_optimizer_step(lr_kwargs)
+
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed's fp32 gradient clipping, independent of the layout.
+
+        DeepSpeed's ``clip_grad_norm_`` counts a parameter only on model-parallel rank
+        0, which in a pipeline is stage 0: the norm is that of stage 0's gradients (tied
+        copies there included). Which layers sit on stage 0 changes with a repartition,
+        so the clip factor would change too. This computes the same norm over the layers
+        stage 0 held in the job's *initial* partition (:attr:`clip_norm_layers`), from
+        every stage's per-parameter norms in DeepSpeed's order, with DeepSpeed's own
+        float32 arithmetic: bit-identical to stock DeepSpeed in the initial layout, and
+        unchanged by any later one (``docs/deepspeed.md``)."""
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        from deepspeed.utils import groups
+
+        keep = self.clip_norm_layers
+        if keep is None or self.grid.get_slice_parallel_world_size() != 1 or any(
+                is_model_parallel_parameter(p) for p in self.module.parameters()):
+            return super().clip_fp32_gradients()
+        tied = {}
+        for idx, spec in enumerate(self.module._layer_specs):
+            key = getattr(spec, "key", None)
+            if key is not None and hasattr(spec, "tied_weight_attr"):
+                tied.setdefault(key, idx)  # the first layer using it: where its copy is built first
+        counted = {k for k, idx in tied.items()
+                   if any(i in keep for i, s in enumerate(self.module._layer_specs) if getattr(s, "key", None) == k)}
+
+        def order(name: str) -> tuple[int, int] | None:
+            head = name.split(".", 2)
+            if head[0] == "tied_modules":
+                return (0, tied[head[1]]) if head[1] in counted else None
+            return (1, int(head[0])) if int(head[0]) in keep else None
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        mine = [(n, order(n), i, p.grad.data.detach().float().norm(2.0)) for i, (n, p) in
+                enumerate((n, p) for n, p in self.module.named_parameters() if p.grad is not None)]
+        mine = [m for m in mine if m[1] is not None]
+        gathered: list[Any] = [None] * self.mpu.get_model_parallel_world_size()
+        tdist.all_gather_object(gathered, mine, group=self.mpu.get_model_parallel_group())
+        seen: dict[str, tuple[tuple[int, int], int, torch.Tensor]] = {}
+        for part in gathered:
+            for n, o, i, v in part:
+                seen.setdefault(n, (o, i, v))  # a tied copy held by several stages counts once
+        norms = [v for o, i, v in sorted(seen.values(), key=lambda t: (t[0], t[1]))]
+        total = torch.stack(norms).pow(2.0).sum().float() if norms else torch.zeros(1, dtype=torch.float32)
+        total = total.pow(1.0 / 2.0)
+        pg = groups._get_data_parallel_group()
+        scaled = total * 1.0 / float(tdist.get_world_size(group=pg))
+        tdist.all_reduce(scaled, group=pg)
+        clip = torch.tensor([float(self.gradient_clipping())]) / (scaled + 1e-6)
+        clip = torch.min(torch.tensor([1.0]), clip)
+        for p in params:
+            p.grad.data.mul_(clip)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

@@ -72,6 +72,28 @@ def read_resihp_section(ds_config: dict[str, Any], path: str) -> dict[str, Any]:
     return sec
 
 
+def check_script_calls_initialize(script: str) -> None:
+    """Refuse a script that never calls ``initialize`` (ResiHP's or DeepSpeed's): under
+    ``resihp launch`` its workers would train nothing the runtime can see, and their exit
+    would read as failed devices."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(script).read_text(), filename=script)
+    except (OSError, SyntaxError) as e:
+        raise ValueError(f"{script}: cannot read the training script ({e})") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == "initialize":
+                return
+            if isinstance(f, ast.Attribute) and f.attr == "initialize" and not (
+                    isinstance(f.value, ast.Name) and f.value.id == "deepspeed"):
+                return
+    raise ValueError(f"{script} never calls initialize(): under 'resihp launch' the script must build its engine "
+                     "with resihp_adapters.deepspeed.initialize (docs/deepspeed.md)")
+
+
 def build_job(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path):
     """Plan, topology, job description, planner state and planner of the launch."""
     from resihp_core.job import JobSpec
@@ -114,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from resihp_core.runtime.resilient import run_resilient
     from resihp_core.faults import repairs
 
-    from resihp_adapters.deepspeed.spec import load_ds_config
+    from resihp_adapters.deepspeed.spec import check_supported, load_ds_config
 
     script = os.path.abspath(args.training_script)
     script_args = [a for a in args.training_script_args if a != "--"] if args.training_script_args else []
@@ -122,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
         a, env = accelerate_env(args.config_file, script, script_args)
         ds = load_ds_config(a.deepspeed_config_file)
         sec = read_resihp_section(ds, a.deepspeed_config_file)
+        # Configuration errors stop here, with the reason, before any worker starts (a
+        # worker that refused its config would otherwise look like a failed device).
+        check_supported(ds)
+        check_script_calls_initialize(script)
         work = Path(args.workdir or tempfile.mkdtemp(prefix="resihp-launch-"))
         plan, topology, spec, state, planner, faults = build_job(int(a.num_processes), ds, sec, work)
     except (ValueError, OSError) as e:

@@ -31,7 +31,10 @@ from resihp_adapters.deepspeed.state import (
     check_zero_stage,
     exchange_layers,
     extract_layers,
+    tied_layers,
     transfer_plan,
+    unit_keys,
+    unit_name,
 )
 from resihp_adapters.deepspeed.world import (
     bound_op_timeouts,
@@ -118,7 +121,7 @@ class PipelineRunner:
         if previous is not None:
             have = (set(previous.devices()) & set(plan.devices())) - set(lost)
         try:
-            transfers = transfer_plan(previous, plan, have)
+            transfers = transfer_plan(previous, plan, have, self._tied())
             restore = False
         except LayersLost:
             if checkpoint_dir is None:
@@ -136,7 +139,7 @@ class PipelineRunner:
             self.iteration = self._restore(checkpoint_dir)  # type: ignore[arg-type]
         else:
             received, _ = exchange_layers(self.device, plan, transfers, mine)
-            keep = {i: st for i, st in mine.items() if i in self.engine.module.local_layers()}
+            keep = {i: st for i, st in mine.items() if i in unit_keys(self.engine)}
             if keep or received:
                 apply_layers(self.engine, {**keep, **received})
         self.engine.iteration = self.iteration
@@ -145,6 +148,16 @@ class PipelineRunner:
         t4 = time.perf_counter()
         self.last_rebuild_s = {"teardown": t1 - t0, "join": t2 - t1, "build": t3 - t2, "state": t4 - t3}
         return True
+
+    def _tied(self) -> dict[str, set[int]]:
+        """Tie key -> layer indices of the model (``TiedLayerSpec`` groups)."""
+        from deepspeed.runtime.pipe.module import TiedLayerSpec
+
+        out: dict[str, set[int]] = {}
+        for i, spec in enumerate(self.layers):
+            if isinstance(spec, TiedLayerSpec):
+                out.setdefault(spec.key, set()).add(i)
+        return out
 
     def _build(self, plan: ParallelPlan) -> Any:
         cfg = ds_config_for(self.config, micro_batch_size=self.micro_batch_size,
@@ -162,6 +175,9 @@ class PipelineRunner:
         program = next(p for p in emit_programs(plan) if (p.replica, p.stage) == (replica, stage))
         engine.set_work(plan, program, self.source)
         engine.commit_hook = self.commit_hook
+        from resihp_adapters.deepspeed.adapter import initial_stage0_layers
+
+        engine.clip_norm_layers = initial_stage0_layers(len(self.layers), plan.pp)
         return engine
 
     # ---------------------------------------------------------------- iterations
@@ -188,9 +204,9 @@ class PipelineRunner:
             return
         os.makedirs(path, exist_ok=True)
         for idx, st in extract_layers(self.engine).items():
-            tmp = os.path.join(path, f".layer_{idx:04d}-tp{t}.pt.tmp")
+            tmp = os.path.join(path, f".{unit_name(idx)}-tp{t}.pt.{os.getpid()}.tmp")
             torch.save(st, tmp)
-            os.replace(tmp, os.path.join(path, f"layer_{idx:04d}-tp{t}.pt"))
+            os.replace(tmp, os.path.join(path, f"{unit_name(idx)}-tp{t}.pt"))
         if stage == 0 and t == 0:
             tmp = os.path.join(path, ".meta.json.tmp")
             with open(tmp, "w") as f:
@@ -204,10 +220,10 @@ class PipelineRunner:
             meta = json.load(f)
         _, _, t = self.plan.location(self.device)  # type: ignore[union-attr,misc]
         layers = {}
-        for idx in self.engine.module.local_layers():
-            f = os.path.join(path, f"layer_{idx:04d}-tp{t}.pt")
+        for idx in unit_keys(self.engine):
+            f = os.path.join(path, f"{unit_name(idx)}-tp{t}.pt")
             if not os.path.exists(f):
-                raise FileNotFoundError(f"checkpoint {path} has no state for layer {idx} (TP index {t})")
+                raise FileNotFoundError(f"checkpoint {path} has no state for {unit_name(idx)} (TP index {t})")
             layers[idx] = torch.load(f, weights_only=True)
         apply_layers(self.engine, layers)
         return int(meta["iteration"])

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["PipelineSpec", "load_ds_config", "spec_from_adapter_config", "optimizer_factory"]
+__all__ = ["PipelineSpec", "load_ds_config", "spec_from_adapter_config", "optimizer_factory", "torch_optimizer_config",
+           "check_supported"]
 
 
 @dataclass
@@ -31,6 +32,11 @@ class PipelineSpec:
     collate_fn: Callable[[list[Any]], Any] | None = None
     optimizer: Any = None
     base_seed: int = 1234
+    lr_scheduler: Any = None
+    activation_checkpoint_interval: int = 0
+    checkpointable_layers: list[str] | None = None
+    shuffle: bool = False
+    data_seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,6 +49,13 @@ class PipelineSpec:
             raise ValueError(f"DeepSpeed config: train_micro_batch_size_per_gpu must be an integer >= 1, got {mbs!r}")
         if not hasattr(self.dataset, "__getitem__") or not hasattr(self.dataset, "__len__"):
             raise ValueError("PipelineSpec.dataset must be map-style (__getitem__ and __len__)")
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            raise ValueError("lr_scheduler must be a factory 'optimizer -> scheduler' (DeepSpeed accepts one too): "
+                             "ResiHP builds the engine again for every plan generation and carries the scheduler's "
+                             "state over; a built scheduler is tied to one optimizer")
+        if hasattr(self.lr_scheduler, "state_dict") and hasattr(self.lr_scheduler, "step"):
+            raise ValueError("lr_scheduler is a built scheduler; give a factory 'optimizer -> scheduler' instead "
+                             "(ResiHP builds the engine again for every plan generation)")
 
     @property
     def micro_batch_size(self) -> int:
@@ -101,3 +114,45 @@ def optimizer_factory(optimizer: Any) -> Any:
         cls, defaults = type(optimizer), dict(optimizer.defaults)
         return lambda params: cls(params, **defaults)
     return optimizer
+
+
+#: DeepSpeed JSON optimizers that DeepSpeed builds as ``FusedAdam`` (a JIT-compiled op).
+_FUSED_ADAM = ("adam", "adamw")
+
+
+def torch_optimizer_config(config: Mapping[str, Any], *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The config with ``optimizer.params.torch_adam = true`` where the JSON names
+    ``Adam``/``AdamW`` and no GPU is present: DeepSpeed would JIT-build ``FusedAdam``
+    for the CPU (minutes: ``docs/deepspeed.md``); with ``torch_adam`` DeepSpeed itself
+    builds ``torch.optim.Adam``/``AdamW`` (``AdamW`` unless ``adam_w_mode`` is false, as
+    ``FusedAdam``'s default) with the same settings."""
+    import torch
+
+    cfg = dict(config)
+    opt = cfg.get("optimizer")
+    if not isinstance(opt, Mapping) or str(opt.get("type", "")).lower() not in _FUSED_ADAM:
+        return cfg
+    params = dict(opt.get("params") or {})
+    if "torch_adam" in params or torch.cuda.is_available():
+        return cfg
+    params["torch_adam"] = True
+    cfg["optimizer"] = {**opt, "params": params}
+    if log is not None:
+        log(f"DeepSpeed config optimizer {opt.get('type')!r}: no GPU, so DeepSpeed would JIT-build FusedAdam for "
+            "the CPU (minutes); using DeepSpeed's own torch fallback (optimizer.params.torch_adam=true) instead")
+    return cfg
+
+
+def check_supported(config: Mapping[str, Any]) -> None:
+    """Refuse, with the reason, what the adapter cannot carry across a reconfiguration."""
+    zero = int((config.get("zero_optimization") or {}).get("stage", 0))
+    if zero >= 2:
+        raise ValueError(f"zero_optimization.stage={zero}: DeepSpeed pipelines support ZeRO stages 0 and 1 only "
+                         "(DeepSpeed itself refuses 2 and 3 with pipeline parallelism)")
+    if zero == 1:
+        raise ValueError("zero_optimization.stage=1: ResiHP's DeepSpeed adapter needs stage 0. ZeRO 1 partitions "
+                         "the optimizer state across data-parallel ranks, so a dead rank's shard is lost and "
+                         "DeepSpeed cannot re-partition it onto a new layout in place")
+    if (config.get("fp16") or {}).get("enabled"):
+        raise ValueError("fp16.enabled: ResiHP's DeepSpeed adapter does not carry fp16's dynamic loss scaler across "
+                         "a reconfiguration yet; use bf16 (carried: master weights and their optimizer state) or fp32")

@@ -11,31 +11,40 @@ no survivor holds means the state must come from a checkpoint (:class:`LayersLos
 from __future__ import annotations
 
 import io
+import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Union
 
 from resihp_core.adapter import StateLost
 from resihp_core.plan import ParallelPlan
 
-__all__ = ["LayersLost", "Transfer", "transfer_plan", "layers_of", "extract_layers", "apply_layers",
+__all__ = ["LayersLost", "Transfer", "transfer_plan", "layers_of", "units_of", "extract_units", "apply_units",
+           "extract_layers", "apply_layers", "unit_keys", "unit_name", "tied_layers", "GLOBAL", "zero_grads",
            "pack", "unpack", "check_zero_stage", "exchange_layers"]
+
+#: A piece of state that moves as a whole: a global layer index, a tied group
+#: (``"tied.<key>"``) or :data:`GLOBAL`.
+Unit = Union[int, str]
 
 
 class LayersLost(StateLost):
     """No surviving rank holds some layer's state: restore from a checkpoint (the
     contract's state-lost signal, which the supervisor acts on)."""
 
-    def __init__(self, missing: dict[int, list[int]]) -> None:
+    def __init__(self, missing: dict[int, list[Any]]) -> None:
         self.missing = missing
-        where = "; ".join(f"device {d}: layers {ls}" for d, ls in sorted(missing.items()))
+        where = "; ".join(f"device {d}: layers {[u for u in ls if isinstance(u, int)]}"
+                          + "".join(f", {u}" for u in ls if not isinstance(u, int))
+                          for d, ls in sorted(missing.items()))
         super().__init__(f"no survivor holds the state these devices need ({where}); restore from a checkpoint")
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """Layer ``layer`` goes from device ``src`` to device ``dst``."""
+    """Unit ``layer`` (a global layer index, a tied group or :data:`GLOBAL`) goes from
+    device ``src`` to device ``dst``."""
 
-    layer: int
+    layer: Unit
     src: int
     dst: int
 
@@ -50,35 +59,57 @@ def layers_of(plan: ParallelPlan, device: int) -> tuple[range, int] | None:
     return range(a, b), t
 
 
-def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Iterable[int]) -> list[Transfer]:
-    """Every layer move ``new`` needs. ``have_state`` are the devices that still hold
+def units_of(plan: ParallelPlan, device: int, tied: Mapping[str, set[int]] | None = None) -> tuple[list[Unit], int] | None:
+    """The units ``device`` holds in ``plan`` (its layers, the tied groups any of them
+    uses, :data:`GLOBAL`) and its TP index; None for a device the plan leaves out."""
+    held = layers_of(plan, device)
+    if held is None:
+        return None
+    rng, t = held
+    units: list[Unit] = list(rng)
+    units += sorted(tied_unit(k) for k, idx in (tied or {}).items() if set(rng) & set(idx))
+    return units + [GLOBAL], t
+
+
+def _spread(key: Unit) -> int:
+    return key if isinstance(key, int) else zlib.crc32(str(key).encode())
+
+
+def _order(key: Unit) -> tuple[int, int, str]:
+    return (0, key, "") if isinstance(key, int) else (1, 0, str(key))
+
+
+def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Iterable[int],
+                  tied: Mapping[str, set[int]] | None = None) -> list[Transfer]:
+    """Every unit move ``new`` needs. ``have_state`` are the devices that still hold
     their ``old`` state and are in ``new``'s world (senders must be in the new world).
-    A device keeps the layers it already holds; others get each layer from a holder
-    (rotated by layer index to spread the load). Raises :class:`LayersLost`."""
+    A device keeps the units it already holds; others get each unit from a holder
+    (rotated by unit to spread the load). ``tied``: tie key -> layer indices (a tied
+    group is held by every stage with one of its layers). Raises :class:`LayersLost`."""
     if old is None:
         return []
-    holders: dict[tuple[int, int], list[int]] = {}
+    holders: dict[tuple[Unit, int], list[int]] = {}
     have = set(have_state)
     for d in sorted(have):
-        held = layers_of(old, d)
+        held = units_of(old, d, tied)
         if held is None or new.location(d) is None:
             continue
-        rng, t = held
-        for layer in rng:
-            holders.setdefault((layer, t), []).append(d)
+        units, t = held
+        for u in units:
+            holders.setdefault((u, t), []).append(d)
     out: list[Transfer] = []
-    missing: dict[int, list[int]] = {}
+    missing: dict[int, list[Unit]] = {}
     for d in new.devices():
-        rng, t = layers_of(new, d)  # type: ignore[misc]
-        mine = layers_of(old, d) if d in have else None
-        for layer in rng:
-            if mine is not None and layer in mine[0] and mine[1] == t:
+        units, t = units_of(new, d, tied)  # type: ignore[misc]
+        mine = units_of(old, d, tied) if d in have else None
+        for u in units:
+            if mine is not None and u in mine[0] and mine[1] == t:
                 continue
-            cands = holders.get((layer, t))
+            cands = holders.get((u, t))
             if not cands:
-                missing.setdefault(d, []).append(layer)
+                missing.setdefault(d, []).append(u)
                 continue
-            out.append(Transfer(layer, cands[layer % len(cands)], d))
+            out.append(Transfer(u, cands[_spread(u) % len(cands)], d))
     if missing:
         raise LayersLost(missing)
     return out
@@ -95,43 +126,237 @@ def check_zero_stage(stage: int, *, moving_state: bool) -> None:
         )
 
 
-# ------------------------------------------------------------- per-layer state
-def extract_layers(engine: Any) -> dict[int, dict[str, Any]]:
-    """Global layer index -> {"params": {name: tensor}, "opt": {name: optimizer state}}
-    for this rank's layers (copies, so the engine can be dropped)."""
-    opt = engine.basic_optimizer
-    out: dict[int, dict[str, Any]] = {}
-    for idx, mod in engine.module.local_layers().items():
-        params, ostate = {}, {}
-        for name, p in mod.named_parameters():
-            params[name] = p.detach().clone()
-            st = opt.state.get(p)
-            if st:
-                ostate[name] = {k: (v.detach().clone() if hasattr(v, "detach") else v) for k, v in st.items()}
-        out[idx] = {"params": params, "opt": ostate}
+# ------------------------------------------------------------- per-unit state
+#: The unit every rank holds: optimizer hyperparameters per parameter group (the LR the
+#: scheduler set), the LR scheduler's own state and the engine's step counters.
+GLOBAL = "global"
+
+
+def tied_unit(key: str) -> str:
+    """Unit name of a ``TiedLayerSpec`` group (one copy per tied group)."""
+    return f"tied.{key}"
+
+
+def unit_name(key: Unit) -> str:
+    """File-safe, layout-independent name of a unit (``layer_0003``, ``tied.embed``, ``global``)."""
+    return f"layer_{key:04d}" if isinstance(key, int) else str(key)
+
+
+def tied_layers(engine_or_module: Any) -> dict[str, set[int]]:
+    """Tie key -> global indices of the layers that use it (the whole model's, from the
+    module's layer specs, so the same on every rank)."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+
+    module = getattr(engine_or_module, "module", engine_or_module)
+    out: dict[str, set[int]] = {}
+    for idx, spec in enumerate(getattr(module, "_layer_specs", [])):
+        if isinstance(spec, TiedLayerSpec):
+            out.setdefault(spec.key, set()).add(idx)
     return out
 
 
-def apply_layers(engine: Any, layers: dict[int, dict[str, Any]]) -> None:
-    """Load extracted layer state into ``engine`` (its optimizer state included)."""
+def unit_keys(engine: Any) -> list[Unit]:
+    """The units this rank's engine holds: its layers (a layer without parameters, or a
+    tied one, is an empty unit), its tied groups and :data:`GLOBAL`."""
+    module = engine.module
+    keys: list[Unit] = list(range(module._local_start, module._local_stop))
+    keys += sorted(tied_unit(k) for k in getattr(module, "tied_modules", {}))
+    return keys + [GLOBAL]
+
+
+def _unit_module(engine: Any, key: Unit) -> Any:
+    if isinstance(key, int):
+        return engine.module.local_layers().get(key)
+    if key.startswith("tied."):
+        return engine.module.tied_modules[key[len("tied."):]] if key[len("tied."):] in engine.module.tied_modules \
+            else None
+    return None
+
+
+def _bf16(engine: Any) -> Any:
+    """DeepSpeed's ``BF16_Optimizer`` wrapping the engine's optimizer, or None."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return engine.optimizer if isinstance(engine.optimizer, BF16_Optimizer) else None
+
+
+def _master_slots(bf: Any) -> dict[int, tuple[int, int, int]]:
+    """id(bf16 parameter) -> (param group, start, numel) of its fp32 master weights in
+    that group's flat fp32 tensor (the engine keeps it whole: ``docs/deepspeed.md``)."""
+    out = {}
+    for gi, group in enumerate(bf.bf16_groups):
+        for p in group:
+            addr = p._hp_mapping.get_hp_fragment_address()
+            if addr.numel != p.numel():
+                raise RuntimeError("the bf16 master weights are partitioned; ResiHP's engine keeps them whole")
+            out[id(p)] = (gi, int(addr.start), int(addr.numel))
+    return out
+
+
+def _clone(v: Any) -> Any:
+    return v.detach().clone() if hasattr(v, "detach") else v
+
+
+def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
+    """Copies of every unit this rank holds (:func:`unit_keys`), so the engine can be
+    dropped. A layer or tied group: ``{"params": {name: tensor}, "opt": {name: {key:
+    state}}}`` plus, with bf16, ``"master": {name: fp32 tensor}`` (the optimizer state
+    is then the master weights' slice of it, and ``step`` its group's step count).
+    :data:`GLOBAL`: optimizer hyperparameters per group, LR scheduler state, counters."""
+    opt = engine.basic_optimizer
+    bf = _bf16(engine)
+    slots = _master_slots(bf) if bf is not None else {}
+    out: dict[Unit, dict[str, Any]] = {}
+    for key in unit_keys(engine):
+        if key == GLOBAL:
+            sched = getattr(engine, "lr_scheduler", None)
+            out[key] = {
+                "groups": [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                "lr_scheduler": _sched_state(sched),
+                "counters": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+                             "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
+            }
+            continue
+        mod = _unit_module(engine, key)
+        params, ostate, master = {}, {}, {}
+        for name, p in (mod.named_parameters() if mod is not None else ()):
+            params[name] = p.detach().clone()
+            if bf is not None:
+                gi, a, n = slots[id(p)]
+                flat = bf.fp32_groups_flat_partition[gi]
+                master[name] = flat.detach().narrow(0, a, n).view_as(p).clone()
+                st = opt.state.get(flat)
+                if st:
+                    ostate[name] = {k: (v.detach().narrow(0, a, n).view_as(p).clone()
+                                        if hasattr(v, "dim") and v.dim() > 0 else _clone(v)) for k, v in st.items()}
+            else:
+                st = opt.state.get(p)
+                if st:
+                    ostate[name] = {k: _clone(v) for k, v in st.items()}
+        out[key] = {"params": params, "opt": ostate, **({"master": master} if bf is not None else {})}
+    return out
+
+
+def _sched_state(sched: Any) -> dict[str, Any] | None:
+    if sched is None:
+        return None
+    return {k: _clone(v) for k, v in sched.state_dict().items() if not callable(v)}
+
+
+def apply_units(engine: Any, units: dict[Unit, dict[str, Any]]) -> None:
+    """Load extracted units into ``engine`` (optimizer state, master weights, LR
+    scheduler and counters included). A rank gets every unit it holds."""
     import torch
 
     opt = engine.basic_optimizer
-    local = engine.module.local_layers()
-    for idx, st in layers.items():
-        mod = local.get(idx)
-        if mod is None:
-            raise KeyError(f"layer {idx} is not held by this rank (holds {sorted(local)})")
-        named = dict(mod.named_parameters())
+    bf = _bf16(engine)
+    slots = _master_slots(bf) if bf is not None else {}
+    mine = set(unit_keys(engine))
+    for key, st in units.items():
+        if key not in mine:
+            raise KeyError(f"unit {unit_name(key)} is not held by this rank (holds {[unit_name(k) for k in mine]})")
+        if key == GLOBAL:
+            _apply_global(engine, st)
+            continue
+        mod = _unit_module(engine, key)
+        named = dict(mod.named_parameters()) if mod is not None else {}
         if set(named) != set(st["params"]):
-            raise KeyError(f"layer {idx}: parameters {sorted(st['params'])} do not match {sorted(named)}")
+            raise KeyError(f"{unit_name(key)}: parameters {sorted(st['params'])} do not match {sorted(named)}")
         with torch.no_grad():
             for name, p in named.items():
                 p.copy_(st["params"][name])
-                if name in st["opt"]:
-                    opt.state[p] = {k: (v.clone() if hasattr(v, "clone") else v) for k, v in st["opt"][name].items()}
+                if bf is not None:
+                    gi, a, n = slots[id(p)]
+                    flat = bf.fp32_groups_flat_partition[gi]
+                    flat.narrow(0, a, n).copy_(st["master"][name].reshape(-1))
+                    saved = st["opt"].get(name)
+                    if saved:
+                        fst = opt.state[flat]
+                        for k, v in saved.items():
+                            if hasattr(v, "dim") and v.dim() > 0:
+                                if k not in fst:
+                                    fst[k] = torch.zeros_like(flat, dtype=v.dtype)
+                                fst[k].narrow(0, a, n).copy_(v.reshape(-1))
+                            else:
+                                fst[k] = _clone(v)
+                elif name in st["opt"]:
+                    opt.state[p] = {k: _clone(v) for k, v in st["opt"][name].items()}
                 else:
                     opt.state.pop(p, None)
+
+
+def _apply_global(engine: Any, st: dict[str, Any]) -> None:
+    groups = engine.basic_optimizer.param_groups
+    if len(groups) != len(st["groups"]):
+        raise KeyError(f"the optimizer has {len(groups)} parameter groups, the saved state {len(st['groups'])}")
+    for g, saved in zip(groups, st["groups"]):
+        for k, v in saved.items():
+            g[k] = _clone(v)
+    sched = getattr(engine, "lr_scheduler", None)
+    if (sched is None) != (st["lr_scheduler"] is None):
+        raise KeyError("the saved state and this engine disagree on whether there is an LR scheduler")
+    if sched is not None:
+        cur = sched.state_dict()
+        cur.update({k: _clone(v) for k, v in st["lr_scheduler"].items()})
+        sched.load_state_dict(cur)
+    c = st["counters"]
+    engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
+    engine.skipped_steps = c["skipped_steps"]
+
+
+def param_name(key: Unit, name: str) -> str:
+    """DeepSpeed's own name of a unit's parameter (as in its module ``state_dict``):
+    ``"3.fc.weight"``, ``"tied_modules.embed.weight"``."""
+    if isinstance(key, int):
+        return f"{key}.{name}"
+    if key.startswith("tied."):
+        return f"tied_modules.{key[len('tied.'):]}.{name}"
+    raise ValueError(f"unit {key!r} has no parameters")
+
+
+def flat_state(engine: Any) -> dict[str, Any]:
+    """:func:`extract_units` flattened to ``{layout-independent name: tensor or value}``
+    (the adapter's ``full_state``)."""
+    out: dict[str, Any] = {}
+    for key, st in extract_units(engine).items():
+        if key == GLOBAL:
+            for i, g in enumerate(st["groups"]):
+                for k, v in g.items():
+                    out[f"optimizer.param_groups.{i}.{k}"] = v
+            for k, v in (st["lr_scheduler"] or {}).items():
+                out[f"lr_scheduler.{k}"] = v
+            for k, v in st["counters"].items():
+                out[f"engine.{k}"] = v
+            continue
+        for name, p in st["params"].items():
+            full = param_name(key, name)
+            out[full] = p
+            if "master" in st:
+                out[f"master.{full}"] = st["master"][name]
+            for k, v in st["opt"].get(name, {}).items():
+                out[f"optimizer.{full}.{k}"] = v
+    module = engine.module
+    out["rng.seed_layers"] = bool(module.seed_layers)
+    out["rng.base_seed"] = int(module.base_seed)
+    return out
+
+
+# Older names (the checkpoint code and the runner use them): every unit, not only layers.
+extract_layers = extract_units
+apply_layers = apply_units
+
+
+def zero_grads(engine: Any) -> None:
+    """Drop accumulated gradients of an iteration that will not be stepped (every
+    optimizer DeepSpeed may wrap: torch's, ``BF16_Optimizer``, ``FusedAdam`` whose
+    ``zero_grad`` takes no ``set_to_none``)."""
+    opt = engine.optimizer
+    try:
+        opt.zero_grad(set_to_none=True)
+    except TypeError:
+        opt.zero_grad()
+        for p in engine.module.parameters():
+            p.grad = None
 
 
 def pack(obj: Any):
@@ -165,7 +390,7 @@ def exchange_layers(device: int, plan: ParallelPlan, transfers: list, mine: dict
             in_b.setdefault(t.src, []).append(t.layer)
     works, keep = [], []
     for dst, layers in sorted(out_b.items()):
-        payload = pack({i: mine[i] for i in layers})
+        payload = pack({i: mine[i] for i in sorted(layers, key=_order)})
         n = torch.tensor([payload.numel()], dtype=torch.int64)
         peer = device_rank(plan, dst)
         keep += [payload, n]
@@ -180,8 +405,8 @@ def exchange_layers(device: int, plan: ParallelPlan, transfers: list, mine: dict
         p2p_wait(tdist.irecv(payload, src=peer))
         nbytes += payload.numel()
         got = unpack(payload)
-        if sorted(got) != sorted(layers):
-            raise RuntimeError(f"device {device}: expected layers {layers} from device {src}, got {sorted(got)}")
+        if sorted(got, key=_order) != sorted(layers, key=_order):
+            raise RuntimeError(f"device {device}: expected units {layers} from device {src}, got {list(got)}")
         received.update(got)
     for w in works:
         p2p_wait(w)

@@ -106,6 +106,13 @@ def teardown_world() -> None:
                  "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mesh_device"):
         if hasattr(groups, name):
             setattr(groups, name, None)
+    # DeepSpeed tracks the autograd graphs its engine's backward runs in a module-level
+    # object; a backward interrupted by a failure can leave a registration behind that the
+    # next engine's gradient hooks would read. Start every generation with a fresh one.
+    ds_engine = importlib.import_module("deepspeed.runtime.engine")
+    if hasattr(ds_engine, "_EngineBackwardGraphTracker"):
+        ds_engine._ENGINE_BACKWARD_GRAPH_TRACKER = ds_engine._EngineBackwardGraphTracker()
+        ds_engine._ENGINE_BACKWARD_GRAPH_CONTEXT.set(())
     if tdist.is_initialized():
         try:
             tdist.destroy_process_group()
@@ -155,6 +162,8 @@ def build_engine(
     seed_layers: bool = True,
     base_seed: int = 1234,
     lr_scheduler: Any = None,
+    activation_checkpoint_interval: int = 0,
+    checkpointable_layers: list[str] | None = None,
 ):
     """A :class:`ResiPipelineModule` over ``parts`` and a :class:`ResiPipelineEngine`,
     built directly (``deepspeed.initialize`` hard-codes the stock engine class)."""
@@ -163,7 +172,8 @@ def build_engine(
     from resihp_adapters.deepspeed.engine import ResiPipelineEngine, ResiPipelineModule
 
     module = ResiPipelineModule(
-        layers, parts=parts, topology=topology, loss_fn=loss_fn, seed_layers=seed_layers, base_seed=base_seed
+        layers, parts=parts, topology=topology, loss_fn=loss_fn, seed_layers=seed_layers, base_seed=base_seed,
+        activation_checkpoint_interval=activation_checkpoint_interval, checkpointable_layers=checkpointable_layers,
     )
     mpu = module.mpu()
     engine = ResiPipelineEngine(

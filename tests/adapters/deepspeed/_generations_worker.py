@@ -44,7 +44,7 @@ def main() -> None:
                 log[-1].setdefault("losses", []).append(loss)
             it += 1
         prev = plan
-    state = {f"{i}.{k}": v for i, st in runner.layer_state().items() for k, v in st["params"].items()}
+    state = {f"{i}.{k}": v for i, st in runner.layer_state().items() for k, v in st.get("params", {}).items()}
     torch.save({"log": log, "params": state, "iteration": runner.iteration}, os.path.join(a.out, f"dev{device}.pt"))
     runner.close()
 

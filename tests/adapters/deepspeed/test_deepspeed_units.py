@@ -87,7 +87,49 @@ def test_transfer_plan_moves_layers_and_asks_for_a_restore_when_nobody_holds_one
     # Device 1 dead, a new standby 4 takes its place: it gets stage 0 from device 0.
     back = old.with_(tp_groups=(old.tp_groups[0], ((4,), (3,))), excluded=frozenset({1}))
     ok = transfer_plan(old, back, {0, 2, 3})
-    assert {(t.layer, t.src, t.dst) for t in ok} == {(0, 0, 4), (1, 0, 4), (2, 0, 4)}
+    # ... and the global unit (optimizer hyperparameters, LR scheduler, counters) from a survivor.
+    assert {(t.layer, t.dst) for t in ok} == {(0, 4), (1, 4), (2, 4), ("global", 4)}
+    assert {t.src for t in ok if t.layer != "global"} == {0}
+
+
+def test_a_tied_group_moves_once_to_every_stage_that_needs_it():
+    from resihp_adapters.deepspeed.state import transfer_plan, units_of
+
+    # Layers 0 and 5 share one weight (TiedLayerSpec "embed"): both stages hold a copy.
+    tied = {"embed": {0, 5}}
+    old = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=2)  # r0: 0,2  r1: 1,3
+    assert units_of(old, 0, tied) == ([0, 1, 2, "tied.embed", "global"], 0)
+    assert units_of(old, 2, tied) == ([3, 4, 5, "tied.embed", "global"], 0)
+    # Device 3 dead, replica 0 alone, layers (5, 1): stage 1 keeps its copy, layers 3, 4 move.
+    new = old.with_(tp_groups=(old.tp_groups[0],), layer_ranges=((0, 5), (5, 6)), standbys=(1,),
+                    excluded=frozenset({3}))
+    moves = transfer_plan(old, new, {0, 1, 2}, tied)
+    assert {(t.layer, t.src, t.dst) for t in moves} == {(3, 2, 0), (4, 2, 0)}
+    # A plan cutting the tied layers into one stage: the copy is still held, once, there.
+    one = old.with_(layer_ranges=((0, 1), (1, 6)))
+    assert "tied.embed" in units_of(one, 0, tied)[0] and "tied.embed" in units_of(one, 2, tied)[0]
+    # Nobody holds the tied group (both stages' devices gone): a restore is required.
+    from resihp_adapters.deepspeed.state import LayersLost
+
+    gone = old.with_(tp_groups=(((4,), (5,)),), standbys=(), excluded=frozenset({0, 1, 2, 3}))
+    with pytest.raises(LayersLost, match="tied.embed"):
+        transfer_plan(old, gone, set(), tied)
+
+
+def test_json_adam_becomes_deepspeeds_own_torch_fallback_and_unsupported_configs_are_refused():
+    from resihp_adapters.deepspeed.spec import check_supported, torch_optimizer_config
+
+    said = []
+    cfg = torch_optimizer_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, log=said.append)
+    assert cfg["optimizer"]["params"] == {"lr": 1e-3, "torch_adam": True} and "FusedAdam" in said[0]
+    same = {"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}
+    assert torch_optimizer_config(same) == same  # the user's explicit choice stays
+    assert torch_optimizer_config({"optimizer": {"type": "SGD"}}) == {"optimizer": {"type": "SGD"}}
+    for bad, why in (({"zero_optimization": {"stage": 2}}, "stages 0 and 1 only"),
+                     ({"zero_optimization": {"stage": 1}}, "dead rank's shard"),
+                     ({"fp16": {"enabled": True}}, "loss scaler")):
+        with pytest.raises(ValueError, match=why):
+            check_supported(bad)
 
 
 def test_micro_batches_are_addressed_like_deepspeeds_sampler():
@@ -103,6 +145,14 @@ def test_micro_batches_are_addressed_like_deepspeeds_sampler():
         assert got == order[: len(got)]
     with pytest.raises(ValueError, match="replica 2"):
         src.indices(0, 2, 0)
+    # deepspeed_io's order: a shuffling DistributedSampler (seed 0, epoch 0 on every pass),
+    # with a dataset that does not split evenly (the sampler pads), over two passes.
+    data = list(range(41))
+    src = MicroBatchSource(data, list, micro_batch_size=3, num_microbatches=2, replicas=2, shuffle=True, seed=0)
+    for r in range(2):
+        order = list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) * 3
+        got = [i for it in range(6) for j in range(2) for i in src.indices(it, r, j)]
+        assert got == order[: len(got)]
 
 
 def test_zero_stage_1_is_refused_with_the_reason():
@@ -148,3 +198,33 @@ def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
     assert live_replicas(x) == [0] and 1 in x.standbys
     assert x.executor_map() == {k: 0 for k in partial.executor_map()}  # every piece once, on replica 0
     assert whole_replicas(base) is base
+
+
+def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, capsys):
+    """ZeRO 2/3 (and 1, fp16) and a script that never calls initialize() stop the launch
+    before any worker starts: the reason on the console, a non-zero exit, no device failure."""
+    import argparse
+    import shutil
+
+    from resihp_adapters.deepspeed.launch import run
+    from resihp_core.cli import CliError
+
+    example = os.path.join(HERE, "..", "..", "..", "examples", "deepspeed_pipeline")
+    for f in ("accelerate.yaml", "train.py", "ds_config.json"):
+        shutil.copy(os.path.join(example, f), tmp_path / f)
+    ns = argparse.Namespace(config_file=str(tmp_path / "accelerate.yaml"), workdir=str(tmp_path / "w"), timeout=60.0,
+                            training_script=str(tmp_path / "train.py"), training_script_args=[])
+    cfg = json.loads((tmp_path / "ds_config.json").read_text())
+    for stage, why in ((2, "ZeRO stages 0 and 1 only"), (3, "ZeRO stages 0 and 1 only"), (1, "dead rank's shard")):
+        (tmp_path / "ds_config.json").write_text(json.dumps({**cfg, "zero_optimization": {"stage": stage}}))
+        with pytest.raises(CliError, match=why) as e:
+            run(ns)
+        assert e.value.code != 0
+    (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "train.py").write_text("import deepspeed\nprint('training without initialize')\n")
+    with pytest.raises(CliError, match="never calls initialize"):
+        run(ns)
+    (tmp_path / "train.py").write_text("import deepspeed\nengine, *_ = deepspeed.initialize(model=None)\n")
+    with pytest.raises(CliError, match="never calls initialize"):
+        run(ns)
+    assert not (tmp_path / "w").exists()  # nothing was started

@@ -1,0 +1,172 @@
+"""A user's GPT-style DeepSpeed script (``_gpt_train.py``: tied embedding and LM head
+through ``TiedLayerSpec``, dropout, gradient clipping) under ``resihp launch``, PP2 x DP2,
+20 iterations, one rank SIGKILLed at iteration 10: every iteration's loss and learning
+rate and the complete final state (``engine.full_state()``: parameters, tied group once,
+bf16 master weights, optimizer state with step counts, hyperparameters, LR scheduler,
+counters, data position) equal the fault-free run of the same configuration.
+
+Two jobs cover every value of each factor: ``json`` (float64, the JSON's ``Adam``,
+``WarmupLR`` from the JSON) and ``torch`` (bf16, a torch ``AdamW`` factory, a user
+``LambdaLR``). float64 is compared to 1e-9 relative. bf16 cannot be bit-exact: DeepSpeed
+accumulates bf16 gradients (ZeRO 0 allows no fp32 accumulation with bf16), and a
+replica that runs a lost replica's micro-batches sums 8 of them where the fault-free run
+averaged two sums of 4, so the roundings differ; its bound (documented in
+``docs/deepspeed.md``) is far below what losing the master weights cost (+0.43 loss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("accelerate")
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+ITERATIONS, KILL_AT = 20, 10
+
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
+
+YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: ds_config.json
+  zero3_init_flag: false
+num_machines: 1
+num_processes: 4
+machine_rank: 0
+main_training_function: main
+rdzv_backend: static
+same_network: true
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ds_config(variant: str, faults: list) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 16,
+           "zero_optimization": {"stage": 0}, "steps_per_print": 10**6, "gradient_clipping": 1.0,
+           "resihp": {"num_layers": 6, "pp": 2, "iterations": ITERATIONS, "timeout_s": 10, "checkpoint_every": 0,
+                      "faults": faults}}
+    if variant == "json":
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 2e-3, "weight_decay": 0.01}}
+        cfg["scheduler"] = {"type": "WarmupLR",
+                            "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-3, "warmup_num_steps": 15}}
+    else:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def launch(work: Path, variant: str, faults: list) -> subprocess.Popen:
+    """Start ``resihp launch`` of ``_gpt_train.py`` in ``work`` (the caller waits)."""
+    work.mkdir(parents=True)
+    shutil.copy(HERE / "_gpt_train.py", work / "train.py")
+    (work / "accelerate.yaml").write_text(YAML + f"main_process_port: {_free_port()}\n")
+    (work / "ds_config.json").write_text(json.dumps(ds_config(variant, faults)))
+    (work / "out").mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = open(work / "console.txt", "w")
+    return subprocess.Popen([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--workdir",
+                             str(work / "run"), "--timeout", "500", "train.py", "--variant", variant, "--out",
+                             str(work / "out")], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait(procs: list[subprocess.Popen], timeout: float) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def results(work: Path) -> tuple[dict[int, float], dict[int, list[float]], dict[str, object], dict[int, int]]:
+    """Losses and LRs per iteration, the merged full state (ranks holding the same name
+    must agree exactly), and each rank's pids."""
+    losses, lrs, full, pids = {}, {}, {}, {}
+    for f in sorted((work / "out").glob("rank*.pt")):
+        d = torch.load(f, weights_only=False)
+        rank = int(f.stem[4:])
+        pids[rank] = {e["pid"] for e in d["log"]}
+        for e in d["log"]:
+            if e["loss"] is not None:
+                losses.setdefault(e["iteration"], e["loss"])
+            if e["lr"] is not None:
+                assert lrs.setdefault(e["iteration"], e["lr"]) == e["lr"], (rank, e)
+        for k, v in d["full"].items():
+            if k in full and torch.is_tensor(v):
+                assert torch.equal(full[k], v), f"ranks disagree on {k}"
+            full[k] = v
+    return losses, lrs, full, pids
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+#: (loss, weights, optimizer moments) bounds, relative to each tensor's largest value:
+#: float64 is exact up to summation order; bf16 is not (module docstring). Measured for
+#: bf16: losses 1.4e-4, weights 1.0e-2, moments 0.11 (they average recent bf16 gradients).
+#: Step counts, scheduler state, hyperparameters and counters are compared exactly.
+BOUNDS = {"json": (1e-9, 1e-9, 1e-9), "torch": (1e-3, 5e-2, 0.25)}
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_rank_leaves_the_fault_free_runs_complete_state(tmp_path):
+    """fp64 + JSON Adam + WarmupLR, and bf16 + torch AdamW + LambdaLR: 4 launches at once."""
+    runs = {(v, kind): tmp_path / f"{v}-{kind}" for v in BOUNDS for kind in ("free", "kill")}
+    procs = [launch(w, v, [] if kind == "free" else [{"device": 3, "iteration": KILL_AT, "kind": "kill"}])
+             for (v, kind), w in runs.items()]
+    wait(procs, 840)
+    for ((v, kind), w), p in zip(runs.items(), procs):
+        text = (w / "console.txt").read_text()
+        assert p.returncode == 0, (v, kind, text[-3000:])
+        assert f"{ITERATIONS} iterations committed" in text, text[-3000:]
+        assert ("fail-stop of devices [3]" in text) == (kind == "kill"), text[-3000:]
+    for v, bounds in BOUNDS.items():
+        check(v, runs[(v, "free")], runs[(v, "kill")], *bounds)
+
+
+def check(variant: str, free: Path, kill: Path, loss_tol: float, tol: float, moment_tol: float) -> None:
+    ref_losses, ref_lrs, ref_full, _ = results(free)
+    losses, lrs, full, pids = results(kill)
+    assert sorted(ref_losses) == sorted(losses) == list(range(1, ITERATIONS + 1))
+    assert all(len(p) == 1 for p in pids.values()), pids  # survivors kept their processes
+    # The learning rate of every step (the scheduler's position follows the committed
+    # iteration; it never goes back to its warm-up start on the survivors).
+    assert lrs == ref_lrs, [(i, lrs.get(i), ref_lrs[i]) for i in ref_lrs if lrs.get(i) != ref_lrs[i]]
+    assert ref_lrs[KILL_AT + 1][0] > ref_lrs[1][0]
+    for i, want in ref_losses.items():
+        assert abs(losses[i] - want) <= loss_tol * abs(want), (variant, i, losses[i], want)
+    assert set(full) == set(ref_full), sorted(set(full) ^ set(ref_full))
+    assert any(k.startswith("tied_modules.embed.") for k in full)
+    if variant == "torch":
+        assert any(k.startswith("master.") for k in full) and "lr_scheduler.last_epoch" in full
+    else:
+        assert "lr_scheduler.last_batch_iteration" in full
+    assert full["data.iteration"] == ITERATIONS
+    for k, want in ref_full.items():
+        got = full[k]
+        if torch.is_tensor(want) and want.is_floating_point() and want.dim() > 0:
+            bound = moment_tol if k.startswith("optimizer.") else tol
+            assert rel(got, want) <= bound, (variant, k, rel(got, want))
+        elif torch.is_tensor(want):
+            assert torch.equal(got, want), (variant, k, got, want)
+        else:
+            assert got == want, (variant, k, got, want)
