@@ -17,13 +17,13 @@ core's ``iter<N>/`` folder:
   model (``deepspeed.toy``) in one process with DeepSpeed's accounting (each replica
   accumulates ``loss / micro-batches``, then the data-parallel average).
 
-Completeness is the core's rule (``resihp_core.checkpoints.verify``) for ``files``
-manifests; megatron_ref's components are hashed when they are read.
+Completeness is the core's rule for every format (``resihp_core.checkpoints.verify``:
+the manifest, every file it names, their SHA-256s), so a corrupt checkpoint is bridged
+like an incomplete one.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -80,7 +80,14 @@ def _install(opt: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Paramet
 
 
 # ---------------------------------------------------------------------------- megatron_ref
-class MegatronRef:
+class _Complete:
+    """Complete by the core's rule (manifest, every file it names, SHA-256s)."""
+
+    def complete(self, root: Path, it: int) -> bool:
+        return checkpoints.verify(root, it).complete
+
+
+class MegatronRef(_Complete):
     """megatron_ref's component files; steps by its own reference."""
 
     def __init__(self, spec: JobSpec) -> None:
@@ -89,21 +96,12 @@ class MegatronRef:
         self.model, self.data = model_config(spec), data_spec(spec)
         self.lr = float(spec.adapter_config["lr"])
 
-    def complete(self, root: Path, it: int) -> bool:
-        """Every file is there (reading it verifies the hashes)."""
-        d = checkpoints.iteration_dir(root, it)
-        try:
-            comps = json.loads((d / checkpoints.MANIFEST).read_text())["components"]
-        except (OSError, ValueError, KeyError):
-            return False
-        return all((d / f"{c}.pt").exists() and (d / f"{c}.sha256").exists() for c in comps)
-
     def load(self, root: Path, it: int) -> State:
         from resihp_adapters.torchkit.checkpoint import CheckpointError, load_component
 
         out: State = {}
         try:
-            for c in ["embed", *(f"layers.{i}" for i in range(self.model.layers)), "head"]:
+            for c in ["embed", *(f"layers.{i}" for i in range(self.model.num_layers)), "head"]:
                 out.update({name: tuple(ts) for name, ts in load_component(root, it, c).items()})
         except (CheckpointError, OSError) as e:
             raise CheckpointUnreadable(str(e)) from e
@@ -116,15 +114,8 @@ class MegatronRef:
             yield j, loss, {k: tuple(v) for k, v in st.items()}
 
 
-class _Sealed:
-    """Adapters whose files the core seals (a ``files`` manifest)."""
-
-    def complete(self, root: Path, it: int) -> bool:
-        return checkpoints.verify(root, it).complete
-
-
 # ---------------------------------------------------------------------------- torch_native
-class TorchNative(_Sealed):
+class TorchNative(_Complete):
     """torch_native's DCP folder, read whole in one process; the adapter's reference loop."""
 
     def __init__(self, spec: JobSpec) -> None:
@@ -187,7 +178,7 @@ class TorchNative(_Sealed):
 
 
 # ---------------------------------------------------------------------------- deepspeed
-class DeepSpeedToy(_Sealed):
+class DeepSpeedToy(_Complete):
     """DeepSpeed's per-layer files; the toy model (``deepspeed.toy``) stepped in one process."""
 
     def __init__(self, spec: JobSpec) -> None:
