@@ -166,3 +166,25 @@ def test_verified_checkpoints_are_deleted_but_the_newest_kept(run, monkeypatch) 
     left = sorted(p.name for p in s.ckpt.iterdir())
     assert left == [f"iter{k:08d}" for k in range(N - 1 - 2, N)]
     assert s.worst_between(0, N - 1) is not None and s.worst_between(0, N) is None
+
+
+@pytest.mark.parametrize("adapter", sorted(WRITERS))
+def test_reference_steps_resume_exactly_from_a_state(adapter: str, tmp_path: Path) -> None:
+    """Two steps from the state after two equal four steps from the seed: a verified
+    checkpoint is a faithful starting point (step count included)."""
+    fmt = soak.Soak(2, 0, tmp_path, adapter).fmt
+    *_, (_, _, mid) = fmt.steps(None, 0, 2)
+    *_, (_, loss_a, a) = fmt.steps(None, 0, 4)
+    *_, (_, loss_b, b) = fmt.steps(mid, 2, 4)
+    assert loss_a == loss_b and soak.Soak._error(b, a)[0] == 0.0
+
+
+def test_torch_native_reference_is_the_adapters_own(tmp_path: Path) -> None:
+    """The soak's torch_native steps equal the adapter's single_process_run."""
+    from resihp_adapters.torch_native.reference import single_process_run
+
+    fmt = soak.Soak(2, 0, tmp_path, "torch_native").fmt
+    want, losses = single_process_run(fmt.cfg, fmt.data, 3, lr=fmt.lr, weight_decay=fmt.wd)
+    got = list(fmt.steps(None, 0, 3))
+    assert [loss for _, loss, _ in got] == losses
+    assert soak.Soak._error({k: v[:3] for k, v in got[-1][2].items()}, want)[0] == 0.0
