@@ -26,7 +26,14 @@ first committed iteration, once with HSDP (state re-sharded from the surviving c
 memory, the survivors re-split into 3 stages) and once with FSDP2 (the dead rank's shard
 is lost: restore from the last torch.distributed.checkpoint onto the 3 survivors).
 
-Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--quick] [--json PATH]
+With ``--controller-restart`` it measures controller failover instead (docs/failover.md):
+a ``resihp run`` job (megatron_ref, TP1 x PP2 x DP2, 2 nodes) whose controller is
+SIGKILLed at iteration 8 and restarted with ``--resume`` at once: restart -> re-attached
+(the new process's start-up, the agents dialling back) and restart -> first committed
+iteration, median of 3 (1 with ``--quick``).
+
+Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--controller-restart]
+       [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -350,6 +357,116 @@ def main_deepspeed(args) -> int:
     return 0
 
 
+_RESTART_CONFIG = """
+[parallel]
+tp = 1
+pp = 2
+dp = 2
+[model]
+layers = 4
+hidden = 32
+heads = 4
+vocab = 64
+ffn_hidden = 64
+[training]
+microbatches = 2
+token_budget = 64
+iterations = 20
+dtype = "float64"
+checkpoint_every = 4
+[runtime]
+nodes = 2
+devices_per_node = 2
+controller_grace_s = 60
+[detector]
+heartbeat_interval_s = 0.1
+heartbeat_miss_limit = 8
+hang_min_timeout_s = 20.0
+"""
+
+
+class _Lines:
+    """A process's output lines with the monotonic time each arrived."""
+
+    def __init__(self, proc) -> None:
+        import threading
+
+        self.proc, self.lines = proc, []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def wait(self, pattern: str, timeout: float):
+        import re
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return t, m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.005)
+        raise RuntimeError(f"no line matching {pattern!r}; output:\n" + "".join(l for _, l in self.lines)[-3000:])
+
+
+def controller_restart(reps: int, grace_s: float = 60.0) -> dict:
+    """SIGKILL the controller at iteration 8, restart it at once with ``--resume``
+    (``grace_s = 0``: nothing outlives it, the restart restores from a checkpoint)."""
+    import subprocess
+
+    cli = [sys.executable, "-m", "resihp_core.cli", "run"]
+    rows = []
+    for _ in range(reps):
+        tmp = tempfile.mkdtemp(prefix="resihp-ctl-restart-")
+        cfg = os.path.join(tmp, "job.toml")
+        with open(cfg, "w") as f:
+            f.write(_RESTART_CONFIG.replace("controller_grace_s = 60", f"controller_grace_s = {grace_s:g}"))
+        args = [*cli, cfg, "--no-live", "--report", os.path.join(tmp, "reports"), "--workdir", os.path.join(tmp, "w")]
+        first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _Lines(first).wait(r"^iteration\s+([89]|1\d)\s+loss", 300)
+        first.kill()
+        first.wait(10)
+        killed = time.monotonic()
+        second = subprocess.Popen([*args, "--resume"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = _Lines(second)
+        attached, _ = out.wait(r"attach: controller restarted" if grace_s > 0 else r"plan: generation 0", 300)
+        committed, m = out.wait(r"^iteration\s+(\d+)\s+loss", 300)
+        if second.wait(300) != 0:
+            raise RuntimeError("the resumed run failed:\n" + "".join(l for _, l in out.lines)[-3000:])
+        if grace_s > 0 and "from the checkpoint" in "".join(l for _, l in out.lines):
+            raise RuntimeError("the restart restored from a checkpoint instead of re-attaching")
+        rows.append({"restart_to_reattached_s": attached - killed, "restart_to_first_commit_s": committed - killed,
+                     "reattached_to_first_commit_s": committed - attached,
+                     "first_iteration_after_restart": int(m.group(1))})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"runs": len(rows)}
+
+
+def _main_controller_restart(args) -> int:
+    reps = 1 if args.quick else 3
+    try:
+        res = {"re-attach": controller_restart(reps, 60.0), "restore (grace 0)": controller_restart(reps, 0.0)}
+    except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
+        print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
+    print(f"controller SIGKILL at iteration 8 of 20, restarted at once with --resume "
+          f"(TP1xPP2xDP2, checkpoint every 4; median of {reps}; load {' '.join(load)})")
+    print("  (restore: 'reattached' is the first plan generation posted; the job restarts every process)")
+    print(f"  {'':32s} " + " ".join(f"{k:>18s}" for k in res))
+    for k in res["re-attach"]:
+        vals = [r[k] for r in res.values()]
+        print(f"  {k:32s} " + " ".join(f"{v:18.3f}" if isinstance(v, float) else f"{v!s:>18}" for v in vals))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**{f"{lbl}_{k}": v for lbl, r in res.items() for k, v in r.items()},
+                       "config": {"quick": args.quick, "loadavg": load}}, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--_ds-worker":
@@ -360,7 +477,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the numbers here")
     ap.add_argument("--adapter", default="megatron_ref", choices=["megatron_ref", "deepspeed", "torch_native"],
                     help="which adapter's reconfiguration to measure")
+    ap.add_argument("--controller-restart", action="store_true",
+                    help="measure controller restart -> first committed iteration instead (docs/failover.md)")
     args = ap.parse_args(argv)
+    if args.controller_restart:
+        return _main_controller_restart(args)
     if args.adapter == "deepspeed":
         try:
             return main_deepspeed(args)

@@ -254,6 +254,10 @@ class RuntimeConfig(_Section):
     # Interface name (e.g. "eth0") or local address every node's workers bind their
     # collectives (gloo, NCCL) to; "" = the interface each agent reaches the controller on.
     interface: str = _opt("")
+    # How long agents, workers and the job store wait for a lost controller to come
+    # back (``resihp run --resume``) before ending the job's processes; 0 = they end
+    # with it (docs/failover.md).
+    controller_grace_s: float = _opt(60.0, _between(0.0, 86400.0), _finite)
 
 
 @dataclass(frozen=True)

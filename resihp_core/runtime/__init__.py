@@ -17,6 +17,9 @@
   workers, and the job's control keys in the job store.
 * :mod:`.store` — the authenticated job store (a ``torch.distributed.Store``); :mod:`.gate`
   — bounded resources for connections that have not authenticated yet.
+* :mod:`.storehost` / :mod:`.failover` — a job that outlives its controller: the job
+  store in a process of its own, the job's authenticated durable state, the
+  one-controller lock and the grace timer (docs/failover.md).
 * :mod:`.loop` — running an asyncio service on a background thread.
 * :mod:`.worker` — the framework-neutral worker (one per device) driving an adapter.
 

@@ -69,13 +69,14 @@ from resihp_core.protocol import (
     NodeRejoin,
     ProtocolError,
     SignalWorker,
+    WorkerProcess,
     client_handshake,
     node_credential,
     read_msg,
     write_msg,
 )
 from resihp_core.runtime.gate import PreAuthGate
-from resihp_core.runtime.heartbeat import BYE, format_address, parse_address
+from resihp_core.runtime.heartbeat import ANNOUNCE, BYE, format_address, parse_address
 from resihp_core.runtime.node_launcher import WorkerLauncher
 from resihp_core.runtime.node_monitor import WorkerMonitor, nodelay as _nodelay, process_state
 
@@ -106,6 +107,10 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         ``GLOO_SOCKET_IFNAME``, else the interface this agent reaches the controller on.
     :param rejoin_timeout: after losing the controller, fence the workers and keep
         dialling it this many seconds to offer the node's devices again; 0: do not.
+    :param controller_grace_s: after losing the controller, keep the workers (they hold
+        their commits) and redial it this many seconds; a restarted controller
+        re-attaches to them (docs/failover.md). None: the job's value, from its launch
+        message (``RESIHP_CONTROLLER_GRACE``), else 0 (fence at once, as above).
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         interface: str | None = None,
         rejoin_timeout: float = 0.0,
         credential: str | None = None,
+        controller_grace_s: float | None = None,
     ) -> None:
         if node < 0:
             raise ValueError(f"node must be >= 0, got {node}")
@@ -169,6 +175,10 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         self._ctl_tasks: list[asyncio.Task[None]] = []
         self._gate = PreAuthGate(f"agent{node}")
         self.environment: EnvironmentProbe | None = None
+        self.controller_grace_s = controller_grace_s
+        self.incarnation = ""  # the connected controller's, from its announcement
+        self.reattaches = 0
+        self._launch_interface = ""
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -339,12 +349,15 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
                 if msg is None:
                     break
                 if isinstance(msg, LaunchWorkers):
+                    self._adopt_job_failover(msg)
                     self.launch(msg)
                 elif isinstance(msg, SignalWorker):
                     self.signal_worker(msg.device, signal.Signals[msg.signal])
                 elif isinstance(msg, Ack) and msg.what == BYE:
                     self._job_finished()
                     return
+                elif isinstance(msg, Ack) and msg.what.startswith(ANNOUNCE):
+                    self.incarnation = msg.what[len(ANNOUNCE):]
                 elif isinstance(msg, Error):
                     logger.warning("agent %d: controller says %s: %s", self.node, msg.code, msg.detail)
                     if msg.code in ("duplicate-node", "bad-identity"):
@@ -366,13 +379,19 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
             return
         self.controller_lost = exc
         rejoin = self.rejoin_timeout > 0 and not self.refused and self.on_controller_lost is None
-        logger.log(logging.WARNING if rejoin else logging.ERROR, "event=controller_lost node=%d error=%r%s",
-                   self.node, exc, f" action=fence_and_rejoin within={self.rejoin_timeout:.0f}s" if rejoin else "")
+        hold = self._grace() > 0 and not self.refused and self.on_controller_lost is None
+        action = (f" action=hold_and_redial within={self._grace():.0f}s" if hold else
+                  f" action=fence_and_rejoin within={self.rejoin_timeout:.0f}s" if rejoin else "")
+        logger.log(logging.WARNING if rejoin or hold else logging.ERROR, "event=controller_lost node=%d error=%r%s",
+                   self.node, exc, action)
         if self.on_controller_lost is not None:
             try:
                 self.on_controller_lost(exc)
             except Exception:  # noqa: BLE001
                 logger.exception("on_controller_lost callback failed")
+        elif self._grace() > 0 and not self.refused:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._hold_and_redial(),
+                                                                      name=f"agent{self.node}-hold"))
         elif rejoin:
             self._tasks.append(asyncio.get_running_loop().create_task(self._rejoin(), name=f"agent{self.node}-rejoin"))
         else:
@@ -421,6 +440,151 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         self._to_controller(NodeRejoin(node=self.node, devices=tuple(devices)))
         logger.warning("event=rejoined node=%d devices=%s", self.node, devices)
 
+    # ------------------------------------------------------------ controller failover
+    def _grace(self) -> float:
+        return self.controller_grace_s or 0.0
+
+    def _adopt_job_failover(self, msg: LaunchWorkers) -> None:
+        """Take the job's grace period from its launch message unless given one, and
+        note the interface choice (a re-attach reports the workers' addresses again)."""
+        from resihp_core.runtime.jobstore import ENV_GRACE
+        from resihp_core.runtime.netif import INTERFACE_ENV
+
+        self._launch_interface = msg.env.get(INTERFACE_ENV, "")
+        if self.controller_grace_s is None:
+            try:
+                self.controller_grace_s = max(0.0, float(msg.env.get(ENV_GRACE, "0") or 0))
+            except ValueError:
+                self.controller_grace_s = 0.0
+
+    async def _hold_and_redial(self) -> None:
+        """The controller is gone: keep the workers (they finish their iteration and
+        hold its commit) and dial it for the grace period. A restarted controller (a
+        new incarnation) gets them back; the same one (a healed partition: it planned
+        without this node) gets the node offered again, the workers fenced first;
+        none within the grace period: end the workers as without a grace period."""
+        from resihp_core.runtime.failover import GraceTimer
+
+        me = asyncio.current_task()
+        old = [t for t in self._ctl_tasks if t is not me]
+        for t in old:
+            t.cancel()
+        await asyncio.gather(*old, return_exceptions=True)
+        self._tasks = [t for t in self._tasks if t not in old]
+        if self._ctl_writer is not None:
+            self._ctl_writer.close()
+        timer = GraceTimer(self._grace(), time.monotonic)
+        timer.lost()
+        assert self._closed is not None and self._loop is not None
+        keeper = self._loop.create_task(self._hold_progress(2 * timer.grace_s), name=f"agent{self.node}-hold-progress")
+        self._tasks.append(keeper)
+        logger.warning("event=controller_lost_holding node=%d workers=%s grace_s=%.0f", self.node,
+                       sorted(d for d, c in self.children.items() if c.poll() is None), timer.grace_s)
+        announced: str | None = None
+        delay = 0.2
+        try:
+            while not self._closed.is_set():
+                try:
+                    await asyncio.wait_for(self._connect_controller(), max(0.5, min(5.0, timer.left())))
+                    announced = await self._read_announcement()
+                    break
+                except AuthError as e:
+                    self.refused = str(e)
+                except (OSError, ProtocolError, asyncio.TimeoutError):
+                    # Close a half-made connection: left open, the controller would
+                    # refuse the next dial as a duplicate of this node.
+                    if self._ctl_writer is not None:
+                        self._ctl_writer.close()
+                if self.refused or timer.expired():
+                    keeper.cancel()
+                    self._grace_expired(timer.grace_s)
+                    return
+                await asyncio.sleep(max(0.05, min(delay, timer.left())))
+                delay = min(1.0, delay * 2)
+        except BaseException:
+            keeper.cancel()
+            raise
+        if self._closed.is_set():
+            return
+        if announced and announced != self.incarnation:
+            self.incarnation = announced
+            self._reattach()
+        else:  # the same controller, or one that does not announce itself: as after a partition
+            keeper.cancel()
+            self._healed_same_controller()
+
+    async def _read_announcement(self) -> str | None:
+        """The first message of a fresh connection: a controller announces its
+        incarnation (None: it did not, or it refused this agent)."""
+        msg = await read_msg(self._ctl_reader, self.handshake_timeout)
+        if isinstance(msg, Ack) and msg.what.startswith(ANNOUNCE):
+            return msg.what[len(ANNOUNCE):]
+        if isinstance(msg, Error):
+            if msg.code != "duplicate-node":  # that one: our previous connection is not gone yet
+                self.refused = f"{msg.code}: {msg.detail}"
+            raise ProtocolError(f"{msg.code}: {msg.detail}")
+        return None
+
+    async def _hold_progress(self, limit_s: float) -> None:
+        """While the controller is away the workers wait at their commit, and after a
+        restarted one re-attached until it lets them commit: that is not a hang. Each
+        worker's progress clock restarts once its progress moves (or after ``limit_s``)."""
+        held = {d: (w.generation, w.iteration, w.step) for d, w in self.monitor.workers.items()}
+        deadline = time.monotonic() + limit_s
+        while held and time.monotonic() < deadline:
+            now = self.clock()
+            for d, mark in list(held.items()):
+                w = self.monitor.workers.get(d)
+                if w is None or (w.generation, w.iteration, w.step) != mark:
+                    del held[d]
+                elif w.last_progress is not None:
+                    w.last_progress = now
+            await asyncio.sleep(self.monitor.interval / 2)
+
+    def _grace_expired(self, grace_s: float) -> None:
+        logger.error("event=controller_grace_expired node=%d reason=%r", self.node,
+                     self.refused or f"no controller within {grace_s:.0f} s")
+        left = self.rejoin_timeout - grace_s
+        if left > 0 and not self.refused:
+            self.rejoin_timeout = left
+            self._tasks.append(asyncio.get_running_loop().create_task(self._rejoin(), name=f"agent{self.node}-rejoin"))
+        else:
+            asyncio.get_running_loop().create_task(self.stop(goodbye=False))
+
+    def _back_online(self) -> None:
+        """The connection is up again: what waited for it goes first, then the loops."""
+        self._after_connect()
+        assert self._ctl_queue is not None
+        for m in self._drain_queue():
+            self._ctl_queue.put_nowait(m)
+        self.controller_lost = False
+
+    def _healed_same_controller(self) -> None:
+        """The controller that lost this node (and planned without it) is back: fence
+        the stale workers and offer the devices again, as after a partition."""
+        devices = self.fence()
+        self._back_online()
+        self.rejoins += 1
+        self._start_controller_tasks()
+        self._to_controller(NodeRejoin(node=self.node, devices=tuple(devices)))
+        logger.warning("event=rejoined node=%d devices=%s", self.node, devices)
+
+    def _reattach(self) -> None:
+        """A restarted controller: tell it which workers still run (same pids)."""
+        self._back_online()
+        self.reattaches += 1
+        iface = None
+        with contextlib.suppress(ValueError, OSError):
+            iface = self.collective_interface(self._launch_interface)
+        kept = []
+        for d, child in sorted(self.children.items()):
+            if child.poll() is None:
+                kept.append(d)
+                self._to_controller(WorkerProcess(node=self.node, device=d, pid=child.pid,
+                                                  address=iface.address if iface else ""))
+        self._start_controller_tasks()
+        logger.warning("event=reattached node=%d workers=%s", self.node, kept)
+
     def _drain_queue(self) -> list[Message]:
         """Take what waited for the controller, less the stale node states."""
         assert self._ctl_queue is not None
@@ -454,6 +618,10 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rejoin-timeout", type=float, default=300.0,
                     help="after losing the controller (a partition), fence the workers and keep dialling it "
                          "this many seconds to offer the node's devices again; 0: exit at once (default 300)")
+    ap.add_argument("--controller-grace", type=float, default=None,
+                    help="after losing the controller, keep the workers and redial it this many seconds, for a "
+                         "restarted controller to re-attach to them (default: the job's "
+                         "runtime.controller_grace_s; docs/failover.md)")
     ap.add_argument("--log-level", default="WARNING")
 
 
@@ -491,7 +659,8 @@ async def _amain(args: argparse.Namespace) -> int:
             return 2
     agent = NodeAgent(args.node, args.controller, secret, config, host=host, port=port, unix_path=args.unix,
                       workdir=args.workdir, connect_timeout=args.connect_timeout, interface=args.interface,
-                      rejoin_timeout=args.rejoin_timeout, credential=credential)
+                      rejoin_timeout=args.rejoin_timeout, credential=credential,
+                      controller_grace_s=getattr(args, "controller_grace", None))
     address = await agent.start()
     if args.address_file:
         tmp = f"{args.address_file}.tmp{os.getpid()}"

@@ -74,7 +74,7 @@ from resihp_core.protocol import (
     write_msg,
 )
 from resihp_core.runtime.gate import MAX_PENDING_HANDSHAKES, PreAuthGate
-from resihp_core.runtime.heartbeat import BYE
+from resihp_core.runtime.heartbeat import ANNOUNCE, BYE
 
 if TYPE_CHECKING:
     from resihp_core.detector import Detection, FailSlowDetector
@@ -130,6 +130,10 @@ class Controller:
         not authenticated yet (see :mod:`resihp_core.runtime.gate`).
     :param on_rejoin: called on the loop with a node id and its devices when the agent of
         a node cut off earlier is back (its stale workers fenced) and offers them again.
+    :param incarnation: this controller process's id, announced to every agent as it
+        connects (``Ack(what="controller:<id>")``): an agent that lost its controller
+        re-attaches its live workers to a new incarnation and fences them for the same
+        one (docs/failover.md). "": no announcement.
     """
 
     def __init__(
@@ -153,6 +157,7 @@ class Controller:
         on_node_lost: Callable[[int], None] | None = None,
         on_rejoin: Callable[[int, tuple[int, ...]], None] | None = None,
         notify_failures: bool = True,
+        incarnation: str = "",
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -196,6 +201,7 @@ class Controller:
             None if node_devices is None else {int(n): frozenset(ds) for n, ds in node_devices.items()})
         self.rejected = 0  # messages dropped because they spoke about another node's devices
         self._gate = PreAuthGate("controller", max_pending_handshakes)
+        self.incarnation = incarnation
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
@@ -277,6 +283,10 @@ class Controller:
                 missing = sorted(nodes - self._conns.keys())
                 raise TimeoutError(f"no agent connected for node(s) {missing} within {timeout:.0f} s")
             await asyncio.sleep(0.02)
+
+    def connected_nodes(self) -> set[int]:
+        """Nodes whose agent is connected now."""
+        return set(self._conns)
 
     def workers_up(self) -> set[int]:
         """Devices whose workers connected agents report alive (heartbeating)."""
@@ -395,6 +405,8 @@ class Controller:
             view.connected, view.finished, view.last_seen = True, False, time.monotonic()
             self._conns[node] = writer
             logger.info("event=agent_connected node=%d", node)
+            if self.incarnation:
+                await write_msg(writer, Ack(what=ANNOUNCE + self.incarnation))
             if back:  # lost earlier: its old workers are gone (fenced, or died with the old agent)
                 view.state = None  # what it said before it was cut off is stale
                 self._offer(view, ())

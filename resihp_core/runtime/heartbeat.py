@@ -64,6 +64,7 @@ logger = logging.getLogger("resihp.worker")
 ENV_AGENT_ADDR = "RESIHP_AGENT_ADDR"
 #: ``Ack.what`` of the goodbye a worker sends before closing on purpose.
 BYE = "bye"
+ANNOUNCE = "controller:"  # a controller's first message to an agent: Ack(what=ANNOUNCE + its incarnation)
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int] | str:

@@ -227,6 +227,58 @@ def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> t
     return worst, horizon, tol
 
 
+def _failover_secret(cfg: Any, work: Path) -> str:
+    """The job secret a restarted controller can find again: ``runtime.secret`` or
+    ``RESIHP_SECRET`` if given, else the work folder's ``job.secret`` (made once)."""
+    import os
+
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.failover import StateError, job_secret
+
+    given = cfg.runtime.secret or os.environ.get("RESIHP_SECRET", "")
+    if given:
+        return given
+    try:
+        return job_secret(work, create=True)
+    except StateError as e:
+        raise CliError(str(e), code=1) from None
+
+
+def _attachable(args: argparse.Namespace, work: Path, secret: str) -> Any:
+    """``--resume`` of a job that outlived its controller: its authenticated state, to
+    re-attach to its live workers (docs/failover.md); None: restore from a checkpoint."""
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.failover import STATE_FILE, StateError, read_state
+
+    if not secret or not (work / STATE_FILE).exists():
+        return None
+    try:
+        state = read_state(work, secret)
+    except StateError as e:
+        print(f"{'resume: not re-attaching' if getattr(args, 'resume', False) else 'note'}: {e}", flush=True)
+        return None
+    if not getattr(args, "resume", False):
+        if _store_answers(state.store_address, secret):
+            raise CliError(f"the job in {work} is still running without a controller (its job store at "
+                           f"{state.store_address} answers): re-attach to it with --resume, or wait until its "
+                           "grace period is over (runtime.controller_grace_s)", code=1)
+        return None
+    print(f"resume: re-attaching to the job's live workers (generation {state.generation}, store at "
+          f"{state.store_address})", flush=True)
+    return state
+
+
+def _store_answers(address: str, secret: str) -> bool:
+    """Whether a job store at ``address`` accepts this controller (the job secret)."""
+    from resihp_core.runtime.resilient import connect_store
+
+    try:
+        connect_store(address, secret, timeout=5.0, connect_timeout=1.0).close()
+    except Exception:  # noqa: BLE001 - gone, or not this job's
+        return False
+    return True
+
+
 def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, int | None]:
     """``--resume``: the first iteration to train and the checkpoint to load, from the
     newest complete checkpoint in the job's checkpoint folder (docs/checkpoints.md)."""
@@ -269,9 +321,20 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
         work.mkdir(parents=True, exist_ok=True)
     else:
         work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
+    from resihp_core.cli import CliError
+    from resihp_core.runtime.failover import ControllerLock, ControllerRunning
+
+    try:
+        lock = ControllerLock(work).acquire()  # one controller per job, released when this process ends
+    except ControllerRunning as e:
+        raise CliError(str(e), code=1) from None
     agents = _agents(cfg, args)
     job = build_job(cfg, faults, work)
-    start, restore = _resume_point(cfg, args, job.spec)
+    grace = cfg.runtime.controller_grace_s
+    if grace > 0 and "secret" not in agents:
+        agents["secret"] = _failover_secret(cfg, work)
+    attach = _attachable(args, work, agents.get("secret", ""))
+    start, restore = (0, None) if attach is not None else _resume_point(cfg, args, job.spec)
     print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir}, "
           f"every {cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept)",
           flush=True)
@@ -290,16 +353,33 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
         phase_of.event(ev)  # a detected failure starts a phase too
         view.event(ev)
 
+    from resihp_core.runtime.resilient import AttachFailed
+
+    common = dict(phase_of=phase_of, on_event=on_event, on_iteration=view.iteration, on_report=on_report,
+                  repairs=repairs(faults), observers=observers,
+                  interface=getattr(args, "interface", None) or cfg.runtime.interface,
+                  controller_grace_s=grace, state_dir=work, **agents)
     with view:
-        run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
-                            cfg.training.iterations, work / "job", phase_of=phase_of, on_event=on_event,
-                            on_iteration=view.iteration, on_report=on_report, repairs=repairs(faults),
-                            observers=observers, interface=getattr(args, "interface", None) or cfg.runtime.interface,
-                            start=start, restore=restore, **agents)
+        run = None
+        if attach is not None:
+            try:
+                run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
+                                    cfg.training.iterations, work / "job", attach=attach, **common)
+                start = run.extra.get("first", 0)
+            except AttachFailed as e:
+                print(f"resume: cannot re-attach to the running job ({e}): restoring from a checkpoint", flush=True)
+                start, restore = _resume_point(cfg, args, job.spec)
+        if run is None:
+            run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
+                                cfg.training.iterations, work / "job", start=start, restore=restore, **common)
+    lock.release()
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records
     if not records:
+        if run.ok and start >= cfg.training.iterations:  # re-attached to a job that had committed everything
+            print(f"the job had already committed all {cfg.training.iterations} iterations: finished", flush=True)
+            return 0
         return 1
     ref_losses = job.reference(job.spec, start + len(records))[start:] if job.reference is not None else None
     # Iteration 0 carries process start-up (imports, rendezvous): it is reported in the

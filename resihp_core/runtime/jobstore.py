@@ -26,6 +26,11 @@ in ``docs/worker-protocol.md``. Keys (generation ``g``):
   is the typed "restore from a checkpoint" signal);
   ``ctl<g>/report/<i>/<device>``: the :class:`~resihp_core.protocol.IterationReport`.
 - ``worker/<device>/pid``: the worker's process id.
+- ``controller/present``: set by the controller once it steers the job, dropped by a
+  store host (its own process, docs/failover.md) when the controller's connection
+  closes; a worker started with ``RESIHP_CONTROLLER_GRACE`` holds each commit until
+  it exists. ``controller/shutdown``: the controller ends the
+  store host. Workers may not write ``controller/`` keys.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from typing import Any, Callable
 
 from resihp_core.protocol import IterationReport, PlanUpdate, ProtocolError, WorkerLeft, decode, encode
 
-__all__ = ["connect", "host", "post_plan", "latest_generation", "wait_generation", "read_plan",
+__all__ = ["connect", "host", "post_plan", "wait_controller", "PRESENT_KEY", "SHUTDOWN_KEY", "ENV_GRACE",
+           "latest_generation", "wait_generation", "read_plan",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report", "put_left", "get_left",
            "generation_fenced", "rendezvous_generation", "Superseded"]
 
@@ -138,9 +144,30 @@ def _verdict(store: Any, generation: int, iteration: int, proposal: str) -> str:
     return got.decode() if isinstance(got, bytes) else str(got)
 
 
+PRESENT_KEY = "controller/present"
+SHUTDOWN_KEY = "controller/shutdown"
+ENV_GRACE = "RESIHP_CONTROLLER_GRACE"
+
+
+def wait_controller(store: Any, timeout_s: float) -> bool:
+    """Block until a controller is connected to the (separately hosted) store; False
+    if none came within ``timeout_s``."""
+    try:
+        store.wait([PRESENT_KEY], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - torch's stores raise DistStoreError on time-out
+        return bool(store.check([PRESENT_KEY]))
+    return True
+
+
 def commit(store: Any, generation: int, iteration: int, executors: int,
-           poll_s: float = 0.0005, timeout_s: float = 600.0) -> str:
-    """Add this executor to the iteration's commit counter and wait for the verdict."""
+           poll_s: float = 0.0005, timeout_s: float = 600.0, hold_s: float = 0.0) -> str:
+    """Add this executor to the iteration's commit counter and wait for the verdict.
+
+    ``hold_s > 0``: the store is hosted outside the controller (docs/failover.md);
+    while no controller is connected the iteration is held, not committed, for up to
+    ``hold_s`` seconds, then aborted."""
+    if hold_s > 0 and not wait_controller(store, hold_s):
+        return _verdict(store, generation, iteration, CommitResult.ABORTED)
     if store.add(f"ctl{generation}/done{iteration}", 1) == executors:
         return _verdict(store, generation, iteration, CommitResult.COMMITTED)
     key = f"ctl{generation}/verdict{iteration}"

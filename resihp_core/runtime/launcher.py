@@ -17,7 +17,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, PlanUpdate, WorkerLeft, node_credential
@@ -40,6 +40,11 @@ class LocalJob:
     :param processes: builds the process host from the job's folder:
         :class:`~resihp_core.runtime.processes.LocalProcesses` (children of this
         process, the default) or the node agents' (``run_resilient``).
+    :param store: the job store hosted elsewhere (a store host process, connected as
+        ``controller``) and its address, instead of one hosted here
+        (docs/failover.md); :meth:`close` then ends that process.
+    :param attach: re-attach to a running job instead of launching workers: the
+        generation its workers are in (a restarted controller; docs/failover.md).
     """
 
     def __init__(self, job_json: str, devices: Iterable[int], *,
@@ -47,7 +52,8 @@ class LocalJob:
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None,
                  processes: Callable[[Path], WorkerProcesses] = LocalProcesses,
-                 secret: str = "") -> None:
+                 secret: str = "", store: tuple[Any, str] | None = None,
+                 attach: PlanUpdate | None = None) -> None:
         self.devices = sorted(devices)
         self._tmp = tempfile.TemporaryDirectory(prefix="resihp-job-") if workdir is None else None
         self.workdir = Path(workdir or self._tmp.name)
@@ -55,7 +61,8 @@ class LocalJob:
         self.job_path = self.workdir / "job.json"
         self.job_path.write_text(job_json)
         self._secret = secret or _secrets.token_hex(16)
-        self.store, self.address = jobstore.host(host, secret=self._secret)
+        self._hosted = store is None
+        self.store, self.address = jobstore.host(host, secret=self._secret) if store is None else store
         self.worker_module = worker_module
         self.env = env or {}
         self.processes = processes(self.workdir)
@@ -68,12 +75,30 @@ class LocalJob:
         self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
         self.message: PlanUpdate | None = None
         self.plans: dict[int, ParallelPlan] = {}
+        if attach is not None:
+            self._adopt(attach)
+            return
+        self.steer()
         try:
             self.processes.launch(self.devices, module=worker_module, job_path=self.job_path,
                                   job_json=job_json, store=self.address, env=self.env)
         except BaseException:
             self.close(timeout=2.0)
             raise
+
+    def steer(self) -> None:
+        """Let the workers commit: a controller steers the job (a store hosted in its
+        own process holds commits until then; docs/failover.md)."""
+        if not self._hosted:
+            self.store.set(jobstore.PRESENT_KEY, "1")
+
+    def _adopt(self, msg: PlanUpdate) -> None:
+        """Take over generation ``msg`` its workers are in (no launch, no post)."""
+        plan = msg.parsed_plan()
+        self.generation, self.plan, self.message = msg.generation, plan, msg
+        self.plans[msg.generation] = plan
+        self.committed = msg.resume
+        self.committed_through()
 
     # ------------------------------------------------------------ processes
     def alive(self) -> list[int]:
@@ -225,7 +250,14 @@ class LocalJob:
         except Exception:  # noqa: BLE001 - the store may be gone; still reap
             pass
         self.processes.close(timeout)
-        self.store.server.close()
+        if self._hosted:
+            self.store.server.close()
+        else:  # the store host ends with the job
+            try:
+                self.store.set(jobstore.SHUTDOWN_KEY, "1")
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.store.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 

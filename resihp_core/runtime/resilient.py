@@ -17,37 +17,87 @@ tells every agent the job is over: they reap their workers and exit with status 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import sys
 import secrets as _secrets
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from resihp_core.config import DetectorConfig
 from resihp_core.plan import ParallelPlan, Topology
+from resihp_core.runtime.failover import JobState, remove_state, write_state
+from resihp_core.runtime.jobstore import SHUTDOWN_KEY
 from resihp_core.runtime.launcher import LocalJob
 from resihp_core.runtime.supervisor import IterationRecord, Supervisor
 
-__all__ = ["ResilientRun", "run_resilient", "start_local_agent"]
+if TYPE_CHECKING:
+    from resihp_core.protocol import PlanUpdate
+    from resihp_core.runtime.controller import Controller
+    from resihp_core.runtime.loop import LoopThread
+    from resihp_core.runtime.processes import AgentProcesses
+    from resihp_core.runtime.store import StoreClient
+
+__all__ = ["AttachFailed", "ResilientRun", "run_resilient", "start_local_agent", "start_store_host"]
 
 
 def start_local_agent(node: int, controller: str, secret: str, workdir: Path,
-                      interface: str = "") -> subprocess.Popen:
+                      interface: str = "", grace_s: float = 0.0) -> subprocess.Popen:
     """Start node ``node``'s agent as a process of this machine (log: ``agent<node>.log``).
 
-    It dies with this process (parent-death signal, like the workers): an agent that
-    lost its controller keeps dialling it to rejoin, which is no use once the
-    controller's process is gone."""
+    Without a grace period it dies with this process (parent-death signal, like the
+    workers): an agent that lost its controller keeps dialling it to rejoin, which is
+    no use once the controller's process is gone. With one it outlives this process
+    for ``grace_s`` seconds, keeping its workers for a restarted controller, then ends
+    them and itself (docs/failover.md)."""
     from resihp_core.runtime.processes import spawn_worker
 
     env = dict(os.environ, RESIHP_SECRET=secret)
     extra = ["--interface", interface] if interface else []
-    return spawn_worker("resihp_core.runtime.agent", env, workdir / f"agent{node}.log",
-                        ["--node", str(node), "--controller", controller, "--workdir", str(workdir),
-                         "--log-level", "INFO", *extra])
+    args = ["--node", str(node), "--controller", controller, "--workdir", str(workdir), "--log-level", "INFO", *extra]
+    if grace_s <= 0:
+        return spawn_worker("resihp_core.runtime.agent", env, workdir / f"agent{node}.log", args)
+    args += ["--controller-grace", f"{grace_s:g}", "--rejoin-timeout", f"{grace_s:g}"]
+    with open(workdir / f"agent{node}.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.agent", *args], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+class AttachFailed(RuntimeError):
+    """A restarted controller found nothing live to re-attach to (docs/failover.md)."""
+
+
+def start_store_host(workdir: Path, host: str, secret: str, grace_s: float,
+                     timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """Start the job store's own process (it outlives this one for ``grace_s``
+    seconds; log ``storehost.log``); returns it and its ``host:port``."""
+    import time
+
+    addr = workdir / "store.address"
+    addr.unlink(missing_ok=True)
+    env = dict(os.environ, RESIHP_SECRET=secret)
+    with open(workdir / "storehost.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.storehost", "--host", host,
+                                 "--grace", f"{grace_s:g}", "--address-file", str(addr)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not addr.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the store host did not start (see {workdir / 'storehost.log'})")
+        time.sleep(0.02)
+    return proc, addr.read_text().strip()
+
+
+def connect_store(address: str, secret: str, timeout: float = 300.0, connect_timeout: float = 10.0) -> StoreClient:
+    """This controller's connection to a store host (identity ``controller``)."""
+    from resihp_core.runtime.store import StoreClient
+
+    return StoreClient(address, secret, "controller", timeout_s=timeout, connect_timeout_s=connect_timeout)
 
 
 @dataclass
@@ -77,7 +127,8 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   on_listening: Callable[[str, list[int]], None] = lambda address, nodes: None,
                   before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None,
                   observers: Any = None, start: int = 0, restore: int | None = None,
-                  repair_requests: queue.Queue | None = None) -> ResilientRun:
+                  repair_requests: queue.Queue | None = None, controller_grace_s: float = 0.0,
+                  attach: JobState | None = None, state_dir: Path | None = None) -> ResilientRun:
     """Run the job to ``iterations`` iterations, adapting to failures.
 
     :param agents: ``"local"`` starts one agent process per node here; ``"external"``
@@ -112,10 +163,14 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
 
     if agents == "external" and not secret:
         raise ValueError("external agents need the job secret: pass secret=")
+    if (controller_grace_s > 0 or attach is not None) and not secret:
+        raise ValueError("a job that outlives its controller needs its secret kept: pass secret=")
     secret = secret or _secrets.token_hex(16)
+    failover = controller_grace_s > 0 or attach is not None
     spec = json.loads(job_json)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    state_dir = Path(state_dir) if state_dir is not None else workdir
     reports: queue.Queue = queue.Queue()
     repaired: queue.Queue = repair_requests if repair_requests is not None else queue.Queue()
 
@@ -125,6 +180,15 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
 
     node_of = {d: node for node, devs in topology.nodes().items() for d in devs}
     nodes = sorted({node_of[d] for d in plan.devices()})
+    store: StoreClient | None = None
+    if attach is not None:
+        try:
+            store = connect_store(attach.store_address, secret, connect_timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - its store host is gone: nothing to attach to
+            raise AttachFailed(f"the job store at {attach.store_address} is gone ({e})") from None
+        listen = (attach.controller_host, attach.controller_port)
+        nodes = sorted(set(attach.nodes) or {node_of[d] for d in attach.devices})
+        agents = "external"  # they are running already
     loop = LoopThread("resihp-job").start()
     model = WorkloadModel(plan=plan, predictor=state.predictor, warmup_iterations=detector.warmup_iterations)
     procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
@@ -135,18 +199,37 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                             on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
                             on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None,
                             # the supervisor notifies observers of each failure once
-                            notify_failures=not supervised, plugins=observers)
+                            notify_failures=not supervised, plugins=observers,
+                            incarnation=_secrets.token_hex(8) if failover else "")
     procs.controller = controller
     agent_procs: dict[int, subprocess.Popen] = {}
     job: LocalJob | None = None
     out = ResilientRun([], [], True, logs=workdir)
+    store_proc: subprocess.Popen | None = None
+    store_address = ""
+    attached: PlanUpdate | None = None  # the generation re-attached to
     try:
-        loop.run(controller.start())
+        if attach is not None:
+            try:
+                loop.run(controller.start())
+            except OSError as e:
+                raise AttachFailed(f"cannot listen on the controller's address "
+                                   f"{attach.controller_host}:{attach.controller_port} again: {e}") from None
+            attached = _reattach(controller, procs, loop, store, attach, nodes, node_of, controller_grace_s)
+            store_address = attach.store_address
+        else:
+            if failover:
+                store_proc, store_address = start_store_host(workdir, listen[0] or "127.0.0.1", secret,
+                                                             controller_grace_s)
+                store = connect_store(store_address, secret)
+            loop.run(controller.start())
         on_listening(controller.address_text, nodes)
         if agents == "local":
             for node in nodes:
-                agent_procs[node] = start_local_agent(node, controller.address_text, secret, workdir)
-        loop.run(controller.wait_for_agents(set(nodes), agent_timeout), timeout=agent_timeout + 5)
+                agent_procs[node] = start_local_agent(node, controller.address_text, secret, workdir,
+                                                      grace_s=controller_grace_s)
+        if attach is None:
+            loop.run(controller.wait_for_agents(set(nodes), agent_timeout), timeout=agent_timeout + 5)
 
         async def _up() -> set[int]:
             return controller.workers_up()
@@ -158,9 +241,24 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
             loop.call(lambda: controller.set_generation(g, plan=new_plan, speeds=speeds,
                                                         expected_ranks=set(new_plan.devices())))
 
+        from resihp_core.runtime.jobstore import ENV_GRACE
+
+        env = {INTERFACE_ENV: interface} if interface else {}
+        if failover:
+            env[ENV_GRACE] = f"{max(controller_grace_s, 1.0):g}"
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
                        host=listen[0] or "127.0.0.1", processes=lambda _: procs, secret=secret,
-                       env={INTERFACE_ENV: interface} if interface else None)
+                       env=env or None, store=(store, store_address) if store is not None else None,
+                       attach=attached)
+        if attached is not None:
+            cur = job.plan
+            handled = set(attach.handled)  # members not re-attached are reported dead, then planned
+            state = state.with_plan(cur).with_health(failed=frozenset(handled))
+            start = job.committed
+        if failover:
+            on_event = _saving_state(on_event, job, lambda: sup, state_dir, secret, controller, store_address,
+                                     store_proc.pid if store_proc is not None else attach.store_pid,
+                                     iterations, nodes)
         sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
                          on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
@@ -168,7 +266,9 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                          observers=observers, fitted=model.fitted_predictor if supervised else (lambda: None),
                          checkpoint_dir=spec.get("checkpoint_dir") or None,
                          checkpoint_every=int(spec.get("checkpoint_every") or 0), first=start,
-                         restore_at_start=restore)
+                         restore_at_start=restore, adopt=attached is not None)
+        if attached is not None:
+            sup.handled_devices = set(handled)
         if not supervised:
             sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
             sup.handled_devices = set(plan.devices())  # and process exits are not re-planned
@@ -179,6 +279,9 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
             out.records = out.records or sup.records
             out.events = sup.events
             out.final_plan = sup.state.plan
+            out.extra["first"] = sup.first
+    except AttachFailed:
+        raise  # nothing was started or changed: the caller restores from a checkpoint instead
     except Exception as e:  # noqa: BLE001 - the caller reports it with the logs
         out.ok, out.error = False, f"{type(e).__name__}: {e}"
     finally:
@@ -199,9 +302,73 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        if job is None and store is not None:  # never got to a job: end the store host here
+            with contextlib.suppress(Exception):
+                store.set(SHUTDOWN_KEY, "1")
+        if store_proc is not None:
+            try:
+                store_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                store_proc.kill()
+                store_proc.wait(5)
+        if failover and job is not None and out.ok:
+            remove_state(state_dir)  # the job is over: nothing to re-attach to
         try:
             loop.run(controller.stop(), timeout=5)
         except Exception:  # noqa: BLE001 - best effort shutdown
             pass
         loop.stop()
     return out
+
+
+def _reattach(controller: Controller, procs: AgentProcesses, loop: LoopThread, store: StoreClient,
+              attach: JobState, nodes: list[int], node_of: dict[int, int], grace_s: float) -> PlanUpdate:
+    """Wait for the job's agents to dial back and report their live workers; returns
+    the generation they are in. :class:`AttachFailed` if no agent came back."""
+    import time
+
+    from resihp_core.protocol import WorkerProcess
+    from resihp_core.runtime import jobstore
+
+    g = jobstore.latest_generation(store)
+    if g < 0:
+        raise AttachFailed("the job store holds no plan")
+    msg = jobstore.read_plan(store, g)
+    if msg.stop:
+        raise AttachFailed(f"the job's last generation ({g}) is its stop: the job is over")
+    wait_s = max(10.0, grace_s)
+    try:
+        loop.run(controller.wait_for_agents(set(nodes), wait_s), timeout=wait_s + 5)
+    except TimeoutError:
+        pass
+    up = controller.connected_nodes()  # called off the loop: a set copy of a dict's keys
+    if not up:
+        raise AttachFailed(f"no agent of nodes {nodes} dialled back within {wait_s:.0f} s")
+    members = set(msg.devices)
+    deadline = time.monotonic() + 10.0
+    while not members <= set(procs.alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for d in sorted(members - set(procs.alive())):  # not re-attached: the supervisor plans without it
+        procs.process(WorkerProcess(node=node_of.get(d, 0), device=d, error="not re-attached after a controller restart"))
+    if not set(procs.alive()) & members:
+        raise AttachFailed("no worker of the job is alive")
+    return msg
+
+
+def _saving_state(on_event: Callable[[dict], None], job: LocalJob, sup: Callable[[], Supervisor], state_dir: Path,
+                  secret: str, controller: Controller, store_address: str, store_pid: int, iterations: int,
+                  nodes: list[int]) -> Callable[[dict], None]:
+    """``on_event`` that also writes the job's state at every plan change (docs/failover.md)."""
+    host, port = controller.address
+
+    def save(ev: dict) -> None:
+        if ev.get("kind") in ("plan", "attach") and job.message is not None and job.plan is not None:
+            handled = tuple(sorted(set(sup().handled_devices) - set(job.message.devices)))
+            write_state(state_dir, JobState(
+                version=1, controller_host=host, controller_port=port, store_address=store_address,
+                store_pid=store_pid, generation=job.generation, committed=min(job.committed, iterations),
+                iterations=iterations, plan=job.plan.to_text(), devices=tuple(job.message.devices),
+                handled=handled, nodes=tuple(nodes)), secret)
+        on_event(ev)
+
+    return save

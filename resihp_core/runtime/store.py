@@ -50,6 +50,8 @@ _DEC = msgspec.msgpack.Decoder()
 MAX_KEY_CHARS = 1024
 MAX_PENDING_HANDSHAKES = 64
 PLAN_PREFIX = "plan/"  # only the controller writes keys under it
+CONTROLLER_PREFIX = "controller/"  # nor these (presence, shutdown; docs/failover.md)
+PRESENT_KEY = "controller/present"  # set by the controller once it steers the job; dropped with it (presence=True)
 
 
 class StoreError(dist.DistStoreError):
@@ -268,10 +270,14 @@ class StoreServer:
     :param secret: the job secret (workers prove their node's credential derived from it).
     :param port: 0 = any free port.
     :param nodes: node ids allowed to connect (None: any).
+    :param presence: drop ``controller/present`` (which the controller sets once it
+        steers the job) when the last ``controller`` connection closes: a store hosted
+        outside the controller's process, whose workers hold their commits while no
+        controller steers them (docs/failover.md).
     """
 
     def __init__(self, host: str, secret: str, port: int = 0, *, nodes: set[int] | None = None,
-                 handshake_timeout: float = 5.0) -> None:
+                 handshake_timeout: float = 5.0, presence: bool = False) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
         self._secret = secret
@@ -285,6 +291,9 @@ class StoreServer:
         self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._lock = threading.Lock()
         self._closed = False
+        self.presence = presence
+        self.controllers = 0  # open connections of the controller identity
+        self.controller_left = time.monotonic()  # when the last steering one closed
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="resihp-store-accept")
         self._thread.start()
         logger.info("event=store_started address=%s", self.address)
@@ -341,21 +350,13 @@ class StoreServer:
                 self._pending.release()
             conn.settimeout(None)
             may_plan = identity == "controller"
-            while True:
-                req = _recv(conn)
-                if req is None:
-                    return
-                op, args = _check_request(req)
-                if op in _WRITES and not may_plan and any(k.startswith(PLAN_PREFIX) for k in _keys_of(op, args)):
-                    self.refused += 1
-                    logger.warning("event=store_write_refused identity=%s op=%s keys=%s reason=%r", identity, op,
-                                   _keys_of(op, args)[:4], "only the controller posts plans")
-                    _send(conn, [False, f"{identity} may not write plan keys"])
-                    continue
-                try:
-                    _send(conn, [True, _run_op(self.table, op, args)])
-                except (StoreError, IndexError, TypeError, ValueError) as e:
-                    _send(conn, [False, str(e)])
+            if may_plan:
+                self._controller_joined()
+            try:
+                self._requests(conn, identity, may_plan)
+            finally:
+                if may_plan:
+                    self._controller_gone()
         except (ProtocolError, OSError) as e:
             if not self._closed:
                 logger.info("event=store_connection_closed identity=%s reason=%r", identity, str(e))
@@ -364,9 +365,47 @@ class StoreServer:
                 self._conns.discard(conn)
             conn.close()
 
+    def _controller_joined(self) -> None:
+        with self._lock:
+            self.controllers += 1
+
+    def _controller_gone(self) -> None:
+        steered = not self.presence or self.table.check([PRESENT_KEY])
+        with self._lock:
+            self.controllers -= 1
+            none_left = self.controllers == 0
+            if none_left and steered:  # a controller that only looked (never steered) starts no grace period
+                self.controller_left = time.monotonic()
+        if none_left and self.presence:
+            self.table.delete(PRESENT_KEY)
+            logger.warning("event=controller_absent listener=store")
+
+    def _requests(self, conn: socket.socket, identity: str, may_plan: bool) -> None:
+        """Serve one authenticated connection's requests until it closes."""
+        while True:
+            req = _recv(conn)
+            if req is None:
+                return
+            op, args = _check_request(req)
+            if op in _WRITES and not may_plan and any(k.startswith((PLAN_PREFIX, CONTROLLER_PREFIX))
+                                                      for k in _keys_of(op, args)):
+                self.refused += 1
+                logger.warning("event=store_write_refused identity=%s op=%s keys=%s reason=%r", identity, op,
+                               _keys_of(op, args)[:4], "only the controller posts plans")
+                _send(conn, [False, f"{identity} may not write plan keys"])
+                continue
+            try:
+                _send(conn, [True, _run_op(self.table, op, args)])
+            except (StoreError, IndexError, TypeError, ValueError) as e:
+                _send(conn, [False, str(e)])
+
     def close(self) -> None:
         """Stop listening and drop every connection (quietly)."""
         self._closed = True
+        try:  # wakes the thread blocked in accept(): a plain close leaves the socket listening
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             conns = list(self._conns)

@@ -110,6 +110,9 @@ class Supervisor:
     storage_faults: list[dict] = field(default_factory=list)
     max_retries: int = 3  # same-plan redeployments in a row (no commit between) after unexplained stalls
     retries: int = 0
+    # A restarted controller re-attached to the job's live workers: the job's current
+    # generation goes on as it is (no post, no restore; docs/failover.md).
+    adopt: bool = False
 
     def _event(self, kind: str, text: str, *, at: int | None = None, **extra: Any) -> None:
         """Log and hand on one event, labelled with the iteration the job was at
@@ -124,13 +127,16 @@ class Supervisor:
     def run(self, timeout: float = 600.0) -> list[IterationRecord]:
         self._t0 = time.monotonic()
         self._faults_seen = 0
-        self.job.committed = self.first
-        g = self.job.post(self.state.plan, iterations=self.iterations, resume=self.first,
-                          restore=self.restore_at_start)
-        self.set_generation(g, self.state.plan, dict(self.state.speeds))
-        self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
-        if self.observers is not None:
-            self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
+        if self.adopt:
+            self._adopted()
+        else:
+            self.job.committed = self.first
+            g = self.job.post(self.state.plan, iterations=self.iterations, resume=self.first,
+                              restore=self.restore_at_start)
+            self.set_generation(g, self.state.plan, dict(self.state.speeds))
+            self._event("plan", f"generation {g}: initial plan", plan=self.state.plan.to_text())
+            if self.observers is not None:
+                self.observers.notify_plan_changed(None, self.state.plan, "initial plan")
         last_commit = time.monotonic()
         deadline = self._t0 + timeout
         while self.first + len(self.records) < self.iterations:
@@ -179,6 +185,16 @@ class Supervisor:
                 raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
             time.sleep(0.005)
         return self.records
+
+    def _adopted(self) -> None:
+        """Go on with the generation the live workers are in (a restarted controller)."""
+        g = self.job.generation
+        self.set_generation(g, self.state.plan, dict(self.state.speeds))
+        self.first = self.job.committed_through()
+        self.job.steer()  # the held iteration commits now
+        self._event("attach", f"controller restarted: re-attached to generation {g} at iteration "
+                              f"{self.first} with its live workers (no restore)",
+                    plan=self.state.plan.to_text(), resume=self.first)
 
     # ------------------------------------------------------------ checkpoints
     def _unsourceable(self) -> bool:

@@ -114,6 +114,10 @@ class Worker:
         self.active = False  # in a generation, as an executor, able to run iterations
         self.program: Any = None
         self._seen = -1
+        # A store hosted outside the controller: hold each commit while it is away
+        # (docs/failover.md); the agent ends this worker when its grace period is over.
+        grace = float(os.environ.get(jobstore.ENV_GRACE, "0") or 0)
+        self.hold_s = 2 * grace + 30 if grace > 0 else 0.0  # a backstop: the agent and the store host end it first
         store.set(f"worker/{device}/pid", str(os.getpid()))
 
     def attach(self, client: Any) -> None:
@@ -269,7 +273,8 @@ class Worker:
         self._checkpoint_reports()
         jobstore.put_report(self.store, self._report(result))
         executors = len(self.plan.devices())
-        verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6)
+        verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
+                                  hold_s=self.hold_s)
         if verdict != jobstore.CommitResult.COMMITTED:
             a.rollback()
             a.release()

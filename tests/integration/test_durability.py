@@ -188,6 +188,7 @@ checkpoint_keep = 2
 [runtime]
 nodes = 2
 devices_per_node = 2
+controller_grace_s = 0  # the processes end with their controller (failover: test_failover.py)
 [detector]
 heartbeat_interval_s = 0.1
 heartbeat_miss_limit = 8

@@ -1,0 +1,287 @@
+"""Controller failover on real processes (docs/failover.md): the controller of a
+``resihp run`` job is SIGKILLed mid-run; its agents and workers train on to the end of
+their iteration and hold it; ``resihp run --resume`` started seconds later re-attaches
+to the same worker processes and the job ends with the fault-free parameters (float64),
+with no iteration restored from a checkpoint. A second controller while one runs is
+refused; with no controller back within the grace period every process of the job
+ends by itself."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+CLI = [sys.executable, "-m", "resihp_core.cli"]
+CONFIG = """
+[parallel]
+tp = {tp}
+pp = 2
+dp = 2
+[model]
+layers = 4
+hidden = 32
+heads = 4
+vocab = 64
+ffn_hidden = 64
+[training]
+microbatches = 2
+token_budget = 64
+iterations = {iterations}
+dtype = "float64"
+checkpoint_every = 4
+checkpoint_keep = 2
+[runtime]
+nodes = 2
+devices_per_node = {per_node}
+controller_grace_s = {grace}
+[detector]
+heartbeat_interval_s = 0.1
+heartbeat_miss_limit = 8
+hang_min_timeout_s = 20.0
+warmup_iterations = 3
+"""
+
+
+class Output:
+    """A process's merged output, read on a thread (so waiting on it never blocks)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.text = proc, ""
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._lock:
+                self.text += line
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                m = re.search(pattern, self.text, re.M)
+            if m or self.proc.poll() is not None:
+                return m
+            time.sleep(0.02)
+        return None
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            if k not in out:
+                out.add(k)
+                todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _wait(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _kill_all(pids) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _start(cfg: Path, work: Path, tmp: Path, *extra: str) -> tuple[subprocess.Popen, Output]:
+    proc = subprocess.Popen([*CLI, "run", str(cfg), "--no-live", "--report", str(tmp / "reports"),
+                             "--workdir", str(work), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    return proc, Output(proc)
+
+
+def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, refuse_second: bool) -> Path:
+    """Run ``cfg``, SIGKILL its controller at iteration 8 (the first >= 8 it prints),
+    ``--resume`` 5 s later; check the re-attach (same pids, no restore, no new
+    generation, losses equal to the fault-free reference). Returns the work folder."""
+    work = tmp_path / "work"
+    first, out1 = _start(cfg, work, tmp_path)
+    family: set[int] = set()
+    resumed = None
+    try:
+        assert out1.wait_for(r"^working folder", 120), out1.text[-3000:]
+        if refuse_second:  # a second controller for the same job while the first one runs
+            second = subprocess.run([*CLI, "run", str(cfg), "--no-live", "--report", str(tmp_path / "r2"),
+                                     "--workdir", str(work), "--resume"], capture_output=True, text=True, timeout=120)
+            assert second.returncode == 1, second.stdout + second.stderr
+            assert (f"a controller (pid {first.pid}) is already running the job in {work.resolve()}"
+                    in second.stderr), second.stderr
+        m = out1.wait_for(r"^iteration\s+(8|9|1\d)\s+loss", 300)
+        assert m and first.poll() is None, out1.text[-3000:]
+        family = _descendants(first.pid)
+        workers = {p for p in family if "runtime.worker" in _cmdline(p)}
+        assert len(workers) == n, [_cmdline(p) for p in family]
+        first.kill()  # the controller dies: SIGKILL, no clean-up of its own
+        first.wait(10)
+        seen = int(m.group(1))
+        assert seen < iterations - 1
+        time.sleep(5)
+        assert all(_alive(p) for p in workers), "workers must outlive their controller within the grace period"
+        resumed, out2 = _start(cfg, work, tmp_path, "--resume")
+        a = out2.wait_for(r"attach: controller restarted: re-attached to generation (\d+) at iteration (\d+)", 180)
+        assert a, out2.text[-4000:]
+        assert all(_alive(p) for p in workers), "the restarted controller must re-attach to the same workers"
+        assert resumed.wait(180) == 0, out2.text[-4000:]
+        text = out2.text
+        # Every process of the job has ended (the store host with it).
+        assert _wait(lambda: not any(_alive(p) for p in family), 30), [_cmdline(p) for p in family if _alive(p)]
+    finally:
+        _kill_all([first.pid, *family])
+        if resumed is not None and resumed.poll() is None:
+            resumed.kill()
+    attached_at = int(a.group(2))
+    assert seen < attached_at < iterations, text[-3000:]
+    assert "resume: re-attaching to the job's live workers" in text
+    assert "from the checkpoint" not in text, text[-3000:]
+    assert not re.search(r"^\s+iteration\s+\d+\s+plan\s", text, re.M), text[-3000:]  # no generation posted
+    assert "loss vs fault-free reference" in text and ": ok" in text, text[-3000:]
+    # The same processes ran every iteration: one launch per device in all, one generation.
+    logs = work / "job"
+    launches = re.findall(r"event=worker_launched node=\d+ device=(\d+) pid=(\d+)",
+                          "".join((logs / f"agent{node}.log").read_text() for node in (0, 1)))
+    assert sorted(int(p) for _, p in launches) == sorted(workers), launches
+    for d in range(n):
+        entered = re.findall(r"event=generation_entered device=\d+ generation=(\d+)",
+                             (logs / f"worker{d}.log").read_text())
+        assert entered == ["0"], f"device {d} entered generations {entered}: a reconfiguration or restore"
+    return work
+
+
+def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_path):
+    # TP2 x PP2 x DP2: 8 workers on 2 nodes of 4 devices.
+    iterations = 20
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG.format(tp=2, per_node=4, iterations=iterations, grace=60))
+    work = _kill_and_reattach(tmp_path, cfg, 8, iterations, refuse_second=True)
+    # Final parameters and AdamW state: those of an uninterrupted run (float64).
+    from resihp_adapters.megatron_ref.adapter import data_spec, model_config
+    from resihp_adapters.megatron_ref.reference import reference_run
+    from resihp_adapters.torchkit.checkpoint import load_component
+    from resihp_core import checkpoints
+    from resihp_core.config import load_config
+    from resihp_core.runtime.jobs import build_job
+
+    ckpt = work / "checkpoints"
+    assert checkpoints.newest_complete(ckpt)[0] == iterations - 1
+    spec = build_job(load_config(cfg), [], work).spec
+    torch.set_num_threads(1)
+    ref, _ = reference_run(model_config(spec), data_spec(spec), iterations, lr=float(spec.adapter_config["lr"]))
+    names = set()
+    for comp in ["embed", *(f"layers.{i}" for i in range(4)), "head"]:
+        for name, tensors in load_component(ckpt, iterations - 1, comp).items():
+            names.add(name)
+            for got, exp in zip(tensors, ref[name]):
+                err = ((got - exp).abs().max() / exp.abs().max().clamp_min(1e-30)).item()
+                assert err <= 1e-9, f"{name}: relative error {err:.3g}"
+    assert names == set(ref)
+
+
+TORCH_NATIVE = """
+[parallel]
+tp = 1
+pp = 2
+dp = 2
+[model]
+layers = 4
+hidden = 32
+heads = 4
+vocab = 64
+ffn_hidden = 64
+[training]
+microbatches = 2
+token_budget = 32
+iterations = 20
+lr = 0.003
+dtype = "float64"
+checkpoint_every = 4
+checkpoint_keep = 2
+[runtime]
+adapter = "torch_native"
+nodes = 2
+devices_per_node = 2
+controller_grace_s = 60
+[adapter]
+shard = 0
+[detector]
+heartbeat_interval_s = 0.1
+heartbeat_miss_limit = 8
+hang_min_timeout_s = 20.0
+warmup_iterations = 3
+"""
+
+
+def test_a_torch_native_job_reattaches_too(tmp_path):
+    """FSDP2 stages in torch's pipeline runtime (PP2 x DP2, shards not replicated): a
+    restore would need a checkpoint; the re-attach needs none, and every iteration after
+    it equals the fault-free reference (float64)."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(TORCH_NATIVE)
+    _kill_and_reattach(tmp_path, cfg, 4, 20, refuse_second=False)
+
+
+def test_no_controller_within_the_grace_period_ends_every_process(tmp_path):
+    grace = 4
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG.format(tp=1, per_node=2, iterations=200, grace=grace))
+    work = tmp_path / "work"
+    first, out = _start(cfg, work, tmp_path)
+    family: set[int] = set()
+    try:
+        assert out.wait_for(r"^iteration\s+\d+\s+loss", 200), out.text[-3000:]
+        family = _descendants(first.pid)
+        kinds = {k for p in family for k in ("runtime.worker", "runtime.agent", "runtime.storehost")
+                 if k in _cmdline(p)}
+        assert kinds == {"runtime.worker", "runtime.agent", "runtime.storehost"}, kinds
+        first.kill()
+        first.wait(10)
+        killed = time.monotonic()
+        # Within the grace period they wait for a controller ...
+        time.sleep(1.0)
+        assert all(_alive(p) for p in family), [_cmdline(p) for p in family if not _alive(p)]
+        # ... past it, agents end their workers and themselves, the store host ends.
+        assert _wait(lambda: not any(_alive(p) for p in family), 60), \
+            f"left behind: {[_cmdline(p) for p in family if _alive(p)]}"
+        assert time.monotonic() - killed >= grace - 0.5
+    finally:
+        _kill_all([first.pid, *family])
