@@ -1,10 +1,13 @@
 """Soak: one long resilient job on this machine while random workers are killed, stopped
 and slowed, and repaired, over and over (and, last, one node agent is killed).
 
-    benchmarks/soak.py [--quick] [--failures N] [--seed S] [--json PATH]
+    benchmarks/soak.py [--quick] [--adapter A] [--failures N] [--seed S] [--json PATH]
 
 The job is real (controller, 2 node agents, 4 workers, TP1 x PP2 x DP2, gloo on CPU, a
-tiny float64 model, a checkpoint every iteration). A driver thread injects one failure
+tiny float64 model, a checkpoint every iteration), on any first-party adapter
+(``--adapter``: megatron_ref, the default; torch_native, FSDP2; deepspeed, its toy
+model). Each adapter's checkpoints are read in the format it writes and stepped by a
+single-process reference of that adapter's model (``soak_formats.py``). A driver thread injects one failure
 at a time, chosen at random:
 
 - ``kill``: SIGKILL one executor's worker (fail-stop, state moved to the survivors);
@@ -61,6 +64,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_formats import FIELDS  # noqa: E402
 
 CONFIG = dict(
     parallel=dict(tp=1, pp=2, dp=2),
@@ -74,6 +80,13 @@ CONFIG = dict(
     detector=dict(heartbeat_interval_s=0.1, heartbeat_miss_limit=40, hang_min_timeout_s=30.0,
                   warmup_iterations=3, min_changepoint_gap=3, slow_threshold=1.0),
 )
+# What differs per adapter: which one runs, and its [adapter] table.
+ADAPTERS: dict[str, dict] = {
+    "megatron_ref": {},
+    "torch_native": dict(shard=0),  # FSDP2: a killed replica takes its shard with it
+    "deepspeed": dict(model="resihp_adapters.deepspeed.toy:build", hidden=32, num_layers=4, micro_batch_size=2,
+                      lr=3e-3, dtype="float64"),
+}
 SPACING = 5  # committed iterations between the end of one recovery and the next failure
 TOL = 1e-9
 BRIDGE = 4  # most reference steps between two verified checkpoints (incomplete ones between)
@@ -81,15 +94,18 @@ BEHIND = 8  # verified checkpoints kept behind the newest verified one (a restor
 
 
 class Soak:
-    def __init__(self, failures: int, seed: int, work: Path) -> None:
+    def __init__(self, failures: int, seed: int, work: Path, adapter: str = "megatron_ref") -> None:
         from resihp_core.config import Config
         from resihp_core.runtime.jobs import build_job
 
-        self.failures, self.rng, self.work = failures, random.Random(seed), work
+        self.failures, self.rng, self.work, self.adapter = failures, random.Random(seed), work, adapter
         # A repaired worker takes seconds to start while training goes on: on a fast,
         # quiet machine a failure and its repair span up to ~60 iterations.
         self.iterations = failures * (SPACING + 65) + 20
-        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations))
+        cfg = dict(CONFIG, training=dict(CONFIG["training"], iterations=self.iterations),
+                   runtime=dict(CONFIG["runtime"], adapter=adapter))
+        if ADAPTERS[adapter]:
+            cfg["adapter"] = dict(ADAPTERS[adapter])
         self.cfg = Config.from_dict(cfg, source="soak")
         self.assembled = build_job(self.cfg, [], work)
         self.spec = self.assembled.spec
@@ -117,14 +133,13 @@ class Soak:
 
     # ------------------------------------------------------------ reference
     def _reference_inputs(self) -> None:
-        """The model, data and learning rate the fault-free reference steps use."""
+        """The adapter's checkpoint reader and fault-free reference (soak_formats.py)."""
         import torch
 
-        from resihp_adapters.megatron_ref.adapter import data_spec, model_config
+        from soak_formats import format_for
 
         torch.set_num_threads(1)
-        self.model, self.data = model_config(self.spec), data_spec(self.spec)
-        self.lr = float(self.spec.adapter_config["lr"])
+        self.fmt = format_for(self.spec)
 
     # ------------------------------------------------------------ supervisor-side hooks
     def on_iteration(self, rec) -> None:
@@ -213,30 +228,16 @@ class Soak:
 
     # ------------------------------------------------------------ step-by-step verification
     def _load(self, it: int) -> dict:
-        from resihp_adapters.torchkit.checkpoint import load_component
-
-        out = {}
-        for c in ["embed", *(f"layers.{i}" for i in range(self.cfg.model.layers)), "head"]:
-            out.update({name: tuple(ts) for name, ts in load_component(self.ckpt, it, c).items()})
-        return out
+        return self.fmt.load(self.ckpt, it)
 
     def _complete(self, it: int) -> bool:
-        """Every file of checkpoint ``it`` is there (reading it verifies the hashes)."""
-        from resihp_core import checkpoints
-
-        d = checkpoints.iteration_dir(self.ckpt, it)
-        try:
-            comps = json.loads((d / checkpoints.MANIFEST).read_text())["components"]
-        except (OSError, ValueError, KeyError):
-            return False
-        return all((d / f"{c}.pt").exists() and (d / f"{c}.sha256").exists() for c in comps)
+        return self.fmt.complete(self.ckpt, it)
 
     def advance(self, upto: int | None = None, budget_s: float = float("inf")) -> None:
         """Verify the committed iterations after the newest verified checkpoint (up to
         ``upto``), each checkpoint against fault-free reference steps from the previous
         verified one; stops when nothing newer is complete or ``budget_s`` is spent."""
-        from resihp_adapters.megatron_ref.reference import reference_trajectory
-        from resihp_adapters.torchkit.checkpoint import CheckpointError
+        from soak_formats import CheckpointUnreadable
 
         t0, unreadable = time.monotonic(), 0
         while time.monotonic() - t0 < budget_s:
@@ -246,7 +247,7 @@ class Soak:
             if rewind is not None and rewind < self.verified[0]:
                 try:  # the job restored checkpoint ``rewind`` (verified before) and re-trains after it
                     self.verified = (rewind, self._load(rewind) if rewind >= 0 else None)
-                except (CheckpointError, FileNotFoundError) as e:
+                except CheckpointUnreadable as e:
                     self.problems.append(f"checkpoint {rewind} the job restored could not be read: {e}")
                     return
             v, state = self.verified
@@ -263,7 +264,7 @@ class Soak:
                 return  # committed, but its reports are not accounted yet
             try:
                 got = self._load(nxt)
-            except (CheckpointError, FileNotFoundError) as e:
+            except CheckpointUnreadable as e:
                 unreadable += 1
                 if unreadable > 100:
                     self.problems.append(f"checkpoint {nxt} stays unreadable: {e}")
@@ -271,8 +272,7 @@ class Soak:
                 time.sleep(0.02)  # a newer generation is rewriting it: read it again
                 continue
             ref = state
-            for j, loss, ref in reference_trajectory(self.model, self.data, nxt + 1, lr=self.lr, start=v + 1,
-                                                     state=state):
+            for j, loss, ref in self.fmt.steps(state, v + 1, nxt + 1):
                 have = self.losses[j]
                 self.accounting["loss_checks"] += 1
                 if abs(have - loss) > TOL * abs(loss):
@@ -291,12 +291,14 @@ class Soak:
 
     @staticmethod
     def _error(got: dict, ref: dict) -> tuple[float, str]:
-        """Worst relative difference over every parameter and AdamW tensor, and where."""
+        """Worst relative difference over every parameter and AdamW tensor (and AdamW's
+        step count where the format stores it), and where."""
         if set(got) != set(ref):
             raise ValueError(f"parameters {sorted(set(got) ^ set(ref))} differ between checkpoint and reference")
         worst, where = 0.0, ""
         for name, tensors in got.items():
-            for what, g, exp in zip(("param", "exp_avg", "exp_avg_sq"), tensors, ref[name]):
+            for what, g, exp in zip(FIELDS, tensors, ref[name]):
+                g, exp = g.double(), exp.double()
                 err = ((g - exp).abs().max() / exp.abs().max().clamp_min(1e-30)).item()
                 if err > worst:
                     worst, where = err, f"{name} {what}"
@@ -472,7 +474,9 @@ class Soak:
         run = run_resilient(a.spec.to_json(), a.plan, a.topology, a.state, a.planner, self.cfg.detector,
                             self.iterations, self.work / "job", on_iteration=self.on_iteration,
                             on_event=self.on_event, before_run=before_run, repair_requests=self.repairs,
-                            timeout=max(900.0, self.failures * 60.0))
+                            # A hang guard, not a speed limit: torch_native commits ~1 iteration/s
+                            # on the shared 2-core machine at load 30 (the job took >900 s there).
+                            timeout=max(2400.0, self.failures * 120.0))
         wall = time.monotonic() - t0
         self.done.set()
         if driver.ident is not None:
@@ -492,7 +496,7 @@ class Soak:
         survived = sum(1 for r in self.rows if r.get("recovered"))
         checks = [r.get(k) for r in self.rows for k in ("param_err", "repair_param_err") if k in r]
         return dict(
-            failures_injected=len(self.rows), failures_survived=survived,
+            adapter=self.adapter, failures_injected=len(self.rows), failures_survived=survived,
             device_failures=sum(len(r["devices"]) for r in self.rows),
             by_kind=dict(Counter(r["kind"] for r in self.rows)),
             restores_with_fallback=sum(1 for r in self.rows if r.get("fallback")),
@@ -524,6 +528,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="10 failures instead of --failures")
     ap.add_argument("--failures", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--adapter", choices=sorted(ADAPTERS), default="megatron_ref",
+                    help="the adapter the job runs on (default: megatron_ref)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (worker logs, checkpoints)")
     args = ap.parse_args()
@@ -533,8 +539,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="resihp-soak-", ignore_cleanup_errors=True) as tmp:
         if args.keep:
             tmp = tempfile.mkdtemp(prefix="resihp-soak-kept-")
-        soak = Soak(n, args.seed, Path(tmp))
-        print(f"soak: {n} failures, {soak.iterations} iterations budget, TP1 x PP2 x DP2 on 2 nodes, float64, "
+        soak = Soak(n, args.seed, Path(tmp), args.adapter)
+        print(f"soak ({args.adapter}): {n} failures, {soak.iterations} iterations budget, TP1 x PP2 x DP2 on 2 nodes, "
+              "float64, "
               f"checkpoint every iteration (kept until verified); work folder {tmp}", flush=True)
         print("   n  kind       devices  at      recovery          plans                          "
               "         worst step error (to the recovery / to the repair)", flush=True)
