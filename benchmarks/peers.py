@@ -210,13 +210,14 @@ TIMEOUT_S = 10.0  # every system's collective timeout where it has one to set (t
 HEARTBEAT_MISSES = 50  # x 0.1 s: ResiHP's hang timeout matched to torchft's 5 s heartbeat timeout
 
 
-def resihp_config(job: Job, iterations: int, checkpoint_dir: str) -> dict:
-    """The ``resihp run`` configuration of ``job`` (the peers read its model and data)."""
+def resihp_config(job: Job, iterations: int, checkpoint_dir: str, checkpoint_every: int = 1) -> dict:
+    """The ``resihp run`` configuration of ``job`` (the peers read its model and data),
+    checkpointing every ``checkpoint_every`` iterations."""
     return {
         "parallel": {"tp": 1, "pp": job.pp, "dp": job.dp},
         "model": dict(MODEL),
         "training": {"microbatches": job.microbatches, "token_budget": 64, "iterations": iterations,
-                     "lr": 0.003, "checkpoint_dir": checkpoint_dir},  # checkpoints as shipped: every iteration
+                     "lr": 0.003, "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every},
         "runtime": {"adapter": "torch_native", "nodes": 1, "devices_per_node": job.workers,
                     "controller_port": 0},
         # HSDP copies (shard 1): a dead rank's state survives in a peer replica's memory.
@@ -251,7 +252,8 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
-def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeout: float) -> Run:
+def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeout: float,
+               checkpoint_every: int = 1) -> Run:
     """The job through ResiHP's production path (what ``resihp run --faults`` runs)."""
     from resihp_core.config import Config
     from resihp_core.faults import Fault, repairs
@@ -259,7 +261,7 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
     from resihp_core.runtime.resilient import run_resilient
 
     faults = [Fault(e.device, e.iteration, e.kind, e.factor) for e in trace]
-    cfg = Config.from_dict(resihp_config(job, iterations, str(work / "ckpt")))
+    cfg = Config.from_dict(resihp_config(job, iterations, str(work / "ckpt"), checkpoint_every))
     aj = build_job(cfg, faults, work)
     run = Run("resihp", job.name, "")
     t0 = time.time()
@@ -682,7 +684,9 @@ def one_run(system: str, job: Job, trace_name: str, trace: list[Event], iteratio
     timeout = args.run_timeout
     try:
         if system == "resihp":
-            run = run_resihp(job, trace, iterations, work, timeout)
+            k = every if args.resihp_checkpoint_every == "young-daly" else int(args.resihp_checkpoint_every)
+            run = run_resihp(job, trace, iterations, work, timeout, k)
+            run.extra["checkpoint_every"] = k
         elif system == "torchft":
             run = run_torchft(job, trace, iterations, work, spec, timeout, args.torchft_heartbeat_ms)
         else:
@@ -790,6 +794,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(5000: as shipped)")
     ap.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts for checkpoint-restart")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run counts as stuck")
+    ap.add_argument("--resihp-checkpoint-every", default="young-daly",
+                    help="ResiHP's checkpoint interval in iterations, or young-daly: the same interval "
+                         "as checkpoint-restart's (1 is resihp run's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every run and figure here")
     args = ap.parse_args(argv)
@@ -830,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys_now = order if tname == "none" else systems
                 sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
                 for sysname in sys_now:
-                    if k is None and sysname == "ckpt":
+                    if k is None and sysname in ("ckpt", "resihp"):
                         # Young/Daly from the measured write time and the kill-every-N trace's MTBF
                         # (plain torch's fault-free iteration time; measured first when needed).
                         base = [r for r in runs if r.system == "plain" and r.trace == "none"]
@@ -860,7 +867,8 @@ def main(argv: list[str] | None = None) -> int:
         lines, fig = table(job, runs, iterations, warmup, traces, systems)
         yd = out["jobs"].get(job.name, {}).get("young_daly")
         if yd:
-            lines += ["", f"checkpoint-restart: a checkpoint every {yd['every']} iteration(s) = "
+            lines += ["", f"checkpoint-restart (and ResiHP with --resihp-checkpoint-every young-daly): "
+                          f"a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
                       f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1)"]
         if job.pp != 1:
