@@ -397,15 +397,20 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         else:
             asyncio.get_running_loop().create_task(self.stop(goodbye=False))
 
-    async def _rejoin(self) -> None:
-        """Fence the stale workers, dial the controller until ``rejoin_timeout``, then
-        offer this node's devices again (the controller has planned without them)."""
+    async def _end_controller_tasks(self) -> None:
+        """Cancel this connection's other tasks (reader, beats) and forget them; the
+        caller, one of them, goes on."""
         me = asyncio.current_task()
         old = [t for t in self._ctl_tasks if t is not me]
         for t in old:
             t.cancel()
         await asyncio.gather(*old, return_exceptions=True)
         self._tasks = [t for t in self._tasks if t not in old]
+
+    async def _rejoin(self) -> None:
+        """Fence the stale workers, dial the controller until ``rejoin_timeout``, then
+        offer this node's devices again (the controller has planned without them)."""
+        await self._end_controller_tasks()
         devices = self.fence()
         if self._ctl_writer is not None:
             self._ctl_writer.close()
@@ -465,12 +470,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         none within the grace period: end the workers as without a grace period."""
         from resihp_core.runtime.failover import GraceTimer
 
-        me = asyncio.current_task()
-        old = [t for t in self._ctl_tasks if t is not me]
-        for t in old:
-            t.cancel()
-        await asyncio.gather(*old, return_exceptions=True)
-        self._tasks = [t for t in self._tasks if t not in old]
+        await self._end_controller_tasks()
         if self._ctl_writer is not None:
             self._ctl_writer.close()
         timer = GraceTimer(self._grace(), time.monotonic)

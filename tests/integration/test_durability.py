@@ -29,6 +29,7 @@ from resihp_adapters.megatron_ref.reference import reference_run
 from resihp_adapters.torchkit.checkpoint import load_component
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
+from .proctree import alive, descendants
 from .test_chaos import DETECTOR, _planner_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -197,28 +198,6 @@ warmup_iterations = 3
 """
 
 
-def _descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            if k not in out:
-                out.add(k)
-                todo.append(k)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
 
 def test_controller_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
     iterations = 10
@@ -233,16 +212,16 @@ def test_controller_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_p
         assert _wait_for(lambda: checkpoints.newest_complete(ckpt)[0] is not None
                          and checkpoints.newest_complete(ckpt)[0] >= 3 or first.poll() is not None, 150)
         assert first.poll() is None, first.communicate()[0][-3000:]
-        family = _descendants(first.pid)
+        family = descendants(first.pid)
         first.kill()  # the controller dies: SIGKILL, no clean-up of its own
         first.wait(10)
         # its agents and workers notice and exit by themselves
-        assert _wait_for(lambda: not any(_alive(p) for p in family), 60), \
-            f"left behind: {[p for p in family if _alive(p)]}"
+        assert _wait_for(lambda: not any(alive(p) for p in family), 60), \
+            f"left behind: {[p for p in family if alive(p)]}"
     finally:
         for p in [first.pid, *family]:
             with contextlib.suppress(ProcessLookupError):
-                if _alive(p):
+                if alive(p):
                     os.kill(p, signal.SIGKILL)
     point = checkpoints.newest_complete(ckpt)[0]
     assert point is not None and point < iterations - 1

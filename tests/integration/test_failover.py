@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from .proctree import alive, descendants
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 CLI = [sys.executable, "-m", "resihp_core.cli"]
@@ -78,28 +80,6 @@ class Output:
         return None
 
 
-def _descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            if k not in out:
-                out.add(k)
-                todo.append(k)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
 
 def _cmdline(pid: int) -> str:
     try:
@@ -120,7 +100,7 @@ def _wait(pred, timeout: float) -> bool:
 def _kill_all(pids) -> None:
     for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
@@ -149,7 +129,7 @@ def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, re
                     in second.stderr), second.stderr
         m = out1.wait_for(r"^iteration\s+(8|9|1\d)\s+loss", 300)
         assert m and first.poll() is None, out1.text[-3000:]
-        family = _descendants(first.pid)
+        family = descendants(first.pid)
         workers = {p for p in family if "runtime.worker" in _cmdline(p)}
         assert len(workers) == n, [_cmdline(p) for p in family]
         first.kill()  # the controller dies: SIGKILL, no clean-up of its own
@@ -157,15 +137,15 @@ def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, re
         seen = int(m.group(1))
         assert seen < iterations - 1
         time.sleep(5)
-        assert all(_alive(p) for p in workers), "workers must outlive their controller within the grace period"
+        assert all(alive(p) for p in workers), "workers must outlive their controller within the grace period"
         resumed, out2 = _start(cfg, work, tmp_path, "--resume")
         a = out2.wait_for(r"attach: controller restarted: re-attached to generation (\d+) at iteration (\d+)", 180)
         assert a, out2.text[-4000:]
-        assert all(_alive(p) for p in workers), "the restarted controller must re-attach to the same workers"
+        assert all(alive(p) for p in workers), "the restarted controller must re-attach to the same workers"
         assert resumed.wait(180) == 0, out2.text[-4000:]
         text = out2.text
         # Every process of the job has ended (the store host with it).
-        assert _wait(lambda: not any(_alive(p) for p in family), 30), [_cmdline(p) for p in family if _alive(p)]
+        assert _wait(lambda: not any(alive(p) for p in family), 30), [_cmdline(p) for p in family if alive(p)]
     finally:
         _kill_all([first.pid, *family])
         if resumed is not None and resumed.poll() is None:
@@ -269,7 +249,7 @@ def test_no_controller_within_the_grace_period_ends_every_process(tmp_path):
     family: set[int] = set()
     try:
         assert out.wait_for(r"^iteration\s+\d+\s+loss", 200), out.text[-3000:]
-        family = _descendants(first.pid)
+        family = descendants(first.pid)
         kinds = {k for p in family for k in ("runtime.worker", "runtime.agent", "runtime.storehost")
                  if k in _cmdline(p)}
         assert kinds == {"runtime.worker", "runtime.agent", "runtime.storehost"}, kinds
@@ -278,10 +258,10 @@ def test_no_controller_within_the_grace_period_ends_every_process(tmp_path):
         killed = time.monotonic()
         # Within the grace period they wait for a controller ...
         time.sleep(1.0)
-        assert all(_alive(p) for p in family), [_cmdline(p) for p in family if not _alive(p)]
+        assert all(alive(p) for p in family), [_cmdline(p) for p in family if not alive(p)]
         # ... past it, agents end their workers and themselves, the store host ends.
-        assert _wait(lambda: not any(_alive(p) for p in family), 60), \
-            f"left behind: {[_cmdline(p) for p in family if _alive(p)]}"
+        assert _wait(lambda: not any(alive(p) for p in family), 60), \
+            f"left behind: {[_cmdline(p) for p in family if alive(p)]}"
         assert time.monotonic() - killed >= grace - 0.5
     finally:
         _kill_all([first.pid, *family])
