@@ -314,8 +314,10 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
     failures = [e for e in run.events if e["kind"] == "failure"]
     assert [(e["failure"], e["devices"]) for e in failures if e["failure"] == "fail-stop"] == [("fail-stop", [1])], \
         failures
-    if _quiet(loads):  # on a loaded machine the others' load may also make a fail-slow report
-        assert [e for e in failures if e["failure"] != "fail-stop"] == [], failures
+    # The paused device is never reported slow (its pause is a fail-stop, fenced). The
+    # one executor left while it is away has no peer to be compared with, and the test
+    # suite's own processes on 2 cores can make it look slow: not asserted here.
+    assert not [e for e in failures if e["failure"] != "fail-stop" and 1 in e["devices"]], failures
     # The job went on without it meanwhile: iterations committed while it was stopped.
     fenced = next(e for e in run.events if e["kind"] == "plan" and e["generation"] >= 1)
     assert fenced["iteration"] < at["resumed"], run.events
