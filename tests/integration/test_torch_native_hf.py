@@ -51,6 +51,25 @@ def compare_states(got: dict, ref: dict) -> float:
 
 
 def reference(kind: str, iterations: int, global_microbatches: int, text: Path = TEXT) -> tuple[dict, list[float]]:
+    """The single-process run of the user's model, in a fresh interpreter: the pytest
+    process carries global torch / transformers state from earlier tests (after the
+    whole suite, the in-process run started from a different first loss)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "reference.pt"
+        code = ("import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+                "from test_torch_native_hf import _reference_here; "
+                "torch.save(_reference_here(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]), sys.argv[7])")
+        subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT / "examples" / "hf_llama"), kind,
+                        str(iterations), str(global_microbatches), str(text), str(out)],
+                       check=True, timeout=600, cwd=str(ROOT))
+        return torch.load(out, weights_only=False)
+
+
+def _reference_here(kind: str, iterations: int, global_microbatches: int, text: Path) -> tuple[dict, list[float]]:
+    """The single-process run itself (in the interpreter :func:`reference` starts)."""
     from hf_model import TextWindows, adamw, tiny_model, warmup_cosine
 
     from resihp_adapters.torch_native.api import user_job
