@@ -218,4 +218,4 @@ def test_resihp_plugins_lists_the_adapter_with_its_capabilities(capsys):
     caps = rep["torch_native"]["capabilities"]
     assert caps == {"tp_resize": False, "heterogeneous_tp": False, "layer_repartition": True,
                     "cross_replica_migration": False, "schedules": ["1f1b", "gpipe", "zbh1"],
-                    "checkpoint": True}
+                    "checkpoint": True, "uneven_dp": True}
