@@ -88,6 +88,8 @@ class Capabilities:
         if not kinds:
             raise ValueError("Capabilities.schedules must name at least one schedule")
         object.__setattr__(self, "schedules", kinds)
+        if self.cross_replica_migration:  # any migration includes whole micro-batches
+            object.__setattr__(self, "uneven_dp", True)
 
     @classmethod
     def all(cls) -> Capabilities:
@@ -117,7 +119,7 @@ class Capabilities:
             "cross_replica_migration": self.cross_replica_migration,
             "schedules": sorted(k.value for k in self.schedules),
             "checkpoint": self.checkpoint,
-            "uneven_dp": self.uneven_dp or self.cross_replica_migration,
+            "uneven_dp": self.uneven_dp,
         }
 
     def violations(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
