@@ -32,7 +32,9 @@ Next to the iteration-time path, a per-device path (:class:`~.localise.PeerExces
 docs/detector.md): each rank's compute over its healthy prediction, relative to the
 other executors', against the noise of its own healthy history; a device above it for
 ``verify_window`` iterations in a row is verified at once, however little the iteration
-time moved (small models, DP replicas). Verification gets each device's measured noise.
+time moved (small models, DP replicas). A second watch does the same on each rank's own
+compute (without the time it waited for a CPU), which stays steady on a loaded host where
+the waiting swamps the measured compute. Verification gets each device's noise of both.
 
 A failure already reported (same devices and cause, throughput within 10 %) is not
 reported again; after a report its devices' throughput is given to the model, so the
