@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
 from resihp_core.detector.environment import wait_shares
@@ -323,7 +323,8 @@ class ProfileVerifier:
                 and self._peer_wait(t, groups, ex) >= self.shared_wait)
 
     def _above_peers(self, ctx: VerificationContext, t: _Totals, groups: dict[tuple[int, int], list[int]],
-                     ex: tuple[int, int], margin: float, measure: Any = compute_of) -> bool:
+                     ex: tuple[int, int], margin: float,
+                     measure: Callable[[IterationProfile], float] = compute_of) -> bool:
         """Whether executor ``ex`` computed more than ``margin`` slower (relative to its
         healthy time) than the median of the other executors, over the iterations
         verified taken together and in most of them one by one. ``measure``: the
