@@ -5,11 +5,13 @@ adapter class declares ``capabilities = CAPABILITIES`` from here.
 
 What it promises (each proven by the conformance kit, ``tests/conformance``): any
 layer boundaries between generations (stages are rebuilt, state moves by parameter
-name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), and checkpoints
-(``torch.distributed.checkpoint``, re-sharded onto any later layout). Not promised:
-TP (one device per stage), and work migrated to another replica — a torch pipeline
-schedule drives one replica's pipeline group, so a stage cannot take a micro-batch
-from another replica's previous stage (``docs/torch_native.md``).
+name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), checkpoints
+(``torch.distributed.checkpoint``, re-sharded onto any later layout), and uneven
+micro-batch counts per replica (``uneven_dp``: another replica's micro-batch run whole
+by one replica's pipeline; a dropped replica). Not promised: TP (one device per
+stage), and a single stage migrated to another replica — a torch pipeline schedule
+drives one replica's pipeline group, so a stage cannot take a micro-batch from another
+replica's previous stage (``docs/torch_native.md``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ CAPABILITIES = Capabilities(
     heterogeneous_tp=False,
     layer_repartition=True,
     cross_replica_migration=False,
+    uneven_dp=True,  # another replica's micro-batch runs whole on one pipeline (lowering.py)
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
     checkpoint=True,
 )
