@@ -13,7 +13,7 @@
   connection drops), runs the fail-slow pipeline on the profiles, and emits
   :class:`~resihp_core.protocol.FailureReport` s to a callback, a queue and the observer
   plugins. ``python -m resihp_core.runtime.controller``.
-* :mod:`.launcher` / :mod:`.jobstore` — starting and steering this machine's training
+* :mod:`.launcher` / :mod:`.session` — starting and steering this machine's training
   workers, and the job's control keys in the job store.
 * :mod:`.store` — the authenticated job store (a ``torch.distributed.Store``); :mod:`.gate`
   — bounded resources for connections that have not authenticated yet.

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 from resihp_core.config import DetectorConfig
 from resihp_core.plan import ParallelPlan, Topology
 from resihp_core.runtime.failover import JobState, remove_state, write_state
-from resihp_core.runtime.jobstore import SHUTDOWN_KEY
+from resihp_core.runtime.session import SHUTDOWN_KEY
 from resihp_core.runtime.launcher import LocalJob
 from resihp_core.runtime.supervisor import IterationRecord, Supervisor
 
@@ -241,7 +241,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
             loop.call(lambda: controller.set_generation(g, plan=new_plan, speeds=speeds,
                                                         expected_ranks=set(new_plan.devices())))
 
-        from resihp_core.runtime.jobstore import ENV_GRACE
+        from resihp_core.runtime.session import ENV_GRACE
 
         env = {INTERFACE_ENV: interface} if interface else {}
         if failover:
@@ -328,7 +328,7 @@ def _reattach(controller: Controller, procs: AgentProcesses, loop: LoopThread, s
     import time
 
     from resihp_core.protocol import WorkerProcess
-    from resihp_core.runtime import jobstore
+    from resihp_core.runtime import session as jobstore
 
     g = jobstore.latest_generation(store)
     if g < 0:

@@ -248,14 +248,8 @@ class Supervisor:
         if now - getattr(self, "_last_fault_check", 0.0) < 0.25:
             return
         self._last_fault_check = now
-        store = self.job.store
-        n = store.add("ckpt/faults", 0)
-        while self._faults_seen < n:
-            key = f"ckpt/fault/{self._faults_seen + 1}"
-            if not store.check([key]):
-                return  # counted but not yet posted: next round
-            self._faults_seen += 1
-            st = json.loads(store.get(key))
+        for f in self.job.session.new_storage_faults():
+            st = {"device": f.device, "iteration": f.iteration, "error": f.error}
             self.storage_faults.append(st)
             nxt = f"at iteration {st['iteration'] + self.checkpoint_every}" if self.checkpoint_every else "never"
             self._event("storage", f"storage fault: checkpoint of iteration {st['iteration']} not written by "
@@ -318,17 +312,9 @@ class Supervisor:
             return True
         if self.checkpoint_dir is None:
             return False  # nothing to restore from: moving is the only way
-        g, store, alive = prev.generation, self.job.store, set(self.job.alive())
-        states = set()
-        for d in prev.devices:
-            if d not in alive or d in self.handled_devices:
-                continue
-            if store.check([f"ctl{g}/ready/{d}"]):
-                states.add("moved")
-            elif store.check([f"ctl{g}/failed/{d}"]):
-                states.add("kept")
-            else:
-                states.add("unknown")
+        g, alive = prev.generation, set(self.job.alive())
+        live = [d for d in prev.devices if d in alive and d not in self.handled_devices]
+        states = set(self.job.session.layout(g, live).values())
         if "unknown" not in states and len(states) <= 1:
             return False
         self._event("checkpoint", f"generation {g} was superseded while its workers moved state "

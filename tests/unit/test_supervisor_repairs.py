@@ -18,6 +18,9 @@ class Store:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.keys for k in keys)
 
+    def get(self, key: str) -> bytes:
+        raise KeyError(key)
+
 
 class Job:
     """What the supervisor reads of a LocalJob, in memory."""
@@ -28,6 +31,9 @@ class Job:
         self.generation, self.committed = generation, committed
         self.committed_in = dict(committed_in or {})
         self.store = store or Store()
+        from resihp_core.runtime.session import JobSession
+
+        self.session = JobSession(self.store)
         self.relaunched: list[list[int]] = []
 
     def alive(self) -> list[int]:
