@@ -16,13 +16,16 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, PlanUpdate, WorkerLeft, node_credential
 from resihp_core.runtime import session as _session
 from resihp_core.runtime.session import JobSession, Observers
 from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
+
+if TYPE_CHECKING:
+    from resihp_core.runtime.store import LocalStore, StoreClient
 
 __all__ = ["LocalJob", "JobError"]
 
@@ -54,7 +57,7 @@ class LocalJob:
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None,
                  processes: Callable[[Path], WorkerProcesses] = LocalProcesses,
-                 secret: str = "", store: tuple[Any, str] | None = None,
+                 secret: str = "", store: tuple[StoreClient, str] | None = None,
                  attach: PlanUpdate | None = None, observers: Observers | None = None,
                  on_event: Callable[[dict], None] = lambda ev: None) -> None:
         self.devices = sorted(devices)
@@ -65,6 +68,7 @@ class LocalJob:
         self.job_path.write_text(job_json)
         self._secret = secret or _secrets.token_hex(16)
         self._hosted = store is None
+        self.store: LocalStore | StoreClient
         self.store, self.address = _session.host(host, secret=self._secret) if store is None else store
         self.worker_module = worker_module
         self.env = env or {}

@@ -58,8 +58,10 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 from resihp_core.protocol import FailureReport, IterationReport, PlanUpdate, ProtocolError, WorkerLeft, decode, encode
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from resihp_core.plan import ParallelPlan
-    from resihp_core.runtime.store import StoreServer
+    from resihp_core.runtime.store import LocalStore, StoreClient
 
 __all__ = ["KeyValueStore", "Observers", "JobSession", "StorageFault", "Layout",
            "connect", "host", "post_plan", "wait_controller", "PRESENT_KEY", "SHUTDOWN_KEY", "ENV_GRACE",
@@ -134,7 +136,7 @@ def _fault(n: int) -> str:
 
 # ------------------------------------------------------------------ connections
 def host(address: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0, *,
-         secret: str | None = None, nodes: set[int] | None = None) -> tuple[Any, str]:
+         secret: str | None = None, nodes: set[int] | None = None) -> tuple[LocalStore, str]:
     """Start the job store on the controller's side, bound to ``address`` only; returns
     it (as seen from this process: every key writable) and its ``host:port``.
 
@@ -154,7 +156,7 @@ def host(address: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0, *,
     return store, server.address
 
 
-def connect(address: str, timeout_s: float = 30.0) -> Any:
+def connect(address: str, timeout_s: float = 30.0) -> StoreClient:
     """A worker's connection to the job store at ``host:port`` (a ``torch.distributed.Store``).
 
     It authenticates as ``worker:<RESIHP_NODE>:<RESIHP_DEVICE>`` with the node
@@ -374,7 +376,7 @@ def storage_faults(store: KeyValueStore, seen: int) -> list[StorageFault]:
     return out
 
 
-def rendezvous_store(store: Any, generation: int) -> Any:
+def rendezvous_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     """Generation ``generation``'s torch.distributed rendezvous: a ``PrefixStore`` over
     the (fenced) job store, so no key of one generation meets another's."""
     import torch.distributed as dist

@@ -25,6 +25,8 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
+from resihp_core.runtime.session import rendezvous_store
+
 __all__ = ["prepare_deepspeed", "teardown_world", "init_world", "ds_config_for", "build_engine"]
 
 
@@ -93,8 +95,6 @@ def teardown_world() -> None:
     """Forget every group DeepSpeed and torch hold and destroy the default group. The
     caller must already have dropped its own references to the engine and module."""
     import torch.distributed as tdist
-
-    from resihp_core.runtime.session import rendezvous_store
     from deepspeed.runtime.pipe import p2p
     from deepspeed.utils import groups
 
