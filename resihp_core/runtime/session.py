@@ -92,14 +92,16 @@ class KeyValueStore(Protocol):
 
 
 # ------------------------------------------------------------------ the one spelling of each key
-PLAN_LATEST = "plan/latest"
-PRESENT_KEY = "controller/present"
-SHUTDOWN_KEY = "controller/shutdown"
+PLAN_PREFIX = "plan/"  # only the controller writes keys under these two (the store enforces it)
+CONTROLLER_PREFIX = "controller/"
+PLAN_LATEST = PLAN_PREFIX + "latest"
+PRESENT_KEY = CONTROLLER_PREFIX + "present"
+SHUTDOWN_KEY = CONTROLLER_PREFIX + "shutdown"
 _FAULTS = "ckpt/faults"
 
 
 def _plan(g: int) -> str:
-    return f"plan/{g}"
+    return f"{PLAN_PREFIX}{g}"
 
 
 def _rendezvous(g: int) -> str:
