@@ -161,8 +161,12 @@ def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, re
     assert seen < attached_at < iterations, text[-3000:]
     assert "resume: re-attaching to the job's live workers" in text
     assert "from the checkpoint" not in text, text[-3000:]
-    assert not re.search(r"^\s+iteration\s+\d+\s+plan\s|\] plan: generation", text, re.M), text[-3000:]  # none posted
-    # The same processes ran every iteration: one launch per device in all, one generation.
+    # No generation was posted for the restart: one may follow only a fail-slow report (a
+    # starved device on a loaded host moves layers; the Detector's business), never a
+    # fail-stop or a restore.
+    planned = re.search(r"^\s+iteration\s+\d+\s+plan\s|\] plan: generation", text, re.M)
+    assert not planned or ("fail-slow" in text and "fail-stop" not in text), text[-3000:]
+    # The same processes ran every iteration: one launch per device in all, from generation 0.
     logs = work / "job"
     launches = re.findall(r"event=worker_launched node=\d+ device=(\d+) pid=(\d+)",
                           "".join((logs / f"agent{node}.log").read_text() for node in (0, 1)))
@@ -170,7 +174,8 @@ def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, re
     for d in range(n):
         entered = re.findall(r"event=generation_entered device=\d+ generation=(\d+)",
                              (logs / f"worker{d}.log").read_text())
-        assert entered == ["0"], f"device {d} entered generations {entered}: a reconfiguration or restore"
+        assert entered[:1] == ["0"] and (entered == ["0"] or planned), \
+            f"device {d} entered generations {entered}: a reconfiguration or restore"
     return work, out1.text, text
 
 
