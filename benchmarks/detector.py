@@ -678,7 +678,7 @@ class ReferenceIteration:
 
         from resihp_core.config import Config
         from resihp_core.protocol import PlanUpdate
-        from resihp_core.runtime import jobstore
+        from resihp_core.runtime import session
         from resihp_core.runtime.jobs import build_job
         from resihp_core.runtime.worker import Worker
 
@@ -693,10 +693,10 @@ class ReferenceIteration:
         self._tmp = tempfile.mkdtemp(prefix="resihp-ov-ref-")
         job = build_job(cfg, [], Path(self._tmp))
         spec = dataclasses.replace(job.spec, checkpoint_every=0, checkpoint_dir=None)
-        self.store, _ = jobstore.host(secret=secrets.token_hex(16))  # in-process: only this worker uses it
+        self.store, _ = session.host(secret=secrets.token_hex(16))  # in-process: only this worker uses it
         self.worker = Worker(job.plan.devices()[0], self.store, spec)
         plan = job.plan.with_(generation=0)
-        jobstore.post_plan(self.store, PlanUpdate.of(plan, devices=tuple(plan.devices()), resume=0,
+        session.post_plan(self.store, PlanUpdate.of(plan, devices=tuple(plan.devices()), resume=0,
                                                      iterations=10 ** 9))
         self.what = (f"reference backend (megatron_ref) through the worker loop: {layers} layers, hidden "
                      f"{hidden}, {microbatches} micro-batches of {tokens} tokens, 1 device")

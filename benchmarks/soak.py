@@ -182,10 +182,11 @@ class Soak:
             if lost or doubled:
                 self.problems.append(f"iteration {i} stage {s} (generation {g}): {lost} lost, {doubled} doubled")
         if not reports:
-            have = [gg for gg in sorted(job.plans) if any(job.store.check([f"ctl{gg}/report/{i}/{d}"])
+            from resihp_core.runtime import session
+
+            have = [gg for gg in sorted(job.plans) if any(session.get_report(job.store, gg, i, d) is not None
                                                            for d in job.plans[gg].devices())]
-            verdicts = {gg: job.store.get(f"ctl{gg}/verdict{i}").decode() for gg in sorted(job.plans)
-                        if job.store.check([f"ctl{gg}/verdict{i}"])}
+            verdicts = {gg: v for gg in sorted(job.plans) if (v := session.verdict(job.store, gg, i)) is not None}
             self.problems.append(f"iteration {i}: no reports in generation {g} (committed_in); reports in {have}; "
                                  f"verdicts {verdicts}; committed {job.committed}; records {len(self.records)}")
         self.losses[i] = sum(r.loss for r in reports.values())

@@ -51,6 +51,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "DeepSpeed jobs list them in the JSON's resihp.faults")
     p.add_argument("--workdir", help="folder for logs and checkpoints (default: a fresh temporary folder)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
+    p.add_argument("--resume", action="store_true",
+                   help="FSDP only: continue the job in --workdir: re-attach to its live workers after a controller "
+                        "restart (runtime.controller_grace_s > 0), else restore its newest complete checkpoint")
     p.add_argument("training_script", help="the training script")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -87,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from e
     if kind == "deepspeed":
+        if getattr(args, "resume", False):
+            raise CliError("--resume is for FSDP configs for now: a DeepSpeed launch has no controller failover "
+                           "(run it again from the start, or use 'resihp run' with runtime.controller_grace_s)")
         for opt in ("resihp_config", "faults"):
             if getattr(args, opt, None):
                 raise CliError(f"--{opt} is for FSDP configs: a DeepSpeed job reads ResiHP's settings (and faults) "

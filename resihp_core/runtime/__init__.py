@@ -11,10 +11,15 @@
 * :mod:`.controller` — :class:`~.controller.Controller`, one per job: aggregates the
   agents' node states, declares fail-stops (including a whole node when its agent's
   connection drops), runs the fail-slow pipeline on the profiles, and emits
-  :class:`~resihp_core.protocol.FailureReport` s to a callback, a queue and the observer
-  plugins. ``python -m resihp_core.runtime.controller``.
-* :mod:`.launcher` / :mod:`.jobstore` — starting and steering this machine's training
-  workers, and the job's control keys in the job store.
+  :class:`~resihp_core.protocol.FailureReport` s to a callback and a queue (a job's
+  observers hear them from its session). ``python -m resihp_core.runtime.controller``.
+* :mod:`.session` — the job session: the one owner of a job's shared state (every
+  job-store key behind a typed accessor, the generation counter, verdicts, observers).
+* :mod:`.supervisor` / :mod:`.control` — the supervisor's pure state machine (typed
+  events in, actions out) and the control loop that feeds it and carries its actions
+  out; :mod:`.resilient` wires a whole job; :mod:`.assemble` builds one from its
+  configuration (docs/design.md §2.1-2.2).
+* :mod:`.launcher` — starting this machine's training workers.
 * :mod:`.store` — the authenticated job store (a ``torch.distributed.Store``); :mod:`.gate`
   — bounded resources for connections that have not authenticated yet.
 * :mod:`.storehost` / :mod:`.failover` — a job that outlives its controller: the job

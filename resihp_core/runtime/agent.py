@@ -452,7 +452,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
     def _adopt_job_failover(self, msg: LaunchWorkers) -> None:
         """Take the job's grace period from its launch message unless given one, and
         note the interface choice (a re-attach reports the workers' addresses again)."""
-        from resihp_core.runtime.jobstore import ENV_GRACE
+        from resihp_core.runtime.session import ENV_GRACE
         from resihp_core.runtime.netif import INTERFACE_ENV
 
         self._launch_interface = msg.env.get(INTERFACE_ENV, "")

@@ -1,10 +1,7 @@
 """Jobs assembled from a configuration, and run: what ``resihp run CONFIG`` does.
 
-:func:`build_job` turns a :class:`~resihp_core.config.Config` (and a fault scenario)
-into the first plan, the topology, the workers' :class:`~resihp_core.job.JobSpec` and
-the Scheduler's state. The adapter named by ``runtime.adapter`` builds its own job
-section (its registered ``job_config`` function, else the ``[adapter]`` table as it is)
-and, if it registered a ``reference``, the fault-free losses the run is checked against.
+:func:`~resihp_core.runtime.assemble.assemble` turns the configuration (and a fault
+scenario) into the job, once per run.
 :func:`run_job` runs the job resiliently on this machine (or with external agents),
 with a live view, observer hooks, a report folder and an exit status that is non-zero
 whenever the run or its correctness check failed.
@@ -18,84 +15,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Sequence
 
-__all__ = ["AssembledJob", "Phases", "build_job", "check_fits_here", "phases", "run_job", "run_config",
+from resihp_core.runtime.assemble import AssembledJob, assemble
+
+if TYPE_CHECKING:
+    from resihp_core.config import Config
+    from resihp_core.faults import Fault
+    from resihp_core.protocol import FailureReport
+    from resihp_core.runtime.resilient import ResilientRun
+
+__all__ = ["AssembledJob", "Phases", "assemble", "build_job", "check_fits_here", "phases", "run_controlled", "run_job", "run_config",
            "configure_run"]
 
-
-class AssembledJob(NamedTuple):
-    """A job ready to run: what :func:`~resihp_core.runtime.resilient.run_resilient` takes."""
-
-    plan: Any  # the first ParallelPlan
-    topology: Any
-    spec: Any  # the workers' JobSpec
-    state: Any  # the Scheduler's PlannerState
-    planner: Any
-    reference: Callable[[Any, int], list[float]] | None  # fault-free losses, if the adapter has them
-
-
-def build_job(cfg: Any, faults: list, workdir: Path) -> AssembledJob:
-    """Assemble the job of ``cfg`` for the adapter named by ``runtime.adapter``."""
-    from resihp_core.config import ConfigError
-    from resihp_core.faults import worker_faults
-    from resihp_core.job import JobSpec
-    from resihp_core.plan import ParallelPlan, ScheduleKind, Topology
-    from resihp_core.plugins import get_plugins
-    from resihp_core.data import create_source
-    from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
-    from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
-    from resihp_core.scheduler.planner import Planner
-    from resihp_core.scheduler.state import PlannerState
-
-    par, mod, tr = cfg.parallel, cfg.model, cfg.training
-    registry = get_plugins().adapters()
-    try:
-        adapter = registry.get(cfg.runtime.adapter or registry.default_name())
-    except LookupError as e:
-        raise ConfigError(str(e), path="runtime.adapter", value=cfg.runtime.adapter) from None
-    make_section = adapter.function("job_config")
-    try:
-        section = make_section(cfg) if make_section is not None else dict(cfg.adapter)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e), path="adapter") from None
-    plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
-                                num_microbatches=tr.microbatches, num_heads=mod.heads,
-                                schedule=ScheduleKind(cfg.scheduler.schedule))
-    topology = Topology.uniform(cfg.runtime.nodes, cfg.runtime.devices_per_node,
-                                cfg.scheduler.device_memory_gib)
-    plan.validate(topology)
-    caps = adapter.capabilities
-    why = caps.violations(plan)
-    if why:
-        raise ConfigError(f"adapter {adapter.name!r} cannot run this plan: {'; '.join(why)}",
-                          path="runtime.adapter", value=adapter.name)
-    n = tr.token_budget
-    # The job's data source ([data]; default: the synthetic long-tailed corpus), built
-    # here first: a bad section fails before any worker starts, and workers rebuild the
-    # very same source from its resolved spec (paths made absolute, corpus fingerprint).
-    source = create_source(cfg.data.section(), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
-                           token_budget=n, vocab_size=mod.vocab)
-    spec = JobSpec(
-        adapter=adapter.name, adapter_config=section, data=source.spec(),
-        dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=10.0,
-        checkpoint_dir=tr.checkpoint_dir or str(workdir / "checkpoints"),
-        checkpoint_every=tr.checkpoint_every, checkpoint_keep=tr.checkpoint_keep,
-        faults=worker_faults(faults),
-    )
-    # A prior for the first plans only: equal per-layer cost and CPU-like links. Once
-    # the Detector has fitted the job's own cost model from its warm-up profiles, the
-    # supervisor plans with that one (Supervisor.fitted).
-    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
-                                       ref_layers=max(1, mod.layers // par.pp), ref_tp=1), par.pp)
-    links = LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9, intra_latency=5e-5, inter_latency=1e-4)
-    params = 4 * mod.hidden * mod.hidden + 3 * mod.hidden * mod.ffn
-    predictor = IterationPredictor(cost, topology, ModelShape(tokens=n, hidden=mod.hidden,
-                                                              params_per_layer=params, dtype_bytes=4), links)
-    feats = workload_features(source.workload(0), par.dp, tr.microbatches)
-    state = PlannerState.create(topology, plan, predictor, feats, capabilities=caps,
-                                k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
-    return AssembledJob(plan, topology, spec, state, Planner(capabilities=caps), adapter.function("reference"))
+build_job = assemble  # its former name
 
 
 class Phases:
@@ -160,11 +93,21 @@ def run_config(args: argparse.Namespace) -> int:
         devices = range(cfg.runtime.nodes * cfg.runtime.devices_per_node)
         faults = load_scenario(args.faults, devices=devices, iterations=cfg.training.iterations) if args.faults else []
         check_fits_here(cfg, getattr(args, "agents", "local"))
-        build_job(cfg, faults, Path(tempfile.gettempdir()))  # every check before anything starts
+        work = work_folder(args, "run")
+        job = assemble(cfg, faults, work)  # every check before anything starts; the one assembly of the run
     except (ConfigError, FaultError) as e:
         raise CliError(str(e)) from e
     p = cfg.parallel
-    return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run")
+    return run_job(cfg, faults, args, f"resihp run: TP{p.tp} x PP{p.pp} x DP{p.dp}", "run", job=job, work=work)
+
+
+def work_folder(args: argparse.Namespace, tag: str) -> Path:
+    """``--workdir`` (made if missing), else a fresh temporary folder."""
+    if getattr(args, "workdir", None):
+        work = Path(args.workdir).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+    return Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
 
 
 def check_fits_here(cfg: Any, agents: str = "local") -> None:
@@ -304,62 +247,38 @@ def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, i
     return it + 1, it
 
 
-def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: str) -> int:
-    """Run ``cfg`` with ``faults``, show it live, write the report; the exit status is 1
-    when the run failed or its losses differ from the fault-free reference."""
+def run_controlled(cfg: Config, job: AssembledJob, work: Path, args: argparse.Namespace, *,
+                   faults: Sequence[Fault] = (), worker_module: str = "resihp_core.runtime.worker",
+                   **wiring: Any) -> tuple[ResilientRun, int]:
+    """The controller's part of a run, shared by ``resihp run`` and ``resihp launch``:
+    one controller per job (its lock in ``work``), a job secret a restarted controller
+    finds again, and ``--resume``: re-attach to the job's live agents and workers
+    (docs/failover.md), else restore from the newest complete checkpoint. Returns the
+    run and the first iteration it trained. ``wiring``: the rest of
+    :func:`~resihp_core.runtime.resilient.run_resilient`'s callbacks."""
+    from resihp_core.cli import CliError
     from resihp_core.faults import repairs
     from resihp_core.plugins import get_plugins
-    from resihp_core.report import format_table, summary_table, write_report
-    from resihp_core.runtime.resilient import run_resilient
-
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    outdir = Path(args.report) / f"{tag}-{stamp}"
-    outdir.mkdir(parents=True, exist_ok=True)
-    if getattr(args, "workdir", None):
-        work = Path(args.workdir).resolve()
-        work.mkdir(parents=True, exist_ok=True)
-    else:
-        work = Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
-    from resihp_core.cli import CliError
     from resihp_core.runtime.failover import ControllerLock, ControllerRunning
+    from resihp_core.runtime.resilient import AttachFailed, run_resilient
 
     try:
         lock = ControllerLock(work).acquire()  # one controller per job, released when this process ends
     except ControllerRunning as e:
         raise CliError(str(e), code=1) from None
-    agents = _agents(cfg, args)
-    job = build_job(cfg, faults, work)
-    grace = cfg.runtime.controller_grace_s
-    if grace > 0 and "secret" not in agents:
-        agents["secret"] = _failover_secret(cfg, work)
-    attach = _attachable(args, work, agents.get("secret", ""))
-    start, restore = (0, None) if attach is not None else _resume_point(cfg, args, job.spec)
-    print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir}, "
-          f"every {cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept)",
-          flush=True)
-    health = {d: "ok" for d in job.plan.devices()}
-
-    def on_report(r: Any) -> None:
-        for d in r.devices:
-            health[d] = "DEAD" if r.failure == "fail-stop" else f"slow {r.cause}"
-
-    observers = get_plugins()
-    observers.notify_job_started(cfg, str(work))
-    view = _View(args, health)
-    phase_of = phases(faults)
-
-    def on_event(ev: dict) -> None:
-        phase_of.event(ev)  # a detected failure starts a phase too
-        view.event(ev)
-
-    from resihp_core.runtime.resilient import AttachFailed
-
-    common = dict(phase_of=phase_of, on_event=on_event, on_iteration=view.iteration, on_report=on_report,
-                  repairs=repairs(faults), observers=observers,
-                  interface=getattr(args, "interface", None) or cfg.runtime.interface,
-                  controller_grace_s=grace, state_dir=work, **agents)
-    with view:
+    try:
+        agents = _agents(cfg, args)
+        grace = cfg.runtime.controller_grace_s
+        if grace > 0 and "secret" not in agents:
+            agents["secret"] = _failover_secret(cfg, work)
+        attach = _attachable(args, work, agents.get("secret", ""))
+        start, restore = (0, None) if attach is not None else _resume_point(cfg, args, job.spec)
+        print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir}, every "
+              f"{cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept)",
+              flush=True)
+        common = dict(repairs=repairs(list(faults)), observers=get_plugins(), config=cfg, worker_module=worker_module,
+                      interface=getattr(args, "interface", None) or cfg.runtime.interface,
+                      controller_grace_s=grace, state_dir=work, **agents, **wiring)
         run = None
         if attach is not None:
             try:
@@ -372,7 +291,40 @@ def run_job(cfg: Any, faults: list, args: argparse.Namespace, title: str, tag: s
         if run is None:
             run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
                                 cfg.training.iterations, work / "job", start=start, restore=restore, **common)
-    lock.release()
+    finally:
+        lock.release()
+    return run, start
+
+
+def run_job(cfg: Config, faults: list[Fault], args: argparse.Namespace, title: str, tag: str, *,
+            job: AssembledJob | None = None, work: Path | None = None) -> int:
+    """Run ``cfg`` with ``faults``, show it live, write the report; the exit status is 1
+    when the run failed or its losses differ from the fault-free reference. ``job`` and
+    ``work``: the run's assembly and folder, if the caller made them already."""
+    from resihp_core.report import format_table, summary_table, write_report
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    outdir = Path(args.report) / f"{tag}-{stamp}"
+    outdir.mkdir(parents=True, exist_ok=True)
+    work = work or work_folder(args, tag)
+    job = job or assemble(cfg, faults, work)
+    health = {d: "ok" for d in job.plan.devices()}
+
+    def on_report(r: FailureReport) -> None:
+        for d in r.devices:
+            health[d] = "DEAD" if r.failure == "fail-stop" else f"slow {r.cause}"
+
+    view = _View(args, health)
+    phase_of = phases(faults)
+
+    def on_event(ev: dict) -> None:
+        phase_of.event(ev)  # a detected failure starts a phase too
+        view.event(ev)
+
+    with view:
+        run, start = run_controlled(cfg, job, work, args, faults=faults, phase_of=phase_of, on_event=on_event,
+                                    on_iteration=view.iteration, on_report=on_report)
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records

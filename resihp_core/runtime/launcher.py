@@ -10,19 +10,22 @@ reports. Every process started is tracked by pid and reaped by :meth:`LocalJob.c
 
 from __future__ import annotations
 
-import json
 import os
 import secrets as _secrets
 import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, PlanUpdate, WorkerLeft, node_credential
-from resihp_core.runtime import jobstore
+from resihp_core.runtime import session as _session
+from resihp_core.runtime.session import JobSession, Observers
 from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
+
+if TYPE_CHECKING:
+    from resihp_core.runtime.store import LocalStore, StoreClient
 
 __all__ = ["LocalJob", "JobError"]
 
@@ -45,6 +48,8 @@ class LocalJob:
         (docs/failover.md); :meth:`close` then ends that process.
     :param attach: re-attach to a running job instead of launching workers: the
         generation its workers are in (a restarted controller; docs/failover.md).
+    :param observers, on_event: who the job's :class:`~resihp_core.runtime.session.JobSession`
+        (:attr:`session`: its shared state) notifies.
     """
 
     def __init__(self, job_json: str, devices: Iterable[int], *,
@@ -52,8 +57,9 @@ class LocalJob:
                  workdir: str | os.PathLike | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None,
                  processes: Callable[[Path], WorkerProcesses] = LocalProcesses,
-                 secret: str = "", store: tuple[Any, str] | None = None,
-                 attach: PlanUpdate | None = None) -> None:
+                 secret: str = "", store: tuple[StoreClient, str] | None = None,
+                 attach: PlanUpdate | None = None, observers: Observers | None = None,
+                 on_event: Callable[[dict], None] = lambda ev: None) -> None:
         self.devices = sorted(devices)
         self._tmp = tempfile.TemporaryDirectory(prefix="resihp-job-") if workdir is None else None
         self.workdir = Path(workdir or self._tmp.name)
@@ -62,19 +68,16 @@ class LocalJob:
         self.job_path.write_text(job_json)
         self._secret = secret or _secrets.token_hex(16)
         self._hosted = store is None
-        self.store, self.address = jobstore.host(host, secret=self._secret) if store is None else store
+        self.store: LocalStore | StoreClient
+        self.store, self.address = _session.host(host, secret=self._secret) if store is None else store
         self.worker_module = worker_module
         self.env = env or {}
         self.processes = processes(self.workdir)
         if isinstance(self.processes, LocalProcesses):
             # Our own children are "node 0"; agents give their workers their node's credential.
             self.env = {**self.env, "RESIHP_SECRET": node_credential(self._secret, 0), "RESIHP_NODE": "0"}
-        self.generation = -1
-        self.plan: ParallelPlan | None = None
-        self.committed = 0  # iterations known committed
-        self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
-        self.message: PlanUpdate | None = None
-        self.plans: dict[int, ParallelPlan] = {}
+        # The job's shared state (generation counter, verdicts, observers): its session.
+        self.session = JobSession(self.store, observers=observers, on_event=on_event)
         if attach is not None:
             self._adopt(attach)
             return
@@ -90,15 +93,40 @@ class LocalJob:
         """Let the workers commit: a controller steers the job (a store hosted in its
         own process holds commits until then; docs/failover.md)."""
         if not self._hosted:
-            self.store.set(jobstore.PRESENT_KEY, "1")
+            self.session.steer()
 
     def _adopt(self, msg: PlanUpdate) -> None:
         """Take over generation ``msg`` its workers are in (no launch, no post)."""
-        plan = msg.parsed_plan()
-        self.generation, self.plan, self.message = msg.generation, plan, msg
-        self.plans[msg.generation] = plan
-        self.committed = msg.resume
-        self.committed_through()
+        self.session.adopt(msg)
+
+    # ------------------------------------------------------------ the session's state
+    @property
+    def generation(self) -> int:
+        return self.session.generation
+
+    @property
+    def plan(self) -> ParallelPlan | None:
+        return self.session.plan
+
+    @property
+    def message(self) -> PlanUpdate | None:
+        return self.session.message
+
+    @property
+    def committed(self) -> int:
+        return self.session.committed
+
+    @committed.setter
+    def committed(self, value: int) -> None:
+        self.session.committed = value
+
+    @property
+    def committed_in(self) -> dict[int, int]:
+        return self.session.committed_in
+
+    @property
+    def plans(self) -> dict[int, ParallelPlan]:
+        return self.session.plans
 
     # ------------------------------------------------------------ processes
     def alive(self) -> list[int]:
@@ -111,21 +139,17 @@ class LocalJob:
         """Start the workers of ``devices`` again (repaired devices); they wait for a
         plan generation that uses them."""
         devices = sorted(devices)
-        for d in devices:  # wait_started waits for the new worker's own pid key
-            try:
-                self.store.delete_key(f"worker/{d}/pid")
-            except Exception:  # noqa: BLE001 - absent
-                pass
+        for d in devices:  # wait_started waits for the new worker's own pid
+            self.session.forget_worker(d)
         self.processes.launch(sorted(devices), module=self.worker_module, job_path=self.job_path,
                               job_json=self.job_path.read_text(), store=self.address, env=self.env)
 
     def wait_started(self, devices: Iterable[int], timeout: float = 60.0) -> bool:
-        """Wait until the workers of ``devices`` are up (each posts ``worker/<d>/pid``
-        once its adapter exists); False on time-out or if one died."""
+        """Wait until the workers of ``devices`` are up (each posts its pid once its
+        adapter exists); False on time-out or if one died."""
         devices = sorted(devices)
-        keys = [f"worker/{d}/pid" for d in devices]
         deadline = time.monotonic() + timeout
-        while not self.store.check(keys):
+        while not self.session.workers_up(devices):
             if time.monotonic() > deadline or set(devices) & set(self.dead()):
                 return False
             time.sleep(0.02)
@@ -148,36 +172,20 @@ class LocalJob:
              restore: int | None = None, fresh: bool = False,
              exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Post the next generation: ``plan`` on every live worker not in ``exclude``."""
-        g = self.generation + 1
-        plan = plan.with_(generation=g) if plan.generation != g else plan
         devices = tuple(d for d in self.alive() if d not in exclude)
         missing = [d for d in plan.devices() if d not in devices]
         if missing:
-            raise JobError(f"plan generation {g} uses devices {missing} that have no live worker")
-        msg = PlanUpdate.of(plan, devices=devices, resume=self.committed if resume is None else resume,
-                            iterations=iterations, restore=restore, fresh=fresh)
-        jobstore.post_plan(self.store, msg)
-        self.generation, self.plan, self.message = g, plan, msg
-        self.plans[g] = plan
-        return g
+            raise JobError(f"plan generation {self.generation + 1} uses devices {missing} that have no live worker")
+        return self.session.post(plan, devices=devices, iterations=iterations, resume=resume, restore=restore,
+                                 fresh=fresh)
 
     def abort(self) -> int:
         """Abort the current generation; returns the iteration to resume from."""
-        first = self.committed
-        self.committed = jobstore.abort_generation(self.store, self.generation, first)
-        for i in range(first, self.committed):  # committed before the abort, not yet seen
-            self.committed_in[i] = self.generation
-        return self.committed
+        return self.session.abort()
 
     def committed_through(self) -> int:
         """Advance :attr:`committed` over iterations whose verdict is ``commit``."""
-        g = self.generation
-        while self.store.check([f"ctl{g}/verdict{self.committed}"]):
-            if self.store.get(f"ctl{g}/verdict{self.committed}") != b"commit":
-                break
-            self.committed_in[self.committed] = g
-            self.committed += 1
-        return self.committed
+        return self.session.committed_through()
 
     def wait(self, iteration: int, *, timeout: float = 120.0, on_death: str = "raise") -> list[int]:
         """Wait until ``iteration`` iterations are committed. Returns the devices that
@@ -197,56 +205,29 @@ class LocalJob:
         return []
 
     def ready_times(self, generation: int | None = None) -> dict[int, float]:
-        g = self.generation if generation is None else generation
-        out = {}
-        for d in self.message.devices if self.message else []:
-            key = f"ctl{g}/ready/{d}"
-            if self.store.check([key]):
-                out[d] = json.loads(self.store.get(key))["seconds"]
-        return out
+        return {d: info["seconds"] for d, info in self.session.ready_info(generation).items()}
 
     def worker_failures(self, generation: int | None = None) -> dict[int, str]:
         """Devices whose iteration raised in ``generation`` (default: current), with why."""
-        return {d: left.reason for d, left in self.workers_left(generation).items()}
+        return {d: left.reason for d, left in self.session.workers_left(generation).items()}
 
     def workers_left(self, generation: int | None = None) -> dict[int, WorkerLeft]:
         """Devices that left ``generation`` (default: current), with their typed reports."""
-        g = self.generation if generation is None else generation
-        out = {}
-        for d in self.message.devices if self.message else []:
-            left = jobstore.get_left(self.store, g, d)
-            if left is not None:
-                out[d] = left
-        return out
+        return self.session.workers_left(generation)
 
     def ready_info(self, generation: int | None = None) -> dict[int, dict[str, float]]:
         """Per-device reconfiguration breakdown of a generation (rebuild, state, bytes)."""
-        g = self.generation if generation is None else generation
-        out = {}
-        for d in self.message.devices if self.message else []:
-            key = f"ctl{g}/ready/{d}"
-            if self.store.check([key]):
-                out[d] = json.loads(self.store.get(key))
-        return out
+        return self.session.ready_info(generation)
 
     def report(self, iteration: int, generation: int | None = None) -> dict[int, IterationReport]:
         """Per-device reports of ``iteration`` in ``generation`` (default: the one that
         committed it)."""
-        g = self.committed_in.get(iteration, self.generation) if generation is None else generation
-        out = {}
-        plan = self.plans[g]
-        for d in plan.devices():
-            r = jobstore.get_report(self.store, g, iteration, d)
-            if r is not None:
-                out[d] = r
-        return out
+        return self.session.report(iteration, generation)
 
     def close(self, timeout: float = 10.0) -> None:
         """Tell workers to stop, then reap every process we started (by pid)."""
         try:
-            g = self.generation + 1
-            jobstore.post_plan(self.store, PlanUpdate(generation=g, stop=True))
-            self.generation = g
+            self.session.stop()
         except Exception:  # noqa: BLE001 - the store may be gone; still reap
             pass
         self.processes.close(timeout)
@@ -254,7 +235,7 @@ class LocalJob:
             self.store.server.close()
         else:  # the store host ends with the job
             try:
-                self.store.set(jobstore.SHUTDOWN_KEY, "1")
+                self.session.end_store_host()
             except Exception:  # noqa: BLE001 - already gone
                 pass
             self.store.close()

@@ -26,16 +26,20 @@ import secrets as _secrets
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 from resihp_core.config import DetectorConfig
 from resihp_core.plan import ParallelPlan, Topology
 from resihp_core.runtime.failover import JobState, remove_state, write_state
-from resihp_core.runtime.jobstore import SHUTDOWN_KEY
+from resihp_core.runtime.session import JobSession, Observers
 from resihp_core.runtime.launcher import LocalJob
-from resihp_core.runtime.supervisor import IterationRecord, Supervisor
+from resihp_core.protocol import FailureReport
+from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, IterationRecord
+from resihp_core.scheduler.planner import Planner
+from resihp_core.scheduler.state import PlannerState
 
 if TYPE_CHECKING:
+    from resihp_core.detector import Detection
     from resihp_core.protocol import PlanUpdate
     from resihp_core.runtime.controller import Controller
     from resihp_core.runtime.loop import LoopThread
@@ -111,7 +115,7 @@ class ResilientRun:
     extra: dict = field(default_factory=dict)
 
 
-def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: Any, planner: Any,
+def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: PlannerState, planner: Planner,
                   detector: DetectorConfig, iterations: int, workdir: Path, *,
                   worker_module: str = "resihp_core.runtime.worker",
                   supervised: bool = True, timeout: float = 900.0,
@@ -122,13 +126,14 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                   phase_of: Callable[[int, int], str] = lambda i, g: "running",
                   on_event: Callable[[dict], None] = lambda ev: None,
                   on_iteration: Callable[[IterationRecord], None] = lambda rec: None,
-                  on_report: Callable[[Any], None] = lambda r: None,
-                  on_detection: Callable[[Any], None] | None = None,
+                  on_report: Callable[[FailureReport], None] = lambda r: None,
+                  on_detection: Callable[[Detection], None] | None = None,
                   on_listening: Callable[[str, list[int]], None] = lambda address, nodes: None,
                   before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None,
-                  observers: Any = None, start: int = 0, restore: int | None = None,
+                  observers: Observers | None = None, start: int = 0, restore: int | None = None,
                   repair_requests: queue.Queue | None = None, controller_grace_s: float = 0.0,
-                  attach: JobState | None = None, state_dir: Path | None = None) -> ResilientRun:
+                  attach: JobState | None = None, state_dir: Path | None = None,
+                  config: object | None = None) -> ResilientRun:
     """Run the job to ``iterations`` iterations, adapting to failures.
 
     :param agents: ``"local"`` starts one agent process per node here; ``"external"``
@@ -148,6 +153,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     :param observers: the plugin facade whose observer hooks the supervisor fires.
     :param start: resume a job: the first iteration to train (``restore`` + 1).
     :param restore: resume a job: the complete checkpoint the first generation loads.
+    :param config: the job's configuration, for the observers' ``job_started``.
     :param repair_requests: a queue another thread puts lists of repaired devices on;
         the supervisor starts their workers again and plans them back in. It is the
         supervisor's one queue of repaired devices: healed nodes offer theirs on it too.
@@ -171,11 +177,15 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     state_dir = Path(state_dir) if state_dir is not None else workdir
-    reports: queue.Queue = queue.Queue()
+    reports: queue.Queue[FailureReport] = queue.Queue()
     repaired: queue.Queue = repair_requests if repair_requests is not None else queue.Queue()
+    job: LocalJob | None = None
 
-    def report(r: Any) -> None:
-        reports.put(r)
+    def report(r: FailureReport) -> None:
+        if supervised:
+            reports.put(r)  # the supervisor tells observers, once per (merged) failure
+        elif job is not None:
+            job.session.failure(r)  # nothing acts on it: observers hear each report
         on_report(r)
 
     node_of = {d: node for node, devs in topology.nodes().items() for d in devs}
@@ -193,17 +203,16 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     model = WorkloadModel(plan=plan, predictor=state.predictor, warmup_iterations=detector.warmup_iterations)
     procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
     controller = Controller(detector, secret, host=listen[0], port=listen[1],
-                            on_report=report if supervised else (lambda r: None),
+                            on_report=report,
                             expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
                             on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
                             on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None,
-                            # the supervisor notifies observers of each failure once
-                            notify_failures=not supervised, plugins=observers,
+                            # the job's session is the one place observers are notified
+                            notify_failures=False, plugins=observers,
                             incarnation=_secrets.token_hex(8) if failover else "")
     procs.controller = controller
     agent_procs: dict[int, subprocess.Popen] = {}
-    job: LocalJob | None = None
     out = ResilientRun([], [], True, logs=workdir)
     store_proc: subprocess.Popen | None = None
     store_address = ""
@@ -237,11 +246,11 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
         def ready_devices() -> set[int]:
             return loop.run(_up(), timeout=10)
 
-        def set_generation(g: int, new_plan: ParallelPlan, speeds: dict[int, float]) -> None:
+        def set_generation(g: int, new_plan: ParallelPlan, speeds: Mapping[int, float]) -> None:
             loop.call(lambda: controller.set_generation(g, plan=new_plan, speeds=speeds,
                                                         expected_ranks=set(new_plan.devices())))
 
-        from resihp_core.runtime.jobstore import ENV_GRACE
+        from resihp_core.runtime.session import ENV_GRACE
 
         env = {INTERFACE_ENV: interface} if interface else {}
         if failover:
@@ -249,37 +258,37 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
         job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
                        host=listen[0] or "127.0.0.1", processes=lambda _: procs, secret=secret,
                        env=env or None, store=(store, store_address) if store is not None else None,
-                       attach=attached)
+                       attach=attached, observers=observers, on_event=on_event)
+        if config is not None:
+            job.session.job_started(config, str(state_dir))
+        handled: set[int] = set()
         if attached is not None:
-            cur = job.plan
             handled = set(attach.handled)  # members not re-attached are reported dead, then planned
-            state = state.with_plan(cur).with_health(failed=frozenset(handled))
+            state = state.with_plan(job.plan).with_health(failed=frozenset(handled))
             start = job.committed
-        if failover:
-            on_event = _saving_state(on_event, job, lambda: sup, state_dir, secret, controller, store_address,
-                                     store_proc.pid if store_proc is not None else attach.store_pid,
-                                     iterations, nodes)
-        sup = Supervisor(job, planner, state, iterations, reports, set_generation=set_generation,
-                         samples=plan.dp * plan.num_microbatches, phase_of=phase_of,
-                         on_event=on_event, on_iteration=on_iteration, repairs=dict(repairs or {}),
-                         repaired=repaired, ready=lambda devices: set(devices) <= ready_devices(),
-                         observers=observers, fitted=model.fitted_predictor if supervised else (lambda: None),
-                         checkpoint_dir=spec.get("checkpoint_dir") or None,
-                         checkpoint_every=int(spec.get("checkpoint_every") or 0), first=start,
-                         restore_at_start=restore, adopt=attached is not None)
-        if attached is not None:
-            sup.handled_devices = set(handled)
         if not supervised:
-            sup.reports = queue.Queue()  # nothing is acted on: the controller reports nowhere
-            sup.handled_devices = set(plan.devices())  # and process exits are not re-planned
+            handled = set(plan.devices())  # nothing is acted on: process exits are not re-planned
+        if failover:
+            job.session.on_event = _saving_state(on_event, job, lambda: ctl.core.handled, state_dir, secret,
+                                                 controller, store_address,
+                                                 store_proc.pid if store_proc is not None else attach.store_pid,
+                                                 iterations, nodes)
+        ctl = ControlLoop(job, planner, state, iterations, reports, repaired, set_generation=set_generation,
+                          ready=lambda devices: set(devices) <= ready_devices(),
+                          fitted=model.fitted_predictor if supervised else (lambda: None),
+                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of, on_iteration=on_iteration,
+                          checkpoints=CheckpointPolicy(spec.get("checkpoint_dir") or None,
+                                                       int(spec.get("checkpoint_every") or 0)),
+                          repairs=dict(repairs or {}), handled=handled, first=start, restore_at_start=restore,
+                          adopt=attached is not None)
         try:
             before_run(job, agent_procs)
-            out.records = sup.run(timeout=timeout)
+            out.records = ctl.run(timeout=timeout)
         finally:
-            out.records = out.records or sup.records
-            out.events = sup.events
-            out.final_plan = sup.state.plan
-            out.extra["first"] = sup.first
+            out.records = out.records or ctl.records
+            out.events = ctl.events
+            out.final_plan = ctl.plan
+            out.extra["first"] = ctl.first
     except AttachFailed:
         raise  # nothing was started or changed: the caller restores from a checkpoint instead
     except Exception as e:  # noqa: BLE001 - the caller reports it with the logs
@@ -304,7 +313,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                 p.wait(5)
         if job is None and store is not None:  # never got to a job: end the store host here
             with contextlib.suppress(Exception):
-                store.set(SHUTDOWN_KEY, "1")
+                JobSession(store).end_store_host()
         if store_proc is not None:
             try:
                 store_proc.wait(10)
@@ -328,12 +337,11 @@ def _reattach(controller: Controller, procs: AgentProcesses, loop: LoopThread, s
     import time
 
     from resihp_core.protocol import WorkerProcess
-    from resihp_core.runtime import jobstore
 
-    g = jobstore.latest_generation(store)
-    if g < 0:
+    msg = JobSession(store).latest()
+    if msg is None:
         raise AttachFailed("the job store holds no plan")
-    msg = jobstore.read_plan(store, g)
+    g = msg.generation
     if msg.stop:
         raise AttachFailed(f"the job's last generation ({g}) is its stop: the job is over")
     wait_s = max(10.0, grace_s)
@@ -355,7 +363,7 @@ def _reattach(controller: Controller, procs: AgentProcesses, loop: LoopThread, s
     return msg
 
 
-def _saving_state(on_event: Callable[[dict], None], job: LocalJob, sup: Callable[[], Supervisor], state_dir: Path,
+def _saving_state(on_event: Callable[[dict], None], job: LocalJob, handled: Callable[[], set[int]], state_dir: Path,
                   secret: str, controller: Controller, store_address: str, store_pid: int, iterations: int,
                   nodes: list[int]) -> Callable[[dict], None]:
     """``on_event`` that also writes the job's state at every plan change (docs/failover.md)."""
@@ -363,12 +371,12 @@ def _saving_state(on_event: Callable[[dict], None], job: LocalJob, sup: Callable
 
     def save(ev: dict) -> None:
         if ev.get("kind") in ("plan", "attach") and job.message is not None and job.plan is not None:
-            handled = tuple(sorted(set(sup().handled_devices) - set(job.message.devices)))
+            out = tuple(sorted(set(handled()) - set(job.message.devices)))
             write_state(state_dir, JobState(
                 version=1, controller_host=host, controller_port=port, store_address=store_address,
                 store_pid=store_pid, generation=job.generation, committed=min(job.committed, iterations),
                 iterations=iterations, plan=job.plan.to_text(), devices=tuple(job.message.devices),
-                handled=handled, nodes=tuple(nodes)), secret)
+                handled=out, nodes=tuple(nodes)), secret)
         on_event(ev)
 
     return save

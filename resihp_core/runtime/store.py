@@ -49,9 +49,10 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder()
 MAX_KEY_CHARS = 1024
 MAX_PENDING_HANDSHAKES = 64
-PLAN_PREFIX = "plan/"  # only the controller writes keys under it
-CONTROLLER_PREFIX = "controller/"  # nor these (presence, shutdown; docs/failover.md)
-PRESENT_KEY = "controller/present"  # set by the controller once it steers the job; dropped with it (presence=True)
+# Keys only the controller writes (plans; presence and shutdown, docs/failover.md), and
+# the presence key a store host drops with the controller's connection (presence=True):
+# spelled once, in the job session.
+from resihp_core.runtime.session import CONTROLLER_PREFIX, PLAN_PREFIX, PRESENT_KEY  # noqa: E402
 
 
 class StoreError(dist.DistStoreError):

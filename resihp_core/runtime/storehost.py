@@ -35,7 +35,7 @@ def serve(host: str, port: int, secret: str, grace_s: float, address_file: str |
           stop: threading.Event, *, poll_s: float = 0.1, first_contact_s: float = 60.0) -> str:
     """Serve the store until shut down or left without a controller for ``grace_s``;
     returns why it ended."""
-    from resihp_core.runtime.jobstore import SHUTDOWN_KEY
+    from resihp_core.runtime.session import SHUTDOWN_KEY
     from resihp_core.runtime.store import StoreServer
 
     server = StoreServer(host, secret, port, presence=True)

@@ -22,7 +22,6 @@ Two ways to use it:
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import threading
@@ -33,7 +32,7 @@ from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabi
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate, WorkerLeft
-from resihp_core.runtime import jobstore
+from resihp_core.runtime import session
 from resihp_core.runtime.injector import FaultInjector
 
 __all__ = ["GenerationWatch", "Worker", "main"]
@@ -62,7 +61,7 @@ class GenerationWatch:
     def _run(self) -> None:
         while True:
             try:
-                self.latest = jobstore.wait_generation(self._store, self.latest, self._wait_s)
+                self.latest = session.wait_generation(self._store, self.latest, self._wait_s)
             except Exception:  # noqa: BLE001 - the job store went away: the job is over
                 return
 
@@ -98,10 +97,10 @@ class Worker:
         self.device, self.store, self.job, self.client = device, store, job, None
         self.faults = FaultInjector(device, job.faults)
         latest: Callable[[], int] = ((lambda: watch.latest) if watch is not None
-                                     else (lambda: jobstore.latest_generation(store)))
+                                     else (lambda: session.latest_generation(store)))
         # The adapter rendezvouses through a fenced view of the store: a wait in a
         # superseded generation's rendezvous ends at once (docs/worker-protocol.md).
-        fenced = jobstore.generation_fenced(store, latest, patience_s=job.timeout_s * 6)
+        fenced = session.generation_fenced(store, latest, patience_s=job.timeout_s * 6)
         self.ctx = AdapterContext(device=device, job=job, store=fenced, faults=self.faults)
         if watch is not None:
             self.ctx.superseded = lambda: watch.latest > self.ctx.generation
@@ -116,9 +115,9 @@ class Worker:
         self._seen = -1
         # A store hosted outside the controller: hold each commit while it is away
         # (docs/failover.md); the agent ends this worker when its grace period is over.
-        grace = float(os.environ.get(jobstore.ENV_GRACE, "0") or 0)
+        grace = float(os.environ.get(session.ENV_GRACE, "0") or 0)
         self.hold_s = 2 * grace + 30 if grace > 0 else 0.0  # a backstop: the agent and the store host end it first
-        store.set(f"worker/{device}/pid", str(os.getpid()))
+        session.put_pid(store, device, os.getpid())
 
     def attach(self, client: Any) -> None:
         """Send heartbeats (progress per primitive) and profiles through ``client``."""
@@ -139,8 +138,8 @@ class Worker:
         with open(env["RESIHP_JOB"]) as f:
             job = JobSpec.from_json(f.read())
         timeout = max(30.0, job.timeout_s * 3)
-        store = jobstore.connect(env["RESIHP_STORE"], timeout)
-        watch = GenerationWatch(jobstore.connect(env["RESIHP_STORE"], timeout))
+        store = session.connect(env["RESIHP_STORE"], timeout)
+        watch = GenerationWatch(session.connect(env["RESIHP_STORE"], timeout))
         worker = cls(device, store, job, factory=factory, watch=watch)
         if env.get("RESIHP_AGENT_ADDR"):
             # Heartbeats start only now: creating the adapter imports its framework, which
@@ -173,14 +172,14 @@ class Worker:
                 return result
 
     def _superseded(self) -> bool:
-        return jobstore.latest_generation(self.store) != self.msg.generation
+        return session.latest_generation(self.store) != self.msg.generation
 
     def _enter_next(self) -> bool:
         """Wait for a newer generation and enter it; False when it is the stop."""
-        while (g := jobstore.wait_generation(self.store, self._seen, 2.0)) <= self._seen:
+        while (g := session.wait_generation(self.store, self._seen, 2.0)) <= self._seen:
             pass
         self._seen = g
-        msg = jobstore.read_plan(self.store, g)
+        msg = session.read_plan(self.store, g)
         self.ctx.generation = g
         if msg.stop:
             self._finish()
@@ -224,9 +223,9 @@ class Worker:
             return False
         self.plan = plan
         t3 = time.perf_counter()
-        self.store.set(f"ctl{g}/ready/{dev}", json.dumps({
+        session.put_ready(self.store, g, dev, {
             "seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved,
-        }))
+        })
         if a.where is None:
             return False  # a standby: wait for a plan that uses it
         from resihp_core.predictor.schedules import emit_programs
@@ -235,7 +234,7 @@ class Worker:
         return True
 
     def _left(self, generation: int, reason: str, event: str, *, state_lost: bool = False, **kv: Any) -> None:
-        jobstore.put_left(self.store, WorkerLeft(generation=generation, device=self.device, reason=reason[:500],
+        session.put_left(self.store, WorkerLeft(generation=generation, device=self.device, reason=reason[:500],
                                                  error=reason.partition(":")[0][:100], state_lost=state_lost))
         _log(event, self.device, generation=generation, reason=repr(reason[:200]), **kv)
         self.adapter.release()
@@ -271,11 +270,11 @@ class Worker:
                 self._left(g, failed, "checkpoint_failed", iteration=i)
                 return None
         self._checkpoint_reports()
-        jobstore.put_report(self.store, self._report(result))
+        session.put_report(self.store, self._report(result))
         executors = len(self.plan.devices())
-        verdict = jobstore.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
+        verdict = session.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
                                   hold_s=self.hold_s)
-        if verdict != jobstore.CommitResult.COMMITTED:
+        if verdict != session.CommitResult.COMMITTED:
             a.rollback()
             a.release()
             self.active = False
@@ -300,11 +299,11 @@ class Worker:
 
     def _checkpoint_reports(self) -> None:
         """Post this worker's finished checkpoint writes; a failed one is a storage
-        fault (``ckpt/faults`` counter, ``ckpt/fault/<n>``): reported, never fatal."""
+        fault (:func:`~resihp_core.runtime.session.put_storage_fault`): reported, never fatal."""
         for st in self.adapter.checkpoint_status():
             if st.get("error"):
-                n = self.store.add("ckpt/faults", 1)
-                self.store.set(f"ckpt/fault/{n}", json.dumps(dict(st, device=self.device)))
+                session.put_storage_fault(self.store, session.StorageFault(
+                    device=self.device, iteration=int(st["iteration"]), error=str(st["error"])))
                 _log("checkpoint_write_failed", self.device, iteration=st["iteration"], reason=repr(st["error"][:200]))
             else:
                 _log("checkpoint_written", self.device, iteration=st["iteration"], bytes=st.get("bytes", 0),

@@ -107,7 +107,10 @@ def test_read_only_checkpoint_folder_is_reported_and_the_job_goes_on():
     assert len(run.records) == iterations
     faults = [e for e in run.events if e["kind"] == "storage"]
     assert faults and "training goes on" in faults[0]["text"], run.events
-    assert not any(e["kind"] == "plan" and e["generation"] > 0 for e in run.events)  # no reconfiguration
+    # The storage fault is no failure: nothing reconfigures the job but, on a loaded host,
+    # a fail-slow report of a starved device (the Detector's business, not storage's).
+    assert all(e.get("failure") == "fail-slow" for e in run.events if e["kind"] == "failure"), run.events
+    assert not any(e["kind"] == "plan" and e.get("restore") is not None for e in run.events)
     check_against_reference(Finished(spec, read_dumps(spec), [r.loss for r in run.records], []), iterations)
     # the last checkpoint was written once the folder was writable again; retention kept 2
     assert checkpoints.newest_complete(ckpt)[0] == iterations - 1

@@ -105,16 +105,23 @@ def _kill_all(pids) -> None:
 
 
 def _start(cfg: Path, work: Path, tmp: Path, *extra: str) -> tuple[subprocess.Popen, Output]:
-    proc = subprocess.Popen([*CLI, "run", str(cfg), "--no-live", "--report", str(tmp / "reports"),
-                             "--workdir", str(work), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    """``resihp run cfg``, or ``resihp launch`` when ``cfg`` is an accelerate config."""
+    if cfg.suffix == ".yaml":
+        cmd = [*CLI, "launch", "--config_file", str(cfg), "--workdir", str(work), *extra, str(cfg.parent / "train.py")]
+    else:
+        cmd = [*CLI, "run", str(cfg), "--no-live", "--report", str(tmp / "reports"), "--workdir", str(work), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RESIHP_CONFIG", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=cfg.parent)
     return proc, Output(proc)
 
 
-def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, refuse_second: bool) -> Path:
+def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, refuse_second: bool,
+                       worker: str = "runtime.worker") -> tuple[Path, str, str]:
     """Run ``cfg``, SIGKILL its controller at iteration 8 (the first >= 8 it prints),
     ``--resume`` 5 s later; check the re-attach (same pids, no restore, no new
-    generation, losses equal to the fault-free reference). Returns the work folder."""
+    generation). Returns the work folder and both controllers' output."""
     work = tmp_path / "work"
     first, out1 = _start(cfg, work, tmp_path)
     family: set[int] = set()
@@ -130,7 +137,7 @@ def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, re
         m = out1.wait_for(r"^iteration\s+(8|9|1\d)\s+loss", 300)
         assert m and first.poll() is None, out1.text[-3000:]
         family = descendants(first.pid)
-        workers = {p for p in family if "runtime.worker" in _cmdline(p)}
+        workers = {p for p in family if worker in _cmdline(p)}
         assert len(workers) == n, [_cmdline(p) for p in family]
         first.kill()  # the controller dies: SIGKILL, no clean-up of its own
         first.wait(10)
@@ -154,9 +161,12 @@ def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, re
     assert seen < attached_at < iterations, text[-3000:]
     assert "resume: re-attaching to the job's live workers" in text
     assert "from the checkpoint" not in text, text[-3000:]
-    assert not re.search(r"^\s+iteration\s+\d+\s+plan\s", text, re.M), text[-3000:]  # no generation posted
-    assert "loss vs fault-free reference" in text and ": ok" in text, text[-3000:]
-    # The same processes ran every iteration: one launch per device in all, one generation.
+    # No generation was posted for the restart: one may follow only a fail-slow report (a
+    # starved device on a loaded host moves layers; the Detector's business), never a
+    # fail-stop or a restore.
+    planned = re.search(r"^\s+iteration\s+\d+\s+plan\s|\] plan: generation", text, re.M)
+    assert not planned or ("fail-slow" in text and "fail-stop" not in text), text[-3000:]
+    # The same processes ran every iteration: one launch per device in all, from generation 0.
     logs = work / "job"
     launches = re.findall(r"event=worker_launched node=\d+ device=(\d+) pid=(\d+)",
                           "".join((logs / f"agent{node}.log").read_text() for node in (0, 1)))
@@ -164,8 +174,9 @@ def _kill_and_reattach(tmp_path: Path, cfg: Path, n: int, iterations: int, *, re
     for d in range(n):
         entered = re.findall(r"event=generation_entered device=\d+ generation=(\d+)",
                              (logs / f"worker{d}.log").read_text())
-        assert entered == ["0"], f"device {d} entered generations {entered}: a reconfiguration or restore"
-    return work
+        assert entered[:1] == ["0"] and (entered == ["0"] or planned), \
+            f"device {d} entered generations {entered}: a reconfiguration or restore"
+    return work, out1.text, text
 
 
 def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_path):
@@ -173,7 +184,8 @@ def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_pa
     iterations = 20
     cfg = tmp_path / "job.toml"
     cfg.write_text(CONFIG.format(tp=2, per_node=4, iterations=iterations, grace=60))
-    work = _kill_and_reattach(tmp_path, cfg, 8, iterations, refuse_second=True)
+    work, _, text = _kill_and_reattach(tmp_path, cfg, 8, iterations, refuse_second=True)
+    assert "loss vs fault-free reference" in text and ": ok" in text, text[-3000:]
     # Final parameters and AdamW state: those of an uninterrupted run (float64).
     from resihp_adapters.megatron_ref.adapter import data_spec, model_config
     from resihp_adapters.megatron_ref.reference import reference_run
@@ -199,9 +211,7 @@ def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_pa
 
 TORCH_NATIVE = """
 [parallel]
-tp = 1
 pp = 2
-dp = 2
 [model]
 layers = 4
 hidden = 32
@@ -216,13 +226,11 @@ lr = 0.003
 dtype = "float64"
 checkpoint_every = 4
 checkpoint_keep = 2
-[runtime]
-adapter = "torch_native"
-nodes = 2
-devices_per_node = 2
-controller_grace_s = 60
 [adapter]
 shard = 0
+[runtime]
+nodes = 2
+controller_grace_s = 60
 [detector]
 heartbeat_interval_s = 0.1
 heartbeat_miss_limit = 8
@@ -231,13 +239,31 @@ warmup_iterations = 3
 """
 
 
-def test_a_torch_native_job_reattaches_too(tmp_path):
-    """FSDP2 stages in torch's pipeline runtime (PP2 x DP2, shards not replicated): a
-    restore would need a checkpoint; the re-attach needs none, and every iteration after
-    it equals the fault-free reference (float64)."""
-    cfg = tmp_path / "job.toml"
-    cfg.write_text(TORCH_NATIVE)
-    _kill_and_reattach(tmp_path, cfg, 4, 20, refuse_second=False)
+def test_a_torch_native_resihp_launch_reattaches_too(tmp_path):
+    """``resihp launch`` of the torch_native example (FSDP2 stages in torch's pipeline
+    runtime, PP2 x DP2, shards not replicated): a restore would need a checkpoint; the
+    re-attach of ``resihp launch --resume`` needs none, and every committed iteration,
+    before and after, equals the fault-free reference (float64)."""
+    import shutil
+
+    from resihp_adapters.torch_native.launch import settings
+    from resihp_core.runtime.assemble import assemble
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "torch_native"
+    job = tmp_path / "job"
+    job.mkdir()
+    for f in ("accelerate.yaml", "train.py"):
+        shutil.copy(example / f, job / f)
+    (job / "resihp.toml").write_text(TORCH_NATIVE)
+    work, before, after = _kill_and_reattach(tmp_path, job / "accelerate.yaml", 4, 20, refuse_second=False,
+                                             worker="launch_worker")
+    losses = {int(i): float(x) for text in (before, after)
+              for i, x in re.findall(r"^iteration\s+(\d+)\s+loss ([0-9.e+-]+)", text, re.M)}
+    assert sorted(losses) == list(range(20)), sorted(losses)
+    assembled = assemble(settings(job / "resihp.toml", processes=4), [], work)
+    want = assembled.reference(assembled.spec, 20)
+    for i, w in enumerate(want):
+        assert abs(losses[i] - w) <= 1e-9 * abs(w) + 1e-10, (i, losses[i], w)  # printed with 10 decimals
 
 
 def test_no_controller_within_the_grace_period_ends_every_process(tmp_path):

@@ -169,3 +169,32 @@ def test_plan_show_in_a_subprocess(tmp_path: Path) -> None:
     res = run_cli("plan", "show", str(bad))
     assert res.returncode == 2
     assert "line 2" in res.stderr
+
+
+def test_resihp_run_assembles_its_job_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``resihp run`` checks and builds the job in one assembly, and runs that one."""
+    import argparse
+
+    from resihp_core.runtime import jobs
+
+    calls: list[object] = []
+    real = jobs.assemble
+
+    def counting(*a, **kw):
+        calls.append(real(*a, **kw))
+        return calls[-1]
+
+    ran: dict = {}
+
+    def run_job(cfg, faults, args, title, tag, *, job=None, work=None):
+        ran.update(job=job, work=work)
+        return 0
+
+    monkeypatch.setattr(jobs, "assemble", counting)
+    monkeypatch.setattr(jobs, "run_job", run_job)
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tp1_pp2_dp2.toml"
+    args = argparse.Namespace(config=str(config), faults=None, agents="local", workdir=str(tmp_path / "w"))
+    assert jobs.run_config(args) == 0
+    assert len(calls) == 1 and ran["job"] is calls[0]
+    assert ran["work"] == (tmp_path / "w").resolve()
+    assert calls[0].spec.checkpoint_dir == str((tmp_path / "w" / "checkpoints").resolve())

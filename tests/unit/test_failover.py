@@ -154,7 +154,7 @@ def test_workers_hold_their_commit_while_no_controller_steers_the_store():
     import time
 
     from resihp_core.protocol import node_credential
-    from resihp_core.runtime import jobstore
+    from resihp_core.runtime import session
     from resihp_core.runtime.store import StoreClient, StoreError, StoreServer
 
     server = StoreServer("127.0.0.1", SECRET, presence=True)
@@ -162,33 +162,33 @@ def test_workers_hold_their_commit_while_no_controller_steers_the_store():
         ctl = StoreClient(server.address, SECRET, "controller", timeout_s=30)
         worker = StoreClient(server.address, node_credential(SECRET, 0), "worker:0:0", timeout_s=30)
         probe = StoreClient(server.address, node_credential(SECRET, 0), "worker:0:1", timeout_s=30)
-        ctl.set(jobstore.PRESENT_KEY, "1")
+        ctl.set(session.PRESENT_KEY, "1")
         with pytest.raises(StoreError, match="may not write"):
-            worker.set(jobstore.PRESENT_KEY, "1")  # only a controller steers
+            worker.set(session.PRESENT_KEY, "1")  # only a controller steers
         with pytest.raises(StoreError, match="may not write"):
-            worker.set(jobstore.SHUTDOWN_KEY, "1")
-        assert jobstore.commit(worker, 0, 0, 1, hold_s=30) == jobstore.CommitResult.COMMITTED
+            worker.set(session.SHUTDOWN_KEY, "1")
+        assert session.commit(worker, 0, 0, 1, hold_s=30) == session.CommitResult.COMMITTED
         ctl.close()  # the controller dies: its connection closes
         deadline = time.monotonic() + 10
-        while worker.check([jobstore.PRESENT_KEY]) and time.monotonic() < deadline:
+        while worker.check([session.PRESENT_KEY]) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not worker.check([jobstore.PRESENT_KEY])
+        assert not worker.check([session.PRESENT_KEY])
         got: list[str] = []
-        t = threading.Thread(target=lambda: got.append(jobstore.commit(worker, 0, 1, 1, hold_s=30)))
+        t = threading.Thread(target=lambda: got.append(session.commit(worker, 0, 1, 1, hold_s=30)))
         t.start()
         t.join(0.5)
         assert not got and not probe.check(["ctl0/verdict1"]), "iteration 1 must be held, not committed"
         back = StoreClient(server.address, SECRET, "controller", timeout_s=30)  # a restarted controller
         assert not got  # connecting is not steering
-        back.set(jobstore.PRESENT_KEY, "1")
+        back.set(session.PRESENT_KEY, "1")
         t.join(10)
-        assert got == [jobstore.CommitResult.COMMITTED]
+        assert got == [session.CommitResult.COMMITTED]
         back.close()
         deadline = time.monotonic() + 10
-        while worker.check([jobstore.PRESENT_KEY]) and time.monotonic() < deadline:
+        while worker.check([session.PRESENT_KEY]) and time.monotonic() < deadline:
             time.sleep(0.01)
         # Nobody came back within the worker's own bound: the iteration is aborted.
-        assert jobstore.commit(worker, 0, 2, 1, hold_s=0.3) == jobstore.CommitResult.ABORTED
+        assert session.commit(worker, 0, 2, 1, hold_s=0.3) == session.CommitResult.ABORTED
         worker.close()
         probe.close()
     finally:

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from resihp_core.protocol import PlanUpdate, node_credential  # noqa: E402
-from resihp_core.runtime import jobstore  # noqa: E402
+from resihp_core.runtime import session  # noqa: E402
 from resihp_core.runtime.store import StoreClient, worker_store_identity  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,20 +27,20 @@ def client(address: str, device: int = 0) -> StoreClient:
 
 def fenced(address: str, device: int, patience_s: float = 10.0):
     c = client(address, device)
-    return jobstore.generation_fenced(c, lambda: jobstore.latest_generation(c), patience_s=patience_s, poll_s=0.05)
+    return session.generation_fenced(c, lambda: session.latest_generation(c), patience_s=patience_s, poll_s=0.05)
 
 
 def test_rendezvous_keys_are_recognised() -> None:
-    assert jobstore.rendezvous_generation(["gen13//4//cpu//0/1"]) == 13
-    assert jobstore.rendezvous_generation(["/gen7//0//cpu//0/0"]) == 7
-    assert jobstore.rendezvous_generation(["ctl3/verdict0", "plan/latest", "generation"]) is None
+    assert session.rendezvous_generation(["gen13//4//cpu//0/1"]) == 13
+    assert session.rendezvous_generation(["/gen7//0//cpu//0/0"]) == 7
+    assert session.rendezvous_generation(["ctl3/verdict0", "plan/latest", "generation"]) is None
 
 
 def test_a_rendezvous_of_a_superseded_generation_ends_at_once(hosted) -> None:
     """Rank 0 of generation 3 waits for a rank 1 that never comes (the collective
     time-out is 20 s); generation 4 is posted: rank 0 leaves within a fraction of a second."""
     store, address = hosted
-    jobstore.post_plan(store, PlanUpdate(generation=3, stop=True))
+    session.post_plan(store, PlanUpdate(generation=3, stop=True))
     got: dict[str, object] = {}
 
     def rank0() -> None:
@@ -57,7 +57,7 @@ def test_a_rendezvous_of_a_superseded_generation_ends_at_once(hosted) -> None:
     time.sleep(0.5)
     assert t.is_alive()  # still waiting: its generation is current
     posted = time.monotonic()
-    jobstore.post_plan(store, PlanUpdate(generation=4, stop=True))
+    session.post_plan(store, PlanUpdate(generation=4, stop=True))
     t.join(15)
     assert not t.is_alive()
     assert "superseded by generation 4" in str(got["error"]), got
@@ -68,7 +68,7 @@ def test_a_late_peer_of_the_current_generation_is_still_met(hosted) -> None:
     """The collective time-out is 1 s, rank 1 comes 2.5 s late: unfenced, rank 0 would
     have timed out (and left its key for rank 1 to pass on); fenced, both meet."""
     store, address = hosted
-    jobstore.post_plan(store, PlanUpdate(generation=5, stop=True))
+    session.post_plan(store, PlanUpdate(generation=5, stop=True))
     out: dict[int, object] = {}
 
     def rank(r: int, delay: float) -> None:
@@ -115,11 +115,11 @@ def test_other_keys_keep_their_own_timeouts(hosted) -> None:
 def test_wait_generation_blocks_until_the_next_plan(hosted) -> None:
     store, address = hosted
     c = client(address)
-    assert jobstore.wait_generation(c, -1, 0.2) == -1  # nothing posted: time-out, same answer
-    threading.Timer(0.3, lambda: jobstore.post_plan(store, PlanUpdate(generation=0, stop=True))).start()
+    assert session.wait_generation(c, -1, 0.2) == -1  # nothing posted: time-out, same answer
+    threading.Timer(0.3, lambda: session.post_plan(store, PlanUpdate(generation=0, stop=True))).start()
     t0 = time.monotonic()
-    assert jobstore.wait_generation(c, -1, 10.0) == 0
+    assert session.wait_generation(c, -1, 10.0) == 0
     assert time.monotonic() - t0 < 5
-    jobstore.post_plan(store, PlanUpdate(generation=1, stop=True))
-    jobstore.post_plan(store, PlanUpdate(generation=2, stop=True))
-    assert jobstore.wait_generation(c, 0, 10.0) == 2  # the newest, not the next
+    session.post_plan(store, PlanUpdate(generation=1, stop=True))
+    session.post_plan(store, PlanUpdate(generation=2, stop=True))
+    assert session.wait_generation(c, 0, 10.0) == 2  # the newest, not the next

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from resihp_core.protocol import PlanUpdate, node_credential  # noqa: E402
-from resihp_core.runtime import jobstore  # noqa: E402
+from resihp_core.runtime import session  # noqa: E402
 from resihp_core.runtime.store import StoreClient, StoreError, worker_store_identity  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,7 +70,7 @@ def test_store_client_is_a_dist_store_for_gloo_rendezvous(hosted) -> None:
 def test_forged_plan_commit_and_stop_without_credentials_are_rejected(hosted, caplog) -> None:
     store, address = hosted
     caplog.set_level(logging.INFO, logger="resihp.store")
-    jobstore.post_plan(store, PlanUpdate(generation=0, stop=True))
+    session.post_plan(store, PlanUpdate(generation=0, stop=True))
     # A process without the job's credentials: the store's own client with a guess ...
     with pytest.raises(StoreError, match="refused"):
         worker(address, key="guessed-secret")
@@ -84,7 +84,7 @@ def test_forged_plan_commit_and_stop_without_credentials_are_rejected(hosted, ca
             "s.set('plan/latest', '7'); s.set('ctl0/verdict0', 'commit')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert jobstore.latest_generation(store) == 0 and not store.check(["ctl0/verdict0"])
+    assert session.latest_generation(store) == 0 and not store.check(["ctl0/verdict0"])
     assert "event=auth_refused listener=store" in caplog.text
     assert store.server.refused >= 3
 
@@ -92,19 +92,19 @@ def test_forged_plan_commit_and_stop_without_credentials_are_rejected(hosted, ca
 def test_workers_may_not_write_plan_keys(hosted, caplog) -> None:
     store, address = hosted
     caplog.set_level(logging.WARNING, logger="resihp.store")
-    jobstore.post_plan(store, PlanUpdate(generation=0, stop=True))
+    session.post_plan(store, PlanUpdate(generation=0, stop=True))
     c = worker(address, 0, 0)
     stop = PlanUpdate(generation=1, stop=True)
     with pytest.raises(StoreError, match="may not write plan keys"):
-        jobstore.post_plan(c, stop)
+        session.post_plan(c, stop)
     with pytest.raises(StoreError, match="may not write plan keys"):
         c.compare_set("plan/latest", "0", "1")
-    assert jobstore.latest_generation(c) == 0 and not store.check(["plan/1"])
+    assert session.latest_generation(c) == 0 and not store.check(["plan/1"])
     assert "event=store_write_refused identity=worker:0:0" in caplog.text
     # The controller (job secret) may post remotely.
     ctl = StoreClient(address, SECRET, "controller", timeout_s=10)
-    jobstore.post_plan(ctl, stop)
-    assert jobstore.latest_generation(store) == 1
+    session.post_plan(ctl, stop)
+    assert session.latest_generation(store) == 1
 
 
 def test_connect_reads_the_credential_from_the_environment(hosted, monkeypatch) -> None:
@@ -112,13 +112,13 @@ def test_connect_reads_the_credential_from_the_environment(hosted, monkeypatch) 
     monkeypatch.setenv("RESIHP_SECRET", node_credential(SECRET, 2))
     monkeypatch.setenv("RESIHP_NODE", "2")
     monkeypatch.setenv("RESIHP_DEVICE", "5")
-    c = jobstore.connect(address, 10)
+    c = session.connect(address, 10)
     assert c.identity == "worker:2:5"
     c.set("ctl0/ready/5", "{}")
     assert store.check(["ctl0/ready/5"])
     monkeypatch.delenv("RESIHP_SECRET")
     with pytest.raises(RuntimeError, match="RESIHP_SECRET"):
-        jobstore.connect(address, 10)
+        session.connect(address, 10)
 
 
 def test_the_store_listens_only_on_the_chosen_address(hosted) -> None:
@@ -134,5 +134,5 @@ def test_the_store_listens_only_on_the_chosen_address(hosted) -> None:
 
 
 def test_import_resihp_core_store_free_of_torch_at_package_import() -> None:
-    code = "import sys, resihp_core, resihp_core.runtime.jobstore; assert 'torch' not in sys.modules"
+    code = "import sys, resihp_core, resihp_core.runtime.session; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=60)

@@ -25,6 +25,8 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
+from resihp_core.runtime.session import rendezvous_store
+
 __all__ = ["prepare_deepspeed", "teardown_world", "init_world", "ds_config_for", "build_engine"]
 
 
@@ -122,12 +124,12 @@ def teardown_world() -> None:
 
 
 def init_world(store: Any, generation: int, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join plan generation ``generation``'s world (gloo) under the ``gen{g}/`` prefix,
+    """Join plan generation ``generation``'s world (gloo) in its rendezvous,
     waiting up to :func:`join_timeout`; call :func:`bound_op_timeouts` once built."""
     import deepspeed.comm as ds_dist
     import torch.distributed as tdist
 
-    prefixed = tdist.PrefixStore(f"gen{generation}/", store)
+    prefixed = rendezvous_store(store, generation)
     tdist.init_process_group(
         "gloo", store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=join_timeout(timeout_s))
     )

@@ -2,7 +2,7 @@
 
 Per plan generation the engine builds, over the plan's devices only:
 
-* a new default process group joined under ``PrefixStore(f"gen{g}/", store)`` (the
+* a new default process group joined in the generation's rendezvous (the
   store lives with the job, so the survivors of a failure keep their processes);
 * one device mesh ``("pp", "dp_replicate", "dp_shard")`` over the world, world rank
   ``stage * dp + replica`` (replica ``r`` = ``dp_replicate`` index x shard degree +
@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
+from resihp_core.runtime.session import rendezvous_store
 from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
@@ -369,7 +370,7 @@ class TorchNativeEngine:
             raise ValueError(f"device {self.device} is not among generation {generation}'s devices")
         world = len(self.rank_of)
         rank = self.rank_of[self.device]
-        prefix = dist.PrefixStore(f"gen{generation}/", self.store)
+        prefix = rendezvous_store(self.store, generation)
         # Survivors arrive late by up to one op timeout (blocked in the dead generation's
         # collective): wait for every member under the long join timeout first, so the
         # short timeout then only bounds the group's own operations.

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +126,8 @@ def run(args: argparse.Namespace) -> int:
     """``resihp launch`` of an FSDP2 accelerate config; 0 when every iteration committed."""
     from resihp_core.cli import CliError
     from resihp_core.config import ConfigError
-    from resihp_core.faults import FaultError, load_scenario, repairs
-    from resihp_core.runtime.jobs import build_job
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.faults import FaultError, load_scenario
+    from resihp_core.runtime.jobs import assemble, run_controlled, work_folder
 
     from resihp_adapters.launch import print_event, print_iteration
     from resihp_adapters.launch_worker import NeverInitialized, check_initialized
@@ -143,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
         n = cfg.runtime.nodes * cfg.runtime.devices_per_node
         faults = (load_scenario(args.faults, devices=range(n), iterations=cfg.training.iterations)
                   if getattr(args, "faults", None) else [])
-        work = Path(args.workdir or tempfile.mkdtemp(prefix="resihp-launch-"))
-        job = build_job(cfg, faults, work)
+        work = work_folder(args, "launch")
+        job = assemble(cfg, faults, work)
     except (ValueError, OSError, ConfigError, FaultError) as e:
         raise CliError(str(e)) from e
     env.update(RESIHP_LAUNCH_SCRIPT=script, RESIHP_LAUNCH_ARGS=json.dumps(script_args),
@@ -160,10 +158,10 @@ def run(args: argparse.Namespace) -> int:
         check_initialized(work / "job")  # a script without initialize(): one error, not fail-stops
         print_event(ev)
 
-    out = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
-                        cfg.training.iterations, work / "job", worker_module="resihp_adapters.launch_worker",
-                        timeout=args.timeout, on_iteration=print_iteration, on_event=on_event,
-                        repairs=repairs(faults))
+    # The controller's part is resihp run's: one controller per job, and --resume
+    # re-attaches to live agents and workers (runtime.controller_grace_s > 0) or restores.
+    out, start = run_controlled(cfg, job, work, args, faults=faults, worker_module="resihp_adapters.launch_worker",
+                                timeout=args.timeout, on_iteration=print_iteration, on_event=on_event)
     try:
         check_initialized(work / "job")
     except NeverInitialized as e:
@@ -172,6 +170,6 @@ def run(args: argparse.Namespace) -> int:
     if not out.ok:
         print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)
         return 1
-    print(f"resihp launch: {len(out.records)} iterations committed; final plan generation "
-          f"{out.final_plan.generation if out.final_plan else '?'}", flush=True)
-    return 0 if len(out.records) >= cfg.training.iterations else 1
+    print(f"resihp launch: {len(out.records)} iterations committed" + (f" from iteration {start}" if start else "")
+          + f"; final plan generation {out.final_plan.generation if out.final_plan else '?'}", flush=True)
+    return 0 if start + len(out.records) >= cfg.training.iterations else 1

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from resihp_core.plan import ParallelPlan
+from resihp_core.runtime.session import rendezvous_store
 
 __all__ = ["Communicators", "build_communicators", "release", "p2p_tag"]
 
@@ -53,7 +54,7 @@ def build_communicators(
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"gen{generation}/", store),
+        store=rendezvous_store(store, generation),
         rank=rank_of[me],
         world_size=len(devices),
         timeout=timeout,

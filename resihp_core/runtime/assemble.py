@@ -1,0 +1,100 @@
+"""One way to assemble a job from its configuration: :func:`assemble`, used by
+``resihp run``, ``resihp launch`` (FSDP2 / torch_native) and the benchmarks.
+
+It turns a :class:`~resihp_core.config.Config` (and a fault scenario) into the first
+plan, the topology, the workers' :class:`~resihp_core.job.JobSpec`, the Scheduler's
+state and planner. The adapter named by ``runtime.adapter`` builds its own job section
+(its registered ``job_config`` function, else the ``[adapter]`` table as it is) and, if
+it registered a ``reference``, the fault-free losses a run is checked against.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+
+from resihp_core.job import JobSpec
+from resihp_core.plan import ParallelPlan, Topology
+from resihp_core.scheduler.planner import Planner
+from resihp_core.scheduler.state import PlannerState
+
+if TYPE_CHECKING:
+    from resihp_core.config import Config
+    from resihp_core.faults import Fault
+
+__all__ = ["AssembledJob", "assemble"]
+
+
+class AssembledJob(NamedTuple):
+    """A job ready to run: what :func:`~resihp_core.runtime.resilient.run_resilient` takes."""
+
+    plan: ParallelPlan  # the first plan
+    topology: Topology
+    spec: JobSpec  # the workers' job description
+    state: PlannerState  # the Scheduler's state of the first plan
+    planner: Planner
+    reference: Callable[[JobSpec, int], list[float]] | None  # fault-free losses, if the adapter has them
+
+
+def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = None) -> AssembledJob:
+    """Assemble the job of ``cfg`` for the adapter named by ``runtime.adapter``
+    (checkpoints default to ``<workdir>/checkpoints``; every check of the configuration
+    against the adapter happens here, before anything starts)."""
+    from resihp_core.config import ConfigError
+    from resihp_core.faults import worker_faults
+    from resihp_core.job import JobSpec
+    from resihp_core.plan import ScheduleKind
+    from resihp_core.plugins import get_plugins
+    from resihp_core.data import create_source
+    from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
+    from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
+
+    par, mod, tr = cfg.parallel, cfg.model, cfg.training
+    registry = get_plugins().adapters()
+    try:
+        adapter = registry.get(cfg.runtime.adapter or registry.default_name())
+    except LookupError as e:
+        raise ConfigError(str(e), path="runtime.adapter", value=cfg.runtime.adapter) from None
+    make_section = adapter.function("job_config")
+    try:
+        section = make_section(cfg) if make_section is not None else dict(cfg.adapter)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e), path="adapter") from None
+    plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
+                                num_microbatches=tr.microbatches, num_heads=mod.heads,
+                                schedule=ScheduleKind(cfg.scheduler.schedule))
+    topology = Topology.uniform(cfg.runtime.nodes, cfg.runtime.devices_per_node,
+                                cfg.scheduler.device_memory_gib)
+    plan.validate(topology)
+    caps = adapter.capabilities
+    why = caps.violations(plan)
+    if why:
+        raise ConfigError(f"adapter {adapter.name!r} cannot run this plan: {'; '.join(why)}",
+                          path="runtime.adapter", value=adapter.name)
+    n = tr.token_budget
+    # The job's data source ([data]; default: the synthetic long-tailed corpus), built
+    # here first: a bad section fails before any worker starts, and workers rebuild the
+    # very same source from its resolved spec (paths made absolute, corpus fingerprint).
+    source = create_source(cfg.data.section(), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
+                           token_budget=n, vocab_size=mod.vocab)
+    spec = JobSpec(
+        adapter=adapter.name, adapter_config=section, data=source.spec(),
+        dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=10.0,
+        checkpoint_dir=tr.checkpoint_dir or str(Path(workdir or tempfile.gettempdir()) / "checkpoints"),
+        checkpoint_every=tr.checkpoint_every, checkpoint_keep=tr.checkpoint_keep,
+        faults=worker_faults(faults),
+    )
+    # A prior for the first plans only: equal per-layer cost and CPU-like links. Once
+    # the Detector has fitted the job's own cost model from its warm-up profiles, the
+    # supervisor plans with that one (ControlLoop.fitted).
+    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
+                                       ref_layers=max(1, mod.layers // par.pp), ref_tp=1), par.pp)
+    links = LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9, intra_latency=5e-5, inter_latency=1e-4)
+    params = 4 * mod.hidden * mod.hidden + 3 * mod.hidden * mod.ffn
+    predictor = IterationPredictor(cost, topology, ModelShape(tokens=n, hidden=mod.hidden,
+                                                              params_per_layer=params, dtype_bytes=4), links)
+    feats = workload_features(source.workload(0), par.dp, tr.microbatches)
+    state = PlannerState.create(topology, plan, predictor, feats, capabilities=caps,
+                                k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
+    return AssembledJob(plan, topology, spec, state, Planner(capabilities=caps), adapter.function("reference"))

@@ -1,0 +1,342 @@
+"""The control loop of a resilient job: turns what happens into the supervisor's typed
+events and carries out the actions it returns (docs/design.md §2, "The supervisor's
+state machine").
+
+What happens comes from four places: the job session (commits, workers that left a
+generation, storage faults), the workers' processes (alive or dead), the controller
+(failure reports, on :attr:`ControlLoop.reports`) and repaired devices offered from
+any thread (:attr:`ControlLoop.repaired`). The decisions are all the pure
+:class:`~resihp_core.runtime.supervisor.Supervisor`'s; this module does the effects:
+it calls the planner, posts generations through the session, kills and relaunches
+workers, and records each committed iteration (observers hear it through the session).
+
+A restore uses the newest *complete* checkpoint of a committed iteration before the
+resume point (:func:`resihp_core.checkpoints.restore_point`, the one rule for every
+adapter); if newer ones are incomplete or corrupt it says so, and the job resumes
+from the iteration after the one restored (``docs/checkpoints.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from resihp_core import checkpoints
+from resihp_core.plan import ParallelPlan
+from resihp_core.predictor.predict import IterationPredictor
+from resihp_core.protocol import FailureReport
+from resihp_core.runtime.launcher import JobError, LocalJob
+from resihp_core.runtime.session import JobSession
+from resihp_core.runtime.supervisor import (
+    Action, Committed, Deploy, Deployed, DeployFailed, Emit, Event, Fail, Kill, NotifyFailure, PlanFailure, Planned,
+    PlanRejoin, Ready, Rejoin, Relaunch, RelaunchFailed, Retry, Supervisor, Tick, needs_restore,
+)
+from resihp_core.scheduler.planner import PlanDecision, Planner
+from resihp_core.scheduler.state import PlannerState
+
+__all__ = ["ControlLoop", "IterationRecord", "CheckpointPolicy"]
+
+logger = logging.getLogger("resihp.supervisor")
+
+
+@dataclass
+class IterationRecord:
+    iteration: int
+    loss: float
+    seconds: float  # wall time from the previous commit to this one
+    samples: int
+    generation: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where restores look for complete checkpoints (None: the job writes none) and
+    the workers' interval (how long to wait for a due write still in flight)."""
+
+    directory: str | None = None
+    every: int = 0
+    grace_s: float = 3.0
+
+
+@dataclass
+class ControlLoop:
+    """Runs ``job`` to ``iterations`` iterations, adapting to failures.
+
+    :param reports: the controller's failure reports (thread-safe queue).
+    :param repaired: devices repaired at run time (lists or tuples of ids), from any
+        thread: healed nodes, operators. The only way a device comes back besides
+        ``repairs``.
+    :param set_generation: tells the controller a new generation started (plan, speeds).
+    :param ready: whether relaunched devices' workers are up and waiting.
+    :param fitted: the job's own fitted cost model, once there is one.
+    :param first: a resumed job's first iteration; ``restore_at_start``: the checkpoint
+        its first generation loads.
+    :param adopt: a restarted controller re-attached to the job's live workers: their
+        generation goes on as it is (no post, no restore; docs/failover.md).
+    """
+
+    job: LocalJob
+    planner: Planner
+    state: PlannerState
+    iterations: int
+    reports: "queue.Queue[FailureReport]" = field(default_factory=queue.Queue)
+    repaired: "queue.Queue[Iterable[int]]" = field(default_factory=queue.Queue)
+    set_generation: Callable[[int, ParallelPlan, Mapping[int, float]], None] = lambda g, plan, speeds: None
+    ready: Callable[[list[int]], bool] = lambda devices: True
+    fitted: Callable[[], IterationPredictor | None] = lambda: None
+    samples: int = 1
+    phase_of: Callable[[int, int], str] = lambda iteration, generation: "running"
+    on_iteration: Callable[[IterationRecord], None] = lambda rec: None
+    checkpoints: CheckpointPolicy = CheckpointPolicy()
+    move_before_restore: bool = True
+    repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    handled: set[int] = field(default_factory=set)
+    stall_s: float = 15.0
+    join_timeout_s: float = 120.0
+    first: int = 0
+    restore_at_start: int | None = None
+    adopt: bool = False
+    records: list[IterationRecord] = field(default_factory=list)
+    storage_faults: list[dict] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.session: JobSession = self.job.session
+        self.core = Supervisor(self.state, clock=self.clock, stall_s=self.stall_s,
+                               join_timeout_s=self.join_timeout_s,
+                               can_restore=self.checkpoints.directory is not None,
+                               checkpoint_every=self.checkpoints.every,
+                               move_before_restore=self.move_before_restore, repairs=self.repairs,
+                               handled=self.handled)
+        self._polled = {"faults": 0.0, "left": 0.0}
+
+    @property
+    def events(self) -> list[dict]:
+        return self.session.events
+
+    @property
+    def plan(self) -> ParallelPlan:
+        return self.core.state.plan
+
+    # ------------------------------------------------------------ the loop
+    def run(self, timeout: float = 600.0) -> list[IterationRecord]:
+        t0 = self.clock()
+        state = self.core.state
+        if self.adopt:
+            g = self.job.generation
+            self.set_generation(g, state.plan, dict(state.speeds))
+            self.first = self.job.committed_through()
+            self.job.steer()  # the held iteration commits now
+            self.session.event("attach", f"controller restarted: re-attached to generation {g} at iteration "
+                                         f"{self.first} with its live workers (no restore)",
+                               plan=state.plan.to_text(), resume=self.first)
+        else:
+            self.job.committed = self.first
+            g = self.job.post(state.plan, iterations=self.iterations, resume=self.first,
+                              restore=self.restore_at_start)
+            self.set_generation(g, state.plan, dict(state.speeds))
+            self.session.event("plan", f"generation {g}: initial plan", plan=state.plan.to_text())
+            self.session.plan_changed(None, state.plan, "initial plan")
+        self._feed(Deployed(self.job.generation, tuple(self.job.message.devices) if self.job.message else (),
+                            self.job.committed))
+        last_commit = self.clock()
+        while self.first + len(self.records) < self.iterations:
+            last_commit = self._commits(last_commit)
+            if self.first + len(self.records) >= self.iterations:
+                break
+            generation = self.job.generation
+            self._poll()
+            self._feed(Tick(alive=frozenset(self.job.alive()), dead=frozenset(self.job.dead())))
+            if self.job.generation != generation:
+                last_commit = self.clock()  # the pause is the reconfiguration's, not an iteration's
+            if self.clock() - t0 > timeout:
+                raise TimeoutError(f"job did not finish {self.iterations} iterations in {timeout:.0f}s")
+            time.sleep(0.005)
+        self._do(self.core.finish(self.job.alive()))
+        return self.records
+
+    def _commits(self, last_commit: float) -> float:
+        """Record the iterations committed since the last call (each once)."""
+        self.job.committed_through()
+        for i in range(self.first + len(self.records), self.job.committed):
+            now = self.clock()
+            g = self.job.committed_in.get(i, self.job.generation)
+            rep = self.job.report(i)
+            rec = IterationRecord(i, sum(r.loss for r in rep.values()), now - last_commit, self.samples, g,
+                                  self.phase_of(i, self.job.generation))
+            last_commit = now
+            self.records.append(rec)
+            self.on_iteration(rec)
+            self.session.iteration(rec)
+            self._feed(Committed(i, g))
+        return last_commit
+
+    def _poll(self) -> None:
+        """Turn what happened since the last round into events (the store is read at
+        most four times a second for faults, twice for workers that left)."""
+        now = self.clock()
+        if now - self._polled["faults"] >= 0.25:
+            self._polled["faults"] = now
+            for f in self.session.new_storage_faults():
+                self.storage_faults.append({"device": f.device, "iteration": f.iteration, "error": f.error})
+                self._feed(f)
+        if now - self._polled["left"] >= 0.5:
+            self._polled["left"] = now
+            for left in self.job.workers_left().values():
+                self._feed(left)
+        while True:
+            try:
+                self._feed(self.reports.get_nowait())
+            except queue.Empty:
+                break
+        while True:
+            try:
+                self._feed(Rejoin(tuple(int(d) for d in self.repaired.get_nowait())))
+            except queue.Empty:
+                break
+        waiting = sorted(self.core.joining)
+        if waiting:
+            try:
+                if self.ready(waiting):
+                    self._feed(Ready(tuple(waiting)))
+            except Exception:  # noqa: BLE001 - the controller did not answer in time (a loaded host): ask again
+                logger.warning("could not learn whether relaunched devices %s are ready; asking again", waiting)
+
+    # ------------------------------------------------------------ carrying out actions
+    def _feed(self, event: Event) -> None:
+        self._do(self.core.handle(event))
+
+    def _do(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Emit):
+                self.session.event(a.kind, a.text, at=a.at, **a.fields)
+            elif isinstance(a, NotifyFailure):
+                self.session.failure(a.report)
+            elif isinstance(a, Kill):
+                self.job.kill(a.device, signal.SIGKILL)
+            elif isinstance(a, Relaunch):
+                try:
+                    self.job.relaunch(list(a.devices))
+                except Exception as e:  # noqa: BLE001 - e.g. their node's agent is gone: they stay out
+                    self._feed(RelaunchFailed(a.devices, f"{type(e).__name__}: {e}"))
+            elif isinstance(a, PlanFailure):
+                state = a.state
+                fitted = self.fitted()  # plan with the job's own cost model once it is fitted
+                if fitted is not None:
+                    state = state.with_predictor(fitted)
+                t0 = time.perf_counter()
+                decision = self.planner.plan(state, a.report)
+                self._feed(Planned(decision, time.perf_counter() - t0, frozenset(self.job.dead())))
+            elif isinstance(a, PlanRejoin):
+                t0 = time.perf_counter()
+                decision = self.planner.rejoin(a.state, a.devices)
+                self._feed(Planned(decision, time.perf_counter() - t0, frozenset(self.job.dead())))
+            elif isinstance(a, Deploy):
+                self._deploy(a)
+            elif isinstance(a, Retry):
+                self._retry(a)
+            elif isinstance(a, Fail):
+                raise RuntimeError(a.message)
+            else:
+                raise TypeError(f"not a supervisor action: {a!r}")
+
+    def _abort(self) -> tuple[int, int, int | None, bool]:
+        """Abort the running generation; returns (where it was, resume, restore, fresh)
+        for the next one, from a checkpoint when its workers may not hold the state."""
+        prev = self.job.message
+        resume = at = self.job.abort()
+        alive, handled = set(self.job.alive()), self.core.handled
+
+        def layouts() -> Iterable[str]:
+            live = [d for d in prev.devices if d in alive and d not in handled] if prev else []
+            return self.session.layout(prev.generation, live).values() if prev else ()
+
+        restore, fresh = None, False
+        if needs_restore(prev, resume, can_restore=self.checkpoints.directory is not None, layouts=layouts):
+            if prev is not None and prev.restore is None and not prev.fresh:
+                self.session.event("checkpoint", f"generation {prev.generation} was superseded while its workers "
+                                                 f"moved state ({', '.join(sorted(set(layouts())))}): restoring "
+                                                 "from a checkpoint", layout=sorted(set(layouts())))
+            restore, fresh, resume = self._from_checkpoint(resume)
+        return at, resume, restore, fresh
+
+    def _from_checkpoint(self, resume: int) -> tuple[int | None, bool, int]:
+        restore = self._restore_point(resume) if resume > 0 else None
+        fresh = restore is None
+        resume = 0 if restore is None else restore + 1  # re-train the iterations after it
+        self.job.committed = resume
+        return restore, fresh, resume
+
+    def _restore_point(self, resume: int) -> int | None:
+        """The newest complete checkpoint of an iteration before ``resume`` (None: none,
+        restart from the seed)."""
+        cp = self.checkpoints
+        if cp.directory is None:
+            return resume - 1
+        it, skipped = checkpoints.restore_point(cp.directory, resume, cp.every, grace_s=cp.grace_s)
+        every = max(1, cp.every)
+        due = (resume // every) * every - 1
+        note = "; ".join(f"checkpoint of iteration {s.iteration} is not usable: {s.problem}" for s in skipped)
+        if note or (-1 if it is None else it) < due:
+            self.session.event("checkpoint", (note + "; " if note else "") +
+                               (f"falling back to the checkpoint of iteration {it}" if it is not None
+                                else "no complete checkpoint: restarting from the initial state"),
+                               restore=it, skipped=[s.iteration for s in skipped])
+        return it
+
+    def _post(self, plan: ParallelPlan, resume: int, restore: int | None, fresh: bool) -> int | None:
+        """Post ``plan``; None (and a :class:`DeployFailed` fed) if a device of it has
+        no live worker any more."""
+        try:
+            g = self.job.post(plan, iterations=self.iterations, resume=resume, restore=restore, fresh=fresh,
+                              exclude=self.core.handled)
+        except JobError:
+            gone = sorted(set(plan.devices()) - set(self.job.alive()))
+            if not gone:
+                raise
+            self._feed(DeployFailed(tuple(gone)))
+            return None
+        self.set_generation(g, plan, dict(self.core.state.speeds))
+        return g
+
+    def _deploy(self, a: Deploy) -> None:
+        old = self.session.plan
+        decision: PlanDecision = a.decision
+        if a.from_checkpoint:
+            prev_at = self.job.abort()
+            at = prev_at
+            restore, fresh, resume = self._from_checkpoint(prev_at)
+        else:
+            at, resume, restore, fresh = self._abort()
+        g = self._post(decision.plan, resume, restore, fresh)
+        if g is None:
+            return
+        self.session.plan_changed(old, decision.plan, f"{a.what or a.kind}: {decision.reason[:200]}")
+        where = (f", resumed from the checkpoint of iteration {restore} at iteration {resume}"
+                 if restore is not None else ", from the initial state (no complete checkpoint)" if fresh else "")
+        extra = {"devices": list(a.devices)} if a.devices else {}
+        self.session.event("plan", f"generation {g} ({a.what or a.kind}, planned in {a.seconds * 1e3:.0f} ms"
+                                   f"{where}): {decision.reason[:200]}", at=at, plan=decision.plan.to_text(),
+                           kind_of_plan=a.kind, planning_s=a.seconds, resume=resume, restore=restore, **extra)
+        self._feed(Deployed(g, tuple(self.job.message.devices), resume))
+
+    def _retry(self, a: Retry) -> None:
+        # The generation retried may have been a restore (a rejoin: fresh workers hold
+        # no state) or have left workers in different layouts: then it restores.
+        at, resume, restore, fresh = self._abort()
+        plan = self.core.state.plan
+        g = self._post(plan, resume, restore, fresh)
+        if g is None:
+            return
+        why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(a.failures.items()))[:300]
+        self.session.event("plan", f"generation {g} (retry {a.attempt} of the same plan: workers left the "
+                                   f"previous one with no device failing: {why}"
+                                   + (f"; resumed from the checkpoint of iteration {restore}" if restore is not None
+                                      else "") + ")", at=at, plan=plan.to_text(), kind_of_plan="retry",
+                           planning_s=0.0, resume=resume, restore=restore)
+        self._feed(Deployed(g, tuple(self.job.message.devices), resume))
