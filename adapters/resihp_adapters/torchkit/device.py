@@ -37,7 +37,7 @@ from torch import Tensor
 from resihp_core.config import ConfigError
 
 __all__ = ["BACKENDS", "Placement", "ChunkTimer", "AbortWatch", "placement_for", "choose", "release_world",
-           "CPU"]
+           "abort_if_nccl", "CPU"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -170,6 +170,15 @@ def _abort_available() -> bool:
     return hasattr(dist.distributed_c10d, "_abort_process_group")
 
 
+def abort_if_nccl(placement: Placement) -> bool:
+    """Abort every communicator of this process when they are NCCL ones (a pending
+    collective with a dead peer never returns otherwise); True if it did."""
+    if placement.backend == "nccl" and _abort_available() and dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+        return True
+    return False
+
+
 def release_world(placement: Placement) -> None:
     """End every process group of this process: NCCL communicators are aborted (a
     destroy would wait for pending work with a dead peer), gloo ones destroyed; then the
@@ -177,9 +186,7 @@ def release_world(placement: Placement) -> None:
     last reference goes)."""
     if dist.is_initialized():
         try:
-            if placement.backend == "nccl" and _abort_available():
-                dist.distributed_c10d._abort_process_group()
-            else:
+            if not abort_if_nccl(placement):
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group still has to go
             pass
