@@ -40,8 +40,9 @@ from typing import Any, Callable
 
 __all__ = ["main", "devices_here", "Row"]
 
-#: Heartbeats lenient enough for a loaded CI machine (a false "hang" would be a fault of its own).
-DETECTOR = {"heartbeat_interval_s": 0.2, "heartbeat_miss_limit": 25, "hang_min_timeout_s": 30.0,
+#: Heartbeats lenient enough for a loaded machine: a false "hang", or an agent silent past
+#: 2 x 50 x 0.2 s (a node lost), would be a fault of its own.
+DETECTOR = {"heartbeat_interval_s": 0.2, "heartbeat_miss_limit": 50, "hang_min_timeout_s": 30.0,
             "warmup_iterations": 3, "min_changepoint_gap": 3}
 
 
@@ -122,6 +123,8 @@ def _judge(row: Row, cfg: Any, job: Any, run: Any, fault_at: int) -> None:
     from resihp_core.runtime.jobs import _reference_check
 
     recs = {r.iteration: r for r in run.records}
+    row.extra["events"] = [f"{ev.get('iteration')}: {ev.get('kind')} {str(ev.get('text', ''))[:120]}"
+                           for ev in run.events]
     if not run.ok or not recs:
         row.note = f"run failed: {run.error[:200]}"
         row.exact = False
