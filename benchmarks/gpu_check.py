@@ -149,8 +149,8 @@ def torch_native(kind: str, quick: bool, work: Path) -> Row:
     from resihp_core.faults import fail_at
     from resihp_core.plan import ParallelPlan
 
-    iters = 8 if kind == "kill" else 24
-    at = 4 if kind == "kill" else 6
+    iters = (6 if quick else 10) if kind == "kill" else 24
+    at = 3 if kind == "kill" else 6
     data = {"parallel": {"tp": 1, "pp": 2, "dp": 2},
             "model": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "ffn_hidden": 64},
             "training": {"microbatches": 4, "token_budget": 64, "iterations": iters, "lr": 3e-3,
