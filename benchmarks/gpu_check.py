@@ -57,7 +57,7 @@ class Row:
     workers: int = 0
     fault: str = ""
     fault_to_first_s: float | None = None  # wall time from the commit before the fault to the first one after
-    adapted_after: int | None = None  # iterations from the fault to the first committed one of a new plan
+    adapted_after: int | None = None  # iterations from the fault to the plan made for a report naming its device
     exact: bool | None = None
     worst_rel_diff: float | None = None
     mape_pct: float | None = None
@@ -117,9 +117,11 @@ def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | N
     return cfg, job, run
 
 
-def _judge(row: Row, cfg: Any, job: Any, run: Any, fault_at: int) -> None:
-    """Fill the row from the run: time to the first commit after the fault, when the
-    plan changed, and the losses against the fault-free reference."""
+def _judge(row: Row, cfg: Any, job: Any, run: Any, fault_at: int, victim: int) -> None:
+    """Fill the row from the run: time to the first commit after the fault, how many
+    iterations after it the plan changed for a report naming the faulty device (a
+    report of another device, e.g. contention on a loaded machine, does not count),
+    and the losses against the fault-free reference."""
     from resihp_core.runtime.jobs import _reference_check
 
     recs = {r.iteration: r for r in run.records}
@@ -131,9 +133,14 @@ def _judge(row: Row, cfg: Any, job: Any, run: Any, fault_at: int) -> None:
         return
     if fault_at in recs:
         row.fault_to_first_s = recs[fault_at].seconds
-    gen0 = recs[min(recs)].generation
-    changed = [i for i in sorted(recs) if i >= fault_at and recs[i].generation != gen0]
-    row.adapted_after = changed[0] - fault_at if changed else None
+    named = [ev["iteration"] for ev in run.events if ev.get("kind") == "failure"
+             and victim in (ev.get("devices") or ()) and ev.get("iteration", -1) >= fault_at]
+    plans = [ev["iteration"] for ev in run.events if ev.get("kind") == "plan" and named
+             and ev.get("iteration", -1) >= min(named)]
+    if plans:
+        row.adapted_after = min(plans) - fault_at
+    else:
+        row.note = f"device {victim} never reported (load average {os.getloadavg()[0]:.0f})"
     if job.reference is not None:
         losses = [recs[i].loss for i in sorted(recs)]
         ref = job.reference(job.spec, len(losses))
@@ -167,7 +174,7 @@ def torch_native(kind: str, quick: bool, work: Path) -> Row:
     t0 = time.perf_counter()
     cfg, job, run = _run(data, [fault], work)
     row.seconds = time.perf_counter() - t0
-    _judge(row, cfg, job, run, at)
+    _judge(row, cfg, job, run, at, victim)
     return row
 
 
@@ -195,7 +202,7 @@ def torch_native_tp(quick: bool, work: Path) -> Row:
     t0 = time.perf_counter()
     cfg, job, run = _run(data, [fail_at(victim, 4, "kill")], work)
     row.seconds = time.perf_counter() - t0
-    _judge(row, cfg, job, run, 4)
+    _judge(row, cfg, job, run, 4, victim)
     return row
 
 
@@ -237,7 +244,7 @@ def reference_demo(quick: bool, work: Path) -> Row:
     t0 = time.perf_counter()
     cfg, job, run = _run(data, [fail_at(victim, at, "kill")], work, on_iteration=keep)
     row.seconds = time.perf_counter() - t0
-    _judge(row, cfg, job, run, at)
+    _judge(row, cfg, job, run, at, victim)
     try:
         row.mape_pct, fit = _mape(cfg, job, layout, reports, skip, warm)
         row.extra.update(fit)
