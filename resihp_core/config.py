@@ -252,7 +252,9 @@ class RuntimeConfig(_Section):
     nodes: int = _opt(1, _ge(1))
     devices_per_node: int = _opt(4, _ge(1))
     adapter: str = _opt("")  # "": the adapter registered as the default (resihp plugins)
-    backend: Literal["gloo", "nccl"] = _opt("gloo")  # the workers' collectives (NCCL on GPUs)
+    # The workers' devices and collectives (docs/gpu.md): "auto" = NCCL on cuda:<local
+    # rank> when CUDA is there, else CPU and gloo; "nccl" insists on GPUs; "gloo" = CPU.
+    backend: Literal["auto", "gloo", "nccl"] = _opt("auto")
     metrics_host: str = _opt("127.0.0.1", _nonempty)  # Prometheus exporter (plugin), if enabled
     metrics_port: int = _opt(0, _between(0, 65535))  # 0 = no metrics endpoint
     # Interface name (e.g. "eth0") or local address every node's workers bind their

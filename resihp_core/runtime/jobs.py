@@ -93,6 +93,7 @@ def run_config(args: argparse.Namespace) -> int:
         devices = range(cfg.runtime.nodes * cfg.runtime.devices_per_node)
         faults = load_scenario(args.faults, devices=devices, iterations=cfg.training.iterations) if args.faults else []
         check_fits_here(cfg, getattr(args, "agents", "local"))
+        check_backend_here(cfg, getattr(args, "agents", "local"))
         work = work_folder(args, "run")
         job = assemble(cfg, faults, work)  # every check before anything starts; the one assembly of the run
     except (ConfigError, FaultError) as e:
@@ -127,6 +128,25 @@ def check_fits_here(cfg: Any, agents: str = "local") -> None:
             f"the {here} workers of this machine need about {need / 2**30:.3g} GiB together, but it has "
             f"{have / 2**30:.3g} GiB: make the model smaller or run the nodes' agents on other hosts",
             path="model.hidden", value=cfg.model.hidden)
+
+
+def check_backend_here(cfg: Any, agents: str = "local") -> None:
+    """Refuse up front (naming the field) ``runtime.backend = "nccl"`` when this machine,
+    where local agents start every worker, cannot give each worker its own GPU; with
+    remote agents each worker checks its own host (docs/gpu.md)."""
+    from resihp_core.config import ConfigError
+
+    if agents != "local" or cfg.runtime.backend != "nccl":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"NCCL needs CUDA, but this machine's torch {torch.__version__} sees no CUDA device "
+                          "(every worker runs here); use 'auto' or 'gloo'", path="runtime.backend", value="nccl")
+    per_node, gpus = cfg.runtime.devices_per_node, torch.cuda.device_count()
+    if per_node > gpus:
+        raise ConfigError(f"NCCL needs one GPU per worker, but {per_node} workers per node share {gpus} GPU(s) "
+                          "here; use 'auto' (shares them over gloo)", path="runtime.backend", value="nccl")
 
 
 def _agents(cfg, args: argparse.Namespace) -> dict:

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
+from resihp_core.config import ConfigError
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
 
@@ -57,6 +58,15 @@ class DeepSpeedAdapter(Adapter):
         from resihp_adapters.deepspeed.data import MicroBatchSource
         from resihp_adapters.deepspeed.world import prepare_deepspeed
 
+        from resihp_adapters.torchkit.device import placement_for
+
+        # DeepSpeed's pipeline sends CUDA tensors itself: a GPU only with NCCL (docs/gpu.md).
+        self.placement = placement_for(ctx.device, ctx.job.adapter_config, own_transfers=False)
+        if self.placement.is_cuda:
+            os.environ["LOCAL_RANK"] = str(self.placement.device.index)  # DeepSpeed's device
+        elif torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        self._watch: Any = None
         self.spec = spec if spec is not None else spec_from_adapter_config(ctx.job.adapter_config, ctx.job)
         check_supported(self.spec.config)
         self.zero_stage = 0
@@ -76,6 +86,13 @@ class DeepSpeedAdapter(Adapter):
         self._ckpt_status: list[dict[str, Any]] = []  # checkpoint writes finished since the last report
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         prepare_deepspeed(ctx.timeout_s)
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != self.placement.device.type:
+            raise ConfigError(f"this worker computes on {self.placement.device} ({self.placement.reason}), but "
+                              f"DeepSpeed's accelerator is {get_accelerator().device_name()!r} (set DS_ACCELERATOR "
+                              "before DeepSpeed is imported, or choose another backend)",
+                              path="runtime.backend", value=ctx.job.adapter_config.get("backend", "auto"))
 
     # ------------------------------------------------------------------ where
     @property
@@ -96,13 +113,16 @@ class DeepSpeedAdapter(Adapter):
 
         from resihp_adapters.deepspeed.world import dismantle
 
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         if self.engine is not None:
             self._held = extract_layers(self.engine)
         engine, self.engine = self.engine, None
         dismantle(engine)
         del engine
         self._program = None
-        teardown_world()
+        teardown_world(self.placement)
 
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
         from resihp_adapters.deepspeed.engine import device_rank, plan_topology, whole_replicas
@@ -116,7 +136,7 @@ class DeepSpeedAdapter(Adapter):
         plan = xplan
         live = _live(plan)
         init_world(self.ctx.store, generation, device_rank(plan, self.ctx.device), len(plan.devices()),
-                   self.ctx.timeout_s)
+                   self.ctx.timeout_s, self.placement)
         job = self.ctx.job
         cfg = ds_config_for(self.config, micro_batch_size=self.spec.micro_batch_size,
                             num_microbatches=plan.num_microbatches, replicas=len(live))
@@ -137,6 +157,9 @@ class DeepSpeedAdapter(Adapter):
         engine.fault_hook = self._fault
         bound_op_timeouts(self.ctx.timeout_s)
         self.engine = engine
+        from resihp_adapters.torchkit.device import AbortWatch
+
+        self._watch = AbortWatch(self.placement, self.ctx.superseded).start()
 
     def _fault(self, kind: str, seconds: float) -> None:
         if kind == "compute":

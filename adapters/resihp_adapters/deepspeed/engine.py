@@ -40,6 +40,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
 from resihp_core.plan import Migration, ParallelPlan
+from resihp_adapters.torchkit.device import ChunkTimer
 from resihp_core.program import (
     Backward,
     BackwardWeight,
@@ -489,7 +490,7 @@ class ResiPipelineEngine(PipelineEngine):
             self.data_iterator = saved
 
     def _exec_forward(self, buffer_id: int) -> None:
-        t0 = time.perf_counter()
+        timer = ChunkTimer(torch.device(self.device)).start()  # CUDA events on a GPU (docs/gpu.md)
         # DeepSpeed seeds each layer's forward from the count of forwards this rank ran
         # (``seed_layers``). Set that count from the micro-batch's data address instead,
         # so a moved, migrated or replayed micro-batch draws the dropout masks the
@@ -503,13 +504,13 @@ class ResiPipelineEngine(PipelineEngine):
         if self.is_last_stage():
             self.pipe_buffers["losses"][buffer_id] = self.loss
         owner, mb = self._owner_mb[buffer_id]
-        dt = time.perf_counter() - t0
+        dt, t1 = timer.stop(), time.perf_counter()
         if self.fault_hook is not None:
             self.fault_hook("compute", dt)
-        self.timings.append(("F", owner, mb, time.perf_counter() - t0))
+        self.timings.append(("F", owner, mb, dt + time.perf_counter() - t1))
 
     def _exec_backward(self, buffer_id: int) -> None:
-        t0 = time.perf_counter()
+        timer = ChunkTimer(torch.device(self.device)).start()
         if self.is_last_stage():
             self.loss = self.pipe_buffers["losses"][buffer_id]
             self.pipe_buffers["losses"][buffer_id] = None
@@ -523,10 +524,10 @@ class ResiPipelineEngine(PipelineEngine):
         if self.is_first_stage():
             self.pipe_buffers["inputs"][buffer_id] = None
         owner, mb = self._owner_mb[buffer_id]
-        dt = time.perf_counter() - t0
+        dt, t1 = timer.stop(), time.perf_counter()
         if self.fault_hook is not None:
             self.fault_hook("compute", dt)
-        self.timings.append(("B", owner, mb, time.perf_counter() - t0))
+        self.timings.append(("B", owner, mb, dt + time.perf_counter() - t1))
 
     def _exec_send_activation_to(self, buffer_id: int, peer: int) -> None:
         tensors = _as_list(self.pipe_buffers["outputs"][buffer_id])

@@ -114,7 +114,8 @@ def build_job(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any]
     plan = ParallelPlan.uniform(tp=1, pp=pp, dp=dp, num_layers=int(sec["num_layers"]), num_microbatches=m)
     topology = Topology.uniform(nodes, num_processes // nodes)
     faults = load_scenario(sec.get("faults", []))
-    spec = JobSpec(adapter="deepspeed", adapter_config={}, data={"source": "user"}, dp=dp, num_microbatches=m,
+    placement = {"backend": str(sec.get("backend", "auto")), "devices_per_node": num_processes // nodes}
+    spec = JobSpec(adapter="deepspeed", adapter_config=placement, data={"source": "user"}, dp=dp, num_microbatches=m,
                    timeout_s=float(sec.get("timeout_s", 10.0)), checkpoint_dir=str(workdir / "checkpoints"),
                    checkpoint_every=int(sec.get("checkpoint_every", 1)), faults=worker_faults(faults))
     # Planning model: equal per-layer cost, CPU-like links; the Detector fits its own.

@@ -371,7 +371,7 @@ def pack(obj: Any):
 def unpack(t: Any) -> Any:
     import torch
 
-    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True, map_location="cpu")
 
 
 def exchange_layers(device: int, plan: ParallelPlan, transfers: list, mine: dict[int, Any]) -> tuple[dict[int, Any], int]:

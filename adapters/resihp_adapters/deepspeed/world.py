@@ -23,7 +23,10 @@ import gc
 import importlib
 import os
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from resihp_adapters.torchkit.device import Placement
 
 from resihp_core.runtime.session import rendezvous_store
 
@@ -91,11 +94,14 @@ def dismantle(engine: Any) -> None:
             d.clear()
 
 
-def teardown_world() -> None:
-    """Forget every group DeepSpeed and torch hold and destroy the default group. The
-    caller must already have dropped its own references to the engine and module."""
+def teardown_world(placement: Placement | None = None) -> None:
+    """Forget every group DeepSpeed and torch hold and end the default group (NCCL
+    communicators are aborted, docs/gpu.md). The caller must already have dropped its
+    own references to the engine and module."""
     import torch.distributed as tdist
     from deepspeed.runtime.pipe import p2p
+
+    from resihp_adapters.torchkit.device import abort_if_nccl
     from deepspeed.utils import groups
 
     p2p._grid = None
@@ -115,6 +121,8 @@ def teardown_world() -> None:
     if hasattr(ds_engine, "_EngineBackwardGraphTracker"):
         ds_engine._ENGINE_BACKWARD_GRAPH_TRACKER = ds_engine._EngineBackwardGraphTracker()
         ds_engine._ENGINE_BACKWARD_GRAPH_CONTEXT.set(())
+    if placement is not None:
+        abort_if_nccl(placement)
     if tdist.is_initialized():
         try:
             tdist.destroy_process_group()
@@ -123,17 +131,21 @@ def teardown_world() -> None:
     gc.collect()
 
 
-def init_world(store: Any, generation: int, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join plan generation ``generation``'s world (gloo) in its rendezvous,
-    waiting up to :func:`join_timeout`; call :func:`bound_op_timeouts` once built."""
+def init_world(store: Any, generation: int, rank: int, world_size: int, timeout_s: float,
+               placement: Placement | None = None) -> None:
+    """Join plan generation ``generation``'s world in its rendezvous (gloo, or
+    NCCL for CUDA tensors when ``placement`` says so, docs/gpu.md), waiting up to
+    :func:`join_timeout`; call :func:`bound_op_timeouts` once built."""
     import deepspeed.comm as ds_dist
     import torch.distributed as tdist
 
+    backend = placement.init_backend if placement is not None else "gloo"
     prefixed = rendezvous_store(store, generation)
     tdist.init_process_group(
-        "gloo", store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=join_timeout(timeout_s))
+        backend, store=prefixed, rank=rank, world_size=world_size, timeout=timedelta(seconds=join_timeout(timeout_s))
     )
-    ds_dist.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+    ds_dist.init_distributed(dist_backend=placement.backend if placement is not None else "gloo",
+                             dist_init_required=False, verbose=False)
 
 
 def ds_config_for(config: Mapping[str, Any], *, micro_batch_size: int, num_microbatches: int,

@@ -38,6 +38,7 @@ from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_adapters.megatron_ref import state
 from resihp_adapters.torchkit import comm
 from resihp_adapters.torchkit.checkpoint import CheckpointWriter
+from resihp_adapters.torchkit.device import AbortWatch, ChunkTimer, placement_for
 from resihp_adapters.megatron_ref.data import DataSpec, label_count, lengths_of, micro_batch
 from resihp_adapters.megatron_ref.model import ModelConfig, StageModule, TPContext, shard_dim
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES, NAME
@@ -49,7 +50,7 @@ Tensors3 = tuple[Tensor, Tensor, Tensor]  # parameter, exp_avg, exp_avg_sq
 
 def model_config(job) -> ModelConfig:
     """The model of this adapter's job section (``lr`` is the optimizer's)."""
-    section = {k: v for k, v in job.adapter_config.items() if k not in ("lr", "backend")}
+    section = {k: v for k, v in job.adapter_config.items() if k not in ("lr", "backend", "devices_per_node")}
     try:
         return ModelConfig(**section)
     except TypeError as e:
@@ -85,6 +86,10 @@ class MegatronRefAdapter(Adapter):
         torch.set_num_threads(1)
         self.device = ctx.device
         self.config = model_config(ctx.job)
+        # Every transfer of this backend is its own (torchkit.comm), so workers sharing
+        # one GPU compute on it and stage transfers through the host (docs/gpu.md).
+        self.placement = placement_for(ctx.device, ctx.job.adapter_config, own_transfers=True)
+        self._watch: AbortWatch | None = None
         self.data = data_spec(ctx.job)
         self.store = ctx.store
         self.timeout_s = ctx.timeout_s
@@ -166,16 +171,19 @@ class MegatronRefAdapter(Adapter):
         self.release()  # the stage's TPContext still points at the old TP group
         self.devices = sorted(devices)
         self.comms = comm.build_communicators(
-            self.store, generation, self.devices, self.device, plan, self.timeout_s,
-            backend=self.ctx.job.adapter_config.get("backend", "gloo"),
+            self.store, generation, self.devices, self.device, plan, self.timeout_s, placement=self.placement,
         )
+        self._watch = AbortWatch(self.placement, self.ctx.superseded).start()
 
     def release(self) -> None:
         """Drop every reference to the current communicators (after a failure)."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         self.comms = None
         if self.module is not None:
             self._set_tp_group(None)
-        comm.release()
+        comm.release(self.placement)
 
     def _set_tp_group(self, group: dist.ProcessGroup | None) -> None:
         self.module.tp.group = group  # one TPContext shared by every module of the stage
@@ -187,9 +195,10 @@ class MegatronRefAdapter(Adapter):
             return None
         r, s, t = loc
         k = plan.degree(r, s)
-        tp = TPContext(self.comms.tp.get((r, s)), t, k)  # shared by every module of the stage
+        pl = self.placement
+        tp = TPContext(self.comms.tp.get((r, s)), t, k, wire=pl.wire)  # shared by every module of the stage
         a, b = plan.layer_ranges[s]
-        return StageModule(self.config, range(a, b), s == 0, s == plan.pp - 1, tp)
+        return StageModule(self.config, range(a, b), s == 0, s == plan.pp - 1, tp).to(pl.device)
 
     def start_fresh(self, plan: ParallelPlan) -> None:
         """Generation 0: this rank's shard of the seeded initial weights."""
@@ -238,9 +247,11 @@ class MegatronRefAdapter(Adapter):
             if tr.src == self.device and tr.dst == self.device:
                 state.unpack(self.config, tr, state.pack(self.config, tr, old), new)
             elif tr.src == self.device:
-                works.append(dist.isend(state.pack(self.config, tr, old), self.comms.rank_of[tr.dst], tag=tag))
+                works.append(dist.isend(self.placement.to_wire(state.pack(self.config, tr, old)),
+                                        self.comms.rank_of[tr.dst], tag=tag))
             elif tr.dst == self.device:
-                buf = torch.empty(state.transfer_numel(self.config, tr), dtype=self.config.torch_dtype)
+                buf = torch.empty(state.transfer_numel(self.config, tr), dtype=self.config.torch_dtype,
+                                  device=self.placement.wire)
                 works.append(dist.irecv(buf, self.comms.rank_of[tr.src], tag=tag))
                 recvd.append((tr, buf))
         for w in works:
@@ -278,8 +289,9 @@ class MegatronRefAdapter(Adapter):
             if tp.size > 1 and d is not None:
                 gathered = []
                 for t in ts:
+                    t = self.placement.to_wire(t.contiguous())
                     parts = [torch.empty_like(t) for _ in range(tp.size)]
-                    dist.all_gather(parts, t.contiguous(), group=tp.group)
+                    dist.all_gather(parts, t, group=tp.group)
                     gathered.append(torch.cat(parts, d))
                 ts = tuple(gathered)
             else:
@@ -318,7 +330,7 @@ class MegatronRefAdapter(Adapter):
                     if comp not in comps:
                         comps[comp] = state.load_component(root, iteration, comp)
                     d = shard_dim(name)
-                    fp, fm, fv = (t.to(p.dtype) for t in comps[comp][name])
+                    fp, fm, fv = (t.to(device=p.device, dtype=p.dtype) for t in comps[comp][name])
                     pick = (lambda t: t) if d is None else (lambda t: t.chunk(tp.size, d)[tp.rank])
                     p.copy_(pick(fp))
                     self.optimizer.state[name] = (pick(fm).clone(), pick(fv).clone())
@@ -353,9 +365,10 @@ class MegatronRefAdapter(Adapter):
         g = owner * self.plan.num_microbatches + mb
         return divmod(g, self.data.num_microbatches)
 
-    def _stretch(self, t0: float) -> float:
-        """Measure a compute chunk; under injected slowdown, sleep so it takes longer."""
-        return self.ctx.faults.stretch(time.perf_counter() - t0)
+    def _stretch(self, timer: ChunkTimer) -> float:
+        """Measure a compute chunk (device time: CUDA events on a GPU); under injected
+        slowdown, sleep so it takes longer."""
+        return self.ctx.faults.stretch(timer.stop())
 
     def run_iteration(self, program: Program, iteration: int) -> IterationResult:
         """Execute one iteration of ``program`` (this executor's share of the work)."""
@@ -386,11 +399,11 @@ class MegatronRefAdapter(Adapter):
                 acts[key] = x.requires_grad_()
                 st.comm_s += time.perf_counter() - t0
             elif isinstance(op, Forward):
-                t0 = time.perf_counter()
+                t0 = self.placement.timer().start()
                 mbatch = micro_batch(self.data, iteration, *self._data_index(op.owner, op.mb))
-                x = mbatch.tokens if s == 0 else acts[key]
+                x = self.placement.to_home(mbatch.tokens) if s == 0 else acts[key]
                 if s == plan.pp - 1:
-                    out = mod(x, mbatch.lengths, mbatch.labels) / denom
+                    out = mod(x, mbatch.lengths, self.placement.to_home(mbatch.labels)) / denom
                     st.loss += float(out.detach())
                 else:
                     out = mod(x, mbatch.lengths)
@@ -408,7 +421,7 @@ class MegatronRefAdapter(Adapter):
                     tp_group, comm.p2p_tag(1, s + 1, op.owner, op.mb, 0, plan))
                 st.comm_s += time.perf_counter() - t0
             elif isinstance(op, Backward):
-                t0 = time.perf_counter()
+                t0 = self.placement.timer().start()
                 out, g = outs[key], grads_out.pop(key, None)
                 if not op.split:
                     torch.autograd.backward(out, g)
@@ -422,7 +435,7 @@ class MegatronRefAdapter(Adapter):
                     outs.pop(key), acts.pop(key, None)
                 st.backward_s[key] = st.backward_s.get(key, 0.0) + self._stretch(t0)
             elif isinstance(op, BackwardWeight):
-                t0 = time.perf_counter()
+                t0 = self.placement.timer().start()
                 out, g = outs.pop(key), grads_out.pop(key)
                 torch.autograd.backward(out, g, inputs=params)
                 acts.pop(key, None)
@@ -451,6 +464,8 @@ class MegatronRefAdapter(Adapter):
             else:
                 raise TypeError(f"megatron_ref cannot execute primitive {op!r}")
         comm.wait_pending(comms)
+        if self.placement.is_cuda:
+            torch.cuda.synchronize(self.placement.device)  # the iteration ends when its kernels do
         self._last = st
         st.iteration_s = time.perf_counter() - t_iter
         return st

@@ -141,7 +141,7 @@ class TPContext:
     """The TP group shared by every module of a stage, so it can be swapped in one place
     when communicators are rebuilt (same degree; a new degree needs re-sharding)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, wire: torch.device | None = None) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"invalid TP rank {rank} of size {size}")
         if size > 1 and group is None:
@@ -153,15 +153,28 @@ class TPContext:
         self.group = group
         self.rank = rank
         self.size = size
+        # Where tensors must be to travel (docs/gpu.md): the host when GPU tensors go over
+        # gloo, which has no CUDA collectives for every op; None = where they are.
+        self.wire = wire
 
     @property
     def active(self) -> bool:
         return self.group is not None and self.size > 1
 
 
+def tp_all_reduce(x: Tensor, ctx: TPContext, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce of ``x`` inside the TP group, through ``ctx.wire``."""
+    if ctx.wire is None or x.device == ctx.wire:
+        dist.all_reduce(x, op=op, group=ctx.group)
+        return
+    staged = x.to(ctx.wire)
+    dist.all_reduce(staged, op=op, group=ctx.group)
+    x.copy_(staged)
+
+
 def _all_reduce(x: Tensor, ctx: TPContext) -> Tensor:
     x = x.clone()
-    dist.all_reduce(x, group=ctx.group)
+    tp_all_reduce(x, ctx)
     return x
 
 
@@ -297,7 +310,7 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int]) 
         start = 0
         for qb in qd.split(ATTENTION_QUERY_BLOCK, dim=1):
             rows = qb.shape[1]
-            bias = torch.full((rows, n), float("-inf"), dtype=qd.dtype).triu_(start + 1)
+            bias = torch.full((rows, n), float("-inf"), dtype=qd.dtype, device=qd.device).triu_(start + 1)
             scores = torch.baddbmm(bias, qb, kt, alpha=scale)
             outs.append(torch.bmm(scores.softmax(-1), vd))
             start += rows
@@ -306,13 +319,14 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int]) 
 
 
 def _rope_tables(
-    lengths: Sequence[int], head_dim: int, theta: float, dtype: torch.dtype
+    lengths: Sequence[int], head_dim: int, theta: float, dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> tuple[Tensor, Tensor]:
     pos = torch.cat([torch.arange(n, dtype=torch.float64) for n in lengths])
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     ang = pos[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], -1)[:, None, :]  # [N, 1, head_dim]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    return ang.cos().to(device=device, dtype=dtype), ang.sin().to(device=device, dtype=dtype)
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -363,7 +377,7 @@ def vocab_parallel_cross_entropy(
     # The max only stabilises exp(); the loss does not depend on it, so no gradient.
     m = logits.detach().max(dim=-1).values
     if tp.active:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp.group)
+        tp_all_reduce(m, tp, dist.ReduceOp.MAX)
     z = logits - m.unsqueeze(-1)
     sumexp = reduce_from_tp(z.exp().sum(-1), tp)
     local = labels - start
@@ -445,7 +459,7 @@ class StageModule(nn.Module):
         lengths = [int(l) for l in lengths]
         _check_lengths(lengths, x.shape[0])
         h = self.embed(x) if self.is_first else x
-        cos, sin = _rope_tables(lengths, self.config.head_dim, self.config.rope_theta, h.dtype)
+        cos, sin = _rope_tables(lengths, self.config.head_dim, self.config.rope_theta, h.dtype, h.device)
         for i in self.layer_indices():
             h = self.layers[str(i)](h, lengths, cos, sin)
         if not self.is_last:

@@ -43,7 +43,8 @@ def job_section(cfg) -> dict:
     ``[training]``, plus any field of ``[adapter]`` (which wins)."""
     mod, tr = cfg.model, cfg.training
     section = dict(vocab_size=mod.vocab, hidden=mod.hidden, num_heads=mod.heads, ffn_hidden=mod.ffn,
-                   num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed, lr=tr.lr, backend=cfg.runtime.backend)
+                   num_layers=mod.layers, dtype=tr.dtype, seed=tr.seed, lr=tr.lr, backend=cfg.runtime.backend,
+                   devices_per_node=cfg.runtime.devices_per_node)
     known = set(section)
     unknown = sorted(set(cfg.adapter) - known)
     if unknown:

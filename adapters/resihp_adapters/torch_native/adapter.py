@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchNativeAdapter", "parse_config"]
 
-_KEYS = {"model", "shard", "lr", "weight_decay", "user"}
+_KEYS = {"model", "shard", "lr", "weight_decay", "user", "backend", "devices_per_node"}
 
 
 def parse_config(section: dict[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -98,6 +98,7 @@ class TorchNativeAdapter(Adapter):
 
         from resihp_adapters.torch_native.data import Batches, job_source
         from resihp_adapters.torch_native.engine import TorchNativeEngine
+        from resihp_adapters.torchkit.device import placement_for
 
         torch.set_num_threads(1)
         job = ctx.job
@@ -112,7 +113,10 @@ class TorchNativeAdapter(Adapter):
         self.engine = TorchNativeEngine(
             ctx.device, model, data, ctx.store, shard_degree=c["shard"], lr=c["lr"],
             weight_decay=c["weight_decay"], recipe=recipe, timeout_s=ctx.timeout_s,
-            join_timeout_s=max(30.0, 6 * ctx.timeout_s))
+            join_timeout_s=max(30.0, 6 * ctx.timeout_s),
+            # torch's pipeline and FSDP send CUDA tensors themselves: GPUs only with NCCL
+            placement=placement_for(ctx.device, job.adapter_config, own_transfers=False))
+        self._watch = None
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
         self._progress = (0, 0)
@@ -131,8 +135,17 @@ class TorchNativeAdapter(Adapter):
 
     # ------------------------------------------------------------ generations
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
+        from resihp_adapters.torchkit.device import AbortWatch
+
         self._check(plan)
+        self._stop_watch()
         self.engine.rebuild(plan, generation, devices)
+        self._watch = AbortWatch(self.engine.placement, self.ctx.superseded).start()
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     def start_fresh(self, plan: ParallelPlan) -> None:
         self.engine.start_fresh()
@@ -141,6 +154,7 @@ class TorchNativeAdapter(Adapter):
         return self.engine.move_state(old_plan, new_plan, set(devices), self.engine.iteration)
 
     def release(self) -> None:
+        self._stop_watch()
         self.engine.release()
 
     def snapshot(self) -> None:

@@ -39,7 +39,6 @@ fault-free reference uses).
 from __future__ import annotations
 
 import datetime
-import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from resihp_core.runtime.session import rendezvous_store
 from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
+from resihp_adapters.torchkit.device import CPU, Placement, release_world
 
 __all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
            "live_replicas", "IterationResult", "captured_groups", "adamw_recipe"]
@@ -286,8 +286,10 @@ class TorchNativeEngine:
 
     def __init__(self, device: int, model: LlamaConfig | StageSource, data: Feed, store: dist.Store, *,
                  shard_degree: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-                 recipe: Recipe | None = None, timeout_s: float = 10.0, join_timeout_s: float = 60.0) -> None:
+                 recipe: Recipe | None = None, timeout_s: float = 10.0, join_timeout_s: float = 60.0,
+                 placement: Placement = CPU) -> None:
         self.device = device
+        self.placement = placement  # where tensors live, which backend (docs/gpu.md)
         if isinstance(model, LlamaConfig):
             self.cfg: LlamaConfig | None = model
             self.model: StageSource = LlamaStages(model)
@@ -346,9 +348,7 @@ class TorchNativeEngine:
         self._lowered = None
         _unbind_groups(*self._bound)
         self._bound = ([], [])
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()
+        release_world(self.placement)  # NCCL communicators aborted, gloo ones destroyed
 
     def rebuild(self, plan: ParallelPlan, generation: int, devices: list[int] | None = None) -> None:
         """New world and meshes for ``plan`` over ``devices`` (default: the plan's);
@@ -378,10 +378,11 @@ class TorchNativeEngine:
         prefix.wait([f"joined/{r}" for r in range(world)], self.join_timeout)
         k = shard_degree_for(len(live), self.wanted_shard)
         with _default_timeout(self.timeout):
-            dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world, timeout=self.timeout)
+            dist.init_process_group(self.placement.init_backend, store=prefix, rank=rank, world_size=world,
+                                    timeout=self.timeout)
             # Every rank takes part in creating every sub-group, standbys included.
             layout = torch.arange(executors).view(plan.pp, len(live) // k, k)
-            mesh = DeviceMesh("cpu", layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+            mesh = DeviceMesh(self.placement.device.type, layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
             self.executors_group = None if world == executors else dist.new_group(
                 list(range(executors)), timeout=self.timeout)
             for stages, where in tie_sets(self.model, plan):
@@ -398,7 +399,7 @@ class TorchNativeEngine:
 
     def _build(self) -> nn.Module:
         a, b = self._layers(self.plan, self.place.stage)
-        return self.model.build(a, b)
+        return self.model.build(a, b).to(self.placement.device)
 
     def _wrap(self, module: nn.Module) -> None:
         """FSDP2 / HSDP over this stage's data-parallel ranks, then optimizer, LR
@@ -425,7 +426,7 @@ class TorchNativeEngine:
         # the factory's hyper-parameters: every scheduler built later starts from them
         self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self._make_scheduler()
-        self.stage = PipelineStage(module, place.stage, plan.pp, torch.device("cpu"),
+        self.stage = PipelineStage(module, place.stage, plan.pp, self.placement.device,
                                    group=pp_mesh.get_group())
         self._hook_stage(self.stage)
         self.schedule = None
@@ -457,9 +458,9 @@ class TorchNativeEngine:
         def timed(fn, book):
             def run(mb, *args, **kwargs):
                 engine.before_action()
-                t0 = time.perf_counter()
+                timer = engine.placement.timer().start()  # CUDA events on a GPU
                 out = fn(mb, *args, **kwargs)
-                dt = engine.stretch(time.perf_counter() - t0)
+                dt = engine.stretch(timer.stop())
                 res = engine._current
                 if res is not None:
                     getattr(res, book)[mb] = getattr(res, book).get(mb, 0.0) + dt
@@ -508,7 +509,7 @@ class TorchNativeEngine:
             h = full[self.canonical(name)]
             if not h.sharded and not h.other:
                 continue
-            st = {k: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+            st = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
                   for k, v in h.sharded.items()}
             st.update({k: (v.clone() if isinstance(v, Tensor) else v) for k, v in h.other.items()})
             self.optimizer.state[p] = st
@@ -705,9 +706,10 @@ class TorchNativeEngine:
         res.work = plan.work(place.replica, place.stage)
         batches = [self.data.micro_batch(it, owner, j, m) for owner, j in res.work]
         res.lengths = {j: b.lengths for j, b in enumerate(batches)}
-        args = [b.args for b in batches] if place.stage == 0 else None
-        kwargs = [b.kwargs() for b in batches]  # every stage: positions and masks
-        targets = [b.target for b in batches] if place.stage == plan.pp - 1 else None
+        home = self.placement.to_home  # the data is built on the host
+        args = [tuple(home(a) for a in b.args) for b in batches] if place.stage == 0 else None
+        kwargs = [{k: home(v) for k, v in b.kwargs().items()} for b in batches]  # every stage: positions and masks
+        targets = [home(b.target) for b in batches] if place.stage == plan.pp - 1 else None
         losses: list[Tensor] = []
         self.stage.has_backward = True
         self.stage.clear_runtime_states()
@@ -883,7 +885,7 @@ def clip_global(module: nn.Module, aliases: dict[str, str], max_norm: float, gro
     shard (HSDP replicate groups); tied copies (alias names) counted once."""
     grads = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in aliases]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=local[0].device if local else None)
     for g in local:
         sq += g.detach().to(torch.float64).pow(2).sum()
     dist.all_reduce(sq, group=group)

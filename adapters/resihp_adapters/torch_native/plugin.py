@@ -62,4 +62,5 @@ def job_section(cfg) -> dict:
                          "(known: model, shard, weight_decay; the data is the [data] section)")
     model = dict(vocab_size=mod.vocab, dim=mod.hidden, n_layers=mod.layers, n_heads=mod.heads,
                  ffn_dim=mod.ffn, dtype=tr.dtype, seed=tr.seed, **extra.pop("model", {}))
-    return {"model": model, "lr": tr.lr, **extra}
+    return {"model": model, "lr": tr.lr, "backend": cfg.runtime.backend,
+            "devices_per_node": cfg.runtime.devices_per_node, **extra}

@@ -172,7 +172,7 @@ def exchange(plan: list[Transfer], me: int, rank_of: dict[int, int],
     nbytes = 0
     for src, buf in bufs.items():
         nbytes += buf.numel()
-        got = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True)
+        got = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True, map_location="cpu")
         for (name, chunk), w in got.items():
             pieces.setdefault(name, {})[chunk] = w
     for tr in plan:

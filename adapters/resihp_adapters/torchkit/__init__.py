@@ -4,4 +4,6 @@
   reduction across TP degrees;
 * :mod:`.transfer` — the state-transfer plan between two plans' layouts;
 * :mod:`.checkpoint` — verified, atomic checkpoint files.
+* :mod:`.device` — the device and backend of a worker from ``runtime.backend``, NCCL
+  aborts on failure, device-time chunk timers (``docs/gpu.md``).
 """

@@ -18,7 +18,6 @@ replica — the finest common sharding — so replicas of different TP degree st
 from __future__ import annotations
 
 import datetime
-import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.runtime.session import rendezvous_store
+from resihp_adapters.torchkit.device import CPU, Placement, release_world
 
 __all__ = ["Communicators", "build_communicators", "release", "p2p_tag"]
 
@@ -40,15 +40,21 @@ class Communicators:
     tp: dict[tuple[int, int], dist.ProcessGroup | None] = field(default_factory=dict)
     dp_chunks: dict[int, list[tuple[tuple[int, ...], dist.ProcessGroup | None]]] = field(default_factory=dict)
     pending: list = field(default_factory=list)
+    # Where tensors live and travel (docs/gpu.md); CPU and gloo unless given.
+    placement: Placement = CPU
 
 
 def build_communicators(
     store: dist.Store, generation: int, devices: list[int], me: int, plan: ParallelPlan,
-    timeout_s: float, backend: str = "gloo",
+    timeout_s: float, backend: str = "gloo", placement: Placement | None = None,
 ) -> Communicators:
     """Init the generation's default group over ``devices`` (sorted: rank = index) and
-    create every TP and DP-chunk group in the same order on every rank."""
-    release()
+    create every TP and DP-chunk group in the same order on every rank. ``placement``
+    (docs/gpu.md) decides the backend and where tensors travel; without one, CPU
+    tensors over ``backend``."""
+    release(placement or CPU)
+    if placement is not None:
+        backend = placement.init_backend
     devices = sorted(devices)
     rank_of = {d: i for i, d in enumerate(devices)}
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -59,7 +65,7 @@ def build_communicators(
         world_size=len(devices),
         timeout=timeout,
     )
-    comms = Communicators(generation, rank_of)
+    comms = Communicators(generation, rank_of, placement=placement or CPU)
     for r, s in plan.executors():
         g = plan.group(r, s)
         comms.tp[(r, s)] = _group([rank_of[d] for d in g], timeout) if len(g) > 1 else None
@@ -79,18 +85,10 @@ def _group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
     return dist.new_group(sorted(ranks), timeout=timeout, use_local_synchronization=False)
 
 
-def release() -> None:
-    """Destroy every process group and collect them, so gloo closes their sockets."""
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group still has to go
-            pass
-    # Group names come from a process-wide counter that only a successful destroy resets:
-    # after an init_process_group that failed in its rendezvous (a peer died) the next
-    # generation's groups would get other names than its peers' and never meet.
-    dist.distributed_c10d._world.group_count = 0
-    gc.collect()
+def release(placement: Placement = CPU) -> None:
+    """End every process group and collect them, so gloo closes their sockets (NCCL
+    communicators are aborted: :func:`~resihp_adapters.torchkit.device.release_world`)."""
+    release_world(placement)
 
 
 def p2p_tag(kind: int, stage: int, owner: int, mb: int, chunk: int, plan: ParallelPlan) -> int:
@@ -107,7 +105,7 @@ def send_chunks(x: Tensor, src_group: tuple[int, ...], my_tp: int, dst_group: tu
     for i in range(n):
         if i * ks // n == my_tp:
             dst = comms.rank_of[dst_group[i * kr // n]]
-            comms.pending.append(dist.isend(parts[i].contiguous(), dst, tag=tag + i))
+            comms.pending.append(dist.isend(comms.placement.to_wire(parts[i].contiguous()), dst, tag=tag + i))
 
 
 def recv_chunks(shape: tuple[int, ...], dtype: torch.dtype, src_group: tuple[int, ...],
@@ -120,7 +118,8 @@ def recv_chunks(shape: tuple[int, ...], dtype: torch.dtype, src_group: tuple[int
         raise ValueError(f"{shape[0]} tokens do not split into {n} P2P chunks")
     rows = shape[0] // n
     mine = [i for i in range(n) if i * kr // n == my_tp]
-    local = torch.empty((rows * len(mine),) + tuple(shape[1:]), dtype=dtype)
+    pl = comms.placement
+    local = torch.empty((rows * len(mine),) + tuple(shape[1:]), dtype=dtype, device=pl.wire)
     works = []
     for j, i in enumerate(mine):
         src = comms.rank_of[src_group[i * ks // n]]
@@ -128,10 +127,10 @@ def recv_chunks(shape: tuple[int, ...], dtype: torch.dtype, src_group: tuple[int
     for w in works:
         w.wait()
     if kr == 1:
-        return local
+        return pl.to_home(local)
     parts = [torch.empty_like(local) for _ in range(kr)]
     dist.all_gather(parts, local, group=tp_group)
-    return torch.cat(parts, 0)
+    return pl.to_home(torch.cat(parts, 0))
 
 
 def reduce_grads(stage: int, my_device: int, my_tp: int, my_deg: int,
@@ -154,7 +153,9 @@ def reduce_grads(stage: int, my_device: int, my_tp: int, my_deg: int,
             (lv if d is None else g.chunk(per, d)[i]).reshape(-1)
             for (g, d), lv in zip(grads, local)
         ])
-        dist.all_reduce(flat, group=pg)
+        wire = comms.placement.to_wire(flat)
+        dist.all_reduce(wire, group=pg)
+        flat = comms.placement.to_home(wire)
         pos = 0
         for g, d in grads:
             view = g if d is None else g.chunk(per, d)[i]

@@ -1,0 +1,353 @@
+"""One prepared check of ResiHP on whatever devices this machine has (docs/gpu.md).
+
+It runs, through the production path (``build_job`` + ``run_resilient``: agents, Detector,
+Scheduler, supervisor), with ``runtime.backend = "auto"``:
+
+* torch_native, PP2 x DP2: one worker SIGKILLed (kill -> first committed iteration,
+  losses against the adapter's fault-free reference);
+* torch_native, PP2 x DP2: one worker's compute slowed 3x (iterations until the plan
+  changes, losses against the reference); not run with ``--quick``;
+* torch_native TP shrink: only when the adapter declares ``tp_resize`` (else the table
+  says "not available");
+* the reference backend's demo job (``resihp demo``'s configuration, TP2 x PP2 x DP2;
+  with ``--quick`` TP2 x PP2 x DP1): one TP member SIGKILLed (a TP shrink), plus the
+  predictor's iteration-time MAPE: per-stage costs fitted on warm-up iterations'
+  per-micro-batch profiles (CUDA-event times on a GPU), predicted against measured on
+  the fault-free iterations after them.
+
+Each row names the device its workers computed on and the backend, by the same rule
+the workers apply (:mod:`resihp_adapters.torchkit.device`). On one GPU every worker of the
+reference backend shares ``cuda:0`` with transfers over gloo (NCCL refuses two ranks on
+one device); torch_native's and DeepSpeed's transfers are torch's own and need NCCL for
+CUDA tensors, so they stay on the CPU there. Prints a table, writes JSON (``--json``).
+
+Usage: python benchmarks/gpu_check.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["main", "devices_here", "Row"]
+
+#: Heartbeats lenient enough for a loaded machine: a false "hang", or an agent silent past
+#: 2 x 50 x 0.2 s (a node lost), would be a fault of its own.
+DETECTOR = {"heartbeat_interval_s": 0.2, "heartbeat_miss_limit": 50, "hang_min_timeout_s": 30.0,
+            "warmup_iterations": 3, "min_changepoint_gap": 3}
+
+
+@dataclass
+class Row:
+    """One scenario's outcome (``None``: not measured)."""
+
+    scenario: str
+    adapter: str
+    device: str = ""
+    backend: str = ""
+    workers: int = 0
+    fault: str = ""
+    fault_to_first_s: float | None = None  # wall time from the commit before the fault to the first one after
+    adapted_after: int | None = None  # iterations from the fault to the plan made for a report naming its device
+    exact: bool | None = None
+    worst_rel_diff: float | None = None
+    mape_pct: float | None = None
+    seconds: float = 0.0
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def devices_here() -> dict[str, Any]:
+    """What this machine offers: torch, CUDA, GPU names."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": cuda,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+            "python": platform.python_version(), "host": platform.node(),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+
+
+def _placement(devices_per_node: int, own_transfers: bool) -> tuple[str, str]:
+    """The device and backend local rank 0 gets under ``auto`` (the workers' own rule)."""
+    import torch
+
+    from resihp_adapters.torchkit.device import choose
+
+    cuda = torch.cuda.is_available()
+    p = choose("auto", local_rank=0, local_world=devices_per_node, own_transfers=own_transfers,
+               cuda_available=cuda, gpu_count=torch.cuda.device_count() if cuda else 0)
+    kind = "cuda" if p.is_cuda else "cpu"
+    return kind, p.backend
+
+
+def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | None = None,
+         on_iteration: Callable[[Any, Any], None] | None = None) -> tuple[Any, Any, Any]:
+    """Run one job through the production path; returns (config, assembled job, run)."""
+    from resihp_core.config import Config
+    from resihp_core.faults import repairs
+    from resihp_core.runtime.jobs import build_job, phases
+    from resihp_core.runtime.resilient import run_resilient
+
+    cfg = Config.from_dict(data, source="gpu_check")
+    job = build_job(cfg, faults, work)
+    holder: dict[str, Any] = {}
+
+    def before_run(local_job, agents) -> None:
+        holder["job"] = local_job
+        if on_job is not None:
+            on_job(local_job)
+
+    def iteration(rec) -> None:
+        if on_iteration is not None and "job" in holder:
+            on_iteration(holder["job"], rec)
+
+    run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
+                        cfg.training.iterations, work / "job", repairs=repairs(faults), phase_of=phases(faults),
+                        before_run=before_run, on_iteration=iteration, timeout=600.0, agent_timeout=300.0)
+    return cfg, job, run
+
+
+def _judge(row: Row, cfg: Any, job: Any, run: Any, fault_at: int, victim: int) -> None:
+    """Fill the row from the run: time to the first commit after the fault, how many
+    iterations after it the plan changed for a report naming the faulty device (a
+    report of another device, e.g. contention on a loaded machine, does not count),
+    and the losses against the fault-free reference."""
+    from resihp_core.runtime.jobs import _reference_check
+
+    recs = {r.iteration: r for r in run.records}
+    row.extra["events"] = [f"{ev.get('iteration')}: {ev.get('kind')} {str(ev.get('text', ''))[:120]}"
+                           for ev in run.events]
+    if not run.ok or not recs:
+        row.note = f"run failed: {run.error[:200]}"
+        row.exact = False
+        return
+    if fault_at in recs:
+        row.fault_to_first_s = recs[fault_at].seconds
+    named = [ev["iteration"] for ev in run.events if ev.get("kind") == "failure"
+             and victim in (ev.get("devices") or ()) and ev.get("iteration", -1) >= fault_at]
+    plans = [ev["iteration"] for ev in run.events if ev.get("kind") == "plan" and named
+             and ev.get("iteration", -1) >= min(named)]
+    if plans:
+        row.adapted_after = min(plans) - fault_at
+    else:
+        row.note = f"device {victim} never reported (load average {os.getloadavg()[0]:.0f})"
+    if job.reference is not None:
+        losses = [recs[i].loss for i in sorted(recs)]
+        ref = job.reference(job.spec, len(losses))
+        worst, _, tol = _reference_check(cfg, losses, ref)
+        row.worst_rel_diff, row.exact = worst, worst <= tol
+    else:
+        row.note = "adapter has no fault-free reference"
+
+
+def torch_native(kind: str, quick: bool, work: Path) -> Row:
+    """torch_native PP2 x DP2 (float64, HSDP so a killed rank's shard survives): ``kind``
+    is ``kill`` or ``slow``."""
+    from resihp_core.faults import fail_at
+    from resihp_core.plan import ParallelPlan
+
+    iters = (6 if quick else 10) if kind == "kill" else 24
+    at = 3 if kind == "kill" else 6
+    data = {"parallel": {"tp": 1, "pp": 2, "dp": 2},
+            "model": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "ffn_hidden": 64},
+            "training": {"microbatches": 4, "token_budget": 64, "iterations": iters, "lr": 3e-3,
+                         "dtype": "float64", "checkpoint_every": 0},
+            "runtime": {"nodes": 2, "devices_per_node": 2, "adapter": "torch_native", "backend": "auto"},
+            "adapter": {"shard": 1},
+            "detector": DETECTOR}
+    layout = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    victim = layout.group(1, 1)[0]
+    fault = fail_at(victim, at, "kill") if kind == "kill" else fail_at(victim, at, "slow", factor=3.0)
+    dev, backend = _placement(2, own_transfers=False)
+    row = Row(f"torch_native {kind}", "torch_native", dev, backend, 4,
+              f"{'SIGKILL' if kind == 'kill' else 'compute x3'} of device {victim} at iteration {at}")
+    t0 = time.perf_counter()
+    cfg, job, run = _run(data, [fault], work)
+    row.seconds = time.perf_counter() - t0
+    _judge(row, cfg, job, run, at, victim)
+    return row
+
+
+def torch_native_tp(quick: bool, work: Path) -> Row:
+    """A TP group of torch_native shrinking around a killed member: run only when the
+    adapter declares ``tp_resize``."""
+    from resihp_adapters.torch_native.plugin import CAPABILITIES
+    from resihp_core.faults import fail_at
+    from resihp_core.plan import ParallelPlan
+
+    row = Row("torch_native TP shrink", "torch_native", workers=4)
+    if not CAPABILITIES.tp_resize:
+        row.note = "not available: torch_native does not declare tp_resize"
+        return row
+    data = {"parallel": {"tp": 2, "pp": 2, "dp": 1},
+            "model": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "ffn_hidden": 64},
+            "training": {"microbatches": 4, "token_budget": 64, "iterations": 8, "lr": 3e-3,
+                         "dtype": "float64", "checkpoint_every": 0},
+            "runtime": {"nodes": 2, "devices_per_node": 2, "adapter": "torch_native", "backend": "auto"},
+            "detector": DETECTOR}
+    layout = ParallelPlan.uniform(tp=2, pp=2, dp=1, num_layers=4, num_microbatches=4)
+    victim = layout.group(0, 1)[1]
+    row.device, row.backend = _placement(2, own_transfers=False)
+    row.fault = f"SIGKILL of device {victim} (stage 1's TP group) at iteration 4"
+    t0 = time.perf_counter()
+    cfg, job, run = _run(data, [fail_at(victim, 4, "kill")], work)
+    row.seconds = time.perf_counter() - t0
+    _judge(row, cfg, job, run, 4, victim)
+    return row
+
+
+def reference_demo(quick: bool, work: Path) -> Row:
+    """The reference backend's demo job with a kill of one TP member (a TP shrink), and
+    the predictor's MAPE on its fault-free iterations before the kill."""
+    from resihp_core.faults import fail_at
+    from resihp_core.plan import ParallelPlan
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+    from resihp_plugins.demo import DEMO_CONFIG
+
+    dp = 1 if quick else 2
+    skip, warm, held = 2, 3, (3 if quick else 12)
+    at = skip + warm + held
+    iters = at + (1 if quick else 8)
+    data = {**DEMO_CONFIG, "parallel": {**DEMO_CONFIG["parallel"], "dp": dp},
+            "training": {**DEMO_CONFIG["training"], "iterations": iters, "checkpoint_every": 0},
+            "runtime": {"nodes": 2, "devices_per_node": 2 * dp, "backend": "auto"}, "detector": DETECTOR}
+    p = data["parallel"]
+    layout = ParallelPlan.uniform(tp=p["tp"], pp=p["pp"], dp=dp, num_layers=data["model"]["layers"],
+                                  num_microbatches=data["training"]["microbatches"])
+    victim = layout.group(0, 1)[1]
+    dev, backend = _placement(2 * dp, own_transfers=True)
+    row = Row(f"reference demo TP2xPP2xDP{dp}", "megatron_ref", dev, backend, 4 * dp,
+              f"SIGKILL of device {victim} (stage 1's TP group) at iteration {at}")
+    reports: dict[int, dict] = {}
+    first_generation: list[int] = []
+
+    def keep(local_job, rec) -> None:
+        if not first_generation:
+            first_generation.append(rec.generation)
+        if rec.iteration < at and rec.generation == first_generation[0]:
+            try:
+                reports[rec.iteration] = local_job.report(rec.iteration)
+            except Exception as e:  # noqa: BLE001 - a report that cannot be read is just not used
+                row.extra.setdefault("report_errors", []).append(f"{type(e).__name__}: {e}"[:200])
+
+    t0 = time.perf_counter()
+    cfg, job, run = _run(data, [fail_at(victim, at, "kill")], work, on_iteration=keep)
+    row.seconds = time.perf_counter() - t0
+    _judge(row, cfg, job, run, at, victim)
+    try:
+        row.mape_pct, fit = _mape(cfg, job, layout, reports, skip, warm)
+        row.extra.update(fit)
+    except Exception as e:  # noqa: BLE001 - the table says why there is no number
+        row.note = (row.note + "; " if row.note else "") + f"MAPE not measured: {type(e).__name__}: {e}"
+    return row
+
+
+def _mape(cfg: Any, job: Any, plan: Any, reports: dict[int, dict], skip: int, warm: int) -> tuple[float, dict]:
+    """Fit each stage's cost on the warm-up iterations' micro-batch profiles, predict the
+    later fault-free iterations, and return the iteration-time MAPE (percent)."""
+    from resihp_core.plan import Topology
+    from resihp_core.predictor.cost import CostModel, LinkModel, fit_stage, mape
+    from resihp_core.predictor.predict import IterationPredictor, ModelShape
+    from resihp_adapters.megatron_ref.adapter import data_spec
+    from resihp_adapters.megatron_ref.data import lengths_of
+
+    data = data_spec(job.spec)
+    its = sorted(i for i in reports if i >= skip)
+    fit_its, held_its = its[:warm], its[warm:]
+    if not held_its:
+        raise ValueError("no held-out iterations were reported")
+    stages = []
+    for s in range(plan.pp):
+        samples = [(lengths_of(data, i, mb.owner, mb.mb), mb.forward_s, mb.backward_s)
+                   for i in fit_its for d in plan.group(0, s) if d in reports[i]
+                   for mb in reports[i][d].microbatches]
+        stages.append(fit_stage(samples, ref_layers=plan.layers(s), ref_tp=plan.degree(0, s)))
+    tokens = cfg.training.token_budget
+    pred = IterationPredictor(CostModel(tuple(stages)), Topology.uniform(1, len(plan.devices())),
+                              ModelShape(tokens=tokens, hidden=cfg.model.hidden, params_per_layer=1, dtype_bytes=4),
+                              LinkModel(intra_bandwidth=2e9, intra_latency=50e-6))
+
+    def predicted(i: int) -> float:
+        wl = {(r, j): lengths_of(data, i, r, j) for r in range(plan.dp) for j in range(plan.num_microbatches)}
+        return pred.predict(plan, wl).iteration_time
+
+    def measured(i: int) -> float:
+        return max(r.iteration_s for r in reports[i].values())
+
+    # Per-iteration fixed costs (optimizer, loss bookkeeping, store) from the warm-up.
+    overhead = statistics.median(measured(i) - predicted(i) for i in fit_its)
+    meas = [measured(i) for i in held_its]
+    preds = [predicted(i) + overhead for i in held_its]
+    return mape(preds, meas), {"held_out_iterations": len(held_its), "warmup_iterations": len(fit_its),
+                               "measured_mean_s": statistics.mean(meas), "predicted_mean_s": statistics.mean(preds)}
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return format(v, spec)
+
+
+def table(rows: list[Row], here: dict[str, Any]) -> str:
+    """The table ``gpu_check`` prints (docs/gpu.md shows how to read it)."""
+    gpus = ", ".join(here["gpus"]) or "none"
+    lines = [f"gpu_check: torch {here['torch']} (CUDA build {here['cuda_build'] or 'none'}), GPUs: {gpus}, "
+             f"{here['date_utc']} UTC",
+             f"{'scenario':28s} {'device':6s} {'backend':7s} {'workers':>7s} {'fault->first s':>14s} "
+             f"{'replan after':>12s} {'exact?':>6s} {'MAPE %':>7s}  note"]
+    for r in rows:
+        lines.append(f"{r.scenario:28s} {r.device or '-':6s} {r.backend or '-':7s} {r.workers:>7d} "
+                     f"{_fmt(r.fault_to_first_s):>14s} {_fmt(r.adapted_after, 'd'):>12s} {_fmt(r.exact):>6s} "
+                     f"{_fmt(r.mape_pct, '.1f'):>7s}  {r.note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI size: kill scenarios only, smaller jobs")
+    ap.add_argument("--json", help="write the rows and the machine's description here")
+    args = ap.parse_args(argv)
+    here = devices_here()
+    base = Path(tempfile.mkdtemp(prefix="resihp-gpu-check-"))
+    rows: list[Row] = []
+    steps: list[tuple[str, Callable[[Path], Row]]] = [
+        ("tn_kill", lambda w: torch_native("kill", args.quick, w)),
+    ]
+    if not args.quick:
+        steps.append(("tn_slow", lambda w: torch_native("slow", args.quick, w)))
+    steps += [("tn_tp", lambda w: torch_native_tp(args.quick, w)),
+              ("ref_demo", lambda w: reference_demo(args.quick, w))]
+    for name, step in steps:
+        work = base / name
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            rows.append(step(work))
+        except Exception as e:  # noqa: BLE001 - one broken scenario must not hide the others
+            rows.append(Row(name, "", note=f"error: {type(e).__name__}: {e}"[:300], exact=False))
+        print(f"  {rows[-1].scenario}: done in {rows[-1].seconds:.1f} s", flush=True)
+    if args.quick:
+        rows.insert(1, Row("torch_native slow", "torch_native", note="not run with --quick"))
+    print(table(rows, here))
+    out = {"machine": here, "quick": args.quick, "rows": [r.__dict__ for r in rows],
+           "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    ran = [r for r in rows if r.exact is not None]
+    return 0 if ran and all(r.exact for r in ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""``benchmarks/gpu_check.py --quick`` on this machine (CPU in CI): the prepared device
+check runs end to end through the production path and its table and JSON say what
+ran where, with exact training after each fault (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_quick_prints_its_table_and_writes_json(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for heading in ("scenario", "device", "backend", "fault->first s", "exact?", "MAPE %"):
+        assert heading in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["quick"] is True and res["machine"]["cuda_available"] == torch.cuda.is_available()
+    rows = {r["scenario"]: r for r in res["rows"]}
+    kill = rows["torch_native kill"]
+    demo = next(r for name, r in rows.items() if name.startswith("reference demo"))
+    expected = ("cuda", "nccl") if torch.cuda.device_count() >= 2 else (
+        ("cuda" if torch.cuda.is_available() else "cpu"), "gloo")
+    assert (demo["device"], demo["backend"]) == expected
+    for r in (kill, demo):
+        assert r["exact"] is True, r  # losses equal the fault-free reference after the fault
+        assert r["fault_to_first_s"] is not None and r["fault_to_first_s"] > 0
+        assert r["adapted_after"] == 0  # the iteration the fault hit ran under a new plan
+    assert math.isfinite(demo["mape_pct"]) and demo["extra"]["held_out_iterations"] >= 1
+    tp = rows["torch_native TP shrink"]
+    from resihp_adapters.torch_native.plugin import CAPABILITIES
+
+    assert (tp["exact"] is True) if CAPABILITIES.tp_resize else tp["note"].startswith("not available")
+    assert rows["torch_native slow"]["note"] == "not run with --quick"
