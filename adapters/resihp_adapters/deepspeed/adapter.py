@@ -70,6 +70,10 @@ class DeepSpeedAdapter(Adapter):
         self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
         self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs
         self._held: dict[int, dict[str, Any]] = {}  # layer state while no engine exists
+        # Whether the engine holds the job's state: not between a rebuild and a state move
+        # (or load) that succeeded. A failed move leaves the previous generation's state
+        # in ``_held`` for the next plan (the contract: move_state puts it back).
+        self._current = False
         self._snap: dict[int, dict[str, Any]] | None = None
         self._program: Program | None = None
         self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
@@ -97,7 +101,7 @@ class DeepSpeedAdapter(Adapter):
 
         from resihp_adapters.deepspeed.world import dismantle
 
-        if self.engine is not None:
+        if self.engine is not None and self._current:
             self._held = extract_layers(self.engine)
         engine, self.engine = self.engine, None
         dismantle(engine)
@@ -138,6 +142,7 @@ class DeepSpeedAdapter(Adapter):
         engine.fault_hook = self._fault
         bound_op_timeouts(self.ctx.timeout_s)
         self.engine = engine
+        self._current = False
 
     def _fault(self, kind: str, seconds: float) -> None:
         if kind == "compute":
@@ -153,6 +158,7 @@ class DeepSpeedAdapter(Adapter):
         """Fresh weights come from the layer specs, seeded per global layer index
         (``seed_layers``), so every layout starts from the same model."""
         self._held = {}
+        self._current = True
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         from resihp_adapters.deepspeed.engine import whole_replicas
@@ -191,6 +197,7 @@ class DeepSpeedAdapter(Adapter):
         if missing:
             raise RuntimeError(f"device {self.ctx.device}: no state arrived for units {missing}")
         self._held = {}
+        self._current = True
         return nbytes
 
     def snapshot(self) -> None:
@@ -425,6 +432,7 @@ class DeepSpeedAdapter(Adapter):
         except ShardsMissing as e:
             raise FileNotFoundError(f"checkpoint of iteration {iteration}: {e}") from None
         self._held = {}
+        self._current = True
 
     def close(self) -> None:
         from resihp_adapters.deepspeed.world import dismantle, teardown_world
