@@ -4,6 +4,11 @@ devices). The only ResiHP-specific line is the ``initialize`` import.
 
     accelerate launch --config_file accelerate.yaml train.py --iterations 6
     resihp launch     --config_file accelerate.yaml train.py --iterations 6
+
+A checkpoint in DeepSpeed's own format moves a job between the two:
+
+    resihp launch     ... train.py --iterations 6 --save-dir ckpt --save-at 2
+    accelerate launch ... train.py --iterations 6 --load-dir ckpt   # trains steps 3-6
 """
 
 from __future__ import annotations
@@ -52,18 +57,25 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    ap.add_argument("--save-dir", help="engine.save_checkpoint here (DeepSpeed's format) after --save-at steps")
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--load-dir", help="engine.load_checkpoint from here first")
     a = ap.parse_args()
     torch.set_default_dtype(getattr(torch, a.dtype))
     torch.set_num_threads(1)
     layers = [LayerSpec(Block, a.hidden) for _ in range(a.layers)]
     engine = initialize(layers, loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                         training_data=Pairs(4096, a.hidden), base_seed=7)
-    for _ in range(a.iterations):
+    if a.load_dir:
+        engine.load_checkpoint(a.load_dir)
+    while engine.iteration < a.iterations:
         loss = engine.train_batch()
         if loss is None:  # the job ended (resihp launch decides how many iterations)
             break
         shown = f" loss={loss:.10f}" if engine.is_last_stage() else ""
         print(f"rank={os.environ.get('RANK')} pid={os.getpid()} iteration={engine.iteration}{shown}", flush=True)
+        if a.save_dir and engine.iteration == a.save_at:
+            engine.save_checkpoint(a.save_dir)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,18 @@ class FrameReader:
 
 
 # ------------------------------------------------------------------- blocking sockets
+#: A frame's body may arrive this long after the message's deadline once its header has
+#: come: the sender writes a frame in one piece, so the body is already on its way (or
+#: buffered). Without it, a reader whose process was starved past the deadline read the
+#: header and then failed on a body it had already received ("timed out inside a
+#: frame"), and a loaded machine lost a healthy node that way.
+BODY_GRACE_S = 1.0
+
+
+def _body_deadline(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline, time.monotonic() + BODY_GRACE_S)
+
+
 def send_msg(sock: socket.socket, msg: Message) -> None:
     sock.sendall(encode_frame(msg))
 
@@ -165,8 +177,9 @@ def recv_msg(
 ) -> Message | None:
     """Read one message. Returns None if the peer closed cleanly between frames.
 
-    ``timeout`` bounds the whole message. Expiring before any byte arrived raises
-    ``TimeoutError`` (the stream is intact, call again); expiring inside a frame raises
+    ``timeout`` bounds the whole message (its body gets :data:`BODY_GRACE_S` more
+    once the header is in). Expiring before any byte arrived raises ``TimeoutError``
+    (the stream is intact, call again); expiring inside a frame raises
     :class:`ProtocolError` (the stream is broken, close it).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -176,7 +189,7 @@ def recv_msg(
         if header is None:
             return None
         n = _frame_length(header, max_frame_bytes)
-        body = _recv_exactly(sock, n, deadline, mid_frame=True)
+        body = _recv_exactly(sock, n, _body_deadline(deadline), mid_frame=True)
         assert body is not None
         return decode(body)
     finally:
@@ -214,8 +227,10 @@ async def read_msg(
             return None
         raise ProtocolError(f"connection closed inside a frame header ({len(exc.partial)} bytes)") from None
     n = _frame_length(header, max_frame_bytes)
+    body_deadline = _body_deadline(deadline)
     try:
-        body = await asyncio.wait_for(reader.readexactly(n), left())
+        body = await asyncio.wait_for(
+            reader.readexactly(n), None if body_deadline is None else body_deadline - time.monotonic())
     except asyncio.IncompleteReadError as exc:
         raise ProtocolError(
             f"connection closed inside a frame ({len(exc.partial)} of {n} bytes received)"

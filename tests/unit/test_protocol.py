@@ -492,6 +492,26 @@ def test_asyncio_wrong_secret_is_refused() -> None:
     assert isinstance(server, P.AuthError)
 
 
+def test_a_whole_frame_read_after_a_stalled_loop_is_not_a_broken_stream() -> None:
+    """The event loop is starved past the read's deadline (a loaded machine) while a
+    whole frame arrives: the header is read, and so must be the buffered body (it was
+    'timed out inside a frame of 68 bytes', and the controller lost a healthy node)."""
+    import time
+
+    async def go() -> None:
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=a)
+        task = asyncio.ensure_future(P.read_msg(reader, timeout=0.2))
+        await asyncio.sleep(0)  # waiting for the header
+        b.sendall(P.encode_frame(P.Ack(9)))
+        time.sleep(0.4)  # the loop does not run until after the deadline
+        assert await task == P.Ack(9)
+        b.close()
+        writer.close()
+
+    asyncio.run(go())
+
+
 def test_asyncio_read_msg_timeout_eof_and_truncation() -> None:
     async def go() -> None:
         a, b = socket.socketpair()

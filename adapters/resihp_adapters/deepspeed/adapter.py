@@ -22,9 +22,10 @@ replicas, so the gradient is the global mean whatever the plan. Micro-batch
 ``(owner, mb)`` of a plan with ``m`` per replica is global micro-batch ``owner * m + mb``,
 read as data shard ``divmod(g, job.num_microbatches)``.
 
-ZeRO stage 0 moves state without a checkpoint; with ZeRO 1 the optimizer state is
-partitioned across replicas, and entering any generation after the first raises (the
-worker then waits for a restore, which needs ``checkpoint`` — see ``docs/deepspeed.md``).
+ZeRO 1 (DeepSpeed's own optimizer): each stage's optimizer state is partitioned over
+its replicas; every surviving holder sends its fragment and each rank fills its new
+partition from them. A fragment whose only holder died makes every rank raise
+``StateLost`` and the supervisor restores the newest checkpoint (``docs/deepspeed.md``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class DeepSpeedAdapter(Adapter):
         self._watch: Any = None
         self.spec = spec if spec is not None else spec_from_adapter_config(ctx.job.adapter_config, ctx.job)
         check_supported(self.spec.config)
-        self.zero_stage = 0
+        self.zero_stage = int((self.spec.config.get("zero_optimization") or {}).get("stage", 0))
         self.config = torch_optimizer_config(self.spec.config, log=lambda m: print(f"resihp: {m}", flush=True))
         self.optimizer_factory = optimizer_factory(self.spec.optimizer)
         self.source = MicroBatchSource(self.spec.dataset, self.spec.collate_fn or MicroBatchSource.default_collate,
@@ -79,6 +80,10 @@ class DeepSpeedAdapter(Adapter):
         self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
         self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs
         self._held: dict[int, dict[str, Any]] = {}  # layer state while no engine exists
+        # Whether the engine holds the job's state: not between a rebuild and a state move
+        # (or load) that succeeded. A failed move leaves the previous generation's state
+        # in ``_held`` for the next plan (the contract: move_state puts it back).
+        self._current = False
         self._snap: dict[int, dict[str, Any]] | None = None
         self._program: Program | None = None
         self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
@@ -116,7 +121,7 @@ class DeepSpeedAdapter(Adapter):
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
-        if self.engine is not None:
+        if self.engine is not None and self._current:
             self._held = extract_layers(self.engine)
         engine, self.engine = self.engine, None
         dismantle(engine)
@@ -157,6 +162,7 @@ class DeepSpeedAdapter(Adapter):
         engine.fault_hook = self._fault
         bound_op_timeouts(self.ctx.timeout_s)
         self.engine = engine
+        self._current = False
         from resihp_adapters.torchkit.device import AbortWatch
 
         self._watch = AbortWatch(self.placement, self.ctx.superseded).start()
@@ -175,25 +181,46 @@ class DeepSpeedAdapter(Adapter):
         """Fresh weights come from the layer specs, seeded per global layer index
         (``seed_layers``), so every layout starts from the same model."""
         self._held = {}
+        self._current = True
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         from resihp_adapters.deepspeed.engine import whole_replicas
-        from resihp_adapters.deepspeed.state import apply_units, exchange_layers, tied_layers, transfer_plan, unit_keys
+        import torch
+        import torch.distributed as tdist
+
+        from resihp_adapters.deepspeed.state import (ShardsLost, ShardsMissing, apply_units, exchange_layers,
+                                                     is_sharded, merge_units, tied_layers, transfer_plan, unit_keys)
 
         if self.engine is None:
             return 0  # a standby (or idle device) keeps what it held
         old_plan, new_plan = whole_replicas(old_plan), self.xplan
         have = set(devices) & set(old_plan.devices()) & set(new_plan.devices())
-        transfers = transfer_plan(old_plan, new_plan, have, tied_layers(self.engine))
+        sharded = is_sharded(self.engine)
+        transfers = transfer_plan(old_plan, new_plan, have, tied_layers(self.engine), sharded=sharded)
         mine = self._held if self.ctx.device in old_plan.devices() else {}
         received, nbytes = exchange_layers(self.ctx.device, new_plan, transfers, mine)
         local = unit_keys(self.engine)
-        keep = {i: st for i, st in mine.items() if i in local}
-        apply_units(self.engine, {**keep, **received})
-        missing = [u for u in local if u not in keep and u not in received]
+        units = {i: st for i, st in mine.items() if i in local}
+        missing = [u for u in local if u not in units and u not in received]
+        for u, st in received.items():
+            units[u] = merge_units(units[u], st) if u in units else st
+        gap = None
+        try:
+            apply_units(self.engine, units)
+        except ShardsMissing as e:
+            gap = str(e)
+        if sharded:
+            # ZeRO 1: whether a dead rank held the only copy of some fragment is known
+            # only where it is needed; every rank raises alike (docs/deepspeed.md, ZeRO).
+            flag = torch.tensor([0 if gap is None else 1])
+            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+            if int(flag):
+                raise ShardsLost(gap or "another rank's ZeRO 1 optimizer shard died with its only holder; "
+                                 "restore from a checkpoint")
         if missing:
             raise RuntimeError(f"device {self.ctx.device}: no state arrived for units {missing}")
         self._held = {}
+        self._current = True
         return nbytes
 
     def snapshot(self) -> None:
@@ -295,6 +322,26 @@ class DeepSpeedAdapter(Adapter):
                 out[full if tp == 1 else f"{full}@tp{t}"] = Shard(tensors)
         return out
 
+    def check_initial_layout(self, what: str) -> None:
+        """DeepSpeed's own checkpoint files describe one layout (the stage split; with
+        ZeRO 1 also the data-parallel degree): refuse ``what`` unless the engine runs
+        the job's initial one, which plain DeepSpeed has too."""
+        from resihp_adapters.deepspeed.engine import live_replicas
+        from resihp_core.plan import ParallelPlan
+
+        x, job = self.xplan, self.ctx.job
+        if x is None:
+            raise RuntimeError(f"{what}: no plan generation yet")
+        initial = ParallelPlan.uniform(tp=1, pp=x.pp, dp=job.dp, num_layers=x.num_layers,
+                                       num_microbatches=job.num_microbatches)
+        if tuple(x.layer_ranges) != tuple(initial.layer_ranges) or (
+                self.zero_stage >= 1 and len(live_replicas(x)) != job.dp):
+            raise RuntimeError(
+                f"{what} in DeepSpeed's format: the job now runs layers {list(x.layer_ranges)} on "
+                f"{len(live_replicas(x))} replica(s), not its initial {list(initial.layer_ranges)} on {job.dp}; "
+                "DeepSpeed's files would not load into a plain DeepSpeed job (ResiHP's own checkpoints, "
+                "checkpoint_every, load onto any layout)")
+
     def full_state(self) -> dict[str, Any]:
         """DeepSpeed's own complete state of this rank, by layout-independent names
         (``docs/deepspeed.md``): every parameter (``"3.fc.weight"``, tied groups once as
@@ -335,24 +382,32 @@ class DeepSpeedAdapter(Adapter):
         import torch.distributed as tdist
 
         from resihp_core import checkpoints
-        from resihp_adapters.deepspeed.state import extract_units, unit_name
+        from resihp_adapters.deepspeed.state import extract_units, is_sharded, unit_name
 
         if self.engine is None:
             return  # idle or a standby: not in DeepSpeed's world
         t0 = time.perf_counter()
         error, nbytes = None, 0
         r, _, t = self.xplan.location(self.ctx.device)
-        if r == _live(self.xplan)[0]:
+        k, stage = _live(self.xplan).index(r), self.xplan.location(self.ctx.device)[1]
+        # ZeRO 1: every replica holds a fragment of the optimizer state, so every rank
+        # also writes ``<unit>-tpT.zKsS.pt`` (replica K, stage S: a tied group's copies
+        # on two stages are two sets of fragments); a load merges them.
+        sharded = is_sharded(self.engine)
+        if k == 0 or sharded:
             try:
                 path = self._ckpt_dir(iteration)
                 os.makedirs(path, exist_ok=True)
                 for key, st in extract_units(self.engine).items():
                     # Tied groups and the global unit are held by several stages: each
                     # writes its own temporary.
-                    final = os.path.join(path, f"{unit_name(key)}-tp{t}.pt")
-                    torch.save(st, f"{final}.{os.getpid()}.tmp")
-                    os.replace(f"{final}.{os.getpid()}.tmp", final)
-                    nbytes += os.path.getsize(final)
+                    names = ([f"{unit_name(key)}-tp{t}.pt"] if k == 0 else []) + (
+                        [f"{unit_name(key)}-tp{t}.z{k}s{stage}.pt"] if sharded else [])
+                    for name in names:
+                        final = os.path.join(path, name)
+                        torch.save(st, f"{final}.{os.getpid()}.tmp")
+                        os.replace(f"{final}.{os.getpid()}.tmp", final)
+                        nbytes += os.path.getsize(final)
             except (OSError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"
         # Barrier and verdict at once; a dead peer raises here (a failure, not a fault).
@@ -378,7 +433,9 @@ class DeepSpeedAdapter(Adapter):
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         import torch
 
-        from resihp_adapters.deepspeed.state import apply_layers, unit_keys, unit_name
+        import glob
+
+        from resihp_adapters.deepspeed.state import ShardsMissing, apply_layers, merge_units, unit_keys, unit_name
 
         if self.engine is None:
             self._held = {}
@@ -391,8 +448,14 @@ class DeepSpeedAdapter(Adapter):
             if not os.path.exists(f):
                 raise FileNotFoundError(f"checkpoint of iteration {iteration} has no {unit_name(idx)} (TP index {t}): {f}")
             layers[idx] = torch.load(f, weights_only=True)
-        apply_layers(self.engine, layers)
+            for z in sorted(glob.glob(os.path.join(glob.escape(path), f"{unit_name(idx)}-tp{t}.z*.pt"))):
+                layers[idx] = merge_units(layers[idx], torch.load(z, weights_only=True))  # ZeRO 1 fragments
+        try:
+            apply_layers(self.engine, layers)
+        except ShardsMissing as e:
+            raise FileNotFoundError(f"checkpoint of iteration {iteration}: {e}") from None
         self._held = {}
+        self._current = True
 
     def close(self) -> None:
         from resihp_adapters.deepspeed.world import dismantle, teardown_world

@@ -92,6 +92,46 @@ class ResilientEngine:
         (:meth:`~.adapter.DeepSpeedAdapter.full_state`)."""
         return self.worker.adapter.full_state()
 
+    def eval_batch(self, data_iter: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's ``eval_batch`` on the current generation's engine (its inference
+        schedule over this rank's replica, ``data_iter`` as DeepSpeed reads it). Every
+        rank of the generation calls it; it is not made resilient: a peer dying during it
+        raises here. None on a rank that runs nothing in this generation."""
+        e = self.current
+        return None if e is None else e.eval_batch(data_iter, **kwargs)
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> bool:
+        """DeepSpeed's own checkpoint (``layer_XX-model_states.pt``,
+        ``mp_rank_XX_model_states.pt``, ZeRO's ``*_optim_states.pt``, ``latest``),
+        written by the current generation's engine, so plain DeepSpeed loads it
+        (``engine.load_checkpoint``) and trains on. Every rank of the generation calls
+        it, as DeepSpeed's. DeepSpeed's files describe one layout, so this is refused
+        once the job runs another split than its initial one (``docs/deepspeed.md``).
+        ResiHP's own checkpoints (``checkpoint_every``) are separate and load onto any
+        layout. A rank idle in this generation writes nothing."""
+        e = self.current
+        if e is None:
+            return True
+        self.worker.adapter.check_initial_layout("save_checkpoint")
+        return bool(e.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest))
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
+        """Load a checkpoint in DeepSpeed's own format (written by plain DeepSpeed or by
+        :meth:`save_checkpoint`) into the current generation's engine. ResiHP's runtime
+        addresses the data by its own iteration, so the checkpoint must be of the step
+        the job stands at (a plain-DeepSpeed checkpoint of step k needs the job to start
+        at iteration k, which ``resihp launch`` cannot do yet): otherwise refused."""
+        e = self.current
+        if e is None:
+            raise RuntimeError("load_checkpoint: this rank runs nothing in the current plan generation")
+        self.worker.adapter.check_initial_layout("load_checkpoint")
+        path, client = e.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if path is not None and int(e.global_steps) != int(self.iteration):
+            raise RuntimeError(f"load_checkpoint: {path} is of step {e.global_steps}, the job stands at iteration "
+                               f"{self.iteration}; ResiHP resumes a job only where its runtime stands")
+        return path, client
+
     def is_last_stage(self) -> bool:
         """True on ranks whose loss is the global mean (DeepSpeed's loss stage)."""
         e = self.current
@@ -112,6 +152,7 @@ class StockEngine:
     def __init__(self, engine: Any, source: Any) -> None:
         self.engine = engine
         self.iteration = 0
+        self._source = source
         self._data = source.iterator(engine.grid.data_parallel_id)
 
     def is_last_stage(self) -> bool:
@@ -139,6 +180,28 @@ class StockEngine:
         loss = self.engine.train_batch(self._data)
         self.iteration += 1
         return float(loss)
+
+    def eval_batch(self, data_iter: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's own ``eval_batch``."""
+        return self.engine.eval_batch(data_iter, **kwargs)
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> bool:
+        """DeepSpeed's own ``save_checkpoint``."""
+        return bool(self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
+                                                save_latest=save_latest))
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
+        """DeepSpeed's own ``load_checkpoint``, then the data resumes at the loaded step
+        (micro-batches are addressed by iteration, as under ResiHP) and so does the
+        dropout seed count (``PipelineModule.micro_offset``: forwards run so far)."""
+        path, client = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if path is not None:
+            step = int(self.engine.global_steps)
+            self.iteration = step
+            self._data = self._source.iterator(self.engine.grid.data_parallel_id, start_iteration=step)
+            self.engine.module.micro_offset = step * int(self.engine.gradient_accumulation_steps())
+        return path, client
 
     def close(self) -> None:
         """Break the engine apart and destroy every process group (idempotent; run at
@@ -169,6 +232,7 @@ def initialize(
     checkpointable_layers: list[str] | None = None,
     shuffle: bool = False,
     data_seed: int = 0,
+    partition_method: str = "uniform",
 ) -> ResilientEngine | StockEngine:
     """ResiHP's stand-in for ``deepspeed.initialize`` (see the module docstring).
 
@@ -183,6 +247,10 @@ def initialize(
         None: the DeepSpeed config's ``scheduler``, if any. Its state is carried across
         reconfigurations.
     :param activation_checkpoint_interval, checkpointable_layers: as ``PipelineModule``'s.
+    :param partition_method: ``PipelineModule``'s initial split. Plain DeepSpeed takes
+        any; under ``resihp launch`` only ``"uniform"``: the launcher plans the initial
+        split before any worker runs the script (the Scheduler repartitions from there),
+        so another method is refused (``docs/deepspeed.md``).
     :param shuffle, data_seed: False: the order of the pipeline engine's own
         ``training_data`` loader; True: the order ``engine.deepspeed_io(dataset)`` gives
         (a shuffling ``DistributedSampler`` with seed ``data_seed``). Either way every
@@ -195,6 +263,9 @@ def initialize(
                         checkpointable_layers=checkpointable_layers, shuffle=shuffle, data_seed=data_seed)
     if os.environ.get("RESIHP_STORE"):
         from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+        from resihp_adapters.deepspeed.spec import check_partition_method
+
+        check_partition_method(partition_method)
         from resihp_core.runtime.worker import Worker
 
         import gc
@@ -205,12 +276,12 @@ def initialize(
         gc.freeze()
         handle: ResilientEngine | StockEngine = ResilientEngine(worker)
     else:
-        handle = _stock(spec, num_stages or int(spec.resihp.get("pp", 2)))
+        handle = _stock(spec, num_stages or int(spec.resihp.get("pp", 2)), partition_method)
     atexit.register(handle.close)
     return handle
 
 
-def _stock(spec: PipelineSpec, num_stages: int) -> StockEngine:
+def _stock(spec: PipelineSpec, num_stages: int, partition_method: str = "uniform") -> StockEngine:
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
@@ -223,7 +294,7 @@ def _stock(spec: PipelineSpec, num_stages: int) -> StockEngine:
     from resihp_adapters.deepspeed.spec import torch_optimizer_config
 
     module = PipelineModule(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
-                            base_seed=spec.base_seed, partition_method="uniform",
+                            base_seed=spec.base_seed, partition_method=partition_method,
                             activation_checkpoint_interval=spec.activation_checkpoint_interval,
                             checkpointable_layers=spec.checkpointable_layers)
     opt = spec.optimizer

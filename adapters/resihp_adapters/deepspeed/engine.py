@@ -356,6 +356,26 @@ class ResiPipelineEngine(PipelineEngine):
             # config cannot say float64: keep a float64 model's reduction exact.
             self.communication_data_type = torch.float64
 
+    def _configure_zero_optimizer(self, optimizer: Any) -> Any:
+        """DeepSpeed's own ZeRO stage 1 optimizer (the optimizer state and master weights
+        partitioned over each stage's data-parallel ranks). For a float64 model it keeps
+        float64 throughout: DeepSpeed would reduce and accumulate gradients in float32
+        (its JSON cannot say float64), keep float32 master weights and sum the gradient
+        norm in float32,
+        which would make a float64 job's result depend on the partition
+        (``docs/deepspeed.md``, ZeRO)."""
+        if not any(p.dtype == torch.float64 for p in self.module.parameters()):
+            return super()._configure_zero_optimizer(optimizer)
+        import deepspeed.runtime.engine as ds_engine
+
+        self.communication_data_type = torch.float64
+        stock = ds_engine.DeepSpeedZeroOptimizer
+        ds_engine.DeepSpeedZeroOptimizer = _float64_zero_optimizer(stock)
+        try:
+            return super()._configure_zero_optimizer(optimizer)
+        finally:
+            ds_engine.DeepSpeedZeroOptimizer = stock
+
     def _configure_bf16_optimizer(self, optimizer: Any) -> Any:
         """DeepSpeed's ``BF16_Optimizer``, with the fp32 master weights and their optimizer
         state kept whole on every replica: DeepSpeed partitions them over the stage's
@@ -430,7 +450,18 @@ class ResiPipelineEngine(PipelineEngine):
             return super().gradient_accumulation_steps()
         return int(d) if float(d).is_integer() else d
 
+    def eval_batch(self, data_iter: Any, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's own ``eval_batch`` (its inference schedule, stock handlers and
+        peers within this rank's replica) on this generation's engine."""
+        self._evaluating = True
+        try:
+            return super().eval_batch(data_iter, *args, **kwargs)
+        finally:
+            self._evaluating = False
+
     def _exec_schedule(self, pipe_schedule: Any) -> None:
+        if getattr(self, "_evaluating", False):
+            return super()._exec_schedule(pipe_schedule)
         if self.step_hook is None:
             super()._exec_schedule(pipe_schedule)
         else:
@@ -490,6 +521,8 @@ class ResiPipelineEngine(PipelineEngine):
             self.data_iterator = saved
 
     def _exec_forward(self, buffer_id: int) -> None:
+        if getattr(self, "_evaluating", False):
+            return super()._exec_forward_pass(buffer_id)
         timer = ChunkTimer(torch.device(self.device)).start()  # CUDA events on a GPU (docs/gpu.md)
         # DeepSpeed seeds each layer's forward from the count of forwards this rank ran
         # (``seed_layers``). Set that count from the micro-batch's data address instead,
@@ -654,6 +687,44 @@ class ResiPipelineEngine(PipelineEngine):
         ds_schedule.ReduceGrads: _exec_reduce,
         ds_schedule.OptimizerStep: _exec_guarded_step,
     }
+
+
+def _float64_zero_optimizer(stock: type) -> type:
+    """DeepSpeed's ZeRO 1/2 optimizer class with float64 master weights and a float64
+    gradient norm (for float64 models only; see ``_configure_zero_optimizer``)."""
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    class Float64ZeroOptimizer(stock):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # DeepSpeed takes a model without fp16/bf16 for float32 and would accumulate
+            # and partition the gradients in float32.
+            kwargs["gradient_accumulation_dtype"] = torch.float64
+            super().__init__(*args, **kwargs)
+
+        def _configure_master_weights(self, *args: Any, **kwargs: Any) -> torch.dtype:
+            super()._configure_master_weights(*args, **kwargs)
+            return torch.float64
+
+        def get_grad_norm_direct(self, gradients: Any, params: Any, norm_type: float = 2) -> torch.Tensor:
+            # DeepSpeed's L2 norm (each parameter once: replicated tied copies skipped,
+            # model-parallel rank 0 counts the rest), summed in float64 over the data-
+            # and model-parallel groups instead of float32.
+            if float(norm_type) != 2.0:
+                return super().get_grad_norm_direct(gradients, params, norm_type)
+            total = torch.zeros((), dtype=torch.float64)
+            grads = (g for g in gradients if not getattr(g, "_zero_padding", False))
+            for g, p in zip(grads, params):
+                if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
+                    continue
+                if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
+                    total += g.detach().to(torch.float64).pow(2).sum()
+            tdist.all_reduce(total, group=self.dp_process_group)
+            if self.model_parallel_group is not None:
+                tdist.all_reduce(total, group=self.model_parallel_group)
+            return total.sqrt()
+
+    return Float64ZeroOptimizer
 
 
 class IterationAborted(RuntimeError):

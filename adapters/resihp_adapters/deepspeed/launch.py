@@ -82,14 +82,22 @@ def check_script_calls_initialize(script: str) -> None:
         tree = ast.parse(Path(script).read_text(), filename=script)
     except (OSError, SyntaxError) as e:
         raise ValueError(f"{script}: cannot read the training script ({e})") from None
+    from resihp_adapters.deepspeed.spec import check_partition_method
+
+    found = False
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Name) and f.id == "initialize":
-                return
-            if isinstance(f, ast.Attribute) and f.attr == "initialize" and not (
-                    isinstance(f.value, ast.Name) and f.value.id == "deepspeed"):
-                return
+            ours = (isinstance(f, ast.Name) and f.id == "initialize") or (
+                isinstance(f, ast.Attribute) and f.attr == "initialize"
+                and not (isinstance(f.value, ast.Name) and f.value.id == "deepspeed"))
+            if ours:
+                found = True
+                for kw in node.keywords:  # a literal another split than the launcher's: say so now
+                    if kw.arg == "partition_method" and isinstance(kw.value, ast.Constant):
+                        check_partition_method(kw.value.value)
+    if found:
+        return
     raise ValueError(f"{script} never calls initialize(): under 'resihp launch' the script must build its engine "
                      "with resihp_adapters.deepspeed.initialize (docs/deepspeed.md)")
 
@@ -130,6 +138,10 @@ def build_job(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any]
     return plan, topology, spec, state, Planner(capabilities=CAPABILITIES), faults
 
 
+#: How long ``resihp launch`` waits for the node agents it starts to connect.
+AGENT_CONNECT_S = 300.0
+
+
 def run(args: argparse.Namespace) -> int:
     """``resihp launch``: returns 0 when every iteration committed."""
     from resihp_core.cli import CliError
@@ -161,7 +173,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(env)  # agents start here and pass their environment on to workers
     # A worker's first engine build (DeepSpeed import, JIT-free) can hold the GIL for
     # seconds on a loaded machine: tolerate missed heartbeats longer than the core's default.
-    det = DetectorConfig(**{"heartbeat_miss_limit": 50, "hang_min_timeout_s": 30.0, **(sec.get("detector") or {})})
+    # The controller counts an agent silent for 2 x this many heartbeats as a lost node
+    # (a dead agent is seen at once: its connection closes); 50 (10 s) lost every node of
+    # four launches starting 16 DeepSpeed workers at once on 2 cores at load 66.
+    det = DetectorConfig(**{"heartbeat_miss_limit": 150, "hang_min_timeout_s": 30.0, **(sec.get("detector") or {})})
     print(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}), "
           f"{sec['iterations']} iterations; logs in {work / 'job'}", flush=True)
 
@@ -174,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = run_resilient(spec.to_json(), plan, topology, state, planner, det, int(sec["iterations"]), work / "job",
                         worker_module="resihp_adapters.deepspeed.script_worker", timeout=args.timeout,
+                        # Its own agents, started here: on a loaded machine one took over the
+                        # core's 60 s to import and connect (a dead one is seen when it exits).
+                        agent_timeout=AGENT_CONNECT_S,
                         on_iteration=on_iteration, on_event=on_event, repairs=repairs(faults))
     if not out.ok:
         print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)

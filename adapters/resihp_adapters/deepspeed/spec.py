@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 __all__ = ["PipelineSpec", "load_ds_config", "spec_from_adapter_config", "optimizer_factory", "torch_optimizer_config",
-           "check_supported"]
+           "check_supported", "check_partition_method"]
 
 
 @dataclass
@@ -149,10 +149,16 @@ def check_supported(config: Mapping[str, Any]) -> None:
     if zero >= 2:
         raise ValueError(f"zero_optimization.stage={zero}: DeepSpeed pipelines support ZeRO stages 0 and 1 only "
                          "(DeepSpeed itself refuses 2 and 3 with pipeline parallelism)")
-    if zero == 1:
-        raise ValueError("zero_optimization.stage=1: ResiHP's DeepSpeed adapter needs stage 0. ZeRO 1 partitions "
-                         "the optimizer state across data-parallel ranks, so a dead rank's shard is lost and "
-                         "DeepSpeed cannot re-partition it onto a new layout in place")
     if (config.get("fp16") or {}).get("enabled"):
         raise ValueError("fp16.enabled: ResiHP's DeepSpeed adapter does not carry fp16's dynamic loss scaler across "
                          "a reconfiguration yet; use bf16 (carried: master weights and their optimizer state) or fp32")
+
+
+def check_partition_method(method: object) -> None:
+    """Under ``resihp launch`` the initial split is the uniform one the launcher plans
+    before any worker runs the script; refuse another ``partition_method`` with that
+    reason rather than run a split the user did not ask for."""
+    if method != "uniform":
+        raise ValueError(f"partition_method={method!r}: under 'resihp launch' the initial stage split is DeepSpeed's "
+                         "'uniform' one, planned by the launcher before the script runs (ResiHP's Scheduler "
+                         "repartitions from there); use partition_method='uniform' or leave it out")

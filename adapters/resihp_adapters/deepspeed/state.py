@@ -20,11 +20,17 @@ from resihp_core.plan import ParallelPlan
 
 __all__ = ["LayersLost", "Transfer", "transfer_plan", "layers_of", "units_of", "extract_units", "apply_units",
            "extract_layers", "apply_layers", "unit_keys", "unit_name", "tied_layers", "GLOBAL", "zero_grads",
-           "pack", "unpack", "check_zero_stage", "exchange_layers"]
+           "pack", "unpack", "check_zero_stage", "exchange_layers", "ShardsLost", "ShardsMissing",
+           "merge_units", "zero_full_state", "is_sharded"]
 
 #: A piece of state that moves as a whole: a global layer index, a tied group
 #: (``"tied.<key>"``) or :data:`GLOBAL`.
 Unit = Union[int, str]
+
+
+class ShardsLost(StateLost):
+    """ZeRO 1: some elements of the optimizer state a rank needs were held only by a
+    rank that died (raised on every rank alike, after the exchange)."""
 
 
 class LayersLost(StateLost):
@@ -80,12 +86,15 @@ def _order(key: Unit) -> tuple[int, int, str]:
 
 
 def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Iterable[int],
-                  tied: Mapping[str, set[int]] | None = None) -> list[Transfer]:
+                  tied: Mapping[str, set[int]] | None = None, *, sharded: bool = False) -> list[Transfer]:
     """Every unit move ``new`` needs. ``have_state`` are the devices that still hold
     their ``old`` state and are in ``new``'s world (senders must be in the new world).
     A device keeps the units it already holds; others get each unit from a holder
     (rotated by unit to spread the load). ``tied``: tie key -> layer indices (a tied
-    group is held by every stage with one of its layers). Raises :class:`LayersLost`."""
+    group is held by every stage with one of its layers). ``sharded`` (ZeRO 1: each
+    holder has only its fragment of a unit's optimizer state): a device gets every
+    layer and tied unit from *every* surviving holder but itself, and keeps its own
+    fragment too. Raises :class:`LayersLost`."""
     if old is None:
         return []
     holders: dict[tuple[Unit, int], list[int]] = {}
@@ -103,9 +112,15 @@ def transfer_plan(old: ParallelPlan | None, new: ParallelPlan, have_state: Itera
         units, t = units_of(new, d, tied)  # type: ignore[misc]
         mine = units_of(old, d, tied) if d in have else None
         for u in units:
-            if mine is not None and u in mine[0] and mine[1] == t:
-                continue
+            kept = mine is not None and u in mine[0] and mine[1] == t
             cands = holders.get((u, t))
+            if sharded and u != GLOBAL:
+                if not cands:
+                    missing.setdefault(d, []).append(u)
+                out += [Transfer(u, h, d) for h in cands or () if h != d]
+                continue
+            if kept:
+                continue
             if not cands:
                 missing.setdefault(d, []).append(u)
                 continue
@@ -193,6 +208,137 @@ def _master_slots(bf: Any) -> dict[int, tuple[int, int, int]]:
     return out
 
 
+# ------------------------------------------------------------------- ZeRO stage 1
+# DeepSpeed's ZeRO 1 optimizer keeps, per parameter group, one flat master-weight
+# partition per data-parallel rank (``single_partition_of_fp32_groups``) and the inner
+# optimizer's state for that flat tensor. Which elements of a parameter a rank holds is
+# DeepSpeed's own ``param._hp_mapping`` (flattened parameter offsets -> flat partition
+# offsets). A unit's ZeRO state is therefore a list of fragments, one per holder; a rank
+# of another layout takes the elements its own partition needs from whichever fragments
+# cover them (docs/deepspeed.md, ZeRO).
+
+class ShardsMissing(RuntimeError):
+    """The fragments given do not cover the elements this rank's partition needs."""
+
+
+def is_sharded(engine: Any) -> bool:
+    """True when the engine's optimizer state is partitioned (DeepSpeed's ZeRO 1)."""
+    return _zero(engine) is not None
+
+
+def _zero(engine: Any) -> Any:
+    """DeepSpeed's ZeRO stage 1/2 optimizer wrapping the engine's optimizer, or None."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) else None
+
+
+def _zero_flat(zero: Any, p: Any) -> Any:
+    return zero.single_partition_of_fp32_groups[p._hp_mapping.param_group_index]
+
+
+def _zero_fragments(zero: Any, p: Any) -> list[dict[str, Any]]:
+    """This rank's fragment of ``p``'s master weights and optimizer state (empty when
+    its partition holds none of ``p``): ``{"start", "numel", "master", "opt"}`` with
+    offsets into the flattened parameter; ``opt`` holds the group's step count too."""
+    m = getattr(p, "_hp_mapping", None)
+    if m is None:
+        return []
+    a, n = int(m.hp_fragment_address.start), int(m.hp_fragment_address.numel)
+    flat = _zero_flat(zero, p)
+    st = zero.optimizer.state.get(flat) or {}
+    opt = {k: (v.detach().narrow(0, a, n).clone() if hasattr(v, "dim") and v.dim() > 0 else _clone(v))
+           for k, v in st.items()}
+    return [{"start": int(m.lp_fragment_address.start), "numel": int(m.lp_fragment_address.numel),
+             "master": flat.detach().narrow(0, a, n).clone(), "opt": opt}]
+
+
+def _apply_zero_fragments(zero: Any, p: Any, frags: list[dict[str, Any]], what: str) -> None:
+    """Write the elements of ``p`` this rank's partition holds from ``frags`` (any
+    layout's fragments); raises :class:`ShardsMissing` when they do not cover them."""
+    import torch
+
+    m = getattr(p, "_hp_mapping", None)
+    if m is None:
+        return
+    lo, n = int(m.lp_fragment_address.start), int(m.lp_fragment_address.numel)
+    a = int(m.hp_fragment_address.start)
+    flat = _zero_flat(zero, p)
+    covered = torch.zeros(n, dtype=torch.bool)
+    keys = None
+    for f in frags:
+        s, e = max(lo, f["start"]), min(lo + n, f["start"] + f["numel"])
+        if s >= e:
+            continue
+        covered[s - lo:e - lo] = True
+        flat.detach().narrow(0, a + s - lo, e - s).copy_(f["master"].narrow(0, s - f["start"], e - s))
+        tensors = {k: v for k, v in f["opt"].items() if hasattr(v, "dim") and v.dim() > 0}
+        if keys is None:
+            keys = set(f["opt"])
+            if not tensors:
+                zero.optimizer.state.pop(flat, None)  # no step taken yet: no state
+                zero._hp_optimizer_states_linked = False
+            else:
+                st = zero.optimizer.state.setdefault(flat, {})
+                for k, v in f["opt"].items():
+                    if k in tensors:
+                        if k not in st:
+                            st[k] = torch.zeros_like(flat, dtype=v.dtype)
+                    else:
+                        st[k] = _clone(v)
+        for k, v in tensors.items():
+            zero.optimizer.state[flat][k].narrow(0, a + s - lo, e - s).copy_(v.narrow(0, s - f["start"], e - s))
+    if not bool(covered.all()):
+        raise ShardsMissing(f"{what}: {int((~covered).sum())} of the {n} elements this rank's ZeRO partition "
+                            "needs are in no surviving shard")
+
+
+def merge_units(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One unit's state from two holders: ``a``'s, plus ``b``'s ZeRO fragments."""
+    if "zero" not in a or "zero" not in b:
+        return a
+    return {**a, "zero": {n: a["zero"].get(n, []) + b["zero"].get(n, []) for n in a["zero"]}}
+
+
+def zero_full_state(engine: Any) -> dict[str, Any]:
+    """Under ZeRO 1: every parameter's whole master weights and optimizer state,
+    gathered over its stage's data-parallel ranks (a collective: every rank of the
+    generation calls it, as DeepSpeed's own ``safe_get_full_optimizer_state``)."""
+    import torch
+    import torch.distributed as tdist
+
+    zero = _zero(engine)
+    out: dict[str, Any] = {}
+    if zero is None:
+        return out
+    flats = zero.single_partition_of_fp32_groups
+    keys = sorted({k for f in flats for k, v in (zero.optimizer.state.get(f) or {}).items()
+                   if hasattr(v, "dim") and v.dim() > 0})
+    step = next((v for f in flats for k, v in (zero.optimizer.state.get(f) or {}).items() if k == "step"), None)
+    for key in unit_keys(engine):
+        if key == GLOBAL:
+            continue
+        mod = _unit_module(engine, key)
+        for name, p in (mod.named_parameters() if mod is not None else ()):
+            full = param_name(key, name)
+            m = getattr(p, "_hp_mapping", None)
+            for k in [None, *keys]:
+                buf = torch.zeros(p.numel(), dtype=flats[0].dtype)
+                if m is not None:
+                    src = _zero_flat(zero, p) if k is None else zero.optimizer.state[_zero_flat(zero, p)][k]
+                    buf.narrow(0, int(m.lp_fragment_address.start), int(m.lp_fragment_address.numel)).copy_(
+                        src.detach().narrow(0, int(m.hp_fragment_address.start), int(m.hp_fragment_address.numel)))
+                tdist.all_reduce(buf, group=zero.dp_process_group)
+                if k is None:
+                    if p.dtype != buf.dtype:
+                        out[f"master.{full}"] = buf.view_as(p)
+                else:
+                    out[f"optimizer.{full}.{k}"] = buf.view_as(p)
+            if step is not None:
+                out[f"optimizer.{full}.step"] = _clone(step)
+    return out
+
+
 def _clone(v: Any) -> Any:
     return v.detach().clone() if hasattr(v, "detach") else v
 
@@ -206,6 +352,7 @@ def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
     opt = engine.basic_optimizer
     bf = _bf16(engine)
     slots = _master_slots(bf) if bf is not None else {}
+    zero = _zero(engine)
     out: dict[Unit, dict[str, Any]] = {}
     for key in unit_keys(engine):
         if key == GLOBAL:
@@ -219,6 +366,11 @@ def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
             continue
         mod = _unit_module(engine, key)
         params, ostate, master = {}, {}, {}
+        if zero is not None:
+            named = list(mod.named_parameters()) if mod is not None else []
+            out[key] = {"params": {n: p.detach().clone() for n, p in named}, "opt": {},
+                        "zero": {n: _zero_fragments(zero, p) for n, p in named}}
+            continue
         for name, p in (mod.named_parameters() if mod is not None else ()):
             params[name] = p.detach().clone()
             if bf is not None:
@@ -251,6 +403,7 @@ def apply_units(engine: Any, units: dict[Unit, dict[str, Any]]) -> None:
     opt = engine.basic_optimizer
     bf = _bf16(engine)
     slots = _master_slots(bf) if bf is not None else {}
+    zero = _zero(engine)
     mine = set(unit_keys(engine))
     for key, st in units.items():
         if key not in mine:
@@ -265,6 +418,9 @@ def apply_units(engine: Any, units: dict[Unit, dict[str, Any]]) -> None:
         with torch.no_grad():
             for name, p in named.items():
                 p.copy_(st["params"][name])
+                if zero is not None:
+                    _apply_zero_fragments(zero, p, st.get("zero", {}).get(name, []), f"{unit_name(key)}:{name}")
+                    continue
                 if bf is not None:
                     gi, a, n = slots[id(p)]
                     flat = bf.fp32_groups_flat_partition[gi]
@@ -335,6 +491,7 @@ def flat_state(engine: Any) -> dict[str, Any]:
                 out[f"master.{full}"] = st["master"][name]
             for k, v in st["opt"].get(name, {}).items():
                 out[f"optimizer.{full}.{k}"] = v
+    out.update(zero_full_state(engine))
     module = engine.module
     out["rng.seed_layers"] = bool(module.seed_layers)
     out["rng.base_seed"] = int(module.base_seed)
@@ -407,7 +564,8 @@ def exchange_layers(device: int, plan: ParallelPlan, transfers: list, mine: dict
         got = unpack(payload)
         if sorted(got, key=_order) != sorted(layers, key=_order):
             raise RuntimeError(f"device {device}: expected units {layers} from device {src}, got {list(got)}")
-        received.update(got)
+        for u, st in got.items():  # ZeRO 1: one unit's fragments come from several holders
+            received[u] = merge_units(received[u], st) if u in received else st
     for w in works:
         p2p_wait(w)
     return received, nbytes

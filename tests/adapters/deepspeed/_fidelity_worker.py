@@ -1,6 +1,6 @@
 """One rank of the fidelity check: stock ``deepspeed.initialize`` + ``train_batch``, then
-(same processes, next world) ResiHP's engine on the same model and data; dumps losses and
-per-layer parameters for the test to compare."""
+(same processes, next world) ResiHP's engine on the same model and data; dumps losses,
+``eval_batch`` on held-out micro-batches and per-layer parameters for the test to compare."""
 
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ def main() -> None:
         t0 = time.perf_counter()
         losses.append(float(engine.train_batch(it)))
         times.append(time.perf_counter() - t0)
-    out["stock"] = {"losses": losses, "times": times,
+    # DeepSpeed's eval_batch on held-out micro-batches (the same on both engines).
+    held_out = [src.micro_batch(100, engine.grid.data_parallel_id, j) for j in range(a.mb)]
+    evaluated = float(engine.eval_batch(iter(held_out)))
+    out["stock"] = {"losses": losses, "times": times, "eval": evaluated,
                     "params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
     del engine, module, opt, it, _
     teardown_world()
@@ -80,7 +83,8 @@ def main() -> None:
         t0 = time.perf_counter()
         losses.append(float(engine.train_batch()))
         times.append(time.perf_counter() - t0)
-    out["resihp"] = {"losses": losses, "times": times,
+    evaluated = float(engine.eval_batch(iter(held_out)))
+    out["resihp"] = {"losses": losses, "times": times, "eval": evaluated,
                      "params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
     out["stage"], out["replica"] = engine.stage_id, engine.grid.data_parallel_id
     torch.save(out, os.path.join(a.out, f"rank{rank}.pt"))

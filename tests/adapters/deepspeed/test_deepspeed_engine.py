@@ -27,8 +27,9 @@ def _rel(a, b) -> float:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pp,dp", [(2, 2), (4, 2)], ids=["4proc-PP2xDP2", "8proc-PP4xDP2"])
 def test_fault_free_equals_stock_deepspeed(tmp_path, pp, dp):
-    """4 and 8 gloo processes: the same losses and parameters as stock DeepSpeed
-    (float64; identical here, the bound is 1e-9 relative), and both equal the reference."""
+    """4 and 8 gloo processes: the same losses, parameters and ``eval_batch`` losses as
+    stock DeepSpeed (float64; identical here, the bound is 1e-9 relative), and both equal
+    the reference."""
     iters, world = 3, pp * dp
     rc = _launch.run_ranks("_fidelity_worker.py", world, ["--iters", str(iters), "--pp", str(pp), "--dp", str(dp)],
                            280, str(tmp_path))
@@ -46,6 +47,8 @@ def test_fault_free_equals_stock_deepspeed(tmp_path, pp, dp):
         if d["stage"] == pp - 1:  # losses live on the last stage
             for a, b, c in zip(ours["losses"], stock["losses"], ref_losses):
                 assert abs(a - b) <= 1e-9 * abs(b) and abs(a - c) <= 1e-9 * abs(c)
+        # eval_batch: DeepSpeed's inference schedule on both engines, the same loss.
+        assert abs(ours["eval"] - stock["eval"]) <= 1e-9 * abs(stock["eval"]) and stock["eval"] > 0, d["stage"]
     assert seen == set(ref), "some layer was held by no rank"
 
 

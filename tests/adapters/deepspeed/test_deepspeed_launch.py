@@ -1,6 +1,9 @@
 """The example under the real ``accelerate launch`` (plain DeepSpeed: it trains) and
 under ``resihp launch`` with a rank SIGKILLed at iteration 2: the siblings keep their
-processes, every iteration commits, and the losses equal the plain run's (float64)."""
+processes, every iteration commits, and the losses equal the plain run's (float64).
+The ResiHP run also saves a checkpoint in DeepSpeed's own format after step 1
+(``engine.save_checkpoint``); plain DeepSpeed loads it and trains on to the plain run's
+losses."""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProce
 
 @pytest.mark.timeout(600)
 def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_path):
-    iters = 4
+    iters, saved_at = 4, 1
     plain = tmp_path / "plain"
     plain.mkdir()
     _copy(plain, iters, [])
@@ -67,8 +70,10 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     res.mkdir()
     _copy(res, iters, [{"device": 3, "iteration": 2, "kind": "kill"}])
     work = tmp_path / "work"
+    ckpt = tmp_path / "ds-checkpoint"
     out = _run([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--workdir", str(work),
-                "--timeout", "300", "train.py", "--iterations", str(iters)], res, 360)
+                "--timeout", "300", "train.py", "--iterations", str(iters), "--save-dir", str(ckpt),
+                "--save-at", str(saved_at)], res, 360)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{iters} iterations committed" in out.stdout
     seen: dict[int, set[int]] = {}
@@ -89,3 +94,17 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
         assert len(seen[r]) == 1, f"rank {r} changed process"
         assert last[r] == iters, f"rank {r} stopped at iteration {last[r]}"
     assert sorted(losses) == list(range(1, iters + 1))
+
+    # DeepSpeed's own files, as plain DeepSpeed writes them (one stage's optimizer state
+    # per model-parallel rank, layers by global index), and plain DeepSpeed trains on.
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    assert tag.name == f"global_step{saved_at}", tag
+    assert {f.name for f in tag.iterdir()} >= {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                                              *(f"layer_{i:02d}-model_states.pt" for i in range(6))}
+    out = _run([str(BIN / "accelerate"), "launch", "--config_file", "accelerate.yaml", "train.py",
+                "--iterations", str(iters), "--load-dir", str(ckpt)], plain, 240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    resumed = {i: l for r, p, i, l in _lines(out.stdout + out.stderr) if l is not None}
+    assert sorted(resumed) == list(range(saved_at + 1, iters + 1)), out.stdout[-2000:]
+    for i, l in resumed.items():
+        assert abs(l - ref[i]) <= 1e-9 * ref[i], (i, l, ref[i])

@@ -1,6 +1,6 @@
 """The DeepSpeed adapter's pieces that need no processes: lowering programs to DeepSpeed
 instructions, the plan -> grid mapping, the layer-transfer plan, micro-batch addressing,
-and the clear errors (ZeRO 1, partial replicas, bad configs)."""
+ZeRO 1 fragments, and the clear errors (partial replicas, bad configs)."""
 
 from __future__ import annotations
 
@@ -126,10 +126,10 @@ def test_json_adam_becomes_deepspeeds_own_torch_fallback_and_unsupported_configs
     assert torch_optimizer_config(same) == same  # the user's explicit choice stays
     assert torch_optimizer_config({"optimizer": {"type": "SGD"}}) == {"optimizer": {"type": "SGD"}}
     for bad, why in (({"zero_optimization": {"stage": 2}}, "stages 0 and 1 only"),
-                     ({"zero_optimization": {"stage": 1}}, "dead rank's shard"),
                      ({"fp16": {"enabled": True}}, "loss scaler")):
         with pytest.raises(ValueError, match=why):
             check_supported(bad)
+    check_supported({"zero_optimization": {"stage": 1}})  # carried: docs/deepspeed.md, ZeRO
 
 
 def test_micro_batches_are_addressed_like_deepspeeds_sampler():
@@ -155,19 +155,44 @@ def test_micro_batches_are_addressed_like_deepspeeds_sampler():
         assert got == order[: len(got)]
 
 
-def test_zero_stage_1_is_refused_with_the_reason():
-    import _model as M
+def test_zero_1_shards_come_from_every_holder_and_a_gap_is_detected():
+    """ZeRO 1: a unit's optimizer state is split over its stage's replicas. Every
+    surviving holder sends its fragment; the rank that needs elements no survivor
+    holds finds out (and the adapter then raises StateLost on every rank)."""
+    from types import SimpleNamespace as NS
 
-    from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
-    from resihp_adapters.deepspeed.spec import PipelineSpec
-    from resihp_core.adapter import AdapterContext
-    from resihp_core.job import JobSpec
+    from resihp_adapters.deepspeed.state import (ShardsMissing, _apply_zero_fragments, merge_units,
+                                                 transfer_plan)
 
-    job = JobSpec(adapter="deepspeed", dp=2, num_microbatches=2)
-    spec = PipelineSpec(layers=M.layer_specs(4), config=M.config(2, 2, 2, zero=1), dataset=M.Samples())
-    ctx = AdapterContext(device=0, job=job, store=None, faults=None)
-    with pytest.raises(ValueError, match="zero_optimization.stage=1.*stage 0.*dead rank's shard"):
-        DeepSpeedAdapter(ctx, spec)
+    old = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=2)  # r0: 0,2  r1: 1,3
+    new = old.with_(layer_ranges=((0, 2), (2, 6)))
+    moves = transfer_plan(old, new, {0, 1, 2, 3}, sharded=True)
+    # Layer 2 goes to both stage-1 ranks from both stage-0 holders; stage 1's own layers
+    # (3-5) are exchanged between its two ranks; the global unit moves nowhere.
+    assert {(t.layer, t.src, t.dst) for t in moves if t.layer == 2} == {(2, s, d) for s in (0, 1) for d in (2, 3)}
+    assert {(t.layer, t.src, t.dst) for t in moves if t.layer == 4} == {(4, 2, 3), (4, 3, 2)}
+    assert not [t for t in moves if t.layer == "global"]
+
+    # A 10-element parameter; this rank's partition holds its elements 4..9 at flat offset 1.
+    flat = torch.zeros(8, dtype=torch.float64)
+    zero = NS(single_partition_of_fp32_groups=[flat], optimizer=NS(state={}), _hp_optimizer_states_linked=False)
+    p = NS(_hp_mapping=NS(lp_fragment_address=NS(start=4, numel=6), hp_fragment_address=NS(start=1, numel=6),
+                          param_group_index=0))
+    full = torch.arange(10, dtype=torch.float64)
+
+    def frag(a: int, b: int) -> dict:
+        return {"start": a, "numel": b - a, "master": full[a:b].clone(),
+                "opt": {"exp_avg": -full[a:b].clone(), "step": torch.tensor(3.0)}}
+
+    # Two holders of another layout (elements 0..5 and 5..9) cover it.
+    unit = merge_units({"params": {}, "zero": {"w": [frag(0, 5)]}}, {"params": {}, "zero": {"w": [frag(5, 10)]}})
+    _apply_zero_fragments(zero, p, unit["zero"]["w"], "w")
+    assert flat[1:7].tolist() == full[4:].tolist() and flat[0] == 0 and flat[7] == 0
+    assert zero.optimizer.state[flat]["exp_avg"][1:7].tolist() == (-full[4:]).tolist()
+    assert float(zero.optimizer.state[flat]["step"]) == 3.0
+    # The holder of elements 5..9 died: elements 5..9 of this rank's partition are gone.
+    with pytest.raises(ShardsMissing, match="5 of the 6 elements"):
+        _apply_zero_fragments(zero, p, [frag(0, 5)], "w")
 
 
 def test_spec_and_launch_config_errors_name_the_field(tmp_path):
@@ -201,7 +226,8 @@ def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
 
 
 def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, capsys):
-    """ZeRO 2/3 (and 1, fp16) and a script that never calls initialize() stop the launch
+    """ZeRO 2/3 (fp16), a partition_method other than the launcher's and a script that
+    never calls initialize() stop the launch
     before any worker starts: the reason on the console, a non-zero exit, no device failure."""
     import argparse
     import shutil
@@ -215,12 +241,17 @@ def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, c
     ns = argparse.Namespace(config_file=str(tmp_path / "accelerate.yaml"), workdir=str(tmp_path / "w"), timeout=60.0,
                             training_script=str(tmp_path / "train.py"), training_script_args=[])
     cfg = json.loads((tmp_path / "ds_config.json").read_text())
-    for stage, why in ((2, "ZeRO stages 0 and 1 only"), (3, "ZeRO stages 0 and 1 only"), (1, "dead rank's shard")):
+    for stage, why in ((2, "ZeRO stages 0 and 1 only"), (3, "ZeRO stages 0 and 1 only")):
         (tmp_path / "ds_config.json").write_text(json.dumps({**cfg, "zero_optimization": {"stage": stage}}))
         with pytest.raises(CliError, match=why) as e:
             run(ns)
         assert e.value.code != 0
     (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
+    script = (tmp_path / "train.py").read_text()
+    assert "initialize(layers," in script
+    (tmp_path / "train.py").write_text(script.replace("initialize(layers,", "initialize(layers, partition_method='parameters',"))
+    with pytest.raises(CliError, match="partition_method='parameters'.*planned by the launcher"):
+        run(ns)
     (tmp_path / "train.py").write_text("import deepspeed\nprint('training without initialize')\n")
     with pytest.raises(CliError, match="never calls initialize"):
         run(ns)
