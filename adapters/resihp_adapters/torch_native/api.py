@@ -148,8 +148,10 @@ def _refuse_dropout(model: Any) -> None:
 
 def user_job(model: Any, *, optimizer: Any, lr_scheduler: Any = None, loss_fn: Any = None,
              max_grad_norm: float | None = None, dataset: Any = None, collate_fn: Any = None,
-             micro_batch_size: int = 1, split: Any = None) -> UserJob:
-    """Validate the user's pieces (errors name the argument) and bundle them."""
+             micro_batch_size: int = 1, split: Any = None, tp_plan: Any = None) -> UserJob:
+    """Validate the user's pieces (errors name the argument) and bundle them.
+    ``tp_plan``: module path (wildcards) -> "colwise" / "rowwise" / a torch
+    ``ParallelStyle``, for plans with TP (default: the model's own, :mod:`.tp`)."""
     import torch
 
     from resihp_adapters.torch_native.data import UserData, hf_batch, hf_label_count, hf_loss_sum
@@ -173,6 +175,11 @@ def user_job(model: Any, *, optimizer: Any, lr_scheduler: Any = None, loss_fn: A
     model.train()
     _refuse_dropout(model)
     stages = UserStages(model, split)
+    if tp_plan is not None:
+        from resihp_adapters.torch_native.tp import tp_styles
+
+        tp_styles(tp_plan)  # refuses unknown styles up front, naming the path
+    stages.tp_plan = tp_plan
     recipe = Recipe(optimizer=_optimizer_factory(optimizer), loss=loss_fn or hf_loss_sum,
                     lr_scheduler=_scheduler_factory(lr_scheduler),
                     max_grad_norm=None if max_grad_norm is None else float(max_grad_norm))
@@ -206,7 +213,7 @@ def _split_prepare(stages: Any) -> Callable[[Any], Any]:
 
 def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None, loss_fn: Any = None,
                max_grad_norm: float | None = None, dataset: Any = None, collate_fn: Any = None,
-               micro_batch_size: int = 1, split: Any = None,
+               micro_batch_size: int = 1, split: Any = None, tp_plan: Any = None,
                config: str | os.PathLike | None = None) -> ResilientTrainer | StockTrainer:
     """See the module docstring. ``model``: the user's ``nn.Module`` (its current
     weights are the initial state) or a factory building it; a path instead names the
@@ -225,7 +232,7 @@ def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = 
         config, model = model, None
     user = None if model is None else user_job(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
-        dataset=dataset, collate_fn=collate_fn, micro_batch_size=micro_batch_size, split=split)
+        dataset=dataset, collate_fn=collate_fn, micro_batch_size=micro_batch_size, split=split, tp_plan=tp_plan)
     if os.environ.get("RESIHP_STORE"):
         import gc
 

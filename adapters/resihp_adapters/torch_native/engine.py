@@ -198,6 +198,8 @@ class Place:
     replica: int
     stage: int
     shard_degree: int
+    tp_index: int = 0
+    tp_degree: int = 1
 
     @property
     def shard_index(self) -> int:
@@ -213,8 +215,14 @@ def place_of(plan: ParallelPlan, device: int, wanted_shard: int) -> Place | None
     loc = plan.location(device)
     if loc is None:
         return None
-    r, s, _ = loc
-    return Place(s * plan.dp + r, r, s, shard_degree_for(plan.dp, wanted_shard))
+    r, s, t = loc
+    degree = plan.degree(r, s)
+    if all(len(g) <= 1 for rep in plan.tp_groups for g in rep):
+        return Place(s * plan.dp + r, r, s, shard_degree_for(plan.dp, wanted_shard))
+    # TP (docs/torch_native.md, "Tensor parallelism"): ranks stage-major, then replica, TP index
+    rank = sum(plan.degree(rr, ss) for ss in range(plan.pp) for rr in range(plan.dp)
+               if (ss, rr) < (s, r)) + t
+    return Place(rank, r, s, shard_degree_for(plan.dp, wanted_shard), t, degree)
 
 
 def check_plan(plan: ParallelPlan) -> None:
