@@ -286,5 +286,6 @@ def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrain
         data = Batches(source, c["model"].torch_dtype)
     pipeline = StockPipeline(model, data, pp=cfg.parallel.pp, num_microbatches=tr.microbatches,
                              shard=c["shard"], lr=c["lr"], weight_decay=c["weight_decay"],
-                             schedule=cfg.scheduler.schedule, recipe=recipe)
+                             schedule=cfg.scheduler.schedule, recipe=recipe, tp=cfg.parallel.tp,
+                             tp_plan=None if user is None else user.stages.tp_plan)
     return StockTrainer(pipeline, tr.iterations)

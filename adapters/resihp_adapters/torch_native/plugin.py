@@ -21,8 +21,8 @@ from resihp_core.plan import ScheduleKind
 NAME = "torch_native"
 TARGET = "resihp_adapters.torch_native.adapter:TorchNativeAdapter"
 CAPABILITIES = Capabilities(
-    tp_resize=False,
-    heterogeneous_tp=False,
+    tp_resize=True,
+    heterogeneous_tp=True,
     layer_repartition=True,
     cross_replica_migration=False,
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
