@@ -224,7 +224,9 @@ def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = 
     token cross-entropy, normalised by the global batch's labelled tokens).
     ``max_grad_norm``: clip the global gradient norm. ``dataset`` / ``collate_fn`` /
     ``micro_batch_size``: the data (:class:`~.data.UserData`). ``split``: a
-    :class:`~.split.Split` for models that are not Hugging Face decoders. ``config``: the
+    :class:`~.split.Split` for models that are not Hugging Face decoders. ``tp_plan``: the
+    tensor-parallel plan by module path for ``[parallel] tp`` > 1 (default: the model's
+    own, a Hugging Face ``config.base_model_tp_plan``; :mod:`.tp`). ``config``: the
     ResiHP configuration file for a plain launch (default ``$RESIHP_CONFIG``)."""
     if isinstance(model, (str, os.PathLike)):
         if config is not None:

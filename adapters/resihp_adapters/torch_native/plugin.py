@@ -6,10 +6,12 @@ adapter class declares ``capabilities = CAPABILITIES`` from here.
 What it promises (each proven by the conformance kit, ``tests/conformance``): any
 layer boundaries between generations (stages are rebuilt, state moves by parameter
 name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), and checkpoints
-(``torch.distributed.checkpoint``, re-sharded onto any later layout). Not promised:
-TP (one device per stage), and work migrated to another replica — a torch pipeline
-schedule drives one replica's pipeline group, so a stage cannot take a micro-batch
-from another replica's previous stage (``docs/torch_native.md``).
+(``torch.distributed.checkpoint``, re-sharded onto any later layout), and tensor
+parallelism with a TP degree per stage (DTensor; a TP group shrinks alone, its state
+re-sharded from any surviving member's memory; one replica: ``tp.py``). Not promised:
+work migrated to another replica — a torch pipeline schedule drives one replica's
+pipeline group, so a stage cannot take a micro-batch from another replica's previous
+stage (``docs/torch_native.md``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
         NAME,
         TARGET,
         CAPABILITIES,
-        description="torch.distributed.pipelining stages sharded with FSDP2/HSDP (PP x DP)",
+        description="torch.distributed.pipelining stages sharded with FSDP2/HSDP (PP x DP), or DTensor TP per stage",
         install_hint="pip install 'resihp[torch]'",
         job_config="resihp_adapters.torch_native.plugin:job_section",
         reference="resihp_adapters.torch_native.reference:reference_losses",
