@@ -248,11 +248,15 @@ def _shard_dim(t: Tensor) -> int | None:
 
 def local_part(full: Tensor, like: Tensor) -> Tensor:
     """This rank's part of ``full`` laid out as ``like`` (a parameter: DTensor or plain)."""
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not _is_dtensor(like):
         return full.clone()
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    d = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    # its own storage: the local piece may be a view of ``full``, which is kept as the
+    # whole-stage state and must not follow the optimizer's in-place updates
+    return DTensor.from_local(d.to_local().clone(), d.device_mesh, d.placements, run_check=False,
+                              shape=d.shape, stride=d.stride())
 
 
 def gather_full(module: nn.Module, optimizer: torch.optim.Optimizer, aliases: Mapping[str, str],
