@@ -89,3 +89,13 @@ def test_the_models_own_tp_plan_and_refusals():
     two = ParallelPlan.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=2)
     with pytest.raises(ValueError, match="one replica"):
         check_tp_plan(two, model, plan)
+
+
+def test_resihp_run_refuses_tp_with_several_replicas_up_front():
+    from types import SimpleNamespace
+
+    from resihp_adapters.torch_native.plugin import job_section
+
+    cfg = SimpleNamespace(model=None, training=None, adapter={}, parallel=SimpleNamespace(tp=2, pp=2, dp=2))
+    with pytest.raises(ValueError, match="tensor parallelism with one replica"):
+        job_section(cfg)

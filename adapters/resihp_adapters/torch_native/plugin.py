@@ -54,6 +54,10 @@ def job_section(cfg) -> dict:
     ``[data]`` source (one packed sequence of ``training.token_budget`` tokens per
     micro-batch)."""
     mod, tr = cfg.model, cfg.training
+    par = getattr(cfg, "parallel", None)
+    if par is not None and par.tp > 1 and par.dp > 1:
+        raise ValueError(f"parallel: torch_native runs tensor parallelism with one replica (tp = {par.tp}, "
+                         f"dp = {par.dp}); docs/torch_native.md, Tensor parallelism")
     extra = dict(cfg.adapter)
     unknown = sorted(set(extra) - {"shard", "weight_decay", "model"})
     if unknown:
