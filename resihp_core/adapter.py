@@ -32,6 +32,7 @@ __all__ = [
     "StateLost",
     "IterationResult",
     "Shard",
+    "partial_migrations",
     "AdapterSpec",
     "AdapterRegistry",
     "AdapterUnavailableError",
@@ -57,6 +58,11 @@ class Capabilities:
         stages between plan generations.
     :param cross_replica_migration: can run (stage, micro-batch) work owned by another
         DP replica (plan ``migrations``, or a replica's stage with no devices).
+    :param uneven_dp: can run another replica's micro-batch *whole* (every stage on one
+        replica): uneven micro-batch counts per replica and replicas with no devices,
+        but no single stage of a micro-batch away from the rest of it. Implied by
+        ``cross_replica_migration``; with ``pp = 1`` the two are the same, so the
+        Scheduler's migrating stages use it there (:meth:`migrates`).
     :param schedules: the pipeline schedules it can execute.
     :param checkpoint: implements ``save_checkpoint`` / ``load_checkpoint``.
     """
@@ -67,6 +73,7 @@ class Capabilities:
     cross_replica_migration: bool = False
     schedules: frozenset[ScheduleKind] = frozenset({ScheduleKind.ONE_F_ONE_B})
     checkpoint: bool = False
+    uneven_dp: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.schedules, str):
@@ -81,6 +88,8 @@ class Capabilities:
         if not kinds:
             raise ValueError("Capabilities.schedules must name at least one schedule")
         object.__setattr__(self, "schedules", kinds)
+        if self.cross_replica_migration:  # any migration includes whole micro-batches
+            object.__setattr__(self, "uneven_dp", True)
 
     @classmethod
     def all(cls) -> Capabilities:
@@ -92,7 +101,14 @@ class Capabilities:
             cross_replica_migration=True,
             schedules=frozenset(ScheduleKind),
             checkpoint=True,
+            uneven_dp=True,
         )
+
+    def migrates(self, pp: int) -> bool:
+        """Whether the Scheduler may plan migrations for a plan of ``pp`` stages: any
+        migration, or whole micro-batches when there is only one stage (its stages
+        migrate single stages, docs/adapters.md)."""
+        return self.cross_replica_migration or (self.uneven_dp and pp == 1)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; schedules sorted by name."""
@@ -103,6 +119,7 @@ class Capabilities:
             "cross_replica_migration": self.cross_replica_migration,
             "schedules": sorted(k.value for k in self.schedules),
             "checkpoint": self.checkpoint,
+            "uneven_dp": self.uneven_dp,
         }
 
     def violations(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
@@ -117,7 +134,10 @@ class Capabilities:
             out.append(f"heterogeneous TP degrees {sorted(degrees)} need heterogeneous_tp")
         vanished = any(not g for rep in plan.tp_groups for g in rep)
         if (plan.migrations or vanished) and not self.cross_replica_migration:
-            out.append("migrated micro-batches need cross_replica_migration")
+            if not self.uneven_dp:
+                out.append("migrated micro-batches need cross_replica_migration")
+            else:
+                out.extend(partial_migrations(plan)[:1])
         if previous is not None:
             if plan.layer_ranges != previous.layer_ranges and not self.layer_repartition:
                 out.append("changed layer ranges need layer_repartition")
@@ -131,6 +151,30 @@ class Capabilities:
                         )
                         break
         return out
+
+
+def partial_migrations(plan: ParallelPlan) -> list[str]:
+    """Why ``plan`` needs more than whole micro-batch migration (``uneven_dp``): a
+    micro-batch whose stages run on different replicas, or a replica that lost some of
+    its stages but not all. Empty when every migrated micro-batch runs whole on one
+    replica."""
+    out: list[str] = []
+    for r, rep in enumerate(plan.tp_groups):
+        if any(rep) and not all(rep):
+            s = next(s for s, g in enumerate(rep) if not g)
+            out.append(f"replica {r} lost stage {s} but not all its stages: its other stages would "
+                       "exchange micro-batches with another replica (needs cross_replica_migration)")
+    seen: set[tuple[int, int]] = set()
+    for m in plan.migrations:
+        key = (m.replica, m.mb)
+        if key in seen:
+            continue
+        seen.add(key)
+        where = {plan.executor(s, m.replica, m.mb) for s in range(plan.pp)}
+        if len(where) > 1:
+            out.append(f"micro-batch (replica {m.replica}, mb {m.mb}) runs its stages on replicas "
+                       f"{sorted(where)} (a single stage migrated needs cross_replica_migration)")
+    return out
 
 
 # ----------------------------------------------------------------- the contract

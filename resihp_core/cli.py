@@ -108,7 +108,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     out.append(_table(
         ["name", "tp_resize", "hetero_tp", "layer_repart", "migration", "checkpoint", "schedules", "plugin", "target"],
         [[a["name"] + (" (default)" if a["default"] else ""), yes(c["tp_resize"]), yes(c["heterogeneous_tp"]), yes(c["layer_repartition"]),
-          yes(c["cross_replica_migration"]), yes(c["checkpoint"]), ",".join(c["schedules"]),
+          "whole mb" if c.get("uneven_dp") and not c["cross_replica_migration"] else yes(c["cross_replica_migration"]),
+          yes(c["checkpoint"]), ",".join(c["schedules"]),
           a["source"], a["target"]]
          for a in rep["adapters"] for c in [a["capabilities"]]],
     ) if rep["adapters"] else "  (none)")

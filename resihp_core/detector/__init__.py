@@ -190,6 +190,11 @@ class VerificationContext:
     # Per device: the robust spread of its healthy compute relative to its peers (log
     # scale; detector/localise.py); thresholds scale with it. Absent = not measured.
     noise: Mapping[int, float] = field(default_factory=dict)
+    # Per device: the same spread of its *own* compute (compute without the time it was
+    # runnable but waited for a CPU other processes held): on a loaded host that waiting
+    # is most of the noise, and a device slow by itself stands out in its own compute
+    # long before it does in its measured one. Absent = not measured.
+    own_noise: Mapping[int, float] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -32,7 +32,9 @@ Next to the iteration-time path, a per-device path (:class:`~.localise.PeerExces
 docs/detector.md): each rank's compute over its healthy prediction, relative to the
 other executors', against the noise of its own healthy history; a device above it for
 ``verify_window`` iterations in a row is verified at once, however little the iteration
-time moved (small models, DP replicas). Verification gets each device's measured noise.
+time moved (small models, DP replicas). A second watch does the same on each rank's own
+compute (without the time it waited for a CPU), which stays steady on a loaded host where
+the waiting swamps the measured compute. Verification gets each device's noise of both.
 
 A failure already reported (same devices and cause, throughput within 10 %) is not
 reported again; after a report its devices' throughput is given to the model, so the
@@ -61,7 +63,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import PeerExcessWatch, peer_excess
+from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, peer_excess
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 
 if TYPE_CHECKING:
@@ -154,11 +156,11 @@ class _Base:
 
     def _verify(self, iterations: list[ProfileSet], before: list[ProfileSet], model: object | None,
                 threshold: float, environment: Mapping[int, float] | None = None,
-                noise: Mapping[int, float] | None = None) -> Verdict:
+                noise: Mapping[int, float] | None = None, own_noise: Mapping[int, float] | None = None) -> Verdict:
         ctx = VerificationContext(
             generation=self.generation, iterations=iterations, before=before, model=model,
             prober=self.prober, plan=self.plan, threshold=threshold, environment=environment or {},
-            noise=noise or {},
+            noise=noise or {}, own_noise=own_noise or {},
         )
         t0 = time.process_time()
         verdict = self.verifier.verify(ctx)
@@ -256,6 +258,10 @@ class WorkloadAwareDetector(_Base):
             raise ValueError("need slow_threshold > 0, min_gap >= 1 and verify_window >= 1")
         self.verify_window = verify_window
         self.local = local if local is not None else PeerExcessWatch(window=verify_window, floor=slow_threshold)
+        # The same watch on each rank's own compute (without its waiting for a CPU):
+        # steady where the host is loaded, so a slow DP replica is found in time there
+        # too (docs/detector.md "DP-only jobs").
+        self.own = PeerExcessWatch(window=verify_window, floor=slow_threshold)
         if series not in ("normalised", "raw"):
             raise ValueError(f"series must be 'normalised' or 'raw', got {series!r}")
         self.slow_threshold, self.min_gap, self.series = slow_threshold, min_gap, series
@@ -271,6 +277,7 @@ class WorkloadAwareDetector(_Base):
         self._opening: list[float] = []  # the normalised series' first values: its healthy level
         if hasattr(self, "local"):
             self.local.reset()
+            self.own.reset()
 
     def _feed_normalised(self, iteration: int, ratio: float) -> Any:
         if len(self._opening) < 4:
@@ -340,6 +347,7 @@ class WorkloadAwareDetector(_Base):
                 try:
                     for it, _, ps in self._hist:
                         self.local.update(it, peer_excess(ps, self.model.rank_compute))
+                        self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of))
                 except ModelNotReady:
                     pass
             return Detection(iteration, measured, "warmup")
@@ -384,16 +392,20 @@ class WorkloadAwareDetector(_Base):
         iterations is verified at once, however little the iteration time moved."""
         try:
             excess = peer_excess(profiles, self.model.rank_compute)
+            own = peer_excess(profiles, self.model.rank_compute, own_compute_of)
         except ModelNotReady:
             return None
-        noise = self.local.noise()
+        noise, own_noise = self.local.noise(), self.own.noise()
         found = self.local.update(iteration, excess)
+        for d, at in self.own.update(iteration, own).items():
+            found[d] = min(at, found.get(d, at))
+            excess[d] = max(excess.get(d, own[d]), own[d])
         if not found:
             return None
         onset = min(found.values())
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
-                               self._environment(onset), noise)
+                               self._environment(onset), noise, own_noise)
         self._last_retained = iteration
         self._watch = None
         ratio, predicted = self._ratio_since(onset)
@@ -404,6 +416,7 @@ class WorkloadAwareDetector(_Base):
                     self.generation, iteration, onset, verdict.confirmed, verdict.evidence[:300])
         # Judged: the flagged devices' histories restart at their current level.
         self.local.forget(set(found) | set(verdict.slow))
+        self.own.forget(set(found) | set(verdict.slow))
         if not verdict.confirmed:
             return Detection(iteration, measured, "cleared", None, predicted, ratio, verdict, onset=onset,
                              notes=(note,))
@@ -476,7 +489,7 @@ class WorkloadAwareDetector(_Base):
                                  notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
         env = self._environment(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
-                               self.local.noise())
+                               self.local.noise(), self.own.noise())
         self._last_retained = iteration
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
                     self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])
@@ -486,6 +499,7 @@ class WorkloadAwareDetector(_Base):
             return Detection(iteration, measured, "known", cp, predicted, ratio, verdict, onset=onset)
         report = self._report(verdict)
         self.local.forget(set(verdict.slow))
+        self.own.forget(set(verdict.slow))
         if verdict.cause in ("compute", "contention"):
             self.model.set_speeds(verdict.slow)
             self._pred.clear()

@@ -31,12 +31,20 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "peer_excess", "robust_sigma"]
+__all__ = ["PeerExcessWatch", "compute_of", "own_compute_of", "peer_excess", "robust_sigma"]
 
 
 def compute_of(p: IterationProfile) -> float:
     """Seconds of compute a rank measured in one iteration (Σ forward + backward)."""
     return sum(mb.forward_s + mb.backward_s for mb in p.microbatches)
+
+
+def own_compute_of(p: IterationProfile) -> float:
+    """Compute seconds without the time the rank was runnable but waited for a CPU other
+    processes held (its run delay): the device's own work. A device slowed by itself (or
+    an injected slowdown) lengthens it; a loaded host's scheduling noise mostly does
+    not, so replicas that wait for each other's collectives still compare cleanly."""
+    return max(0.0, compute_of(p) - p.compute_wait_s)
 
 
 def robust_sigma(xs: list[float]) -> float:
@@ -47,13 +55,15 @@ def robust_sigma(xs: list[float]) -> float:
     return 1.4826 * statistics.median(abs(x - med) for x in xs)
 
 
-def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], float]) -> dict[int, float]:
+def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], float],
+                measure: Callable[[IterationProfile], float] = compute_of) -> dict[int, float]:
     """Per device: log(measured / healthy compute) minus the median of that over the ranks
-    of the other executors. Empty when fewer than two executors computed anything."""
+    of the other executors. Empty when fewer than two executors computed anything.
+    ``measure``: the compute taken (:func:`compute_of`, or :func:`own_compute_of`)."""
     logs: dict[int, float] = {}
     ex: dict[int, tuple[int, int]] = {}
     for p in profiles.values():
-        comp = compute_of(p)
+        comp = measure(p)
         if comp <= 0:
             continue
         h = healthy(p)

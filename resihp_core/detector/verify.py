@@ -54,11 +54,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
 from resihp_core.detector.environment import wait_shares
-from resihp_core.detector.localise import compute_of
+from resihp_core.detector.localise import compute_of, own_compute_of
 
 if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
@@ -242,12 +242,21 @@ class ProfileVerifier:
         margin = {ex: self._margin(ctx, t, ranks) for ex, ranks in groups.items()}
         suspects = self._suspects(groups, raw, margin)
         worst = {ex: max(t.qd(r) for r in ranks) for ex, ranks in groups.items()}
+        own_margin: dict[tuple[int, int], float] = {}
+        if ctx.own_noise and len(groups) >= 2:
+            # A device slow by itself, measured without its waiting for a CPU (steady on
+            # a loaded host, where the waiting swamps the measured compute): a suspect
+            # too, judged against its own-compute noise (docs/detector.md "DP-only jobs").
+            own_margin = {ex: self._margin(ctx, t, ranks, ctx.own_noise) for ex, ranks in groups.items()}
+            for ex, ranks in self._suspects(groups, worst, own_margin).items():
+                suspects.setdefault(ex, ranks)
         if len(groups) >= 2:
             # Localised or machine-wide (detector/localise.py): only an executor slower
             # than its peers in most of the iterations verified is a fail-slow, whatever
             # slowed it (its device, or other processes on its cores: the cause then
             # says "contention"); every executor slowed alike is the machine.
-            local = {ex for ex in suspects if self._above_peers(ctx, t, groups, ex, margin[ex])}
+            local = {ex for ex in suspects if self._above_peers(ctx, t, groups, ex, margin[ex])
+                     or (ex in own_margin and self._above_peers(ctx, t, groups, ex, own_margin[ex], own_compute_of))}
             everyone = all(raw[ex] > 1 + self.compute_margin for ex in groups)
             if (suspects or everyone) and not local:
                 return Verdict({}, "unknown", "every executor slowed alike in compute ("
@@ -284,11 +293,14 @@ class ProfileVerifier:
             return self._compute(ctx, t, suspects)
         return self._communication(ctx, t)
 
-    def _margin(self, ctx: VerificationContext, t: _Totals, ranks: list[int]) -> float:
+    def _margin(self, ctx: VerificationContext, t: _Totals, ranks: list[int],
+                noise: Mapping[int, float] | None = None) -> float:
         """Relative compute excess that makes an executor a suspect: ``compute_margin``,
         or more where its devices' healthy timing is noisier (``noise_k`` of their noise
-        scales, averaged down over the iterations verified)."""
-        sig = max((ctx.noise.get(t.device[r], 0.0) for r in ranks), default=0.0)
+        scales, averaged down over the iterations verified). ``noise``: default
+        ``ctx.noise`` (of the measured compute)."""
+        noise = ctx.noise if noise is None else noise
+        sig = max((noise.get(t.device[r], 0.0) for r in ranks), default=0.0)
         n = max(1, len(ctx.iterations))
         return max(self.compute_margin, min(self.max_margin, math.expm1(self.noise_k * sig / math.sqrt(n))))
 
@@ -311,19 +323,24 @@ class ProfileVerifier:
                 and self._peer_wait(t, groups, ex) >= self.shared_wait)
 
     def _above_peers(self, ctx: VerificationContext, t: _Totals, groups: dict[tuple[int, int], list[int]],
-                     ex: tuple[int, int], margin: float) -> bool:
+                     ex: tuple[int, int], margin: float,
+                     measure: Callable[[IterationProfile], float] = compute_of) -> bool:
         """Whether executor ``ex`` computed more than ``margin`` slower (relative to its
         healthy time) than the median of the other executors, over the iterations
-        verified taken together and in most of them one by one."""
+        verified taken together and in most of them one by one. ``measure``: the
+        compute compared (:func:`compute_of`, or :func:`own_compute_of` without the
+        waiting for a CPU)."""
+        own = measure is own_compute_of
+
         def ratio(profiles: Mapping[int, IterationProfile] | None, ranks: list[int]) -> float:
             if profiles is None:
-                return max(t.q(r) for r in ranks)
+                return max(t.qd(r) if own else t.q(r) for r in ranks)
             vals = []
             for r in ranks:
                 p = profiles.get(r)
                 pred = t.rank_prediction(p, profiles) if p is not None else None
                 if p is not None and pred:
-                    vals.append(compute_of(p) / pred)
+                    vals.append(measure(p) / pred)
             return max(vals) if vals else 1.0
 
         def above(profiles: Mapping[int, IterationProfile] | None) -> bool:
@@ -361,7 +378,13 @@ class ProfileVerifier:
             where = f"replica {rep} stage {stage}"
             if len(ranks) == 1:
                 r = ranks[0]
-                slow[t.device[r]] = _clip_p(1.0 / qs[r])
+                # Its speed relative to the same stage's other replicas where they ran
+                # faster than the model's healthy time (a model fitted on a busier
+                # warm-up): what moving its micro-batches to them gains.
+                peers = [t.q(o) if t.device[r] in contended else t.qd(o) for o, e in t.executor.items()
+                         if e[1] == stage and e != (rep, stage)]
+                ref = min(1.0, statistics.median(peers)) if peers else 1.0
+                slow[t.device[r]] = _clip_p(ref / qs[r] if ref > 0 else 1.0 / qs[r])
                 env = ctx.environment.get(t.device[r])
                 w = t.waited(r)
                 if t.device[r] in contended:

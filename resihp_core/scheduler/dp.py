@@ -224,7 +224,7 @@ def dp_stage(state: PlannerState, *, max_tries: int | None = None) -> PlannerSta
     always one."""
     if max_tries is None:
         max_tries = len(KAPPAS) + 1 if state.thorough else 1
-    if not state.capabilities.cross_replica_migration:
+    if not state.capabilities.migrates(state.plan.pp):
         return state.with_plan(state.plan, "dp: adapter cannot migrate work; skipped")
     if state.plan.dp < 2:
         return state.with_plan(state.plan, "dp: one replica; nothing to migrate")

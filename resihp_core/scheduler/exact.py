@@ -147,7 +147,7 @@ def tp_options(state: PlannerState) -> list[list[tuple[int, ...]]]:
                 [nominal] if len(ranked) >= nominal else [])
             opts = [tuple(ranked[:k]) for k in ks
                     if not (plan.num_heads and plan.num_heads % k)]
-            if state.capabilities.cross_replica_migration and plan.dp > 1:
+            if state.capabilities.migrates(plan.pp) and plan.dp > 1:
                 opts.append(())
             out.append(opts or [()])
     return out

@@ -169,7 +169,7 @@ def pp_stage(
     if plan.pp == 1:
         return state.with_plan(plan, "pp: one stage; nothing to repartition")
     if dp_aware is None:
-        dp_aware = state.capabilities.cross_replica_migration and plan.dp > 1
+        dp_aware = state.capabilities.migrates(plan.pp) and plan.dp > 1
     thorough = state.thorough
     if simulate_top is None:
         simulate_top = 3

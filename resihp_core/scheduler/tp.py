@@ -188,14 +188,14 @@ def tp_stage(state: PlannerState) -> PlannerState:
                 f"replica {r} stage {s}: TP {len(cur)} -> {len(chosen)}"
                 + (f" ({'; '.join(why)})" if why else "")
             )
-    if caps.cross_replica_migration and plan.dp > 1:
+    if caps.migrates(plan.pp) and plan.dp > 1:
         for r, s in _early_drops(state, groups):
             free += [d for d in groups[r][s]]
             notes.append(f"replica {r} stage {s}: TP {len(groups[r][s])} -> 0 (slow group dropped: "
                          "its peers absorb its share with a smaller bottleneck)")
             groups[r][s] = []
     empty = [(r, s) for r in range(plan.dp) for s in range(plan.pp) if not groups[r][s]]
-    if empty and not caps.cross_replica_migration:
+    if empty and not caps.migrates(plan.pp):
         raise RestoreRequired(
             f"replica {empty[0][0]} stage {empty[0][1]} has no feasible TP group and the "
             "adapter cannot migrate work across replicas"
@@ -330,7 +330,7 @@ def drop_stage(state: PlannerState) -> PlannerState:
     than the adapted plan's; it is kept only if the simulator says it is faster."""
     plan = state.plan
     caps = state.capabilities
-    if not caps.cross_replica_migration or plan.dp < 2:
+    if not caps.migrates(plan.pp) or plan.dp < 2:
         return state.with_plan(plan, "drop: skipped (no cross-replica migration)")
     slow = {(r, s) for r, s in plan.executors()
             if state.group_throughput(plan.group(r, s)) < state.nominal_degree(r, s) * (1 - 1e-9)}

@@ -128,7 +128,7 @@ def scenarios(caps: Capabilities, base: ParallelPlan) -> list[Scenario]:
         j = (i + 1) % base.pp
         counts[i], counts[j] = counts[i] - 1, counts[j] + 1
         out.append(Scenario("layer_repartition", lambda p, c=tuple(counts): p.with_(layer_ranges=ranges_from_counts(list(c)))))
-    if caps.cross_replica_migration and base.dp > 1:
+    if caps.uneven_dp and base.dp > 1:  # both migrate whole micro-batches (uneven_dp suffices)
         m = base.num_microbatches
         out.append(Scenario("migration", lambda p: p.with_(migrations=tuple(
             Migration(s, 1, j, 0) for s in range(p.pp) for j in range(m - 1, m)))))
@@ -136,9 +136,9 @@ def scenarios(caps: Capabilities, base: ParallelPlan) -> list[Scenario]:
                             kill=lambda p: [d for g in p.tp_groups[-1] for d in g]))
     if caps.checkpoint and base.dp > 1:
         out.append(Scenario("restore", lambda p: _fewer_replicas(p, last(p)), kill=last, restore=True))
-    if not (caps.cross_replica_migration or caps.checkpoint):
+    if not (caps.uneven_dp or caps.checkpoint):
         raise ConformanceError("the adapter declares no way to survive a killed peer "
-                               "(neither cross_replica_migration nor checkpoint)")
+                               "(neither cross_replica_migration / uneven_dp nor checkpoint)")
     return out
 
 

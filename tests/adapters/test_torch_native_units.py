@@ -55,6 +55,56 @@ def test_migrated_work_is_refused_with_the_reason():
         lower_program(prog)
 
 
+def test_whole_micro_batches_of_another_replica_lower_to_uneven_counts_per_pipeline():
+    """pp2 x dp2: every stage of (replica 1, mb 3) runs on replica 0, whose pipeline then
+    runs 5 micro-batches (runtime indices 0..4 in its work order) and replica 1's 3;
+    torch's own validator accepts both groups' lists."""
+    from torch.distributed.pipelining.schedules import _validate_schedule
+
+    from resihp_adapters.torch_native.engine import check_plan
+
+    p = plan().with_(migrations=(Migration(0, 1, 3, 0), Migration(1, 1, 3, 0)))
+    check_plan(p)
+    for r, n in ((0, 5), (1, 3)):
+        work = p.work(r, 0)
+        assert len(work) == n and work == p.work(r, 1)
+        acts = lower_pipeline(emit_programs(p), r, {w: k for k, w in enumerate(work)})
+        assert _validate_schedule(acts, 2, 2, n) == {0: 0, 1: 1}
+    k = p.work(0, 0).index((1, 3))
+    assert f"1F{k}" in [str(a) for a in acts_of(p, 0, 1)]
+    with pytest.raises(LoweringError, match="index of the replica's work"):
+        lower_program(next(q for q in emit_programs(p) if (q.replica, q.stage) == (0, 0)))
+    with pytest.raises(ValueError, match="only whole"):
+        check_plan(plan().with_(migrations=(Migration(1, 1, 3, 0),)))
+
+
+def acts_of(p: ParallelPlan, r: int, s: int) -> list:
+    work = p.work(r, s)
+    return lower_program(next(q for q in emit_programs(p) if (q.replica, q.stage) == (r, s)),
+                         {w: k for k, w in enumerate(work)})
+
+
+def test_a_dropped_replica_takes_no_part_in_fsdp():
+    """dp4, replica 1 dropped (its micro-batches run whole elsewhere): the other three
+    are FSDP slots 0..2 (world ranks, shard coordinates); a replica with devices but no
+    work is refused (FSDP's reduction needs its backward)."""
+    from resihp_adapters.torch_native.engine import check_plan, live_replicas
+
+    base = plan(pp=1, dp=4, m=2)
+    groups = tuple(((),) if r == 1 else rep for r, rep in enumerate(base.tp_groups))
+    p = base.with_(tp_groups=groups, excluded=frozenset({1}),
+                   migrations=(Migration(0, 1, 0, 0), Migration(0, 1, 1, 2)))
+    check_plan(p)
+    assert live_replicas(p) == [0, 2, 3]
+    got = {d: (pl.rank, pl.replica, pl.slot, pl.shard_degree, pl.shard_index)
+           for d in (0, 2, 3) for pl in [place_of(p, d, 0)]}
+    assert got == {0: (0, 0, 0, 3, 0), 2: (1, 2, 1, 3, 1), 3: (2, 3, 2, 3, 2)}
+    assert place_of(p, 3, 1).shard_degree == 1 and place_of(p, 3, 1).replicate_index == 2
+    idle = base.with_(migrations=(Migration(0, 3, 0, 0), Migration(0, 3, 1, 1)))
+    with pytest.raises(ValueError, match="replica 3 has devices but no micro-batch"):
+        check_plan(idle)
+
+
 def test_shard_degree_and_places():
     assert [shard_degree_for(4, k) for k in (0, 1, 2, 3, 4, 8)] == [4, 1, 2, 2, 4, 4]
     assert shard_degree_for(3, 2) == 1
@@ -221,4 +271,4 @@ def test_resihp_plugins_lists_the_adapter_with_its_capabilities(capsys):
     caps = rep["torch_native"]["capabilities"]
     assert caps == {"tp_resize": True, "heterogeneous_tp": True, "layer_repartition": True,
                     "cross_replica_migration": False, "schedules": ["1f1b", "gpipe", "zbh1"],
-                    "checkpoint": True}
+                    "checkpoint": True, "uneven_dp": True}

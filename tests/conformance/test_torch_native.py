@@ -23,10 +23,15 @@ def job(**config) -> JobSpec:
 
 
 def test_torch_native_passes_for_what_it_declares():
-    """pp2 x dp2 sharded FSDP2 (each replica half of each stage), 1F1B."""
+    """pp2 x dp2 sharded FSDP2 (each replica half of each stage), 1F1B; uneven DP with
+    pipelining (``migration``: pipelines of 3 and 1 micro-batches). ``replica_drop``
+    kills a whole replica and expects its state in memory: under FSDP2 half of every
+    shard dies with it (the supervisor restores it from a checkpoint, as
+    tests/integration/test_torch_native_dp.py shows); under HSDP it passes (measured by
+    hand, docs/torch_native.md), left out here for the CI budget."""
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
-    got = check_adapter(job(), base)
-    assert set(got) == {"regeneration", "layer_repartition", "restore"}
+    got = check_adapter(job(), base, only=["regeneration", "layer_repartition", "migration", "restore"])
+    assert set(got) == {"regeneration", "layer_repartition", "migration", "restore"}
     assert max(got.values()) <= 1e-9
 
 
@@ -39,8 +44,8 @@ def test_torch_native_passes_with_a_users_hf_model_optimizer_schedule_and_clippi
     spec = JobSpec(adapter="torch_native", adapter_config={"user": "tests.conformance.hf_user:llama"},
                    data={"source": "synthetic", "token_budget": 16}, dp=2, num_microbatches=2, seed=5, timeout_s=10.0)
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
-    got = check_adapter(spec, base)
-    assert set(got) == {"regeneration", "layer_repartition", "restore"}
+    got = check_adapter(spec, base, only=["regeneration", "layer_repartition", "migration", "restore"])
+    assert set(got) == {"regeneration", "layer_repartition", "migration", "restore"}
     assert max(got.values()) <= 1e-9
 
 

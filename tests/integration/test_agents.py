@@ -67,7 +67,7 @@ def test_killed_agent_takes_its_node_and_the_job_goes_on():
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert seen["agent"].returncode == -signal.SIGKILL
     assert len(seen["workers"]) == 4 and all(_gone(pid) for pid in seen["workers"])  # died with their agent
-    lost = [e for e in run.events if e["kind"] == "failure"]
+    lost = [e for e in run.events if e["kind"] == "failure" and e["failure"] == "fail-stop"]
     assert lost and set(lost[0]["devices"]) == set(topology.nodes()[1])
     assert set(run.final_plan.devices()) == set(topology.nodes()[0])
     dumps = read_dumps(spec)

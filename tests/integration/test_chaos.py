@@ -100,8 +100,10 @@ def test_last_replica_of_a_stage_lost_restores_from_checkpoint():
 def test_stopped_worker_is_fenced_and_the_job_goes_on():
     plan = uniform(1, 2, 2, 3)
     run = _chaos(plan, [fail_at(plan.group(1, 1)[0], 3, "stop")])
-    failures = [e for e in run.events if e["kind"] == "failure"]
-    assert failures and failures[0]["failure"] == "fail-stop"
+    # The stopped worker is reported fail-stop (a contention fail-slow of another device
+    # on a loaded machine may come first; it is not what this test is about).
+    stops = [e for e in run.events if e["kind"] == "failure" and e["failure"] == "fail-stop"]
+    assert stops and stops[0]["devices"] == [plan.group(1, 1)[0]], run.events
 
 
 # ------------------------------------------------------------------ fail-slow

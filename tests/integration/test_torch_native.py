@@ -79,14 +79,14 @@ def max_rel_err(a: dict, b: dict) -> float:
                for k in a for x, y in zip(a[k], b[k]))
 
 
-def reference(iterations: int, dp: int = 2, m: int = 4) -> tuple[dict, list[float]]:
+def reference(iterations: int, dp: int = 2, m: int = 4, model: dict | None = None) -> tuple[dict, list[float]]:
     """One process over the job's global batch (dp x m micro-batches of DATA)."""
     from resihp_core.data import create_source
     from resihp_adapters.torch_native.data import Batches
     from resihp_adapters.torch_native.model import LlamaConfig
     from resihp_adapters.torch_native.reference import single_process_run
 
-    cfg = LlamaConfig(**MODEL)
+    cfg = LlamaConfig(**(model or MODEL))
     data = Batches(create_source(DATA, dp=dp, num_microbatches=m, seed=0, vocab_size=cfg.vocab_size), cfg.torch_dtype)
     return single_process_run(cfg, data, iterations)
 

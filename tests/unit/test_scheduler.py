@@ -337,3 +337,28 @@ def test_planner_reads_default_stages_from_plugins() -> None:
     p = Planner(plugins=Plugins(builtins=[scheduler_builtin], autoload=False))
     assert [(s.name, s.order) for s in p.stages] == [("tp", 100), ("pp", 200), ("dp", 300), ("drop", 400)]
     assert np.isfinite(p.plan(tiny(dp=2, m=2), slow(0, 0.5)).predicted_time)
+
+
+UNEVEN_DP = Capabilities(layer_repartition=True, uneven_dp=True, checkpoint=True,
+                         schedules=frozenset({ScheduleKind.ONE_F_ONE_B}))
+
+
+def test_uneven_dp_adapters_get_every_survivor_at_pp1_and_whole_micro_batches_only() -> None:
+    """An adapter that runs other replicas' micro-batches only whole (``uneven_dp``):
+    at pp = 1 a kill leaves the survivors uneven counts (no restore, no standby) and a
+    slow replica sheds micro-batches; at pp > 1 the Scheduler (whose stages migrate
+    single stages) restores instead, and a single-stage migration is a violation."""
+    st = tiny(pp=1, dp=4, m=2, capabilities=UNEVEN_DP)
+    d = planner().plan(st, stop(3))
+    assert d.kind == "continue" and sorted(d.plan.devices()) == [0, 1, 2] and not d.plan.standbys
+    assert sorted(len(d.plan.work(r, 0)) for r in range(3)) == [2, 3, 3]
+    assert not UNEVEN_DP.violations(d.plan)
+    s = planner().plan(tiny(pp=1, dp=4, m=4, capabilities=UNEVEN_DP), slow(2, 1 / 3))
+    assert len(s.plan.work(2, 0)) < 4 and sum(len(s.plan.work(r, 0)) for r in range(4)) == 16
+    p2 = tiny(pp=2, dp=2, m=2, capabilities=UNEVEN_DP)
+    d2 = planner().plan(p2, stop(p2.plan.group(1, 1)[0]))
+    assert d2.kind == "restore" and not d2.plan.migrations
+    single = p2.plan.with_(migrations=(Migration(1, 1, 0, 0),))
+    assert any("single stage" in w for w in UNEVEN_DP.violations(single))
+    whole = p2.plan.with_(migrations=(Migration(0, 1, 0, 0), Migration(1, 1, 0, 0)))
+    assert not UNEVEN_DP.violations(whole) and Capabilities(cross_replica_migration=True).uneven_dp

@@ -156,23 +156,21 @@ class TorchNativeAdapter(Adapter):
         self.engine.before_action = lambda: self.ctx.step(iteration, next(steps))
         self.ctx.step(iteration, next(steps))
         r = self.engine.run(program, iteration)
-        m = self.engine.plan.num_microbatches
-        owner = self.engine.place.replica
         stage = self.engine.place.stage
-        return IterationResult(
+        return IterationResult(  # the runtime's micro-batch k is (owner, mb) r.work[k]
             iteration=iteration, loss=r.loss,
-            computed=[(stage, owner, j) for j in range(m)],
-            forward_s={(owner, j): t for j, t in r.forward_s.items()},
-            backward_s={(owner, j): t for j, t in r.backward_s.items()},
+            computed=[(stage, owner, j) for owner, j in r.work],
+            forward_s={r.work[k]: t for k, t in r.forward_s.items()},
+            backward_s={r.work[k]: t for k, t in r.backward_s.items()},
             iteration_s=r.iteration_s)
 
     def profile(self) -> IterationProfile | None:
         r, pl = self.engine.last, self.engine.place
         if r is None or pl is None:
             return None
-        mbs = tuple(MicroBatchProfile(owner=pl.replica, mb=j, forward_s=f, backward_s=r.backward_s.get(j, 0.0),
-                                      doc_lengths=r.lengths.get(j, ()))
-                    for j, f in sorted(r.forward_s.items()))
+        mbs = tuple(MicroBatchProfile(owner=r.work[k][0], mb=r.work[k][1], forward_s=f,
+                                      backward_s=r.backward_s.get(k, 0.0), doc_lengths=r.lengths.get(k, ()))
+                    for k, f in sorted(r.forward_s.items()))
         return IterationProfile(rank=self.ctx.device, device=self.ctx.device, generation=max(self.engine.generation, 0),
                                 iteration=r.iteration, stage=pl.stage, replica=pl.replica, microbatches=mbs,
                                 comm_s=0.0, iteration_s=r.iteration_s)

@@ -56,7 +56,7 @@ from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
 
 __all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
-           "IterationResult", "captured_groups", "adamw_recipe"]
+           "live_replicas", "IterationResult", "captured_groups", "adamw_recipe"]
 
 #: torch modules whose import, once a process group exists, binds that group for good
 #: (as a default argument): imported here, before this process creates any group.
@@ -192,22 +192,31 @@ def shard_degree_for(dp: int, wanted: int) -> int:
 
 @dataclass(frozen=True)
 class Place:
-    """Where a device sits in a plan: world rank, replica, stage and its FSDP coordinates."""
+    """Where a device sits in a plan: world rank, replica (the plan's index: programs and
+    data name it), stage, and its FSDP coordinates, which count only the replicas that
+    have devices (``slot``: this replica's index among them)."""
 
     rank: int
     replica: int
     stage: int
     shard_degree: int
+    slot: int
     tp_index: int = 0
     tp_degree: int = 1
 
     @property
     def shard_index(self) -> int:
-        return self.replica % self.shard_degree
+        return self.slot % self.shard_degree
 
     @property
     def replicate_index(self) -> int:
-        return self.replica // self.shard_degree
+        return self.slot // self.shard_degree
+
+
+def live_replicas(plan: ParallelPlan) -> list[int]:
+    """Replicas with devices. A replica without any (dropped; its micro-batches run
+    whole on the others, docs/torch_native.md "Uneven DP") takes no part in FSDP."""
+    return [r for r, rep in enumerate(plan.tp_groups) if any(rep)]
 
 
 def place_of(plan: ParallelPlan, device: int, wanted_shard: int) -> Place | None:
@@ -216,30 +225,37 @@ def place_of(plan: ParallelPlan, device: int, wanted_shard: int) -> Place | None
     if loc is None:
         return None
     r, s, t = loc
-    degree = plan.degree(r, s)
+    live = live_replicas(plan)
+    slot = live.index(r)
+    k = shard_degree_for(len(live), wanted_shard)
     if all(len(g) <= 1 for rep in plan.tp_groups for g in rep):
-        return Place(s * plan.dp + r, r, s, shard_degree_for(plan.dp, wanted_shard))
+        return Place(s * len(live) + slot, r, s, k, slot)
     # TP (docs/torch_native.md, "Tensor parallelism"): ranks stage-major, then replica, TP index
     rank = sum(plan.degree(rr, ss) for ss in range(plan.pp) for rr in range(plan.dp)
                if (ss, rr) < (s, r)) + t
-    return Place(rank, r, s, shard_degree_for(plan.dp, wanted_shard), t, degree)
+    return Place(rank, r, s, k, slot, t, plan.degree(r, s))
 
 
 def check_plan(plan: ParallelPlan) -> None:
-    """Plans this engine executes: TP 1, every replica holds every stage, no migration."""
+    """Plans this engine executes: TP 1; migrated micro-batches only whole (every stage
+    on the executing replica's own pipeline: a torch schedule drives one pipeline group,
+    docs/torch_native.md "Migration"); every replica with devices has work."""
+    from resihp_core.adapter import partial_migrations
+
     for r, rep in enumerate(plan.tp_groups):
         for s, g in enumerate(rep):
-            if len(g) != 1:
+            if len(g) > 1:
                 raise ValueError(
                     f"replica {r} stage {s}: torch_native runs one device per stage "
                     f"(TP degree 1), got {len(g)} devices"
                 )
-    if plan.migrations:
-        m = plan.migrations[0]
-        raise ValueError(
-            f"torch_native cannot run migrated work (stage {m.stage} of replica {m.replica} "
-            f"mb {m.mb} -> replica {m.to}): one schedule drives one replica's pipeline"
-        )
+    why = partial_migrations(plan)
+    if why:
+        raise ValueError(f"torch_native runs migrated micro-batches only whole: {why[0]}")
+    for r in live_replicas(plan):
+        if not plan.work(r, 0):
+            raise ValueError(f"replica {r} has devices but no micro-batch: FSDP's gradient reduction "
+                             "needs every replica's backward (drop the replica instead)")
 
 
 @dataclass
@@ -250,6 +266,9 @@ class IterationResult:
     backward_s: dict[int, float] = field(default_factory=dict)
     iteration_s: float = 0.0
     lengths: dict[int, tuple[int, ...]] = field(default_factory=dict)  # mb -> document lengths
+    # (owner, mb) of each local micro-batch index the dicts above use: this replica's
+    # work, its own micro-batches and those migrated to it (uneven DP)
+    work: list[tuple[int, int]] = field(default_factory=list)
 
 
 @contextmanager
@@ -349,7 +368,8 @@ class TorchNativeEngine:
         self.release()
         self.plan, self.generation = plan, generation
         self.place = place_of(plan, self.device, self.wanted_shard)
-        executors = plan.dp * plan.pp
+        live = live_replicas(plan)
+        executors = len(live) * plan.pp
         others = sorted(set(devices if devices is not None else plan.devices()) - set(plan.devices()))
         self.rank_of = {d: place_of(plan, d, self.wanted_shard).rank for d in plan.devices()}
         self.rank_of.update({d: executors + i for i, d in enumerate(others)})
@@ -363,17 +383,17 @@ class TorchNativeEngine:
         # short timeout then only bounds the group's own operations.
         prefix.set(f"joined/{rank}", str(self.device))
         prefix.wait([f"joined/{r}" for r in range(world)], self.join_timeout)
-        k = shard_degree_for(plan.dp, self.wanted_shard)
+        k = shard_degree_for(len(live), self.wanted_shard)
         with _default_timeout(self.timeout):
             dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world, timeout=self.timeout)
             # Every rank takes part in creating every sub-group, standbys included.
-            layout = torch.arange(executors).view(plan.pp, plan.dp // k, k)
+            layout = torch.arange(executors).view(plan.pp, len(live) // k, k)
             mesh = DeviceMesh("cpu", layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
             self.executors_group = None if world == executors else dist.new_group(
                 list(range(executors)), timeout=self.timeout)
             for stages, where in tie_sets(self.model, plan):
-                for r in range(plan.dp):
-                    ranks = [s * plan.dp + r for s in stages]
+                for slot, r in enumerate(live):
+                    ranks = [s * len(live) + slot for s in stages]
                     g = dist.new_group(ranks, timeout=self.timeout)
                     if self.place is not None and self.place.replica == r and self.place.stage in where:
                         self._ties.append((g, where[self.place.stage]))
@@ -652,10 +672,13 @@ class TorchNativeEngine:
                 f"{program.stage}, this device runs replica {place.replica} stage {place.stage}"
             )
         # The runtime validates the whole pipeline group's lists; this rank runs its own.
-        actions = lower_pipeline(emit_programs(plan), place.replica)
-        actions[place.stage] = lower_program(program)
-        sched = _PipelineScheduleRuntime([self.stage], plan.num_microbatches, loss_fn=self._loss,
-                                         scale_grads=False)
+        # Micro-batches are the runtime's indices 0..n-1 in this replica's work order
+        # (the same at every stage: migrations are whole).
+        work = plan.work(place.replica, place.stage)
+        index = {w: k for k, w in enumerate(work)}
+        actions = lower_pipeline(emit_programs(plan), place.replica, index)
+        actions[place.stage] = lower_program(program, index)
+        sched = _PipelineScheduleRuntime([self.stage], len(work), loss_fn=self._loss, scale_grads=False)
         sched._prepare_schedule_with_comms(actions, format="compute_comms")
         self.schedule, self._lowered = sched, program
 
@@ -670,7 +693,8 @@ class TorchNativeEngine:
                 dist.all_reduce(p.grad.to_local(), group=group)
         if self.recipe.max_grad_norm is None:
             return None
-        copies = self.plan.dp // shard_degree_for(self.plan.dp, self.wanted_shard)
+        n = len(live_replicas(self.plan))
+        copies = n // shard_degree_for(n, self.wanted_shard)
         return clip_global(self.module, self.model.aliases, self.recipe.max_grad_norm, self.executors_group, copies)
 
     def run(self, program: Program, iteration: int | None = None) -> IterationResult:
@@ -685,7 +709,8 @@ class TorchNativeEngine:
         t_iter = time.perf_counter()
         m = plan.num_microbatches
         self._denom = float(self.data.denominator(it))
-        batches = [self.data.micro_batch(it, place.replica, j, m) for j in range(m)]
+        res.work = plan.work(place.replica, place.stage)
+        batches = [self.data.micro_batch(it, owner, j, m) for owner, j in res.work]
         res.lengths = {j: b.lengths for j, b in enumerate(batches)}
         args = [b.args for b in batches] if place.stage == 0 else None
         kwargs = [b.kwargs() for b in batches]  # every stage: positions and masks

@@ -23,10 +23,15 @@ LoadMicroBatch      (none)               inputs are handed to the runtime up fro
 ``sUNSHARD`` opens and ``sRESHARD`` closes every list (FSDP2 all-gathers the stage's
 parameters once per step and frees them after the gradient reduction).
 
+Micro-batches: the runtime numbers one pipeline group's micro-batches 0..n-1; the core
+names them ``(owner, mb)``. ``index`` maps one to the other: the executing replica's work
+(``ParallelPlan.work``), its own micro-batches and those migrated to it *whole* (every
+stage on this replica), so replicas run uneven counts (``uneven_dp``).
+
 What does not fit: a schedule covers one pipeline group and a stage only talks to stage
-± 1 of its own group, so work migrated to another replica (``peer != replica``) has no
-action; :func:`lower_program` refuses it and the adapter does not declare
-``cross_replica_migration``.
+± 1 of its own group, so a single stage migrated to another replica (``peer !=
+replica``) has no action; :func:`lower_program` refuses it and the adapter does not
+declare ``cross_replica_migration`` (docs/torch_native.md "Migration").
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ class LoweringError(ValueError):
     """A program uses something torch's pipeline runtime cannot express."""
 
 
-def lower_program(program: Program) -> list:
-    """The ``_Action`` list (compute + comms form) of one executor's program."""
+def lower_program(program: Program, index: dict[tuple[int, int], int] | None = None) -> list:
+    """The ``_Action`` list (compute + comms form) of one executor's program.
+    ``index``: (owner, mb) -> the runtime's micro-batch index (default: ``mb``, the
+    replica's own micro-batches only)."""
     from torch.distributed.pipelining.schedules import (
         BACKWARD_INPUT,
         BACKWARD_WEIGHT,
@@ -76,30 +83,41 @@ def lower_program(program: Program) -> list:
     for i, op in enumerate(program.ops):
         owner = getattr(op, "owner", r)
         peer = getattr(op, "peer", r)
-        if owner != r or peer != r:
+        if peer != r:
             raise LoweringError(
                 f"replica {r} stage {s} op #{i} {op!r}: micro-batch of replica {owner} "
-                f"via replica {peer}; torch pipelining runs one replica's pipeline per "
-                "schedule, so migrated work is not supported by torch_native"
+                f"exchanged with replica {peer}; torch pipelining runs one replica's pipeline per "
+                "schedule, so torch_native migrates micro-batches only whole (every stage)"
             )
         if isinstance(op, (LoadMicroBatch, OptimizerStep)):
             continue
+        mb = None
+        if hasattr(op, "mb"):
+            if index is None:
+                if owner != r:
+                    raise LoweringError(f"replica {r} stage {s} op #{i} {op!r}: another replica's "
+                                        "micro-batch needs an index of the replica's work")
+                mb = op.mb
+            elif (owner, op.mb) not in index:
+                raise LoweringError(f"replica {r} stage {s} op #{i} {op!r}: not in the replica's work")
+            else:
+                mb = index[(owner, op.mb)]
         if getattr(op, "stage", s) != s:
             raise LoweringError(f"replica {r} stage {s} op #{i} {op!r} names another stage")
         if isinstance(op, RecvActivation):
-            out.append(_Action(s, RECV_F, op.mb))
+            out.append(_Action(s, RECV_F, mb))
         elif isinstance(op, Forward):
-            out.append(_Action(s, FORWARD, op.mb))
+            out.append(_Action(s, FORWARD, mb))
         elif isinstance(op, SendActivation):
-            out.append(_Action(s, SEND_F, op.mb))
+            out.append(_Action(s, SEND_F, mb))
         elif isinstance(op, RecvGrad):
-            out.append(_Action(s, RECV_B, op.mb))
+            out.append(_Action(s, RECV_B, mb))
         elif isinstance(op, Backward):
-            out.append(_Action(s, BACKWARD_INPUT if op.split else FULL_BACKWARD, op.mb))
+            out.append(_Action(s, BACKWARD_INPUT if op.split else FULL_BACKWARD, mb))
         elif isinstance(op, BackwardWeight):
-            out.append(_Action(s, BACKWARD_WEIGHT, op.mb))
+            out.append(_Action(s, BACKWARD_WEIGHT, mb))
         elif isinstance(op, SendGrad):
-            out.append(_Action(s, SEND_B, op.mb))
+            out.append(_Action(s, SEND_B, mb))
         elif isinstance(op, ReduceGrads):
             out.append(_Action(s, REDUCE_GRAD, None))
         else:
@@ -108,10 +126,11 @@ def lower_program(program: Program) -> list:
     return out
 
 
-def lower_pipeline(programs: Iterable[Program], replica: int) -> dict[int, list]:
+def lower_pipeline(programs: Iterable[Program], replica: int,
+                   index: dict[tuple[int, int], int] | None = None) -> dict[int, list]:
     """Group rank (= stage index) -> actions, for every stage of ``replica``'s pipeline:
     the runtime validates and maps stages to ranks from the whole group's lists."""
-    out = {p.stage: lower_program(p) for p in programs if p.replica == replica}
+    out = {p.stage: lower_program(p, index) for p in programs if p.replica == replica}
     if sorted(out) != list(range(len(out))):
         raise LoweringError(f"replica {replica}: programs cover stages {sorted(out)}, not 0..{len(out) - 1}")
     return out

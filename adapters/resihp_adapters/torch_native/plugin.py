@@ -5,13 +5,15 @@ adapter class declares ``capabilities = CAPABILITIES`` from here.
 
 What it promises (each proven by the conformance kit, ``tests/conformance``): any
 layer boundaries between generations (stages are rebuilt, state moves by parameter
-name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), and checkpoints
-(``torch.distributed.checkpoint``, re-sharded onto any later layout), and tensor
-parallelism with a TP degree per stage (DTensor; a TP group shrinks alone, its state
-re-sharded from any surviving member's memory; one replica: ``tp.py``). Not promised:
-work migrated to another replica — a torch pipeline schedule drives one replica's
-pipeline group, so a stage cannot take a micro-batch from another replica's previous
-stage (``docs/torch_native.md``).
+name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), checkpoints
+(``torch.distributed.checkpoint``, re-sharded onto any later layout), uneven
+micro-batch counts per replica (``uneven_dp``: another replica's micro-batch run whole
+by one replica's pipeline; a dropped replica), and tensor parallelism with a TP degree
+per stage (DTensor; a TP group shrinks alone, its state re-sharded from any surviving
+member's memory; one replica: ``tp.py``). Not promised: a single stage migrated to
+another replica — a torch pipeline schedule drives one replica's pipeline group, so a
+stage cannot take a micro-batch from another replica's previous stage
+(``docs/torch_native.md``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ CAPABILITIES = Capabilities(
     heterogeneous_tp=True,
     layer_repartition=True,
     cross_replica_migration=False,
+    uneven_dp=True,  # another replica's micro-batch runs whole on one pipeline (lowering.py)
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
     checkpoint=True,
 )
