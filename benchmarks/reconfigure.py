@@ -32,7 +32,14 @@ SIGKILLed at iteration 8 and restarted with ``--resume`` at once: restart -> re-
 (the new process's start-up, the agents dialling back) and restart -> first committed
 iteration, median of 3 (1 with ``--quick``).
 
+With ``--adapter torch_native --tp 2``: the user's tiny HF LLaMA under TP2 x PP2 x DP1
+(DTensor TP), SIGKILL of a device of stage 1's TP group -> first committed iteration with
+that group shrunk to TP1 (state from memory), and the fault-free iteration time of the
+resilient TP path against stock torch (parallelize_module + PipelineStage +
+Schedule1F1B) in alternating blocks of the same 4 processes.
+
 Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--model llama|hf_llama]
+       [--tp 1|2]
        [--controller-restart]
        [--quick] [--json PATH]
 """
@@ -475,10 +482,145 @@ def _main_controller_restart(args) -> int:
     return 0
 
 
+def _hf_env() -> dict:
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_llama")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+
+
+def torch_native_tp_kill(reps: int) -> dict:
+    """torch_native with tensor parallelism: the user's tiny HF LLaMA (examples/hf_llama,
+    float64), TP2 x PP2 x DP1; SIGKILL of device 3 (stage 1's TP group) -> first
+    committed iteration with stage 1 at TP1 and stage 0 still at TP2, the state moved
+    from the survivors' memory (each TP rank keeps its whole stage, docs/torch_native.md)."""
+    base = ParallelPlan(num_layers=4, layer_ranges=((0, 2), (2, 4)), tp_groups=(((0, 1), (2, 3)),),
+                        num_microbatches=4)
+    victim = 3
+    after = base.with_(tp_groups=(((0, 1), (2,)),), excluded=frozenset([victim]))
+    rows = []
+    for _ in range(reps):
+        js = JobSpec(adapter="torch_native", adapter_config={"user": "hf_model:user_llama"},
+                     data={"source": "synthetic", "token_budget": 64}, dp=1, num_microbatches=4, timeout_s=10.0)
+        with LocalJob(js.to_json(), base.devices(), env=_hf_env()) as job:
+            row = timed_kill(job, base, victim, after, timeout=180)
+            before = [max(r.iteration_s for r in job.report(i).values()) for i in (1, 2)]
+        rows.append(row | {"iteration_before_s": statistics.median(before)})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
+
+
+def _tp_iteration_worker(port: str, out: str, blocks: int, per_block: int) -> None:
+    """One rank of the fault-free comparison: the resilient engine's TP path (TPEngine,
+    lowered core programs, TPStage peers) and stock torch (parallelize_module +
+    PipelineStage + Schedule1F1B), TP2 x PP2, in alternating blocks in the same
+    processes (a new world per block), so load drift hits both alike. Each iteration's
+    time is the slowest rank's; the first of each block (metadata inference) is left out."""
+    import torch
+    import torch.distributed as tdist
+    from datetime import timedelta
+
+    from hf_model import user_llama
+    from resihp_core.predictor.schedules import emit_programs
+    from resihp_adapters.torch_native.reference import StockPipeline
+    from resihp_adapters.torch_native.tp import TPEngine
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    st = tdist.TCPStore("127.0.0.1", int(port), is_master=False, timeout=timedelta(seconds=300))
+    plan = ParallelPlan(num_layers=4, layer_ranges=((0, 2), (2, 4)), tp_groups=(((0, 1), (2, 3)),),
+                        num_microbatches=4)
+    times: dict[str, list[float]] = {"resilient": [], "stock": []}
+
+    def slowest(t: float) -> float:
+        x = torch.tensor([t], dtype=torch.float64)
+        tdist.all_reduce(x, op=tdist.ReduceOp.MAX)
+        return float(x)
+
+    for b in range(blocks):
+        user = user_llama()
+        eng = TPEngine(rank, user.stages, user.data(4), tdist.PrefixStore(f"eng{b}/", st), recipe=user.recipe,
+                       timeout_s=60.0)
+        eng.rebuild(plan, 0)
+        eng.start_fresh()
+        prog = {(p.replica, p.stage): p for p in emit_programs(plan)}[(0, eng.place.stage)]
+        for i in range(per_block):
+            t0 = time.perf_counter()
+            eng.run(prog)
+            dt = slowest(time.perf_counter() - t0)
+            if i:
+                times["resilient"].append(dt)
+        eng.release()
+        user = user_llama()
+        tdist.init_process_group("gloo", store=tdist.PrefixStore(f"stock{b}/", st), rank=rank, world_size=4,
+                                 timeout=timedelta(seconds=60))
+        stock = StockPipeline(user.stages, user.data(4), pp=2, num_microbatches=4, recipe=user.recipe, tp=2)
+        for i in range(per_block):
+            t0 = time.perf_counter()
+            stock.step()
+            dt = slowest(time.perf_counter() - t0)
+            if i:
+                times["stock"].append(dt)
+        tdist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+
+
+def torch_native_tp_overhead(blocks: int, per_block: int) -> dict:
+    """Fault-free iteration time, the resilient TP path against stock torch (see
+    :func:`_tp_iteration_worker`), 4 processes."""
+    import subprocess
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    out = tempfile.mktemp(suffix=".json")
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_tp-worker", str(store.port), out,
+                               str(blocks), str(per_block)], env={**_hf_env(), "RANK": str(r), "OMP_NUM_THREADS": "1"})
+             for r in range(4)]
+    try:
+        for p in procs:
+            p.wait(timeout=900)
+    finally:
+        for p in procs:  # by pid, only what this benchmark started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"TP iteration workers exited with {[p.returncode for p in procs]}")
+    with open(out) as f:
+        times = json.load(f)
+    res, stock = statistics.median(times["resilient"]), statistics.median(times["stock"])
+    return {"resilient_iteration_s": res, "stock_iteration_s": stock, "overhead_pct": 100 * (res / stock - 1),
+            "iterations_each": len(times["stock"])}
+
+
+def _main_torch_native_tp(args) -> int:
+    try:
+        kill = torch_native_tp_kill(1 if args.quick else 3)
+        cost = torch_native_tp_overhead(2 if args.quick else 4, 4 if args.quick else 6)
+    except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
+        print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
+    print(f"torch_native TP (hf_llama, float64): SIGKILL of device 3, TP2xPP2 -> stage 0 TP2, stage 1 TP1 "
+          f"(median; load {' '.join(load)})")
+    for k, v in {**kill, **cost}.items():
+        print(f"  {k:28s} {v:12.3f}" if isinstance(v, float) else f"  {k:28s} {v!s:>12}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**{f"kill_{k}": v for k, v in kill.items()}, **cost,
+                       "config": {"quick": args.quick, "adapter": "torch_native", "tp": 2, "loadavg": load}}, f,
+                      indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--_ds-worker":
         _ds_iteration_worker(argv[1], argv[2], int(argv[3]), int(argv[4]))
+        return 0
+    if argv and argv[0] == "--_tp-worker":
+        _tp_iteration_worker(argv[1], argv[2], int(argv[3]), int(argv[4]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run")
@@ -489,6 +631,8 @@ def main(argv=None) -> int:
                     help="measure controller restart -> first committed iteration instead (docs/failover.md)")
     ap.add_argument("--model", default="llama", choices=["llama", "hf_llama"],
                     help="torch_native: the adapter's LLaMA, or the user's tiny HF LLaMA of examples/hf_llama")
+    ap.add_argument("--tp", type=int, default=1, choices=[1, 2],
+                    help="torch_native: 2 measures tensor parallelism (TP2 x PP2, the user's HF LLaMA)")
     args = ap.parse_args(argv)
     if args.controller_restart:
         return _main_controller_restart(args)
@@ -500,7 +644,7 @@ def main(argv=None) -> int:
             return 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.adapter == "torch_native":
-        return _main_torch_native(args)
+        return _main_torch_native_tp(args) if args.tp == 2 else _main_torch_native(args)
     try:
         kill = kill_to_iteration(3 if args.quick else 5)
         mig = migration_vs_bytes(args.quick)

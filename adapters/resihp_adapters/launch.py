@@ -107,6 +107,9 @@ def print_iteration(rec: Any) -> None:
 
 def print_event(ev: dict) -> None:
     print(f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:160]}", flush=True)
+    if ev.get("kind") == "plan" and isinstance(ev.get("plan"), str):  # the layout: stages, TP groups
+        layout = [ln for ln in ev["plan"].splitlines() if ln.startswith(("stages ", "replica "))]
+        print(f"[iteration {ev['iteration']}] layout: {'; '.join(layout)}", flush=True)
 
 
 @hookimpl(trylast=True)

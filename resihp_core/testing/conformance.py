@@ -330,16 +330,17 @@ def _compare(name: str, got: Outcome, want: Outcome, base: ParallelPlan, job: Jo
 
 def check_adapter(job: JobSpec, base: ParallelPlan, *, only: list[str] | None = None, tol: float = 1e-9,
                   env: dict[str, str] | None = None, iterations: int = 4,
-                  progress: Callable[[str], None] = lambda line: None) -> dict[str, float]:
+                  progress: Callable[[str], None] = lambda line: None, timeout: float = 120.0) -> dict[str, float]:
     """Run the fault-free job and every scenario ``job.adapter`` declares; returns the
-    worst relative error per scenario or raises :class:`ConformanceError`."""
+    worst relative error per scenario or raises :class:`ConformanceError`. ``timeout``:
+    seconds each wait for iterations may take (worker start-up included)."""
     caps = capabilities_of(job.adapter)
     violations = caps.violations(base)
     if violations:
         raise ConformanceError(f"base plan not runnable by {job.adapter}: {'; '.join(violations)}")
     todo = [s for s in scenarios(caps, base) if only is None or s.name in only]
     progress(f"{job.adapter}: fault-free run ({base.dp}x{base.pp}, TP {base.degree(0, 0)})")
-    want = run_scenario(job, base, None, iterations=iterations, env=env)
+    want = run_scenario(job, base, None, iterations=iterations, env=env, timeout=timeout)
     if want.full is None:
         progress(f"{job.adapter}: does not report full_state(); comparing held_state() only "
                  "(parameters and the optimizer tensors it chooses to report)")
@@ -350,6 +351,6 @@ def check_adapter(job: JobSpec, base: ParallelPlan, *, only: list[str] | None = 
         if bad:
             raise ConformanceError(f"scenario {sc.name} builds a plan {job.adapter} rules out: {'; '.join(bad)}")
         progress(f"{job.adapter}: {sc.name}")
-        got = run_scenario(job, base, sc, iterations=iterations, env=env)
+        got = run_scenario(job, base, sc, iterations=iterations, env=env, timeout=timeout)
         out[sc.name] = _compare(sc.name, got, want, base, job, tol)
     return out

@@ -238,7 +238,10 @@ def test_launch_settings_take_the_layout_from_accelerate(tmp_path):
     assert cfg.runtime.adapter == "torch_native" and cfg.runtime.nodes * cfg.runtime.devices_per_node == 4
     cfg8 = settings(example, processes=8)
     assert cfg8.parallel.dp == 4
-    for text, field in (("[parallel]\ntp = 2\n", "parallel.tp"), ("[parallel]\npp = 3\n", "parallel.pp"),
+    tp = tmp_path / "tp.toml"
+    tp.write_text("[parallel]\npp = 2\ntp = 2\n")
+    assert (settings(tp, processes=4).parallel.tp, settings(tp, processes=4).parallel.dp) == (2, 1)
+    for text, field in (("[parallel]\ntp = 2\npp = 1\n", "parallel.tp"), ("[parallel]\npp = 3\n", "parallel.pp"),
                         ("[parallel]\npp = 2\ndp = 3\n", "parallel.dp"),
                         ("[runtime]\nadapter = 'deepspeed'\n", "runtime.adapter")):
         f = tmp_path / "bad.toml"
@@ -266,6 +269,6 @@ def test_resihp_plugins_lists_the_adapter_with_its_capabilities(capsys):
     assert main(["plugins", "--json"]) == 0
     rep = {a["name"]: a for a in json.loads(capsys.readouterr().out)["adapters"]}
     caps = rep["torch_native"]["capabilities"]
-    assert caps == {"tp_resize": False, "heterogeneous_tp": False, "layer_repartition": True,
+    assert caps == {"tp_resize": True, "heterogeneous_tp": True, "layer_repartition": True,
                     "cross_replica_migration": False, "schedules": ["1f1b", "gpipe", "zbh1"],
                     "checkpoint": True, "uneven_dp": True}

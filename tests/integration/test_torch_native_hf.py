@@ -5,7 +5,10 @@ local text. PP2 x DP2 (4 worker processes, gloo, float64): the resilient engine 
 stock path (Schedule1F1B + fully_shard) both equal one process running the whole model
 with torch's own clip_grad_norm_ (losses and the complete final state: parameters,
 every optimizer state entry, learning rate, scheduler position), and so does the engine
-after losing a device half-way and going on as pp3 over the other three."""
+after losing a device half-way and going on as pp3 over the other three. The same
+processes then run the LLaMA with tensor parallelism, TP2 x PP2 x DP1 (DTensor, the
+model's own TP plan): the engine and stock torch (parallelize_module + PipelineStage +
+Schedule1F1B) equal the same single process."""
 
 from __future__ import annotations
 
@@ -99,18 +102,29 @@ def test_hf_models_pp2_dp2_equal_stock_path_and_single_process(tmp_path):
     cases = [{"kind": kind, "shard": shard, "plan": plan.to_text(), "iterations": iterations, "text": str(TEXT),
               "out": str(tmp_path), "recover": recover, "plan_after": after.to_text()}
              for kind, shard, recover in CASES]
+    # Tensor parallelism in the same processes: TP2 x PP2 x DP1 over the same global batch
+    # (4 micro-batches), so the LLaMA reference serves it too.
+    tp_plan = ParallelPlan(num_layers=4, layer_ranges=((0, 2), (2, 4)), tp_groups=(((0, 1), (2, 3)),),
+                           num_microbatches=plan.dp * m)
+    cases.append({"kind": "llama", "tp": True, "plan": tp_plan.to_text(), "iterations": iterations,
+                  "text": str(TEXT), "out": str(tmp_path)})
     (tmp_path / "spec.json").write_text(json.dumps(cases))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     run_devices(lambda d: [str(HERE / "torch_native_hf_job.py"), str(tmp_path / "spec.json"), str(d),
                            str(store.port)], 4, tmp_path, 840)
+    refs = {kind: reference(kind, iterations, plan.dp * m) for kind, _, _ in CASES}
     for kind, _, _ in CASES:
         check(kind, [torch.load(tmp_path / f"{kind}-{d}.pt", weights_only=False) for d in range(4)], iterations,
-              plan.dp * m)
+              refs[kind])
+    # TP2 x PP2 (DTensor, the model's own base_model_tp_plan, GQA heads split 2/1 per rank):
+    # the engine's and the stock path's losses and complete final states equal one process.
+    check("llama", [torch.load(tmp_path / f"llama-tp-{d}.pt", weights_only=False) for d in range(4)], iterations,
+          refs["llama"], tied=False)
 
 
-def check(kind: str, out: list[dict], iterations: int, global_microbatches: int) -> None:
-    ref_state, ref_losses = reference(kind, iterations, global_microbatches)
+def check(kind: str, out: list[dict], iterations: int, ref: tuple[dict, list[float]], tied: bool = True) -> None:
+    ref_state, ref_losses = ref
     for key in ("losses", "stock_losses"):
         total = [sum(o[key][i] for o in out if i < len(o[key])) for i in range(iterations)]
         assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(total, ref_losses)), (kind, key, total, ref_losses)
@@ -120,7 +134,7 @@ def check(kind: str, out: list[dict], iterations: int, global_microbatches: int)
             merged.update(o[key])
         # every stage reports the shared entries (hyper-parameters, scheduler, iteration)
         assert compare_states(merged, ref_state) <= TOL, (kind, key)
-    if kind == "llama":  # the tied weight: one state name; the embedding's and the head's copies equal it
+    if kind == "llama" and tied:  # the tied weight: one state name; the embedding's and the head's copies equal it
         assert "param/lm_head.weight" not in ref_state and "param/model.embed_tokens.weight" in ref_state
         tied = {k: v for k, v in ref_state.items() if k.startswith(("param/model.embed_tokens.", "optim/model.embed_tokens."))}
         for d in (0, 3):  # pp3: stage 0 (embedding) and stage 2 (head)

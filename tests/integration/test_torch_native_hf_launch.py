@@ -3,8 +3,9 @@ agents, Scheduler, supervisor): the user's tiny LlamaForCausalLM (GQA, tied embe
 with AdamW, a warm-up + cosine LambdaLR and clipping at 1.0, PP2 x DP2 HSDP, a rank
 SIGKILLed at iteration 5. Every iteration commits and the complete final state
 (parameters, every optimizer entry, learning rate, scheduler position, iteration)
-equals one process training the whole model (float64). And a script that never calls
-``initialize()`` gets one clear error."""
+equals one process training the whole model (float64). The same with TP2 x PP2 and a
+device of stage 1's TP group killed: only that TP group shrinks. And a script that never
+calls ``initialize()`` gets one clear error."""
 
 from __future__ import annotations
 
@@ -29,11 +30,14 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_llama"
 ITERATIONS = 6  # the kill lands in the last one
 
 
-def _copy(dst: Path) -> Path:
+def _copy(dst: Path, tp: int = 1) -> Path:
     dst.mkdir()
     for f in ("accelerate.yaml", "train.py", "hf_model.py", "README.md"):
         shutil.copy(EXAMPLE / f, dst / f)
     text = re.sub(r"iterations = \d+", f"iterations = {ITERATIONS}", (EXAMPLE / "resihp.toml").read_text())
+    if tp > 1:  # TP x PP with one replica: 4 micro-batches, the same global batch as PP2 x DP2
+        text = re.sub(r"\npp = 2\b", f"\npp = 2\ntp = {tp}", text)
+        text = re.sub(r"microbatches = \d+", "microbatches = 4", text)
     (dst / "resihp.toml").write_text(text)
     return dst
 
@@ -58,6 +62,43 @@ def test_hf_llama_killed_rank_final_state_equals_single_process(tmp_path):
         assert abs(loss - losses[i]) <= 1e-9 * losses[i], (i, loss, losses[i])
     state: dict = {}
     for f in sorted(dump.glob("rank*.pt")):
+        state.update(torch.load(f, weights_only=False))
+    assert state["lr_scheduler/last_epoch"] == ITERATIONS and state["data/iteration"] == ITERATIONS
+    assert compare_states(state, ref) <= 1e-9
+
+
+@pytest.mark.timeout(600)
+def test_hf_llama_tp2_pp2_kill_in_stage1_shrinks_only_its_tp_group(tmp_path):
+    """TP2 x PP2 (DTensor, the model's own TP plan): device 3 of stage 1's TP group
+    SIGKILLed at iteration 5. The Scheduler keeps stage 0 at TP2 and runs stage 1 at TP1
+    on device 2 (heterogeneous TP), the survivors move the state from memory (no
+    restore, same processes), and the losses and complete final state equal one process."""
+    from .test_torch_native_hf import compare_states, reference
+
+    ex = _copy(tmp_path / "ex", tp=2)
+    (tmp_path / "kill.json").write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"}]))
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    rc, out = _run([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--faults",
+                    str(tmp_path / "kill.json"), "--workdir", str(tmp_path / "work"), "--timeout", "420", "train.py",
+                    "--iterations", str(ITERATIONS), "--dump", str(dump)], ex, 540)
+    assert rc == 0, out[-4000:]
+    assert "(TP2 x PP2 x DP1, DTensor TP)" in out, out[:2000]
+    assert "fail-stop of devices [3]" in out, out[-3000:]
+    layouts = re.findall(r"\] layout: .*replica 0: ([\d,]+) \| ([\d,]+)", out)
+    assert layouts[0] == ("0,1", "2,3") and layouts[-1] == ("0,1", "2"), layouts  # stage 0 keeps TP2
+    assert "resumed from the checkpoint" not in out and "(restore" not in out, out[-3000:]
+    for d in (0, 1, 2):  # the survivors keep their processes: one pid from iteration 1 to the end
+        log = (tmp_path / "work" / "job" / f"worker{d}.log").read_text()
+        seen = re.findall(r"rank=\d+ pid=(\d+) iteration=(\d+)", log)
+        assert len({pid for pid, _ in seen}) == 1 and [int(i) for _, i in seen] == list(range(1, ITERATIONS + 1)), seen
+    committed = {int(i): float(l) for i, l in COMMITTED.findall(out)}
+    assert sorted(committed) == list(range(ITERATIONS)), out[-3000:]
+    ref, losses = reference("llama", ITERATIONS, 4, ex / "README.md")
+    for i, loss in committed.items():  # printed with 10 decimals
+        assert abs(loss - losses[i]) <= 1e-9 * losses[i], (i, loss, losses[i])
+    state: dict = {}
+    for f in sorted(dump.glob("rank*.pt")):  # ranks 0, 1 (stage 0) and 2 (stage 1)
         state.update(torch.load(f, weights_only=False))
     assert state["lr_scheduler/last_epoch"] == ITERATIONS and state["data/iteration"] == ITERATIONS
     assert compare_states(state, ref) <= 1e-9

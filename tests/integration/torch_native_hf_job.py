@@ -5,7 +5,8 @@ programs lowered into torch's pipeline runtime, FSDP2 / HSDP), then the same und
 other three continue as pp3 x dp1, their state restored from a DCP checkpoint or moved
 from memory (``spec["recover"]``). Run as ``python torch_native_hf_job.py SPEC.json
 DEVICE STORE_PORT``; writes ``KIND-DEVICE.pt`` (both runs' flattened complete stage state on
-the lowest replica of each stage, losses everywhere)."""
+the lowest replica of each stage, losses everywhere). A case with ``"tp": true`` is the
+tensor-parallel one instead (:func:`run_tp_case`, ``KIND-tp-DEVICE.pt``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from resihp_core.predictor.schedules import emit_programs  # noqa: E402
 from resihp_adapters.torch_native.api import user_job  # noqa: E402
 from resihp_adapters.torch_native.engine import TorchNativeEngine  # noqa: E402
 from resihp_adapters.torch_native.reference import StockPipeline  # noqa: E402
+from resihp_adapters.torch_native.tp import TPEngine  # noqa: E402
 
 
 def job(spec: dict):
@@ -41,7 +43,42 @@ def main(spec_path: str, device: int, port: int) -> None:
         run_case(spec, device, dist.PrefixStore(f"case{c}/", store))
 
 
+def run_tp_case(spec: dict, device: int, store: dist.Store) -> None:
+    """TP2 x PP2 x DP1 (``spec["plan"]``): the engine (DTensor TP from the model's own HF
+    plan, TPStage peers, lowered core programs), then stock torch in a fresh world
+    (``parallelize_module`` + ``PipelineStage`` + ``Schedule1F1B``). Losses and states
+    are kept on TP index 0 (its TP peers hold the same)."""
+    plan, iterations = parse_plan(spec["plan"]), spec["iterations"]
+    user = job(spec)
+    eng = TPEngine(device, user.stages, user.data(plan.dp * plan.num_microbatches), store, recipe=user.recipe,
+                   timeout_s=60.0)
+    eng.rebuild(plan, 0)
+    eng.start_fresh()
+    pl = eng.place
+    prog = {(p.replica, p.stage): p for p in emit_programs(plan)}[(pl.replica, pl.stage)]
+    losses = [eng.run(prog).loss for _ in range(iterations)]
+    state = eng.flat_state()
+    eng.release()
+    tp = plan.degree(0, 0)
+    dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=pl.stage * tp + pl.tp_index,
+                            world_size=plan.pp * tp, timeout=datetime.timedelta(seconds=60))
+    user = job(spec)  # a fresh copy of the user's objects, as a plain launch would have
+    stock = StockPipeline(user.stages, user.data(plan.dp * plan.num_microbatches), pp=plan.pp,
+                          num_microbatches=plan.num_microbatches, layer_ranges=list(plan.layer_ranges),
+                          recipe=user.recipe, tp=tp)
+    stock_losses = [stock.step() for _ in range(iterations)]
+    stock_state = stock.flat_state()
+    dist.destroy_process_group()
+    first = pl.tp_index == 0
+    torch.save({"replica": 0, "stage": pl.stage, "losses": losses if first else [],
+                "stock_losses": stock_losses if first else [], "state": state if first else {},
+                "stock_state": stock_state if first else {}},
+               Path(spec["out"]) / f"{spec['kind']}-tp-{device}.pt")
+
+
 def run_case(spec: dict, device: int, store: dist.Store) -> None:
+    if spec.get("tp"):
+        return run_tp_case(spec, device, store)
     plan, iterations = parse_plan(spec["plan"]), spec["iterations"]
     user = job(spec)
     data = user.data(plan.dp * plan.num_microbatches)

@@ -97,7 +97,7 @@ class TorchNativeAdapter(Adapter):
         import torch
 
         from resihp_adapters.torch_native.data import Batches, job_source
-        from resihp_adapters.torch_native.engine import TorchNativeEngine
+        from resihp_adapters.torch_native.tp import TPEngine
         from resihp_adapters.torchkit.device import placement_for
 
         torch.set_num_threads(1)
@@ -110,7 +110,7 @@ class TorchNativeAdapter(Adapter):
         else:
             model, recipe = c["model"], None
             data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
-        self.engine = TorchNativeEngine(
+        self.engine = TPEngine(
             ctx.device, model, data, ctx.store, shard_degree=c["shard"], lr=c["lr"],
             weight_decay=c["weight_decay"], recipe=recipe, timeout_s=ctx.timeout_s,
             join_timeout_s=max(30.0, 6 * ctx.timeout_s),
@@ -126,12 +126,13 @@ class TorchNativeAdapter(Adapter):
     @property
     def where(self) -> tuple[int, int, int] | None:
         pl = self.engine.place
-        return None if pl is None else (pl.replica, pl.stage, 0)
+        return None if pl is None else (pl.replica, pl.stage, pl.tp_index)
 
     def _check(self, plan: ParallelPlan) -> None:
         if plan.num_layers != self.engine.model.n_layers:
             what = "adapter_config.model.n_layers" if self.engine.cfg is not None else "the model's blocks"
             raise ValueError(f"plan has {plan.num_layers} layers, {what}: {self.engine.model.n_layers}")
+        self.engine.check(plan)
 
     # ------------------------------------------------------------ generations
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:

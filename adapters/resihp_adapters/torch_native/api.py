@@ -148,8 +148,10 @@ def _refuse_dropout(model: Any) -> None:
 
 def user_job(model: Any, *, optimizer: Any, lr_scheduler: Any = None, loss_fn: Any = None,
              max_grad_norm: float | None = None, dataset: Any = None, collate_fn: Any = None,
-             micro_batch_size: int = 1, split: Any = None) -> UserJob:
-    """Validate the user's pieces (errors name the argument) and bundle them."""
+             micro_batch_size: int = 1, split: Any = None, tp_plan: Any = None) -> UserJob:
+    """Validate the user's pieces (errors name the argument) and bundle them.
+    ``tp_plan``: module path (wildcards) -> "colwise" / "rowwise" / a torch
+    ``ParallelStyle``, for plans with TP (default: the model's own, :mod:`.tp`)."""
     import torch
 
     from resihp_adapters.torch_native.data import UserData, hf_batch, hf_label_count, hf_loss_sum
@@ -173,6 +175,11 @@ def user_job(model: Any, *, optimizer: Any, lr_scheduler: Any = None, loss_fn: A
     model.train()
     _refuse_dropout(model)
     stages = UserStages(model, split)
+    if tp_plan is not None:
+        from resihp_adapters.torch_native.tp import tp_styles
+
+        tp_styles(tp_plan)  # refuses unknown styles up front, naming the path
+    stages.tp_plan = tp_plan
     recipe = Recipe(optimizer=_optimizer_factory(optimizer), loss=loss_fn or hf_loss_sum,
                     lr_scheduler=_scheduler_factory(lr_scheduler),
                     max_grad_norm=None if max_grad_norm is None else float(max_grad_norm))
@@ -206,7 +213,7 @@ def _split_prepare(stages: Any) -> Callable[[Any], Any]:
 
 def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = None, loss_fn: Any = None,
                max_grad_norm: float | None = None, dataset: Any = None, collate_fn: Any = None,
-               micro_batch_size: int = 1, split: Any = None,
+               micro_batch_size: int = 1, split: Any = None, tp_plan: Any = None,
                config: str | os.PathLike | None = None) -> ResilientTrainer | StockTrainer:
     """See the module docstring. ``model``: the user's ``nn.Module`` (its current
     weights are the initial state) or a factory building it; a path instead names the
@@ -217,7 +224,9 @@ def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = 
     token cross-entropy, normalised by the global batch's labelled tokens).
     ``max_grad_norm``: clip the global gradient norm. ``dataset`` / ``collate_fn`` /
     ``micro_batch_size``: the data (:class:`~.data.UserData`). ``split``: a
-    :class:`~.split.Split` for models that are not Hugging Face decoders. ``config``: the
+    :class:`~.split.Split` for models that are not Hugging Face decoders. ``tp_plan``: the
+    tensor-parallel plan by module path for ``[parallel] tp`` > 1 (default: the model's
+    own, a Hugging Face ``config.base_model_tp_plan``; :mod:`.tp`). ``config``: the
     ResiHP configuration file for a plain launch (default ``$RESIHP_CONFIG``)."""
     if isinstance(model, (str, os.PathLike)):
         if config is not None:
@@ -225,7 +234,7 @@ def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = 
         config, model = model, None
     user = None if model is None else user_job(
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
-        dataset=dataset, collate_fn=collate_fn, micro_batch_size=micro_batch_size, split=split)
+        dataset=dataset, collate_fn=collate_fn, micro_batch_size=micro_batch_size, split=split, tp_plan=tp_plan)
     if os.environ.get("RESIHP_STORE"):
         import gc
 
@@ -279,5 +288,6 @@ def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrain
         data = Batches(source, c["model"].torch_dtype)
     pipeline = StockPipeline(model, data, pp=cfg.parallel.pp, num_microbatches=tr.microbatches,
                              shard=c["shard"], lr=c["lr"], weight_decay=c["weight_decay"],
-                             schedule=cfg.scheduler.schedule, recipe=recipe)
+                             schedule=cfg.scheduler.schedule, recipe=recipe, tp=cfg.parallel.tp,
+                             tp_plan=None if user is None else user.stages.tp_plan)
     return StockTrainer(pipeline, tr.iterations)

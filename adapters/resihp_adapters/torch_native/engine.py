@@ -202,6 +202,8 @@ class Place:
     stage: int
     shard_degree: int
     slot: int
+    tp_index: int = 0
+    tp_degree: int = 1
 
     @property
     def shard_index(self) -> int:
@@ -223,10 +225,16 @@ def place_of(plan: ParallelPlan, device: int, wanted_shard: int) -> Place | None
     loc = plan.location(device)
     if loc is None:
         return None
-    r, s, _ = loc
+    r, s, t = loc
     live = live_replicas(plan)
     slot = live.index(r)
-    return Place(s * len(live) + slot, r, s, shard_degree_for(len(live), wanted_shard), slot)
+    k = shard_degree_for(len(live), wanted_shard)
+    if all(len(g) <= 1 for rep in plan.tp_groups for g in rep):
+        return Place(s * len(live) + slot, r, s, k, slot)
+    # TP (docs/torch_native.md, "Tensor parallelism"): ranks stage-major, then replica, TP index
+    rank = sum(plan.degree(rr, ss) for ss in range(plan.pp) for rr in range(plan.dp)
+               if (ss, rr) < (s, r)) + t
+    return Place(rank, r, s, k, slot, t, plan.degree(r, s))
 
 
 def check_plan(plan: ParallelPlan) -> None:

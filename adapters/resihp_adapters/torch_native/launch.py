@@ -12,7 +12,8 @@ the rest:
 * from accelerate: the number of workers (``num_processes``), hence ``parallel.dp =
   num_processes / parallel.pp`` and ``runtime.devices_per_node = num_processes /
   runtime.nodes``; the file may state them, and then they must agree;
-* from the file: ``[parallel] pp`` (``tp`` must be 1), ``[model]``, ``[training]``
+* from the file: ``[parallel] pp`` and ``tp`` (TP > 1 with one replica: ``num_processes
+  = tp x pp``), ``[model]``, ``[training]``
   (iterations, micro-batches, token budget, lr, dtype, checkpoints), ``[data]`` (the
   job's data source), ``[adapter] shard`` (HSDP shard degree), ``[detector]``,
   ``[runtime] nodes`` (agents emulating nodes on this machine; default 1).
@@ -72,14 +73,16 @@ def settings(path: str | os.PathLike, *, processes: int) -> Any:
     par = dict(raw.get("parallel") or {})
     rt = dict(raw.get("runtime") or {})
     tp, pp = par.get("tp", 1), par.get("pp", 2)
-    if tp != 1:
-        raise ConfigError("torch_native runs one device per stage: must be 1", path="parallel.tp", value=tp)
-    if not isinstance(pp, int) or pp < 1 or processes % pp:
+    if not isinstance(tp, int) or tp < 1 or (tp > 1 and processes != tp * pp):
+        raise ConfigError(f"torch_native runs TP with one replica: accelerate's num_processes = {processes} "
+                          f"must equal parallel.tp x parallel.pp (docs/torch_native.md, Tensor parallelism)",
+                          path="parallel.tp", value=tp)
+    if not isinstance(pp, int) or pp < 1 or processes % (pp * tp):
         raise ConfigError(f"accelerate's num_processes = {processes} must split into parallel.pp stages",
                           path="parallel.pp", value=pp)
-    if par.setdefault("dp", processes // pp) != processes // pp:
+    if par.setdefault("dp", processes // (pp * tp)) != processes // (pp * tp):
         raise ConfigError(f"accelerate's num_processes = {processes} with parallel.pp = {pp} gives "
-                          f"dp = {processes // pp}", path="parallel.dp", value=par["dp"])
+                          f"dp = {processes // (pp * tp)}", path="parallel.dp", value=par["dp"])
     nodes = rt.setdefault("nodes", 1)
     if not isinstance(nodes, int) or nodes < 1 or processes % nodes:
         raise ConfigError(f"must divide accelerate's num_processes = {processes}", path="runtime.nodes", value=nodes)
@@ -151,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
                OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     os.environ.update(env)  # agents start here and pass their environment on to workers
     p = job.plan
-    print(f"resihp launch: {n} workers of {script} on torch_native (PP{p.pp} x DP{p.dp}, FSDP2), "
+    tps = sorted({len(g) for rep in p.tp_groups for g in rep})
+    how = f"TP{tps[0]} x PP{p.pp} x DP{p.dp}, DTensor TP" if tps != [1] else f"PP{p.pp} x DP{p.dp}, FSDP2"
+    print(f"resihp launch: {n} workers of {script} on torch_native ({how}), "
           f"{cfg.training.iterations} iterations; settings {path}; logs in {work / 'job'}", flush=True)
 
     def on_event(ev: dict) -> None:

@@ -6,12 +6,14 @@ adapter class declares ``capabilities = CAPABILITIES`` from here.
 What it promises (each proven by the conformance kit, ``tests/conformance``): any
 layer boundaries between generations (stages are rebuilt, state moves by parameter
 name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), checkpoints
-(``torch.distributed.checkpoint``, re-sharded onto any later layout), and uneven
+(``torch.distributed.checkpoint``, re-sharded onto any later layout), uneven
 micro-batch counts per replica (``uneven_dp``: another replica's micro-batch run whole
-by one replica's pipeline; a dropped replica). Not promised: TP (one device per
-stage), and a single stage migrated to another replica — a torch pipeline schedule
-drives one replica's pipeline group, so a stage cannot take a micro-batch from another
-replica's previous stage (``docs/torch_native.md``).
+by one replica's pipeline; a dropped replica), and tensor parallelism with a TP degree
+per stage (DTensor; a TP group shrinks alone, its state re-sharded from any surviving
+member's memory; one replica: ``tp.py``). Not promised: a single stage migrated to
+another replica — a torch pipeline schedule drives one replica's pipeline group, so a
+stage cannot take a micro-batch from another replica's previous stage
+(``docs/torch_native.md``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from resihp_core.plan import ScheduleKind
 NAME = "torch_native"
 TARGET = "resihp_adapters.torch_native.adapter:TorchNativeAdapter"
 CAPABILITIES = Capabilities(
-    tp_resize=False,
-    heterogeneous_tp=False,
+    tp_resize=True,
+    heterogeneous_tp=True,
     layer_repartition=True,
     cross_replica_migration=False,
     uneven_dp=True,  # another replica's micro-batch runs whole on one pipeline (lowering.py)
@@ -40,7 +42,7 @@ def resihp_register_adapters(registry: AdapterRegistry) -> None:
         NAME,
         TARGET,
         CAPABILITIES,
-        description="torch.distributed.pipelining stages sharded with FSDP2/HSDP (PP x DP)",
+        description="torch.distributed.pipelining stages sharded with FSDP2/HSDP (PP x DP), or DTensor TP per stage",
         install_hint="pip install 'resihp[torch]'",
         job_config="resihp_adapters.torch_native.plugin:job_section",
         reference="resihp_adapters.torch_native.reference:reference_losses",
@@ -55,6 +57,10 @@ def job_section(cfg) -> dict:
     ``[data]`` source (one packed sequence of ``training.token_budget`` tokens per
     micro-batch)."""
     mod, tr = cfg.model, cfg.training
+    par = getattr(cfg, "parallel", None)
+    if par is not None and par.tp > 1 and par.dp > 1:
+        raise ValueError(f"parallel: torch_native runs tensor parallelism with one replica (tp = {par.tp}, "
+                         f"dp = {par.dp}); docs/torch_native.md, Tensor parallelism")
     extra = dict(cfg.adapter)
     unknown = sorted(set(extra) - {"shard", "weight_decay", "model"})
     if unknown:

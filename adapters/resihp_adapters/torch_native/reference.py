@@ -84,7 +84,8 @@ class StockPipeline:
 
     def __init__(self, model, data, *, pp: int, num_microbatches: int,
                  layer_ranges: list[tuple[int, int]] | None = None, shard: int = 0, lr: float = 1e-3,
-                 weight_decay: float = 0.0, schedule: str = "1f1b", recipe=None) -> None:
+                 weight_decay: float = 0.0, schedule: str = "1f1b", recipe=None, tp: int = 1,
+                 tp_plan=None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -101,6 +102,11 @@ class StockPipeline:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % pp:
             raise ValueError(f"{world} processes do not split into pp={pp} stages")
+        if tp > 1:
+            self._init_tp(model, data, pp=pp, tp=tp, num_microbatches=num_microbatches, layer_ranges=layer_ranges,
+                          schedule=kinds[schedule], recipe=recipe, tp_plan=tp_plan)
+            return
+        self.tp, self.tp_index = 1, 0
         if layer_ranges is None:
             layer_ranges = list(ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=model.n_layers,
                                                         num_microbatches=num_microbatches).layer_ranges)
@@ -136,6 +142,48 @@ class StockPipeline:
         self.schedule = kinds[schedule](stage, num_microbatches, loss_fn=self._loss, scale_grads=False)
         self.iteration = 0
 
+    def _init_tp(self, model, data, *, pp: int, tp: int, num_microbatches: int, layer_ranges, schedule, recipe,
+                 tp_plan) -> None:
+        """Stock TP x PP (one replica): a ``("pp", "tp")`` mesh, each stage parallelised
+        with ``parallelize_module`` over its ``tp`` row, one ``PipelineStage`` per TP
+        index over its ``pp`` column (what a torchtitan user writes)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from resihp_core.plan import ParallelPlan
+        from resihp_adapters.torch_native.engine import tie_sets
+        from resihp_adapters.torch_native.tp import model_tp_plan, tp_styles
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != pp * tp:
+            raise ValueError(f"stock TP x PP runs one replica: {world} processes for pp={pp} x tp={tp}")
+        if layer_ranges is None:
+            layer_ranges = list(ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=model.n_layers,
+                                                        num_microbatches=num_microbatches).layer_ranges)
+        self.model, self.recipe, self.data, self.pp, self.m = model, recipe, data, pp, num_microbatches
+        self.dp, self.replica, self.copies, self.tp = 1, 0, 1, tp
+        self.stage_index, self.tp_index = divmod(rank, tp)
+        mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+        a, b = layer_ranges[self.stage_index]
+        module = model.build(a, b)
+        parallelize_module(module, mesh["tp"], tp_styles(model_tp_plan(model.source, tp_plan)))
+        self.module = module
+        self.optimizer = recipe.optimizer(list(module.parameters()))
+        self.scheduler = recipe.lr_scheduler(self.optimizer) if recipe.lr_scheduler else None
+        plan = ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=model.n_layers,
+                                    num_microbatches=num_microbatches).with_(layer_ranges=tuple(layer_ranges))
+        self.ties = []
+        for stages, where in tie_sets(model, plan):
+            for t in range(tp):  # each TP index sums its stages' copies
+                g = dist.new_group([s * tp + t for s in stages])
+                if t == self.tp_index and self.stage_index in where:
+                    self.ties.append((g, where[self.stage_index]))
+        self._denom = 1.0
+        stage = PipelineStage(module, self.stage_index, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        self.schedule = schedule(stage, num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.iteration = 0
+
     @property
     def is_last_stage(self) -> bool:
         return self.stage_index == self.pp - 1
@@ -164,9 +212,14 @@ class StockPipeline:
             self.schedule.step(**kwargs)
         params = dict(self.module.named_parameters())
         for group, name in self.ties:  # tied copies on two stages: one gradient
-            if params[name].grad is not None:
-                dist.all_reduce(params[name].grad.to_local(), group=group)
-        if self.recipe.max_grad_norm is not None:
+            g = params[name].grad
+            if g is not None:
+                dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=group)
+        if self.recipe.max_grad_norm is not None and self.tp > 1:
+            from resihp_adapters.torch_native.tp import clip_tp
+
+            clip_tp(self.module, self.model.aliases, self.recipe.max_grad_norm, None, self.tp_index)
+        elif self.recipe.max_grad_norm is not None:
             clip_global(self.module, self.model.aliases, self.recipe.max_grad_norm, None, self.copies)
         self.optimizer.step()
         if self.scheduler is not None:
@@ -187,10 +240,12 @@ class StockPipeline:
         full: dict[str, Held] = {}
         for name, p in self.module.named_parameters():
             st = self.optimizer.state.get(p, {})
-            h = Held(p.full_tensor().detach().clone())
+            h = Held((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone())
             for k, v in st.items():
                 if hasattr(v, "full_tensor"):
                     h.sharded[k] = v.full_tensor().clone()
+                elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                    h.sharded[k] = v.clone()
                 else:
                     h.other[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
             full.setdefault(self.model.aliases.get(name, name), h)

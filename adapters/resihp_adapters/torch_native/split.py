@@ -234,6 +234,8 @@ class UserStages:
         floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
         self.dtype = floats[0] if floats else torch.float32
         self._names: dict[tuple[int, int], list[str]] = {}
+        #: the user's TP plan (None: the model's own; docs/torch_native.md, "Tensor parallelism")
+        self.tp_plan: dict | None = None
 
     def build(self, start: int, end: int) -> Stage:
         return Stage(self.split, self.source, start, end)
