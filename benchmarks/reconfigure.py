@@ -89,24 +89,18 @@ def timed_kill(job: LocalJob, plan: ParallelPlan, victim: int, after: ParallelPl
     while victim not in job.dead():
         time.sleep(0.0005)
     t_detect = time.perf_counter()
-    resume = frontier = job.abort()
-    if restore:  # the supervisor's rule: the newest complete checkpoint before ``resume``
-        from resihp_core import checkpoints
-
-        spec_ = JobSpec.from_json(job.job_path.read_text())
-        point = checkpoints.restore_point(spec_.checkpoint_dir, resume, spec_.checkpoint_every)[0]
-        resume = 0 if point is None else point + 1
-    job.post(after, iterations=1000, resume=resume, restore=(resume - 1) if restore else None)
-    job.wait(frontier + 1, timeout=timeout)  # past where the job was (re-trained iterations included)
+    resume = job.abort()
+    job.post(after, iterations=1000, resume=resume, restore=resume - 1 if restore else None)
+    job.wait(resume + 1, timeout=timeout)
     t_first = time.perf_counter()
     info = job.ready_info()
-    job.wait(frontier + 3, timeout=timeout)
-    steady = [max(r.iteration_s for r in job.report(i).values()) for i in (frontier + 1, frontier + 2)]
+    job.wait(resume + 3, timeout=timeout)
+    steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
     return dict(kill_to_first_iteration_s=t_first - t_kill, detect_s=t_detect - t_kill,
                 rebuild_s=max(v["rebuild_s"] for v in info.values()),
                 state_s=max(v["state_s"] for v in info.values()),
                 bytes_moved=sum(v["bytes_received"] for v in info.values()),
-                iteration_after_s=statistics.median(steady), retrained=frontier - resume)
+                iteration_after_s=statistics.median(steady))
 
 
 def kill_to_iteration(reps: int) -> dict:

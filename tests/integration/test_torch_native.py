@@ -140,15 +140,8 @@ def kill_and_repartition(tmp: Path, *, shard: int, restore: bool) -> dict:
         lj.kill(1)
         lj.wait(5, timeout=300, on_death="return")
         resume = lj.abort()
-        if restore:
-            # The supervisor's rule: the newest complete checkpoint before ``resume`` (a
-            # background write the kill cut short is not complete; docs/checkpoints.md).
-            from resihp_core.checkpoints import restore_point
-
-            point = restore_point(job.checkpoint_dir, resume, job.checkpoint_every)[0]
-            resume = 0 if point is None else point + 1
         g = lj.post(three_stages((0, 2, 3)), iterations=5, resume=resume,
-                    restore=(resume - 1) if restore else None)
+                    restore=resume - 1 if restore else None)
         lj.wait(5, timeout=300)
         ready = {d: json.loads(lj.store.get(f"ctl{g}/ready/{d}")) for d in (0, 2, 3)}
         losses = [sum(r.loss for r in lj.report(i).values()) for i in range(5)]

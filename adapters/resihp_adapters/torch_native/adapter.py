@@ -20,9 +20,7 @@ for every adapter: see :mod:`.data`.
 from __future__ import annotations
 
 import os
-import sys
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
@@ -119,8 +117,6 @@ class TorchNativeAdapter(Adapter):
         self.engine.delay_comm = ctx.faults.delay_comm
         self._progress = (0, 0)
         self._status: list[dict[str, Any]] = []  # checkpoint writes sealed since the last report
-        # background checkpoint writes: (iteration, start, generation, DCP's future)
-        self._pending: list[tuple[int, float, int, bool, Future]] = []  # + coordinator?
 
     # ------------------------------------------------------------ placement
     @property
@@ -135,7 +131,6 @@ class TorchNativeAdapter(Adapter):
 
     # ------------------------------------------------------------ generations
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
-        self._drain(wait=True, ending=True)  # a write in flight uses the old generation's groups
         self._check(plan)
         self.engine.rebuild(plan, generation, devices)
 
@@ -146,7 +141,6 @@ class TorchNativeAdapter(Adapter):
         return self.engine.move_state(old_plan, new_plan, set(devices), self.engine.iteration)
 
     def release(self) -> None:
-        self._drain(wait=True, ending=True)  # a write in flight uses this generation's groups
         self.engine.release()
 
     def snapshot(self) -> None:
@@ -216,59 +210,23 @@ class TorchNativeAdapter(Adapter):
         return dist.get_rank(group=self.engine.executors_group) == 0
 
     def save_checkpoint(self, iteration: int) -> None:
-        """DCP, collective over the executors: each copies its own shards now and writes
-        them in the background (:meth:`~.engine.TorchNativeEngine.save_checkpoint_async`);
-        once the coordinator's write is done (DCP's last step gathers every rank's), it
-        seals the checkpoint (:meth:`checkpoint_status`). A storage error is reported
-        through :meth:`checkpoint_status`, not raised (a peer that died still raises)."""
+        """DCP, collective over the executors: each writes its own shards; the
+        coordinator then seals the checkpoint. A storage error is reported through
+        :meth:`checkpoint_status`, not raised (a peer that died still raises)."""
         from torch.distributed.checkpoint.api import CheckpointException
+
+        from resihp_core import checkpoints
 
         if self.engine.module is None:
             return  # a standby: not in the executors' group
-        # One write at a time: two would interleave their collectives on the one group.
-        self._drain(wait=True)
         t0 = time.perf_counter()
+        error = None
         try:
             os.makedirs(self._path(iteration), exist_ok=True)
-            future = self.engine.save_checkpoint_async(self._path(iteration))
+            self.engine.save_checkpoint(self._path(iteration))
         except (OSError, CheckpointException) as e:  # every executor gets DCP's verdict alike
-            self._finished(iteration, t0, f"{type(e).__name__}: {e}", self._coordinator())
-            return
-        if future is not None:
-            self._pending.append((iteration, t0, self.engine.generation, self._coordinator(), future))
-
-    def _drain(self, wait: bool, ending: bool = False) -> None:
-        """Seal (coordinator) and record the background writes that have finished; with
-        ``wait``, wait for every one first. A write that failed while its generation
-        ends (``ending``: a peer died, the groups go away) or after it ended is left
-        unsealed and not reported as a storage fault: it was a failure like any other."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        keep = []
-        for iteration, t0, generation, coordinator, future in self._pending:
-            if not (wait or future.done()):
-                keep.append((iteration, t0, generation, coordinator, future))
-                continue
-            try:
-                future.result()
-                error = None
-            except (OSError, CheckpointException) as e:
-                error = f"{type(e).__name__}: {e}"
-            except Exception as e:  # noqa: BLE001 - the write's own thread failed
-                error = f"{type(e).__name__}: {e}"
-            if error is not None and (ending or generation != self.engine.generation):
-                print(f"event=checkpoint_abandoned device={self.ctx.device} iteration={iteration} "
-                      f"reason={error[:200]!r}", file=sys.stderr, flush=True)
-                continue  # left unsealed: never restored from
-            self._finished(iteration, t0, error, coordinator)
-        self._pending = keep
-
-    def _finished(self, iteration: int, t0: float, error: str | None, coordinator: bool) -> None:
-        """The coordinator seals a complete write and applies retention; either way it
-        records the outcome for :meth:`checkpoint_status`."""
-        from resihp_core import checkpoints
-
-        if not coordinator:
+            error = f"{type(e).__name__}: {e}"
+        if not self._coordinator():
             return
         nbytes = 0
         if error is None:
@@ -283,7 +241,6 @@ class TorchNativeAdapter(Adapter):
                              "seconds": time.perf_counter() - t0})
 
     def checkpoint_status(self) -> list[dict[str, Any]]:
-        self._drain(wait=False)
         out, self._status = self._status, []
         return out
 
@@ -295,5 +252,4 @@ class TorchNativeAdapter(Adapter):
         self.engine.load_checkpoint(self._path(iteration), iteration + 1)
 
     def close(self) -> None:
-        self._drain(wait=True, ending=True)  # the job's last checkpoints are sealed before the worker exits
         self.engine.release()

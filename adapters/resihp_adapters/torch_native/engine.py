@@ -41,7 +41,6 @@ from __future__ import annotations
 import datetime
 import gc
 import time
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
@@ -305,7 +304,6 @@ class TorchNativeEngine:
         self._snapshot: tuple[dict[str, Held], int] | None = None
         self._snap_module: nn.Module | None = None  # the stage the snapshot's buffers were made for
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
-        self._checkpoint_group: object | None = None  # background checkpoint writes' group (lazy)
 
     def canonical(self, name: str) -> str:
         """The state's name of a stage parameter (a tied copy is named by its first name)."""
@@ -325,7 +323,6 @@ class TorchNativeEngine:
             self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
         self.executors_group = None
-        self._checkpoint_group = None  # a background write still running keeps its own reference
         self._ties = []
         self._lowered = None
         _unbind_groups(*self._bound)
@@ -773,23 +770,6 @@ class TorchNativeEngine:
             return
         self._ensure_optimizer_state()
         dcp.save(self._state_dicts(), checkpoint_id=path, process_group=self.executors_group)
-
-    def save_checkpoint_async(self, path: str) -> Future | None:
-        """:meth:`save_checkpoint` with the files written in the background: the state is
-        copied now (DCP's staging), planning and writing run on a thread over a process
-        group of their own (never interleaved with training's collectives). Collective
-        over the executors (the copy and the group's creation); returns the write's
-        future (None for a standby). docs/checkpoints.md."""
-        import torch.distributed.checkpoint as dcp
-
-        if self.module is None:
-            return None
-        self._ensure_optimizer_state()
-        if self._checkpoint_group is None:
-            # Only the executors make it (standbys never save): a local synchronisation.
-            self._checkpoint_group = dist.new_group(list(range(self.plan.dp * self.plan.pp)), timeout=self.timeout,
-                                                    use_local_synchronization=True)
-        return dcp.async_save(self._state_dicts(), checkpoint_id=path, process_group=self._checkpoint_group)
 
     def _ensure_optimizer_state(self) -> None:
         """Optimizers create their state lazily; a checkpoint needs every key present:
