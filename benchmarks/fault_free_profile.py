@@ -49,7 +49,9 @@ PARTS = [
     ("iteration in the worker (Worker._one_iteration)", "runtime/worker.py", "_one_iteration"),
     ("  adapter.run_iteration", "torch_native/adapter.py", "run_iteration"),
     ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
-    ("      compute chunks (the detector's timed hooks)", "torch_native/engine.py", "run"),
+    ("      forward and backward chunks", "pipelining/stage.py", "forward_one_chunk|backward_one_chunk|"
+     "backward_weight_one_chunk"),
+    ("      gradient reduction (FSDP)", "pipelining/stage.py", "perform_reduce_grad"),
     ("    optimizer step (AdamW on DTensors)", "optim/optimizer.py", "wrapper"),
     ("  snapshot for rollback", "torch_native/adapter.py", "snapshot"),
     ("  checkpoint: the training thread's share", "torch_native/adapter.py", "save_checkpoint"),
@@ -61,22 +63,16 @@ PARTS = [
 ]
 
 
-def _cum(st: pstats.Stats, suffix: str, fn: str, line_of_timed: bool = False) -> tuple[float, int]:
+def _cum(st: pstats.Stats, suffix: str, fns: str) -> tuple[float, int]:
+    """Cumulative seconds of the functions ``fns`` ('|'-separated) of files ending in
+    ``suffix``, and the most calls of any of them."""
+    names = set(fns.split("|"))
     tot, calls = 0.0, 0
     for (f, _line, name), (_cc, nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
-        if f.endswith(suffix) and name == fn:
+        if f.endswith(suffix) and name in names:
             tot += ct
             calls = max(calls, nc)
     return tot, calls
-
-
-def _compute_chunks(st: pstats.Stats) -> float:
-    """The engine's timed wrapper (a closure named ``run`` inside ``_hook_stage``)."""
-    tot = 0.0
-    for (f, line, name), (_cc, _nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
-        if f.endswith("torch_native/engine.py") and name == "run" and line < 500:
-            tot += ct
-    return tot
 
 
 def breakdown(folder: Path) -> tuple[list[tuple[str, float, list[float]]], int]:
@@ -89,8 +85,7 @@ def breakdown(folder: Path) -> tuple[list[tuple[str, float, list[float]]], int]:
         st = pstats.Stats(f)
         iterations = _cum(st, "runtime/worker.py", "_one_iteration")[1]
         for label, suffix, fn in PARTS:
-            v = _compute_chunks(st) if "timed hooks" in label else _cum(st, suffix, fn)[0]
-            rows[label].append(1e3 * v / max(1, iterations))
+            rows[label].append(1e3 * _cum(st, suffix, fn)[0] / max(1, iterations))
     return [(k, statistics.median(v), v) for k, v in rows.items()], iterations
 
 
