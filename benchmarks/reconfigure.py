@@ -28,8 +28,8 @@ is lost: restore from the last torch.distributed.checkpoint onto the 3 survivors
 then the fault-free iteration time of the resilient path (``resihp run``'s production
 path: agents, controller, detector, supervisor, the commit protocol) against the stock
 path (``PipelineStage`` + ``Schedule1F1B`` + ``fully_shard``, HSDP, under ``torchrun``,
-no ResiHP) on the same PP2 x DP2 job, model and data, alternated in one run (medians of
-the steady iterations' commit gaps; ``--fault-free-only`` runs just this).
+no ResiHP) on the same PP2 x DP2 job, model and data, alternated in one run (medians over
+runs of each run's seconds per iteration after a warm-up; ``--fault-free-only`` runs just this).
 
 With ``--controller-restart`` it measures controller failover instead (docs/failover.md):
 a ``resihp run`` job (megatron_ref, TP1 x PP2 x DP2, 2 nodes) whose controller is
@@ -153,13 +153,26 @@ def torch_native_kill(reps: int, hf: bool = False) -> dict:
     return out
 
 
+def _mean_iteration_s(commits: list, warmup: int) -> float:
+    """Seconds per iteration from the commit after the warm-up to the last one: a rate,
+    not a median of gaps (the supervisor sees commits when it polls, sometimes two at
+    once, and gaps of 0 and 2T make a median of gaps land on either)."""
+    first: dict[int, float] = {}
+    for c in sorted(commits, key=lambda c: c.t):
+        first.setdefault(c.iteration, c.t)
+    its = sorted(i for i in first if i >= warmup)
+    if len(its) < 2:
+        return math.nan
+    return (first[its[-1]] - first[its[0]]) / (its[-1] - its[0])
+
+
 def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0) -> dict:
     """Fault-free iteration time, resilient vs stock path, PP2 x DP2 (the kill test's job):
     ``rounds`` rounds, each one run of either (order alternated every round). Both come
     from peers.py (the same model, data and HSDP layout there): ``run_resihp`` is
     ``resihp run``'s production path without checkpoints, ``run_torchrun("plain")`` the
-    stock script (``StockPipeline``) under torchrun. Per run: the median gap between
-    consecutive iterations' commits after a warm-up of 3 (the supervisor's commits for
+    stock script (``StockPipeline``) under torchrun. Per run: seconds per iteration
+    from the commit after a warm-up of 3 to the last one (the supervisor's commits for
     ResiHP, rank 0's finished steps for stock); a ResiHP run whose detector re-planned
     without a fault (contention on a loaded host) is timed over its first plan."""
     from pathlib import Path
@@ -189,7 +202,7 @@ def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0
                 # plan's iterations only (the overhead, not a different layout) and say so.
                 replans.append((r, len(resumes), resumes[0][0]))
                 commits = commits[:resumes[0][0]]
-            runs[system].append(peers.summarise(commits, [], iterations, 3)["iteration_s"])
+            runs[system].append(_mean_iteration_s(commits, warmup=3))
             loads.append(float(open("/proc/loadavg").read().split()[0]) if os.path.exists("/proc/loadavg") else math.nan)
     ratios = [a / b for a, b in zip(runs["resihp"], runs["stock"])]
     return {"stock_iteration_s": statistics.median(runs["stock"]),
