@@ -421,14 +421,18 @@ def _tail(paths: Iterable[Path], n: int = 400) -> str:
 def run_torchrun(system: str, job: Job, trace: list[Event], iterations: int, work: Path, spec: str,
                  timeout: float, every: int, max_restarts: int) -> Run:
     """``plain`` (no checkpoints, no restarts) or ``ckpt`` (a checkpoint every ``every``
-    iterations, ``torchrun --max-restarts``), the script in ``_torchrun_worker``."""
+    iterations, ``torchrun --max-restarts``), the script in ``_torchrun_worker``;
+    ``plain-fsdp``: ``plain`` built from the torch_native adapter's stock blocks even
+    for ``pp = 1`` (``PipelineStage`` + ``fully_shard`` HSDP instead of DDP), to tell
+    their cost from ResiHP's (docs/benchmarks.md)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     a = {"spec": spec, "iterations": iterations, "out": str(work), "trace": [asdict(e) for e in trace],
-         "pp": job.pp, "m": job.microbatches, "every": every if system == "ckpt" else 0}
+         "pp": job.pp, "m": job.microbatches, "every": every if system == "ckpt" else 0,
+         "fsdp": system == "plain-fsdp"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(job.workers),
            "--max-restarts", str(max_restarts if system == "ckpt" else 0), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"peers-{os.getpid()}",
@@ -514,7 +518,7 @@ def _torchrun_worker(a: dict) -> None:
     newest = ckdir / "newest"
     start = int(newest.read_text()) if every and newest.exists() else 0
     log = open(out / "commits.txt", "a") if rank == 0 else None
-    if pp == 1:
+    if pp == 1 and not a.get("fsdp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from resihp_adapters.torch_native.model import build_stage, loss_sum

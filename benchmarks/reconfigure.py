@@ -24,7 +24,12 @@ With ``--adapter torch_native`` it measures instead, on the torch-native adapter
 (torch.distributed.pipelining + FSDP2, 4 workers, PP2 x DP2): SIGKILL of one rank ->
 first committed iteration, once with HSDP (state re-sharded from the surviving copy in
 memory, the survivors re-split into 3 stages) and once with FSDP2 (the dead rank's shard
-is lost: restore from the last torch.distributed.checkpoint onto the 3 survivors).
+is lost: restore from the last torch.distributed.checkpoint onto the 3 survivors);
+then the fault-free iteration time of the resilient path (``resihp run``'s production
+path: agents, controller, detector, supervisor, the commit protocol) against the stock
+path (``PipelineStage`` + ``Schedule1F1B`` + ``fully_shard``, HSDP, under ``torchrun``,
+no ResiHP) on the same PP2 x DP2 job, model and data, alternated in one run (medians over
+runs of each run's seconds per iteration after a warm-up; ``--fault-free-only`` runs just this).
 
 With ``--controller-restart`` it measures controller failover instead (docs/failover.md):
 a ``resihp run`` job (megatron_ref, TP1 x PP2 x DP2, 2 nodes) whose controller is
@@ -40,7 +45,7 @@ Schedule1F1B) in alternating blocks of the same 4 processes.
 
 Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--model llama|hf_llama]
        [--tp 1|2]
-       [--controller-restart]
+       [--controller-restart] [--fault-free-only] [--fault-free-rounds N]
        [--quick] [--json PATH]
 """
 
@@ -153,6 +158,65 @@ def torch_native_kill(reps: int, hf: bool = False) -> dict:
             rows.append(row | {"iteration_before_s": statistics.median(before)})
         out[label] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
     return out
+
+
+def _mean_iteration_s(commits: list, warmup: int) -> float:
+    """Seconds per iteration from the commit after the warm-up to the last one: a rate,
+    not a median of gaps (the supervisor sees commits when it polls, sometimes two at
+    once, and gaps of 0 and 2T make a median of gaps land on either)."""
+    first: dict[int, float] = {}
+    for c in sorted(commits, key=lambda c: c.t):
+        first.setdefault(c.iteration, c.t)
+    its = sorted(i for i in first if i >= warmup)
+    if len(its) < 2:
+        return math.nan
+    return (first[its[-1]] - first[its[0]]) / (its[-1] - its[0])
+
+
+def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0) -> dict:
+    """Fault-free iteration time, resilient vs stock path, PP2 x DP2 (the kill test's job):
+    ``rounds`` rounds, each one run of either (order alternated every round). Both come
+    from peers.py (the same model, data and HSDP layout there): ``run_resihp`` is
+    ``resihp run``'s production path without checkpoints, ``run_torchrun("plain")`` the
+    stock script (``StockPipeline``) under torchrun. Per run: seconds per iteration
+    from the commit after a warm-up of 3 to the last one (the supervisor's commits for
+    ResiHP, rank 0's finished steps for stock); a ResiHP run whose detector re-planned
+    without a fault (contention on a loaded host) is timed over its first plan."""
+    from pathlib import Path
+
+    import peers
+
+    job = peers.JOBS["pp2dp2"]
+    root = Path(tempfile.mkdtemp(prefix="resihp-bench-ff-"))
+    spec = peers.job_spec_json(job, iterations, root / "spec")
+    runs: dict[str, list[float]] = {"resihp": [], "stock": []}
+    loads = []
+    replans: list[tuple[int, int, int]] = []  # (round, plan changes, iterations before the first)
+    for r in range(rounds):
+        for system in (("resihp", "stock") if r % 2 == 0 else ("stock", "resihp")):
+            work = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=root))
+            if system == "resihp":
+                run = peers.run_resihp(job, [], iterations, work, timeout, checkpoint_every=0)
+            else:
+                run = peers.run_torchrun("plain", job, [], iterations, work, spec, timeout, 0, 0)
+            if not run.ok:
+                raise RuntimeError(f"{system} run {r + 1} failed: {run.error}")
+            commits = run.commits
+            resumes = run.extra.get("resumes", [])
+            if resumes:
+                # A "fault-free" run that re-planned: on a loaded host the detector can
+                # take contention for a slow device and mitigate it. Time the first
+                # plan's iterations only (the overhead, not a different layout) and say so.
+                replans.append((r, len(resumes), resumes[0][0]))
+                commits = commits[:resumes[0][0]]
+            runs[system].append(_mean_iteration_s(commits, warmup=3))
+            loads.append(float(open("/proc/loadavg").read().split()[0]) if os.path.exists("/proc/loadavg") else math.nan)
+    ratios = [a / b for a, b in zip(runs["resihp"], runs["stock"])]
+    return {"stock_iteration_s": statistics.median(runs["stock"]),
+            "resihp_iteration_s": statistics.median(runs["resihp"]),
+            "resihp_vs_stock": statistics.median(runs["resihp"]) / statistics.median(runs["stock"]) - 1.0,
+            "per_round_ratio": ratios, "stock_runs_s": runs["stock"], "resihp_runs_s": runs["resihp"],
+            "rounds": rounds, "iterations": iterations, "loadavg_1m": loads, "replans": replans}
 
 
 def migration_vs_bytes(quick: bool) -> list[dict]:
@@ -478,7 +542,7 @@ def _main_controller_restart(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**{f"{lbl}_{k}": v for lbl, r in res.items() for k, v in r.items()},
-                       "config": {"quick": args.quick, "loadavg": load}}, f, indent=2)
+                       "fault_free": ff, "config": {"quick": args.quick, "loadavg": load}}, f, indent=2)
     return 0
 
 
@@ -633,6 +697,10 @@ def main(argv=None) -> int:
                     help="torch_native: the adapter's LLaMA, or the user's tiny HF LLaMA of examples/hf_llama")
     ap.add_argument("--tp", type=int, default=1, choices=[1, 2],
                     help="torch_native: 2 measures tensor parallelism (TP2 x PP2, the user's HF LLaMA)")
+    ap.add_argument("--fault-free-only", action="store_true",
+                    help="torch_native: only the fault-free resilient-vs-stock comparison")
+    ap.add_argument("--fault-free-rounds", type=int, default=None,
+                    help="torch_native: rounds of the fault-free comparison (default 5; 3 with --quick)")
     args = ap.parse_args(argv)
     if args.controller_restart:
         return _main_controller_restart(args)
@@ -675,12 +743,38 @@ def main(argv=None) -> int:
 
 
 def _main_torch_native(args) -> int:
+    ff = None
     try:
-        res = torch_native_kill(1 if args.quick else 3, hf=args.model == "hf_llama")
+        res = {} if args.fault_free_only else torch_native_kill(1 if args.quick else 3, hf=args.model == "hf_llama")
+        if args.model == "llama":
+            ff = torch_native_fault_free(args.fault_free_rounds or (3 if args.quick else 5), 20 if args.quick else 30)
     except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
         print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
+    if ff is not None:
+        print(f"torch_native fault-free, PP2xDP2 HSDP, 4 CPU workers: resilient path vs stock "
+              f"(PipelineStage + Schedule1F1B + fully_shard under torchrun), {ff['rounds']} rounds alternated, "
+              f"{ff['iterations']} iterations each; load (1 min) {min(ff['loadavg_1m']):.1f}-{max(ff['loadavg_1m']):.1f}")
+        print(f"  stock iteration s (median)   {ff['stock_iteration_s']:.4f}   runs "
+              + " ".join(f"{x:.4f}" for x in ff["stock_runs_s"]))
+        print(f"  resihp iteration s (median)  {ff['resihp_iteration_s']:.4f}   runs "
+              + " ".join(f"{x:.4f}" for x in ff["resihp_runs_s"]))
+        print(f"  resihp vs stock              {100 * ff['resihp_vs_stock']:+.1f} %   per round "
+              + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["per_round_ratio"])
+              + f"   target within 3 %: {'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
+        for r, n, before in ff["replans"]:
+            print(f"  round {r + 1}: ResiHP re-planned {n} time(s) without a fault (the detector on a loaded "
+                  f"host); timed over the first plan's {before} iterations")
+    elif args.model != "llama":
+        print("fault-free resilient-vs-stock comparison: run with --model llama (the stock script of "
+              "peers.py builds the adapter's LLaMA)")
+    if args.json and not res:
+        with open(args.json, "w") as f:
+            json.dump({"fault_free": ff, "config": {"quick": args.quick, "adapter": "torch_native",
+                                                    "model": args.model, "loadavg": load}}, f, indent=2)
+    if not res:
+        return 0
     print(f"torch_native ({args.model}): SIGKILL of one rank, PP2xDP2 -> 3 survivors as PP3 (median; "
           f"load {' '.join(load)})")
     keys = list(next(iter(res.values())))
@@ -691,7 +785,7 @@ def _main_torch_native(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**{f"{lbl}_{k}": v for lbl, r in res.items() for k, v in r.items()},
-                       "config": {"quick": args.quick, "adapter": "torch_native", "model": args.model,
+                       "fault_free": ff, "config": {"quick": args.quick, "adapter": "torch_native", "model": args.model,
                                   "loadavg": load}}, f, indent=2)
     return 0
 

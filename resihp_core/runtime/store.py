@@ -443,6 +443,11 @@ class _StoreAPI(dist.Store):
     def get(self, key: str) -> bytes:
         return self._call("get", key, self._timeout_s)
 
+    def get_within(self, key: str, timeout_s: float) -> bytes:
+        """``get`` waiting up to ``timeout_s`` for the key (not the store's timeout): a
+        wait and a read in one round trip (the worker's commit verdict)."""
+        return self._call("get", key, float(timeout_s))
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call("mget", list(keys), self._timeout_s)
 

@@ -98,6 +98,7 @@ class Worker:
         self.faults = FaultInjector(device, job.faults)
         latest: Callable[[], int] = ((lambda: watch.latest) if watch is not None
                                      else (lambda: session.latest_generation(store)))
+        self._latest = latest  # with a watch: no store round trip per iteration
         # The adapter rendezvouses through a fenced view of the store: a wait in a
         # superseded generation's rendezvous ends at once (docs/worker-protocol.md).
         fenced = session.generation_fenced(store, latest, patience_s=job.timeout_s * 6)
@@ -172,7 +173,9 @@ class Worker:
                 return result
 
     def _superseded(self) -> bool:
-        return session.latest_generation(self.store) != self.msg.generation
+        # Newer only: the watch starts at -1 before its first answer. A generation posted
+        # after this check is still caught by the commit (it aborts the iteration).
+        return self._latest() > self.msg.generation
 
     def _enter_next(self) -> bool:
         """Wait for a newer generation and enter it; False when it is the stop."""

@@ -43,6 +43,11 @@ def test_store_semantics_match_torch(hosted) -> None:
         c.get("missing")
     threading.Timer(0.1, lambda: store.set("late", "1")).start()
     c.wait(["late"], datetime.timedelta(seconds=5))
+    # get_within: waits for the key under its own bound (not the client's 0.2 s), one round trip
+    threading.Timer(0.4, lambda: store.set("later", "2")).start()
+    assert c.get_within("later", 5.0) == b"2"
+    with pytest.raises(dist.DistStoreError, match="timed out"):
+        c.get_within("never", 0.1)
     assert c.delete_key("a") and not c.check(["a"])
     c.close()
 

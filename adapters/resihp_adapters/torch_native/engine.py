@@ -178,8 +178,11 @@ class Feed(Protocol):
 
 
 def adamw_recipe(lr: float, weight_decay: float) -> Recipe:
-    """The built-in model's recipe: AdamW, summed token cross-entropy, no clipping."""
-    return Recipe(optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, foreach=False),
+    """The built-in model's recipe: AdamW, summed token cross-entropy, no clipping.
+    AdamW's foreach kernels: on FSDP's DTensors the per-parameter loop costs several
+    times as much in dispatch (docs/benchmarks.md); the result equals the single-process
+    reference's loop within rounding."""
+    return Recipe(optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, foreach=True),
                   loss=loss_sum)
 
 
@@ -332,6 +335,7 @@ class TorchNativeEngine:
         self.last: IterationResult | None = None
         self._kept: tuple[ParallelPlan | None, dict[str, Held]] = (None, {})
         self._snapshot: tuple[dict[str, Held], int] | None = None
+        self._snap_module: nn.Module | None = None  # the stage the snapshot's buffers were made for
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
 
     def canonical(self, name: str) -> str:
@@ -572,8 +576,52 @@ class TorchNativeEngine:
         self.schedule = None  # a failed step leaves receives and unshards pending in it
 
     def snapshot(self) -> None:
-        """Remember this rank's shards at the start of an iteration, for rollback."""
+        """Remember this rank's shards at the start of an iteration, for rollback. While
+        the stage and its optimizer state keep their layout, the copy goes into the
+        previous snapshot's buffers in one foreach copy (the per-tensor clones of
+        :meth:`local_shards` cost milliseconds per iteration; docs/benchmarks.md)."""
+        held = self._snapshot[0] if self._snapshot is not None else None
+        if held is not None and self._snap_module is self.module is not None and self._copy_into(held):
+            self._snapshot = (held, self.iteration)
+            return
         self._snapshot = (self.local_shards(), self.iteration)
+        self._snap_module = self.module
+
+    def _copy_into(self, held: dict[str, Held]) -> bool:
+        """Copy this rank's shards into ``held`` (a snapshot of the same stage); False,
+        copying nothing, if any tensor's place, shape or dtype differs."""
+        from torch.distributed.tensor import DTensor
+
+        srcs: list[Tensor] = []
+        dsts: list[Tensor] = []
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                key = self.canonical(name)
+                if key in seen:
+                    continue  # a tied copy: one state
+                seen.add(key)
+                h = held.get(key)
+                st = self.optimizer.state.get(p, {})
+                if h is None or len(st) != len(h.sharded) + len(h.other):
+                    return False
+                pairs = [(p.to_local(), h.param)]
+                for k, v in st.items():
+                    if isinstance(v, DTensor) and k in h.sharded:
+                        pairs.append((v.to_local(), h.sharded[k]))
+                    elif isinstance(v, Tensor) and not isinstance(v, DTensor) and isinstance(h.other.get(k), Tensor):
+                        pairs.append((v, h.other[k]))
+                    else:
+                        return False  # not a tensor (copied by value), or a new kind of state
+                for src, dst in pairs:
+                    if src.shape != dst.shape or src.dtype != dst.dtype:
+                        return False
+                    srcs.append(src)
+                    dsts.append(dst)
+            if len(seen) != len(held):
+                return False
+            torch._foreach_copy_(dsts, srcs)
+        return True
 
     def rollback(self) -> None:
         """Back to the last snapshot (an iteration that was not committed everywhere)."""

@@ -1,0 +1,187 @@
+"""Where a fault-free ResiHP iteration goes (torch_native): each worker's main thread
+under ``cProfile`` (wall clock) during one fault-free run of peers.py's job through
+``resihp run``'s production path, per-iteration milliseconds by part, and the CPU
+seconds of every process of the job (controller, agent, workers).
+
+cProfile's own overhead inflates Python-heavy parts (the DTensor optimizer step, the
+pipeline runtime) more than waits and C++ compute: read the table for where the time
+goes, and the fault-free ratios of peers.py / reconfigure.py for what it costs
+(docs/benchmarks.md, "Where a fault-free iteration goes").
+
+Usage: python benchmarks/fault_free_profile.py [--job dp4|pp2dp2] [--iterations N]
+       [--checkpoint-every K] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+
+# Started in every worker (RESIHP_JOB and RESIHP_DEVICE set) through a sitecustomize
+# on the workers' PYTHONPATH: profile the main thread, dump the stats at exit.
+_SITECUSTOMIZE = '''
+import os
+if os.environ.get("RESIHP_PROFILE_DIR") and os.environ.get("RESIHP_JOB") and os.environ.get("RESIHP_DEVICE"):
+    import atexit, cProfile
+    _p = cProfile.Profile()
+    _p.enable()
+    def _dump():
+        _p.disable()
+        _p.dump_stats(os.path.join(os.environ["RESIHP_PROFILE_DIR"],
+                                   f"worker{os.environ['RESIHP_DEVICE']}-{os.getpid()}.prof"))
+    atexit.register(_dump)
+'''
+
+# (row, file suffix, function): cumulative wall time of that function per iteration.
+PARTS = [
+    ("iteration in the worker (Worker._one_iteration)", "runtime/worker.py", "_one_iteration"),
+    ("  adapter.run_iteration", "torch_native/adapter.py", "run_iteration"),
+    ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
+    ("      forward and backward chunks", "pipelining/stage.py", "forward_one_chunk|backward_one_chunk|"
+     "backward_weight_one_chunk"),
+    ("      gradient reduction (FSDP)", "pipelining/stage.py", "perform_reduce_grad"),
+    ("    optimizer step (AdamW on DTensors)", "optim/optimizer.py", "wrapper"),
+    ("  snapshot for rollback", "torch_native/adapter.py", "snapshot"),
+    ("  checkpoint: the training thread's share", "torch_native/adapter.py", "save_checkpoint"),
+    ("  checkpoint status, seal", "runtime/worker.py", "_checkpoint_reports"),
+    ("  iteration report to the store", "runtime/session.py", "put_report"),
+    ("  commit: count + verdict", "runtime/session.py", "commit"),
+    ("  profile to the detector (queued)", "runtime/heartbeat.py", "send_profile"),
+    ("superseded check between iterations", "runtime/worker.py", "_superseded"),
+]
+
+
+def _cum(st: pstats.Stats, suffix: str, fns: str) -> tuple[float, int]:
+    """Cumulative seconds of the functions ``fns`` ('|'-separated) of files ending in
+    ``suffix``, and the most calls of any of them."""
+    names = set(fns.split("|"))
+    tot, calls = 0.0, 0
+    for (f, _line, name), (_cc, nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        if f.endswith(suffix) and name in names:
+            tot += ct
+            calls = max(calls, nc)
+    return tot, calls
+
+
+def breakdown(folder: Path) -> tuple[list[tuple[str, float, list[float]]], int]:
+    files = sorted(glob.glob(str(folder / "*.prof")))
+    if not files:
+        raise RuntimeError(f"no worker profiles in {folder} (did the workers exit normally?)")
+    rows: dict[str, list[float]] = {r[0]: [] for r in PARTS}
+    iterations = 0
+    for f in files:
+        st = pstats.Stats(f)
+        iterations = _cum(st, "runtime/worker.py", "_one_iteration")[1]
+        for label, suffix, fn in PARTS:
+            rows[label].append(1e3 * _cum(st, suffix, fn)[0] / max(1, iterations))
+    return [(k, statistics.median(v), v) for k, v in rows.items()], iterations
+
+
+class CpuSampler:
+    """CPU seconds of this process and its descendants, by role (last reading of each)."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, tuple[float, str]] = {}
+        self._stop = threading.Event()
+        self._hz = os.sysconf("SC_CLK_TCK")
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _tree(self) -> list[int]:
+        kids: dict[int, list[int]] = {}
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    st = open(f"/proc/{p}/stat").read()
+                    kids.setdefault(int(st[st.rindex(")") + 2:].split()[1]), []).append(int(p))
+                except (OSError, ValueError, IndexError):
+                    pass
+        out, todo = [], [os.getpid()]
+        while todo:
+            x = todo.pop()
+            out.append(x)
+            todo += kids.get(x, [])
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            for p in self._tree():
+                try:
+                    st = open(f"/proc/{p}/stat").read()
+                    f = st[st.rindex(")") + 2:].split()
+                    cmd = open(f"/proc/{p}/cmdline").read().replace("\0", " ")
+                    if cmd:
+                        self.last[p] = ((int(f[11]) + int(f[12])) / self._hz, cmd)
+                except (OSError, ValueError, IndexError):
+                    pass
+
+    def roles(self) -> dict[str, float]:
+        self._stop.set()
+        out: dict[str, float] = {}
+        for p, (cpu, cmd) in self.last.items():
+            role = ("controller (store, supervisor, detector)" if p == os.getpid() else
+                    "workers" if "runtime.processes" in cmd or "runtime.worker" in cmd else
+                    "node agent" if "runtime.agent" in cmd else "other")
+            out[role] = out.get(role, 0.0) + cpu
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default="dp4", choices=sorted(peers.JOBS))
+    ap.add_argument("--iterations", type=int, default=40)
+    ap.add_argument("--checkpoint-every", type=int, default=3,
+                    help="ResiHP's checkpoint interval (3: what peers.py --quick's Young/Daly picked)")
+    ap.add_argument("--json", help="write the table here")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = Path(tempfile.mkdtemp(prefix="resihp-ffprof-"))
+    site, prof = root / "site", root / "prof"
+    site.mkdir()
+    prof.mkdir()
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    os.environ["RESIHP_PROFILE_DIR"] = str(prof)
+    job = peers.JOBS[args.job]
+    load0 = os.getloadavg()[0]
+    cpu = CpuSampler()
+    t0 = time.time()
+    run = peers.run_resihp(job, [], args.iterations, root / "run", 600, args.checkpoint_every)
+    wall = time.time() - t0
+    roles = cpu.roles()
+    load1 = os.getloadavg()[0]
+    if not run.ok:
+        print(f"the run failed: {run.error}", file=sys.stderr)
+        return 1
+    it_s = peers.summarise(run.commits, [], args.iterations, 3)["iteration_s"]
+    rows, iterations = breakdown(prof)
+    print(f"fault-free {args.job}, {args.iterations} iterations, checkpoint every {args.checkpoint_every}; "
+          f"commit gap (median) {it_s:.3f} s; load (1 min) {load0:.1f} -> {load1:.1f}; wall {wall:.0f} s")
+    print(f"per iteration, median over the {len(glob.glob(str(prof / '*.prof')))} workers "
+          f"({iterations} iterations each, cProfile wall clock):")
+    print("| part | ms / iteration | workers |\n| --- | --- | --- |")
+    for label, med, per in rows:
+        print(f"| {label.strip()} | {med:.1f} | {' '.join(f'{x:.1f}' for x in per)} |")
+    print("\nCPU seconds of the whole run (start-up included), by process:")
+    for k, v in sorted(roles.items()):
+        print(f"  {k:45s} {v:7.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"job": args.job, "iterations": args.iterations,
+                                               "checkpoint_every": args.checkpoint_every, "iteration_s": it_s,
+                                               "rows": rows, "cpu_s": roles, "load": [load0, load1]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
