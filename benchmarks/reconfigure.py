@@ -542,7 +542,7 @@ def _main_controller_restart(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**{f"{lbl}_{k}": v for lbl, r in res.items() for k, v in r.items()},
-                       "fault_free": ff, "config": {"quick": args.quick, "loadavg": load}}, f, indent=2)
+                       "config": {"quick": args.quick, "loadavg": load}}, f, indent=2)
     return 0
 
 
