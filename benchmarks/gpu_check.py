@@ -7,8 +7,8 @@ Scheduler, supervisor), with ``runtime.backend = "auto"``:
   losses against the adapter's fault-free reference);
 * torch_native, PP2 x DP2: one worker's compute slowed 3x (iterations until the plan
   changes, losses against the reference); not run with ``--quick``;
-* torch_native TP shrink: only when the adapter declares ``tp_resize`` (else the table
-  says "not available");
+* torch_native TP shrink: a pointer to ``reconfigure.py --adapter torch_native --tp 2``,
+  which runs it on the user's HF LLaMA (the built-in model here has no TP plan);
 * the reference backend's demo job (``resihp demo``'s configuration, TP2 x PP2 x DP2;
   with ``--quick`` TP2 x PP2 x DP1): one TP member SIGKILLed (a TP shrink), plus the
   predictor's iteration-time MAPE: per-stage costs fitted on warm-up iterations'
@@ -179,30 +179,16 @@ def torch_native(kind: str, quick: bool, work: Path) -> Row:
 
 
 def torch_native_tp(quick: bool, work: Path) -> Row:
-    """A TP group of torch_native shrinking around a killed member: run only when the
-    adapter declares ``tp_resize``."""
+    """A TP group of torch_native shrinking around a killed member. Tensor parallelism
+    takes its plan from the model (Hugging Face ``base_model_tp_plan``) or the user; the
+    adapter's built-in LLaMA that this check trains has none, so the row points to the
+    benchmark that runs the TP shrink on the user's HF LLaMA instead."""
     from resihp_adapters.torch_native.plugin import CAPABILITIES
-    from resihp_core.faults import fail_at
-    from resihp_core.plan import ParallelPlan
 
     row = Row("torch_native TP shrink", "torch_native", workers=4)
-    if not CAPABILITIES.tp_resize:
-        row.note = "not available: torch_native does not declare tp_resize"
-        return row
-    data = {"parallel": {"tp": 2, "pp": 2, "dp": 1},
-            "model": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "ffn_hidden": 64},
-            "training": {"microbatches": 4, "token_budget": 64, "iterations": 8, "lr": 3e-3,
-                         "dtype": "float64", "checkpoint_every": 0},
-            "runtime": {"nodes": 2, "devices_per_node": 2, "adapter": "torch_native", "backend": "auto"},
-            "detector": DETECTOR}
-    layout = ParallelPlan.uniform(tp=2, pp=2, dp=1, num_layers=4, num_microbatches=4)
-    victim = layout.group(0, 1)[1]
-    row.device, row.backend = _placement(2, own_transfers=False)
-    row.fault = f"SIGKILL of device {victim} (stage 1's TP group) at iteration 4"
-    t0 = time.perf_counter()
-    cfg, job, run = _run(data, [fail_at(victim, 4, "kill")], work)
-    row.seconds = time.perf_counter() - t0
-    _judge(row, cfg, job, run, 4, victim)
+    row.note = ("not run here: the built-in LLaMA has no TP plan; "
+                "reconfigure.py --adapter torch_native --tp 2 runs it on the user's HF LLaMA"
+                if CAPABILITIES.tp_resize else "not available: torch_native does not declare tp_resize")
     return row
 
 

@@ -603,8 +603,8 @@ class TorchNativeEngine:
                 seen.add(key)
                 h = held.get(key)
                 st = self.optimizer.state.get(p, {})
-                if h is None or len(st) != len(h.sharded) + len(h.other):
-                    return False
+                if h is None or len(st) != len(h.sharded) + len(h.other) or not isinstance(p, DTensor):
+                    return False  # a new layout, or a plain (replicated) parameter: clone instead
                 pairs = [(p.to_local(), h.param)]
                 for k, v in st.items():
                     if isinstance(v, DTensor) and k in h.sharded:
