@@ -37,6 +37,12 @@ SIGKILLed at iteration 8 and restarted with ``--resume`` at once: restart -> re-
 (the new process's start-up, the agents dialling back) and restart -> first committed
 iteration, median of 3 (1 with ``--quick``).
 
+With ``--restore-at 30,300``: torch_native FSDP2 PP2 x DP2, one rank SIGKILLed (its shard
+is lost) after 30 and after 300 iterations of the same job, checkpoints every 10: kill ->
+the killed iteration committed again through a restore from the checkpoint the
+supervisor's rule picks (median of 3, 1 with ``--quick``); the two agree when nothing
+is replayed from the start.
+
 With ``--adapter torch_native --tp 2``: the user's tiny HF LLaMA under TP2 x PP2 x DP1
 (DTensor TP), SIGKILL of a device of stage 1's TP group -> first committed iteration with
 that group shrunk to TP1 (state from memory), and the fault-free iteration time of the
@@ -45,7 +51,7 @@ Schedule1F1B) in alternating blocks of the same 4 processes.
 
 Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--model llama|hf_llama]
        [--tp 1|2]
-       [--controller-restart] [--fault-free-only] [--fault-free-rounds N]
+       [--controller-restart] [--fault-free-only] [--fault-free-rounds N] [--restore-at 30,300]
        [--quick] [--json PATH]
 """
 
@@ -84,26 +90,33 @@ def spec(dp, m, hidden=32, layers=4, tokens=64, heads=4, ffn=64, vocab=64, scale
 
 
 def timed_kill(job: LocalJob, plan: ParallelPlan, victim: int, after: ParallelPlan, timeout: float,
-               restore: bool = False) -> dict:
-    """Train ``plan`` 3 iterations, SIGKILL ``victim``'s worker, post ``after`` from the
-    first uncommitted iteration (from the checkpoint before it if ``restore``) and time
-    kill -> detected -> first committed iteration; then 2 more iterations for the
-    steady iteration time after it."""
-    job.post(plan, iterations=1000)
-    job.wait(3, timeout=timeout)
+               restore: bool = False, warm: int = 3, every: int = 1, checkpoint_dir: str | None = None) -> dict:
+    """Train ``plan`` ``warm`` iterations, SIGKILL ``victim``'s worker, post ``after`` from
+    the first uncommitted iteration (if ``restore``: from the checkpoint the supervisor's
+    rule picks, checkpoints every ``every``) and time kill -> detected -> first committed
+    iteration; then 2 more iterations for the steady iteration time after it."""
+    from resihp_core.checkpoints import restore_point
+
+    job.post(plan, iterations=max(1000, warm + 10))
+    job.wait(warm, timeout=timeout)
     t_kill = time.perf_counter()
     job.kill(victim, signal.SIGKILL, reap=False)
     while victim not in job.dead():
         time.sleep(0.0005)
     t_detect = time.perf_counter()
     resume = job.abort()
-    job.post(after, iterations=1000, resume=resume, restore=resume - 1 if restore else None)
+    point = restore_point(checkpoint_dir, resume, every)[0] if restore else None
+    if restore and point is None:
+        raise RuntimeError(f"no complete checkpoint before iteration {resume}")
+    start = resume if point is None else point + 1
+    job.post(after, iterations=max(1000, warm + 10), resume=start, restore=point)
     job.wait(resume + 1, timeout=timeout)
     t_first = time.perf_counter()
     info = job.ready_info()
     job.wait(resume + 3, timeout=timeout)
     steady = [max(r.iteration_s for r in job.report(i).values()) for i in (resume + 1, resume + 2)]
     return dict(kill_to_first_iteration_s=t_first - t_kill, detect_s=t_detect - t_kill,
+                killed_at=resume, resumed_at=start, redone=resume - start,
                 rebuild_s=max(v["rebuild_s"] for v in info.values()),
                 state_s=max(v["state_s"] for v in info.values()),
                 bytes_moved=sum(v["bytes_received"] for v in info.values()),
@@ -153,11 +166,69 @@ def torch_native_kill(reps: int, hf: bool = False) -> dict:
                          data={"source": "synthetic", "token_budget": 64}, dp=2, num_microbatches=4, timeout_s=10.0, checkpoint_dir=ckpt,
                          checkpoint_every=1 if restore else 0)
             with LocalJob(js.to_json(), base.devices(), env=env) as job:
-                row = timed_kill(job, base, victim, three, timeout=180, restore=restore)
+                row = timed_kill(job, base, victim, three, timeout=180, restore=restore, checkpoint_dir=ckpt)
                 before = [max(r.iteration_s for r in job.report(i).values()) for i in (1, 2)]
             rows.append(row | {"iteration_before_s": statistics.median(before)})
         out[label] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
     return out
+
+
+def torch_native_restore_at(points: list[int], reps: int, every: int = 10) -> dict:
+    """torch_native FSDP2 (a SIGKILLed rank takes its shard): kill -> the killed
+    iteration committed again, on the restore path, for a kill after ``points``
+    iterations of the same job (checkpoint every ``every``; the restore point by the
+    supervisor's rule). Without replay from the start the figures do not grow with the
+    point (docs/checkpoints.md)."""
+    model = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_dim=128, dtype="float32")
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    victim = base.group(1, 0)[0]
+    survivors = [d for d in base.devices() if d != victim]
+    three = ParallelPlan(num_layers=4, layer_ranges=((0, 1), (1, 2), (2, 4)),
+                         tp_groups=(tuple((d,) for d in survivors),), num_microbatches=8,
+                         excluded=frozenset([victim]))
+    out = {}
+    for point in points:
+        rows = []
+        for rep in range(reps):
+            ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
+            js = JobSpec(adapter="torch_native", adapter_config={"shard": 0, "model": model},
+                         data={"source": "synthetic", "token_budget": 64}, dp=2, num_microbatches=4,
+                         timeout_s=10.0, checkpoint_dir=ckpt, checkpoint_every=every, checkpoint_keep=2)
+            with LocalJob(js.to_json(), base.devices()) as job:
+                rows.append(timed_kill(job, base, victim, three, timeout=600, restore=True, warm=point,
+                                       every=every, checkpoint_dir=ckpt))
+            print(f"  kill after {point} iterations, run {rep + 1}: "
+                  f"{rows[-1]['kill_to_first_iteration_s']:.3f} s, resumed at {rows[-1]['resumed_at']} "
+                  f"({rows[-1]['redone']} redone)", flush=True)
+        out[f"at_{point}"] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
+    return out
+
+
+def _main_restore_at(args) -> int:
+    points = [int(x) for x in args.restore_at.split(",")]
+    reps = 1 if args.quick else 3
+    try:
+        res = torch_native_restore_at(points, reps)
+    except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
+        print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
+    print(f"torch_native FSDP2 PP2xDP2, SIGKILL of one rank (its shard lost) -> restore from the newest "
+          f"complete checkpoint (every 10) -> the killed iteration committed again; median of {reps}; "
+          f"load {' '.join(load)}")
+    keys = list(next(iter(res.values())))
+    print(f"  {'':28s} " + " ".join(f"{k:>12s}" for k in res))
+    for k in keys:
+        vals = [res[lbl][k] for lbl in res]
+        print(f"  {k:28s} " + " ".join(f"{v:12.3f}" if isinstance(v, float) else f"{v:>12}" for v in vals))
+    first, last = (res[f"at_{p}"]["kill_to_first_iteration_s"] for p in (points[0], points[-1]))
+    print(f"  kill at {points[-1]} vs at {points[0]}: {last / first:.2f}x (target: within 20 %, no replay "
+          f"from the start: {'met' if abs(last / first - 1) <= 0.2 else 'NOT met'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"restore_at": res, "config": {"quick": args.quick, "points": points, "loadavg": load}},
+                      f, indent=2)
+    return 0
 
 
 def _mean_iteration_s(commits: list, warmup: int) -> float:
@@ -697,11 +768,15 @@ def main(argv=None) -> int:
                     help="torch_native: the adapter's LLaMA, or the user's tiny HF LLaMA of examples/hf_llama")
     ap.add_argument("--tp", type=int, default=1, choices=[1, 2],
                     help="torch_native: 2 measures tensor parallelism (TP2 x PP2, the user's HF LLaMA)")
+    ap.add_argument("--restore-at", metavar="I,J",
+                    help="torch_native FSDP2: kill -> recommit on the restore path after I and after J iterations")
     ap.add_argument("--fault-free-only", action="store_true",
                     help="torch_native: only the fault-free resilient-vs-stock comparison")
     ap.add_argument("--fault-free-rounds", type=int, default=None,
                     help="torch_native: rounds of the fault-free comparison (default 5; 3 with --quick)")
     args = ap.parse_args(argv)
+    if args.restore_at:
+        return _main_restore_at(args)
     if args.controller_restart:
         return _main_controller_restart(args)
     if args.adapter == "deepspeed":
