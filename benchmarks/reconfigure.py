@@ -140,21 +140,31 @@ def kill_to_iteration(reps: int) -> dict:
                "kill_to_first_iteration_ci_confidence": ci.confidence})
 
 
-def torch_native_kill(reps: int, hf: bool = False) -> dict:
-    """torch_native: kill -> first committed iteration, in memory (HSDP) and from DCP (FSDP2).
-    ``hf``: the user's tiny HF LLaMA of examples/hf_llama (AdamW, warm-up + cosine,
-    clipping, float64) through ``adapter_config.user`` instead of the adapter's LLaMA."""
-    model = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_dim=128, dtype="float32")
-    env = None
-    if hf:
-        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_llama")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+#: The adapter's LLaMA for torch_native's kill measurements.
+TN_MODEL = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_dim=128, dtype="float32")
+
+
+def _pp2dp2_kill_plans() -> tuple[ParallelPlan, int, ParallelPlan]:
+    """PP2 x DP2, the victim (stage 1 of replica 0), and the 3 survivors as PP3."""
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
     victim = base.group(1, 0)[0]
     survivors = [d for d in base.devices() if d != victim]
     three = ParallelPlan(num_layers=4, layer_ranges=((0, 1), (1, 2), (2, 4)),
                          tp_groups=(tuple((d,) for d in survivors),), num_microbatches=8,
                          excluded=frozenset([victim]))
+    return base, victim, three
+
+
+def torch_native_kill(reps: int, hf: bool = False) -> dict:
+    """torch_native: kill -> first committed iteration, in memory (HSDP) and from DCP (FSDP2).
+    ``hf``: the user's tiny HF LLaMA of examples/hf_llama (AdamW, warm-up + cosine,
+    clipping, float64) through ``adapter_config.user`` instead of the adapter's LLaMA."""
+    model = TN_MODEL
+    env = None
+    if hf:
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_llama")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    base, victim, three = _pp2dp2_kill_plans()
     out = {}
     for label, shard, restore in (("hsdp_memory", 1, False), ("fsdp2_dcp", 0, True)):
         rows = []
@@ -179,13 +189,8 @@ def torch_native_restore_at(points: list[int], reps: int, every: int = 10) -> di
     iterations of the same job (checkpoint every ``every``; the restore point by the
     supervisor's rule). Without replay from the start the figures do not grow with the
     point (docs/checkpoints.md)."""
-    model = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_dim=128, dtype="float32")
-    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
-    victim = base.group(1, 0)[0]
-    survivors = [d for d in base.devices() if d != victim]
-    three = ParallelPlan(num_layers=4, layer_ranges=((0, 1), (1, 2), (2, 4)),
-                         tp_groups=(tuple((d,) for d in survivors),), num_microbatches=8,
-                         excluded=frozenset([victim]))
+    model = TN_MODEL
+    base, victim, three = _pp2dp2_kill_plans()
     out = {}
     for point in points:
         rows = []
