@@ -441,6 +441,13 @@ class ProfileVerifier:
         slowdown = t.iteration_measured / t.iteration_predicted if t.iteration_predicted > 0 else None
         if top > 0:
             heavy = [r for r, e in excess.items() if e >= 0.5 * top]
+            # Time outside compute is mostly time blocked on peers: when the peers
+            # waited for a CPU about as long, the excess is their contention, not a link.
+            peers_waited = max((t.waited(o) + t.outside_waited(o) for o in excess if o not in heavy), default=0.0)
+            if peers_waited >= self.waiting * top:
+                return Verdict({}, "unknown", "time outside compute exceeds the expected on ranks "
+                               f"{sorted(heavy)}, but their peers waited {peers_waited:.3f} s for a CPU other "
+                               "processes held: the machine is contended, not a link")
             if len(heavy) <= max(1, int(self.concentrated * len(excess))) and len(heavy) < len(excess):
                 slow = {}
                 for r in heavy:

@@ -373,6 +373,26 @@ def test_verify_does_not_blame_compute_noise_for_a_communication_slowdown() -> N
     assert v.cause == "compute" and set(v.slow) == {1}
 
 
+def test_verify_a_ranks_waiting_for_contended_peers_is_not_its_link() -> None:
+    from msgspec.structs import replace
+
+    model = fitted_model()
+
+    def blocked(it: int, peers_waited: float) -> dict[int, IterationProfile]:
+        # rank 2 spends 0.1 s more outside compute; the others may have waited for a CPU
+        out = tp_profiles(None, 1.0, it=it)
+        return {r: replace(p, iteration_s=p.iteration_s + (0.1 if r == 2 else 0.0),
+                           comm_s=p.comm_s + (0.1 if r == 2 else 0.0),
+                           compute_wait_s=0.0 if r == 2 else peers_waited,
+                           cpu_wait_s=0.0 if r == 2 else peers_waited) for r, p in out.items()}
+
+    v = verify([blocked(i, 0.0) for i in range(2)], None, model)
+    assert v.cause == "communication" and set(v.slow) == {2}, v
+    # the same excess while its peers waited for CPUs other processes held: the machine
+    v = verify([blocked(i, 0.08) for i in range(2)], FakeProber(links={2: 10.0}), model)
+    assert not v.confirmed and "contended" in v.evidence, v
+
+
 def test_verify_does_not_report_a_slowdown_every_device_shares() -> None:
     model = fitted_model()
     everyone = [tp_profiles(None, 1.0, per_rank={0: 1.5, 1: 1.55, 2: 1.5, 3: 1.45}, it=i) for i in range(2)]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -209,6 +210,9 @@ def test_a_fresh_run_is_refused_while_the_old_job_runs_without_a_controller(tmp_
         with pytest.raises(CliError, match="still running without a controller"):
             _attachable(fresh, tmp_path, SECRET)
         assert _attachable(resume, tmp_path, SECRET).store_address == server.address
+        deadline = time.monotonic() + 10.0  # the server sees the probe's close on its own thread
+        while server.controllers and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.controllers == 0 and not server.table.check(["controller/present"])
     finally:
         server.close()
