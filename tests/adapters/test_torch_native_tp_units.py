@@ -99,3 +99,29 @@ def test_resihp_run_refuses_tp_with_several_replicas_up_front():
     cfg = SimpleNamespace(model=None, training=None, adapter={}, parallel=SimpleNamespace(tp=2, pp=2, dp=2))
     with pytest.raises(ValueError, match="tensor parallelism with one replica"):
         job_section(cfg)
+
+
+def test_busy_timer_counts_work_not_waiting_for_a_peer():
+    """A TP rank's chunk time leaves out the time it slept in a collective waiting for a
+    slow peer (so the verifier can tell the slow member from the waiting one) and keeps
+    its own work."""
+    import os
+    import threading
+    import time
+
+    from resihp_adapters.torch_native.tp import BusyTimer
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("no schedstat: the timer falls back to the wall clock")
+    peer = threading.Event()
+    threading.Timer(0.3, peer.set).start()
+    t = BusyTimer().start()
+    peer.wait()  # blocked, as in gloo's wait for a peer's contribution
+    waited = t.stop()
+    t = BusyTimer().start()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:  # computing
+        pass
+    busy = t.stop()
+    assert waited < 0.1, waited
+    assert busy >= 0.15, busy  # CPU time plus any wait for a CPU: the wall time of the work
