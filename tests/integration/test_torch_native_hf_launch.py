@@ -82,7 +82,7 @@ def test_hf_llama_tp2_pp2_kill_then_slow_each_shrink_only_their_tp_group(tmp_pat
     from .test_torch_native_hf import compare_states, reference
 
     iterations, slow = 16, 10  # the slow onset after the post-kill generation's warm-up
-    ex = _copy(tmp_path / "ex", tp=2, iterations=iterations)
+    ex = _copy(tmp_path / "ex", tp=2, iterations=iterations, checkpoint_every=4)  # a restore would be possible
     (tmp_path / "faults.json").write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"},
                                                       {"device": 1, "iteration": slow, "kind": "slow", "factor": 3.0}]))
     dump = tmp_path / "dump"
@@ -93,11 +93,18 @@ def test_hf_llama_tp2_pp2_kill_then_slow_each_shrink_only_their_tp_group(tmp_pat
     assert rc == 0, out[-4000:]
     assert "(TP2 x PP2 x DP1, DTensor TP)" in out, out[:2000]
     assert "fail-stop of devices [3]" in out, out[-3000:]
-    slow_reports = re.findall(r"failure: fail-slow of devices \[([\d, ]+)\]", out)
-    assert "1" in slow_reports, out[-3000:]  # (a loaded host may add contention reports of others)
-    layouts = re.findall(r"\] layout: .*replica 0: ([\d,]+) \| ([\d,]+)", out)
-    assert layouts[0] == ("0,1", "2,3") and layouts[1] == ("0,1", "2"), layouts  # the kill: stage 0 keeps TP2
-    assert layouts[-1] == ("0", "2"), layouts  # the slow device left stage 0's group, stage 1 kept its TP1
+    layout = re.compile(r"\] layout: .*replica 0: ([\d,]+) \| ([\d,]+)")
+    assert layout.findall(out)[0] == ("0,1", "2,3"), out[:3000]
+    after_kill = out[out.index("fail-stop of devices [3]"):]
+    assert layout.findall(after_kill)[0] == ("0,1", "2"), after_kill[:3000]  # stage 0 keeps TP2
+    # filtered by device: a loaded host may add a contention report of another device
+    slow_reports = [d.split(", ") for d in re.findall(r"failure: fail-slow of devices \[([\d, ]+)\]", out)]
+    assert ["1"] in slow_reports, out[-3000:]
+    final = layout.findall(out)[-1]
+    if slow_reports == [["1"]]:
+        assert final == ("0", "2"), final  # the slow device left stage 0's group, stage 1 kept its TP1
+    else:  # another device was reported too: the plan may differ, device 1 still left
+        assert "1" not in final[0].split(",") + final[1].split(","), (final, slow_reports)
     assert "resumed from the checkpoint" not in out and "(restore" not in out, out[-3000:]
     for d in (0, 2):  # the survivors keep their processes: one pid from iteration 1 to the end
         log = (tmp_path / "work" / "job" / f"worker{d}.log").read_text()
