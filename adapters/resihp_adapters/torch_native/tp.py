@@ -26,9 +26,14 @@ all-gather of every shard over the TP group at the end of the iteration): any su
 member can re-shard the stage by fully qualified name onto any new degree. That costs a
 copy of the stage's state per TP rank in host memory and one all-gather per iteration.
 
+Profiles. A TP rank on the host times its compute chunks by busy time
+(:class:`BusyTimer`), not wall time: a slow member's peers wait for it inside their own
+chunks' collectives, and only the busy time tells the slow one apart.
+
 Limits: TP runs with one replica (``dp = 1``: no FSDP, no cross-replica reduction over
-different TP layouts); embeddings and the head stay replicated (only the base model's
-plan is applied). docs/torch_native.md, "Tensor parallelism".
+different TP layouts; the plugin declares ``tp_with_dp = False``); embeddings and the
+head stay replicated (only the base model's plan is applied). docs/torch_native.md,
+"Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -51,8 +56,8 @@ from resihp_adapters.torchkit.device import ChunkTimer
 from resihp_adapters.torch_native.engine import (
     Held, IterationResult, TorchNativeEngine, _default_timeout, place_of, tie_sets)
 
-__all__ = ["TPStage", "TPEngine", "BusyTimer", "Peers", "model_tp_plan", "tp_styles", "uses_tp", "check_tp_plan", "executor_ranks",
-           "stage_peers", "gather_full", "local_part"]
+__all__ = ["TPStage", "TPEngine", "BusyTimer", "Peers", "model_tp_plan", "tp_styles", "uses_tp", "check_tp_plan",
+           "executor_ranks", "stage_peers", "gather_full", "local_part"]
 
 #: Hugging Face TP plan names this adapter maps to torch styles.
 STYLES = ("colwise", "rowwise")
@@ -305,7 +310,7 @@ def gather_full(module: nn.Module, optimizer: torch.optim.Optimizer, aliases: Ma
 
 class BusyTimer(ChunkTimer):
     """Times a TP chunk on the host by the training thread's busy time: CPU time plus the
-    time it was runnable but waited for a CPU (``/proc/thread-self/schedstat``), i.e. the
+    time it was runnable but waited for a CPU (``/proc/self/task/<tid>/schedstat``), i.e. the
     wall time without the time it slept in a TP collective waiting for a peer. A rank
     slowed by itself shows its own slowdown; its TP peers, which wait for it inside every
     row-wise all-reduce, do not (docs/torch_native.md, "Tensor parallelism": slow TP
