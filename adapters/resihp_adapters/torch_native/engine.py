@@ -54,7 +54,7 @@ from resihp_core.runtime.session import rendezvous_store
 from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
-from resihp_adapters.torchkit.device import CPU, Placement, release_world
+from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
 __all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
            "live_replicas", "IterationResult", "captured_groups", "adamw_recipe"]
@@ -479,7 +479,7 @@ class TorchNativeEngine:
         def timed(fn, book):
             def run(mb, *args, **kwargs):
                 engine.before_action()
-                timer = engine.placement.timer().start()  # CUDA events on a GPU
+                timer = engine.chunk_timer().start()  # CUDA events on a GPU
                 out = fn(mb, *args, **kwargs)
                 dt = engine.stretch(timer.stop())
                 res = engine._current
@@ -502,6 +502,10 @@ class TorchNativeEngine:
         stage.perform_reduce_grad = delayed(stage.perform_reduce_grad)
 
     _current: IterationResult | None = None
+
+    def chunk_timer(self) -> ChunkTimer:
+        """The timer of one compute chunk in the profiles (the TP engine times busy time)."""
+        return self.placement.timer()
 
     def start_fresh(self) -> None:
         """Generation 0: the model's initial weights, empty optimizer state."""
