@@ -17,10 +17,15 @@ from it):
 * ``ckpt``: checkpoint-restart: a plain torch script (DDP, or stock pipelining + FSDP2
   for PP2 x DP2) under ``torchrun --max-restarts`` that saves a checkpoint every ``k``
   iterations and loads the newest one at start; ``k`` from Young/Daly,
-  ``sqrt(2 * C * MTBF)`` with ``C`` the measured checkpoint write time and ``MTBF`` the
-  kill-every-N trace's mean time between failures (``ckpt_interval``);
+  ``sqrt(2 * C * MTBF)`` (``ckpt_interval``);
 * ``plain``: the same script as ``ckpt`` without checkpoints or restarts (fault-free
   runs only): the reference for each system's fault-free overhead.
+
+Checkpoint intervals: ResiHP and checkpoint-restart each checkpoint every ``k`` of
+their iterations, ``k`` from Young/Daly with each system's own ``C`` (its own write:
+ResiHP's DCP checkpoint, the script's ``torch.save`` or DCP) and its own fault-free
+iteration time, both measured in a calibration run that checkpoints every iteration
+(``own_checkpoint_cost``), and ``MTBF`` the kill-every-N trace's N of those iterations.
 
 Traces (seeded; the same events for every system; ``make_trace``): ``none``; ``one-kill``
 (SIGKILL of one worker at the start of an iteration a third of the way in);
@@ -49,6 +54,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -659,27 +665,39 @@ def _torchft_worker(a: dict) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def checkpoint_write_s(spec: str, pp: int) -> float:
-    """Seconds to write this job's checkpoint (model + AdamW state, torch.save), the C of
-    Young/Daly, measured here (median of 5)."""
-    import torch
-
-    from resihp_adapters.torch_native.model import build_stage, loss_sum
-
-    js, c, data = _model_and_data(spec)
-    cfg = c["model"]
-    model = build_stage(cfg, 0, cfg.n_layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], foreach=False)
-    mb = data.micro_batch(0, 0, 0, 1)
-    loss_sum(model(mb.tokens, **mb.kwargs()), mb.labels).backward()
-    opt.step()
-    times = []
-    with tempfile.TemporaryDirectory() as d:
-        for i in range(5):
-            t0 = time.perf_counter()
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(d, f"{i}.pt"))
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) / pp  # each stage writes its share in parallel
+def own_checkpoint_cost(system: str, job: Job, root: Path, spec: str, args: argparse.Namespace,
+                        iterations: int = 12, skip: int = 2) -> tuple[float, float, list[float]]:
+    """``C`` and the iteration time of Young/Daly for ``system`` (``resihp`` or ``ckpt``),
+    each from its own writes, as its users would measure them: one fault-free run of the
+    job checkpointing after every iteration. ResiHP: the workers' logged DCP writes
+    (``event=checkpoint_written ... seconds=S``: the coordinator's collective write and
+    seal); checkpoint-restart: rank 0's timed ``save`` (``torch.save`` for DDP, DCP +
+    barrier for the pipeline). ``C`` is the median after the first ``skip`` writes; the
+    iteration time is the run's median commit gap less ``C`` (each gap holds one write).
+    Returns ``(C, iteration_s, writes)``."""
+    work = Path(tempfile.mkdtemp(prefix=f"calibrate-{system}-{job.name}-", dir=root))
+    if system == "resihp":
+        run = run_resihp(job, [], iterations, work, args.run_timeout, checkpoint_every=1)
+        found: list[tuple[int, float]] = []
+        for log in sorted(work.rglob("worker*.log")):
+            for m in re.finditer(r"event=checkpoint_written device=\d+ iteration=(\d+)\b.*?\bseconds=([0-9.]+)",
+                                 log.read_text(errors="replace")):
+                found.append((int(m.group(1)), float(m.group(2))))
+        writes = [w for i, w in sorted(found) if i >= skip] or [w for _, w in found]
+    elif system == "ckpt":
+        run = run_torchrun("ckpt", job, [], iterations, work, spec, args.run_timeout, 1, 0)
+        f = work / "ckpt_write_s.txt"
+        got = [float(x) for x in f.read_text().split()] if f.exists() else []
+        writes = got[skip:] or got
+    else:
+        raise ValueError(f"no checkpoints in {system!r}")
+    if not run.ok:
+        raise RuntimeError(f"{system}'s calibration run failed: {run.error}")
+    if not writes:
+        raise RuntimeError(f"{system}'s calibration run logged no checkpoint writes (under {work})")
+    c = statistics.median(writes)
+    gap = summarise(run.commits, [], iterations, skip)["iteration_s"]
+    return c, max(gap - c, 1e-3), writes
 
 
 def one_run(system: str, job: Job, trace_name: str, trace: list[Event], iterations: int, root: Path,
@@ -688,9 +706,8 @@ def one_run(system: str, job: Job, trace_name: str, trace: list[Event], iteratio
     timeout = args.run_timeout
     try:
         if system == "resihp":
-            k = every if args.resihp_checkpoint_every == "young-daly" else int(args.resihp_checkpoint_every)
-            run = run_resihp(job, trace, iterations, work, timeout, k)
-            run.extra["checkpoint_every"] = k
+            run = run_resihp(job, trace, iterations, work, timeout, every)
+            run.extra["checkpoint_every"] = every
         elif system == "torchft":
             run = run_torchft(job, trace, iterations, work, spec, timeout, args.torchft_heartbeat_ms)
         else:
@@ -799,8 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts for checkpoint-restart")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run counts as stuck")
     ap.add_argument("--resihp-checkpoint-every", default="young-daly",
-                    help="ResiHP's checkpoint interval in iterations, or young-daly: the same interval "
-                         "as checkpoint-restart's (1 is resihp run's default)")
+                    help="ResiHP's checkpoint interval in iterations, or young-daly: Young/Daly from "
+                         "ResiHP's own measured DCP write time and iteration (1 is resihp run's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every run and figure here")
     args = ap.parse_args(argv)
@@ -832,32 +849,33 @@ def main(argv: list[str] | None = None) -> int:
         traces = {t: make_trace(t, iterations, job.workers, every=every, repair_after=repair_after,
                                 slow_factor=args.slow_factor, seed=args.seed) for t in tnames}
         spec = job_spec_json(job, iterations, root / f"spec-{job.name}")
-        c_s = checkpoint_write_s(spec, job.pp)
         runs: list[Run] = []
-        k = None
+        k: dict[str, int] = {}
+        kev = make_trace("kill-every-n", iterations, job.workers, every=every, repair_after=repair_after,
+                         seed=args.seed)
         order = ["plain", *systems]
         for rnd in range(reps):
             for tname in tnames:
                 sys_now = order if tname == "none" else systems
                 sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
                 for sysname in sys_now:
-                    if k is None and sysname in ("ckpt", "resihp"):
-                        # Young/Daly from the measured write time and the kill-every-N trace's MTBF
-                        # (plain torch's fault-free iteration time; measured first when needed).
-                        base = [r for r in runs if r.system == "plain" and r.trace == "none"]
-                        if not base:
-                            base = [one_run("plain", job, "none", [], iterations, root, spec, args, 0)]
-                            base[0].extra["round"] = -1
-                        it_s = summarise(base[0].commits, [], iterations, warmup)["iteration_s"]
-                        if not (it_s > 0):
-                            it_s = 0.2
-                        kev = make_trace("kill-every-n", iterations, job.workers, every=every,
-                                         repair_after=repair_after, seed=args.seed)
-                        mtbf_s = mtbf_iterations(kev, iterations) * it_s
-                        k = ckpt_interval(c_s, mtbf_s, it_s)
-                        out["jobs"].setdefault(job.name, {})["young_daly"] = {
-                            "checkpoint_write_s": c_s, "mtbf_s": mtbf_s, "iteration_s": it_s, "every": k}
-                    r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args, k or 0)
+                    if sysname in ("ckpt", "resihp") and sysname not in k:
+                        if sysname == "resihp" and args.resihp_checkpoint_every != "young-daly":
+                            k["resihp"] = int(args.resihp_checkpoint_every)
+                        else:
+                            # Young/Daly from the system's own write time and fault-free iteration
+                            # (a calibration run checkpointing every iteration); the trace kills
+                            # every N of its iterations, so its MTBF is N of its own iterations.
+                            c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
+                            mtbf_s = mtbf_iterations(kev, iterations) * it_s
+                            k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
+                            out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
+                                "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
+                                "iteration_s": it_s, "every": k[sysname]}
+                            print(f"{sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} writes), "
+                                  f"iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
+                    r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
+                                k.get(sysname, 0))
                     r.extra["round"] = rnd
                     load.append(loadavg())
                     runs.append(r)
@@ -869,12 +887,17 @@ def main(argv: list[str] | None = None) -> int:
                           f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
                           f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
         lines, fig = table(job, runs, iterations, warmup, traces, systems)
-        yd = out["jobs"].get(job.name, {}).get("young_daly")
-        if yd:
-            lines += ["", f"checkpoint-restart (and ResiHP with --resihp-checkpoint-every young-daly): "
-                          f"a checkpoint every {yd['every']} iteration(s) = "
+        how = {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
+               "resihp": "the coordinator's logged DCP write and seal"}
+        for sysname, yd in out["jobs"].get(job.name, {}).get("young_daly", {}).items():
+            lines += ["", f"{sysname}: a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
-                      f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1)"]
+                      f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1; C: median of "
+                      f"{len(yd['writes_s'])} of its own writes ({how[sysname]}) in a calibration run "
+                      f"checkpointing every iteration; iteration: that run's commit gap less C; MTBF: "
+                      f"the kill-every-N trace's N of those iterations)"]
+        if "resihp" in k and "resihp" not in out["jobs"].get(job.name, {}).get("young_daly", {}):
+            lines += ["", f"resihp: a checkpoint every {k['resihp']} iteration(s) (--resihp-checkpoint-every)"]
         if job.pp != 1:
             lines += ["", "torchft: not run (it runs data-parallel replicas; it has no pipeline parallelism)"]
         elif not have_torchft:
