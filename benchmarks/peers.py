@@ -818,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resihp-checkpoint-every", default="young-daly",
                     help="ResiHP's checkpoint interval in iterations, or young-daly: Young/Daly from "
                          "ResiHP's own measured DCP write time and iteration (1 is resihp run's default)")
+    ap.add_argument("--max-wall-s", type=float, default=0.0, help="start no round that would end past this "
+                    "many seconds from the start (by the mean round so far; 0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every run and figure here")
     args = ap.parse_args(argv)
@@ -844,19 +846,28 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"machine": machine(), "command": "python benchmarks/peers.py " + " ".join(argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jobs": {}}
     report: list[str] = []
+    setup: dict[str, dict] = {}
     for job in jobs:
         systems = [s for s in SYSTEMS if s != "torchft" or (have_torchft and job.pp == 1)]
-        traces = {t: make_trace(t, iterations, job.workers, every=every, repair_after=repair_after,
-                                slow_factor=args.slow_factor, seed=args.seed) for t in tnames}
-        spec = job_spec_json(job, iterations, root / f"spec-{job.name}")
-        runs: list[Run] = []
-        k: dict[str, int] = {}
-        kev = make_trace("kill-every-n", iterations, job.workers, every=every, repair_after=repair_after,
-                         seed=args.seed)
-        order = ["plain", *systems]
-        for rnd in range(reps):
+        setup[job.name] = {
+            "systems": systems, "order": ["plain", *systems], "runs": [], "k": {},
+            "traces": {t: make_trace(t, iterations, job.workers, every=every, repair_after=repair_after,
+                                     slow_factor=args.slow_factor, seed=args.seed) for t in tnames},
+            "kev": make_trace("kill-every-n", iterations, job.workers, every=every, repair_after=repair_after,
+                              seed=args.seed),
+            "spec": job_spec_json(job, iterations, root / f"spec-{job.name}")}
+    done_rounds = 0
+    for rnd in range(reps):  # a round runs every job, so a stop for time leaves whole rounds
+        elapsed = time.time() - t_start
+        if rnd and args.max_wall_s and elapsed + elapsed / rnd > args.max_wall_s:
+            print(f"stopping after {rnd} of {reps} rounds: another would pass --max-wall-s "
+                  f"{args.max_wall_s:.0f} s ({elapsed:.0f} s so far)", flush=True)
+            break
+        for job in jobs:
+            st = setup[job.name]
+            runs, k, spec, traces = st["runs"], st["k"], st["spec"], st["traces"]
             for tname in tnames:
-                sys_now = order if tname == "none" else systems
+                sys_now = st["order"] if tname == "none" else st["systems"]
                 sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
                 for sysname in sys_now:
                     if sysname in ("ckpt", "resihp") and sysname not in k:
@@ -867,13 +878,13 @@ def main(argv: list[str] | None = None) -> int:
                             # (a calibration run checkpointing every iteration); the trace kills
                             # every N of its iterations, so its MTBF is N of its own iterations.
                             c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
-                            mtbf_s = mtbf_iterations(kev, iterations) * it_s
+                            mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
                             k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
                             out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
                                 "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
                                 "iteration_s": it_s, "every": k[sysname]}
-                            print(f"{sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} writes), "
-                                  f"iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
+                            print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
+                                  f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
                     r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
                                 k.get(sysname, 0))
                     r.extra["round"] = rnd
@@ -882,13 +893,18 @@ def main(argv: list[str] | None = None) -> int:
                     if args.json:  # every run so far, in case the benchmark is stopped
                         Path(args.json + ".partial").write_text(json.dumps(
                             [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
-                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]} for x in all_runs + runs]))
+                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]}
+                             for v in setup.values() for x in v["runs"]]))
                     print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
                           f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
                           f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
-        lines, fig = table(job, runs, iterations, warmup, traces, systems)
-        how = {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
-               "resihp": "the coordinator's logged DCP write and seal"}
+        done_rounds = rnd + 1
+    how = {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
+           "resihp": "the coordinator's logged DCP write and seal"}
+    for job in jobs:
+        st = setup[job.name]
+        runs, k, traces = st["runs"], st["k"], st["traces"]
+        lines, fig = table(job, runs, iterations, warmup, traces, st["systems"])
         for sysname, yd in out["jobs"].get(job.name, {}).get("young_daly", {}).items():
             lines += ["", f"{sysname}: a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
@@ -910,7 +926,9 @@ def main(argv: list[str] | None = None) -> int:
     loads = [x[0] for x in load if x]
     head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({out['date']}, {time.time() - t_start:.0f} s)",
             f"`{out['command']}`; load average (1 min) {min(loads):.1f}-{max(loads):.1f} during the runs; "
-            f"{reps} round(s), systems interleaved (order rotated every round); medians with "
+            f"{done_rounds} round(s)"
+            f"{'' if done_rounds == reps else f' of {reps} asked (stopped by --max-wall-s)'}, jobs and systems "
+            f"interleaved (order rotated every round); medians with "
             f"order-statistic intervals (min-max below 4 values).",
             f"timeouts: collectives {TIMEOUT_S:.0f} s (ResiHP job, torchrun workers), torchft gloo 5 s / manager 30 s "
             f"/ lighthouse heartbeat {args.torchft_heartbeat_ms} ms; ResiHP heartbeat 0.1 s x {HEARTBEAT_MISSES} "
@@ -918,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--max-restarts {args.max_restarts}, default monitor interval.", ""]
     print("\n".join(head + report))
     out["loadavg"] = [min(loads), max(loads)]
+    out["rounds"] = done_rounds
     out["runs"] = [{"system": r.system, "job": r.job, "trace": r.trace, "ok": r.ok, "error": r.error,
                     "wall_s": r.wall_s, "extra": r.extra, "commits": [asdict(c) for c in r.commits]}
                    for r in all_runs]
