@@ -665,6 +665,18 @@ def _torchft_worker(a: dict) -> None:
 
 
 # ---------------------------------------------------------------- driver
+def logged_checkpoint_writes(folder: Path) -> list[tuple[int, float]]:
+    """``(iteration, seconds)`` of every checkpoint write that ResiHP's workers logged
+    under ``folder`` (``worker*.log``: ``event=checkpoint_written ... seconds=S``), by
+    iteration."""
+    found: list[tuple[int, float]] = []
+    for log in sorted(folder.rglob("worker*.log")):
+        for m in re.finditer(r"event=checkpoint_written device=\d+ iteration=(\d+)\b[^\n]*?\bseconds=([0-9.]+)",
+                             log.read_text(errors="replace")):
+            found.append((int(m.group(1)), float(m.group(2))))
+    return sorted(found)
+
+
 def own_checkpoint_cost(system: str, job: Job, root: Path, spec: str, args: argparse.Namespace,
                         iterations: int = 12, skip: int = 2) -> tuple[float, float, list[float]]:
     """``C`` and the iteration time of Young/Daly for ``system`` (``resihp`` or ``ckpt``),
@@ -678,12 +690,8 @@ def own_checkpoint_cost(system: str, job: Job, root: Path, spec: str, args: argp
     work = Path(tempfile.mkdtemp(prefix=f"calibrate-{system}-{job.name}-", dir=root))
     if system == "resihp":
         run = run_resihp(job, [], iterations, work, args.run_timeout, checkpoint_every=1)
-        found: list[tuple[int, float]] = []
-        for log in sorted(work.rglob("worker*.log")):
-            for m in re.finditer(r"event=checkpoint_written device=\d+ iteration=(\d+)\b.*?\bseconds=([0-9.]+)",
-                                 log.read_text(errors="replace")):
-                found.append((int(m.group(1)), float(m.group(2))))
-        writes = [w for i, w in sorted(found) if i >= skip] or [w for _, w in found]
+        found = logged_checkpoint_writes(work)
+        writes = [w for i, w in found if i >= skip] or [w for _, w in found]
     elif system == "ckpt":
         run = run_torchrun("ckpt", job, [], iterations, work, spec, args.run_timeout, 1, 0)
         f = work / "ckpt_write_s.txt"
