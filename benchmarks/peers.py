@@ -55,6 +55,7 @@ import math
 import os
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -147,7 +148,10 @@ def summarise(commits: Sequence[Commit], trace: Sequence[Event], iterations: int
     * ``goodput``: samples of iterations ``warmup+1 .. last`` as last committed (the final
       trajectory: an iteration done twice counts once) over the time from the first
       commit of ``warmup`` to the last commit;
-    * ``iteration_s``: median gap between consecutive first commits before the first event;
+    * ``iteration_s``: mean time per iteration from the first commit of ``warmup`` to the
+      last first commit before the first event (a rate: periodic checkpoint writes count,
+      as they cost the job; the median gap would leave them out); ``iteration_rse``: the
+      relative standard error of the gaps between (the noise floor);
     * ``redone``: commits of an iteration already committed (work lost and done again);
     * per kill: ``gap_s`` from the last commit before it to the next commit, and
       ``back_s`` until the first commit of an iteration >= the kill's (its progress back).
@@ -172,7 +176,9 @@ def summarise(commits: Sequence[Commit], trace: Sequence[Event], iterations: int
         out["window_s"] = t1 - t0
     ev0 = min((e.iteration for e in trace), default=iterations)
     gaps = [first[i + 1].t - first[i].t for i in range(warmup, ev0 - 1) if i in first and i + 1 in first]
-    out["iteration_s"] = statistics.median(gaps) if gaps else math.nan
+    steady = [i for i in range(warmup, ev0) if i in first]
+    out["iteration_s"] = ((first[steady[-1]].t - first[warmup].t) / (steady[-1] - warmup)
+                          if warmup in first and len(steady) > 1 and steady[-1] > warmup else math.nan)
     out["iteration_rse"] = rel_se(gaps)
     kills = []
     for e in trace:
@@ -212,6 +218,7 @@ class Job:
 
 JOBS = {"dp4": Job("dp4", 1, 4, 3), "pp2dp2": Job("pp2dp2", 2, 2, 4)}
 MODEL = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128}
+WARMUP = 3  # iterations before the figures start (start-up, first-plan effects)
 TIMEOUT_S = 10.0  # every system's collective timeout where it has one to set (torchft: its example's)
 HEARTBEAT_MISSES = 50  # x 0.1 s: ResiHP's hang timeout matched to torchft's 5 s heartbeat timeout
 
@@ -755,8 +762,8 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
              "interval for 3 values, 94 % for 5]; kill figures pool every kill of every run.", ""]
     plain = by.get(("plain", "none"), [])
     base_it = _ci([s["iteration_s"] for s in plain])
-    lines += ["fault-free iteration time (median of each run's steady iterations), and over plain torch "
-              "in the same round:", "",
+    lines += ["fault-free iteration time (each run's mean from its warm-up to its end, checkpoint writes "
+              "included), and over plain torch in the same round:", "",
               "| system | iteration s | / plain torch | noise floor (rel. s.e. of a run's iterations) |",
               "| --- | --- | --- | --- |"]
     for sysname in ("plain", *systems):
@@ -804,12 +811,7 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
     return lines, fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--_worker":
-        a = json.loads(argv[2])
-        {"torchrun": _torchrun_worker, "torchft": _torchft_worker}[argv[1]](a)
-        return 0
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized: 1 round, dp4 only, fault-free and kill-every-n")
     ap.add_argument("--reps", type=int, help="rounds (default 3; 1 with --quick)")
@@ -830,16 +832,36 @@ def main(argv: list[str] | None = None) -> int:
                     "many seconds from the start (by the mean round so far; 0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every run and figure here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _settings(args: argparse.Namespace) -> tuple[int, int, int, int, list[Job], list[str]]:
+    """Rounds, iterations, N and R of kill-every-N, jobs and traces, defaults filled in."""
     reps = args.reps or (1 if args.quick else 3)
     iterations = args.iterations or (30 if args.quick else 60)
     every = args.every or (10 if args.quick else 15)
     repair_after = args.repair_after or 5
-    warmup = 3
     jobs = [JOBS[j] for j in (args.jobs or ("dp4" if args.quick else "dp4,pp2dp2")).split(",")]
     tnames = (args.traces or ("none,kill-every-n" if args.quick else ",".join(TRACES))).split(",")
     if "none" not in tnames:
         tnames.insert(0, "none")
+    return reps, iterations, every, repair_after, jobs, tnames
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--_worker":
+        a = json.loads(argv[2])
+        {"torchrun": _torchrun_worker, "torchft": _torchft_worker}[argv[1]](a)
+        return 0
+    ap = _parser()
+    ap.add_argument("--from-json", help="print the report of a saved run (--json's file) with this code, run nothing")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        print(render(json.loads(Path(args.from_json).read_text()))[0])
+        return 0
+    reps, iterations, every, repair_after, jobs, tnames = _settings(args)
+    warmup = WARMUP
     try:
         import torchft  # noqa: F401
         have_torchft = True
@@ -850,10 +872,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="resihp-peers-"))
     load: list[list[float] | None] = [loadavg()]
     t_start = time.time()
-    all_runs: list[Run] = []
     out: dict = {"machine": machine(), "command": "python benchmarks/peers.py " + " ".join(argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jobs": {}}
-    report: list[str] = []
     setup: dict[str, dict] = {}
     for job in jobs:
         systems = [s for s in SYSTEMS if s != "torchft" or (have_torchft and job.pp == 1)]
@@ -907,52 +927,74 @@ def main(argv: list[str] | None = None) -> int:
                           f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
                           f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
         done_rounds = rnd + 1
+    loads = [x[0] for x in load if x]
+    out.update({"loadavg": [min(loads), max(loads)], "rounds": done_rounds, "wall_s": time.time() - t_start,
+                "have_torchft": have_torchft})
+    for job in jobs:
+        out["jobs"].setdefault(job.name, {})["traces"] = {
+            t: [asdict(e) for e in ev] for t, ev in setup[job.name]["traces"].items()}
+        if "resihp" in setup[job.name]["k"]:
+            out["jobs"][job.name]["resihp_checkpoint_every"] = setup[job.name]["k"]["resihp"]
+    out["runs"] = [{"system": r.system, "job": r.job, "trace": r.trace, "ok": r.ok, "error": r.error,
+                    "wall_s": r.wall_s, "extra": r.extra, "commits": [asdict(c) for c in r.commits]}
+                   for job in jobs for r in setup[job.name]["runs"]]
+    md, figs = render(out)
+    for name, fig in figs.items():
+        out["jobs"][name]["figures"] = fig
+    out["markdown"] = md
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def render(saved: dict) -> tuple[str, dict[str, dict]]:
+    """The report (markdown) and each job's figures, from a run's saved record (what
+    ``--json`` writes: its command, date, load, every run's commits): the live run and
+    ``--from-json`` print the same thing."""
+    args = _parser().parse_args(shlex.split(saved["command"])[2:])
+    reps, iterations, _, _, jobs, _ = _settings(args)
+    warmup = WARMUP
     how = {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
            "resihp": "the coordinator's logged DCP write and seal"}
+    report: list[str] = []
+    figs: dict[str, dict] = {}
     for job in jobs:
-        st = setup[job.name]
-        runs, k, traces = st["runs"], st["k"], st["traces"]
-        lines, fig = table(job, runs, iterations, warmup, traces, st["systems"])
-        for sysname, yd in out["jobs"].get(job.name, {}).get("young_daly", {}).items():
+        saved_job = saved["jobs"].get(job.name, {})
+        runs = [Run(x["system"], x["job"], x["trace"], [Commit(**c) for c in x["commits"]], x["ok"], x["error"],
+                    x.get("wall_s", 0.0), x.get("extra", {})) for x in saved["runs"] if x["job"] == job.name]
+        traces = {t: [Event(**e) for e in ev] for t, ev in saved_job.get("traces", {}).items()}
+        ran = {r.system for r in runs}
+        systems = [s for s in SYSTEMS if s in ran]
+        lines, fig = table(job, runs, iterations, warmup, traces, systems)
+        figs[job.name] = fig
+        for sysname, yd in saved_job.get("young_daly", {}).items():
             lines += ["", f"{sysname}: a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
                       f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1; C: median of "
                       f"{len(yd['writes_s'])} of its own writes ({how[sysname]}) in a calibration run "
                       f"checkpointing every iteration; iteration: that run's commit gap less C; MTBF: "
                       f"the kill-every-N trace's N of those iterations)"]
-        if "resihp" in k and "resihp" not in out["jobs"].get(job.name, {}).get("young_daly", {}):
-            lines += ["", f"resihp: a checkpoint every {k['resihp']} iteration(s) (--resihp-checkpoint-every)"]
+        if "resihp" in ran and "resihp" not in saved_job.get("young_daly", {}):
+            lines += ["", f"resihp: a checkpoint every {saved_job.get('resihp_checkpoint_every', args.resihp_checkpoint_every)} "
+                          f"iteration(s) (--resihp-checkpoint-every)"]
         if job.pp != 1:
             lines += ["", "torchft: not run (it runs data-parallel replicas; it has no pipeline parallelism)"]
-        elif not have_torchft:
+        elif "torchft" not in ran:
             lines += ["", "torchft: not installed, column skipped"]
         report += lines + [""]
-        print("\n".join(lines) + "\n", flush=True)
-        all_runs += runs
-        out["jobs"].setdefault(job.name, {}).update(
-            {"figures": fig, "traces": {t: [asdict(e) for e in ev] for t, ev in traces.items()}})
-    loads = [x[0] for x in load if x]
-    head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({out['date']}, {time.time() - t_start:.0f} s)",
-            f"`{out['command']}`; load average (1 min) {min(loads):.1f}-{max(loads):.1f} during the runs; "
-            f"{done_rounds} round(s)"
-            f"{'' if done_rounds == reps else f' of {reps} asked (stopped by --max-wall-s)'}, jobs and systems "
-            f"interleaved (order rotated every round); medians with "
+    done, lo, hi = saved.get("rounds", reps), *saved.get("loadavg", [math.nan, math.nan])
+    took = f", {saved['wall_s']:.0f} s" if "wall_s" in saved else ""
+    head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({saved['date']}{took})",
+            f"`{saved['command']}`; load average (1 min) {lo:.1f}-{hi:.1f} during the runs; "
+            f"{done} round(s){'' if done == reps else f' of {reps} asked (stopped by --max-wall-s)'}, "
+            f"jobs and systems interleaved (order rotated every round); medians with "
             f"order-statistic intervals (min-max below 4 values).",
             f"timeouts: collectives {TIMEOUT_S:.0f} s (ResiHP job, torchrun workers), torchft gloo 5 s / manager 30 s "
             f"/ lighthouse heartbeat {args.torchft_heartbeat_ms} ms; ResiHP heartbeat 0.1 s x {HEARTBEAT_MISSES} "
             f"(a dead process is seen by its exit); torchrun "
             f"--max-restarts {args.max_restarts}, default monitor interval.", ""]
-    print("\n".join(head + report))
-    out["loadavg"] = [min(loads), max(loads)]
-    out["rounds"] = done_rounds
-    out["runs"] = [{"system": r.system, "job": r.job, "trace": r.trace, "ok": r.ok, "error": r.error,
-                    "wall_s": r.wall_s, "extra": r.extra, "commits": [asdict(c) for c in r.commits]}
-                   for r in all_runs]
-    out["markdown"] = "\n".join(head + report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    return 0
-
+    return "\n".join(head + report), figs
 
 if __name__ == "__main__":
     sys.exit(main())

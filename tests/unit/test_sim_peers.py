@@ -164,3 +164,14 @@ def test_peers_reads_resihps_own_checkpoint_writes_from_the_worker_log(tmp_path,
     (tmp_path / "gen1" / "worker2.log").write_text(capsys.readouterr().err)
     (tmp_path / "agent0.log").write_text("event=checkpoint_written device=0 iteration=9 seconds=5.0\n")
     assert peers.logged_checkpoint_writes(tmp_path) == [(1, 0.25), (4, 0.412)]
+
+
+def test_peers_fault_free_iteration_time_counts_the_checkpoint_writes() -> None:
+    """Iterations of 1 s with a 2 s write after every 4th: the fault-free iteration time
+    is the rate (1.5 s), not the median gap (1 s), which would leave the writes out."""
+    t, commits = 0.0, []
+    for i in range(13):
+        commits.append(peers.Commit(i, t, 4))
+        t += 3.0 if (i + 1) % 4 == 0 else 1.0
+    s = peers.summarise(commits, [], 13, warmup=0)
+    assert s["iteration_s"] == pytest.approx(18.0 / 12)
