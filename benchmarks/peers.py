@@ -976,8 +976,8 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
                       f"checkpointing every iteration; iteration: that run's commit gap less C; MTBF: "
                       f"the kill-every-N trace's N of those iterations)"]
         if "resihp" in ran and "resihp" not in saved_job.get("young_daly", {}):
-            lines += ["", f"resihp: a checkpoint every {saved_job.get('resihp_checkpoint_every', args.resihp_checkpoint_every)} "
-                          f"iteration(s) (--resihp-checkpoint-every)"]
+            fixed = saved_job.get("resihp_checkpoint_every", args.resihp_checkpoint_every)
+            lines += ["", f"resihp: a checkpoint every {fixed} iteration(s) (--resihp-checkpoint-every)"]
         if job.pp != 1:
             lines += ["", "torchft: not run (it runs data-parallel replicas; it has no pipeline parallelism)"]
         elif "torchft" not in ran:
