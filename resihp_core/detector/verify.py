@@ -500,7 +500,9 @@ class ProfileVerifier:
             # ... and a slow link of those ranks holds them back in every iteration; the
             # sum of a few iterations can single out a rank that one long wait hit.
             each = t.outside_excess_each()
-            steady = [all(e.get(r, 0.0) >= 0.5 * max(e.values(), default=0.0) > 0 for r in heavy) for e in each]
+            n = max(1, len(each))
+            steady = [all(e.get(r, 0.0) >= 0.5 * max(max(e.values(), default=0.0), excess[r] / n) for r in heavy)
+                      for e in each]
             concentrated = len(heavy) <= max(1, int(self.concentrated * len(excess))) and len(heavy) < len(excess)
             if concentrated and len(each) > 1 and sum(steady) < max(len(each) - 1, len(each) // 2 + 1):
                 unsteady = (f"time outside compute exceeds the expected on ranks {sorted(heavy)} over the "
