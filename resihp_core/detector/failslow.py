@@ -282,6 +282,7 @@ class WorkloadAwareDetector(_Base):
         super()._reset_state(generation, plan)
         self._pred: dict[int, float] = {}
         self._watch: tuple[int, int] | None = None  # (onset, until iteration) of a benign change
+        self._more = 0  # iterations since its onset the watched change needs (Verdict.more)
         self._opening: list[float] = []  # the normalised series' first values: its healthy level
         if hasattr(self, "local"):
             self.local.reset()
@@ -415,6 +416,12 @@ class WorkloadAwareDetector(_Base):
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
                                self._environment(onset), noise, own_noise)
+        if verdict.more > len(after):
+            # Too few iterations for this evidence: the runs must go on that long.
+            for d in found:
+                self.local.extend(d, verdict.more)
+                self.own.extend(d, verdict.more)
+            return Detection(iteration, measured, "pending", None, None, None, verdict, onset=onset)
         self._last_retained = iteration
         self._watch = None
         ratio, predicted = self._ratio_since(onset)
@@ -491,7 +498,7 @@ class WorkloadAwareDetector(_Base):
             return self._persistent_excess(iteration, measured)
         onset, until = self._watch
         if iteration > until:
-            self._watch = None
+            self._watch, self._more = None, 0
             return Detection(iteration, measured)
         try:
             ratio, predicted = self._ratio_since(onset)
@@ -505,7 +512,7 @@ class WorkloadAwareDetector(_Base):
                        ratio: float, predicted: float | None) -> Detection:
         self._watch = None
         after, before = self._window(onset)
-        if len(after) < self.verify_window:
+        if len(after) < max(self.verify_window, self._more):
             # Too early to tell a lasting slowdown from a blip: look again next iteration.
             self._watch = (onset, iteration + max(self.min_gap, self.verify_window))
             return Detection(iteration, measured, "pending", cp, predicted, ratio, onset=onset)
@@ -524,6 +531,12 @@ class WorkloadAwareDetector(_Base):
         env = self._environment(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
                                self.local.noise(), self.own.noise())
+        if verdict.more > len(after):
+            # Not enough iterations for this evidence yet: verify again when there are.
+            self._watch = (onset, iteration + max(self.min_gap, verdict.more))
+            self._more = verdict.more
+            return Detection(iteration, measured, "pending", cp, predicted, ratio, verdict, onset=onset)
+        self._more = 0
         self._last_retained = iteration
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
                     self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])

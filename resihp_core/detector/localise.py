@@ -135,6 +135,11 @@ class PeerExcessWatch:
         however noisy its few healthy values looked)."""
         return max(math.log1p(self.floor), min(math.log1p(self.cap), self.k * self.sigma(device)))
 
+    def extend(self, device: int, iterations: int) -> None:
+        """``device``'s current run must reach ``iterations`` before it is found (again)."""
+        if device in self._run:
+            self._need[device] = max(iterations, len(self._run[device]) + 1, self._need.get(device, self.window))
+
     def flagged(self, device: int) -> int:
         """Iterations in a row ``device`` has been flagged (its current run)."""
         return len(self._run.get(device, ()))

@@ -295,13 +295,22 @@ class ProfileVerifier:
             # On a loaded machine a suspect slowed only by waiting for a CPU needs more
             # iterations, nearly all of them above its peers: which rank waits longest
             # there changes from one iteration to the next.
-            shared |= {ex for ex in local - shared
-                       if all(self._contended(t, r) for r in groups[ex])
-                       and not (ex in own_margin and self._above_peers(ctx, t, groups, ex, own_margin[ex],
-                                                                       own_compute_of))
-                       and self._peers_waiting(t, groups, ex) >= self.loaded_share
-                       and not self._above_peers(ctx, t, groups, ex, margin[ex],
-                                                 need=max(self.loaded_iterations, len(ctx.iterations)) - 1)}
+            loaded = {ex for ex in local - shared
+                      if all(self._contended(t, r) for r in groups[ex])
+                      and not (ex in own_margin and self._above_peers(ctx, t, groups, ex, own_margin[ex],
+                                                                      own_compute_of))
+                      and self._peers_waiting(t, groups, ex) >= self.loaded_share
+                      and not self._above_peers(ctx, t, groups, ex, margin[ex],
+                                                need=max(self.loaded_iterations, len(ctx.iterations)) - 1)}
+            if loaded and loaded | shared == local and len(ctx.iterations) < self.loaded_iterations:
+                return Verdict({}, "unknown", "slower than their peers only by waiting for a CPU, on a loaded "
+                               "machine (" + ", ".join(
+                                   f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
+                                   f"{100 * self._peers_waiting(t, groups, (r, s)):.0f} % of theirs"
+                                   for r, s in sorted(loaded))
+                               + f"): {len(ctx.iterations)} iterations are too few to tell its host from "
+                               "the scheduler's luck", more=self.loaded_iterations)
+            shared |= loaded
             if local and shared == local:
                 return Verdict({}, "unknown", "the slowdown is waiting for a CPU that its peers share ("
                                + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
