@@ -511,6 +511,8 @@ class WorkloadAwareDetector(_Base):
     def _verify_change(self, iteration: int, measured: float, cp: ChangePoint | None, onset: int,
                        ratio: float, predicted: float | None) -> Detection:
         self._watch = None
+        if cp is not None:
+            self._more = 0  # a new change: what an earlier one needed does not carry over
         after, before = self._window(onset)
         if len(after) < max(self.verify_window, self._more):
             # Too early to tell a lasting slowdown from a blip: look again next iteration.

@@ -269,3 +269,28 @@ def test_on_a_loaded_machine_waiting_that_moves_between_ranks_is_not_a_fail_slow
         assert rep and rep[0].report.devices == (1,) and rep[0].report.cause == "contention", \
             (base, [(d.iteration, d.action, d.notes) for d in dets])
         assert latency(dets) <= within, (base, latency(dets))
+
+
+def test_the_per_device_path_does_not_report_a_link_of_a_device_it_did_not_flag() -> None:
+    """The watch flags a device's compute; a verdict naming another device's link is not
+    what it found (two no-fault runs of benchmarks/false_reports.py reported one) and is
+    not reported; the same verdict naming the flagged device is."""
+    from resihp_core.detector import Verdict
+
+    class Names:
+        def __init__(self, device: int) -> None:
+            self.device = device
+
+        def verify(self, ctx) -> Verdict:
+            return Verdict({self.device: 0.5}, "communication", f"link of {self.device}")
+
+    for named, reported in ((1, False), (2, True)):
+        job = Job(ranks=4, scale=0.3, seed=3)
+        det = WorkloadAwareDetector(BOCPD(), Names(named), clock=lambda: 0.0)
+        for it in range(20):
+            det.observe(it, job.iteration(it))
+        job.slow[2] = 2.0
+        dets = [det.observe(it, job.iteration(it)) for it in range(20, 26)]
+        local = [d for d in dets if d.notes and "slower than their peers" in d.notes[0]]
+        assert local, [(d.iteration, d.action) for d in dets]
+        assert (local[0].report is not None) == reported, (named, local[0])
