@@ -226,6 +226,9 @@ class ProfileVerifier:
         ``loaded_iterations`` iterations verified, all of them but one (docs/detector.md
         "False reports on a loaded machine").
     :param loaded_iterations: see ``loaded_share``.
+    :param environment_rise: two or more executors slowed at once, every one on a node
+        whose CPU contention (probed outside the job, ``VerificationContext.environment``)
+        rose by at least this factor across the change: the environment, not reported.
     :param explain: compute suspects must account for at least this fraction of the
         iteration's excess over its prediction (in seconds); otherwise the slowdown is
         elsewhere (communication) and a little compute noise on some rank must not be
@@ -249,6 +252,7 @@ class ProfileVerifier:
         shared_wait: float = 0.25,
         loaded_share: float = 0.25,
         loaded_iterations: int = 6,
+        environment_rise: float = 1.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
                      ("waiting", waiting)):
@@ -259,6 +263,7 @@ class ProfileVerifier:
         self.waiting, self.noise_k = waiting, noise_k
         self.shared_wait, self.max_margin = shared_wait, max_margin
         self.loaded_share, self.loaded_iterations = loaded_share, loaded_iterations
+        self.environment_rise = environment_rise
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -320,6 +325,19 @@ class ProfileVerifier:
                                            for r, s in sorted(shared))
                                + "): the whole machine is contended, unevenly; not a device")
             suspects = {ex: ranks for ex, ranks in suspects.items() if ex in local and ex not in shared}
+            # Several executors slowed at the same onset while the CPU contention of
+            # their node(s), probed outside the job, rose as well: the environment
+            # changed (a burst of other processes), not several devices at once
+            # (docs/detector.md "False reports on a loaded machine").
+            rose = {ex for ex, ranks in suspects.items()
+                    if all(ctx.environment.get(t.device[r], 0.0) >= self.environment_rise for r in ranks)}
+            if len(suspects) >= 2 and rose == set(suspects):
+                return Verdict({}, "unknown", f"{len(suspects)} executors slowed at once ("
+                               + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x" for r, s in sorted(rose))
+                               + ") while the CPU contention of their node rose ("
+                               + ", ".join(f"device {t.device[r]}: {ctx.environment[t.device[r]]:.2f}x"
+                                           for ex in sorted(rose) for r in suspects[ex])
+                               + "): the environment changed, not several devices")
         else:
             # One executor has no peers to compare with: a slowdown that is time its
             # ranks waited for a CPU other processes held cannot be told from the

@@ -294,3 +294,28 @@ def test_the_per_device_path_does_not_report_a_link_of_a_device_it_did_not_flag(
         local = [d for d in dets if d.notes and "slower than their peers" in d.notes[0]]
         assert local, [(d.iteration, d.action) for d in dets]
         assert (local[0].report is not None) == reported, (named, local[0])
+
+
+def test_several_executors_slowed_at_once_while_their_nodes_contention_rose_is_the_environment() -> None:
+    """test_environment's CPU burst (unpinned busy processes) once slowed both stage-1
+    ranks of a PP2 x DP2 job 2x at its onset, own compute included, and they were
+    reported; the node's CPU contention, probed outside the job, rose 1.55x at the same
+    time. Two executors slowed at once while their node's contention rose: not
+    reported. The same two without that rise, or one executor with it (a hog on its
+    own core raises its node's contention too), are."""
+    def run(slow: dict[int, float], contention: float) -> list:
+        job = Job(ranks=4, scale=0.3, seed=7)
+        det = detector()
+        for it in range(30):
+            det.note_environment(it, {d: 1.0 for d in range(4)})
+            det.observe(it, job.iteration(it))
+        job.slow.update(slow)
+        out = []
+        for it in range(30, 40):
+            det.note_environment(it, {d: contention for d in range(4)})
+            out.append(det.observe(it, job.iteration(it)))
+        return [d.report for d in out if d.report is not None]
+
+    assert run({1: 2.0, 2: 2.0}, 1.6) == []
+    assert [r.devices for r in run({1: 2.0, 2: 2.0}, 1.0)][:1] == [(1, 2)]
+    assert [r.devices for r in run({2: 2.0}, 1.6)][:1] == [(2,)]
