@@ -31,6 +31,7 @@ partition from them. A fragment whose only holder died makes every rank raise
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -130,13 +131,20 @@ class DeepSpeedAdapter(Adapter):
         teardown_world(self.placement)
 
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
-        from resihp_adapters.deepspeed.engine import device_rank, plan_topology, whole_replicas
+        from resihp_adapters.deepspeed.engine import device_rank, is_partial, plan_topology
         from resihp_adapters.deepspeed.world import bound_op_timeouts, build_engine, ds_config_for, init_world
 
         self._drop_engine()
         self.plan = plan
-        xplan = self.xplan = whole_replicas(plan)
-        if xplan.location(self.ctx.device) is None:
+        xplan = self.xplan = self.runnable(plan)
+        where = xplan.location(self.ctx.device)
+        how = "partial-replica plan" if is_partial(xplan) else (
+            "whole-replica equivalent" if xplan is not plan else "plan")
+        print(f"resihp: generation {generation}: device {self.ctx.device} "
+              + (f"runs replica {where[0]} stage {where[1]} ({how})" if where is not None else
+                 "idles" if plan.location(self.ctx.device) is not None else "is a standby"),
+              file=sys.stderr, flush=True)
+        if where is None:
             return  # a standby, or idle in this generation: no place in DeepSpeed's grid
         plan = xplan
         live = _live(plan)
@@ -153,7 +161,9 @@ class DeepSpeedAdapter(Adapter):
                               base_seed=self.spec.base_seed, lr_scheduler=self.spec.lr_scheduler,
                               activation_checkpoint_interval=self.spec.activation_checkpoint_interval,
                               checkpointable_layers=self.spec.checkpointable_layers)
-        engine.loss_divisor = job.dp * job.num_microbatches / len(live)
+        # A partial-replica plan sums its stages' gradients instead of averaging them
+        # (their replica counts differ): each loss is divided by the whole global batch.
+        engine.loss_divisor = job.dp * job.num_microbatches / (1 if is_partial(plan) else len(live))
         m = plan.num_microbatches
         engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
         engine.rng_microbatches = job.num_microbatches
@@ -166,6 +176,21 @@ class DeepSpeedAdapter(Adapter):
         from resihp_adapters.torchkit.device import AbortWatch
 
         self._watch = AbortWatch(self.placement, self.ctx.superseded).start()
+
+    @property
+    def partial_replicas(self) -> bool:
+        """Whether this job runs a plan that keeps part of a replica as it is (its
+        surviving ranks keep their stages; docs/deepspeed.md, partial replicas): ZeRO 0
+        and fp32/fp64. Otherwise such a plan runs as its whole-replica equivalent."""
+        return self.zero_stage == 0 and not (self.config.get("bf16") or {}).get("enabled")
+
+    def runnable(self, plan: ParallelPlan) -> ParallelPlan:
+        """The plan DeepSpeed runs for ``plan`` (the same on every rank)."""
+        from resihp_adapters.deepspeed.engine import is_partial, partial_runnable, whole_replicas
+
+        if is_partial(plan) and self.partial_replicas and partial_runnable(plan):
+            return plan
+        return whole_replicas(plan)
 
     def _fault(self, kind: str, seconds: float) -> None:
         if kind == "compute":
@@ -184,7 +209,6 @@ class DeepSpeedAdapter(Adapter):
         self._current = True
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
-        from resihp_adapters.deepspeed.engine import whole_replicas
         import torch
         import torch.distributed as tdist
 
@@ -193,7 +217,7 @@ class DeepSpeedAdapter(Adapter):
 
         if self.engine is None:
             return 0  # a standby (or idle device) keeps what it held
-        old_plan, new_plan = whole_replicas(old_plan), self.xplan
+        old_plan, new_plan = self.runnable(old_plan), self.xplan
         have = set(devices) & set(old_plan.devices()) & set(new_plan.devices())
         sharded = is_sharded(self.engine)
         transfers = transfer_plan(old_plan, new_plan, have, tied_layers(self.engine), sharded=sharded)
@@ -334,6 +358,11 @@ class DeepSpeedAdapter(Adapter):
             raise RuntimeError(f"{what}: no plan generation yet")
         initial = ParallelPlan.uniform(tp=1, pp=x.pp, dp=job.dp, num_layers=x.num_layers,
                                        num_microbatches=job.num_microbatches)
+        from resihp_adapters.deepspeed.engine import is_partial
+
+        if is_partial(x):
+            raise RuntimeError(f"{what} in DeepSpeed's format: this plan generation keeps only part of a replica, "
+                               "which DeepSpeed's files cannot describe (ResiHP's own checkpoints load onto any layout)")
         if tuple(x.layer_ranges) != tuple(initial.layer_ranges) or (
                 self.zero_stage >= 1 and len(live_replicas(x)) != job.dp):
             raise RuntimeError(
@@ -388,20 +417,23 @@ class DeepSpeedAdapter(Adapter):
             return  # idle or a standby: not in DeepSpeed's world
         t0 = time.perf_counter()
         error, nbytes = None, 0
-        r, _, t = self.xplan.location(self.ctx.device)
-        k, stage = _live(self.xplan).index(r), self.xplan.location(self.ctx.device)[1]
+        r, stage, t = self.xplan.location(self.ctx.device)
+        k = _live(self.xplan).index(r)
+        # The first replica that holds this stage writes its units (with partial replicas
+        # that need not be the first replica).
+        first = next(q for q, rep in enumerate(self.xplan.tp_groups) if rep[stage])
         # ZeRO 1: every replica holds a fragment of the optimizer state, so every rank
         # also writes ``<unit>-tpT.zKsS.pt`` (replica K, stage S: a tied group's copies
         # on two stages are two sets of fragments); a load merges them.
         sharded = is_sharded(self.engine)
-        if k == 0 or sharded:
+        if r == first or sharded:
             try:
                 path = self._ckpt_dir(iteration)
                 os.makedirs(path, exist_ok=True)
                 for key, st in extract_units(self.engine).items():
                     # Tied groups and the global unit are held by several stages: each
                     # writes its own temporary.
-                    names = ([f"{unit_name(key)}-tp{t}.pt"] if k == 0 else []) + (
+                    names = ([f"{unit_name(key)}-tp{t}.pt"] if r == first else []) + (
                         [f"{unit_name(key)}-tp{t}.z{k}s{stage}.pt"] if sharded else [])
                     for name in names:
                         final = os.path.join(path, name)
