@@ -170,7 +170,7 @@ class DeepSpeedAdapter(Adapter):
         engine.clip_norm_layers = initial_stage0_layers(len(self.spec.layers), plan.pp)
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
-        bound_op_timeouts(self.ctx.timeout_s)
+        bound_op_timeouts(self.ctx.timeout_s, self.ctx.superseded)
         self.engine = engine
         self._current = False
         from resihp_adapters.torchkit.device import AbortWatch

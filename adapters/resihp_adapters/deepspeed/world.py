@@ -62,13 +62,15 @@ def join_timeout(timeout_s: float) -> float:
     return 6.0 * float(timeout_s) + 10.0
 
 
-def bound_op_timeouts(timeout_s: float) -> None:
-    """Lower the operation timeout of every process group of this world to ``timeout_s``."""
+def bound_op_timeouts(timeout_s: float, superseded: Callable[[], bool] | None = None) -> None:
+    """Lower the operation timeout of every process group of this world to ``timeout_s``;
+    point-to-point waits also give up once ``superseded()`` (the generation was replaced)."""
     import torch.distributed.distributed_c10d as c10d
 
     from resihp_adapters.deepspeed import engine
 
     engine.P2P_TIMEOUT_S = float(timeout_s)
+    engine.SUPERSEDED = superseded
     td = timedelta(seconds=float(timeout_s))
     for pg in list(c10d._world.pg_map.keys()):
         try:
