@@ -490,8 +490,10 @@ class DeepSpeedAdapter(Adapter):
         self._current = True
 
     def close(self) -> None:
+        from resihp_adapters.deepspeed.engine import join_abandoned
         from resihp_adapters.deepspeed.world import dismantle, teardown_world
 
+        join_abandoned()
         engine, self.engine = self.engine, None
         dismantle(engine)
         del engine

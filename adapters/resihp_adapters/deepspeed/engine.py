@@ -126,14 +126,28 @@ def p2p_wait(work: Any) -> None:
         finally:
             done.set()
 
-    threading.Thread(target=wait, daemon=True, name="resihp-p2p-wait").start()
+    waiter = threading.Thread(target=wait, daemon=True, name="resihp-p2p-wait")
+    waiter.start()
     while not done.wait(0.02):
         if check():
             from resihp_core.adapter import GenerationAborted
 
+            ABANDONED.append(waiter)
             raise GenerationAborted("the plan generation was superseded while waiting on a peer")
     if error:
         raise error[0]
+
+
+#: Waits given up on (:func:`p2p_wait`), still blocked in gloo until the op timeout.
+ABANDONED: list[Any] = []
+
+
+def join_abandoned() -> None:
+    """Before the process ends: let every abandoned wait finish (at most the op timeout).
+    A thread still inside gloo while the interpreter shuts down aborts the process
+    ("terminate called without an active exception")."""
+    while ABANDONED:
+        ABANDONED.pop().join(timeout=P2P_TIMEOUT_S + 5.0)
 
 class ResiPipelineModule(PipelineModule):
     """A :class:`PipelineModule` cut at explicit layer boundaries.
