@@ -11,14 +11,18 @@ DeepSpeed ``PipelineEngine``.
 - **state**: parameters and optimizer state move by global layer index
   (:mod:`.state`); checkpoints are per-layer files, so a restore works onto any layout.
 
-DeepSpeed's grid is a full box, so a plan that keeps only part of a replica runs as its
-whole-replica equivalent (:func:`~.engine.whole_replicas`): that replica's remaining
-work migrates to a whole replica and its devices idle (they still report and commit,
-with no work). The same pieces run on the same data, so the result is unchanged.
+A plan that keeps only part of a replica (a dead rank's stage work migrated to another
+replica) runs as it is with ZeRO 0 in fp32/fp64: DeepSpeed's grid gets holes
+(:class:`~.engine.PartialTopology`) and every survivor keeps working. With ZeRO 1 or bf16
+it runs as its whole-replica equivalent (:func:`~.engine.whole_replicas`): that
+replica's remaining work migrates to a whole replica and its devices idle (they still
+report and commit, with no work). Either way the same pieces run on the same data, so
+the result is unchanged (``docs/deepspeed.md``, partial replicas).
 
 Loss scaling follows the contract's global batch: each micro-batch loss is divided by
 ``job.dp * job.num_microbatches / live replicas`` and DeepSpeed averages over its live
-replicas, so the gradient is the global mean whatever the plan. Micro-batch
+replicas (with partial replicas: by the whole global batch, and each stage's gradients
+are summed), so the gradient is the global mean whatever the plan. Micro-batch
 ``(owner, mb)`` of a plan with ``m`` per replica is global micro-batch ``owner * m + mb``,
 read as data shard ``divmod(g, job.num_microbatches)``.
 
@@ -237,7 +241,9 @@ class DeepSpeedAdapter(Adapter):
             # ZeRO 1: whether a dead rank held the only copy of some fragment is known
             # only where it is needed; every rank raises alike (docs/deepspeed.md, ZeRO).
             flag = torch.tensor([0 if gap is None else 1])
-            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+            from resihp_adapters.deepspeed.engine import all_reduce
+
+            all_reduce(flag, op=tdist.ReduceOp.MAX)
             if int(flag):
                 raise ShardsLost(gap or "another rank's ZeRO 1 optimizer shard died with its only holder; "
                                  "restore from a checkpoint")
@@ -380,11 +386,13 @@ class DeepSpeedAdapter(Adapter):
         the LR scheduler's state, the engine's step counters, the dropout RNG's seed
         rule and the data position (the next iteration). Empty on a rank that runs
         nothing (a standby, or idle in a partial replica)."""
+        from resihp_adapters.deepspeed.engine import unbounded
         from resihp_adapters.deepspeed.state import flat_state
 
         if self.idle or self.engine is None:
             return {}
-        out = flat_state(self.engine)
+        with unbounded():  # a collective under ZeRO 1, also called after the job's stop
+            out = flat_state(self.engine)
         out["data.iteration"] = int(self.engine.iteration)
         return out
 
@@ -444,6 +452,8 @@ class DeepSpeedAdapter(Adapter):
                 error = f"{type(e).__name__}: {e}"
         # Barrier and verdict at once; a dead peer raises here (a failure, not a fault).
         failed = torch.tensor([0 if error is None else 1])
+        # Not given up when superseded: the job's stop may arrive while the last
+        # checkpoint's writers meet here, and that checkpoint must still be sealed.
         tdist.all_reduce(failed, op=tdist.ReduceOp.MAX)
         if tdist.get_rank() == 0:
             if error is None and int(failed) == 0:

@@ -138,6 +138,69 @@ def p2p_wait(work: Any) -> None:
         raise error[0]
 
 
+def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> None:
+    """``torch.distributed.all_reduce`` whose wait gives up once the generation is
+    superseded (:func:`p2p_wait`)."""
+    work = tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
+    p2p_wait(work)
+
+
+#: DeepSpeed's ``TorchBackend`` collectives and where ``async_op`` sits in their
+#: positional arguments (``self`` first); its wrappers hide the signatures.
+_COLLECTIVES = {"all_reduce": 4, "broadcast": 4, "all_gather": 4, "all_gather_into_tensor": 4,
+                "reduce_scatter_tensor": 5}
+
+
+def bound_collectives() -> None:
+    """Make DeepSpeed's blocking collectives (its ``TorchBackend``: the data-parallel,
+    tied and ZeRO reductions, gathers and broadcasts) wait through :func:`p2p_wait`, so
+    they also give up once the generation is superseded. Process-wide, idempotent."""
+    import functools
+
+    from deepspeed.comm.torch import TorchBackend
+
+    for name, pos in _COLLECTIVES.items():
+        orig = getattr(TorchBackend, name, None)
+        if orig is None or getattr(orig, "_resihp_bounded", False):
+            continue
+
+        def make(orig: Any = orig, pos: int = pos) -> Any:
+            @functools.wraps(orig)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                positional = len(args) > pos
+                if SUPERSEDED is None or (args[pos] if positional else kwargs.get("async_op", False)):
+                    return orig(*args, **kwargs)
+                if positional:
+                    args = (*args[:pos], True, *args[pos + 1:])
+                else:
+                    kwargs["async_op"] = True
+                work = orig(*args, **kwargs)
+                if work is not None:
+                    p2p_wait(work)
+                return None
+
+            call._resihp_bounded = True  # type: ignore[attr-defined]
+            return call
+
+        setattr(TorchBackend, name, make())
+
+
+class unbounded:
+    """Waits inside this block do not give up when the generation is superseded: for
+    the user's own collective calls (``full_state``, ``eval_batch``, DeepSpeed-format
+    checkpoints), which a script also makes after the job's stop (the stop supersedes
+    the last generation, and every rank must still finish the call)."""
+
+    def __enter__(self) -> unbounded:
+        global SUPERSEDED
+        self._saved, SUPERSEDED = SUPERSEDED, None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global SUPERSEDED
+        SUPERSEDED = self._saved
+
+
 #: Waits given up on (:func:`p2p_wait`), still blocked in gloo until the op timeout.
 ABANDONED: list[Any] = []
 
@@ -804,7 +867,7 @@ class ResiPipelineEngine(PipelineEngine):
         for weight, group in self.module.get_tied_weights_and_groups():
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
-            tdist.all_reduce(weight.grad, group=group)
+            all_reduce(weight.grad, group=group)
 
     def _reduce_partial(self) -> None:
         """The data-parallel reduction of a partial-replica plan: a *sum* over the
@@ -824,7 +887,7 @@ class ResiPipelineEngine(PipelineEngine):
         for dtype in sorted({p.grad.dtype for p in params}, key=str):
             grads = [p.grad.data for p in params if p.grad.dtype == dtype]
             flat = _flatten_dense_tensors(grads)
-            tdist.all_reduce(flat, group=group)
+            all_reduce(flat, group=group)
             for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(r)
 
@@ -837,7 +900,7 @@ class ResiPipelineEngine(PipelineEngine):
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.is_last_stage() and self.total_loss is not None:
             loss += self._scale_loss_by_gas(self.total_loss.detach()).to(torch.float64)
-        tdist.all_reduce(loss)
+        all_reduce(loss)
         self.dp_group_loss = loss
         return loss
 
@@ -898,7 +961,7 @@ class ResiPipelineEngine(PipelineEngine):
         if not self.partial:  # (the same value on every replica: DeepSpeed averages it)
             pg = groups._get_data_parallel_group()
             scaled = total * 1.0 / float(tdist.get_world_size(group=pg))
-            tdist.all_reduce(scaled, group=pg)
+            all_reduce(scaled, group=pg)
         clip = torch.tensor([float(self.gradient_clipping())]) / (scaled + 1e-6)
         clip = torch.min(torch.tensor([1.0]), clip)
         for p in params:
@@ -950,9 +1013,9 @@ def _float64_zero_optimizer(stock: type) -> type:
                     continue
                 if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
                     total += g.detach().to(torch.float64).pow(2).sum()
-            tdist.all_reduce(total, group=self.dp_process_group)
+            all_reduce(total, group=self.dp_process_group)
             if self.model_parallel_group is not None:
-                tdist.all_reduce(total, group=self.model_parallel_group)
+                all_reduce(total, group=self.model_parallel_group)
             return total.sqrt()
 
     return Float64ZeroOptimizer

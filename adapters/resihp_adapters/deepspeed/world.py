@@ -50,6 +50,9 @@ def prepare_deepspeed(timeout_s: float, *, allow_float64: bool = True) -> None:
             acc.supported_dtypes = lambda: [*base(), torch.float64]  # type: ignore[method-assign]
 
     c10d.default_pg_timeout = timedelta(seconds=join_timeout(timeout_s))
+    from resihp_adapters.deepspeed.engine import bound_collectives
+
+    bound_collectives()  # DeepSpeed's blocking collectives give up once superseded
     deepspeed.ops.__compatible_ops__ = {}
     # ``deepspeed.comm.torch`` as an attribute is the torch package; go through importlib.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
