@@ -41,7 +41,8 @@ SIGKILLed at iteration 8 and restarted with ``--resume`` at once: restart -> re-
 (the new process's start-up, the agents dialling back) and restart -> first committed
 iteration, median of 3 (1 with ``--quick``).
 
-With ``--restore-at 30,300``: torch_native FSDP2 PP2 x DP2, one rank SIGKILLed (its shard
+With ``--restore-at 30,300`` (``--adapter deepspeed``: the DeepSpeed variant above): torch_native
+FSDP2 PP2 x DP2, one rank SIGKILLed (its shard
 is lost) after 30 and after 300 iterations of the same job, checkpoints every 10: kill ->
 the killed iteration committed again through a restore from the checkpoint the
 supervisor's rule picks (median of 3, 1 with ``--quick``); the two agree when nothing
