@@ -11,14 +11,18 @@ DeepSpeed ``PipelineEngine``.
 - **state**: parameters and optimizer state move by global layer index
   (:mod:`.state`); checkpoints are per-layer files, so a restore works onto any layout.
 
-DeepSpeed's grid is a full box, so a plan that keeps only part of a replica runs as its
-whole-replica equivalent (:func:`~.engine.whole_replicas`): that replica's remaining
-work migrates to a whole replica and its devices idle (they still report and commit,
-with no work). The same pieces run on the same data, so the result is unchanged.
+A plan that keeps only part of a replica (a dead rank's stage work migrated to another
+replica) runs as it is with ZeRO 0 in fp32/fp64: DeepSpeed's grid gets holes
+(:class:`~.engine.PartialTopology`) and every survivor keeps working. With ZeRO 1 or bf16
+it runs as its whole-replica equivalent (:func:`~.engine.whole_replicas`): that
+replica's remaining work migrates to a whole replica and its devices idle (they still
+report and commit, with no work). Either way the same pieces run on the same data, so
+the result is unchanged (``docs/deepspeed.md``, partial replicas).
 
 Loss scaling follows the contract's global batch: each micro-batch loss is divided by
 ``job.dp * job.num_microbatches / live replicas`` and DeepSpeed averages over its live
-replicas, so the gradient is the global mean whatever the plan. Micro-batch
+replicas (with partial replicas: by the whole global batch, and each stage's gradients
+are summed), so the gradient is the global mean whatever the plan. Micro-batch
 ``(owner, mb)`` of a plan with ``m`` per replica is global micro-batch ``owner * m + mb``,
 read as data shard ``divmod(g, job.num_microbatches)``.
 
@@ -31,6 +35,7 @@ partition from them. A fragment whose only holder died makes every rank raise
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -130,13 +135,20 @@ class DeepSpeedAdapter(Adapter):
         teardown_world(self.placement)
 
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
-        from resihp_adapters.deepspeed.engine import device_rank, plan_topology, whole_replicas
+        from resihp_adapters.deepspeed.engine import device_rank, is_partial, plan_topology
         from resihp_adapters.deepspeed.world import bound_op_timeouts, build_engine, ds_config_for, init_world
 
         self._drop_engine()
         self.plan = plan
-        xplan = self.xplan = whole_replicas(plan)
-        if xplan.location(self.ctx.device) is None:
+        xplan = self.xplan = self.runnable(plan)
+        where = xplan.location(self.ctx.device)
+        how = "partial-replica plan" if is_partial(xplan) else (
+            "whole-replica equivalent" if xplan is not plan else "plan")
+        print(f"resihp: generation {generation}: device {self.ctx.device} "
+              + (f"runs replica {where[0]} stage {where[1]} ({how})" if where is not None else
+                 "idles" if plan.location(self.ctx.device) is not None else "is a standby"),
+              file=sys.stderr, flush=True)
+        if where is None:
             return  # a standby, or idle in this generation: no place in DeepSpeed's grid
         plan = xplan
         live = _live(plan)
@@ -153,19 +165,36 @@ class DeepSpeedAdapter(Adapter):
                               base_seed=self.spec.base_seed, lr_scheduler=self.spec.lr_scheduler,
                               activation_checkpoint_interval=self.spec.activation_checkpoint_interval,
                               checkpointable_layers=self.spec.checkpointable_layers)
-        engine.loss_divisor = job.dp * job.num_microbatches / len(live)
+        # A partial-replica plan sums its stages' gradients instead of averaging them
+        # (their replica counts differ): each loss is divided by the whole global batch.
+        engine.loss_divisor = job.dp * job.num_microbatches / (1 if is_partial(plan) else len(live))
         m = plan.num_microbatches
         engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
         engine.rng_microbatches = job.num_microbatches
         engine.clip_norm_layers = initial_stage0_layers(len(self.spec.layers), plan.pp)
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
-        bound_op_timeouts(self.ctx.timeout_s)
+        bound_op_timeouts(self.ctx.timeout_s, self.ctx.superseded)
         self.engine = engine
         self._current = False
         from resihp_adapters.torchkit.device import AbortWatch
 
         self._watch = AbortWatch(self.placement, self.ctx.superseded).start()
+
+    @property
+    def partial_replicas(self) -> bool:
+        """Whether this job runs a plan that keeps part of a replica as it is (its
+        surviving ranks keep their stages; docs/deepspeed.md, partial replicas): ZeRO 0
+        and fp32/fp64. Otherwise such a plan runs as its whole-replica equivalent."""
+        return self.zero_stage == 0 and not (self.config.get("bf16") or {}).get("enabled")
+
+    def runnable(self, plan: ParallelPlan) -> ParallelPlan:
+        """The plan DeepSpeed runs for ``plan`` (the same on every rank)."""
+        from resihp_adapters.deepspeed.engine import is_partial, partial_runnable, whole_replicas
+
+        if is_partial(plan) and self.partial_replicas and partial_runnable(plan):
+            return plan
+        return whole_replicas(plan)
 
     def _fault(self, kind: str, seconds: float) -> None:
         if kind == "compute":
@@ -184,7 +213,6 @@ class DeepSpeedAdapter(Adapter):
         self._current = True
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
-        from resihp_adapters.deepspeed.engine import whole_replicas
         import torch
         import torch.distributed as tdist
 
@@ -193,7 +221,7 @@ class DeepSpeedAdapter(Adapter):
 
         if self.engine is None:
             return 0  # a standby (or idle device) keeps what it held
-        old_plan, new_plan = whole_replicas(old_plan), self.xplan
+        old_plan, new_plan = self.runnable(old_plan), self.xplan
         have = set(devices) & set(old_plan.devices()) & set(new_plan.devices())
         sharded = is_sharded(self.engine)
         transfers = transfer_plan(old_plan, new_plan, have, tied_layers(self.engine), sharded=sharded)
@@ -213,7 +241,9 @@ class DeepSpeedAdapter(Adapter):
             # ZeRO 1: whether a dead rank held the only copy of some fragment is known
             # only where it is needed; every rank raises alike (docs/deepspeed.md, ZeRO).
             flag = torch.tensor([0 if gap is None else 1])
-            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+            from resihp_adapters.deepspeed.engine import all_reduce
+
+            all_reduce(flag, op=tdist.ReduceOp.MAX)
             if int(flag):
                 raise ShardsLost(gap or "another rank's ZeRO 1 optimizer shard died with its only holder; "
                                  "restore from a checkpoint")
@@ -334,6 +364,11 @@ class DeepSpeedAdapter(Adapter):
             raise RuntimeError(f"{what}: no plan generation yet")
         initial = ParallelPlan.uniform(tp=1, pp=x.pp, dp=job.dp, num_layers=x.num_layers,
                                        num_microbatches=job.num_microbatches)
+        from resihp_adapters.deepspeed.engine import is_partial
+
+        if is_partial(x):
+            raise RuntimeError(f"{what} in DeepSpeed's format: this plan generation keeps only part of a replica, "
+                               "which DeepSpeed's files cannot describe (ResiHP's own checkpoints load onto any layout)")
         if tuple(x.layer_ranges) != tuple(initial.layer_ranges) or (
                 self.zero_stage >= 1 and len(live_replicas(x)) != job.dp):
             raise RuntimeError(
@@ -351,11 +386,13 @@ class DeepSpeedAdapter(Adapter):
         the LR scheduler's state, the engine's step counters, the dropout RNG's seed
         rule and the data position (the next iteration). Empty on a rank that runs
         nothing (a standby, or idle in a partial replica)."""
+        from resihp_adapters.deepspeed.engine import unbounded
         from resihp_adapters.deepspeed.state import flat_state
 
         if self.idle or self.engine is None:
             return {}
-        out = flat_state(self.engine)
+        with unbounded():  # a collective under ZeRO 1, also called after the job's stop
+            out = flat_state(self.engine)
         out["data.iteration"] = int(self.engine.iteration)
         return out
 
@@ -388,20 +425,23 @@ class DeepSpeedAdapter(Adapter):
             return  # idle or a standby: not in DeepSpeed's world
         t0 = time.perf_counter()
         error, nbytes = None, 0
-        r, _, t = self.xplan.location(self.ctx.device)
-        k, stage = _live(self.xplan).index(r), self.xplan.location(self.ctx.device)[1]
+        r, stage, t = self.xplan.location(self.ctx.device)
+        k = _live(self.xplan).index(r)
+        # The first replica that holds this stage writes its units (with partial replicas
+        # that need not be the first replica).
+        first = next(q for q, rep in enumerate(self.xplan.tp_groups) if rep[stage])
         # ZeRO 1: every replica holds a fragment of the optimizer state, so every rank
         # also writes ``<unit>-tpT.zKsS.pt`` (replica K, stage S: a tied group's copies
         # on two stages are two sets of fragments); a load merges them.
         sharded = is_sharded(self.engine)
-        if k == 0 or sharded:
+        if r == first or sharded:
             try:
                 path = self._ckpt_dir(iteration)
                 os.makedirs(path, exist_ok=True)
                 for key, st in extract_units(self.engine).items():
                     # Tied groups and the global unit are held by several stages: each
                     # writes its own temporary.
-                    names = ([f"{unit_name(key)}-tp{t}.pt"] if k == 0 else []) + (
+                    names = ([f"{unit_name(key)}-tp{t}.pt"] if r == first else []) + (
                         [f"{unit_name(key)}-tp{t}.z{k}s{stage}.pt"] if sharded else [])
                     for name in names:
                         final = os.path.join(path, name)
@@ -412,6 +452,8 @@ class DeepSpeedAdapter(Adapter):
                 error = f"{type(e).__name__}: {e}"
         # Barrier and verdict at once; a dead peer raises here (a failure, not a fault).
         failed = torch.tensor([0 if error is None else 1])
+        # Not given up when superseded: the job's stop may arrive while the last
+        # checkpoint's writers meet here, and that checkpoint must still be sealed.
         tdist.all_reduce(failed, op=tdist.ReduceOp.MAX)
         if tdist.get_rank() == 0:
             if error is None and int(failed) == 0:
@@ -458,8 +500,10 @@ class DeepSpeedAdapter(Adapter):
         self._current = True
 
     def close(self) -> None:
+        from resihp_adapters.deepspeed.engine import join_abandoned
         from resihp_adapters.deepspeed.world import dismantle, teardown_world
 
+        join_abandoned()
         engine, self.engine = self.engine, None
         dismantle(engine)
         del engine

@@ -97,8 +97,13 @@ class ResilientEngine:
         schedule over this rank's replica, ``data_iter`` as DeepSpeed reads it). Every
         rank of the generation calls it; it is not made resilient: a peer dying during it
         raises here. None on a rank that runs nothing in this generation."""
+        from resihp_adapters.deepspeed.engine import unbounded
+
         e = self.current
-        return None if e is None else e.eval_batch(data_iter, **kwargs)
+        if e is None:
+            return None
+        with unbounded():  # every rank finishes it, also after the job's stop
+            return e.eval_batch(data_iter, **kwargs)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True) -> bool:
@@ -113,8 +118,12 @@ class ResilientEngine:
         e = self.current
         if e is None:
             return True
+        from resihp_adapters.deepspeed.engine import unbounded
+
         self.worker.adapter.check_initial_layout("save_checkpoint")
-        return bool(e.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest))
+        with unbounded():
+            return bool(e.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
+                                          save_latest=save_latest))
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
         """Load a checkpoint in DeepSpeed's own format (written by plain DeepSpeed or by
@@ -125,8 +134,11 @@ class ResilientEngine:
         e = self.current
         if e is None:
             raise RuntimeError("load_checkpoint: this rank runs nothing in the current plan generation")
+        from resihp_adapters.deepspeed.engine import unbounded
+
         self.worker.adapter.check_initial_layout("load_checkpoint")
-        path, client = e.load_checkpoint(load_dir, tag=tag, **kwargs)
+        with unbounded():
+            path, client = e.load_checkpoint(load_dir, tag=tag, **kwargs)
         if path is not None and int(e.global_steps) != int(self.iteration):
             raise RuntimeError(f"load_checkpoint: {path} is of step {e.global_steps}, the job stands at iteration "
                                f"{self.iteration}; ResiHP resumes a job only where its runtime stands")

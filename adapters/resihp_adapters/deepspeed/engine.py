@@ -37,7 +37,8 @@ import torch.distributed as tdist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+from deepspeed.runtime.pipe.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
+                                             PipelineParallelGrid)
 
 from resihp_core.plan import Migration, ParallelPlan
 from resihp_adapters.torchkit.device import ChunkTimer
@@ -70,6 +71,11 @@ __all__ = [
     "device_rank",
     "live_replicas",
     "whole_replicas",
+    "present_replicas",
+    "is_partial",
+    "partial_runnable",
+    "PartialTopology",
+    "PartialGrid",
     "plan_topology",
     "IterationAborted",
 ]
@@ -85,11 +91,126 @@ __all__ = [
 P2P_TIMEOUT_S = 60.0
 
 
+#: Whether this rank's plan generation was superseded (set per generation by the
+#: adapter): a wait on a peer then gives up at once (:func:`p2p_wait`).
+SUPERSEDED: Callable[[], bool] | None = None
+
+
 def p2p_wait(work: Any) -> None:
-    """Wait for a send/recv, at most :data:`P2P_TIMEOUT_S` (then raise)."""
+    """Wait for a send/recv, at most :data:`P2P_TIMEOUT_S` (then raise), and raise
+    :class:`~resihp_core.adapter.GenerationAborted` as soon as the generation is
+    superseded (:data:`SUPERSEDED`).
+
+    A peer that left a superseded generation can keep its end of the connection open
+    (its groups outlive the generation while a reference remains), and gloo's blocking
+    wait cannot be interrupted or polled: the survivor waiting on it would sit out the
+    whole op timeout (measured: 2 of 5 kills took 11 s instead of 1.5 s). So the wait
+    runs in a helper thread while this one watches the generation; an abandoned wait
+    ends by itself within the op timeout (docs/deepspeed.md, timeouts)."""
     from datetime import timedelta
 
-    work.wait(timeout=timedelta(seconds=P2P_TIMEOUT_S))
+    timeout = timedelta(seconds=P2P_TIMEOUT_S)
+    check = SUPERSEDED
+    if check is None:
+        work.wait(timeout=timeout)
+        return
+    import threading
+
+    done, error = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            work.wait(timeout=timeout)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            error.append(e)
+        finally:
+            done.set()
+
+    waiter = threading.Thread(target=wait, daemon=True, name="resihp-p2p-wait")
+    waiter.start()
+    while not done.wait(0.02):
+        if check():
+            from resihp_core.adapter import GenerationAborted
+
+            ABANDONED.append(waiter)
+            raise GenerationAborted("the plan generation was superseded while waiting on a peer")
+    if error:
+        raise error[0]
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> None:
+    """``torch.distributed.all_reduce`` whose wait gives up once the generation is
+    superseded (:func:`p2p_wait`)."""
+    work = tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
+    p2p_wait(work)
+
+
+#: DeepSpeed's ``TorchBackend`` collectives and where ``async_op`` sits in their
+#: positional arguments (``self`` first); its wrappers hide the signatures.
+_COLLECTIVES = {"all_reduce": 4, "broadcast": 4, "all_gather": 4, "all_gather_into_tensor": 4,
+                "reduce_scatter_tensor": 5}
+
+
+def bound_collectives() -> None:
+    """Make DeepSpeed's blocking collectives (its ``TorchBackend``: the data-parallel,
+    tied and ZeRO reductions, gathers and broadcasts) wait through :func:`p2p_wait`, so
+    they also give up once the generation is superseded. Process-wide, idempotent."""
+    import functools
+
+    from deepspeed.comm.torch import TorchBackend
+
+    for name, pos in _COLLECTIVES.items():
+        orig = getattr(TorchBackend, name, None)
+        if orig is None or getattr(orig, "_resihp_bounded", False):
+            continue
+
+        def make(orig: Any = orig, pos: int = pos) -> Any:
+            @functools.wraps(orig)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                positional = len(args) > pos
+                if SUPERSEDED is None or (args[pos] if positional else kwargs.get("async_op", False)):
+                    return orig(*args, **kwargs)
+                if positional:
+                    args = (*args[:pos], True, *args[pos + 1:])
+                else:
+                    kwargs["async_op"] = True
+                work = orig(*args, **kwargs)
+                if work is not None:
+                    p2p_wait(work)
+                return None
+
+            call._resihp_bounded = True  # type: ignore[attr-defined]
+            return call
+
+        setattr(TorchBackend, name, make())
+
+
+class unbounded:
+    """Waits inside this block do not give up when the generation is superseded: for
+    the user's own collective calls (``full_state``, ``eval_batch``, DeepSpeed-format
+    checkpoints), which a script also makes after the job's stop (the stop supersedes
+    the last generation, and every rank must still finish the call)."""
+
+    def __enter__(self) -> unbounded:
+        global SUPERSEDED
+        self._saved, SUPERSEDED = SUPERSEDED, None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global SUPERSEDED
+        SUPERSEDED = self._saved
+
+
+#: Waits given up on (:func:`p2p_wait`), still blocked in gloo until the op timeout.
+ABANDONED: list[Any] = []
+
+
+def join_abandoned() -> None:
+    """Before the process ends: let every abandoned wait finish (at most the op timeout).
+    A thread still inside gloo while the interpreter shuts down aborts the process
+    ("terminate called without an active exception")."""
+    while ABANDONED:
+        ABANDONED.pop().join(timeout=P2P_TIMEOUT_S + 5.0)
 
 class ResiPipelineModule(PipelineModule):
     """A :class:`PipelineModule` cut at explicit layer boundaries.
@@ -108,7 +229,16 @@ class ResiPipelineModule(PipelineModule):
                 f"parts must rise strictly from 0 to the number of layers ({n}), got {parts}"
             )
         self._explicit_parts = parts
-        super().__init__(layers, **kwargs)
+        import deepspeed.runtime.pipe.module as ds_module
+
+        partial = isinstance(kwargs.get("topology"), PartialTopology)
+        stock = ds_module.PipelineParallelGrid
+        if partial:
+            ds_module.PipelineParallelGrid = PartialGrid  # the grid class the module builds
+        try:
+            super().__init__(layers, **kwargs)
+        finally:
+            ds_module.PipelineParallelGrid = stock
         if len(parts) - 1 != self.num_stages:
             raise ValueError(f"parts {parts} give {len(parts) - 1} stages, topology has {self.num_stages}")
 
@@ -116,6 +246,31 @@ class ResiPipelineModule(PipelineModule):
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self.parts = list(self._explicit_parts)
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def _index_tied_modules(self) -> dict[str, dict[str, Any]]:
+        """DeepSpeed's tie groups, per replica. On a :class:`PartialTopology` a replica may
+        miss the stage of some tied layers, so there is one group per tie key over every
+        rank holding a copy, in every replica: its all-reduce sums every copy's gradient
+        (the whole batch's), and the data-parallel reduction leaves tied weights alone
+        (:meth:`ResiPipelineEngine._exec_reduce`)."""
+        if not isinstance(self._topo, PartialTopology):
+            return super()._index_tied_modules()
+        from deepspeed import comm as ds_dist
+        from deepspeed.pipe import TiedLayerSpec
+
+        specs = self._layer_specs
+        out: dict[str, dict[str, Any]] = {}
+        for key in sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}):
+            stages = {self.stage_owner(i) for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == key}
+            ranks = sorted(r for c, r in self._topo.mapping.items() if c.pipe in stages)
+            group = ds_dist.new_group(ranks=ranks)  # every rank creates every group, in one order
+            if self.global_rank in ranks:
+                out[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
+                            "module": self.tied_modules[key]}
+                if self.global_rank != ranks[0]:
+                    for p in self.tied_modules[key].parameters():
+                        p.ds_pipe_replicated = True
+        return out
 
     def local_layers(self) -> dict[int, torch.nn.Module]:
         """Global layer index -> module, for the layers with parameters this rank holds."""
@@ -128,24 +283,41 @@ class ResiPipelineModule(PipelineModule):
 
 
 # --------------------------------------------------------- plan <-> DeepSpeed grid
-def live_replicas(plan: ParallelPlan) -> list[int]:
-    """The plan's replicas that hold devices, in order. DeepSpeed's grid is a full
-    pp x dp x tp box: a replica is either whole (every stage has a TP group) or gone
-    (no stage has one, all its work migrated); one TP degree throughout."""
+def present_replicas(plan: ParallelPlan) -> list[int]:
+    """The plan's replicas that hold devices on at least one stage, in order (DeepSpeed's
+    data-parallel indices); one TP degree throughout."""
     out, degrees = [], set()
     for r, rep in enumerate(plan.tp_groups):
-        empty = [s for s, g in enumerate(rep) if not g]
-        if empty and len(empty) < len(rep):
-            raise ValueError(
-                f"replica {r} has no devices for stage(s) {empty} but keeps others: the DeepSpeed "
-                "adapter runs whole replicas (drop the replica or migrate work, do not vanish one stage)"
-            )
-        if not empty:
+        if any(rep):
             out.append(r)
-            degrees.update(len(g) for g in rep)
+            degrees.update(len(g) for g in rep if g)
     if len(degrees) != 1:
         raise ValueError(f"the DeepSpeed adapter runs one TP degree, plan has {sorted(degrees) or 'no devices'}")
     return out
+
+
+def is_partial(plan: ParallelPlan) -> bool:
+    """Whether some replica keeps only part of its stages (the rest of its work migrated)."""
+    return any(any(rep) and not all(rep) for rep in plan.tp_groups)
+
+
+def live_replicas(plan: ParallelPlan) -> list[int]:
+    """The plan's replicas that hold devices, in order. Without partial replicas
+    DeepSpeed's grid is a full pp x dp x tp box; a replica is either whole or gone.
+    A partial replica is only allowed in a plan run on a :class:`PartialTopology`."""
+    if is_partial(plan) and not partial_runnable(plan):
+        r = next(r for r, rep in enumerate(plan.tp_groups) if any(rep) and not all(rep))
+        raise ValueError(
+            f"replica {r} keeps only some of its stages: this configuration runs whole replicas "
+            "(see whole_replicas and docs/deepspeed.md, partial replicas)"
+        )
+    return present_replicas(plan)
+
+
+def partial_runnable(plan: ParallelPlan) -> bool:
+    """A partial-replica plan the engine runs as it is (TP degree 1, more than one
+    stage); see :class:`PartialTopology`."""
+    return plan.pp > 1 and all(len(g) <= 1 for rep in plan.tp_groups for g in rep)
 
 
 def whole_replicas(plan: ParallelPlan) -> ParallelPlan:
@@ -176,10 +348,58 @@ def whole_replicas(plan: ParallelPlan) -> ParallelPlan:
     return plan.with_(tp_groups=groups, migrations=tuple(moves), standbys=tuple(plan.standbys) + idle)
 
 
+def _coords(plan: ParallelPlan) -> list[tuple[int, int]]:
+    """(stage, DeepSpeed data index) of every executor, in rank order (stage-major, as
+    DeepSpeed's ``PipeDataParallelTopology``)."""
+    present = present_replicas(plan)
+    return [(s, k) for s in range(plan.pp) for k, r in enumerate(present) if plan.tp_groups[r][s]]
+
+
+class PartialTopology(PipeDataParallelTopology):
+    """DeepSpeed's pipe x data topology with holes: the coordinates of a replica's lost
+    stages have no rank, and the others are numbered in DeepSpeed's order without them.
+    Communicator lists along an axis leave the holes out (a stage's data-parallel group
+    has only its present replicas). Only for TP degree 1 (``docs/deepspeed.md``,
+    partial replicas)."""
+
+    def __init__(self, num_pp: int, num_dp: int, present: Sequence[tuple[int, int]]) -> None:
+        super().__init__(num_pp=num_pp, num_dp=num_dp)
+        self.mapping = {self.ProcessCoord(pipe=p, data=d): i for i, (p, d) in enumerate(present)}
+
+    def get_rank(self, **coord: int) -> int | None:  # type: ignore[override]
+        """The rank at a coordinate, None at a hole."""
+        return self.mapping.get(self.ProcessCoord(**coord))
+
+    def get_axis_comm_lists(self, axis: str) -> list[list[int]]:
+        if axis not in self.axes:
+            return []
+        other = [a for a in self.axes if a != axis]
+        lists: dict[tuple[int, ...], list[int]] = {}
+        for coord, rank in sorted(self.mapping.items(), key=lambda kv: kv[1]):
+            lists.setdefault(tuple(getattr(coord, a) for a in other), []).append(rank)
+        return [sorted(v) for _, v in sorted(lists.items())]
+
+
+class PartialGrid(PipelineParallelGrid):
+    """DeepSpeed's grid over a :class:`PartialTopology`: the world is the present ranks,
+    not the box, and a stage outside this rank's replica may have no rank there
+    (``stage_to_global`` gives None; the engine never sends to it: its point-to-point
+    peers come from the program)."""
+
+    def _is_grid_valid(self) -> bool:
+        return self._topo.world_size() == tdist.get_world_size()
+
+    def _build_p2p_groups(self) -> list[list[int]]:
+        return []  # DeepSpeed builds p2p groups only without send/recv support (old torch)
+
+
 def plan_topology(plan: ParallelPlan):
-    """DeepSpeed's topology for the plan's live replicas. Its rank order (pipe, data,
-    model) is the order :func:`rank_of` gives, so ``grid.stage_to_global`` agrees."""
+    """DeepSpeed's topology for the plan's replicas. Its rank order (pipe, data,
+    model) is the order :func:`rank_of` gives, so ``grid.stage_to_global`` agrees.
+    A plan with partial replicas gets a :class:`PartialTopology`."""
     dp = len(live_replicas(plan))
+    if is_partial(plan):
+        return PartialTopology(plan.pp, dp, _coords(plan))
     tp = plan.degree(live_replicas(plan)[0], 0)
     if tp == 1:
         return PipeDataParallelTopology(num_pp=plan.pp, num_dp=dp)
@@ -196,6 +416,8 @@ def ds_replica(plan: ParallelPlan, replica: int) -> int:
 
 def rank_of(plan: ParallelPlan, replica: int, stage: int, tp_index: int = 0) -> int:
     """Global rank of (replica, stage, TP index) in the plan generation's world."""
+    if is_partial(plan):
+        return _coords(plan).index((stage, ds_replica(plan, replica)))
     dp = len(live_replicas(plan))
     tp = plan.degree(replica, stage)
     return (stage * dp + ds_replica(plan, replica)) * tp + tp_index
@@ -317,9 +539,25 @@ class ResiPipelineEngine(PipelineEngine):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        from deepspeed.runtime.pipe import p2p
+
+        model = kwargs.get("model")
+        #: A partial-replica plan (docs/deepspeed.md, partial replicas): a stage of this
+        #: rank's replica may have no rank, so DeepSpeed's start-up exchange with the
+        #: neighbouring stage of the same replica is skipped (the engine's own
+        #: point-to-point names its peers), and the reductions are the engine's own.
+        self.partial = isinstance(getattr(model, "_topo", None), PartialTopology)
+        send, recv = p2p.send, p2p.recv
+        if self.partial:
+            p2p.send = p2p.recv = lambda *a, **k: None
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            p2p.send, p2p.recv = send, recv
         if not isinstance(self.module, ResiPipelineModule):
             raise TypeError("ResiPipelineEngine needs a ResiPipelineModule")
+        if self.partial and (self.zero_optimization_stage() > 0 or self.bfloat16_enabled() or self.fp16_enabled()):
+            raise ValueError("a partial-replica plan runs with ZeRO 0 and fp32/fp64 only (docs/deepspeed.md)")
         self.plan: ParallelPlan | None = None
         self.program: Program | None = None
         self.source: Any = None
@@ -453,6 +691,9 @@ class ResiPipelineEngine(PipelineEngine):
     def eval_batch(self, data_iter: Any, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's own ``eval_batch`` (its inference schedule, stock handlers and
         peers within this rank's replica) on this generation's engine."""
+        if self.partial:
+            raise RuntimeError("eval_batch runs DeepSpeed's inference schedule within a replica; this plan "
+                               "generation keeps only part of some replica (docs/deepspeed.md, partial replicas)")
         self._evaluating = True
         try:
             return super().eval_batch(data_iter, *args, **kwargs)
@@ -614,7 +855,54 @@ class ResiPipelineEngine(PipelineEngine):
     def _exec_reduce(self) -> None:
         if self.fault_hook is not None:
             self.fault_hook("comm", 0.0)
-        super()._exec_reduce_grads()
+        if self.partial:
+            self._reduce_partial()
+        else:
+            super()._exec_reduce_grads()
+
+    def _exec_reduce_tied(self) -> None:
+        if not self.partial:
+            return super()._exec_reduce_tied_grads()
+        # Every copy's holder takes part, with or without a gradient (or it would hang).
+        for weight, group in self.module.get_tied_weights_and_groups():
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            all_reduce(weight.grad, group=group)
+
+    def _reduce_partial(self) -> None:
+        """The data-parallel reduction of a partial-replica plan: a *sum* over the
+        stage's present replicas (the loss divisor is the whole global batch, as the
+        stage's replica counts differ), in one flat buffer per dtype; tied weights were
+        already summed over every copy (:meth:`ResiPipelineModule._index_tied_modules`)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        group = self.grid.get_data_parallel_group()
+        if len(self.grid.get_data_parallel_group_ranks()) < 2:
+            return
+        tied = {id(w) for w, _ in self.module.get_tied_weights_and_groups()}
+        params = [p for p in self.module.parameters() if p.requires_grad and id(p) not in tied]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for dtype in sorted({p.grad.dtype for p in params}, key=str):
+            grads = [p.grad.data for p in params if p.grad.dtype == dtype]
+            flat = _flatten_dense_tensors(grads)
+            all_reduce(flat, group=group)
+            for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(r)
+
+    def _aggregate_total_loss(self) -> Any:
+        """DeepSpeed's mean loss over the global batch. A partial-replica plan has
+        last stages holding different numbers of micro-batches: each contributes its
+        loss sum over the whole batch's size, summed over the world (every rank gets it)."""
+        if not self.partial:
+            return super()._aggregate_total_loss()
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last_stage() and self.total_loss is not None:
+            loss += self._scale_loss_by_gas(self.total_loss.detach()).to(torch.float64)
+        all_reduce(loss)
+        self.dp_group_loss = loss
+        return loss
 
     def _exec_guarded_step(self, lr_kwargs: Any = None) -> None:
         if getattr(self, "_aborted", False):
@@ -657,8 +945,11 @@ class ResiPipelineEngine(PipelineEngine):
         mine = [(n, order(n), i, p.grad.data.detach().float().norm(2.0)) for i, (n, p) in
                 enumerate((n, p) for n, p in self.module.named_parameters() if p.grad is not None)]
         mine = [m for m in mine if m[1] is not None]
-        gathered: list[Any] = [None] * self.mpu.get_model_parallel_world_size()
-        tdist.all_gather_object(gathered, mine, group=self.mpu.get_model_parallel_group())
+        # A partial-replica plan: this replica may miss a stage, so gather from the whole
+        # world (every copy of a parameter holds the same reduced gradient).
+        group = None if self.partial else self.mpu.get_model_parallel_group()
+        gathered: list[Any] = [None] * tdist.get_world_size(group=group)
+        tdist.all_gather_object(gathered, mine, group=group)
         seen: dict[str, tuple[tuple[int, int], int, torch.Tensor]] = {}
         for part in gathered:
             for n, o, i, v in part:
@@ -666,9 +957,11 @@ class ResiPipelineEngine(PipelineEngine):
         norms = [v for o, i, v in sorted(seen.values(), key=lambda t: (t[0], t[1]))]
         total = torch.stack(norms).pow(2.0).sum().float() if norms else torch.zeros(1, dtype=torch.float32)
         total = total.pow(1.0 / 2.0)
-        pg = groups._get_data_parallel_group()
-        scaled = total * 1.0 / float(tdist.get_world_size(group=pg))
-        tdist.all_reduce(scaled, group=pg)
+        scaled = total
+        if not self.partial:  # (the same value on every replica: DeepSpeed averages it)
+            pg = groups._get_data_parallel_group()
+            scaled = total * 1.0 / float(tdist.get_world_size(group=pg))
+            all_reduce(scaled, group=pg)
         clip = torch.tensor([float(self.gradient_clipping())]) / (scaled + 1e-6)
         clip = torch.min(torch.tensor([1.0]), clip)
         for p in params:
@@ -685,6 +978,7 @@ class ResiPipelineEngine(PipelineEngine):
         RecvGradFrom: _exec_recv_grad_from,
         CommitPoint: _exec_commit_point,
         ds_schedule.ReduceGrads: _exec_reduce,
+        ds_schedule.ReduceTiedGrads: _exec_reduce_tied,
         ds_schedule.OptimizerStep: _exec_guarded_step,
     }
 
@@ -719,9 +1013,9 @@ def _float64_zero_optimizer(stock: type) -> type:
                     continue
                 if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
                     total += g.detach().to(torch.float64).pow(2).sum()
-            tdist.all_reduce(total, group=self.dp_process_group)
+            all_reduce(total, group=self.dp_process_group)
             if self.model_parallel_group is not None:
-                tdist.all_reduce(total, group=self.model_parallel_group)
+                all_reduce(total, group=self.model_parallel_group)
             return total.sqrt()
 
     return Float64ZeroOptimizer

@@ -186,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
 
     def on_event(ev: dict) -> None:
         print(f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:160]}", flush=True)
+        if ev["kind"] == "plan" and ev.get("plan"):
+            # The plan itself (ParallelPlan.to_text): where every device runs.
+            print("".join(f"    {line}\n" for line in str(ev["plan"]).splitlines()), end="", flush=True)
 
     out = run_resilient(spec.to_json(), plan, topology, state, planner, det, int(sec["iterations"]), work / "job",
                         worker_module="resihp_adapters.deepspeed.script_worker", timeout=args.timeout,

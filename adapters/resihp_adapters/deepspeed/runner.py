@@ -162,6 +162,10 @@ class PipelineRunner:
     def _build(self, plan: ParallelPlan) -> Any:
         cfg = ds_config_for(self.config, micro_batch_size=self.micro_batch_size,
                             num_microbatches=plan.num_microbatches, replicas=plan.dp)
+        from resihp_adapters.deepspeed.engine import is_partial
+
+        if is_partial(plan):  # its loss scale and reductions are the adapter's (docs/deepspeed.md)
+            raise ValueError("PipelineRunner runs whole replicas; a partial-replica plan runs through the adapter")
         parts = [a for a, _ in plan.layer_ranges] + [plan.num_layers]
         if plan.num_layers != len(self.layers):
             raise ValueError(f"plan has {plan.num_layers} layers, the model has {len(self.layers)}")

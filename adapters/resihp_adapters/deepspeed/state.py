@@ -305,7 +305,8 @@ def zero_full_state(engine: Any) -> dict[str, Any]:
     gathered over its stage's data-parallel ranks (a collective: every rank of the
     generation calls it, as DeepSpeed's own ``safe_get_full_optimizer_state``)."""
     import torch
-    import torch.distributed as tdist
+
+    from resihp_adapters.deepspeed.engine import all_reduce
 
     zero = _zero(engine)
     out: dict[str, Any] = {}
@@ -328,7 +329,7 @@ def zero_full_state(engine: Any) -> dict[str, Any]:
                     src = _zero_flat(zero, p) if k is None else zero.optimizer.state[_zero_flat(zero, p)][k]
                     buf.narrow(0, int(m.lp_fragment_address.start), int(m.lp_fragment_address.numel)).copy_(
                         src.detach().narrow(0, int(m.hp_fragment_address.start), int(m.hp_fragment_address.numel)))
-                tdist.all_reduce(buf, group=zero.dp_process_group)
+                all_reduce(buf, group=zero.dp_process_group)
                 if k is None:
                     if p.dtype != buf.dtype:
                         out[f"master.{full}"] = buf.view_as(p)

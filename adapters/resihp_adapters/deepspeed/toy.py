@@ -55,7 +55,7 @@ def build(adapter_config: dict[str, Any], job: Any) -> PipelineSpec:
     hidden, layers = int(adapter_config.get("hidden", 64)), int(adapter_config.get("num_layers", 6))
     mbs, lr = int(adapter_config.get("micro_batch_size", 2)), float(adapter_config.get("lr", 1e-3))
     config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": job.num_microbatches,
-              "train_batch_size": mbs * job.num_microbatches * job.dp, "zero_optimization": {"stage": 0},
+              "train_batch_size": mbs * job.num_microbatches * job.dp, "zero_optimization": {"stage": int(adapter_config.get("zero_stage", 0))},
               "steps_per_print": 10**9}
     return PipelineSpec(layers=[LayerSpec(Block, hidden) for _ in range(layers)], config=config,
                         dataset=Samples(4096, hidden), loss_fn=mse,

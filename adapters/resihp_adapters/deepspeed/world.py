@@ -50,6 +50,9 @@ def prepare_deepspeed(timeout_s: float, *, allow_float64: bool = True) -> None:
             acc.supported_dtypes = lambda: [*base(), torch.float64]  # type: ignore[method-assign]
 
     c10d.default_pg_timeout = timedelta(seconds=join_timeout(timeout_s))
+    from resihp_adapters.deepspeed.engine import bound_collectives
+
+    bound_collectives()  # DeepSpeed's blocking collectives give up once superseded
     deepspeed.ops.__compatible_ops__ = {}
     # ``deepspeed.comm.torch`` as an attribute is the torch package; go through importlib.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -62,13 +65,15 @@ def join_timeout(timeout_s: float) -> float:
     return 6.0 * float(timeout_s) + 10.0
 
 
-def bound_op_timeouts(timeout_s: float) -> None:
-    """Lower the operation timeout of every process group of this world to ``timeout_s``."""
+def bound_op_timeouts(timeout_s: float, superseded: Callable[[], bool] | None = None) -> None:
+    """Lower the operation timeout of every process group of this world to ``timeout_s``;
+    point-to-point waits also give up once ``superseded()`` (the generation was replaced)."""
     import torch.distributed.distributed_c10d as c10d
 
     from resihp_adapters.deepspeed import engine
 
     engine.P2P_TIMEOUT_S = float(timeout_s)
+    engine.SUPERSEDED = superseded
     td = timedelta(seconds=float(timeout_s))
     for pg in list(c10d._world.pg_map.keys()):
         try:

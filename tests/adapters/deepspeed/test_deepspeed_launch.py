@@ -1,6 +1,8 @@
 """The example under the real ``accelerate launch`` (plain DeepSpeed: it trains) and
 under ``resihp launch`` with a rank SIGKILLed at iteration 2: the siblings keep their
-processes, every iteration commits, and the losses equal the plain run's (float64).
+processes, the next plan keeps all three of them busy (the killed rank's replica keeps
+its stage 0 and migrates its stage-1 work to the other replica), every iteration
+commits, and the losses equal the plain run's (float64, gradient clipping on).
 The ResiHP run also saves a checkpoint in DeepSpeed's own format after step 1
 (``engine.save_checkpoint``); plain DeepSpeed loads it and trains on to the plain run's
 losses."""
@@ -17,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from resihp_core.plan import parse_plan
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
@@ -41,6 +45,9 @@ def _copy(tmp: Path, iterations: int, faults: list) -> Path:
     (tmp / "accelerate.yaml").write_text(yaml + f"main_process_port: {_free_port()}\n")
     cfg = json.loads((EXAMPLE / "ds_config.json").read_text())
     cfg["resihp"].update(iterations=iterations, faults=faults)
+    # Clipping active (the example's gradient norms are larger): the partial-replica plan
+    # after the kill clips by the norm plain DeepSpeed computes.
+    cfg["gradient_clipping"] = 0.02
     (tmp / "ds_config.json").write_text(json.dumps(cfg))
     return tmp
 
@@ -76,6 +83,20 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
                 "--save-at", str(saved_at)], res, 360)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{iters} iterations committed" in out.stdout
+    # The plan after the kill keeps all 3 survivors busy: replica 1 keeps device 1 on
+    # stage 0 and hands its stage-1 micro-batches to replica 0 (cross-replica migration),
+    # and DeepSpeed runs that plan as it is (no device idles).
+    block = []
+    for ln in out.stdout.split("plan: generation 1 ", 1)[1].splitlines()[1:]:
+        if not ln.startswith("    "):
+            break
+        block.append(ln[4:] + "\n")
+    plan = parse_plan("".join(block))
+    assert {d: plan.location(d) is not None for d in range(4)} == {0: True, 1: True, 2: True, 3: False}, \
+        plan.to_text()
+    assert plan.migrations and not plan.standbys, plan.to_text()
+    w1 = (work / "job" / "worker1.log").read_text()
+    assert "generation 1: device 1 runs replica 1 stage 0 (partial-replica plan)" in w1, w1[-2000:]
     seen: dict[int, set[int]] = {}
     last: dict[int, int] = {}
     losses: dict[int, float] = {}

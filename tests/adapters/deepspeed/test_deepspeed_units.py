@@ -57,19 +57,31 @@ def test_lowering_refuses_split_backward():
         lower_program(_progs(plan)[(0, 1)], plan)
 
 
-def test_grid_leaves_out_dropped_replicas_and_refuses_partial_ones():
-    from resihp_adapters.deepspeed.engine import device_rank, live_replicas, plan_topology
+def test_grid_leaves_out_dropped_replicas_and_numbers_partial_ones_without_holes():
+    from resihp_adapters.deepspeed.engine import (PartialTopology, device_rank, is_partial, live_replicas,
+                                                  lower_program, plan_topology)
 
-    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
+    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)  # r0: 0,2  r1: 1,3
     moves = tuple(Migration(s, 0, j, 1) for s in range(2) for j in range(2))
     dropped = base.with_(tp_groups=(((), ()), base.tp_groups[1]), migrations=moves)
     assert live_replicas(dropped) == [1]
     assert plan_topology(dropped).world_size() == 2
     assert [device_rank(dropped, d) for d in dropped.devices()] == [0, 1]
-    partial = base.with_(tp_groups=(((0,), ()), base.tp_groups[1]),
-                         migrations=tuple(Migration(1, 0, j, 1) for j in range(2)))
-    with pytest.raises(ValueError, match="replica 0 has no devices for stage"):
-        live_replicas(partial)
+    # Device 3 (replica 1, stage 1) lost: replica 1 keeps stage 0, its stage-1 work runs
+    # on replica 0. DeepSpeed's order (stage-major) without the hole: 0, 1 | 2.
+    partial = base.with_(tp_groups=(base.tp_groups[0], ((1,), ())),
+                         migrations=tuple(Migration(1, 1, j, 0) for j in range(2)))
+    assert is_partial(partial) and live_replicas(partial) == [0, 1]
+    topo = plan_topology(partial)
+    assert isinstance(topo, PartialTopology) and topo.world_size() == 3
+    assert {d: device_rank(partial, d) for d in (0, 1, 2)} == {0: 0, 1: 1, 2: 2}
+    assert topo.get_axis_comm_lists("data") == [[0, 1], [2]]  # stage 0 reduces over 2, stage 1 alone
+    assert topo.get_axis_comm_lists("pipe") == [[0, 2], [1]]
+    assert topo.get_rank(pipe=1, data=1) is None
+    # Replica 1's stage 0 sends its activations to replica 0's stage 1 (rank 2).
+    sends = [c for c in lower_program(_progs(partial)[(1, 0)], partial).instructions()
+             if type(c).__name__ == "SendActivationTo"]
+    assert sends and {c.kwargs["peer"] for c in sends} == {2}
 
 
 def test_transfer_plan_moves_layers_and_asks_for_a_restore_when_nobody_holds_one():
