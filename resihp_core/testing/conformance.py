@@ -265,27 +265,33 @@ def _supervised_restore(lj: LocalJob, base: ParallelPlan, scenario: Scenario, ck
     from resihp_core.runtime.control import CheckpointPolicy, ControlLoop
 
     victims = scenario.kill(base)
+    restores: list[dict] = []
+
+    def watch(ev: dict) -> None:
+        if ev.get("kind") != "plan" or ev.get("kind_of_plan") != "restore":
+            return
+        restores.append(ev)
+        if ev.get("restore") is None:  # the job would re-train from the seed: stop it here
+            from resihp_core import checkpoints
+
+            found = sorted(os.listdir(ckpt))[:8]
+            why = "; ".join(f"iteration {c.iteration}: {c.problem}" for c in checkpoints.scan(ckpt) if c.problem)
+            raise ConformanceError(
+                f"{scenario.name}: the supervisor finds no complete checkpoint in {ckpt} (it holds "
+                f"{found or 'nothing'}{'; ' + why if why else ''}) and would restart the job from the initial "
+                "state: an adapter writes its files inside iter<NNNNNNNN>/ and seals them with a manifest "
+                "(resihp_core.checkpoints.seal; docs/checkpoints.md)")
+        if ev.get("resume") != ev["restore"] + 1:
+            raise ConformanceError(f"{scenario.name}: restored the checkpoint of iteration {ev['restore']} but "
+                                   f"resumed at iteration {ev.get('resume')}")
+
+    lj.session.on_event = watch
     ctl = ControlLoop(lj, _ScenarioPlanner(scenario.change(base), scenario.name), _planner_state(base), iterations,
                       checkpoints=CheckpointPolicy(ckpt, 1), move_before_restore=False, stall_s=timeout)
     ctl.run(timeout=timeout * 3)
-    plans = [ev for ev in ctl.events if ev.get("kind") == "plan" and ev.get("kind_of_plan") == "restore"]
-    if not plans:
+    if not restores:
         raise ConformanceError(f"{scenario.name}: the supervisor never restored after devices {victims} were killed "
                                f"(events: {[ev.get('text', '')[:80] for ev in ctl.events]})")
-    restore, resume = plans[0].get("restore"), plans[0].get("resume")
-    if restore is None:
-        from resihp_core import checkpoints
-
-        found = sorted(os.listdir(ckpt))[:8]
-        why = "; ".join(f"iteration {c.iteration}: {c.problem}" for c in checkpoints.scan(ckpt) if c.problem)
-        raise ConformanceError(
-            f"{scenario.name}: the supervisor finds no complete checkpoint in {ckpt} (it holds "
-            f"{found or 'nothing'}{'; ' + why if why else ''}) and restarted the job from the initial state: an "
-            "adapter writes its files inside iter<NNNNNNNN>/ and seals them with a manifest "
-            "(resihp_core.checkpoints.seal; docs/checkpoints.md)")
-    if resume != restore + 1:
-        raise ConformanceError(f"{scenario.name}: restored the checkpoint of iteration {restore} but resumed at "
-                               f"iteration {resume}")
 
 
 def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *, iterations: int = 4,
