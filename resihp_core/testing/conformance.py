@@ -235,11 +235,11 @@ def _planner_state(base: ParallelPlan) -> PlannerState:
 
 class _ScenarioPlanner(Planner):
     """The restore scenario's planner: whatever fails, its answer is the scenario's plan
-    as a restore (what the Scheduler answers when state may be lost; the Scheduler's
-    state keeps the base layout, as the scenario's plan may have fewer replicas than its
-    home layout allows). Everything else,
+    as a restore (what the Scheduler answers when state may be lost). Everything else,
     noticing the dead worker, aborting, choosing the checkpoint and the resume point,
-    posting, is the supervisor's own (:class:`~resihp_core.runtime.control.ControlLoop`)."""
+    posting, is the supervisor's own (:class:`~resihp_core.runtime.control.ControlLoop`).
+    The Scheduler's state keeps the base layout: the scenario's plan may have fewer
+    replicas than a home layout allows, and nothing in the kit plans from it again."""
 
     def __init__(self, target: ParallelPlan, name: str) -> None:
         super().__init__(stages=())
