@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from resihp_core.runtime.assemble import AssembledJob, assemble
 from resihp_core.runtime.runconfig import AgentSetup, RunHooks
@@ -24,6 +24,7 @@ from resihp_core.runtime.runconfig import AgentSetup, RunHooks
 if TYPE_CHECKING:
     from resihp_core.config import Config
     from resihp_core.faults import Fault
+    from resihp_core.job import JobSpec
     from resihp_core.protocol import FailureReport
     from resihp_core.runtime.failover import JobState
     from resihp_core.runtime.resilient import ResilientRun
@@ -114,7 +115,7 @@ def work_folder(args: argparse.Namespace, tag: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
 
 
-def check_fits_here(cfg: Any, agents: str = "local") -> None:
+def check_fits_here(cfg: Config, agents: str = "local") -> None:
     """Refuse up front (naming the field) a job whose workers on this machine together
     need more memory than it has (agents started here run every node's workers here)."""
     from resihp_core.config import ConfigError, memory_estimate
@@ -133,7 +134,7 @@ def check_fits_here(cfg: Any, agents: str = "local") -> None:
             path="model.hidden", value=cfg.model.hidden)
 
 
-def check_backend_here(cfg: Any, agents: str = "local") -> None:
+def check_backend_here(cfg: Config, agents: str = "local") -> None:
     """Refuse up front (naming the field) ``runtime.backend = "nccl"`` when this machine,
     where local agents start every worker, cannot give each worker its own GPU; with
     remote agents each worker checks its own host (docs/gpu.md)."""
@@ -185,7 +186,7 @@ def _agents(cfg: Config, args: argparse.Namespace) -> tuple[AgentSetup, Callable
                       interface=interface), tell
 
 
-def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> tuple[float, int, float]:
+def _reference_check(cfg: Config, losses: list[float], reference: list[float]) -> tuple[float, int, float]:
     """Worst relative loss difference over the horizon where a fault-free reference is
     meaningful: every iteration in float64; in float32 the first 20 (two equal float32
     runs drift apart later through chaotic growth of rounding differences). Returns
@@ -195,7 +196,7 @@ def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> t
     return worst, horizon, tol
 
 
-def _failover_secret(cfg: Any, work: Path) -> str:
+def _failover_secret(cfg: Config, work: Path) -> str:
     """The job secret a restarted controller can find again: ``runtime.secret`` or
     ``RESIHP_SECRET`` if given, else the work folder's ``job.secret`` (made once)."""
     import os
@@ -247,7 +248,7 @@ def _store_answers(address: str, secret: str) -> bool:
     return True
 
 
-def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, int | None]:
+def _resume_point(cfg: Config, args: argparse.Namespace, spec: JobSpec) -> tuple[int, int | None]:
     """``--resume``: the first iteration to train and the checkpoint to load, from the
     newest complete checkpoint in the job's checkpoint folder (docs/checkpoints.md)."""
     from resihp_core import checkpoints
