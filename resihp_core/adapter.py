@@ -65,6 +65,9 @@ class Capabilities:
         Scheduler's migrating stages use it there (:meth:`migrates`).
     :param schedules: the pipeline schedules it can execute.
     :param checkpoint: implements ``save_checkpoint`` / ``load_checkpoint``.
+    :param tp_with_dp: can run TP degrees > 1 in a plan with more than one replica
+        (False: tensor parallelism with one replica only, e.g. torch_native, whose DP
+        reduction does not span replicas of different TP layouts).
     """
 
     tp_resize: bool = False
@@ -74,6 +77,7 @@ class Capabilities:
     schedules: frozenset[ScheduleKind] = frozenset({ScheduleKind.ONE_F_ONE_B})
     checkpoint: bool = False
     uneven_dp: bool = False
+    tp_with_dp: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.schedules, str):
@@ -120,6 +124,7 @@ class Capabilities:
             "schedules": sorted(k.value for k in self.schedules),
             "checkpoint": self.checkpoint,
             "uneven_dp": self.uneven_dp,
+            "tp_with_dp": self.tp_with_dp,
         }
 
     def violations(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
@@ -132,6 +137,9 @@ class Capabilities:
         degrees = {plan.degree(r, s) for r, s in plan.executors()}
         if len(degrees) > 1 and not self.heterogeneous_tp:
             out.append(f"heterogeneous TP degrees {sorted(degrees)} need heterogeneous_tp")
+        if not self.tp_with_dp and max(degrees, default=1) > 1 and sum(1 for rep in plan.tp_groups if any(rep)) > 1:
+            out.append(f"TP degree {max(degrees)} with {plan.dp} replicas needs tp_with_dp (this adapter runs "
+                       "tensor parallelism with one replica)")
         vanished = any(not g for rep in plan.tp_groups for g in rep)
         if (plan.migrations or vanished) and not self.cross_replica_migration:
             if not self.uneven_dp:

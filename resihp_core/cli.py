@@ -107,7 +107,9 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     out += ["", "Adapters"]
     out.append(_table(
         ["name", "tp_resize", "hetero_tp", "layer_repart", "migration", "checkpoint", "schedules", "plugin", "target"],
-        [[a["name"] + (" (default)" if a["default"] else ""), yes(c["tp_resize"]), yes(c["heterogeneous_tp"]), yes(c["layer_repartition"]),
+        [[a["name"] + (" (default)" if a["default"] else ""),
+          *(yes(c[k]) + ("" if c.get("tp_with_dp", True) or not c[k] else " (dp=1)")
+            for k in ("tp_resize", "heterogeneous_tp")), yes(c["layer_repartition"]),
           "whole mb" if c.get("uneven_dp") and not c["cross_replica_migration"] else yes(c["cross_replica_migration"]),
           yes(c["checkpoint"]), ",".join(c["schedules"]),
           a["source"], a["target"]]

@@ -50,10 +50,28 @@ def never_initialized(script: str, device: int) -> None:
     raise SystemExit(3)
 
 
+#: The marker a worker leaves when the script's ResiHP call refused the job up front
+#: (e.g. torch_native's loop mode on a pipelined job): its text is the reason.
+REFUSED = "refused-{device}"
+
+
+def refuse(reason: str) -> None:
+    """Leave ``reason`` for ``resihp launch`` (one clear error, instead of the fail-stops
+    the workers' exits would read as); the caller then raises. Nothing outside a launch."""
+    job, device = os.environ.get("RESIHP_JOB"), os.environ.get("RESIHP_DEVICE")
+    if job and device:
+        with open(os.path.join(os.path.dirname(job), REFUSED.format(device=device)), "w") as f:
+            f.write(reason)
+
+
 def check_initialized(workdir: str | os.PathLike) -> None:
-    """Raise :class:`NeverInitialized` if a worker of the job under ``workdir`` left the marker."""
+    """Raise :class:`NeverInitialized` if a worker of the job under ``workdir`` left the
+    marker, or refused the job (:func:`refuse`)."""
     from pathlib import Path
 
+    refused = sorted(Path(workdir).rglob(REFUSED.format(device="*")))
+    if refused:
+        raise NeverInitialized(f"the script refused the job: {refused[0].read_text()}")
     hits = sorted(Path(workdir).rglob(MARKER.format(device="*")))
     if hits:
         raise NeverInitialized(f"{hits[0].read_text()} never called initialize(): under 'resihp launch' the script "

@@ -160,6 +160,18 @@ class Worker:
     def step(self) -> IterationResult | None:
         """Run until one more iteration commits everywhere (entering plan generations as
         they come) and return its result; None when the job has stopped."""
+        while self.next_iteration() is not None:
+            result = self._one_iteration()
+            if result is not None:
+                return result
+        return None
+
+    def next_iteration(self) -> int | None:
+        """Enter plan generations until this device can run an iteration and return its
+        index; None when the job has stopped. With :meth:`begin_iteration`,
+        :meth:`end_iteration` and :meth:`abandon_iteration` it lets a user's own loop
+        body run the iteration in place of ``Adapter.run_iteration`` (the torch_native
+        adapter's loop mode, docs/torch_native.md), on the same commit and restore path."""
         while True:
             if not self.active:
                 if not self._enter_next():
@@ -168,9 +180,7 @@ class Worker:
             if self.iteration >= self.msg.iterations or self._superseded():
                 self.active = False  # wait for the next generation (or the stop)
                 continue
-            result = self._one_iteration()
-            if result is not None:
-                return result
+            return self.iteration
 
     def _superseded(self) -> bool:
         # Newer only: the watch starts at -1 before its first answer. A generation posted
@@ -244,18 +254,34 @@ class Worker:
         self.active = False
 
     def _one_iteration(self) -> IterationResult | None:
-        a, g, i = self.adapter, self.msg.generation, self.iteration
-        self.faults.at_iteration(i)
-        a.snapshot()
+        i = self.begin_iteration()
         failed = None
         try:
-            result = a.run_iteration(self.program, i)
+            result = self.adapter.run_iteration(self.program, i)
         except Exception as e:  # noqa: BLE001 - a peer died: any collective may raise
             failed = f"{type(e).__name__}: {e}"
         if failed is not None:
-            a.rollback()  # outside the except block: no traceback pins the broken groups
-            self._left(g, failed, "generation_left", iteration=i)
+            self.abandon_iteration(failed)  # outside the except block: no traceback pins the broken groups
             return None
+        return self.end_iteration(result)
+
+    def begin_iteration(self) -> int:
+        """Injected faults due now, the rollback snapshot; the iteration's index."""
+        i = self.iteration
+        self.faults.at_iteration(i)
+        self.adapter.snapshot()
+        return i
+
+    def abandon_iteration(self, reason: str) -> None:
+        """The iteration failed (a peer died): roll back and leave the generation."""
+        self.adapter.rollback()
+        self._left(self.msg.generation, reason, "generation_left", iteration=self.iteration)
+
+    def end_iteration(self, result: IterationResult) -> IterationResult | None:
+        """Profile, checkpoint, report and commit an iteration whose optimizer step this
+        device applied; its result once committed everywhere, else None (rolled back)."""
+        a, g, i = self.adapter, self.msg.generation, self.iteration
+        failed = None
         # The first iteration of a generation carries one-time costs (allocator, first
         # touch, fresh sockets): the Detector's healthy model starts after it.
         if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:

@@ -177,6 +177,8 @@ def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
                                      inflight(cur.schedule, 0, pp, total)):
                     groups.append(g)
         dp_new = min(len(groups) // pp, total)
+        if t > 1 and not state.capabilities.tp_with_dp:
+            dp_new = min(dp_new, 1)  # TP with one replica only
         while dp_new > 0 and total % dp_new:
             dp_new -= 1
         if dp_new < 1:

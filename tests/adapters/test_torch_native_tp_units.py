@@ -99,3 +99,56 @@ def test_resihp_run_refuses_tp_with_several_replicas_up_front():
     cfg = SimpleNamespace(model=None, training=None, adapter={}, parallel=SimpleNamespace(tp=2, pp=2, dp=2))
     with pytest.raises(ValueError, match="tensor parallelism with one replica"):
         job_section(cfg)
+
+
+def test_busy_timer_counts_work_not_waiting_for_a_peer():
+    """A TP rank's chunk time leaves out the time it slept in a collective waiting for a
+    slow peer (so the verifier can tell the slow member from the waiting one) and keeps
+    its own work."""
+    import os
+    import threading
+    import time
+
+    from resihp_adapters.torch_native.tp import BusyTimer
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("no schedstat: the timer falls back to the wall clock")
+    peer = threading.Event()
+    threading.Timer(0.3, peer.set).start()
+    t = BusyTimer().start()
+    peer.wait()  # blocked, as in gloo's wait for a peer's contribution
+    waited = t.stop()
+    t = BusyTimer().start()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:  # computing
+        pass
+    busy = t.stop()
+    assert waited < 0.1, waited
+    assert busy >= 0.15, busy  # CPU time plus any wait for a CPU: the wall time of the work
+
+
+def test_capabilities_say_tp_with_one_replica_and_the_scheduler_keeps_to_it():
+    """torch_native declares TP resize and heterogeneous TP with one replica only
+    (``tp_with_dp = False``): a TP x DP plan is ruled out by name, and a restore that
+    would pick TP2 x DP2 on the survivors (what an adapter with TP x DP gets) picks TP 1
+    there instead."""
+    from dataclasses import replace
+
+    from resihp_adapters.torch_native.plugin import CAPABILITIES
+    from resihp_core.protocol import FailureReport
+    from resihp_core.scheduler import DEFAULT_STAGES, Planner
+    from resihp_core.sim.jobs import toy_state
+
+    assert CAPABILITIES.heterogeneous_tp and CAPABILITIES.tp_resize and not CAPABILITIES.tp_with_dp
+    two = ParallelPlan.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=2)
+    assert any("needs tp_with_dp" in w for w in CAPABILITIES.violations(two))
+    assert not CAPABILITIES.violations(hetero((0, 1), (2,)))
+    assert not CAPABILITIES.violations(ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2))
+    got = {}
+    for caps in (replace(CAPABILITIES, tp_with_dp=True), CAPABILITIES):
+        st = toy_state(tp=2, pp=2, dp=1, m=4, devices_per_node=4, extra_devices=8, capabilities=caps)
+        d = Planner(stages=DEFAULT_STAGES).plan(st, FailureReport(generation=0, failure="fail-stop",
+                                                                   devices=tuple(st.plan.group(0, 1))))
+        got[caps.tp_with_dp] = (d.kind, d.plan.dp, {d.plan.degree(r, s) for r, s in d.plan.executors()})
+        assert not caps.violations(d.plan)
+    assert got[True] == ("restore", 2, {2}) and got[False] == ("restore", 4, {1}), got

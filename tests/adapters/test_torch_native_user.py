@@ -172,3 +172,33 @@ def test_any_model_through_the_split_protocol():
     with pytest.raises(ValueError, match="in no pre / block / post module"):
         UserStages(net, Split(pre=("emb",), blocks=("blocks.0",), post=("head",), embed=split.embed,
                               block=split.block, head=split.head))
+
+
+def test_your_loop_refuses_a_pipelined_job_and_mixing_with_train_batch():
+    """trainer.iterations() (the user's loop, docs/torch_native.md "Your loop") runs
+    data-parallel jobs only: the first plan is read before any generation is entered
+    and a pipelined one is refused with the reason; one job trains one way."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from resihp_core.protocol import PlanUpdate
+    from resihp_core.runtime import session
+    from resihp_adapters.torch_native.api import ResilientTrainer
+
+    def trainer(pp: int) -> ResilientTrainer:
+        store = dist.HashStore()
+        plan = ParallelPlan.uniform(tp=1, pp=pp, dp=4 // pp, num_layers=4, num_microbatches=2)
+        session.post_plan(store, PlanUpdate(generation=0, plan=plan.to_text(), devices=(0, 1, 2, 3), iterations=3))
+        engine = SimpleNamespace(cfg=None, whole=False)
+        return ResilientTrainer(SimpleNamespace(store=store, adapter=SimpleNamespace(engine=engine),
+                                                step=lambda: None))
+
+    t = trainer(pp=2)
+    with pytest.raises(ValueError, match=r"pp = 2.*train_batch\(\)"):
+        t.iterations()
+    assert t.worker.adapter.engine.whole is False  # the engine still builds pipeline stages
+    t = trainer(pp=1)
+    assert t.train_batch() is None
+    with pytest.raises(RuntimeError, match="cannot be mixed"):
+        t.iterations()

@@ -63,3 +63,14 @@ def test_torch_native_tp_resize_with_a_users_hf_model():
     got = check_adapter(spec, base, timeout=600.0)  # a first iteration took 150 s at load 50
     assert set(got) == {"regeneration", "tp_resize", "layer_repartition"}
     assert max(got.values()) <= 1e-9
+
+
+def test_the_kit_refuses_tp_with_several_replicas_on_torch_native():
+    """The kit proves only what the adapter declares: TP x DP (tp_with_dp = False) is
+    refused by name before any worker starts, not run and reported."""
+    from resihp_core.testing.conformance import ConformanceError
+
+    spec = JobSpec(adapter="torch_native", adapter_config={"user": "tests.conformance.hf_user:llama"},
+                   data={"source": "synthetic", "token_budget": 16}, dp=2, num_microbatches=2, seed=5, timeout_s=10.0)
+    with pytest.raises(ConformanceError, match="needs tp_with_dp"):
+        check_adapter(spec, ParallelPlan.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=2), timeout=5.0)

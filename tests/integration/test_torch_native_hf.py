@@ -53,10 +53,13 @@ def compare_states(got: dict, ref: dict) -> float:
     return worst
 
 
-def reference(kind: str, iterations: int, global_microbatches: int, text: Path = TEXT) -> tuple[dict, list[float]]:
+def reference(kind: str, iterations: int, global_microbatches: int, text: Path = TEXT,
+              model_loss: bool = False) -> tuple[dict, list[float]]:
     """The single-process run of the user's model, in a fresh interpreter: the pytest
     process carries global torch / transformers state from earlier tests (after the
-    whole suite, the in-process run started from a different first loss)."""
+    whole suite, the in-process run started from a different first loss).
+    ``model_loss``: each micro-batch's loss is the model's own (``outputs.loss``: HF's
+    mean cross-entropy, computed in float32), weighted 1 / G, as the user's loop takes it."""
     import subprocess
     import tempfile
 
@@ -64,14 +67,16 @@ def reference(kind: str, iterations: int, global_microbatches: int, text: Path =
         out = Path(d) / "reference.pt"
         code = ("import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
                 "from test_torch_native_hf import _reference_here; "
-                "torch.save(_reference_here(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]), sys.argv[7])")
+                "torch.save(_reference_here(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], "
+                "sys.argv[8] == '1'), sys.argv[7])")
         subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT / "examples" / "hf_llama"), kind,
-                        str(iterations), str(global_microbatches), str(text), str(out)],
+                        str(iterations), str(global_microbatches), str(text), str(out), str(int(model_loss))],
                        check=True, timeout=600, cwd=str(ROOT))
         return torch.load(out, weights_only=False)
 
 
-def _reference_here(kind: str, iterations: int, global_microbatches: int, text: Path) -> tuple[dict, list[float]]:
+def _reference_here(kind: str, iterations: int, global_microbatches: int, text: Path,
+                    model_loss: bool = False) -> tuple[dict, list[float]]:
     """The single-process run itself (in the interpreter :func:`reference` starts)."""
     from hf_model import TextWindows, adamw, tiny_model, warmup_cosine
 
@@ -79,8 +84,15 @@ def _reference_here(kind: str, iterations: int, global_microbatches: int, text: 
     from resihp_adapters.torch_native.reference import user_single_process_run
 
     torch.set_num_threads(1)
-    user = user_job(tiny_model(kind), optimizer=adamw, lr_scheduler=warmup_cosine(iterations), max_grad_norm=1.0,
-                    dataset=TextWindows(text, 16), micro_batch_size=2)
+    model = tiny_model(kind)
+    loss_fn = None
+    if model_loss:  # what the HF model computes for outputs.loss; a user's loss_fn is a mean, weighted 1 / G
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        vocab = model.config.vocab_size
+        loss_fn = lambda logits, labels: ForCausalLMLoss(logits, labels, vocab)  # noqa: E731
+    user = user_job(model, optimizer=adamw, lr_scheduler=warmup_cosine(iterations), max_grad_norm=1.0,
+                    dataset=TextWindows(text, 16), micro_batch_size=2, loss_fn=loss_fn)
     return user_single_process_run(user.stages, user.recipe, user.data(global_microbatches), iterations)
 
 

@@ -579,7 +579,9 @@ def test_capabilities_violations_gate_plans() -> None:
     assert any("schedule zbh1" in v for v in plain.violations(zb))
 
     ds = Plugins(builtins=[]).adapters()
-    # torch_native declares TP resize and heterogeneous TP (with one replica: it refuses
-    # TP with dp > 1 up front, docs/torch_native.md); DeepSpeed declares neither
-    assert ds.supporting(hetero, base) == ["megatron_ref", "torch_native"]
+    # torch_native declares TP resize and heterogeneous TP with one replica only
+    # (tp_with_dp = False, docs/torch_native.md); DeepSpeed declares neither
+    assert ds.supporting(hetero, base) == ["megatron_ref"]
+    one = ParallelPlan.uniform(tp=2, pp=2, dp=1, num_layers=8, num_microbatches=2)
+    assert ds.supporting(one.with_(tp_groups=(((0,), (2, 3)),), generation=1), one) == ["megatron_ref", "torch_native"]
     assert set(ds.supporting(migrated, base)) >= {"deepspeed", "megatron_ref"}

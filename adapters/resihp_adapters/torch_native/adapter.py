@@ -129,6 +129,10 @@ class TorchNativeAdapter(Adapter):
         return None if pl is None else (pl.replica, pl.stage, pl.tp_index)
 
     def _check(self, plan: ParallelPlan) -> None:
+        if self.engine.whole:
+            from resihp_adapters.torch_native.loop import refuse_pipelined
+
+            refuse_pipelined(plan.pp, max(len(g) for rep in plan.tp_groups for g in rep))
         if plan.num_layers != self.engine.model.n_layers:
             what = "adapter_config.model.n_layers" if self.engine.cfg is not None else "the model's blocks"
             raise ValueError(f"plan has {plan.num_layers} layers, {what}: {self.engine.model.n_layers}")
@@ -169,8 +173,12 @@ class TorchNativeAdapter(Adapter):
         steps = iter(range(1 << 30))
         self.engine.before_action = lambda: self.ctx.step(iteration, next(steps))
         self.ctx.step(iteration, next(steps))
-        r = self.engine.run(program, iteration)
+        return self.result_of(self.engine.run(program, iteration))
+
+    def result_of(self, r: Any) -> IterationResult:
+        """The core's result of an engine iteration (``run`` or the user's loop, :mod:`.loop`)."""
         stage = self.engine.place.stage
+        iteration = r.iteration
         return IterationResult(  # the runtime's micro-batch k is (owner, mb) r.work[k]
             iteration=iteration, loss=r.loss,
             computed=[(stage, owner, j) for owner, j in r.work],

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
+    from resihp_adapters.torch_native.loop import Iteration
     from resihp_adapters.torch_native.data import UserData
     from resihp_adapters.torch_native.engine import Recipe
     from resihp_adapters.torch_native.split import UserStages
@@ -36,8 +37,22 @@ if TYPE_CHECKING:
 __all__ = ["initialize", "ResilientTrainer", "StockTrainer", "UserJob", "user_job"]
 
 
-class ResilientTrainer:
-    """The user's handle under ``resihp launch``: ``train_batch()`` per iteration."""
+class _Modes:
+    """One way of training per job: ``train_batch()`` (ResiHP's schedule runs the
+    micro-batches) or ``iterations()`` (the user's loop, :mod:`.loop`), not both."""
+
+    _mode: str | None = None
+
+    def _use(self, mode: str) -> None:
+        if self._mode not in (None, mode):
+            raise RuntimeError(f"this job already trains with {self._mode}(); train_batch() and iterations() "
+                               "cannot be mixed")
+        self._mode = mode
+
+
+class ResilientTrainer(_Modes):
+    """The user's handle under ``resihp launch``: ``train_batch()`` per iteration, or the
+    user's own loop body with ``iterations()`` (data-parallel jobs)."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -45,8 +60,43 @@ class ResilientTrainer:
     def train_batch(self) -> float | None:
         """Train one iteration; this rank's share of the global loss (its replica's
         micro-batches, on the last stage; 0 elsewhere), or None once the job has ended."""
+        self._use("train_batch")
         r = self.worker.step()
         return None if r is None else float(r.loss)
+
+    def iterations(self) -> Iterator[Iteration]:
+        """The user's loop (pp = 1; docs/torch_native.md, "Your loop"): one
+        :class:`~.loop.Iteration` per attempt until the job ends::
+
+            for it in trainer.iterations():
+                with it:
+                    for batch in it.microbatches():
+                        it.backward(it.model(**batch).loss)
+                    it.step()
+        """
+        from resihp_core.runtime import session
+        from resihp_adapters.torch_native.loop import iterations, refuse_pipelined
+
+        adapter = self.worker.adapter
+        engine = adapter.engine
+        if engine.cfg is not None:
+            raise TypeError("trainer.iterations() runs your own model: initialize(model, optimizer=..., dataset=...)")
+        if self._mode is None:  # the first plan decides, before any generation is entered
+            while (g := session.wait_generation(self.worker.store, -1, 2.0)) < 0:
+                pass
+            msg = session.read_plan(self.worker.store, g)
+            if not msg.stop:
+                plan = msg.parsed_plan()
+                try:
+                    refuse_pipelined(plan.pp, max(len(x) for rep in plan.tp_groups for x in rep))
+                except ValueError as e:
+                    from resihp_adapters.launch_worker import refuse
+
+                    refuse(str(e))  # resihp launch reports it as the job's one error
+                    raise
+        self._use("iterations")
+        engine.whole = True
+        return iterations(self.worker, engine, engine.data, adapter.result_of)
 
     @property
     def iteration(self) -> int:
@@ -63,27 +113,48 @@ class ResilientTrainer:
         return self.worker.adapter.engine.flat_state()
 
 
-class StockTrainer:
-    """Plain torch (no ResiHP runtime): the same interface, the same data."""
+class StockTrainer(_Modes):
+    """Plain torch (no ResiHP runtime): the same interface, the same data. The stock
+    pipeline (``train_batch()``) or the stock FSDP2 loop (``iterations()``) is built on
+    first use."""
 
-    def __init__(self, pipeline: Any, iterations: int) -> None:
-        self.pipeline = pipeline
-        self.iterations = iterations
+    def __init__(self, make_pipeline: Callable[[], Any], iterations: int,
+                 make_loop: Callable[[], Any] | None = None) -> None:
+        self._make_pipeline, self._make_loop = make_pipeline, make_loop
+        self.pipeline: Any = None
+        self.loop: Any = None
+        self.iterations_total = iterations
 
     def train_batch(self) -> float | None:
-        if self.pipeline.iteration >= self.iterations:
+        self._use("train_batch")
+        if self.pipeline is None:
+            self.pipeline = self._make_pipeline()
+        if self.pipeline.iteration >= self.iterations_total:
             return None
         return self.pipeline.step()
 
+    def iterations(self) -> Iterator[Iteration]:
+        """The user's loop on stock FSDP2 (see :meth:`ResilientTrainer.iterations`)."""
+        if self._make_loop is None:
+            raise TypeError("trainer.iterations() runs your own model: initialize(model, optimizer=..., dataset=...)")
+        self._use("iterations")
+        if self.loop is None:
+            self.loop = self._make_loop()
+        return self.loop.run()
+
     @property
     def iteration(self) -> int:
-        return self.pipeline.iteration
+        if self.loop is not None:
+            return self.loop.index
+        return 0 if self.pipeline is None else self.pipeline.iteration
 
     def is_last_stage(self) -> bool:
-        return self.pipeline.is_last_stage
+        return self.loop is not None or (self.pipeline is not None and self.pipeline.is_last_stage)
 
     def full_state(self) -> dict[str, Any]:
-        return self.pipeline.flat_state()
+        if self.loop is not None:
+            return self.loop.flat_state()
+        return {} if self.pipeline is None else self.pipeline.flat_state()
 
 
 @dataclass
@@ -286,8 +357,17 @@ def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrain
         source = create_source(cfg.data.section(), dp=cfg.parallel.dp, num_microbatches=tr.microbatches,
                                seed=tr.seed, token_budget=tr.token_budget, vocab_size=cfg.model.vocab)
         data = Batches(source, c["model"].torch_dtype)
-    pipeline = StockPipeline(model, data, pp=cfg.parallel.pp, num_microbatches=tr.microbatches,
+    def pipeline() -> StockPipeline:
+        return StockPipeline(model, data, pp=cfg.parallel.pp, num_microbatches=tr.microbatches,
                              shard=c["shard"], lr=c["lr"], weight_decay=c["weight_decay"],
                              schedule=cfg.scheduler.schedule, recipe=recipe, tp=cfg.parallel.tp,
                              tp_plan=None if user is None else user.stages.tp_plan)
-    return StockTrainer(pipeline, tr.iterations)
+
+    def loop() -> Any:
+        from resihp_adapters.torch_native.loop import StockLoop, refuse_pipelined
+
+        refuse_pipelined(cfg.parallel.pp, cfg.parallel.tp)
+        return StockLoop(model, recipe, data, num_microbatches=tr.microbatches, shard=c["shard"],
+                         iterations=tr.iterations)
+
+    return StockTrainer(pipeline, tr.iterations, loop if user is not None else None)

@@ -212,6 +212,15 @@ class UserData:
             self._cache[key] = self.prepare(self.collate_fn(samples))
         return self._cache[key]
 
+    def collated(self, iteration: int, g: int) -> Any:
+        """Global micro-batch ``g`` of ``iteration`` as ``collate_fn`` made it (the user's
+        loop, :mod:`.loop`): the same samples as :meth:`global_batch`."""
+        if not 0 <= g < self.global_microbatches:
+            raise ValueError(f"micro-batch {g} is outside the job's global batch of {self.global_microbatches}")
+        b, n = self.micro_batch_size, len(self.dataset)
+        start = (iteration * self.global_microbatches + g) * b
+        return self.collate_fn([self.dataset[(start + k) % n] for k in range(b)])
+
     def micro_batch(self, iteration: int, owner: int, mb: int, per_replica: int) -> UserBatch:
         g = owner * per_replica + mb
         if not 0 <= g < self.global_microbatches:

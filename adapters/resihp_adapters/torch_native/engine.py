@@ -54,7 +54,7 @@ from resihp_core.runtime.session import join_members, rendezvous_store
 from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
-from resihp_adapters.torchkit.device import CPU, Placement, release_world
+from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
 __all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
            "live_replicas", "IterationResult", "captured_groups", "adamw_recipe"]
@@ -337,6 +337,9 @@ class TorchNativeEngine:
         self._snapshot: tuple[dict[str, Held], int] | None = None
         self._snap_module: nn.Module | None = None  # the stage the snapshot's buffers were made for
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
+        #: the user's loop mode (:mod:`.loop`): the stage is the user's whole model, no
+        #: PipelineStage; pp = 1 only
+        self.whole = False
 
     def canonical(self, name: str) -> str:
         """The state's name of a stage parameter (a tied copy is named by its first name)."""
@@ -370,6 +373,8 @@ class TorchNativeEngine:
         from torch.distributed.device_mesh import DeviceMesh
 
         check_plan(plan)
+        if self.whole and plan.pp != 1:
+            raise ValueError(f"the user's loop mode runs data-parallel plans only (pp = 1), got pp = {plan.pp}")
         self.release()
         self.plan, self.generation = plan, generation
         self.place = place_of(plan, self.device, self.wanted_shard)
@@ -409,6 +414,8 @@ class TorchNativeEngine:
         return plan.layer_ranges[stage]
 
     def _build(self) -> nn.Module:
+        if self.whole:
+            return self.model.build_whole().to(self.placement.device)
         a, b = self._layers(self.plan, self.place.stage)
         return self.model.build(a, b).to(self.placement.device)
 
@@ -437,10 +444,12 @@ class TorchNativeEngine:
         # the factory's hyper-parameters: every scheduler built later starts from them
         self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self._make_scheduler()
+        self.schedule = None
+        if self.whole:
+            return  # the user's loop drives the model (:mod:`.loop`)
         self.stage = PipelineStage(module, place.stage, plan.pp, self.placement.device,
                                    group=pp_mesh.get_group())
         self._hook_stage(self.stage)
-        self.schedule = None
 
     def _make_scheduler(self) -> None:
         """The user's LR scheduler at the committed iteration: built anew and stepped
@@ -469,7 +478,7 @@ class TorchNativeEngine:
         def timed(fn, book):
             def run(mb, *args, **kwargs):
                 engine.before_action()
-                timer = engine.placement.timer().start()  # CUDA events on a GPU
+                timer = engine.chunk_timer().start()  # CUDA events on a GPU
                 out = fn(mb, *args, **kwargs)
                 dt = engine.stretch(timer.stop())
                 res = engine._current
@@ -492,6 +501,10 @@ class TorchNativeEngine:
         stage.perform_reduce_grad = delayed(stage.perform_reduce_grad)
 
     _current: IterationResult | None = None
+
+    def chunk_timer(self) -> ChunkTimer:
+        """The timer of one compute chunk in the profiles (the TP engine times busy time)."""
+        return self.placement.timer()
 
     def start_fresh(self) -> None:
         """Generation 0: the model's initial weights, empty optimizer state."""
@@ -851,7 +864,7 @@ class TorchNativeEngine:
         dcp.load(sd, checkpoint_id=path, process_group=self.executors_group)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         aliases = self.model.aliases
-        set_model_state_dict(self.module, _local_keys(sd["model"], self.module, aliases), options=opts)
+        set_model_state_dict(self.module, _local_keys(sd["model"], self.module, aliases, both=True), options=opts)
         set_optimizer_state_dict(self.module, self.optimizer,
                                  _local_keys(sd["optim"], self.module, aliases), options=opts)
         self._make_scheduler()
@@ -916,9 +929,17 @@ def _canon_keys(sd: dict, aliases: dict[str, str]) -> dict:
     return out
 
 
-def _local_keys(sd: dict, module: nn.Module, aliases: dict[str, str]) -> dict:
-    """The state dict back under this stage's own names (a tied copy reads its first name's)."""
+def _local_keys(sd: dict, module: nn.Module, aliases: dict[str, str], *, both: bool = False) -> dict:
+    """The state dict back under this stage's own names (a tied copy reads its first name's).
+    ``both``: a model state dict of a module holding both names of a tied parameter (the
+    user's whole model, :mod:`.loop`) gets the alias key too (``load_state_dict`` wants it)."""
     names = {n for n, _ in module.named_parameters()}
+    if both:
+        every = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        sd = dict(sd)
+        for alias, canon in aliases.items():
+            if alias in every and canon in names and canon in sd:
+                sd.setdefault(alias, sd[canon])
     back = {canon: alias for alias, canon in aliases.items() if alias in names and canon not in names}
     if not back:
         return sd

@@ -10,7 +10,8 @@ name), GPipe / 1F1B / ZB-H1 (torch's own F, B, I, W actions), checkpoints
 micro-batch counts per replica (``uneven_dp``: another replica's micro-batch run whole
 by one replica's pipeline; a dropped replica), and tensor parallelism with a TP degree
 per stage (DTensor; a TP group shrinks alone, its state re-sharded from any surviving
-member's memory; one replica: ``tp.py``). Not promised: a single stage migrated to
+member's memory) with one replica only (``tp_with_dp = False``: the Scheduler never
+plans TP x DP for it; ``tp.py``). Not promised: a single stage migrated to
 another replica — a torch pipeline schedule drives one replica's pipeline group, so a
 stage cannot take a micro-batch from another replica's previous stage
 (``docs/torch_native.md``).
@@ -32,6 +33,7 @@ CAPABILITIES = Capabilities(
     uneven_dp=True,  # another replica's micro-batch runs whole on one pipeline (lowering.py)
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
     checkpoint=True,
+    tp_with_dp=False,  # TP with one replica: no DP reduction across TP layouts (tp.py)
 )
 
 
@@ -60,7 +62,9 @@ def job_section(cfg) -> dict:
     par = getattr(cfg, "parallel", None)
     if par is not None and par.tp > 1 and par.dp > 1:
         raise ValueError(f"parallel: torch_native runs tensor parallelism with one replica (tp = {par.tp}, "
-                         f"dp = {par.dp}); docs/torch_native.md, Tensor parallelism")
+                         f"dp = {par.dp}): its DP reduction does not span replicas of different TP layouts. "
+                         "Use dp = 1 with tp > 1, or tp = 1 with dp > 1 (FSDP2/HSDP); docs/torch_native.md, "
+                         "Tensor parallelism")
     extra = dict(cfg.adapter)
     unknown = sorted(set(extra) - {"shard", "weight_decay", "model"})
     if unknown:

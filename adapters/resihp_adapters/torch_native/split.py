@@ -240,8 +240,15 @@ class UserStages:
     def build(self, start: int, end: int) -> Stage:
         return Stage(self.split, self.source, start, end)
 
-    def blocks(self, module: Stage) -> list[nn.Module]:
-        return module.block_modules()
+    def build_whole(self) -> nn.Module:
+        """A copy of the whole user model, for the user's own loop (pp = 1,
+        :mod:`.loop`): the user's ``forward`` and outputs, the same parameter names."""
+        return copy.deepcopy(self.source)
+
+    def blocks(self, module: nn.Module) -> list[nn.Module]:
+        if isinstance(module, Stage):
+            return module.block_modules()
+        return [_get(module, p) for p in self.split.blocks]
 
     def names(self, start: int, end: int) -> list[str]:
         key = (start, end)

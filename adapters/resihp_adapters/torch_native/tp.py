@@ -26,14 +26,21 @@ all-gather of every shard over the TP group at the end of the iteration): any su
 member can re-shard the stage by fully qualified name onto any new degree. That costs a
 copy of the stage's state per TP rank in host memory and one all-gather per iteration.
 
+Profiles. A TP rank on the host times its compute chunks by busy time
+(:class:`BusyTimer`), not wall time: a slow member's peers wait for it inside their own
+chunks' collectives, and only the busy time tells the slow one apart.
+
 Limits: TP runs with one replica (``dp = 1``: no FSDP, no cross-replica reduction over
-different TP layouts); embeddings and the head stay replicated (only the base model's
-plan is applied). docs/torch_native.md, "Tensor parallelism".
+different TP layouts; the plugin declares ``tp_with_dp = False``); embeddings and the
+head stay replicated (only the base model's plan is applied). docs/torch_native.md,
+"Tensor parallelism".
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -45,11 +52,12 @@ from torch.distributed.pipelining import PipelineStage
 import torch.distributed.tensor.parallel  # noqa: F401 - imported before any group exists (engine._EARLY)
 from resihp_core.plan import ParallelPlan
 from resihp_core.runtime.session import join_members, rendezvous_store
+from resihp_adapters.torchkit.device import ChunkTimer
 from resihp_adapters.torch_native.engine import (
     Held, IterationResult, TorchNativeEngine, _default_timeout, place_of, tie_sets)
 
-__all__ = ["TPStage", "TPEngine", "Peers", "model_tp_plan", "tp_styles", "uses_tp", "check_tp_plan", "executor_ranks",
-           "stage_peers", "gather_full", "local_part"]
+__all__ = ["TPStage", "TPEngine", "BusyTimer", "Peers", "model_tp_plan", "tp_styles", "uses_tp", "check_tp_plan",
+           "executor_ranks", "stage_peers", "gather_full", "local_part"]
 
 #: Hugging Face TP plan names this adapter maps to torch styles.
 STYLES = ("colwise", "rowwise")
@@ -300,6 +308,47 @@ def gather_full(module: nn.Module, optimizer: torch.optim.Optimizer, aliases: Ma
     return out
 
 
+class BusyTimer(ChunkTimer):
+    """Times a TP chunk on the host by the training thread's busy time: CPU time plus the
+    time it was runnable but waited for a CPU (``/proc/self/task/<tid>/schedstat``), i.e. the
+    wall time without the time it slept in a TP collective waiting for a peer. A rank
+    slowed by itself shows its own slowdown; its TP peers, which wait for it inside every
+    row-wise all-reduce, do not (docs/torch_native.md, "Tensor parallelism": slow TP
+    ranks). Falls back to the wall clock where schedstat is missing."""
+
+    _fd: tuple[int, int] | None = None  # (thread id, its schedstat file): one thread runs the chunks
+    _missing = False
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self._b0: float | None = None
+
+    @classmethod
+    def _busy(cls) -> float | None:
+        if cls._missing:
+            return None
+        try:
+            tid = threading.get_native_id()
+            if cls._fd is None or cls._fd[0] != tid:
+                if cls._fd is not None:
+                    os.close(cls._fd[1])
+                cls._fd = (tid, os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY))
+            cpu, delay = os.pread(cls._fd[1], 128, 0).split()[:2]
+            return (int(cpu) + int(delay)) / 1e9
+        except (OSError, ValueError):
+            cls._missing = True
+            return None
+
+    def start(self) -> ChunkTimer:
+        self._b0 = self._busy()
+        return super().start()
+
+    def stop(self) -> float:
+        wall = super().stop()
+        now = self._busy()
+        return wall if now is None or self._b0 is None else min(wall, max(0.0, now - self._b0))
+
+
 class TPEngine(TorchNativeEngine):
     """The engine with tensor parallelism: plans where some stage has degree > 1 run as
     described in the module docstring; every other plan runs the FSDP2 engine as it is.
@@ -444,6 +493,12 @@ class TPEngine(TorchNativeEngine):
         super().load_checkpoint(path, step)
         if self.tp and self.module is not None:
             self._full = {step: self._gather()}
+
+    def chunk_timer(self) -> ChunkTimer:
+        """TP stages on the host: busy time (:class:`BusyTimer`); else the placement's."""
+        if self.tp and self.place is not None and self.place.tp_degree > 1 and self.placement.device.type == "cpu":
+            return BusyTimer()
+        return super().chunk_timer()
 
     # ------------------------------------------------------------ state
     def _gather(self) -> dict[str, Held]:
