@@ -17,10 +17,15 @@ from it):
 * ``ckpt``: checkpoint-restart: a plain torch script (DDP, or stock pipelining + FSDP2
   for PP2 x DP2) under ``torchrun --max-restarts`` that saves a checkpoint every ``k``
   iterations and loads the newest one at start; ``k`` from Young/Daly,
-  ``sqrt(2 * C * MTBF)`` with ``C`` the measured checkpoint write time and ``MTBF`` the
-  kill-every-N trace's mean time between failures (``ckpt_interval``);
+  ``sqrt(2 * C * MTBF)`` (``ckpt_interval``);
 * ``plain``: the same script as ``ckpt`` without checkpoints or restarts (fault-free
   runs only): the reference for each system's fault-free overhead.
+
+Checkpoint intervals: ResiHP and checkpoint-restart each checkpoint every ``k`` of
+their iterations, ``k`` from Young/Daly with each system's own ``C`` (its own write:
+ResiHP's DCP checkpoint, the script's ``torch.save`` or DCP) and its own fault-free
+iteration time, both measured in a calibration run that checkpoints every iteration
+(``own_checkpoint_cost``), and ``MTBF`` the kill-every-N trace's N of those iterations.
 
 Traces (seeded; the same events for every system; ``make_trace``): ``none``; ``one-kill``
 (SIGKILL of one worker at the start of an iteration a third of the way in);
@@ -49,6 +54,8 @@ import json
 import math
 import os
 import random
+import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -141,7 +148,10 @@ def summarise(commits: Sequence[Commit], trace: Sequence[Event], iterations: int
     * ``goodput``: samples of iterations ``warmup+1 .. last`` as last committed (the final
       trajectory: an iteration done twice counts once) over the time from the first
       commit of ``warmup`` to the last commit;
-    * ``iteration_s``: median gap between consecutive first commits before the first event;
+    * ``iteration_s``: mean time per iteration from the first commit of ``warmup`` to the
+      last first commit before the first event (a rate: periodic checkpoint writes count,
+      as they cost the job; the median gap would leave them out); ``iteration_rse``: the
+      relative standard error of the gaps between (the noise floor);
     * ``redone``: commits of an iteration already committed (work lost and done again);
     * per kill: ``gap_s`` from the last commit before it to the next commit, and
       ``back_s`` until the first commit of an iteration >= the kill's (its progress back).
@@ -166,7 +176,9 @@ def summarise(commits: Sequence[Commit], trace: Sequence[Event], iterations: int
         out["window_s"] = t1 - t0
     ev0 = min((e.iteration for e in trace), default=iterations)
     gaps = [first[i + 1].t - first[i].t for i in range(warmup, ev0 - 1) if i in first and i + 1 in first]
-    out["iteration_s"] = statistics.median(gaps) if gaps else math.nan
+    steady = [i for i in range(warmup, ev0) if i in first]
+    out["iteration_s"] = ((first[steady[-1]].t - first[warmup].t) / (steady[-1] - warmup)
+                          if warmup in first and len(steady) > 1 and steady[-1] > warmup else math.nan)
     out["iteration_rse"] = rel_se(gaps)
     kills = []
     for e in trace:
@@ -206,6 +218,7 @@ class Job:
 
 JOBS = {"dp4": Job("dp4", 1, 4, 3), "pp2dp2": Job("pp2dp2", 2, 2, 4)}
 MODEL = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128}
+WARMUP = 3  # iterations before the figures start (start-up, first-plan effects)
 TIMEOUT_S = 10.0  # every system's collective timeout where it has one to set (torchft: its example's)
 HEARTBEAT_MISSES = 50  # x 0.1 s: ResiHP's hang timeout matched to torchft's 5 s heartbeat timeout
 
@@ -661,27 +674,47 @@ def _torchft_worker(a: dict) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def checkpoint_write_s(spec: str, pp: int) -> float:
-    """Seconds to write this job's checkpoint (model + AdamW state, torch.save), the C of
-    Young/Daly, measured here (median of 5)."""
-    import torch
+def logged_checkpoint_writes(folder: Path) -> list[tuple[int, float]]:
+    """``(iteration, seconds)`` of every checkpoint write that ResiHP's workers logged
+    under ``folder`` (``worker*.log``: ``event=checkpoint_written ... seconds=S``), by
+    iteration."""
+    found: list[tuple[int, float]] = []
+    for log in sorted(folder.rglob("worker*.log")):
+        for m in re.finditer(r"event=checkpoint_written device=\d+ iteration=(\d+)\b[^\n]*?\bseconds=([0-9.]+)",
+                             log.read_text(errors="replace")):
+            found.append((int(m.group(1)), float(m.group(2))))
+    return sorted(found)
 
-    from resihp_adapters.torch_native.model import build_stage, loss_sum
 
-    js, c, data = _model_and_data(spec)
-    cfg = c["model"]
-    model = build_stage(cfg, 0, cfg.n_layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], foreach=False)
-    mb = data.micro_batch(0, 0, 0, 1)
-    loss_sum(model(mb.tokens, **mb.kwargs()), mb.labels).backward()
-    opt.step()
-    times = []
-    with tempfile.TemporaryDirectory() as d:
-        for i in range(5):
-            t0 = time.perf_counter()
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(d, f"{i}.pt"))
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) / pp  # each stage writes its share in parallel
+def own_checkpoint_cost(system: str, job: Job, root: Path, spec: str, args: argparse.Namespace,
+                        iterations: int = 12, skip: int = 2) -> tuple[float, float, list[float]]:
+    """``C`` and the iteration time of Young/Daly for ``system`` (``resihp`` or ``ckpt``),
+    each from its own writes, as its users would measure them: one fault-free run of the
+    job checkpointing after every iteration. ResiHP: the workers' logged DCP writes
+    (``event=checkpoint_written ... seconds=S``: the coordinator's collective write and
+    seal); checkpoint-restart: rank 0's timed ``save`` (``torch.save`` for DDP, DCP +
+    barrier for the pipeline). ``C`` is the median after the first ``skip`` writes; the
+    iteration time is the run's median commit gap less ``C`` (each gap holds one write).
+    Returns ``(C, iteration_s, writes)``."""
+    work = Path(tempfile.mkdtemp(prefix=f"calibrate-{system}-{job.name}-", dir=root))
+    if system == "resihp":
+        run = run_resihp(job, [], iterations, work, args.run_timeout, checkpoint_every=1)
+        found = logged_checkpoint_writes(work)
+        writes = [w for i, w in found if i >= skip] or [w for _, w in found]
+    elif system == "ckpt":
+        run = run_torchrun("ckpt", job, [], iterations, work, spec, args.run_timeout, 1, 0)
+        f = work / "ckpt_write_s.txt"
+        got = [float(x) for x in f.read_text().split()] if f.exists() else []
+        writes = got[skip:] or got
+    else:
+        raise ValueError(f"no checkpoints in {system!r}")
+    if not run.ok:
+        raise RuntimeError(f"{system}'s calibration run failed: {run.error}")
+    if not writes:
+        raise RuntimeError(f"{system}'s calibration run logged no checkpoint writes (under {work})")
+    c = statistics.median(writes)
+    gap = summarise(run.commits, [], iterations, skip)["iteration_s"]
+    return c, max(gap - c, 1e-3), writes
 
 
 def one_run(system: str, job: Job, trace_name: str, trace: list[Event], iterations: int, root: Path,
@@ -690,9 +723,8 @@ def one_run(system: str, job: Job, trace_name: str, trace: list[Event], iteratio
     timeout = args.run_timeout
     try:
         if system == "resihp":
-            k = every if args.resihp_checkpoint_every == "young-daly" else int(args.resihp_checkpoint_every)
-            run = run_resihp(job, trace, iterations, work, timeout, k)
-            run.extra["checkpoint_every"] = k
+            run = run_resihp(job, trace, iterations, work, timeout, every)
+            run.extra["checkpoint_every"] = every
         elif system == "torchft":
             run = run_torchft(job, trace, iterations, work, spec, timeout, args.torchft_heartbeat_ms)
         else:
@@ -732,8 +764,8 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
              "interval for 3 values, 94 % for 5]; kill figures pool every kill of every run.", ""]
     plain = by.get(("plain", "none"), [])
     base_it = _ci([s["iteration_s"] for s in plain])
-    lines += ["fault-free iteration time (median of each run's steady iterations), and over plain torch "
-              "in the same round:", "",
+    lines += ["fault-free iteration time (each run's mean from its warm-up to its end, checkpoint writes "
+              "included), and over plain torch in the same round:", "",
               "| system | iteration s | / plain torch | noise floor (rel. s.e. of a run's iterations) |",
               "| --- | --- | --- | --- |"]
     for sysname in ("plain", *systems):
@@ -781,12 +813,7 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
     return lines, fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--_worker":
-        a = json.loads(argv[2])
-        {"torchrun": _torchrun_worker, "torchft": _torchft_worker}[argv[1]](a)
-        return 0
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized: 1 round, dp4 only, fault-free and kill-every-n")
     ap.add_argument("--reps", type=int, help="rounds (default 3; 1 with --quick)")
@@ -801,20 +828,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts for checkpoint-restart")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run counts as stuck")
     ap.add_argument("--resihp-checkpoint-every", default="young-daly",
-                    help="ResiHP's checkpoint interval in iterations, or young-daly: the same interval "
-                         "as checkpoint-restart's (1 is resihp run's default)")
+                    help="ResiHP's checkpoint interval in iterations, or young-daly: Young/Daly from "
+                         "ResiHP's own measured DCP write time and iteration (1 is resihp run's default)")
+    ap.add_argument("--max-wall-s", type=float, default=0.0, help="start no round that would end past this "
+                    "many seconds from the start (by the mean round so far; 0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every run and figure here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _settings(args: argparse.Namespace) -> tuple[int, int, int, int, list[Job], list[str]]:
+    """Rounds, iterations, N and R of kill-every-N, jobs and traces, defaults filled in."""
     reps = args.reps or (1 if args.quick else 3)
     iterations = args.iterations or (30 if args.quick else 60)
     every = args.every or (10 if args.quick else 15)
     repair_after = args.repair_after or 5
-    warmup = 3
     jobs = [JOBS[j] for j in (args.jobs or ("dp4" if args.quick else "dp4,pp2dp2")).split(",")]
     tnames = (args.traces or ("none,kill-every-n" if args.quick else ",".join(TRACES))).split(",")
     if "none" not in tnames:
         tnames.insert(0, "none")
+    return reps, iterations, every, repair_after, jobs, tnames
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--_worker":
+        a = json.loads(argv[2])
+        {"torchrun": _torchrun_worker, "torchft": _torchft_worker}[argv[1]](a)
+        return 0
+    ap = _parser()
+    ap.add_argument("--from-json", help="print the report of a saved run (--json's file) with this code, run nothing")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        print(render(json.loads(Path(args.from_json).read_text()))[0])
+        return 0
+    reps, iterations, every, repair_after, jobs, tnames = _settings(args)
+    warmup = WARMUP
     try:
         import torchft  # noqa: F401
         have_torchft = True
@@ -825,86 +874,129 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="resihp-peers-"))
     load: list[list[float] | None] = [loadavg()]
     t_start = time.time()
-    all_runs: list[Run] = []
     out: dict = {"machine": machine(), "command": "python benchmarks/peers.py " + " ".join(argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jobs": {}}
-    report: list[str] = []
+    setup: dict[str, dict] = {}
     for job in jobs:
         systems = [s for s in SYSTEMS if s != "torchft" or (have_torchft and job.pp == 1)]
-        traces = {t: make_trace(t, iterations, job.workers, every=every, repair_after=repair_after,
-                                slow_factor=args.slow_factor, seed=args.seed) for t in tnames}
-        spec = job_spec_json(job, iterations, root / f"spec-{job.name}")
-        c_s = checkpoint_write_s(spec, job.pp)
-        runs: list[Run] = []
-        k = None
-        order = ["plain", *systems]
-        for rnd in range(reps):
+        setup[job.name] = {
+            "systems": systems, "order": ["plain", *systems], "runs": [], "k": {},
+            "traces": {t: make_trace(t, iterations, job.workers, every=every, repair_after=repair_after,
+                                     slow_factor=args.slow_factor, seed=args.seed) for t in tnames},
+            "kev": make_trace("kill-every-n", iterations, job.workers, every=every, repair_after=repair_after,
+                              seed=args.seed),
+            "spec": job_spec_json(job, iterations, root / f"spec-{job.name}")}
+    done_rounds = 0
+    for rnd in range(reps):  # a round runs every job, so a stop for time leaves whole rounds
+        elapsed = time.time() - t_start
+        if rnd and args.max_wall_s and elapsed + elapsed / rnd > args.max_wall_s:
+            print(f"stopping after {rnd} of {reps} rounds: another would pass --max-wall-s "
+                  f"{args.max_wall_s:.0f} s ({elapsed:.0f} s so far)", flush=True)
+            break
+        for job in jobs:
+            st = setup[job.name]
+            runs, k, spec, traces = st["runs"], st["k"], st["spec"], st["traces"]
             for tname in tnames:
-                sys_now = order if tname == "none" else systems
+                sys_now = st["order"] if tname == "none" else st["systems"]
                 sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
                 for sysname in sys_now:
-                    if k is None and sysname in ("ckpt", "resihp"):
-                        # Young/Daly from the measured write time and the kill-every-N trace's MTBF
-                        # (plain torch's fault-free iteration time; measured first when needed).
-                        base = [r for r in runs if r.system == "plain" and r.trace == "none"]
-                        if not base:
-                            base = [one_run("plain", job, "none", [], iterations, root, spec, args, 0)]
-                            base[0].extra["round"] = -1
-                        it_s = summarise(base[0].commits, [], iterations, warmup)["iteration_s"]
-                        if not (it_s > 0):
-                            it_s = 0.2
-                        kev = make_trace("kill-every-n", iterations, job.workers, every=every,
-                                         repair_after=repair_after, seed=args.seed)
-                        mtbf_s = mtbf_iterations(kev, iterations) * it_s
-                        k = ckpt_interval(c_s, mtbf_s, it_s)
-                        out["jobs"].setdefault(job.name, {})["young_daly"] = {
-                            "checkpoint_write_s": c_s, "mtbf_s": mtbf_s, "iteration_s": it_s, "every": k}
-                    r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args, k or 0)
+                    if sysname in ("ckpt", "resihp") and sysname not in k:
+                        if sysname == "resihp" and args.resihp_checkpoint_every != "young-daly":
+                            k["resihp"] = int(args.resihp_checkpoint_every)
+                        else:
+                            # Young/Daly from the system's own write time and fault-free iteration
+                            # (a calibration run checkpointing every iteration); the trace kills
+                            # every N of its iterations, so its MTBF is N of its own iterations.
+                            c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
+                            mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
+                            k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
+                            out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
+                                "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
+                                "iteration_s": it_s, "every": k[sysname]}
+                            print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
+                                  f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
+                    r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
+                                k.get(sysname, 0))
                     r.extra["round"] = rnd
                     load.append(loadavg())
                     runs.append(r)
                     if args.json:  # every run so far, in case the benchmark is stopped
                         Path(args.json + ".partial").write_text(json.dumps(
                             [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
-                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]} for x in all_runs + runs]))
+                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]}
+                             for v in setup.values() for x in v["runs"]]))
                     print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
                           f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
                           f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
+        done_rounds = rnd + 1
+    loads = [x[0] for x in load if x]
+    out.update({"loadavg": [min(loads), max(loads)], "rounds": done_rounds, "wall_s": time.time() - t_start,
+                "have_torchft": have_torchft})
+    for job in jobs:
+        out["jobs"].setdefault(job.name, {})["traces"] = {
+            t: [asdict(e) for e in ev] for t, ev in setup[job.name]["traces"].items()}
+        if "resihp" in setup[job.name]["k"]:
+            out["jobs"][job.name]["resihp_checkpoint_every"] = setup[job.name]["k"]["resihp"]
+    out["runs"] = [{"system": r.system, "job": r.job, "trace": r.trace, "ok": r.ok, "error": r.error,
+                    "wall_s": r.wall_s, "extra": r.extra, "commits": [asdict(c) for c in r.commits]}
+                   for job in jobs for r in setup[job.name]["runs"]]
+    md, figs = render(out)
+    for name, fig in figs.items():
+        out["jobs"][name]["figures"] = fig
+    out["markdown"] = md
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def render(saved: dict) -> tuple[str, dict[str, dict]]:
+    """The report (markdown) and each job's figures, from a run's saved record (what
+    ``--json`` writes: its command, date, load, every run's commits): the live run and
+    ``--from-json`` print the same thing."""
+    args = _parser().parse_args(shlex.split(saved["command"])[2:])
+    reps, iterations, _, _, jobs, _ = _settings(args)
+    warmup = WARMUP
+    how = {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
+           "resihp": "the coordinator's logged DCP write and seal"}
+    report: list[str] = []
+    figs: dict[str, dict] = {}
+    for job in jobs:
+        saved_job = saved["jobs"].get(job.name, {})
+        runs = [Run(x["system"], x["job"], x["trace"], [Commit(**c) for c in x["commits"]], x["ok"], x["error"],
+                    x.get("wall_s", 0.0), x.get("extra", {})) for x in saved["runs"] if x["job"] == job.name]
+        traces = {t: [Event(**e) for e in ev] for t, ev in saved_job.get("traces", {}).items()}
+        ran = {r.system for r in runs}
+        systems = [s for s in SYSTEMS if s in ran]
         lines, fig = table(job, runs, iterations, warmup, traces, systems)
-        yd = out["jobs"].get(job.name, {}).get("young_daly")
-        if yd:
-            lines += ["", f"checkpoint-restart (and ResiHP with --resihp-checkpoint-every young-daly): "
-                          f"a checkpoint every {yd['every']} iteration(s) = "
+        figs[job.name] = fig
+        for sysname, yd in saved_job.get("young_daly", {}).items():
+            lines += ["", f"{sysname}: a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
-                      f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1)"]
+                      f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1; C: median of "
+                      f"{len(yd['writes_s'])} of its own writes ({how[sysname]}) in a calibration run "
+                      f"checkpointing every iteration; iteration: that run's commit gap less C; MTBF: "
+                      f"the kill-every-N trace's N of those iterations)"]
+        if "resihp" in ran and "resihp" not in saved_job.get("young_daly", {}):
+            fixed = saved_job.get("resihp_checkpoint_every", args.resihp_checkpoint_every)
+            lines += ["", f"resihp: a checkpoint every {fixed} iteration(s) (--resihp-checkpoint-every)"]
         if job.pp != 1:
             lines += ["", "torchft: not run (it runs data-parallel replicas; it has no pipeline parallelism)"]
-        elif not have_torchft:
+        elif "torchft" not in ran:
             lines += ["", "torchft: not installed, column skipped"]
         report += lines + [""]
-        print("\n".join(lines) + "\n", flush=True)
-        all_runs += runs
-        out["jobs"].setdefault(job.name, {}).update(
-            {"figures": fig, "traces": {t: [asdict(e) for e in ev] for t, ev in traces.items()}})
-    loads = [x[0] for x in load if x]
-    head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({out['date']}, {time.time() - t_start:.0f} s)",
-            f"`{out['command']}`; load average (1 min) {min(loads):.1f}-{max(loads):.1f} during the runs; "
-            f"{reps} round(s), systems interleaved (order rotated every round); medians with "
+    done, lo, hi = saved.get("rounds", reps), *saved.get("loadavg", [math.nan, math.nan])
+    took = f", {saved['wall_s']:.0f} s" if "wall_s" in saved else ""
+    head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({saved['date']}{took})",
+            f"`{saved['command']}`; load average (1 min) {lo:.1f}-{hi:.1f} during the runs; "
+            f"{done} round(s){'' if done == reps else f' of {reps} asked (stopped by --max-wall-s)'}, "
+            f"jobs and systems interleaved (order rotated every round); medians with "
             f"order-statistic intervals (min-max below 4 values).",
             f"timeouts: collectives {TIMEOUT_S:.0f} s (ResiHP job, torchrun workers), torchft gloo 5 s / manager 30 s "
             f"/ lighthouse heartbeat {args.torchft_heartbeat_ms} ms; ResiHP heartbeat 0.1 s x {HEARTBEAT_MISSES} "
             f"(a dead process is seen by its exit); torchrun "
             f"--max-restarts {args.max_restarts}, default monitor interval.", ""]
-    print("\n".join(head + report))
-    out["loadavg"] = [min(loads), max(loads)]
-    out["runs"] = [{"system": r.system, "job": r.job, "trace": r.trace, "ok": r.ok, "error": r.error,
-                    "wall_s": r.wall_s, "extra": r.extra, "commits": [asdict(c) for c in r.commits]}
-                   for r in all_runs]
-    out["markdown"] = "\n".join(head + report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    return 0
-
+    return "\n".join(head + report), figs
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -153,13 +153,17 @@ class Prober(Protocol):
 class Verdict:
     """The outcome of a verification: ``slow`` maps each slow device to its normalised
     throughput p in (0, 1]; empty when nothing was found (a false alarm).
-    ``probe_rounds`` / ``probe_s`` count the active probes it took."""
+    ``probe_rounds`` / ``probe_s`` count the active probes it took. ``more``: nothing
+    found *yet* — the evidence needs this many iterations since the onset (a slowdown
+    that is only waiting for a CPU on a loaded machine; docs/detector.md "False reports
+    on a loaded machine"); the detector verifies again once they are there."""
 
     slow: Mapping[int, float]
     cause: Cause = "unknown"
     evidence: str = ""
     probe_rounds: int = 0
     probe_s: float = 0.0
+    more: int = 0
 
     @property
     def confirmed(self) -> bool:

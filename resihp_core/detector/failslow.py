@@ -63,7 +63,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, peer_excess
+from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, peer_excess, peers_waiting
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 
 if TYPE_CHECKING:
@@ -226,6 +226,12 @@ class WorkloadAwareDetector(_Base):
     :param verify_window: iterations since the onset a change must span before it is
         verified (the onset included: 3 keeps the detection latency <= 3 iterations);
         one whose last iteration is healthy again has faded and is not verified.
+    :param loaded_share: a machine is loaded when a device's peers spent at least this
+        share of their measured compute waiting for a CPU (see ``loaded_window``).
+    :param loaded_window: iterations a device slower than its peers only by its waiting
+        for a CPU must stay so on a loaded machine before it is verified (a contention
+        slowdown there is found within this many iterations; docs/detector.md "False
+        reports on a loaded machine").
 
     A change judged benign is removed from the series (the detector is rebased) but
     stays under watch for ``min_gap`` iterations: if the median ratio since its onset
@@ -253,10 +259,12 @@ class WorkloadAwareDetector(_Base):
         clock: Callable[[], float] = time.time,
         verify_window: int = 3,
         local: PeerExcessWatch | None = None,
+        loaded_share: float = 0.25,
+        loaded_window: int = 6,
     ) -> None:
-        if not slow_threshold > 0 or min_gap < 1 or verify_window < 1:
-            raise ValueError("need slow_threshold > 0, min_gap >= 1 and verify_window >= 1")
-        self.verify_window = verify_window
+        if not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window:
+            raise ValueError("need slow_threshold > 0, min_gap >= 1, 1 <= verify_window <= loaded_window")
+        self.verify_window, self.loaded_share, self.loaded_window = verify_window, loaded_share, loaded_window
         self.local = local if local is not None else PeerExcessWatch(window=verify_window, floor=slow_threshold)
         # The same watch on each rank's own compute (without its waiting for a CPU):
         # steady where the host is loaded, so a slow DP replica is found in time there
@@ -274,6 +282,7 @@ class WorkloadAwareDetector(_Base):
         super()._reset_state(generation, plan)
         self._pred: dict[int, float] = {}
         self._watch: tuple[int, int] | None = None  # (onset, until iteration) of a benign change
+        self._more = 0  # iterations since its onset the watched change needs (Verdict.more)
         self._opening: list[float] = []  # the normalised series' first values: its healthy level
         if hasattr(self, "local"):
             self.local.reset()
@@ -396,8 +405,9 @@ class WorkloadAwareDetector(_Base):
         except ModelNotReady:
             return None
         noise, own_noise = self.local.noise(), self.own.noise()
-        found = self.local.update(iteration, excess)
-        for d, at in self.own.update(iteration, own).items():
+        own_found = self.own.update(iteration, own)
+        found = self.local.update(iteration, excess, self._evidence_needed(own_found))
+        for d, at in own_found.items():
             found[d] = min(at, found.get(d, at))
             excess[d] = max(excess.get(d, own[d]), own[d])
         if not found:
@@ -406,6 +416,12 @@ class WorkloadAwareDetector(_Base):
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
                                self._environment(onset), noise, own_noise)
+        if verdict.more > len(after):
+            # Too few iterations for this evidence: the runs must go on that long.
+            for d in found:
+                self.local.extend(d, verdict.more)
+                self.own.extend(d, verdict.more)
+            return Detection(iteration, measured, "pending", None, None, None, verdict, onset=onset)
         self._last_retained = iteration
         self._watch = None
         ratio, predicted = self._ratio_since(onset)
@@ -414,6 +430,12 @@ class WorkloadAwareDetector(_Base):
         ) + f" slower than their peers since iteration {onset}"
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d path=local confirmed=%s evidence=%r",
                     self.generation, iteration, onset, verdict.confirmed, verdict.evidence[:300])
+        if verdict.cause == "communication" and not set(verdict.slow) <= set(found):
+            # The watch saw compute above its peers on these devices; a link of other
+            # devices is not what it found (docs/detector.md "False reports on a loaded machine").
+            verdict = replace(verdict, slow={}, cause="unknown",
+                              evidence=f"the flagged devices {sorted(found)} are not slow in compute; "
+                                       f"not reporting a link of others ({verdict.evidence[:300]})")
         # Judged: the flagged devices' histories restart at their current level.
         self.local.forget(set(found) | set(verdict.slow))
         self.own.forget(set(found) | set(verdict.slow))
@@ -428,6 +450,25 @@ class WorkloadAwareDetector(_Base):
             self._pred.clear()
         return Detection(iteration, measured, "reported", None, predicted, ratio, verdict, report, onset=onset,
                          notes=(note,))
+
+    def _evidence_needed(self, own_found: Mapping[int, int]) -> Callable[[int, list[int]], int]:
+        """Iterations a run of the measured-compute watch must span (docs/detector.md
+        "False reports on a loaded machine"). A device above its peers only in measured
+        compute — its own compute, the waiting for a CPU taken out, is not — is slowed
+        by waiting. Where its peers waited for a CPU ``loaded_share`` of their compute or
+        more in those iterations, the machine is loaded and which rank waits longest
+        changes from one iteration to the next: three in a row happen by chance, so the
+        run must last ``loaded_window`` iterations (a hog on the device's own cores keeps
+        it waiting in every one). Elsewhere ``verify_window``."""
+        def needed(device: int, iterations: list[int]) -> int:
+            if device in own_found or self.own.flagged(device) >= len(iterations):
+                return self.verify_window
+            byit = {it: ps for it, _, ps in self._hist}
+            shares = [peers_waiting(byit[it], device) for it in iterations if it in byit]
+            if shares and statistics.median(shares) >= self.loaded_share:
+                return self.loaded_window
+            return self.verify_window
+        return needed
 
     def _persistent_excess(self, iteration: int, measured: float) -> Detection:
         """Backstop for a change the change-point detector cannot place: every one of the
@@ -457,7 +498,7 @@ class WorkloadAwareDetector(_Base):
             return self._persistent_excess(iteration, measured)
         onset, until = self._watch
         if iteration > until:
-            self._watch = None
+            self._watch, self._more = None, 0
             return Detection(iteration, measured)
         try:
             ratio, predicted = self._ratio_since(onset)
@@ -470,8 +511,10 @@ class WorkloadAwareDetector(_Base):
     def _verify_change(self, iteration: int, measured: float, cp: ChangePoint | None, onset: int,
                        ratio: float, predicted: float | None) -> Detection:
         self._watch = None
+        if cp is not None:
+            self._more = 0  # a new change: what an earlier one needed does not carry over
         after, before = self._window(onset)
-        if len(after) < self.verify_window:
+        if len(after) < max(self.verify_window, self._more):
             # Too early to tell a lasting slowdown from a blip: look again next iteration.
             self._watch = (onset, iteration + max(self.min_gap, self.verify_window))
             return Detection(iteration, measured, "pending", cp, predicted, ratio, onset=onset)
@@ -490,6 +533,12 @@ class WorkloadAwareDetector(_Base):
         env = self._environment(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
                                self.local.noise(), self.own.noise())
+        if verdict.more > len(after):
+            # Not enough iterations for this evidence yet: verify again when there are.
+            self._watch = (onset, iteration + max(self.min_gap, verdict.more))
+            self._more = verdict.more
+            return Detection(iteration, measured, "pending", cp, predicted, ratio, verdict, onset=onset)
+        self._more = 0
         self._last_retained = iteration
         logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
                     self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])

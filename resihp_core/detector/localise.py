@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "own_compute_of", "peer_excess", "robust_sigma"]
+__all__ = ["PeerExcessWatch", "compute_of", "own_compute_of", "peer_excess", "peers_waiting", "robust_sigma"]
 
 
 def compute_of(p: IterationProfile) -> float:
@@ -45,6 +45,17 @@ def own_compute_of(p: IterationProfile) -> float:
     an injected slowdown) lengthens it; a loaded host's scheduling noise mostly does
     not, so replicas that wait for each other's collectives still compare cleanly."""
     return max(0.0, compute_of(p) - p.compute_wait_s)
+
+
+def peers_waiting(profiles: ProfileSet, device: int) -> float:
+    """Median over the ranks of executors other than ``device``'s of the share of their
+    measured compute they spent runnable but waiting for a CPU (0 when none measured).
+    High on a loaded machine: there every rank's compute is mostly waiting, and which
+    rank waits longest changes from one iteration to the next."""
+    mine = [(p.replica, p.stage) for p in profiles.values() if p.device == device]
+    shares = [min(1.0, p.compute_wait_s / c) for p in profiles.values()
+              if (p.replica, p.stage) not in mine and (c := compute_of(p)) > 0]
+    return statistics.median(shares) if shares else 0.0
 
 
 def robust_sigma(xs: list[float]) -> float:
@@ -107,6 +118,7 @@ class PeerExcessWatch:
     def reset(self) -> None:
         self._healthy: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self._history_len))
         self._run: dict[int, list[tuple[int, float]]] = {}  # device -> flagged (iteration, excess) in a row
+        self._need: dict[int, int] = {}  # device -> iterations its current run must reach, if not ``window``
 
     def level(self, device: int) -> float:
         h = self._healthy.get(device)
@@ -123,30 +135,49 @@ class PeerExcessWatch:
         however noisy its few healthy values looked)."""
         return max(math.log1p(self.floor), min(math.log1p(self.cap), self.k * self.sigma(device)))
 
+    def extend(self, device: int, iterations: int) -> None:
+        """``device``'s current run must reach ``iterations`` before it is found (again)."""
+        if device in self._run:
+            self._need[device] = max(iterations, len(self._run[device]) + 1, self._need.get(device, self.window))
+
+    def flagged(self, device: int) -> int:
+        """Iterations in a row ``device`` has been flagged (its current run)."""
+        return len(self._run.get(device, ()))
+
     def noise(self) -> dict[int, float]:
         """Device -> healthy noise, for devices with enough history."""
         return {d: self.sigma(d) for d, h in self._healthy.items() if len(h) >= self.min_history}
 
-    def update(self, iteration: int, excess: Mapping[int, float]) -> dict[int, int]:
+    def update(self, iteration: int, excess: Mapping[int, float],
+               longer: Callable[[int, list[int]], int] | None = None) -> dict[int, int]:
         """Add one iteration's peer excess; returns device -> onset iteration for every
         device flagged in each of the last ``window`` iterations (reported once per run).
         A run of flagged values that ends sooner was noise: its values join the healthy
-        history (leaving them out would understate the noise)."""
+        history (leaving them out would understate the noise).
+
+        ``longer(device, iterations of its run)``, asked when a run reaches ``window``:
+        the iterations the run must reach instead (more evidence where the evidence is
+        weaker: docs/detector.md "False reports on a loaded machine"); its answer holds
+        for the rest of the run."""
         found: dict[int, int] = {}
         for d, x in excess.items():
             h = self._healthy[d]
             if len(h) >= self.min_history and x - self.level(d) > self.threshold(d):
                 run = self._run.setdefault(d, [])
                 run.append((iteration, x))
-                if len(run) == self.window:
+                if len(run) == self.window and longer is not None:
+                    self._need[d] = max(self.window, longer(d, [i for i, _ in run]))
+                if len(run) == self._need.get(d, self.window):
                     found[d] = run[0][0]
             else:
-                if len(self._run.get(d, ())) < self.window:
+                if len(self._run.get(d, ())) < self._need.get(d, self.window):
                     h.extend(v for _, v in self._run.get(d, ()))
                 self._run.pop(d, None)
+                self._need.pop(d, None)
                 h.append(x)
         for d in [d for d in self._run if d not in excess]:
             del self._run[d]
+            self._need.pop(d, None)
         return found
 
     def forget(self, devices: Iterable[int]) -> None:
@@ -155,3 +186,4 @@ class PeerExcessWatch:
         for d in devices:
             self._healthy.pop(d, None)
             self._run.pop(d, None)
+            self._need.pop(d, None)

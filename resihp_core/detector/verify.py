@@ -82,6 +82,8 @@ class _Totals:
         self.expected_outside: dict[int, float] = defaultdict(float)
         self.iteration_measured = 0.0
         self.iteration_predicted = 0.0
+        # Per iteration verified, per rank: (outside, its waiting there, expected outside).
+        self.outside_each: list[dict[int, tuple[float, float, float]]] = []
         self.device: dict[int, int] = {}
         self.executor: dict[int, tuple[int, int]] = {}
         self.have_model = True
@@ -98,6 +100,8 @@ class _Totals:
                     it_pred = None
             self.iteration_measured += it_meas
             self.iteration_predicted += it_pred or 0.0
+            each: dict[int, tuple[float, float, float]] = {}
+            self.outside_each.append(each)
             for rank, p in profiles.items():
                 comp = sum(mb.forward_s + mb.backward_s for mb in p.microbatches)
                 self.measured[rank] += comp
@@ -118,6 +122,8 @@ class _Totals:
                     self.predicted[rank] += pred
                     if it_pred is not None:
                         self.expected_outside[rank] += max(0.0, it_pred - pred)
+                each[rank] = (max(0.0, p.iteration_s - comp), max(0.0, p.cpu_wait_s - p.compute_wait_s),
+                              max(0.0, it_pred - pred) if it_pred is not None and pred is not None else 0.0)
         if not self.have_model:
             self._peer_predictions(ctx)
         # The waiting for a CPU the predictions already contain: the model's warm-up
@@ -176,6 +182,20 @@ class _Totals:
         """Time outside compute without its waiting for a CPU beyond the healthy share."""
         return max(0.0, self.outside[rank] - self.outside_waited(rank))
 
+    def outside_excess_each(self) -> list[dict[int, float]]:
+        """Per iteration verified: each rank's time outside compute (its waiting for a CPU
+        beyond the healthy share taken out) minus what the healthy model expects."""
+        out = []
+        for each in self.outside_each:
+            row = {}
+            for r, (outside, waited, expected) in each.items():
+                share = self.wait_share.get(self.device[r], (0.0, 0.0))[1]
+                if not self.have_model:
+                    expected = self.expected_outside[r] / max(1, len(self.outside_each))
+                row[r] = max(0.0, outside - max(0.0, waited - share * expected)) - expected
+            out.append(row)
+        return out
+
 
 class ProfileVerifier:
     """ResiHP's verification: profiles first, targeted probes only when they cannot decide.
@@ -200,6 +220,15 @@ class ProfileVerifier:
         computing twice as slowly as its peers.
     :param shared_wait: a suspect slowed by contention is the machine's when its peers
         lost at least this share of their compute waiting for a CPU too.
+    :param loaded_share: the machine is loaded where a suspect's peers spent at least
+        this share of their measured compute (absolute, not beyond healthy) waiting for a
+        CPU; there a suspect slowed only by waiting must be above its peers in at least
+        ``loaded_iterations`` iterations verified, all of them but one (docs/detector.md
+        "False reports on a loaded machine").
+    :param loaded_iterations: see ``loaded_share``.
+    :param environment_rise: two or more executors slowed at once, every one on a node
+        whose CPU contention (probed outside the job, ``VerificationContext.environment``)
+        rose by at least this factor across the change: the environment, not reported.
     :param explain: compute suspects must account for at least this fraction of the
         iteration's excess over its prediction (in seconds); otherwise the slowdown is
         elsewhere (communication) and a little compute noise on some rank must not be
@@ -221,6 +250,9 @@ class ProfileVerifier:
         noise_k: float = 4.0,
         max_margin: float = 1.0,
         shared_wait: float = 0.25,
+        loaded_share: float = 0.25,
+        loaded_iterations: int = 6,
+        environment_rise: float = 1.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
                      ("waiting", waiting)):
@@ -230,6 +262,8 @@ class ProfileVerifier:
         self.concentrated, self.share, self.explain = concentrated, share, explain
         self.waiting, self.noise_k = waiting, noise_k
         self.shared_wait, self.max_margin = shared_wait, max_margin
+        self.loaded_share, self.loaded_iterations = loaded_share, loaded_iterations
+        self.environment_rise = environment_rise
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         if not ctx.iterations:
@@ -263,13 +297,47 @@ class ProfileVerifier:
                                + ", ".join(f"replica {r} stage {s}: {raw[(r, s)]:.2f}x" for r, s in sorted(groups))
                                + "): a machine-wide slowdown, no device to plan around")
             shared = {ex for ex in local if self._shared_contention(t, groups, ex)}
+            # On a loaded machine a suspect slowed only by waiting for a CPU needs more
+            # iterations, nearly all of them above its peers: which rank waits longest
+            # there changes from one iteration to the next.
+            loaded = {ex for ex in local - shared
+                      if all(self._contended(t, r) for r in groups[ex])
+                      and not (ex in own_margin and self._above_peers(ctx, t, groups, ex, own_margin[ex],
+                                                                      own_compute_of))
+                      and self._peers_waiting(t, groups, ex) >= self.loaded_share
+                      and not self._above_peers(ctx, t, groups, ex, margin[ex],
+                                                need=max(self.loaded_iterations, len(ctx.iterations)) - 1)}
+            if loaded and loaded | shared == local and len(ctx.iterations) < self.loaded_iterations:
+                return Verdict({}, "unknown", "slower than their peers only by waiting for a CPU, on a loaded "
+                               "machine (" + ", ".join(
+                                   f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
+                                   f"{100 * self._peers_waiting(t, groups, (r, s)):.0f} % of theirs"
+                                   for r, s in sorted(loaded))
+                               + f"): {len(ctx.iterations)} iterations are too few to tell its host from "
+                               "the scheduler's luck", more=self.loaded_iterations)
+            shared |= loaded
             if local and shared == local:
                 return Verdict({}, "unknown", "the slowdown is waiting for a CPU that its peers share ("
                                + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
-                                           f"{100 * self._peer_wait(t, groups, (r, s)):.0f} % of their compute"
+                                           f"{100 * self._peer_wait(t, groups, (r, s)):.0f} % of their compute "
+                                           f"beyond healthy, {100 * self._peers_waiting(t, groups, (r, s)):.0f} % "
+                                           f"in all, over {len(ctx.iterations)} iterations"
                                            for r, s in sorted(shared))
                                + "): the whole machine is contended, unevenly; not a device")
             suspects = {ex: ranks for ex, ranks in suspects.items() if ex in local and ex not in shared}
+            # Several executors slowed at the same onset while the CPU contention of
+            # their node(s), probed outside the job, rose as well: the environment
+            # changed (a burst of other processes), not several devices at once
+            # (docs/detector.md "False reports on a loaded machine").
+            rose = {ex for ex, ranks in suspects.items()
+                    if all(ctx.environment.get(t.device[r], 0.0) >= self.environment_rise for r in ranks)}
+            if len(suspects) >= 2 and rose == set(suspects):
+                return Verdict({}, "unknown", f"{len(suspects)} executors slowed at once ("
+                               + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x" for r, s in sorted(rose))
+                               + ") while the CPU contention of their node rose ("
+                               + ", ".join(f"device {t.device[r]}: {ctx.environment[t.device[r]]:.2f}x"
+                                           for ex in sorted(rose) for r in suspects[ex])
+                               + "): the environment changed, not several devices")
         else:
             # One executor has no peers to compare with: a slowdown that is time its
             # ranks waited for a CPU other processes held cannot be told from the
@@ -315,6 +383,14 @@ class ProfileVerifier:
                   for e, ranks in groups.items() if e != ex]
         return statistics.median(shares) if shares else 0.0
 
+    def _peers_waiting(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> float:
+        """Median over the other executors of the share of their measured compute they
+        spent waiting for a CPU (all of it, the healthy share included): how loaded the
+        machine is around ``ex``."""
+        shares = [max(min(1.0, t.compute_wait[r] / t.measured[r]) if t.measured[r] > 0 else 0.0 for r in ranks)
+                  for e, ranks in groups.items() if e != ex]
+        return statistics.median(shares) if shares else 0.0
+
     def _shared_contention(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> bool:
         """A suspect slowed by contention whose peers lost ``shared_wait`` of their
         compute waiting for a CPU as well: the machine is contended, and how much each
@@ -324,12 +400,12 @@ class ProfileVerifier:
 
     def _above_peers(self, ctx: VerificationContext, t: _Totals, groups: dict[tuple[int, int], list[int]],
                      ex: tuple[int, int], margin: float,
-                     measure: Callable[[IterationProfile], float] = compute_of) -> bool:
+                     measure: Callable[[IterationProfile], float] = compute_of, need: int = 0) -> bool:
         """Whether executor ``ex`` computed more than ``margin`` slower (relative to its
         healthy time) than the median of the other executors, over the iterations
-        verified taken together and in most of them one by one. ``measure``: the
-        compute compared (:func:`compute_of`, or :func:`own_compute_of` without the
-        waiting for a CPU)."""
+        verified taken together and in most of them one by one (in at least ``need`` of
+        them, where that is more). ``measure``: the compute compared
+        (:func:`compute_of`, or :func:`own_compute_of` without the waiting for a CPU)."""
         own = measure is own_compute_of
 
         def ratio(profiles: Mapping[int, IterationProfile] | None, ranks: list[int]) -> float:
@@ -351,7 +427,7 @@ class ProfileVerifier:
         if not above(None):
             return False
         each = [above(ps) for ps in ctx.iterations]
-        return sum(each) * 2 > len(each)
+        return sum(each) * 2 > len(each) and sum(each) >= need
 
     def _suspects(self, groups: dict[tuple[int, int], list[int]], worst: dict[tuple[int, int], float],
                   margin: dict[tuple[int, int], float]) -> dict[tuple[int, int], list[int]]:
@@ -448,7 +524,21 @@ class ProfileVerifier:
                 return Verdict({}, "unknown", "time outside compute exceeds the expected on ranks "
                                f"{sorted(heavy)}, but their peers waited {peers_waited:.3f} s for a CPU other "
                                "processes held: the machine is contended, not a link")
-            if len(heavy) <= max(1, int(self.concentrated * len(excess))) and len(heavy) < len(excess):
+            # ... and a slow link of those ranks holds them back in every iteration; the
+            # sum of a few iterations can single out a rank that one long wait hit.
+            each = t.outside_excess_each()
+            n = max(1, len(each))
+            steady = [all(e.get(r, 0.0) >= 0.5 * max(max(e.values(), default=0.0), excess[r] / n) for r in heavy)
+                      for e in each]
+            concentrated = len(heavy) <= max(1, int(self.concentrated * len(excess))) and len(heavy) < len(excess)
+            if concentrated and len(each) > 1 and sum(steady) < max(len(each) - 1, len(each) // 2 + 1):
+                unsteady = (f"time outside compute exceeds the expected on ranks {sorted(heavy)} over the "
+                            f"iterations verified, but in only {sum(steady)} of {len(each)} of them one by one: "
+                            "not a steady slow link")
+                if ctx.prober is None:
+                    return Verdict({}, "unknown", unsteady)
+                concentrated = False  # a link probe decides
+            if concentrated:
                 slow = {}
                 for r in heavy:
                     exp, meas = t.expected_outside.get(r, 0.0), outside[r]

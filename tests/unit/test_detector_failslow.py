@@ -393,6 +393,32 @@ def test_verify_a_ranks_waiting_for_contended_peers_is_not_its_link() -> None:
     assert not v.confirmed and "contended" in v.evidence, v
 
 
+def test_verify_a_link_localised_by_profiles_holds_in_the_iterations_one_by_one() -> None:
+    """Rank 2's time outside compute above the expected in every iteration verified: its
+    link. The same excess in total, from one long wait in one of three iterations (a
+    rank descheduled once on a loaded machine; benchmarks/false_reports.py recorded
+    such a report): not a slow link, nothing reported without a prober, and a link
+    probe decides with one (docs/detector.md "False reports on a loaded machine")."""
+    from msgspec.structs import replace
+
+    model = fitted_model()
+
+    def late(it: int, extra: float) -> dict[int, IterationProfile]:
+        out = tp_profiles(None, 1.0, it=it)
+        return {r: replace(p, iteration_s=p.iteration_s + (extra if r == 2 else 0.0),
+                           comm_s=p.comm_s + (extra if r == 2 else 0.0)) for r, p in out.items()}
+
+    v = verify([late(i, 0.1) for i in range(3)], None, model)
+    assert v.cause == "communication" and set(v.slow) == {2}, v
+    once = [late(0, 0.3), late(1, 0.0), late(2, 0.0)]
+    v = verify(once, None, model)
+    assert not v.confirmed and "one by one" in v.evidence, v
+    v = verify(once, FakeProber(), model)
+    assert not v.confirmed and "link probe" in v.evidence, v
+    v = verify(once, FakeProber(links={2: 3.0}), model)
+    assert v.cause == "communication" and set(v.slow) == {2}, v
+
+
 def test_verify_does_not_report_a_slowdown_every_device_shares() -> None:
     model = fitted_model()
     everyone = [tp_profiles(None, 1.0, per_rank={0: 1.5, 1: 1.55, 2: 1.5, 3: 1.45}, it=i) for i in range(2)]

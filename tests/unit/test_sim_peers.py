@@ -150,3 +150,28 @@ def test_peers_goodput_counts_redone_iterations_once() -> None:
     assert s["iteration_s"] == pytest.approx(1.0)
     # A run that stopped early is not complete.
     assert not peers.summarise(commits[:5], trace, 10, warmup=1)["complete"]
+
+
+def test_peers_reads_resihps_own_checkpoint_writes_from_the_worker_log(tmp_path, capsys) -> None:
+    """ResiHP's Young/Daly C comes from the lines its workers log (the worker's own
+    ``_log``, so a change of that format fails here, not silently in the benchmark)."""
+    from resihp_core.runtime.worker import _log
+
+    _log("checkpoint_written", 2, iteration=4, bytes=3300000, seconds="0.412")
+    _log("iteration_done", 2, iteration=5, seconds="9.9")
+    _log("checkpoint_written", 2, iteration=1, bytes=3300000, seconds="0.250")
+    (tmp_path / "gen1").mkdir()
+    (tmp_path / "gen1" / "worker2.log").write_text(capsys.readouterr().err)
+    (tmp_path / "agent0.log").write_text("event=checkpoint_written device=0 iteration=9 seconds=5.0\n")
+    assert peers.logged_checkpoint_writes(tmp_path) == [(1, 0.25), (4, 0.412)]
+
+
+def test_peers_fault_free_iteration_time_counts_the_checkpoint_writes() -> None:
+    """Iterations of 1 s with a 2 s write after every 4th: the fault-free iteration time
+    is the rate (1.5 s), not the median gap (1 s), which would leave the writes out."""
+    t, commits = 0.0, []
+    for i in range(13):
+        commits.append(peers.Commit(i, t, 4))
+        t += 3.0 if (i + 1) % 4 == 0 else 1.0
+    s = peers.summarise(commits, [], 13, warmup=0)
+    assert s["iteration_s"] == pytest.approx(18.0 / 12)
