@@ -87,7 +87,7 @@ from resihp_core.config import Config
 from resihp_core.plan import ParallelPlan
 from resihp_core.data import create_source
 from resihp_core.predictor.predict import workload_features
-from resihp_core.runtime.resilient import run_resilient
+from resihp_core.runtime.resilient import ResilientConfig, run_resilient
 from resihp_core.scheduler.state import PlannerState
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES
 from resihp_core.runtime.jobs import build_job
@@ -194,8 +194,9 @@ def run(cfg: Config, faults: list, supervised: bool, tag: str, plan: ParallelPla
                                     k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
         plan0 = plan
     busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
-    out = run_resilient(spec.to_json(), plan0, topology, state, planner, cfg.detector,
-                        iterations or cfg.training.iterations, work / "job", supervised=supervised, timeout=1200)
+    out = run_resilient(ResilientConfig(spec=spec, plan=plan0, topology=topology, state=state, planner=planner,
+                                        detector=cfg.detector, iterations=iterations or cfg.training.iterations,
+                                        workdir=work / "job", supervised=supervised, timeout_s=1200))
     busy1, own1, wall = _busy_cpu_s(), _own_cpu_s(), time.monotonic() - t0
     out.extra["background_cores"] = (None if busy0 is None or busy1 is None
                                      else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall)

@@ -96,7 +96,7 @@ def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | N
     from resihp_core.config import Config
     from resihp_core.faults import repairs
     from resihp_core.runtime.jobs import build_job, phases
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
     cfg = Config.from_dict(data, source="gpu_check")
     job = build_job(cfg, faults, work)
@@ -111,9 +111,12 @@ def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | N
         if on_iteration is not None and "job" in holder:
             on_iteration(holder["job"], rec)
 
-    run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
-                        cfg.training.iterations, work / "job", repairs=repairs(faults), phase_of=phases(faults),
-                        before_run=before_run, on_iteration=iteration, timeout=600.0, agent_timeout=300.0)
+    run = run_resilient(ResilientConfig(spec=job.spec, plan=job.plan, topology=job.topology, state=job.state,
+                                        planner=job.planner, detector=cfg.detector, iterations=cfg.training.iterations,
+                                        workdir=work / "job", repairs=repairs(faults), timeout_s=600.0,
+                                        agents=AgentSetup(timeout_s=300.0),
+                                        hooks=RunHooks(phase_of=phases(faults), before_run=before_run,
+                                                       on_iteration=iteration)))
     return cfg, job, run
 
 

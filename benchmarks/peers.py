@@ -271,7 +271,7 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
     from resihp_core.config import Config
     from resihp_core.faults import Fault, repairs
     from resihp_core.runtime.jobs import build_job
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
     faults = [Fault(e.device, e.iteration, e.kind, e.factor) for e in trace]
     cfg = Config.from_dict(resihp_config(job, iterations, str(work / "ckpt"), checkpoint_every))
@@ -290,9 +290,11 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
 
     # agent_timeout (``resihp run --agent-timeout``, 60 s by default) bounds the agent's and
     # its workers' start: at load 30 on 2 cores the workers' imports alone took longer.
-    res = run_resilient(aj.spec.to_json(), aj.plan, aj.topology, aj.state, aj.planner, cfg.detector,
-                        iterations, work / "job", on_iteration=on_iteration, repairs=repairs(faults),
-                        timeout=timeout, agent_timeout=timeout, on_event=on_event)
+    res = run_resilient(ResilientConfig(spec=aj.spec, plan=aj.plan, topology=aj.topology, state=aj.state,
+                                        planner=aj.planner, detector=cfg.detector, iterations=iterations,
+                                        workdir=work / "job", repairs=repairs(faults), timeout_s=timeout,
+                                        agents=AgentSetup(timeout_s=timeout),
+                                        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event)))
     run.ok, run.error, run.wall_s = res.ok, res.error[:300], time.time() - t0
     # The supervisor reports each iteration once; a generation that resumes before the
     # iterations already committed (a restore) trains them again: put them in the log,

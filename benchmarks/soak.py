@@ -460,7 +460,7 @@ class Soak:
 
     # ------------------------------------------------------------ run
     def run(self) -> dict:
-        from resihp_core.runtime.resilient import run_resilient
+        from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 
         a = self.assembled
         self.node_of = {d: n for n, devs in a.topology.nodes().items() for d in devs}
@@ -472,12 +472,14 @@ class Soak:
             driver.start()
 
         t0 = time.monotonic()
-        run = run_resilient(a.spec.to_json(), a.plan, a.topology, a.state, a.planner, self.cfg.detector,
-                            self.iterations, self.work / "job", on_iteration=self.on_iteration,
-                            on_event=self.on_event, before_run=before_run, repair_requests=self.repairs,
-                            # A hang guard, not a speed limit: torch_native commits ~1 iteration/s
-                            # on the shared 2-core machine at load 30 (the job took >900 s there).
-                            timeout=max(2400.0, self.failures * 120.0))
+        run = run_resilient(ResilientConfig(
+            spec=a.spec, plan=a.plan, topology=a.topology, state=a.state, planner=a.planner,
+            detector=self.cfg.detector, iterations=self.iterations, workdir=self.work / "job",
+            repair_requests=self.repairs,
+            # A hang guard, not a speed limit: torch_native commits ~1 iteration/s
+            # on the shared 2-core machine at load 30 (the job took >900 s there).
+            timeout_s=max(2400.0, self.failures * 120.0),
+            hooks=RunHooks(on_iteration=self.on_iteration, on_event=self.on_event, before_run=before_run)))
         wall = time.monotonic() - t0
         self.done.set()
         if driver.ident is not None:

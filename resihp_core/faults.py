@@ -160,7 +160,7 @@ def worker_faults(faults: Iterable[Fault]) -> list[dict]:
 
 
 def repairs(faults: Iterable[Fault]) -> dict[int, tuple[int, ...]]:
-    """Iteration -> devices repaired then (``run_resilient(repairs=...)``)."""
+    """Iteration -> devices repaired then (``ResilientConfig.repairs``)."""
     out: dict[int, tuple[int, ...]] = {}
     for f in faults:
         if f.kind == "repair":

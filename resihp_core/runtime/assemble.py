@@ -5,7 +5,9 @@ It turns a :class:`~resihp_core.config.Config` (and a fault scenario) into the f
 plan, the topology, the workers' :class:`~resihp_core.job.JobSpec`, the Scheduler's
 state and planner. The adapter named by ``runtime.adapter`` builds its own job section
 (its registered ``job_config`` function, else the ``[adapter]`` table as it is) and, if
-it registered a ``reference``, the fault-free losses a run is checked against.
+it registered a ``reference``, the fault-free losses a run is checked against. The
+result carries the run's :class:`~resihp_core.runtime.runconfig.ResilientConfig` too
+(the detector, iterations, repairs, interface, controller grace and observers of ``cfg``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
+from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 
@@ -27,7 +30,9 @@ __all__ = ["AssembledJob", "assemble"]
 
 
 class AssembledJob(NamedTuple):
-    """A job ready to run: what :func:`~resihp_core.runtime.resilient.run_resilient` takes."""
+    """A job ready to run: ``run`` is what :func:`~resihp_core.runtime.resilient.run_resilient`
+    takes (its job parts are the fields before it; callers add their hooks, agents and
+    resume point with :func:`dataclasses.replace`)."""
 
     plan: ParallelPlan  # the first plan
     topology: Topology
@@ -35,6 +40,7 @@ class AssembledJob(NamedTuple):
     state: PlannerState  # the Scheduler's state of the first plan
     planner: Planner
     reference: Callable[[JobSpec, int], list[float]] | None  # fault-free losses, if the adapter has them
+    run: ResilientConfig
 
 
 def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = None) -> AssembledJob:
@@ -42,7 +48,7 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
     (checkpoints default to ``<workdir>/checkpoints``; every check of the configuration
     against the adapter happens here, before anything starts)."""
     from resihp_core.config import ConfigError
-    from resihp_core.faults import worker_faults
+    from resihp_core.faults import repairs, worker_faults
     from resihp_core.job import JobSpec
     from resihp_core.plan import ScheduleKind
     from resihp_core.plugins import get_plugins
@@ -97,4 +103,11 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
     feats = workload_features(source.workload(0), par.dp, tr.microbatches)
     state = PlannerState.create(topology, plan, predictor, feats, capabilities=caps,
                                 k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
-    return AssembledJob(plan, topology, spec, state, Planner(capabilities=caps), adapter.function("reference"))
+    planner = Planner(capabilities=caps)
+    work = Path(workdir or tempfile.gettempdir())
+    run = ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=cfg.detector,
+                          iterations=tr.iterations, workdir=work / "job", repairs=repairs(faults),
+                          agents=AgentSetup(interface=cfg.runtime.interface),
+                          controller_grace_s=cfg.runtime.controller_grace_s, state_dir=work, config=cfg,
+                          observers=get_plugins())
+    return AssembledJob(plan, topology, spec, state, planner, adapter.function("reference"), run)

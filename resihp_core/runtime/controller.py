@@ -183,7 +183,7 @@ class Controller:
         self.reports: list[FailureReport] = []
         self.detections: list[Detection] = []
         self.messages = 0
-        self._stopped: set[int] = set()  # devices reported fail-stopped this generation
+        self._stopped: set[int] = set()  # devices reported fail-stopped, until seen alive again
         self._pending: dict[int, dict[int, IterationProfile]] = {}
         self._done_iters: set[int] = set()
         self._last_complete = -1
@@ -301,10 +301,11 @@ class Controller:
     def set_generation(self, generation: int, *, plan: ParallelPlan | None = None,
                        speeds: Mapping[int, float] | None = None,
                        expected_ranks: set[int] | None = None) -> None:
-        """A new plan generation: fail-stops may be reported again, the fail-slow series
-        restarts with ``plan`` (and the known slow ``speeds``). Call on the loop."""
+        """A new plan generation: the fail-slow series restarts with ``plan`` (and the
+        known slow ``speeds``). A device reported fail-stopped stays reported across
+        generations until a worker of it is seen alive again (relaunched, resumed), so
+        each failure is reported and logged once. Call on the loop."""
         self.generation = generation
-        self._stopped.clear()
         self._pending.clear()
         self._done_iters.clear()
         self._last_complete = -1
@@ -532,6 +533,8 @@ class Controller:
             view.devices.add(w.device)
             if not w.alive:
                 dead.append(w)
+            elif w.reason != "finished":
+                self._stopped.discard(w.device)  # a new life of the device: its next failure is news
         for w in dead:
             self._fail_stop([w.device], f"node {view.node}: device {w.device} (rank {w.rank}) {w.reason}; "
                                         f"last progress iteration {w.iteration} step {w.step}",

@@ -15,14 +15,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
 
 from resihp_core.runtime.assemble import AssembledJob, assemble
+from resihp_core.runtime.runconfig import AgentSetup, RunHooks
 
 if TYPE_CHECKING:
     from resihp_core.config import Config
     from resihp_core.faults import Fault
+    from resihp_core.job import JobSpec
     from resihp_core.protocol import FailureReport
+    from resihp_core.runtime.failover import JobState
     from resihp_core.runtime.resilient import ResilientRun
 
 __all__ = ["AssembledJob", "Phases", "assemble", "build_job", "check_fits_here", "phases", "run_controlled", "run_job", "run_config",
@@ -111,7 +115,7 @@ def work_folder(args: argparse.Namespace, tag: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"resihp-{tag}-"))
 
 
-def check_fits_here(cfg: Any, agents: str = "local") -> None:
+def check_fits_here(cfg: Config, agents: str = "local") -> None:
     """Refuse up front (naming the field) a job whose workers on this machine together
     need more memory than it has (agents started here run every node's workers here)."""
     from resihp_core.config import ConfigError, memory_estimate
@@ -130,7 +134,7 @@ def check_fits_here(cfg: Any, agents: str = "local") -> None:
             path="model.hidden", value=cfg.model.hidden)
 
 
-def check_backend_here(cfg: Any, agents: str = "local") -> None:
+def check_backend_here(cfg: Config, agents: str = "local") -> None:
     """Refuse up front (naming the field) ``runtime.backend = "nccl"`` when this machine,
     where local agents start every worker, cannot give each worker its own GPU; with
     remote agents each worker checks its own host (docs/gpu.md)."""
@@ -149,16 +153,18 @@ def check_backend_here(cfg: Any, agents: str = "local") -> None:
                           "here; use 'auto' (shares them over gloo)", path="runtime.backend", value="nccl")
 
 
-def _agents(cfg, args: argparse.Namespace) -> dict:
-    """How ``run_resilient`` gets its agents: started here, or on each host by the user."""
+def _agents(cfg: Config, args: argparse.Namespace) -> tuple[AgentSetup, Callable[[str, list[int]], None] | None]:
+    """How ``run_resilient`` gets its agents: started here, or on each host by the user
+    (then also what to tell the user once the controller listens)."""
     import os
 
     from resihp_core.cli import CliError
     from resihp_core.runtime.heartbeat import parse_address
 
-    if getattr(args, "agents", "local") == "local":
-        return {}
     rt = cfg.runtime
+    interface = getattr(args, "interface", None) or rt.interface
+    if getattr(args, "agents", "local") == "local":
+        return AgentSetup(interface=interface), None
     secret = rt.secret or os.environ.get("RESIHP_SECRET", "")
     if not secret:
         raise CliError("--agents external needs the job secret: set runtime.secret or RESIHP_SECRET")
@@ -176,11 +182,11 @@ def _agents(cfg, args: argparse.Namespace) -> dict:
               f"(or give each host only its node's credential, RESIHP_NODE_KEY=<node_credential(secret, N)>)",
               flush=True)
 
-    return dict(agents="external", listen=listen, secret=secret, on_listening=tell,
-                agent_timeout=args.agent_timeout)
+    return AgentSetup(mode="external", listen=listen, secret=secret, timeout_s=args.agent_timeout,
+                      interface=interface), tell
 
 
-def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> tuple[float, int, float]:
+def _reference_check(cfg: Config, losses: list[float], reference: list[float]) -> tuple[float, int, float]:
     """Worst relative loss difference over the horizon where a fault-free reference is
     meaningful: every iteration in float64; in float32 the first 20 (two equal float32
     runs drift apart later through chaotic growth of rounding differences). Returns
@@ -190,7 +196,7 @@ def _reference_check(cfg: Any, losses: list[float], reference: list[float]) -> t
     return worst, horizon, tol
 
 
-def _failover_secret(cfg: Any, work: Path) -> str:
+def _failover_secret(cfg: Config, work: Path) -> str:
     """The job secret a restarted controller can find again: ``runtime.secret`` or
     ``RESIHP_SECRET`` if given, else the work folder's ``job.secret`` (made once)."""
     import os
@@ -207,7 +213,7 @@ def _failover_secret(cfg: Any, work: Path) -> str:
         raise CliError(str(e), code=1) from None
 
 
-def _attachable(args: argparse.Namespace, work: Path, secret: str) -> Any:
+def _attachable(args: argparse.Namespace, work: Path, secret: str) -> JobState | None:
     """``--resume`` of a job that outlived its controller: its authenticated state, to
     re-attach to its live workers (docs/failover.md); None: restore from a checkpoint."""
     from resihp_core.cli import CliError
@@ -242,7 +248,7 @@ def _store_answers(address: str, secret: str) -> bool:
     return True
 
 
-def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, int | None]:
+def _resume_point(cfg: Config, args: argparse.Namespace, spec: JobSpec) -> tuple[int, int | None]:
     """``--resume``: the first iteration to train and the checkpoint to load, from the
     newest complete checkpoint in the job's checkpoint folder (docs/checkpoints.md)."""
     from resihp_core import checkpoints
@@ -268,49 +274,45 @@ def _resume_point(cfg: Any, args: argparse.Namespace, spec: Any) -> tuple[int, i
 
 
 def run_controlled(cfg: Config, job: AssembledJob, work: Path, args: argparse.Namespace, *,
-                   faults: Sequence[Fault] = (), worker_module: str = "resihp_core.runtime.worker",
-                   **wiring: Any) -> tuple[ResilientRun, int]:
+                   worker_module: str = "resihp_core.runtime.worker", timeout_s: float | None = None,
+                   hooks: RunHooks = RunHooks()) -> tuple[ResilientRun, int]:
     """The controller's part of a run, shared by ``resihp run`` and ``resihp launch``:
     one controller per job (its lock in ``work``), a job secret a restarted controller
     finds again, and ``--resume``: re-attach to the job's live agents and workers
-    (docs/failover.md), else restore from the newest complete checkpoint. Returns the
-    run and the first iteration it trained. ``wiring``: the rest of
-    :func:`~resihp_core.runtime.resilient.run_resilient`'s callbacks."""
+    (docs/failover.md), else restore from the newest complete checkpoint. Runs
+    ``job.run`` (from :func:`assemble`) with the agents of ``args``, ``hooks`` and
+    ``timeout_s``; returns the run and the first iteration it trained."""
     from resihp_core.cli import CliError
-    from resihp_core.faults import repairs
-    from resihp_core.plugins import get_plugins
     from resihp_core.runtime.failover import ControllerLock, ControllerRunning
-    from resihp_core.runtime.resilient import AttachFailed, run_resilient
+    from resihp_core.runtime.resilient import AttachFailed, Resume, run_resilient
 
     try:
         lock = ControllerLock(work).acquire()  # one controller per job, released when this process ends
     except ControllerRunning as e:
         raise CliError(str(e), code=1) from None
     try:
-        agents = _agents(cfg, args)
-        grace = cfg.runtime.controller_grace_s
-        if grace > 0 and "secret" not in agents:
-            agents["secret"] = _failover_secret(cfg, work)
-        attach = _attachable(args, work, agents.get("secret", ""))
+        agents, tell = _agents(cfg, args)
+        if job.run.controller_grace_s > 0 and not agents.secret:
+            agents = replace(agents, secret=_failover_secret(cfg, work))
+        if tell is not None:
+            hooks = replace(hooks, on_listening=tell)
+        attach = _attachable(args, work, agents.secret)
         start, restore = (0, None) if attach is not None else _resume_point(cfg, args, job.spec)
         print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir}, every "
               f"{cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept)",
               flush=True)
-        common = dict(repairs=repairs(list(faults)), observers=get_plugins(), config=cfg, worker_module=worker_module,
-                      interface=getattr(args, "interface", None) or cfg.runtime.interface,
-                      controller_grace_s=grace, state_dir=work, **agents, **wiring)
+        config = replace(job.run, worker_module=worker_module, agents=agents, hooks=hooks, workdir=work / "job",
+                         state_dir=work, timeout_s=job.run.timeout_s if timeout_s is None else timeout_s)
         run = None
         if attach is not None:
             try:
-                run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
-                                    cfg.training.iterations, work / "job", attach=attach, **common)
+                run = run_resilient(replace(config, resume=Resume(attach=attach)))
                 start = run.extra.get("first", 0)
             except AttachFailed as e:
                 print(f"resume: cannot re-attach to the running job ({e}): restoring from a checkpoint", flush=True)
                 start, restore = _resume_point(cfg, args, job.spec)
         if run is None:
-            run = run_resilient(job.spec.to_json(), job.plan, job.topology, job.state, job.planner, cfg.detector,
-                                cfg.training.iterations, work / "job", start=start, restore=restore, **common)
+            run = run_resilient(replace(config, resume=Resume(start=start, restore=restore)))
     finally:
         lock.release()
     return run, start
@@ -343,8 +345,9 @@ def run_job(cfg: Config, faults: list[Fault], args: argparse.Namespace, title: s
         view.event(ev)
 
     with view:
-        run, start = run_controlled(cfg, job, work, args, faults=faults, phase_of=phase_of, on_event=on_event,
-                                    on_iteration=view.iteration, on_report=on_report)
+        run, start = run_controlled(cfg, job, work, args, hooks=RunHooks(phase_of=phase_of, on_event=on_event,
+                                                                         on_iteration=view.iteration,
+                                                                         on_report=on_report))
     if not run.ok:
         print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
     records = run.records

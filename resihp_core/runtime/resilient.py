@@ -18,7 +18,6 @@ tells every agent the job is over: they reap their workers and exit with status 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import sys
@@ -26,27 +25,25 @@ import secrets as _secrets
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-from resihp_core.config import DetectorConfig
-from resihp_core.plan import ParallelPlan, Topology
+from resihp_core.plan import ParallelPlan
 from resihp_core.runtime.failover import JobState, remove_state, write_state
-from resihp_core.runtime.session import JobSession, Observers
+from resihp_core.runtime.session import JobSession
 from resihp_core.runtime.launcher import LocalJob
 from resihp_core.protocol import FailureReport
 from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, IterationRecord
-from resihp_core.scheduler.planner import Planner
-from resihp_core.scheduler.state import PlannerState
+from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig, Resume, RunHooks
 
 if TYPE_CHECKING:
-    from resihp_core.detector import Detection
     from resihp_core.protocol import PlanUpdate
     from resihp_core.runtime.controller import Controller
     from resihp_core.runtime.loop import LoopThread
     from resihp_core.runtime.processes import AgentProcesses
     from resihp_core.runtime.store import StoreClient
 
-__all__ = ["AttachFailed", "ResilientRun", "run_resilient", "start_local_agent", "start_store_host"]
+__all__ = ["AttachFailed", "ResilientRun", "run_resilient", "start_local_agent", "start_store_host", "ResilientConfig",
+           "AgentSetup", "Resume", "RunHooks"]
 
 
 def start_local_agent(node: int, controller: str, secret: str, workdir: Path,
@@ -115,49 +112,9 @@ class ResilientRun:
     extra: dict = field(default_factory=dict)
 
 
-def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: PlannerState, planner: Planner,
-                  detector: DetectorConfig, iterations: int, workdir: Path, *,
-                  worker_module: str = "resihp_core.runtime.worker",
-                  supervised: bool = True, timeout: float = 900.0,
-                  agents: Literal["local", "external"] = "local",
-                  listen: tuple[str, int] = ("127.0.0.1", 0), secret: str = "",
-                  agent_timeout: float = 60.0, interface: str = "",
-                  repairs: dict[int, tuple[int, ...]] | None = None,
-                  phase_of: Callable[[int, int], str] = lambda i, g: "running",
-                  on_event: Callable[[dict], None] = lambda ev: None,
-                  on_iteration: Callable[[IterationRecord], None] = lambda rec: None,
-                  on_report: Callable[[FailureReport], None] = lambda r: None,
-                  on_detection: Callable[[Detection], None] | None = None,
-                  on_listening: Callable[[str, list[int]], None] = lambda address, nodes: None,
-                  before_run: Callable[[LocalJob, dict], None] = lambda job, agents: None,
-                  observers: Observers | None = None, start: int = 0, restore: int | None = None,
-                  repair_requests: queue.Queue | None = None, controller_grace_s: float = 0.0,
-                  attach: JobState | None = None, state_dir: Path | None = None,
-                  config: object | None = None) -> ResilientRun:
-    """Run the job to ``iterations`` iterations, adapting to failures.
-
-    :param agents: ``"local"`` starts one agent process per node here; ``"external"``
-        waits up to ``agent_timeout`` seconds for agents started elsewhere.
-    :param listen: the controller's address (``(host, 0)``: any free port).
-    :param interface: the interface name or address every node's workers bind their
-        collectives to (``runtime.interface``); default: each agent's choice (the
-        interface it reaches the controller on).
-    :param secret: the job secret agents authenticate with (default: a fresh one;
-        external agents need it given).
-    :param repairs: iteration -> devices whose workers are started again (repaired)
-        once that many iterations are committed; the Scheduler brings them back.
-    :param on_listening: called with the controller's address and the nodes whose
-        agents it waits for, once it listens.
-    :param before_run: called with the job and ``{node: agent process}`` (local agents)
-        before the first plan is posted; chaos tests use it to kill an agent.
-    :param observers: the plugin facade whose observer hooks the supervisor fires.
-    :param start: resume a job: the first iteration to train (``restore`` + 1).
-    :param restore: resume a job: the complete checkpoint the first generation loads.
-    :param config: the job's configuration, for the observers' ``job_started``.
-    :param repair_requests: a queue another thread puts lists of repaired devices on;
-        the supervisor starts their workers again and plans them back in. It is the
-        supervisor's one queue of repaired devices: healed nodes offer theirs on it too.
-    """
+def run_resilient(run: ResilientConfig) -> ResilientRun:
+    """Run the job of ``run`` to ``run.iterations`` iterations, adapting to failures
+    (each setting is described on :class:`~resihp_core.runtime.runconfig.ResilientConfig`)."""
     import torch.distributed  # noqa: F401 - imported before the controller's loop runs: a
     # seconds-long import holding the GIL would starve it into declaring agents silent
     from resihp_core.detector.failslow import build_failslow_detector
@@ -167,18 +124,23 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
     from resihp_core.runtime.netif import INTERFACE_ENV
     from resihp_core.runtime.processes import AgentProcesses
 
+    plan, topology, state, planner, detector = run.plan, run.topology, run.state, run.planner, run.detector
+    iterations, supervised, hooks = run.iterations, run.supervised, run.hooks
+    agents, listen, secret = run.agents.mode, run.agents.listen, run.agents.secret
+    agent_timeout, controller_grace_s = run.agents.timeout_s, run.controller_grace_s
+    start, restore, attach = run.resume.start, run.resume.restore, run.resume.attach
+    job_json = run.spec.to_json()
     if agents == "external" and not secret:
         raise ValueError("external agents need the job secret: pass secret=")
     if (controller_grace_s > 0 or attach is not None) and not secret:
         raise ValueError("a job that outlives its controller needs its secret kept: pass secret=")
     secret = secret or _secrets.token_hex(16)
     failover = controller_grace_s > 0 or attach is not None
-    spec = json.loads(job_json)
-    workdir = Path(workdir)
+    workdir = Path(run.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    state_dir = Path(state_dir) if state_dir is not None else workdir
+    state_dir = Path(run.state_dir) if run.state_dir is not None else workdir
     reports: queue.Queue[FailureReport] = queue.Queue()
-    repaired: queue.Queue = repair_requests if repair_requests is not None else queue.Queue()
+    repaired: queue.Queue[Iterable[int]] = run.repair_requests if run.repair_requests is not None else queue.Queue()
     job: LocalJob | None = None
 
     def report(r: FailureReport) -> None:
@@ -186,7 +148,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
             reports.put(r)  # the supervisor tells observers, once per (merged) failure
         elif job is not None:
             job.session.failure(r)  # nothing acts on it: observers hear each report
-        on_report(r)
+        hooks.on_report(r)
 
     node_of = {d: node for node, devs in topology.nodes().items() for d in devs}
     nodes = sorted({node_of[d] for d in plan.devices()})
@@ -206,10 +168,10 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                             on_report=report,
                             expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
-                            on_detection=on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
+                            on_detection=hooks.on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
                             on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None,
                             # the job's session is the one place observers are notified
-                            notify_failures=False, plugins=observers,
+                            notify_failures=False, plugins=run.observers,
                             incarnation=_secrets.token_hex(8) if failover else "")
     procs.controller = controller
     agent_procs: dict[int, subprocess.Popen] = {}
@@ -232,7 +194,7 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
                                                              controller_grace_s)
                 store = connect_store(store_address, secret)
             loop.run(controller.start())
-        on_listening(controller.address_text, nodes)
+        hooks.on_listening(controller.address_text, nodes)
         if agents == "local":
             for node in nodes:
                 agent_procs[node] = start_local_agent(node, controller.address_text, secret, workdir,
@@ -252,15 +214,15 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
 
         from resihp_core.runtime.session import ENV_GRACE
 
-        env = {INTERFACE_ENV: interface} if interface else {}
+        env = {INTERFACE_ENV: run.agents.interface} if run.agents.interface else {}
         if failover:
             env[ENV_GRACE] = f"{max(controller_grace_s, 1.0):g}"
-        job = LocalJob(job_json, plan.devices(), worker_module=worker_module, workdir=workdir,
+        job = LocalJob(job_json, plan.devices(), worker_module=run.worker_module, workdir=workdir,
                        host=listen[0] or "127.0.0.1", processes=lambda _: procs, secret=secret,
                        env=env or None, store=(store, store_address) if store is not None else None,
-                       attach=attached, observers=observers, on_event=on_event)
-        if config is not None:
-            job.session.job_started(config, str(state_dir))
+                       attach=attached, observers=run.observers, on_event=hooks.on_event)
+        if run.config is not None:
+            job.session.job_started(run.config, str(state_dir))
         handled: set[int] = set()
         if attached is not None:
             handled = set(attach.handled)  # members not re-attached are reported dead, then planned
@@ -269,21 +231,20 @@ def run_resilient(job_json: str, plan: ParallelPlan, topology: Topology, state: 
         if not supervised:
             handled = set(plan.devices())  # nothing is acted on: process exits are not re-planned
         if failover:
-            job.session.on_event = _saving_state(on_event, job, lambda: ctl.core.handled, state_dir, secret,
+            job.session.on_event = _saving_state(hooks.on_event, job, lambda: ctl.core.handled, state_dir, secret,
                                                  controller, store_address,
                                                  store_proc.pid if store_proc is not None else attach.store_pid,
                                                  iterations, nodes)
         ctl = ControlLoop(job, planner, state, iterations, reports, repaired, set_generation=set_generation,
                           ready=lambda devices: set(devices) <= ready_devices(),
                           fitted=model.fitted_predictor if supervised else (lambda: None),
-                          samples=plan.dp * plan.num_microbatches, phase_of=phase_of, on_iteration=on_iteration,
-                          checkpoints=CheckpointPolicy(spec.get("checkpoint_dir") or None,
-                                                       int(spec.get("checkpoint_every") or 0)),
-                          repairs=dict(repairs or {}), handled=handled, first=start, restore_at_start=restore,
+                          samples=plan.dp * plan.num_microbatches, phase_of=hooks.phase_of, on_iteration=hooks.on_iteration,
+                          checkpoints=CheckpointPolicy(run.spec.checkpoint_dir or None, run.spec.checkpoint_every),
+                          repairs=dict(run.repairs), handled=handled, first=start, restore_at_start=restore,
                           adopt=attached is not None)
         try:
-            before_run(job, agent_procs)
-            out.records = ctl.run(timeout=timeout)
+            hooks.before_run(job, agent_procs)
+            out.records = ctl.run(timeout=run.timeout_s)
         finally:
             out.records = out.records or ctl.records
             out.events = ctl.events

@@ -68,7 +68,7 @@ __all__ = ["KeyValueStore", "Observers", "JobSession", "StorageFault", "Layout",
            "latest_generation", "wait_generation", "read_plan", "verdict",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report", "put_left", "get_left",
            "put_ready", "get_ready", "put_pid", "clear_pid", "pids_posted", "put_storage_fault", "storage_faults",
-           "rendezvous_store", "generation_fenced", "rendezvous_generation", "Superseded"]
+           "rendezvous_store", "join_members", "generation_fenced", "rendezvous_generation", "Superseded"]
 
 logger = logging.getLogger("resihp.session")
 
@@ -134,6 +134,10 @@ def _pid(d: int) -> str:
 
 def _fault(n: int) -> str:
     return f"ckpt/fault/{n}"
+
+
+def _joined(rank: int) -> str:  # inside a generation's rendezvous_store
+    return f"joined/{rank}"
 
 
 # ------------------------------------------------------------------ connections
@@ -389,6 +393,16 @@ def rendezvous_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     import torch.distributed as dist
 
     return dist.PrefixStore(_rendezvous(generation), store)
+
+
+def join_members(rendezvous: dist.Store, rank: int, device: int, world: int, timeout: datetime.timedelta) -> None:
+    """Say ``rank`` (device ``device``) joined a generation's ``rendezvous`` (from
+    :func:`rendezvous_store`) and wait for all ``world`` ranks, under ``timeout``.
+    Survivors arrive late by up to one collective timeout (blocked in the superseded
+    generation), so a group waits here under the long join timeout first and its own
+    operations keep the short one."""
+    rendezvous.set(_joined(rank), str(device))
+    rendezvous.wait([_joined(r) for r in range(world)], timeout)
 
 
 # ------------------------------------------------------------------ the controller's side

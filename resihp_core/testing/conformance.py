@@ -4,7 +4,8 @@ and through every capability it declares, against its own fault-free run.
 An adapter author calls :func:`check_adapter` (or the pytest fixture in
 :mod:`resihp_core.testing.plugin`) with a job description naming the adapter and a base
 layout. Every scenario starts real worker processes (``resihp_core.runtime.worker``)
-through :class:`~resihp_core.runtime.launcher.LocalJob`, trains a few iterations,
+through :class:`~resihp_core.runtime.launcher.LocalJob` (the ``restore`` scenario
+through the supervisor's control loop as well), trains a few iterations,
 changes the plan the way the capability promises (with a SIGKILLed peer where that is
 the point), finishes, and compares:
 
@@ -26,10 +27,13 @@ run, or restore), and one per declared capability: ``tp_resize``, ``layer_repart
 ``migration``, ``replica_drop``, ``restore``. A capability declared but failed is a
 :class:`ConformanceError`; a capability not declared is not run.
 
-The ``restore`` scenario picks its checkpoint with the supervisor's own rule
-(:func:`resihp_core.checkpoints.restore_point`): an adapter whose checkpoints the
+The ``restore`` scenario runs on the production path: the supervisor's
+:class:`~resihp_core.runtime.control.ControlLoop` drives the job, notices the peer
+killed (by the worker's fault injector, as a job's ``[[faults]]``), aborts, selects the
+checkpoint by its own rule (:func:`resihp_core.checkpoints.restore_point`) and resumes
+after it; only the plan it restores onto is the kit's. An adapter whose checkpoints the
 supervisor cannot find or verify (not in the core's layout, ``docs/checkpoints.md``)
-fails it.
+fails it: the job would silently start over from the initial state.
 """
 
 from __future__ import annotations
@@ -42,11 +46,18 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from resihp_core.adapter import Capabilities, Shard
+from resihp_core.faults import Fault
 from resihp_core.job import JobSpec
 from resihp_core.plan import Migration, ParallelPlan, ranges_from_counts
+from resihp_core.protocol import FailureReport
+from resihp_core.scheduler.planner import PlanDecision, Planner
+from resihp_core.scheduler.state import PlannerState
+
+if TYPE_CHECKING:
+    from resihp_core.runtime.launcher import LocalJob
 
 __all__ = ["ConformanceError", "Outcome", "Scenario", "check_adapter", "scenarios", "run_scenario",
            "capabilities_of"]
@@ -204,6 +215,85 @@ def _assemble_full(dumps: dict[int, dict]) -> dict[str, Any] | None:
     return out
 
 
+def _planner_state(base: ParallelPlan) -> PlannerState:
+    """A Scheduler state of ``base`` for the supervisor (its decisions in the kit are
+    scripted, so the cost model is a uniform prior, as :func:`~resihp_core.runtime.assemble.assemble`'s)."""
+    import numpy as np
+
+    from resihp_core.plan import Topology
+    from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
+    from resihp_core.predictor.predict import IterationPredictor, ModelShape
+
+    topology = Topology.uniform(1, max(base.devices()) + 1)
+    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
+                                       ref_layers=max(1, base.num_layers // base.pp), ref_tp=1), base.pp)
+    predictor = IterationPredictor(cost, topology, ModelShape(tokens=64, hidden=32, params_per_layer=10_000),
+                                   LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9))
+    ones = np.ones((base.dp, base.num_microbatches))
+    return PlannerState.create(topology, base, predictor, (ones * 64, ones * 64 * 64))
+
+
+class _ScenarioPlanner(Planner):
+    """The restore scenario's planner: whatever fails, its answer is the scenario's plan
+    as a restore (what the Scheduler answers when state may be lost). Everything else,
+    noticing the dead worker, aborting, choosing the checkpoint and the resume point,
+    posting, is the supervisor's own (:class:`~resihp_core.runtime.control.ControlLoop`).
+    The Scheduler's state keeps the base layout: the scenario's plan may have fewer
+    replicas than a home layout allows, and nothing in the kit plans from it again."""
+
+    def __init__(self, target: ParallelPlan, name: str) -> None:
+        super().__init__(stages=())
+        self.target, self.name = target, name
+
+    def plan(self, state: PlannerState, report: FailureReport | None = None) -> PlanDecision:
+        failed = frozenset(state.failed | set(report.devices if report is not None else ()))
+        return PlanDecision(plan=self.target, kind="restore", reason=f"conformance kit: {self.name}",
+                            predicted_time=0.0, timings={}, state=state.with_health(failed=failed))
+
+    def rejoin(self, state: PlannerState, devices: Iterable[int]) -> PlanDecision:
+        raise ConformanceError(f"{self.name}: devices {sorted(devices)} offered back; the kit repairs none")
+
+
+def _supervised_restore(lj: LocalJob, base: ParallelPlan, scenario: Scenario, ckpt: str, *, iterations: int,
+                        timeout: float) -> None:
+    """The restore scenario on the production path: the supervisor's control loop runs
+    the job, sees the peer killed (by the worker's own fault injector, as a job's
+    ``[[faults]]`` do), restores from the checkpoint *its* rule selects
+    (:func:`resihp_core.checkpoints.restore_point`) and resumes after it. Fails an
+    adapter whose checkpoints it cannot select (the job would silently start over) or
+    that re-trains iterations before the restored one."""
+    from resihp_core.runtime.control import CheckpointPolicy, ControlLoop
+
+    victims = scenario.kill(base)
+    restores: list[dict] = []
+
+    def watch(ev: dict) -> None:
+        if ev.get("kind") != "plan" or ev.get("kind_of_plan") != "restore":
+            return
+        restores.append(ev)
+        if ev.get("restore") is None:  # the job would re-train from the seed: stop it here
+            from resihp_core import checkpoints
+
+            found = sorted(os.listdir(ckpt))[:8]
+            why = "; ".join(f"iteration {c.iteration}: {c.problem}" for c in checkpoints.scan(ckpt) if c.problem)
+            raise ConformanceError(
+                f"{scenario.name}: the supervisor finds no complete checkpoint in {ckpt} (it holds "
+                f"{found or 'nothing'}{'; ' + why if why else ''}) and would restart the job from the initial "
+                "state: an adapter writes its files inside iter<NNNNNNNN>/ and seals them with a manifest "
+                "(resihp_core.checkpoints.seal; docs/checkpoints.md)")
+        if ev.get("resume") != ev["restore"] + 1:
+            raise ConformanceError(f"{scenario.name}: restored the checkpoint of iteration {ev['restore']} but "
+                                   f"resumed at iteration {ev.get('resume')}")
+
+    lj.session.on_event = watch
+    ctl = ControlLoop(lj, _ScenarioPlanner(scenario.change(base), scenario.name), _planner_state(base), iterations,
+                      checkpoints=CheckpointPolicy(ckpt, 1), move_before_restore=False, stall_s=timeout)
+    ctl.run(timeout=timeout * 3)
+    if not restores:
+        raise ConformanceError(f"{scenario.name}: the supervisor never restored after devices {victims} were killed "
+                               f"(events: {[ev.get('text', '')[:80] for ev in ctl.events]})")
+
+
 def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *, iterations: int = 4,
                  switch_at: int = 2, env: dict[str, str] | None = None, timeout: float = 120.0) -> Outcome:
     """Run one scenario (None: the fault-free run) with real workers; return its outcome."""
@@ -213,11 +303,18 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
 
     dump = tempfile.mkdtemp(prefix="resihp-conformance-")
     ckpt = tempfile.mkdtemp(prefix="resihp-conformance-ckpt-")
-    spec = dataclasses.replace(job, dump_dir=dump, checkpoint_dir=ckpt,
-                               checkpoint_every=1 if scenario is not None and scenario.restore else 0)
+    restore = scenario is not None and scenario.restore
+    spec = dataclasses.replace(job, dump_dir=dump, checkpoint_dir=ckpt, checkpoint_every=1 if restore else 0)
+    if restore:  # killed as it starts iteration switch_at: the peers wait for it inside that iteration
+        spec = dataclasses.replace(spec, faults=[*spec.faults, *(Fault(device=d, iteration=switch_at, kind="kill").to_dict()
+                                                                 for d in scenario.kill(base))])
     with LocalJob(spec.to_json(), base.devices(), env=env) as lj:
-        lj.post(base, iterations=iterations)
-        if scenario is not None:
+        if scenario is None:
+            lj.post(base, iterations=iterations)
+        elif restore:
+            _supervised_restore(lj, base, scenario, ckpt, iterations=iterations, timeout=timeout)
+        else:
+            lj.post(base, iterations=iterations)
             lj.wait(switch_at, timeout=timeout)
             victims = scenario.kill(base)
             if victims:
@@ -226,25 +323,7 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
                     lj.kill(d, signal.SIGKILL)
                 lj.wait(iterations, timeout=timeout, on_death="return")
             resume = lj.abort()
-            new = scenario.change(base)
-            point, fresh = None, False
-            if scenario.restore and resume > 0:
-                # The supervisor's own rule (docs/checkpoints.md): the newest complete
-                # checkpoint before ``resume``, waiting briefly for one still being written.
-                from resihp_core import checkpoints
-
-                point, skipped = checkpoints.restore_point(ckpt, resume, spec.checkpoint_every)
-                if point is None:
-                    found = sorted(os.listdir(ckpt))[:8]
-                    why = "; ".join(f"iteration {s.iteration}: {s.problem}" for s in skipped)
-                    raise ConformanceError(
-                        f"{scenario.name}: the supervisor finds no complete checkpoint of iterations "
-                        f"< {resume} in {ckpt} (it holds {found or 'nothing'}{'; ' + why if why else ''}): "
-                        "an adapter writes its files inside iter<NNNNNNNN>/ and seals them with a manifest "
-                        "(resihp_core.checkpoints.seal; docs/checkpoints.md)")
-                fresh = point is None
-                resume = lj.committed = 0 if point is None else point + 1
-            lj.post(new, iterations=iterations, resume=resume, restore=point, fresh=fresh)
+            lj.post(scenario.change(base), iterations=iterations, resume=resume)
         lj.wait(iterations, timeout=timeout)
         losses, computed = [], []
         for i in range(iterations):

@@ -45,7 +45,7 @@ def test_checkpoints_the_supervisor_cannot_select_fail_the_restore_scenario():
 
     base = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=1, num_microbatches=2)
     restore = next(sc for sc in scenarios(CAPABILITIES, base) if sc.name == "restore")
-    with pytest.raises(ConformanceError, match=r"restore: the supervisor finds no complete checkpoint.*mine-"):
+    with pytest.raises(ConformanceError, match=r"restore: the supervisor finds no complete checkpoint.*mine-.*initial state"):
         run_scenario(_example_job("liar:OwnCheckpointLayout"), base, restore, env=ENV)
 
 
@@ -64,19 +64,22 @@ def _reference_job(adapter: str = "megatron_ref") -> JobSpec:
 
 
 def test_an_adapter_that_loses_part_of_its_state_fails_the_complete_state_check():
-    """Leaving out one optimizer-state tensor, or the step count, on a move: the
-    framework's complete state (full_state) differs from the fault-free run's. One
-    fault-free run serves both (what check_adapter does per adapter)."""
+    """Leaving out one optimizer-state tensor, the step count, or the LR scheduler's
+    position on a move: the framework's complete state (full_state) differs from the
+    fault-free run's. The liars are the reference backend with an LR schedule
+    (liar.StepDecay); one fault-free run of it serves all three (what check_adapter
+    does per adapter)."""
     from resihp_core.testing.conformance import _compare, run_scenario, scenarios
     from resihp_adapters.megatron_ref.plugin import CAPABILITIES
 
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2, num_heads=4)
-    want = run_scenario(_reference_job(), base, None, env=ENV)
-    assert want.full is not None and want.full["optimizer.step"] == 4
+    want = run_scenario(_reference_job("liar:StepDecay"), base, None, env=ENV, iterations=3)
+    assert want.full is not None and want.full["optimizer.step"] == 3 and want.full["lr_scheduler.last_epoch"] == 3
     regeneration = next(sc for sc in scenarios(CAPABILITIES, base) if sc.name == "regeneration")
     for liar, what in (("liar:DropsOptimizerTensor", r"optimizer\.\S+\.exp_avg_sq|model\."),
-                       ("liar:LosesStepOnMove", r"data\.iteration|optimizer\.step")):
-        got = run_scenario(_reference_job(liar), base, regeneration, env=ENV)
+                       ("liar:LosesStepOnMove", r"data\.iteration|optimizer\.step"),
+                       ("liar:ForgetsScheduleOnMove", r"lr_scheduler\.last_epoch")):
+        got = run_scenario(_reference_job(liar), base, regeneration, env=ENV, iterations=3)
         with pytest.raises(ConformanceError, match=rf"regeneration: complete state: ({what})"):
             _compare("regeneration", got, want, base, _reference_job(liar), 1e-9)
 

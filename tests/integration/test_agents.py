@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from resihp_core.plan import Topology
-from resihp_core.runtime.resilient import run_resilient
+from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 from .test_chaos import DETECTOR, _planner_state
@@ -62,8 +62,9 @@ def test_killed_agent_takes_its_node_and_the_job_goes_on():
         seen["agent"] = agents[1]
         _kill_agent_when(job, agents[1], 2, seen)
 
-    run = run_resilient(spec.to_json(), plan, topology, state, planner, DETECTOR, iterations, Path(tmpdir()),
-                        timeout=240, before_run=before_run)
+    run = run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
+                                        detector=DETECTOR, iterations=iterations, workdir=Path(tmpdir()), timeout_s=240,
+                                        hooks=RunHooks(before_run=before_run)))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert seen["agent"].returncode == -signal.SIGKILL
     assert len(seen["workers"]) == 4 and all(_gone(pid) for pid in seen["workers"])  # died with their agent
@@ -141,8 +142,9 @@ def test_a_repaired_device_is_brought_back_with_the_right_state():
     spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir(), checkpoint_dir=tmpdir(),
                     checkpoint_every=1, faults=worker_faults(faults))
     state, planner = _planner_state(plan, topology)
-    run = run_resilient(spec.to_json(), plan, topology, state, planner, DETECTOR, iterations, Path(tmpdir()),
-                        timeout=240, repairs=repairs(faults))
+    run = run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
+                                        detector=DETECTOR, iterations=iterations, workdir=Path(tmpdir()), timeout_s=240,
+                                        repairs=repairs(faults)))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     rejoins = [e for e in run.events if e.get("kind_of_plan") == "rejoin"]
     assert len(rejoins) == 1 and rejoins[0]["devices"] == [victim] and rejoins[0]["resume"] >= 4

@@ -17,7 +17,7 @@ from resihp_core.plan import Topology
 from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
 from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
 from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
-from resihp_core.runtime.resilient import run_resilient
+from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES
@@ -67,13 +67,14 @@ def _chaos(plan, faults, iterations=6, detector=DETECTOR, **run_kw):
     return run_checked(spec, plan, detector, iterations, **run_kw)
 
 
-def run_checked(spec, plan, detector, iterations, **run_kw):
+def run_checked(spec, plan, detector, iterations, observers=None, **hooks):
     """Run ``spec`` under the supervisor on two emulated nodes, then check every
     survivor against the fault-free float64 reference."""
     topology = Topology.uniform(2, len(plan.devices()) // 2)  # exactly the workers we start
     state, planner = _planner_state(plan, topology)
-    run = run_resilient(spec.to_json(), plan, topology, state, planner, detector, iterations,
-                        Path(tmpdir()), timeout=240, **run_kw)
+    run = run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
+                                        detector=detector, iterations=iterations, workdir=Path(tmpdir()), timeout_s=240,
+                                        observers=observers, hooks=RunHooks(**hooks)))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
     # Accounting comes from the job store of the supervised run; the harness checks

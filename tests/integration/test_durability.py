@@ -23,7 +23,7 @@ import torch
 
 from resihp_core import checkpoints
 from resihp_core.faults import fail_at
-from resihp_core.runtime.resilient import run_resilient
+from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 from resihp_adapters.megatron_ref.adapter import data_spec, model_config
 from resihp_adapters.megatron_ref.reference import reference_run
 from resihp_adapters.torchkit.checkpoint import load_component
@@ -35,13 +35,14 @@ from .test_chaos import DETECTOR, _planner_state
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def _run(spec, plan, iterations, **kw):
+def _run(spec, plan, iterations, repair_requests=None, **hooks):
     from resihp_core.plan import Topology
 
     topology = Topology.uniform(2, len(plan.devices()) // 2)
     state, planner = _planner_state(plan, topology)
-    return run_resilient(spec.to_json(), plan, topology, state, planner, DETECTOR, iterations,
-                         Path(tmpdir()), timeout=200, **kw)
+    return run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
+                                         detector=DETECTOR, iterations=iterations, workdir=Path(tmpdir()), timeout_s=200,
+                                         repair_requests=repair_requests, hooks=RunHooks(**hooks)))
 
 
 def _wait_for(pred, timeout: float = 120.0) -> bool:

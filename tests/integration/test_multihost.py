@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from resihp_core.plan import Topology
-from resihp_core.runtime.resilient import run_resilient
+from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 from .netns import Hosts, unavailable
@@ -193,10 +193,12 @@ def test_two_hosts_and_the_controllers_own_through_a_kill_a_partition_and_its_he
             times["healed"] = time.monotonic()
 
         try:
-            run = run_resilient(spec.to_json(), plan, topology, state, planner, FAILSTOP, iterations, work / "job",
-                                agents="external", listen=(hosts.address, 0), secret=cluster.secret,
-                                on_listening=cluster.on_listening, agent_timeout=60, timeout=180,
-                                on_event=on_event, before_run=lambda job, _: _when(job, 5, partition))
+            run = run_resilient(ResilientConfig(
+                spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=FAILSTOP,
+                iterations=iterations, workdir=work / "job", timeout_s=180,
+                agents=AgentSetup(mode="external", listen=(hosts.address, 0), secret=cluster.secret, timeout_s=60),
+                hooks=RunHooks(on_listening=cluster.on_listening, on_event=on_event,
+                               before_run=lambda job, _: _when(job, 5, partition))))
             assert run.ok, f"{run.error}; logs in {run.logs} and {work}"
             cluster.assert_clean_end()
         finally:
@@ -246,10 +248,12 @@ def test_an_agent_killed_then_its_host_repaired_is_planned_back_in():
                 cluster.start(1)  # the repaired host's new agent
 
         try:
-            run = run_resilient(spec.to_json(), plan, topology, state, planner, FAILSTOP, iterations, work / "job",
-                                agents="external", listen=(hosts.address, 0), secret=cluster.secret,
-                                on_listening=cluster.on_listening, agent_timeout=60, timeout=180,
-                                on_event=on_event, before_run=lambda job, _: _when(job, 2, kill_then_repair))
+            run = run_resilient(ResilientConfig(
+                spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=FAILSTOP,
+                iterations=iterations, workdir=work / "job", timeout_s=180,
+                agents=AgentSetup(mode="external", listen=(hosts.address, 0), secret=cluster.secret, timeout_s=60),
+                hooks=RunHooks(on_listening=cluster.on_listening, on_event=on_event,
+                               before_run=lambda job, _: _when(job, 2, kill_then_repair))))
             assert run.ok, f"{run.error}; logs in {run.logs} and {work}"
             cluster.assert_clean_end(expect_rc={(1, 0): -signal.SIGKILL})
         finally:
@@ -282,9 +286,11 @@ def test_a_peer_given_a_loopback_address_is_a_clear_error():
             cluster.start(1, f"{hosts.address}:{port}")
 
         try:
-            run = run_resilient(spec.to_json(), plan, topology, state, planner, FAILSTOP, 4, work / "job",
-                                agents="external", listen=("0.0.0.0", 0), secret=cluster.secret,
-                                on_listening=on_listening, agent_timeout=60, timeout=60)
+            run = run_resilient(ResilientConfig(
+                spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=FAILSTOP,
+                iterations=4, workdir=work / "job", timeout_s=60,
+                agents=AgentSetup(mode="external", listen=("0.0.0.0", 0), secret=cluster.secret, timeout_s=60),
+                hooks=RunHooks(on_listening=on_listening)))
             cluster.assert_clean_end()
         finally:
             cluster.close()

@@ -24,7 +24,7 @@ from resihp_core import checkpoints  # noqa: E402
 from resihp_core.faults import fail_at  # noqa: E402
 from resihp_core.job import JobSpec  # noqa: E402
 from resihp_core.plan import ParallelPlan, Topology  # noqa: E402
-from resihp_core.runtime.resilient import run_resilient  # noqa: E402
+from resihp_core.runtime.resilient import ResilientConfig, run_resilient  # noqa: E402
 from resihp_core.testing.conformance import _assemble, run_scenario  # noqa: E402
 
 from .backend_harness import read_dumps, tmpdir  # noqa: E402
@@ -59,8 +59,8 @@ def _killed_at_10(spec: JobSpec, plan: ParallelPlan, caps, victims: list[int]):
                                checkpoint_keep=KEEP, faults=[fail_at(v, KILL_AT, "kill").to_dict() for v in victims])
     topology = Topology.uniform(2, len(plan.devices()) // 2)
     state, planner = _planner(plan, topology, caps)
-    run = run_resilient(spec.to_json(), plan, topology, state, planner, DETECTOR, ITERATIONS, Path(tmpdir()),
-                        timeout=360)
+    run = run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
+                                        detector=DETECTOR, iterations=ITERATIONS, workdir=Path(tmpdir()), timeout_s=360))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == ITERATIONS
     return spec, run

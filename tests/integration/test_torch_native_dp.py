@@ -63,7 +63,7 @@ def run_job(tmp: Path, iterations: int, faults: list, *, dim: int = MODEL["dim"]
     from resihp_core.config import DetectorConfig, load_config
     from resihp_core.faults import load_scenario
     from resihp_core.runtime.jobs import build_job
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 
     (tmp / "job.toml").write_text(config or CONFIG.replace(f"hidden = {MODEL['dim']}", f"hidden = {dim}"))
     cfg = load_config(tmp / "job.toml", env={})
@@ -74,8 +74,10 @@ def run_job(tmp: Path, iterations: int, faults: list, *, dim: int = MODEL["dim"]
     # Nothing is killed for a lapse: a starved worker on a loaded machine is no hung device.
     det = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_miss_limit=100, hang_min_timeout_s=20.0,
                          warmup_iterations=3, min_changepoint_gap=3)
-    run = run_resilient(spec.to_json(), job.plan, job.topology, job.state, job.planner, det, iterations,
-                        tmp / "work", timeout=300, on_detection=on_detection, worker_module=worker_module)
+    run = run_resilient(ResilientConfig(spec=spec, plan=job.plan, topology=job.topology, state=job.state,
+                                        planner=job.planner, detector=det, iterations=iterations, workdir=tmp / "work",
+                                        worker_module=worker_module, timeout_s=300,
+                                        hooks=RunHooks(on_detection=on_detection)))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
     dumps = {int(f.name[len("device"):-3]): torch.load(f, weights_only=False)

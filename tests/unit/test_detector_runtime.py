@@ -155,6 +155,25 @@ def test_a_dropped_worker_connection_is_reported_at_once(stack) -> None:
     assert wait_for(lambda: obs.reports == [rep]) and got == [rep]
 
 
+def test_a_fail_stop_is_reported_once_across_generations_until_the_device_lives_again(stack) -> None:
+    """A new generation does not report (or log) a dead device again; a relaunched
+    worker of it that dies is a new failure."""
+    lt, ctl, agent, obs, det, got = stack
+    w = client(agent, 3, rank=1)
+    assert wait_for(lambda: 0 in ctl.nodes and 3 in ctl.nodes[0].workers())
+    w.close(goodbye=False)
+    assert ctl.wait_for_report(lambda r: r.devices == (3,), 5.0) is not None
+    for g in (1, 2):
+        lt.call(ctl.set_generation, g)
+        time.sleep(0.3)  # several agent states, each still naming device 3 dead
+    assert [r.devices for r in got] == [(3,)]
+    again = client(agent, 3, rank=1)  # relaunched
+    assert wait_for(lambda: ctl.nodes[0].workers()[3].alive)
+    again.close(goodbye=False)
+    assert wait_for(lambda: [r.devices for r in got] == [(3,), (3,)])
+    assert got[1].generation == 2
+
+
 def test_a_silent_worker_misses_beats(stack) -> None:
     lt, ctl, agent, obs, det, got = stack
     w = client(agent, 1)

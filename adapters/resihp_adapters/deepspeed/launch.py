@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     """``resihp launch``: returns 0 when every iteration committed."""
     from resihp_core.cli import CliError
     from resihp_core.config import DetectorConfig
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
     from resihp_core.faults import repairs
 
     from resihp_adapters.deepspeed.spec import check_supported, load_ds_config
@@ -190,12 +190,14 @@ def run(args: argparse.Namespace) -> int:
             # The plan itself (ParallelPlan.to_text): where every device runs.
             print("".join(f"    {line}\n" for line in str(ev["plan"]).splitlines()), end="", flush=True)
 
-    out = run_resilient(spec.to_json(), plan, topology, state, planner, det, int(sec["iterations"]), work / "job",
-                        worker_module="resihp_adapters.deepspeed.script_worker", timeout=args.timeout,
-                        # Its own agents, started here: on a loaded machine one took over the
-                        # core's 60 s to import and connect (a dead one is seen when it exits).
-                        agent_timeout=AGENT_CONNECT_S,
-                        on_iteration=on_iteration, on_event=on_event, repairs=repairs(faults))
+    out = run_resilient(ResilientConfig(
+        spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=det,
+        iterations=int(sec["iterations"]), workdir=work / "job",
+        worker_module="resihp_adapters.deepspeed.script_worker", timeout_s=args.timeout,
+        # Its own agents, started here: on a loaded machine one took over the
+        # core's 60 s to import and connect (a dead one is seen when it exits).
+        agents=AgentSetup(timeout_s=AGENT_CONNECT_S), repairs=repairs(faults),
+        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event)))
     if not out.ok:
         print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)
         return 1

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
-from resihp_core.runtime.session import rendezvous_store
+from resihp_core.runtime.session import join_members, rendezvous_store
 from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
@@ -391,8 +391,7 @@ class TorchNativeEngine:
         # Survivors arrive late by up to one op timeout (blocked in the dead generation's
         # collective): wait for every member under the long join timeout first, so the
         # short timeout then only bounds the group's own operations.
-        prefix.set(f"joined/{rank}", str(self.device))
-        prefix.wait([f"joined/{r}" for r in range(world)], self.join_timeout)
+        join_members(prefix, rank, self.device, world, self.join_timeout)
         k = shard_degree_for(len(live), self.wanted_shard)
         with _default_timeout(self.timeout):
             dist.init_process_group(self.placement.init_backend, store=prefix, rank=rank, world_size=world,

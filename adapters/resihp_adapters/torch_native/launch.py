@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from resihp_core.config import ConfigError
     from resihp_core.faults import FaultError, load_scenario
     from resihp_core.runtime.jobs import assemble, run_controlled, work_folder
+    from resihp_core.runtime.runconfig import RunHooks
 
     from resihp_adapters.launch import print_event, print_iteration
     from resihp_adapters.launch_worker import NeverInitialized, check_initialized
@@ -165,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
 
     # The controller's part is resihp run's: one controller per job, and --resume
     # re-attaches to live agents and workers (runtime.controller_grace_s > 0) or restores.
-    out, start = run_controlled(cfg, job, work, args, faults=faults, worker_module="resihp_adapters.launch_worker",
-                                timeout=args.timeout, on_iteration=print_iteration, on_event=on_event)
+    out, start = run_controlled(cfg, job, work, args, worker_module="resihp_adapters.launch_worker",
+                                timeout_s=args.timeout, hooks=RunHooks(on_iteration=print_iteration, on_event=on_event))
     try:
         check_initialized(work / "job")
     except NeverInitialized as e:

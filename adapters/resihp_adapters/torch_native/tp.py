@@ -51,7 +51,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import torch.distributed.tensor.parallel  # noqa: F401 - imported before any group exists (engine._EARLY)
 from resihp_core.plan import ParallelPlan
-from resihp_core.runtime.session import rendezvous_store
+from resihp_core.runtime.session import join_members, rendezvous_store
 from resihp_adapters.torchkit.device import ChunkTimer
 from resihp_adapters.torch_native.engine import (
     Held, IterationResult, TorchNativeEngine, _default_timeout, place_of, tie_sets)
@@ -405,8 +405,7 @@ class TPEngine(TorchNativeEngine):
             raise ValueError(f"device {self.device} is not among generation {generation}'s devices")
         world, rank = len(self.rank_of), self.rank_of[self.device]
         prefix = rendezvous_store(self.store, generation)
-        prefix.set(f"joined/{rank}", str(self.device))  # see TorchNativeEngine.rebuild
-        prefix.wait([f"joined/{r}" for r in range(world)], self.join_timeout)
+        join_members(prefix, rank, self.device, world, self.join_timeout)
         pl = self.place
         lane = None
         with _default_timeout(self.timeout):

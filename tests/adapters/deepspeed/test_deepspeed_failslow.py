@@ -46,7 +46,7 @@ def _work(plan, device) -> float:
 def test_a_slowed_rank_is_detected_and_given_less_work_and_training_stays_exact(tmp_path, monkeypatch):
     from resihp_core.config import DetectorConfig
     from resihp_core.faults import fail_at
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.resilient import ResilientConfig, run_resilient
     from resihp_core.testing.conformance import _assemble
 
     from resihp_adapters.deepspeed.launch import build_job
@@ -71,8 +71,8 @@ def test_a_slowed_rank_is_detected_and_given_less_work_and_training_stays_exact(
     # hung device); warm-up and change-point gap as the chaos tests'.
     det = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_miss_limit=100, hang_min_timeout_s=20.0,
                          warmup_iterations=3, min_changepoint_gap=3)
-    run = run_resilient(spec.to_json(), plan, topology, state, planner, det, iterations, tmp_path / "job",
-                        timeout=240)
+    run = run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
+                                        detector=det, iterations=iterations, workdir=tmp_path / "job", timeout_s=240))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
 
