@@ -1,5 +1,5 @@
 """One way to assemble a job from its configuration: :func:`assemble`, used by
-``resihp run``, ``resihp launch`` (FSDP2 / torch_native) and the benchmarks.
+``resihp run``, ``resihp launch`` (FSDP2 / torch_native and DeepSpeed) and the benchmarks.
 
 It turns a :class:`~resihp_core.config.Config` (and a fault scenario) into the first
 plan, the topology, the workers' :class:`~resihp_core.job.JobSpec`, the Scheduler's
@@ -8,16 +8,22 @@ state and planner. The adapter named by ``runtime.adapter`` builds its own job s
 it registered a ``reference``, the fault-free losses a run is checked against. The
 result carries the run's :class:`~resihp_core.runtime.runconfig.ResilientConfig` too
 (the detector, iterations, repairs, interface, controller grace and observers of ``cfg``).
+
+What a launcher takes from elsewhere than the configuration (a DeepSpeed JSON's op
+timeout, a user script that reads its own data) comes in as :class:`JobInputs`.
 """
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
+from resihp_core.predictor.corpus import Workload
+from resihp_core.predictor.predict import ModelShape
 from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
@@ -26,7 +32,33 @@ if TYPE_CHECKING:
     from resihp_core.config import Config
     from resihp_core.faults import Fault
 
-__all__ = ["AssembledJob", "assemble"]
+__all__ = ["AssembledJob", "JobInputs", "UserData", "assemble"]
+
+
+@dataclass(frozen=True)
+class UserData:
+    """Data (and a model) the user's script reads itself, as a DeepSpeed script under
+    ``resihp launch`` does: the workers are told ``{"source": "user"}`` and no source is
+    built from ``[data]``. ResiHP cannot see them, so the first plans are made for
+    ``workload`` and ``shape``, stand-ins of the job's batch layout, until the Detector has
+    fitted the job's own costs; of ``[model]`` only ``layers`` counts (plans check no
+    head count)."""
+
+    workload: Workload
+    shape: ModelShape
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    """What :func:`assemble` takes from the launcher rather than the configuration.
+
+    :param op_timeout_s: how long a worker's collective or store operation may block
+        (``JobSpec.timeout_s``).
+    :param user_data: the user's own data (None: the ``[data]`` source).
+    """
+
+    op_timeout_s: float = 10.0
+    user_data: UserData | None = None
 
 
 class AssembledJob(NamedTuple):
@@ -43,7 +75,8 @@ class AssembledJob(NamedTuple):
     run: ResilientConfig
 
 
-def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = None) -> AssembledJob:
+def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = None,
+             inputs: JobInputs = JobInputs()) -> AssembledJob:
     """Assemble the job of ``cfg`` for the adapter named by ``runtime.adapter``
     (checkpoints default to ``<workdir>/checkpoints``; every check of the configuration
     against the adapter happens here, before anything starts)."""
@@ -54,7 +87,7 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
     from resihp_core.plugins import get_plugins
     from resihp_core.data import create_source
     from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
-    from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
+    from resihp_core.predictor.predict import IterationPredictor, workload_features
 
     par, mod, tr = cfg.parallel, cfg.model, cfg.training
     registry = get_plugins().adapters()
@@ -67,8 +100,9 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
         section = make_section(cfg) if make_section is not None else dict(cfg.adapter)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e), path="adapter") from None
+    user = inputs.user_data
     plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
-                                num_microbatches=tr.microbatches, num_heads=mod.heads,
+                                num_microbatches=tr.microbatches, num_heads=mod.heads if user is None else 0,
                                 schedule=ScheduleKind(cfg.scheduler.schedule))
     topology = Topology.uniform(cfg.runtime.nodes, cfg.runtime.devices_per_node,
                                 cfg.scheduler.device_memory_gib)
@@ -79,14 +113,20 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
         raise ConfigError(f"adapter {adapter.name!r} cannot run this plan: {'; '.join(why)}",
                           path="runtime.adapter", value=adapter.name)
     n = tr.token_budget
-    # The job's data source ([data]; default: the synthetic long-tailed corpus), built
-    # here first: a bad section fails before any worker starts, and workers rebuild the
-    # very same source from its resolved spec (paths made absolute, corpus fingerprint).
-    source = create_source(cfg.data.section(), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
-                           token_budget=n, vocab_size=mod.vocab)
+    if user is None:
+        # The job's data source ([data]; default: the synthetic long-tailed corpus), built
+        # here first: a bad section fails before any worker starts, and workers rebuild the
+        # very same source from its resolved spec (paths made absolute, corpus fingerprint).
+        source = create_source(cfg.data.section(), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
+                               token_budget=n, vocab_size=mod.vocab)
+        data, workload = source.spec(), source.workload(0)
+        shape = ModelShape(tokens=n, hidden=mod.hidden, dtype_bytes=4,
+                           params_per_layer=4 * mod.hidden * mod.hidden + 3 * mod.hidden * mod.ffn)
+    else:
+        data, workload, shape = {"source": "user"}, user.workload, user.shape
     spec = JobSpec(
-        adapter=adapter.name, adapter_config=section, data=source.spec(),
-        dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=10.0,
+        adapter=adapter.name, adapter_config=section, data=data,
+        dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=inputs.op_timeout_s,
         checkpoint_dir=tr.checkpoint_dir or str(Path(workdir or tempfile.gettempdir()) / "checkpoints"),
         checkpoint_every=tr.checkpoint_every, checkpoint_keep=tr.checkpoint_keep,
         faults=worker_faults(faults),
@@ -97,10 +137,8 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
     cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
                                        ref_layers=max(1, mod.layers // par.pp), ref_tp=1), par.pp)
     links = LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9, intra_latency=5e-5, inter_latency=1e-4)
-    params = 4 * mod.hidden * mod.hidden + 3 * mod.hidden * mod.ffn
-    predictor = IterationPredictor(cost, topology, ModelShape(tokens=n, hidden=mod.hidden,
-                                                              params_per_layer=params, dtype_bytes=4), links)
-    feats = workload_features(source.workload(0), par.dp, tr.microbatches)
+    predictor = IterationPredictor(cost, topology, shape, links)
+    feats = workload_features(workload, par.dp, tr.microbatches)
     state = PlannerState.create(topology, plan, predictor, feats, capabilities=caps,
                                 k_min=cfg.scheduler.k_min, delta=cfg.scheduler.delta)
     planner = Planner(capabilities=caps)

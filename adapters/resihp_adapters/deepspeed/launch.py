@@ -24,7 +24,10 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from resihp_core.runtime.assemble import AssembledJob
 
 __all__ = ["configure", "run", "run_demo", "accelerate_env", "read_resihp_section"]
 
@@ -102,40 +105,43 @@ def check_script_calls_initialize(script: str) -> None:
                      "with resihp_adapters.deepspeed.initialize (docs/deepspeed.md)")
 
 
-def build_job(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path):
-    """Plan, topology, job description, planner state and planner of the launch."""
-    from resihp_core.job import JobSpec
-    from resihp_core.plan import ParallelPlan, Topology
+def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path) -> AssembledJob:
+    """The launch's job, assembled as every job is (:func:`~resihp_core.runtime.assemble.assemble`):
+    the DeepSpeed JSON and its ``resihp`` section read as a ResiHP configuration, the
+    JSON's op timeout and the script's own data as :class:`JobInputs`."""
+    from resihp_core.config import Config
+    from resihp_core.faults import load_scenario
     from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
-    from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
-    from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
-    from resihp_core.scheduler.planner import Planner
-    from resihp_core.scheduler.state import PlannerState
-    from resihp_core.faults import load_scenario, worker_faults
-
-    from resihp_adapters.deepspeed.plugin import CAPABILITIES
+    from resihp_core.predictor.predict import ModelShape
+    from resihp_core.runtime.assemble import JobInputs, UserData, assemble
 
     pp, nodes = int(sec.get("pp", 2)), int(sec.get("nodes", 1))
     if num_processes % pp or num_processes % nodes:
         raise ValueError(f"num_processes={num_processes} must be a multiple of resihp.pp={pp} and resihp.nodes={nodes}")
-    dp, m = num_processes // pp, int(ds_config.get("gradient_accumulation_steps", 1))
-    plan = ParallelPlan.uniform(tp=1, pp=pp, dp=dp, num_layers=int(sec["num_layers"]), num_microbatches=m)
-    topology = Topology.uniform(nodes, num_processes // nodes)
-    faults = load_scenario(sec.get("faults", []))
-    placement = {"backend": str(sec.get("backend", "auto")), "devices_per_node": num_processes // nodes}
-    spec = JobSpec(adapter="deepspeed", adapter_config=placement, data={"source": "user"}, dp=dp, num_microbatches=m,
-                   timeout_s=float(sec.get("timeout_s", 10.0)), checkpoint_dir=str(workdir / "checkpoints"),
-                   checkpoint_every=int(sec.get("checkpoint_every", 1)), faults=worker_faults(faults))
-    # Planning model: equal per-layer cost, CPU-like links; the Detector fits its own.
-    corpus = dict(scale=8.0, shape=1.0, min_len=4, max_len=64, token_budget=64, seed=0)
-    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
-                                       ref_layers=max(1, plan.num_layers // pp), ref_tp=1), pp)
-    links = LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9, intra_latency=5e-5, inter_latency=1e-4)
-    predictor = IterationPredictor(cost, topology, ModelShape(tokens=64, hidden=64, params_per_layer=64 * 64,
-                                                              dtype_bytes=4), links)
-    feats = workload_features(iteration_workload(CorpusSpec(**corpus), 0, dp, m), dp, m)
-    state = PlannerState.create(topology, plan, predictor, feats, capabilities=CAPABILITIES)
-    return plan, topology, spec, state, Planner(capabilities=CAPABILITIES), faults
+    dp, m, per_node = num_processes // pp, int(ds_config.get("gradient_accumulation_steps", 1)), num_processes // nodes
+    # A worker's first engine build (DeepSpeed import, JIT-free) can hold the GIL for
+    # seconds on a loaded machine: tolerate missed heartbeats longer than the core's default.
+    # The controller counts an agent silent for 2 x this many heartbeats as a lost node
+    # (a dead agent is seen at once: its connection closes); 50 (10 s) lost every node of
+    # four launches starting 16 DeepSpeed workers at once on 2 cores at load 66.
+    detector = {"heartbeat_miss_limit": 150, "hang_min_timeout_s": 30.0, **(sec.get("detector") or {})}
+    cfg = Config.from_dict({
+        "parallel": {"tp": 1, "pp": pp, "dp": dp},
+        # No controller failover here: the launch's controller is its agents' parent.
+        "runtime": {"adapter": "deepspeed", "nodes": nodes, "devices_per_node": per_node, "controller_grace_s": 0.0},
+        "model": {"layers": int(sec["num_layers"])},
+        "training": {"microbatches": m, "iterations": int(sec["iterations"]),
+                     "checkpoint_every": int(sec.get("checkpoint_every", 1)), "checkpoint_keep": 0},
+        "detector": detector,
+        # The DeepSpeed adapter's section: where its workers bind their collectives.
+        "adapter": {"backend": str(sec.get("backend", "auto")), "devices_per_node": per_node},
+    }, source="resihp section of the DeepSpeed config")
+    # Planning prior for the script's own data and model (the Detector fits its own).
+    corpus = CorpusSpec(scale=8.0, shape=1.0, min_len=4, max_len=64, token_budget=64, seed=0)
+    user = UserData(workload=iteration_workload(corpus, 0, dp, m),
+                    shape=ModelShape(tokens=64, hidden=64, params_per_layer=64 * 64, dtype_bytes=4))
+    inputs = JobInputs(op_timeout_s=float(sec.get("timeout_s", 10.0)), user_data=user)
+    return assemble(cfg, load_scenario(sec.get("faults", [])), workdir, inputs)
 
 
 #: How long ``resihp launch`` waits for the node agents it starts to connect.
@@ -144,10 +150,10 @@ AGENT_CONNECT_S = 300.0
 
 def run(args: argparse.Namespace) -> int:
     """``resihp launch``: returns 0 when every iteration committed."""
+    import dataclasses
+
     from resihp_core.cli import CliError
-    from resihp_core.config import DetectorConfig
-    from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
-    from resihp_core.faults import repairs
+    from resihp_core.runtime.resilient import RunHooks, run_resilient
 
     from resihp_adapters.deepspeed.spec import check_supported, load_ds_config
 
@@ -162,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
         check_supported(ds)
         check_script_calls_initialize(script)
         work = Path(args.workdir or tempfile.mkdtemp(prefix="resihp-launch-"))
-        plan, topology, spec, state, planner, faults = build_job(int(a.num_processes), ds, sec, work)
-    except (ValueError, OSError) as e:
+        job = assemble_launch(int(a.num_processes), ds, sec, work)
+    except (ValueError, OSError) as e:  # ConfigError and FaultError are ValueErrors
         raise CliError(str(e)) from e
     per_node = int(a.num_processes) // int(sec.get("nodes", 1))
     env.update(RESIHP_LAUNCH_SCRIPT=script, RESIHP_LAUNCH_ARGS=json.dumps(script_args),
@@ -171,12 +177,7 @@ def run(args: argparse.Namespace) -> int:
                MASTER_ADDR=str(a.main_process_ip or "127.0.0.1"), MASTER_PORT=str(a.main_process_port or 29500),
                ACCELERATE_DEEPSPEED_CONFIG_FILE=a.deepspeed_config_file, OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     os.environ.update(env)  # agents start here and pass their environment on to workers
-    # A worker's first engine build (DeepSpeed import, JIT-free) can hold the GIL for
-    # seconds on a loaded machine: tolerate missed heartbeats longer than the core's default.
-    # The controller counts an agent silent for 2 x this many heartbeats as a lost node
-    # (a dead agent is seen at once: its connection closes); 50 (10 s) lost every node of
-    # four launches starting 16 DeepSpeed workers at once on 2 cores at load 66.
-    det = DetectorConfig(**{"heartbeat_miss_limit": 150, "hang_min_timeout_s": 30.0, **(sec.get("detector") or {})})
+    plan = job.plan
     print(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}), "
           f"{sec['iterations']} iterations; logs in {work / 'job'}", flush=True)
 
@@ -190,13 +191,11 @@ def run(args: argparse.Namespace) -> int:
             # The plan itself (ParallelPlan.to_text): where every device runs.
             print("".join(f"    {line}\n" for line in str(ev["plan"]).splitlines()), end="", flush=True)
 
-    out = run_resilient(ResilientConfig(
-        spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=det,
-        iterations=int(sec["iterations"]), workdir=work / "job",
-        worker_module="resihp_adapters.deepspeed.script_worker", timeout_s=args.timeout,
+    out = run_resilient(dataclasses.replace(
+        job.run, worker_module="resihp_adapters.deepspeed.script_worker", timeout_s=args.timeout,
         # Its own agents, started here: on a loaded machine one took over the
         # core's 60 s to import and connect (a dead one is seen when it exits).
-        agents=AgentSetup(timeout_s=AGENT_CONNECT_S), repairs=repairs(faults),
+        agents=dataclasses.replace(job.run.agents, timeout_s=AGENT_CONNECT_S),
         hooks=RunHooks(on_iteration=on_iteration, on_event=on_event)))
     if not out.ok:
         print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)

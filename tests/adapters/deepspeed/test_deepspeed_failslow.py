@@ -49,14 +49,15 @@ def test_a_slowed_rank_is_detected_and_given_less_work_and_training_stays_exact(
     from resihp_core.runtime.resilient import ResilientConfig, run_resilient
     from resihp_core.testing.conformance import _assemble
 
-    from resihp_adapters.deepspeed.launch import build_job
+    from resihp_adapters.deepspeed.launch import assemble_launch
 
     iterations = ONSET + SETTLE
     # The planning model and job description ``resihp launch`` builds from a DeepSpeed
     # config (PP2 x DP2, one node), with the model given by name, as ``resihp run`` does.
     ds = {"gradient_accumulation_steps": S.MB}
     sec = {"num_layers": S.LAYERS, "iterations": iterations, "pp": 2, "timeout_s": 10, "checkpoint_every": 0}
-    plan, topology, spec, state, planner, _ = build_job(4, ds, sec, tmp_path)
+    job = assemble_launch(4, ds, sec, tmp_path)
+    plan, topology, spec, state, planner = job.plan, job.topology, job.spec, job.state, job.planner
     slow = plan.group(1, 1)[0]  # replica 1, stage 1
     spec = dataclasses.replace(
         spec, adapter_config={"model": "_model:build", "lr": S.LR, "num_layers": S.LAYERS, "seed": S.SEED,
