@@ -863,7 +863,6 @@ def main(argv: list[str] | None = None) -> int:
         print(render(json.loads(Path(args.from_json).read_text()))[0])
         return 0
     reps, iterations, every, repair_after, jobs, tnames = _settings(args)
-    warmup = WARMUP
     try:
         import torchft  # noqa: F401
         have_torchft = True

@@ -490,8 +490,6 @@ class StagedTrace(Trace):
     """Four ranks as 2 replicas x 2 stages (TP 1)."""
 
     def iteration(self, it: int, noise: float = 0.02) -> dict[int, IterationProfile]:
-        from dataclasses import replace
-
         return {r: replace_profile(p, stage=r % 2, replica=r // 2) for r, p in super().iteration(it, noise).items()}
 
 
@@ -606,7 +604,6 @@ def test_environment_change_the_probe_and_the_run_delay() -> None:
     assert environment_change(before, after) == pytest.approx({1: 2.0, 2: 2.0})
     import subprocess
     import sys
-    import time as _t
 
     probe = EnvironmentProbe(interval_s=0.05)
     assert probe.level == 0.0
