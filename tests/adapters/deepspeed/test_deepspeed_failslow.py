@@ -29,8 +29,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 HIDDEN, MBS = 192, 32
 # As the chaos tests: the Detector's series starts at a generation's third iteration and
 # needs 5 healthy observations before a change point; SETTLE leaves room for a late
-# detection on a loaded machine, then iterations under the new plan.
-ONSET, SETTLE, FACTOR = 10, 12, 6.0
+# detection on a loaded machine (or after a re-plan for another device's host
+# contention), then iterations under the new plan.
+ONSET, SETTLE, FACTOR = 10, 16, 6.0
 
 
 def _work(plan, device) -> float:
@@ -78,7 +79,12 @@ def test_a_slowed_rank_is_detected_and_given_less_work_and_training_stays_exact(
     assert len(run.records) == iterations
 
     failures = [e for e in run.events if e["kind"] == "failure"]
-    assert [(sorted(e["devices"]), e["failure"]) for e in failures] == [([slow], "fail-slow")], run.events
+    # A host-contention report of another worker (4 workers on 2 shared cores: a CI
+    # run once had one, 1.35x, as the slowdown began) is the Detector's call on the
+    # machine, not this fault's; anything else, or no report of the slowed device, fails.
+    others = [e for e in failures
+              if not (e["failure"] == "fail-slow" and e.get("cause") == "contention" and slow not in e["devices"])]
+    assert [(sorted(e["devices"]), e["failure"]) for e in others] == [([slow], "fail-slow")], run.events
     assert any(e["kind"] == "plan" and e["generation"] >= 1 for e in run.events), run.events
     assert any(r.generation >= 1 for r in run.records), [(r.iteration, r.generation) for r in run.records]
     final = run.final_plan
