@@ -72,6 +72,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from resihp_core.plan import ParallelPlan, Topology, ranges_from_counts
 from resihp_core.predictor.cost import CostModel, LinkModel, fit_stage, mape
@@ -188,30 +189,37 @@ def torch_native_kill(reps: int, hf: bool = False) -> dict:
     return out
 
 
-def torch_native_restore_at(points: list[int], reps: int, every: int = 10) -> dict:
-    """torch_native FSDP2 (a SIGKILLed rank takes its shard): kill -> the killed
-    iteration committed again, on the restore path, for a kill after ``points``
-    iterations of the same job (checkpoint every ``every``; the restore point by the
-    supervisor's rule). Without replay from the start the figures do not grow with the
-    point (docs/checkpoints.md)."""
-    model = TN_MODEL
-    base, victim, three = _pp2dp2_kill_plans()
+def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelPlan, int, ParallelPlan],
+                job_spec: Callable[[str], JobSpec], timeout: float) -> dict:
+    """Kill -> the killed iteration committed again on the restore path, after each of
+    ``points`` iterations of a fresh job (``job_spec(checkpoint_dir)``), median of ``reps``."""
+    base, victim, after = plans
     out = {}
     for point in points:
         rows = []
         for rep in range(reps):
             ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
-            js = JobSpec(adapter="torch_native", adapter_config={"shard": 0, "model": model},
-                         data={"source": "synthetic", "token_budget": 64}, dp=2, num_microbatches=4,
-                         timeout_s=10.0, checkpoint_dir=ckpt, checkpoint_every=every, checkpoint_keep=2)
-            with LocalJob(js.to_json(), base.devices()) as job:
-                rows.append(timed_kill(job, base, victim, three, timeout=600, restore=True, warm=point,
+            js = job_spec(ckpt)
+            with LocalJob(js.to_json(), base.devices(), workdir=tempfile.mkdtemp(prefix="resihp-rst-")) as job:
+                rows.append(timed_kill(job, base, victim, after, timeout=timeout, restore=True, warm=point,
                                        every=every, checkpoint_dir=ckpt))
             print(f"  kill after {point} iterations, run {rep + 1}: "
                   f"{rows[-1]['kill_to_first_iteration_s']:.3f} s, resumed at {rows[-1]['resumed_at']} "
                   f"({rows[-1]['redone']} redone)", flush=True)
         out[f"at_{point}"] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
     return out
+
+
+def torch_native_restore_at(points: list[int], reps: int, every: int = 10) -> dict:
+    """torch_native FSDP2 (a SIGKILLed rank takes its shard): kill -> the killed
+    iteration committed again, on the restore path, for a kill after ``points``
+    iterations of the same job (checkpoint every ``every``; the restore point by the
+    supervisor's rule). Without replay from the start the figures do not grow with the
+    point (docs/checkpoints.md)."""
+    return _restore_at(points, reps, every, _pp2dp2_kill_plans(), lambda ckpt: JobSpec(
+        adapter="torch_native", adapter_config={"shard": 0, "model": TN_MODEL},
+        data={"source": "synthetic", "token_budget": 64}, dp=2, num_microbatches=4, timeout_s=10.0,
+        checkpoint_dir=ckpt, checkpoint_every=every, checkpoint_keep=2), timeout=600)
 
 
 def _main_restore_at(args) -> int:
@@ -439,22 +447,9 @@ def ds_restore_at(points: list[int], reps: int, every: int = 10) -> dict:
     """ZeRO 1 (the killed rank takes its optimizer shard): kill -> the killed iteration
     committed again through a restore from the checkpoint the supervisor's rule picks
     (every ``every``), after ``points`` iterations of the same job."""
-    plan, victim, partial = _ds_kill_plans()
-    out = {}
-    for point in points:
-        rows = []
-        for rep in range(reps):
-            ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
-            js = JobSpec(adapter="deepspeed", adapter_config={**DS_TOY, "zero_stage": 1}, dp=2, num_microbatches=4,
-                         timeout_s=10.0, checkpoint_dir=ckpt, checkpoint_every=every, checkpoint_keep=2)
-            with LocalJob(js.to_json(), plan.devices(), workdir=tempfile.mkdtemp(prefix="resihp-ds-rst-")) as job:
-                rows.append(timed_kill(job, plan, victim, partial, timeout=900, restore=True, warm=point,
-                                       every=every, checkpoint_dir=ckpt))
-            print(f"  kill after {point} iterations, run {rep + 1}: "
-                  f"{rows[-1]['kill_to_first_iteration_s']:.3f} s, resumed at {rows[-1]['resumed_at']} "
-                  f"({rows[-1]['redone']} redone)", flush=True)
-        out[f"at_{point}"] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
-    return out
+    return _restore_at(points, reps, every, _ds_kill_plans(), lambda ckpt: JobSpec(
+        adapter="deepspeed", adapter_config={**DS_TOY, "zero_stage": 1}, dp=2, num_microbatches=4, timeout_s=10.0,
+        checkpoint_dir=ckpt, checkpoint_every=every, checkpoint_keep=2), timeout=900)
 
 
 def _ds_iteration_worker(store: str, out: str, iters: int, blocks: int) -> None:
