@@ -9,17 +9,15 @@ component, checkpoints written and restored.
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from resihp_core.adapter import Adapter, AdapterContext, Capabilities, GenerationAborted, IterationResult, Shard
+from resihp_core.adapter import Adapter, AdapterContext, Capabilities, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import (
     Backward,

@@ -10,8 +10,6 @@ optimizer state" is one mechanism (:func:`transfer_plan`), for any old/new TP de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch

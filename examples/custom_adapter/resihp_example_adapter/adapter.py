@@ -21,7 +21,7 @@ import torch.distributed as dist
 from resihp_core import checkpoints
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
-from resihp_core.program import Backward, Forward, Program, ReduceGrads, OptimizerStep
+from resihp_core.program import Forward, Program, ReduceGrads, OptimizerStep
 
 from resihp_example_adapter.plugin import CAPABILITIES
 
