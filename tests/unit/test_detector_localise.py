@@ -27,6 +27,12 @@ class Job:
         self.rng = random.Random(seed)
         self.slow: dict[int, float] = {}
         self.noisy: dict[int, float] = {}  # rank -> its own noise, if not the default
+        # The CPUs each rank may run on (IterationProfile.cpus): one core each by default;
+        # "shared" = every rank on every core; "unknown" = not reported.
+        self.affinity = "pinned"
+
+    def cpus(self, r: int) -> tuple[int, ...]:
+        return {"pinned": (r,), "shared": tuple(range(self.ranks)), "unknown": ()}[self.affinity]
 
     def iteration(self, it: int) -> dict[int, IterationProfile]:
         comps = {}
@@ -43,7 +49,8 @@ class Job:
         for r, mbs in comps.items():
             comp = sum(m.forward_s + m.backward_s for m in mbs)
             out[r] = IterationProfile(rank=r, device=r, generation=0, iteration=it, stage=0, replica=r,
-                                      microbatches=tuple(mbs), comm_s=total - comp, iteration_s=total)
+                                      microbatches=tuple(mbs), comm_s=total - comp, iteration_s=total,
+                                      cpus=self.cpus(r))
         return out
 
 
