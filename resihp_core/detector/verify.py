@@ -4,7 +4,9 @@ Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
 
 :class:`ProfileVerifier` (``"resihp"``) works from the per-rank profiles of the
 iterations since the change point and the healthy model, and probes only where the
-profiles cannot decide:
+profiles cannot decide. It applies :attr:`ProfileVerifier.RULES` in order, each a
+method whose docstring says what evidence it reads; the verdict names the rule that
+decided (``Verdict.rule``; docs/detector.md "Verification rules"). In outline:
 
 0. **localised or machine-wide** (docs/detector.md) — a suspect must be slower than the
    median of the other executors by its margin (``compute_margin``, or more where its
@@ -14,7 +16,9 @@ profiles cannot decide:
    training thread waited for a CPU other processes held (its run delay beyond the
    share the healthy prediction contains; :mod:`~resihp_core.detector.environment`)
    is reported with cause ``"contention"`` — unless its peers waited much as well
-   (the whole machine is contended, unevenly). With a single executor (no peers) such
+   (the whole machine is contended, unevenly), or it may run on its peers' CPUs (not
+   pinned: the scheduler's choice) and its waiting is not persistent and large
+   (docs/detector.md "Pinned or unpinned"). With a single executor (no peers) such
    waiting is the environment's. A device's own slowdown is measured with the waiting
    taken out.
 
