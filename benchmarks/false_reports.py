@@ -65,7 +65,8 @@ class _Recorder:
                           "profiles": [msgspec.to_builtins(p) for p in profiles.values()],
                           "action": det.action,
                           "report": None if det.report is None else [list(det.report.devices), det.report.cause],
-                          "evidence": det.verdict.evidence[:600] if det.verdict is not None else ""})
+                          "evidence": det.verdict.evidence[:600] if det.verdict is not None else "",
+                          "rule": det.verdict.rule if det.verdict is not None else ""})
         return det
 
     def reset(self, generation: int, **kw: Any) -> None:
@@ -157,7 +158,8 @@ def replay(run: dict[str, Any], case: str, affinity: str = "recorded") -> list[t
             continue
         d = det.observe(e["iteration"], with_affinity(profiles_of(e), case, affinity))
         if d.report is not None:
-            out.append((e["iteration"], list(d.report.devices), d.report.cause, d.verdict.evidence[:400]))
+            out.append((e["iteration"], list(d.report.devices), d.report.cause,
+                        f"[{d.verdict.rule}] {d.verdict.evidence[:400]}"))
     return out
 
 

@@ -435,8 +435,9 @@ class WorkloadAwareDetector(_Base):
         note = "devices " + ", ".join(
             f"{d} ({math.exp(excess[d]):.2f}x its peers, noise {noise.get(d, 0.0):.3f})" for d in sorted(found)
         ) + f" slower than their peers since iteration {onset}"
-        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d path=local confirmed=%s evidence=%r",
-                    self.generation, iteration, onset, verdict.confirmed, verdict.evidence[:300])
+        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d path=local confirmed=%s rule=%s "
+                    "evidence=%r", self.generation, iteration, onset, verdict.confirmed, verdict.rule,
+                    verdict.evidence[:300])
         if verdict.cause == "communication" and not set(verdict.slow) <= set(found):
             # The watch saw compute above its peers on these devices; a link of other
             # devices is not what it found (docs/detector.md "False reports on a loaded machine").
@@ -552,8 +553,9 @@ class WorkloadAwareDetector(_Base):
             return Detection(iteration, measured, "pending", cp, predicted, ratio, verdict, onset=onset)
         self._more = 0
         self._last_retained = iteration
-        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
-                    self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])
+        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s rule=%s "
+                    "evidence=%r", self.generation, iteration, onset, ratio, verdict.confirmed, verdict.rule,
+                    verdict.evidence[:300])
         if not verdict.confirmed:
             return Detection(iteration, measured, "cleared", cp, predicted, ratio, verdict, onset=onset)
         if self._known(verdict):
