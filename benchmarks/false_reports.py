@@ -65,7 +65,8 @@ class _Recorder:
                           "profiles": [msgspec.to_builtins(p) for p in profiles.values()],
                           "action": det.action,
                           "report": None if det.report is None else [list(det.report.devices), det.report.cause],
-                          "evidence": det.verdict.evidence[:600] if det.verdict is not None else ""})
+                          "evidence": det.verdict.evidence[:600] if det.verdict is not None else "",
+                          "rule": det.verdict.rule if det.verdict is not None else ""})
         return det
 
     def reset(self, generation: int, **kw: Any) -> None:
@@ -115,9 +116,39 @@ def _detector_for(case: str, plan_text: str | None) -> Any:
     return failslow.build_failslow_detector(de.CONFIG)
 
 
-def replay(run: dict[str, Any], case: str) -> list[tuple[int, list[int], str, str]]:
+AFFINITY = ("recorded", "as-run", "pinned")
+
+
+def with_affinity(profiles: dict[int, IterationProfile], case: str, mode: str, cores: int = 2
+                  ) -> dict[int, IterationProfile]:
+    """Profiles recorded before workers reported their CPUs (``IterationProfile.cpus``)
+    with the CPUs filled in: ``recorded`` leaves them out (not reported: the detector
+    takes them as shared with the peers); ``as-run`` gives each worker the CPUs it had
+    in that run (detector_external.py pins worker d to core d mod ``cores``; the
+    training and sequence cases pin nothing: every core); ``pinned`` gives every device
+    a core of its own (what the detector assumed before it read the CPUs: replaying
+    with it must reproduce the code before the change). Profiles that carry CPUs are
+    left as they are."""
+    if mode == "recorded":
+        return profiles
+    out = {}
+    for r, p in profiles.items():
+        if not p.cpus:
+            if mode == "pinned":
+                cpus: tuple[int, ...] = (p.device,)
+            elif case in _EXTERNAL:
+                cpus = (p.device % cores,)
+            else:
+                cpus = tuple(range(cores))
+            p = msgspec.structs.replace(p, cpus=cpus)
+        out[r] = p
+    return out
+
+
+def replay(run: dict[str, Any], case: str, affinity: str = "recorded") -> list[tuple[int, list[int], str, str]]:
     """Feed a recorded run's first generation to a fresh detector (the code as it is
-    now); returns its fail-slow reports as (iteration, devices, cause, evidence)."""
+    now); returns its fail-slow reports as (iteration, devices, cause, evidence).
+    ``affinity``: how profiles without CPUs are filled (:func:`with_affinity`)."""
     det = _detector_for(case, run.get("plan"))
     out = []
     for e in run.get("trace", []):
@@ -125,13 +156,14 @@ def replay(run: dict[str, Any], case: str) -> list[tuple[int, list[int], str, st
             if e["reset"] > 0:
                 break  # a new plan: the recorded run acted on a report; stop here
             continue
-        d = det.observe(e["iteration"], profiles_of(e))
+        d = det.observe(e["iteration"], with_affinity(profiles_of(e), case, affinity))
         if d.report is not None:
-            out.append((e["iteration"], list(d.report.devices), d.report.cause, d.verdict.evidence[:400]))
+            out.append((e["iteration"], list(d.report.devices), d.report.cause,
+                        f"[{d.verdict.rule}] {d.verdict.evidence[:400]}"))
     return out
 
 
-def replay_dir(folder: Path) -> dict[str, dict[str, Any]]:
+def replay_dir(folder: Path, affinity: str = "recorded") -> dict[str, dict[str, Any]]:
     """Replay every trace in ``folder``; per case: runs, runs with a false report, misses."""
     res: dict[str, dict[str, Any]] = {}
     for f in sorted(folder.glob("*.json")):
@@ -139,7 +171,7 @@ def replay_dir(folder: Path) -> dict[str, dict[str, Any]]:
         run = json.loads(f.read_text())
         if not run.get("trace"):
             continue
-        reps = replay(run, case)
+        reps = replay(run, case, affinity)
         v = res.setdefault(case, {"runs": 0, "runs_with_false": 0, "false_reports": 0, "misses": 0, "latency": [],
                                   "false": []})
         v["runs"] += 1
@@ -305,11 +337,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", help=f"comma-separated, of {','.join(CASES)}")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--traces", type=Path, help="write each run's recorded profiles here")
-    ap.add_argument("--replay", type=Path, help="replay the traces in this folder with the code as it is now")
+    ap.add_argument("--replay", type=Path, nargs="+",
+                    help="replay the traces in these folders with the code as it is now")
+    ap.add_argument("--affinity", choices=AFFINITY, default="recorded",
+                    help="replay: CPUs of profiles recorded without them (see with_affinity)")
     a = ap.parse_args(argv)
     if a.replay:
-        res = replay_dir(a.replay)
-        print(f"replayed {a.replay} with the detector as it is now:")
+        res: dict[str, dict[str, Any]] = {}
+        for folder in a.replay:
+            for name, v in replay_dir(folder, a.affinity).items():
+                acc = res.setdefault(name, {k: (0 if isinstance(x, int) else []) for k, x in v.items()})
+                for k, x in v.items():
+                    acc[k] += x
+        print(f"replayed {' '.join(map(str, a.replay))} with the detector as it is now (affinity {a.affinity}):")
         print(f"  {'case':<16} {'runs':>4} {'runs w/ false':>13} {'false':>5} {'misses':>6}  latency")
         for name, v in res.items():
             print(f"  {name:<16} {v['runs']:>4} {v['runs_with_false']:>13} {v['false_reports']:>5} {v['misses']:>6}  "

@@ -156,7 +156,8 @@ class Verdict:
     ``probe_rounds`` / ``probe_s`` count the active probes it took. ``more``: nothing
     found *yet* — the evidence needs this many iterations since the onset (a slowdown
     that is only waiting for a CPU on a loaded machine; docs/detector.md "False reports
-    on a loaded machine"); the detector verifies again once they are there."""
+    on a loaded machine"); the detector verifies again once they are there. ``rule``:
+    the verification rule that decided (``verify.RULES``; "" for other strategies)."""
 
     slow: Mapping[int, float]
     cause: Cause = "unknown"
@@ -164,6 +165,7 @@ class Verdict:
     probe_rounds: int = 0
     probe_s: float = 0.0
     more: int = 0
+    rule: str = ""
 
     @property
     def confirmed(self) -> bool:

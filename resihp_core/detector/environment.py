@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
 
 __all__ = [
-    "CpuWaitMeter", "EnvironmentProbe", "environment_change", "is_running", "run_delay_s", "runnable_tasks",
+    "CpuWaitMeter", "allowed_cpus", "EnvironmentProbe", "environment_change", "is_running", "run_delay_s", "runnable_tasks",
     "wait_shares",
 ]
 
@@ -69,6 +69,18 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def allowed_cpus() -> tuple[int, ...]:
+    """The CPUs the calling thread may run on (its affinity), sorted; () where the
+    platform does not say. Sent in every profile (``IterationProfile.cpus``): whether a
+    worker has cores of its own decides how its waiting for a CPU is read
+    (docs/detector.md "Pinned or unpinned"). One system call, read every iteration since
+    a worker may be pinned after it starts."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return ()
 
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"

@@ -63,7 +63,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, peer_excess, peers_waiting
+from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, own_cores, peer_excess, peers_waiting
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 
 if TYPE_CHECKING:
@@ -232,6 +232,9 @@ class WorkloadAwareDetector(_Base):
         for a CPU must stay so on a loaded machine before it is verified (a contention
         slowdown there is found within this many iterations; docs/detector.md "False
         reports on a loaded machine").
+    :param unpinned_window: the same for a device that shares its CPUs with its peers
+        (not pinned to cores of its own, or CPUs not reported): its waiting is where the
+        scheduler put it, so it must last longer (docs/detector.md "Pinned or unpinned").
 
     A change judged benign is removed from the series (the detector is rebased) but
     stays under watch for ``min_gap`` iterations: if the median ratio since its onset
@@ -261,10 +264,14 @@ class WorkloadAwareDetector(_Base):
         local: PeerExcessWatch | None = None,
         loaded_share: float = 0.25,
         loaded_window: int = 6,
+        unpinned_window: int = 12,
     ) -> None:
-        if not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window:
-            raise ValueError("need slow_threshold > 0, min_gap >= 1, 1 <= verify_window <= loaded_window")
+        if (not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window
+                or unpinned_window < loaded_window):
+            raise ValueError("need slow_threshold > 0, min_gap >= 1, "
+                             "1 <= verify_window <= loaded_window <= unpinned_window")
         self.verify_window, self.loaded_share, self.loaded_window = verify_window, loaded_share, loaded_window
+        self.unpinned_window = unpinned_window
         self.local = local if local is not None else PeerExcessWatch(window=verify_window, floor=slow_threshold)
         # The same watch on each rank's own compute (without its waiting for a CPU):
         # steady where the host is loaded, so a slow DP replica is found in time there
@@ -428,8 +435,9 @@ class WorkloadAwareDetector(_Base):
         note = "devices " + ", ".join(
             f"{d} ({math.exp(excess[d]):.2f}x its peers, noise {noise.get(d, 0.0):.3f})" for d in sorted(found)
         ) + f" slower than their peers since iteration {onset}"
-        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d path=local confirmed=%s evidence=%r",
-                    self.generation, iteration, onset, verdict.confirmed, verdict.evidence[:300])
+        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d path=local confirmed=%s rule=%s "
+                    "evidence=%r", self.generation, iteration, onset, verdict.confirmed, verdict.rule,
+                    verdict.evidence[:300])
         if verdict.cause == "communication" and not set(verdict.slow) <= set(found):
             # The watch saw compute above its peers on these devices; a link of other
             # devices is not what it found (docs/detector.md "False reports on a loaded machine").
@@ -459,11 +467,16 @@ class WorkloadAwareDetector(_Base):
         more in those iterations, the machine is loaded and which rank waits longest
         changes from one iteration to the next: three in a row happen by chance, so the
         run must last ``loaded_window`` iterations (a hog on the device's own cores keeps
-        it waiting in every one). Elsewhere ``verify_window``."""
+        it waiting in every one). So must a device that shares its CPUs with its peers
+        (not pinned to cores of its own, or CPUs not reported): its waiting is the
+        scheduler's choice, not a hog on its cores (docs/detector.md "Pinned or
+        unpinned"). Elsewhere ``verify_window``."""
         def needed(device: int, iterations: list[int]) -> int:
             if device in own_found or self.own.flagged(device) >= len(iterations):
                 return self.verify_window
             byit = {it: ps for it, _, ps in self._hist}
+            if not own_cores([byit[it] for it in iterations if it in byit], [device]):
+                return self.unpinned_window
             shares = [peers_waiting(byit[it], device) for it in iterations if it in byit]
             if shares and statistics.median(shares) >= self.loaded_share:
                 return self.loaded_window
@@ -540,8 +553,9 @@ class WorkloadAwareDetector(_Base):
             return Detection(iteration, measured, "pending", cp, predicted, ratio, verdict, onset=onset)
         self._more = 0
         self._last_retained = iteration
-        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s evidence=%r",
-                    self.generation, iteration, onset, ratio, verdict.confirmed, verdict.evidence[:300])
+        logger.info("event=failslow_verified generation=%d iteration=%d onset=%d ratio=%.2f confirmed=%s rule=%s "
+                    "evidence=%r", self.generation, iteration, onset, ratio, verdict.confirmed, verdict.rule,
+                    verdict.evidence[:300])
         if not verdict.confirmed:
             return Detection(iteration, measured, "cleared", cp, predicted, ratio, verdict, onset=onset)
         if self._known(verdict):

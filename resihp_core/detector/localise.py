@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "own_compute_of", "peer_excess", "peers_waiting", "robust_sigma"]
+__all__ = ["PeerExcessWatch", "compute_of", "own_compute_of", "own_cores", "peer_excess", "peers_waiting",
+           "robust_sigma"]
 
 
 def compute_of(p: IterationProfile) -> float:
@@ -56,6 +57,35 @@ def peers_waiting(profiles: ProfileSet, device: int) -> float:
     shares = [min(1.0, p.compute_wait_s / c) for p in profiles.values()
               if (p.replica, p.stage) not in mine and (c := compute_of(p)) > 0]
     return statistics.median(shares) if shares else 0.0
+
+
+def own_cores(iterations: Iterable[ProfileSet], devices: Iterable[int]) -> bool:
+    """Whether ``devices`` ran on cores of their own over ``iterations``: each of their
+    ranks reported its CPUs (``IterationProfile.cpus``, the affinity) and none of those
+    CPUs may run a rank of another executor. Only then can other processes contend
+    *its* cores and not its peers' (a pinned hog); a worker free to run where its peers
+    run waits for a CPU by the scheduler's choice (docs/detector.md "Pinned or
+    unpinned"). Unknown CPUs (a profile without them) count as shared."""
+    want = set(devices)
+    mine: set[int] = set()
+    theirs: set[int] = set()
+    executors: set[tuple[int, int]] = set()
+    rows = [list(ps.values()) for ps in iterations]
+    for row in rows:
+        executors |= {(p.replica, p.stage) for p in row if p.device in want}
+    seen = False
+    for row in rows:
+        for p in row:
+            if p.device in want:
+                if not p.cpus:
+                    return False
+                mine.update(p.cpus)
+                seen = True
+            elif (p.replica, p.stage) not in executors:
+                if not p.cpus:
+                    return False
+                theirs.update(p.cpus)
+    return seen and not (mine & theirs)
 
 
 def robust_sigma(xs: list[float]) -> float:

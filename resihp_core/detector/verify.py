@@ -4,7 +4,9 @@ Two strategies behind :class:`~resihp_core.detector.VerificationStrategy`:
 
 :class:`ProfileVerifier` (``"resihp"``) works from the per-rank profiles of the
 iterations since the change point and the healthy model, and probes only where the
-profiles cannot decide:
+profiles cannot decide. It applies :attr:`ProfileVerifier.RULES` in order, each a
+method whose docstring says what evidence it reads; the verdict names the rule that
+decided (``Verdict.rule``; docs/detector.md "Verification rules"). In outline:
 
 0. **localised or machine-wide** (docs/detector.md) — a suspect must be slower than the
    median of the other executors by its margin (``compute_margin``, or more where its
@@ -14,7 +16,9 @@ profiles cannot decide:
    training thread waited for a CPU other processes held (its run delay beyond the
    share the healthy prediction contains; :mod:`~resihp_core.detector.environment`)
    is reported with cause ``"contention"`` — unless its peers waited much as well
-   (the whole machine is contended, unevenly). With a single executor (no peers) such
+   (the whole machine is contended, unevenly), or it may run on its peers' CPUs (not
+   pinned: the scheduler's choice) and its waiting is not persistent and large
+   (docs/detector.md "Pinned or unpinned"). With a single executor (no peers) such
    waiting is the environment's. A device's own slowdown is measured with the waiting
    taken out.
 
@@ -54,11 +58,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
 from resihp_core.detector.environment import wait_shares
-from resihp_core.detector.localise import compute_of, own_compute_of
+from resihp_core.detector.localise import compute_of, own_compute_of, own_cores
 
 if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
@@ -197,6 +202,28 @@ class _Totals:
         return out
 
 
+@dataclass
+class _Case:
+    """One verification's evidence, as :attr:`ProfileVerifier.RULES` read and narrow it.
+
+    Per executor (replica, stage): ``raw`` its worst rank's measured compute over
+    healthy, ``worst`` the same without the waiting for a CPU, ``margin`` /
+    ``own_margin`` the relative excess that makes it a suspect. ``local``: the suspects
+    slower than their peers; ``dismissed``: localised suspects a rule put down to the
+    environment, with that rule's name."""
+
+    ctx: VerificationContext
+    t: _Totals
+    groups: dict[tuple[int, int], list[int]]
+    raw: dict[tuple[int, int], float]
+    worst: dict[tuple[int, int], float]
+    margin: dict[tuple[int, int], float]
+    own_margin: dict[tuple[int, int], float]
+    suspects: dict[tuple[int, int], list[int]]
+    local: set[tuple[int, int]] = field(default_factory=set)
+    dismissed: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
 class ProfileVerifier:
     """ResiHP's verification: profiles first, targeted probes only when they cannot decide.
 
@@ -226,6 +253,11 @@ class ProfileVerifier:
         ``loaded_iterations`` iterations verified, all of them but one (docs/detector.md
         "False reports on a loaded machine").
     :param loaded_iterations: see ``loaded_share``.
+    :param unpinned_iterations: a suspect slowed only by waiting for a CPU on CPUs its
+        peers may use too (not pinned to cores of its own, or its CPUs unknown) must be
+        above its peers in this many iterations verified, all but one, and
+    :param unpinned_ratio: at least this much slower than its peers over them; else it
+        is the scheduler's unevenness (docs/detector.md "Pinned or unpinned").
     :param environment_rise: two or more executors slowed at once, every one on a node
         whose CPU contention (probed outside the job, ``VerificationContext.environment``)
         rose by at least this factor across the change: the environment, not reported.
@@ -252,6 +284,8 @@ class ProfileVerifier:
         shared_wait: float = 0.25,
         loaded_share: float = 0.25,
         loaded_iterations: int = 6,
+        unpinned_iterations: int = 12,
+        unpinned_ratio: float = 1.5,
         environment_rise: float = 1.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
@@ -263,11 +297,25 @@ class ProfileVerifier:
         self.waiting, self.noise_k = waiting, noise_k
         self.shared_wait, self.max_margin = shared_wait, max_margin
         self.loaded_share, self.loaded_iterations = loaded_share, loaded_iterations
-        self.environment_rise = environment_rise
+        self.environment_rise, self.unpinned_ratio = environment_rise, unpinned_ratio
+        self.unpinned_iterations = unpinned_iterations
 
     def verify(self, ctx: VerificationContext) -> Verdict:
+        """Apply :attr:`RULES` in order; the first that decides gives the verdict, named
+        in ``Verdict.rule``. A rule that does not decide may narrow the suspects."""
         if not ctx.iterations:
-            return Verdict({}, "unknown", "no profiles to verify")
+            return Verdict({}, "unknown", "no profiles to verify", rule="no-profiles")
+        c = self._case(ctx)
+        for name, rule in self.RULES:
+            v = rule(self, c)
+            if v is not None:
+                return v if v.rule else replace(v, rule=name)
+        raise AssertionError("the last rule always decides")  # pragma: no cover
+
+    def _case(self, ctx: VerificationContext) -> _Case:
+        """The evidence every rule reads: per executor its worst rank's compute over
+        healthy (measured, and its own without the waiting for a CPU), its margins, and
+        the suspects (above healthy by their margin, a fair share of the worst excess)."""
         t = _Totals(ctx)
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for rank, ex in t.executor.items():
@@ -284,82 +332,188 @@ class ProfileVerifier:
             own_margin = {ex: self._margin(ctx, t, ranks, ctx.own_noise) for ex, ranks in groups.items()}
             for ex, ranks in self._suspects(groups, worst, own_margin).items():
                 suspects.setdefault(ex, ranks)
-        if len(groups) >= 2:
-            # Localised or machine-wide (detector/localise.py): only an executor slower
-            # than its peers in most of the iterations verified is a fail-slow, whatever
-            # slowed it (its device, or other processes on its cores: the cause then
-            # says "contention"); every executor slowed alike is the machine.
-            local = {ex for ex in suspects if self._above_peers(ctx, t, groups, ex, margin[ex])
-                     or (ex in own_margin and self._above_peers(ctx, t, groups, ex, own_margin[ex], own_compute_of))}
-            everyone = all(raw[ex] > 1 + self.compute_margin for ex in groups)
-            if (suspects or everyone) and not local:
-                return Verdict({}, "unknown", "every executor slowed alike in compute ("
-                               + ", ".join(f"replica {r} stage {s}: {raw[(r, s)]:.2f}x" for r, s in sorted(groups))
-                               + "): a machine-wide slowdown, no device to plan around")
-            shared = {ex for ex in local if self._shared_contention(t, groups, ex)}
-            # On a loaded machine a suspect slowed only by waiting for a CPU needs more
-            # iterations, nearly all of them above its peers: which rank waits longest
-            # there changes from one iteration to the next.
-            loaded = {ex for ex in local - shared
-                      if all(self._contended(t, r) for r in groups[ex])
-                      and not (ex in own_margin and self._above_peers(ctx, t, groups, ex, own_margin[ex],
-                                                                      own_compute_of))
-                      and self._peers_waiting(t, groups, ex) >= self.loaded_share
-                      and not self._above_peers(ctx, t, groups, ex, margin[ex],
-                                                need=max(self.loaded_iterations, len(ctx.iterations)) - 1)}
-            if loaded and loaded | shared == local and len(ctx.iterations) < self.loaded_iterations:
-                return Verdict({}, "unknown", "slower than their peers only by waiting for a CPU, on a loaded "
-                               "machine (" + ", ".join(
-                                   f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
-                                   f"{100 * self._peers_waiting(t, groups, (r, s)):.0f} % of theirs"
-                                   for r, s in sorted(loaded))
-                               + f"): {len(ctx.iterations)} iterations are too few to tell its host from "
-                               "the scheduler's luck", more=self.loaded_iterations)
-            shared |= loaded
-            if local and shared == local:
-                return Verdict({}, "unknown", "the slowdown is waiting for a CPU that its peers share ("
-                               + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x, peers waited "
-                                           f"{100 * self._peer_wait(t, groups, (r, s)):.0f} % of their compute "
-                                           f"beyond healthy, {100 * self._peers_waiting(t, groups, (r, s)):.0f} % "
-                                           f"in all, over {len(ctx.iterations)} iterations"
-                                           for r, s in sorted(shared))
-                               + "): the whole machine is contended, unevenly; not a device")
-            suspects = {ex: ranks for ex, ranks in suspects.items() if ex in local and ex not in shared}
-            # Several executors slowed at the same onset while the CPU contention of
-            # their node(s), probed outside the job, rose as well: the environment
-            # changed (a burst of other processes), not several devices at once
-            # (docs/detector.md "False reports on a loaded machine").
-            rose = {ex for ex, ranks in suspects.items()
-                    if all(ctx.environment.get(t.device[r], 0.0) >= self.environment_rise for r in ranks)}
-            if len(suspects) >= 2 and rose == set(suspects):
-                return Verdict({}, "unknown", f"{len(suspects)} executors slowed at once ("
-                               + ", ".join(f"replica {r} stage {s}: compute {raw[(r, s)]:.2f}x" for r, s in sorted(rose))
-                               + ") while the CPU contention of their node rose ("
-                               + ", ".join(f"device {t.device[r]}: {ctx.environment[t.device[r]]:.2f}x"
-                                           for ex in sorted(rose) for r in suspects[ex])
-                               + "): the environment changed, not several devices")
-        else:
-            # One executor has no peers to compare with: a slowdown that is time its
-            # ranks waited for a CPU other processes held cannot be told from the
-            # machine's, and no plan of one executor runs around it.
-            waited = {ex for ex, ranks in suspects.items()
-                      if worst[ex] <= 1 + margin[ex] or all(self._contended(t, r) for r in ranks)}
-            if waited and len(waited) == len(suspects):
-                return Verdict({}, "unknown", "the compute slowdown is time spent waiting for a CPU other "
-                               "processes held, on the job's only executor (" + ", ".join(
-                                   f"replica {ex[0]} stage {ex[1]}: compute {raw[ex]:.2f}x, {worst[ex]:.2f}x "
-                                   f"without the {max(t.waited(r) for r in groups[ex]):.3f} s it waited"
-                                   for ex in sorted(waited)) + "): the environment, not a device")
+        return _Case(ctx, t, dict(groups), raw, worst, margin, own_margin, suspects)
+
+    # ------------------------------------------------------------ rules
+    def _rule_machine_wide(self, c: _Case) -> Verdict | None:
+        """Localised or machine-wide (detector/localise.py). Reads each suspect's compute
+        against the median of the other executors, over the iterations verified and in
+        most of them one by one (measured compute, or its own where the own-compute
+        watch applies). Only an executor slower than its peers is a fail-slow, whatever
+        slowed it; suspects none of which is, or every executor slowed alike, are the
+        machine: nothing to plan around. Needs two executors (else it does not apply)."""
+        if len(c.groups) < 2:
+            return None
+        c.local = {ex for ex in c.suspects if self._above_peers(c.ctx, c.t, c.groups, ex, c.margin[ex])
+                   or self._own_above_peers(c, ex)}
+        everyone = all(c.raw[ex] > 1 + self.compute_margin for ex in c.groups)
+        if (c.suspects or everyone) and not c.local:
+            return Verdict({}, "unknown", "every executor slowed alike in compute ("
+                           + ", ".join(f"replica {r} stage {s}: {c.raw[(r, s)]:.2f}x" for r, s in sorted(c.groups))
+                           + "): a machine-wide slowdown, no device to plan around")
+        return None
+
+    def _rule_contention_shared_by_peers(self, c: _Case) -> Verdict | None:
+        """Marks (never decides alone) the localised suspects slowed by waiting for a CPU
+        whose peers lost ``shared_wait`` of their compute waiting as well: the machine
+        is contended and how much each worker loses is the scheduler's unevenness, not
+        its device. Reads every rank's run delay in compute beyond its healthy share."""
+        for ex in c.local:
+            if self._shared_contention(c.t, c.groups, ex):
+                c.dismissed.setdefault(ex, "contention-shared-by-peers")
+        return None
+
+    def _rule_waiting_not_persistent(self, c: _Case) -> Verdict | None:
+        """A localised suspect slowed only by waiting for a CPU (its own compute is not
+        above its peers) on a loaded machine (its peers waited ``loaded_share`` of their
+        compute or more) or that shares its CPUs with its peers (``own_cores``: an
+        unpinned worker, or CPUs unknown) is the scheduler's luck unless it stays above
+        its peers in ``loaded_iterations`` iterations, all but one — and, sharing its
+        CPUs, by ``unpinned_ratio`` or more over them (docs/detector.md "Pinned or
+        unpinned"). Reads each rank's run delay, its affinity and the per-iteration
+        compute. Fewer iterations than that: ``Verdict.more``, verified again later."""
+        if len(c.groups) < 2:
+            return None
+        n = len(c.ctx.iterations)
+        loaded: dict[tuple[int, int], str] = {}
+        window = 0
+        for ex in c.local - set(c.dismissed):
+            if not self._by_waiting_only(c, ex):
+                continue
+            pinned = own_cores(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
+            busy = self._peers_waiting(c.t, c.groups, ex) >= self.loaded_share
+            if not busy and pinned:
+                continue
+            w = self.loaded_iterations if pinned else self.unpinned_iterations
+            persistent = self._above_peers(c.ctx, c.t, c.groups, ex, c.margin[ex], need=max(w, n) - 1)
+            if persistent and (pinned or self._over_peers(c, ex) >= self.unpinned_ratio):
+                continue
+            loaded[ex] = "loaded machine" if pinned else "unpinned" if not busy else "loaded machine, unpinned"
+            window = max(window, w)
+        if loaded and set(loaded) | set(c.dismissed) >= c.local and n < window:
+            return Verdict({}, "unknown", "slower than their peers only by waiting for a CPU, on a loaded "
+                           "machine or on CPUs their peers may use (" + ", ".join(
+                               f"replica {r} stage {s}: compute {c.raw[(r, s)]:.2f}x, peers waited "
+                               f"{100 * self._peers_waiting(c.t, c.groups, (r, s)):.0f} % of theirs, "
+                               f"{loaded[(r, s)]}"
+                               for r, s in sorted(loaded))
+                           + f"): {n} iterations are too few to tell its host from "
+                           "the scheduler's luck", more=window)
+        for ex in loaded:
+            c.dismissed.setdefault(ex, "waiting-not-persistent")
+        return None
+
+    def _rule_waiting_not_a_device(self, c: _Case) -> Verdict | None:
+        """Decides when every localised suspect was dismissed by the two rules above
+        (which ``Verdict.rule`` then names): the whole machine is contended, unevenly.
+        Otherwise the dismissed and non-localised suspects are dropped. Reads only what
+        those rules marked."""
+        if len(c.groups) < 2:
+            return None
+        if c.local and set(c.dismissed) >= c.local:
+            rules = sorted(set(c.dismissed[ex] for ex in c.local))
+            return Verdict({}, "unknown", "the slowdown is waiting for a CPU that its peers share ("
+                           + ", ".join(f"replica {r} stage {s}: compute {c.raw[(r, s)]:.2f}x, peers waited "
+                                       f"{100 * self._peer_wait(c.t, c.groups, (r, s)):.0f} % of their compute "
+                                       f"beyond healthy, {100 * self._peers_waiting(c.t, c.groups, (r, s)):.0f} % "
+                                       f"in all, over {len(c.ctx.iterations)} iterations"
+                                       for r, s in sorted(c.dismissed) if (r, s) in c.local)
+                           + "): the whole machine is contended, unevenly; not a device", rule="+".join(rules))
+        c.suspects = {ex: ranks for ex, ranks in c.suspects.items() if ex in c.local and ex not in c.dismissed}
+        return None
+
+    def _rule_environment_changed(self, c: _Case) -> Verdict | None:
+        """Several executors slowed at the same onset while the CPU contention of their
+        node(s), probed outside the job (``VerificationContext.environment``), rose by
+        ``environment_rise`` or more: the environment changed (a burst of other
+        processes), not several devices at once. One such executor is still reported (a
+        hog on its own core raises its node's contention too). Reads the node probe's
+        rise per device, nothing of the profiles but which executors are suspects."""
+        if len(c.groups) < 2:
+            return None
+        t, env = c.t, c.ctx.environment
+        rose = {ex for ex, ranks in c.suspects.items()
+                if all(env.get(t.device[r], 0.0) >= self.environment_rise for r in ranks)}
+        if len(c.suspects) >= 2 and rose == set(c.suspects):
+            return Verdict({}, "unknown", f"{len(c.suspects)} executors slowed at once ("
+                           + ", ".join(f"replica {r} stage {s}: compute {c.raw[(r, s)]:.2f}x" for r, s in sorted(rose))
+                           + ") while the CPU contention of their node rose ("
+                           + ", ".join(f"device {t.device[r]}: {env[t.device[r]]:.2f}x"
+                                       for ex in sorted(rose) for r in c.suspects[ex])
+                           + "): the environment changed, not several devices")
+        return None
+
+    def _rule_single_executor_waiting(self, c: _Case) -> Verdict | None:
+        """One executor has no peers to compare with: a slowdown that is time its ranks
+        waited for a CPU other processes held (its own compute within its margin, or
+        most of the loss waiting) cannot be told from the machine's, and no plan of one
+        executor runs around it. Reads its compute with and without its run delay."""
+        if len(c.groups) >= 2:
+            return None
+        t = c.t
+        waited = {ex for ex, ranks in c.suspects.items()
+                  if c.worst[ex] <= 1 + c.margin[ex] or all(self._contended(t, r) for r in ranks)}
+        if waited and len(waited) == len(c.suspects):
+            return Verdict({}, "unknown", "the compute slowdown is time spent waiting for a CPU other "
+                           "processes held, on the job's only executor (" + ", ".join(
+                               f"replica {ex[0]} stage {ex[1]}: compute {c.raw[ex]:.2f}x, {c.worst[ex]:.2f}x "
+                               f"without the {max(t.waited(r) for r in c.groups[ex]):.3f} s it waited"
+                               for ex in sorted(waited)) + "): the environment, not a device")
+        return None
+
+    def _rule_compute(self, c: _Case) -> Verdict | None:
+        """The suspects left account for at least ``explain`` of the iteration's excess
+        over its prediction (without what other processes took: the most any rank
+        waited for a CPU beyond its share): a compute (or, mostly waiting, contention)
+        fail-slow of their devices (:meth:`_compute`). Otherwise the slowdown is
+        elsewhere and a little compute noise must not be blamed for it. Reads the
+        iteration time against its prediction and the suspects' lost compute; TP groups
+        uniformly slow are split by a compute probe where there is a prober."""
+        t = c.t
+        if not c.suspects:
+            return None
         excess = t.iteration_measured - t.iteration_predicted if t.iteration_predicted > 0 else 0.0
-        # The iteration's excess without what other processes took (at most the most any
-        # rank waited for a CPU beyond its share) is what the suspects must account for:
-        # a device's own slowdown, or for a contended one, its waiting as well.
         excess -= max((t.waited(r) + t.outside_waited(r) for r in t.measured), default=0.0)
         explained = max(((t.measured[r] if self._contended(t, r) else t.device_measured(r)) - t.predicted[r]
-                         for ranks in suspects.values() for r in ranks), default=0.0)
-        if suspects and (excess <= 0 or explained >= self.explain * excess):
-            return self._compute(ctx, t, suspects)
-        return self._communication(ctx, t)
+                         for ranks in c.suspects.values() for r in ranks), default=0.0)
+        if excess <= 0 or explained >= self.explain * excess:
+            return self._compute(c.ctx, t, c.suspects)
+        return None
+
+    def _rule_communication(self, c: _Case) -> Verdict:
+        """No compute suspect: reads each rank's time outside compute (its waiting for a
+        CPU there taken out) against the healthy expectation, over the iterations and
+        one by one, and probes links where the profiles cannot localise
+        (:meth:`_communication`; ``Verdict.rule`` names which of its cases decided)."""
+        return self._communication(c.ctx, c.t)
+
+    RULES: tuple[tuple[str, Callable[[ProfileVerifier, _Case], Verdict | None]], ...] = (
+        ("machine-wide", _rule_machine_wide),
+        ("contention-shared-by-peers", _rule_contention_shared_by_peers),
+        ("waiting-not-persistent", _rule_waiting_not_persistent),
+        ("waiting-not-a-device", _rule_waiting_not_a_device),
+        ("environment-changed", _rule_environment_changed),
+        ("single-executor-waiting", _rule_single_executor_waiting),
+        ("compute", _rule_compute),
+        ("communication", _rule_communication),
+    )
+
+    def _own_above_peers(self, c: _Case, ex: tuple[int, int]) -> bool:
+        """Whether ``ex``'s own compute (waiting for a CPU taken out) is above its peers'
+        by its own-compute margin (only where own-compute noise is measured)."""
+        return ex in c.own_margin and self._above_peers(c.ctx, c.t, c.groups, ex, c.own_margin[ex], own_compute_of)
+
+    def _by_waiting_only(self, c: _Case, ex: tuple[int, int]) -> bool:
+        """Every rank of ``ex`` lost its compute mostly waiting for a CPU and its own
+        compute is not above its peers: other processes, not the device, slowed it."""
+        return all(self._contended(c.t, r) for r in c.groups[ex]) and not self._own_above_peers(c, ex)
+
+    def _over_peers(self, c: _Case, ex: tuple[int, int]) -> float:
+        """``ex``'s measured compute over healthy, relative to the median of the other
+        executors', over the iterations verified."""
+        peers = [c.raw[e] for e in c.groups if e != ex]
+        med = statistics.median(peers) if peers else 1.0
+        return c.raw[ex] / med if med > 0 else math.inf
 
     def _margin(self, ctx: VerificationContext, t: _Totals, ranks: list[int],
                 noise: Mapping[int, float] | None = None) -> float:
@@ -523,7 +677,8 @@ class ProfileVerifier:
             if peers_waited >= self.waiting * top:
                 return Verdict({}, "unknown", "time outside compute exceeds the expected on ranks "
                                f"{sorted(heavy)}, but their peers waited {peers_waited:.3f} s for a CPU other "
-                               "processes held: the machine is contended, not a link")
+                               "processes held: the machine is contended, not a link",
+                               rule="communication-peers-waited")
             # ... and a slow link of those ranks holds them back in every iteration; the
             # sum of a few iterations can single out a rank that one long wait hit.
             each = t.outside_excess_each()
@@ -536,7 +691,7 @@ class ProfileVerifier:
                             f"iterations verified, but in only {sum(steady)} of {len(each)} of them one by one: "
                             "not a steady slow link")
                 if ctx.prober is None:
-                    return Verdict({}, "unknown", unsteady)
+                    return Verdict({}, "unknown", unsteady, rule="communication-not-steady")
                 concentrated = False  # a link probe decides
             if concentrated:
                 slow = {}
@@ -548,19 +703,21 @@ class ProfileVerifier:
                     f"communication slowdown: compute healthy on every rank; time outside compute "
                     f"exceeds the expected on ranks {sorted(heavy)} only -> {_fmt(slow)}"
                 )
-                return Verdict(slow, "communication", ev)
+                return Verdict(slow, "communication", ev, rule="communication-by-profiles")
         if ctx.prober is None:
-            return Verdict({}, "unknown", "compute healthy everywhere and no prober to localise a link")
+            return Verdict({}, "unknown", "compute healthy everywhere and no prober to localise a link",
+                           rule="communication-no-prober")
         devices = sorted(set(t.device.values()))
         res = ctx.prober.probe_links(devices)
         found = {d: p for d, p in res.throughput().items() if p < 1 - self.probe_margin}
         if not found:
-            return Verdict({}, "unknown", "compute healthy everywhere; link probe found no slow link", 1, res.elapsed_s)
+            return Verdict({}, "unknown", "compute healthy everywhere; link probe found no slow link", 1, res.elapsed_s,
+                           rule="communication-probe")
         ev = (
             "communication slowdown: compute healthy on every rank, waiting spread over the job; "
             f"link probe over {len(devices)} devices -> {_fmt(found)}"
         )
-        return Verdict(found, "communication", ev, 1, res.elapsed_s)
+        return Verdict(found, "communication", ev, 1, res.elapsed_s, rule="communication-probe")
 
 
 class GreyhoundVerifier:

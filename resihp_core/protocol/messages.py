@@ -107,6 +107,10 @@ class IterationProfile(_Msg, tag="profile"):
     # other processes took from it: the environment, not the device (detector/environment.py).
     cpu_wait_s: Seconds = 0.0
     compute_wait_s: Seconds = 0.0
+    # The CPUs its training thread may run on (os.sched_getaffinity); () = not measured.
+    # A worker that shares its CPUs with its peers has no cores of its own for another
+    # process to contend (docs/detector.md "Pinned or unpinned").
+    cpus: tuple[NonNeg, ...] = ()
 
 
 class FailureReport(_Msg, tag="failure"):

@@ -313,13 +313,17 @@ class Worker:
 
     def _with_cpu_wait(self, prof: Any) -> Any:
         """The profile with the time this thread waited for a CPU (the environment's
-        share of its wall time; detector/environment.py), unless the adapter set it."""
-        if prof.cpu_wait_s or prof.compute_wait_s:
-            return prof
+        share of its wall time; detector/environment.py), unless the adapter set it, and
+        the CPUs it may run on (docs/detector.md "Pinned or unpinned")."""
         import msgspec
 
+        from resihp_core.detector.environment import allowed_cpus
+
+        cpus = prof.cpus or allowed_cpus()
+        if prof.cpu_wait_s or prof.compute_wait_s:
+            return msgspec.structs.replace(prof, cpus=cpus)
         meter = self.faults.cpu_wait
-        return msgspec.structs.replace(prof, cpu_wait_s=meter.iteration_s(), compute_wait_s=meter.compute_s)
+        return msgspec.structs.replace(prof, cpu_wait_s=meter.iteration_s(), compute_wait_s=meter.compute_s, cpus=cpus)
 
     def _checkpoint_due(self, i: int) -> bool:
         every = self.job.checkpoint_every

@@ -31,7 +31,7 @@ import argparse
 import sys
 import time
 
-from resihp_core.detector.environment import CpuWaitMeter
+from resihp_core.detector.environment import CpuWaitMeter, allowed_cpus
 from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_core.runtime.heartbeat import WorkerClient
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             client.send_profile(IterationProfile(
                 rank=client.rank, device=client.device, generation=client.generation, iteration=it,
                 stage=a.stage, replica=replica, microbatches=tuple(mbs), comm_s=comm, iteration_s=total,
-                cpu_wait_s=waits.iteration_s(), compute_wait_s=waits.compute_s,
+                cpu_wait_s=waits.iteration_s(), compute_wait_s=waits.compute_s, cpus=allowed_cpus(),
             ))
             it += 1
     except KeyboardInterrupt:

@@ -27,6 +27,12 @@ class Job:
         self.rng = random.Random(seed)
         self.slow: dict[int, float] = {}
         self.noisy: dict[int, float] = {}  # rank -> its own noise, if not the default
+        # The CPUs each rank may run on (IterationProfile.cpus): one core each by default;
+        # "shared" = every rank on every core; "unknown" = not reported.
+        self.affinity = "pinned"
+
+    def cpus(self, r: int) -> tuple[int, ...]:
+        return {"pinned": (r,), "shared": tuple(range(self.ranks)), "unknown": ()}[self.affinity]
 
     def iteration(self, it: int) -> dict[int, IterationProfile]:
         comps = {}
@@ -43,7 +49,8 @@ class Job:
         for r, mbs in comps.items():
             comp = sum(m.forward_s + m.backward_s for m in mbs)
             out[r] = IterationProfile(rank=r, device=r, generation=0, iteration=it, stage=0, replica=r,
-                                      microbatches=tuple(mbs), comm_s=total - comp, iteration_s=total)
+                                      microbatches=tuple(mbs), comm_s=total - comp, iteration_s=total,
+                                      cpus=self.cpus(r))
         return out
 
 
@@ -319,3 +326,27 @@ def test_several_executors_slowed_at_once_while_their_nodes_contention_rose_is_t
     assert run({1: 2.0, 2: 2.0}, 1.6) == []
     assert [r.devices for r in run({1: 2.0, 2: 2.0}, 1.0)][:1] == [(1, 2)]
     assert [r.devices for r in run({2: 2.0}, 1.6)][:1] == [(2,)]
+
+
+def test_own_cores_reads_each_workers_cpus() -> None:
+    """A device has cores of its own only when it and every rank of another executor
+    report their CPUs and none of its CPUs is one of theirs (docs/detector.md "Pinned or
+    unpinned"); the worker reports its affinity (environment.allowed_cpus)."""
+    import os
+
+    from msgspec.structs import replace
+
+    from resihp_core.detector.environment import allowed_cpus
+    from resihp_core.detector.localise import own_cores
+
+    assert allowed_cpus() == tuple(sorted(os.sched_getaffinity(0)))
+    job = Job(ranks=3)
+    its = [job.iteration(i) for i in range(3)]
+    assert own_cores(its, [1])
+    shared = [{r: replace(p, cpus=(0, 1, 2)) for r, p in ps.items()} for ps in its]
+    assert not own_cores(shared, [1])
+    # One iteration where a peer could run on device 1's core: not its own.
+    mixed = its[:2] + [{**its[2], 0: replace(its[2][0], cpus=(0, 1))}]
+    assert not own_cores(mixed, [1]) and own_cores(mixed, [2])
+    unknown = [{**ps, 2: replace(ps[2], cpus=())} for ps in its]
+    assert not own_cores(unknown, [1]) and not own_cores(unknown, [2])
