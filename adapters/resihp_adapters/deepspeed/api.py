@@ -304,8 +304,6 @@ def initialize(
 def _stock(spec: PipelineSpec, num_stages: int, partition_method: str = "uniform") -> StockEngine:
     import deepspeed
     import torch
-    from deepspeed.pipe import PipelineModule
-
     from resihp_adapters.deepspeed.data import MicroBatchSource
     from resihp_adapters.deepspeed.world import prepare_deepspeed
 
@@ -313,7 +311,9 @@ def _stock(spec: PipelineSpec, num_stages: int, partition_method: str = "uniform
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     from resihp_adapters.deepspeed.spec import torch_optimizer_config
 
-    module = PipelineModule(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
+    from resihp_adapters.deepspeed.partition import stock_module_class
+
+    module = stock_module_class()(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
                             base_seed=spec.base_seed, partition_method=partition_method,
                             activation_checkpoint_interval=spec.activation_checkpoint_interval,
                             checkpointable_layers=spec.checkpointable_layers)

@@ -21,7 +21,8 @@ import os
 from typing import Any, Sequence
 
 __all__ = ["PROBE_ENV", "PROBE_STAGES_ENV", "deepspeed_parts", "check_partition_method", "parts_to_ranges",
-           "write_probe", "read_probe"]
+           "write_probe", "read_probe",
+           "stock_module_class"]
 
 #: Set by the launcher for the probe run: the file ``initialize`` writes the split to.
 PROBE_ENV = "RESIHP_PARTITION_PROBE"
@@ -96,3 +97,21 @@ def read_probe(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("parts"), list):
         raise ValueError(f"{path}: not a partition probe answer")
     return data
+
+
+def stock_module_class() -> type:
+    """DeepSpeed's ``PipelineModule`` for a plain-DeepSpeed launch, its split (DeepSpeed's
+    own) made of Python ints: ``partition_balanced`` ("parameters", "type:") returns numpy
+    integers, and with ``seed_layers`` DeepSpeed then calls ``random.seed(base_seed +
+    layer index)`` with one, which Python 3.11 refuses (``TypeError``, DeepSpeed 0.19.8):
+    plain DeepSpeed cannot build such a module at all (``docs/deepspeed.md``)."""
+    from deepspeed.pipe import PipelineModule
+
+    class IntSplitPipelineModule(PipelineModule):
+        def _partition_layers(self, method: str = "uniform") -> None:
+            super()._partition_layers(method=method)
+            self.parts = [int(p) for p in self.parts]
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return IntSplitPipelineModule
