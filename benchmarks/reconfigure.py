@@ -443,6 +443,25 @@ def ds_kill_to_iteration(reps: int, timeout_s: float) -> dict:
     return out | {"repetitions": reps, "op_timeout_s": timeout_s}
 
 
+def ds_static_three(iterations: int = 8, warm: int = 3) -> dict:
+    """The best static plan for the kill's 3 survivors, run fresh and fault-free (same
+    toy model, job and global batch): PP3 x DP1, layers (2, 2, 2), all 8 micro-batches on
+    the one replica. It is the only static (whole-replica, uniform) 3-device layout of
+    this job: DP3 cannot split its 8 micro-batches evenly, and with the prior's equal
+    per-layer costs the Scheduler cuts 6 layers into 3 stages evenly. Median over the
+    iterations after ``warm`` of the slowest rank's iteration time."""
+    js = JobSpec(adapter="deepspeed", adapter_config=DS_TOY, dp=2, num_microbatches=4, timeout_s=10.0)
+    _, victim, partial = _ds_kill_plans()
+    survivors = sorted(partial.devices())
+    static = ParallelPlan.uniform(tp=1, pp=3, dp=1, num_layers=6, num_microbatches=8, devices=survivors)
+    with LocalJob(js.to_json(), static.devices(), workdir=tempfile.mkdtemp(prefix="resihp-ds-static-")) as job:
+        job.post(static, iterations=max(1000, warm + iterations + 2))
+        job.wait(warm + iterations + 1, timeout=600)
+        times = [max(r.iteration_s for r in job.report(i).values()) for i in range(warm, warm + iterations)]
+    return {"static_plan": f"PP3 x DP1 on devices {survivors}, stages {list(static.layer_ranges)}",
+            "static_iteration_s": statistics.median(times), "static_iterations": len(times)}
+
+
 def ds_restore_at(points: list[int], reps: int, every: int = 10) -> dict:
     """ZeRO 1 (the killed rank takes its optimizer shard): kill -> the killed iteration
     committed again through a restore from the checkpoint the supervisor's rule picks
@@ -540,19 +559,26 @@ def main_deepspeed(args) -> int:
     # The job's op timeout: a peer that waited it out would show as a >= 10 s outlier
     # (3 s made the first iteration's receives time out on a machine at load 27).
     kill = ds_kill_to_iteration(reps, timeout_s=10.0)
+    # The post-failure iteration time against the best static plan for 3 devices, run
+    # fresh in the same benchmark run (issue 25).
+    static = ds_static_three(4 if args.quick else 8)
+    static["post_failure_vs_static"] = kill["iteration_after_s"] / static["static_iteration_s"]
     over = {} if args.kill_only else ds_engine_overhead(10 if args.quick else 40, 1)
     load_end = open("/proc/loadavg").read().split()[:3]
     print(f"DeepSpeed adapter, 4 gloo workers PP2 x DP2, ZeRO 0 fp32, device 3 SIGKILLed -> the 3 survivors "
           f"(partial replica kept busy); median of {reps} (load average {' '.join(load)} at start, "
           f"{' '.join(load_end)} at end)")
     print(f"{'metric':<40}{'value':>12}")
-    for k, v in {**{f"kill_{k}": v for k, v in kill.items()}, **over}.items():
+    for k, v in {**{f"kill_{k}": v for k, v in kill.items()}, **static, **over}.items():
         print(f"{k:<40}{v:>12.4f}" if isinstance(v, float) else f"{k:<40}{v!s:>12}")
     worst = kill["kill_to_first_iteration_max_s"]
     print(f"  max kill -> first iteration <= 2 s (no op-timeout wait): {'met' if worst <= 2 else 'NOT met'}")
+    print(f"  post-failure iteration (3 survivors, partial replica kept busy) / best static 3-device plan "
+          f"({static['static_plan']}, fresh, fault-free): {static['post_failure_vs_static']:.2f}x "
+          f"({kill['iteration_after_s']:.4f} s vs {static['static_iteration_s']:.4f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**{f"kill_{k}": v for k, v in kill.items()}, **over, "loadavg": load, "loadavg_end": load_end,
+            json.dump({**{f"kill_{k}": v for k, v in kill.items()}, **static, **over, "loadavg": load, "loadavg_end": load_end,
                        "config": {"adapter": "deepspeed", "quick": args.quick, **DS_TOY}}, f, indent=2)
     return 0
 
