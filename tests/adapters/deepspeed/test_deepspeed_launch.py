@@ -1,5 +1,7 @@
-"""The example under the real ``accelerate launch`` (plain DeepSpeed: it trains) and
-under ``resihp launch`` with a rank SIGKILLed at iteration 2: the siblings keep their
+"""The example, an unchanged plain-DeepSpeed pipeline script (stages balanced by
+``partition_method="parameters"``, DeepSpeed's shuffled sample order), under the real
+``accelerate launch`` (plain DeepSpeed: it trains) and under ``resihp launch``, whose
+first plan is the split plain DeepSpeed printed, with a rank SIGKILLed at iteration 2: the siblings keep their
 processes, the next plan keeps all three of them busy (the killed rank's replica keeps
 its stage 0 and migrates its stage-1 work to the other replica), every iteration
 commits, and the losses equal the plain run's (float64, gradient clipping on).
