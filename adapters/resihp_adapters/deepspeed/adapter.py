@@ -147,7 +147,8 @@ class DeepSpeedAdapter(Adapter):
             "whole-replica equivalent" if xplan is not plan else "plan")
         print(f"resihp: generation {generation}: device {self.ctx.device} "
               + (f"runs replica {where[0]} stage {where[1]} ({how})" if where is not None else
-                 "idles" if plan.location(self.ctx.device) is not None else "is a standby"),
+                 f"idles: {self.idle_reason(plan)}" if plan.location(self.ctx.device) is not None
+                 else "is a standby"),
               file=sys.stderr, flush=True)
         if generation == 0 and self.spec.partition_method != "uniform" and \
                 tuple(plan.layer_ranges) != self.initial_ranges(plan.pp):
@@ -195,6 +196,27 @@ class DeepSpeedAdapter(Adapter):
         surviving ranks keep their stages; docs/deepspeed.md, partial replicas): ZeRO 0
         and fp32/fp64. Otherwise such a plan runs as its whole-replica equivalent."""
         return self.zero_stage == 0 and not (self.config.get("bf16") or {}).get("enabled")
+
+    def idle_reason(self, plan: ParallelPlan) -> str:
+        """Why a device the plan places runs nothing: its replica lost a stage and this
+        job cannot run a partial replica as it is (docs/deepspeed.md, partial replicas)."""
+        from resihp_adapters.deepspeed.engine import partial_runnable
+
+        r = plan.location(self.ctx.device)
+        if r is None:
+            return "not in the plan"
+        if not self.partial_replicas:
+            what = " and ".join(w for w, on in (("ZeRO stage 1", self.zero_stage >= 1),
+                                                ("bf16", bool((self.config.get("bf16") or {}).get("enabled"))))
+                                if on)
+            cause = (f"{what} reduces and partitions gradients and optimizer state with DeepSpeed's own per-stage "
+                     "data-parallel averaging, which a replica missing a stage would skew")
+        elif not partial_runnable(plan):
+            cause = "a partial replica runs as it is only with TP degree 1 and more than one stage"
+        else:
+            cause = "its replica runs as its whole-replica equivalent"
+        return (f"replica {r[0]} lost a stage; its remaining work runs on a whole replica "
+                f"(whole-replica equivalent: {cause}; docs/deepspeed.md, partial replicas)")
 
     def runnable(self, plan: ParallelPlan) -> ParallelPlan:
         """The plan DeepSpeed runs for ``plan`` (the same on every rank)."""

@@ -75,6 +75,19 @@ def read_resihp_section(ds_config: dict[str, Any], path: str) -> dict[str, Any]:
     return sec
 
 
+def check_zero_checkpoints(ds_config: dict[str, Any], sec: dict[str, Any], path: str) -> None:
+    """ZeRO 1 without ResiHP checkpoints cannot survive a kill: each stage's optimizer
+    state is partitioned over its replicas, a killed rank takes the only copy of its
+    shard along, and the survivors restore from the newest checkpoint (docs/deepspeed.md,
+    ZeRO). Refused up front rather than failing at the first kill."""
+    zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    every = int(sec.get("checkpoint_every", 1))
+    if zero >= 1 and every < 1:
+        raise ValueError(f"{path}: zero_optimization.stage={zero} with resihp.checkpoint_every={every}: under ZeRO 1 "
+                         "a killed rank takes the only copy of its optimizer-state shard, which ResiHP restores "
+                         "from its newest checkpoint; set resihp.checkpoint_every >= 1 (or use ZeRO stage 0)")
+
+
 #: The script's ``partition_method`` is an expression the launcher cannot read.
 UNREAD = "<expression>"
 
@@ -215,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         # Configuration errors stop here, with the reason, before any worker starts (a
         # worker that refused its config would otherwise look like a failed device).
         check_supported(ds)
+        check_zero_checkpoints(ds, sec, a.deepspeed_config_file)
         method = check_script_calls_initialize(script)
         work = Path(args.workdir or tempfile.mkdtemp(prefix="resihp-launch-"))
         ranges = None

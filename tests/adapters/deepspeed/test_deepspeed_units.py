@@ -233,13 +233,25 @@ def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
                          migrations=tuple(Migration(1, 1, j, 0) for j in range(2)))
     x = whole_replicas(partial)
     assert live_replicas(x) == [0] and 1 in x.standbys
+    # Device 1 idles in that equivalent, and its log says exactly why.
+    from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+
+    from types import SimpleNamespace as NS
+
+    a = DeepSpeedAdapter.__new__(DeepSpeedAdapter)
+    a.ctx, a.zero_stage, a.config = NS(device=1), 1, {"bf16": {"enabled": True}}
+    why = a.idle_reason(partial)
+    assert why.startswith("replica 1 lost a stage; its remaining work runs on a whole replica") and \
+        "ZeRO stage 1 and bf16 reduces and partitions" in why, why
+    a.zero_stage, a.config = 0, {}
+    assert a.runnable(partial) is partial  # ZeRO 0, fp32: kept as it is, nobody idles
     assert x.executor_map() == {k: 0 for k in partial.executor_map()}  # every piece once, on replica 0
     assert whole_replicas(base) is base
 
 
 def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, capsys):
-    """ZeRO 2/3 (fp16), a partition_method DeepSpeed does not implement and a script that
-    never calls initialize() stop the launch
+    """ZeRO 2/3 (fp16), ZeRO 1 without checkpoints, a partition_method DeepSpeed does not
+    implement and a script that never calls initialize() stop the launch
     before any worker starts: the reason on the console, a non-zero exit, no device failure."""
     import argparse
     import shutil
@@ -258,6 +270,10 @@ def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, c
         with pytest.raises(CliError, match=why) as e:
             run(ns)
         assert e.value.code != 0
+    zero1 = {**cfg, "zero_optimization": {"stage": 1}, "resihp": {**cfg["resihp"], "checkpoint_every": 0}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(zero1))
+    with pytest.raises(CliError, match="stage=1 with resihp.checkpoint_every=0.*only copy of its optimizer-state"):
+        run(ns)
     (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
     script = (tmp_path / "train.py").read_text()
     assert "initialize(layers," in script
