@@ -17,7 +17,10 @@ With ``--adapter deepspeed`` it measures ResiHP's DeepSpeed adapter instead:
    ZeRO 0) -> time until the first iteration commits under the new plan (the broken
    replica keeps its stage-0 rank busy, its stage-1 micro-batches migrate to the other
    replica), with the breakdown, median and max of 5; survivors keep their processes.
-   ``--kill-only`` skips item 2. With ``--restore-at I,J`` (ZeRO 1: the killed rank's
+   After each repetition the best static plan for the 3 survivors (PP3 x DP1, layers
+   2/2/2, the same global batch) runs fresh and fault-free, and the post-failure
+   iteration time (median of 6 iterations after 3) is divided by its (the same count):
+   the median of the 5 ratios is printed. ``--kill-only`` skips item 2. With ``--restore-at I,J`` (ZeRO 1: the killed rank's
    optimizer shard is lost): kill -> the killed iteration committed again through a
    restore from the newest checkpoint (every 10), after I and after J iterations.
 2. Fault-free iteration time of ResiHP's engine vs DeepSpeed's stock ``PipelineEngine``
