@@ -131,10 +131,11 @@ PROBE_TIMEOUT_S = 300.0
 
 
 def probe_partition(script: str, script_args: list[str], env: dict[str, str], pp: int,
-                    num_layers: int, workdir: Path) -> tuple[tuple[int, int], ...]:
+                    num_layers: int, workdir: Path) -> tuple[tuple[tuple[int, int], ...], str]:
     """DeepSpeed's initial split of the script's layers: the script runs once, as rank 0
     of no world, up to ``initialize``, which writes the split DeepSpeed's
     ``PipelineModule`` computes for its ``partition_method`` and exits (:mod:`.partition`).
+    Returns the split as a plan's layer ranges and the method the script passed.
     Needed because the first plan is made before any worker runs the script."""
     import subprocess
 
@@ -162,7 +163,7 @@ def probe_partition(script: str, script_args: list[str], env: dict[str, str], pp
     got = read_probe(str(answer))
     if int(got.get("num_layers", -1)) != num_layers:
         raise ValueError(f"{script} builds {got.get('num_layers')} layers, but resihp.num_layers is {num_layers}")
-    return parts_to_ranges(got["parts"])
+    return parts_to_ranges(got["parts"]), str(got.get("method"))
 
 
 def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path,
@@ -235,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
         if method != "uniform":  # DeepSpeed's own split of the script's layers (docs/deepspeed.md)
             penv = {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": a.deepspeed_config_file,
                     "WORLD_SIZE": str(a.num_processes)}
-            ranges = probe_partition(script, script_args, penv, int(sec.get("pp", 2)), int(sec["num_layers"]), work)
+            ranges, method = probe_partition(script, script_args, penv, int(sec.get("pp", 2)),
+                                             int(sec["num_layers"]), work)
         job = assemble_launch(int(a.num_processes), ds, sec, work, ranges)
     except (ValueError, OSError) as e:  # ConfigError and FaultError are ValueErrors
         raise CliError(str(e)) from e
