@@ -31,7 +31,6 @@ from resihp_adapters.deepspeed.state import (
     check_zero_stage,
     exchange_layers,
     extract_layers,
-    tied_layers,
     transfer_plan,
     unit_keys,
     unit_name,
