@@ -413,17 +413,26 @@ DS_TOY = {"model": "resihp_adapters.deepspeed.toy:build", "hidden": 64, "num_lay
 
 
 def _ds_kill_plans() -> tuple[ParallelPlan, int, ParallelPlan]:
-    """PP2 x DP2 of the toy, the victim (replica 1's stage 1) and what the Scheduler plans
-    for it: replica 1 keeps stage 0, its stage-1 work runs on replica 0. With ZeRO 0 (fp32)
-    the adapter runs that plan as it is (3 busy survivors); with ZeRO 1 as its
-    whole-replica equivalent (docs/deepspeed.md, partial replicas)."""
-    from resihp_core.plan import Migration
+    """PP2 x DP2 of the toy, the victim (replica 1's stage 1) and the plan the Scheduler
+    makes for its fail-stop, asked as ``resihp launch`` assembles a DeepSpeed job (its
+    planner and prior): replica 1 keeps stage 0 and its stage-1 work runs on replica 0,
+    with the layers re-split so that the stage running 8 micro-batches holds fewer of
+    them (6 layers: 0-4 | 4-6). With ZeRO 0 (fp32) the adapter runs that plan as it is
+    (3 busy survivors); with ZeRO 1 as its whole-replica equivalent (docs/deepspeed.md,
+    partial replicas)."""
+    from pathlib import Path
 
-    plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=4)
+    from resihp_core.protocol.messages import FailureReport
+    from resihp_adapters.deepspeed.launch import assemble_launch
+
+    job = assemble_launch(4, {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 4},
+                          {"num_layers": 6, "iterations": 1000, "pp": 2}, Path(tempfile.mkdtemp(prefix="resihp-ds-plan-")))
+    plan = job.plan
     victim = plan.group(1, 1)[0]
-    partial = plan.with_(tp_groups=(plan.tp_groups[0], (plan.group(1, 0), ())), excluded=frozenset([victim]),
-                         migrations=tuple(Migration(1, 1, j, 0) for j in range(4)))
-    return plan, victim, partial
+    after = job.planner.plan(job.state, FailureReport(generation=0, failure="fail-stop", devices=(victim,))).plan
+    if set(after.devices()) != set(plan.devices()) - {victim}:
+        raise RuntimeError(f"the Scheduler's plan for the kill does not keep the 3 survivors busy:\n{after.to_text()}")
+    return plan, victim, after
 
 
 def ds_kill_to_iteration(reps: int, timeout_s: float, after: int = 6, static: dict | None = None) -> dict:
