@@ -17,7 +17,10 @@ With ``--adapter deepspeed`` it measures ResiHP's DeepSpeed adapter instead:
    ZeRO 0) -> time until the first iteration commits under the new plan (the broken
    replica keeps its stage-0 rank busy, its stage-1 micro-batches migrate to the other
    replica), with the breakdown, median and max of 5; survivors keep their processes.
-   ``--kill-only`` skips item 2. With ``--restore-at I,J`` (ZeRO 1: the killed rank's
+   After each repetition the best static plan for the 3 survivors (PP3 x DP1, layers
+   2/2/2, the same global batch) runs fresh and fault-free, and the post-failure
+   iteration time (median of 6 iterations after 3) is divided by its (the same count):
+   the median of the 5 ratios is printed. ``--kill-only`` skips item 2. With ``--restore-at I,J`` (ZeRO 1: the killed rank's
    optimizer shard is lost): kill -> the killed iteration committed again through a
    restore from the newest checkpoint (every 10), after I and after J iterations.
 2. Fault-free iteration time of ResiHP's engine vs DeepSpeed's stock ``PipelineEngine``
@@ -410,21 +413,34 @@ DS_TOY = {"model": "resihp_adapters.deepspeed.toy:build", "hidden": 64, "num_lay
 
 
 def _ds_kill_plans() -> tuple[ParallelPlan, int, ParallelPlan]:
-    """PP2 x DP2 of the toy, the victim (replica 1's stage 1) and what the Scheduler plans
-    for it: replica 1 keeps stage 0, its stage-1 work runs on replica 0. With ZeRO 0 (fp32)
-    the adapter runs that plan as it is (3 busy survivors); with ZeRO 1 as its
-    whole-replica equivalent (docs/deepspeed.md, partial replicas)."""
-    from resihp_core.plan import Migration
+    """PP2 x DP2 of the toy, the victim (replica 1's stage 1) and the plan the Scheduler
+    makes for its fail-stop, asked as ``resihp launch`` assembles a DeepSpeed job (its
+    planner and prior): replica 1 keeps stage 0 and its stage-1 work runs on replica 0,
+    with the layers re-split so that the stage running 8 micro-batches holds fewer of
+    them (6 layers: 0-4 | 4-6). With ZeRO 0 (fp32) the adapter runs that plan as it is
+    (3 busy survivors); with ZeRO 1 as its whole-replica equivalent (docs/deepspeed.md,
+    partial replicas)."""
+    from pathlib import Path
 
-    plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=4)
+    from resihp_core.protocol.messages import FailureReport
+    from resihp_adapters.deepspeed.launch import assemble_launch
+
+    job = assemble_launch(4, {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 4},
+                          {"num_layers": 6, "iterations": 1000, "pp": 2}, Path(tempfile.mkdtemp(prefix="resihp-ds-plan-")))
+    plan = job.plan
     victim = plan.group(1, 1)[0]
-    partial = plan.with_(tp_groups=(plan.tp_groups[0], (plan.group(1, 0), ())), excluded=frozenset([victim]),
-                         migrations=tuple(Migration(1, 1, j, 0) for j in range(4)))
-    return plan, victim, partial
+    after = job.planner.plan(job.state, FailureReport(generation=0, failure="fail-stop", devices=(victim,))).plan
+    if set(after.devices()) != set(plan.devices()) - {victim}:
+        raise RuntimeError(f"the Scheduler's plan for the kill does not keep the 3 survivors busy:\n{after.to_text()}")
+    return plan, victim, after
 
 
-def ds_kill_to_iteration(reps: int, timeout_s: float) -> dict:
-    """ZeRO 0: kill -> first committed iteration (state from memory), median and max."""
+def ds_kill_to_iteration(reps: int, timeout_s: float, after: int = 6, static: dict | None = None) -> dict:
+    """ZeRO 0: kill -> first committed iteration (state from memory), median and max;
+    the post-failure iteration time (median of ``after`` iterations); with ``static`` (a
+    dict that receives the plan's description) each repetition is followed by a fresh
+    run of the best static 3-device plan (:func:`ds_static_three`), and the ratio of the
+    two is per repetition."""
     rows = []
     for rep in range(reps):
         js = JobSpec(adapter="deepspeed", adapter_config=DS_TOY, dp=2, num_microbatches=4, timeout_s=timeout_s)
@@ -434,13 +450,47 @@ def ds_kill_to_iteration(reps: int, timeout_s: float) -> dict:
             pids = {d: job.processes.procs[d].pid for d in plan.devices()}  # started with the job
             row = timed_kill(job, plan, victim, partial, timeout=300)
             before = [max(r.iteration_s for r in job.report(i).values()) for i in (1, 2)]
+            # The post-failure steady state, measured as the static plan's is (below):
+            # after 3 more iterations, the median of the next ``after``.
+            first = row["killed_at"] + 3
+            job.wait(first + after + 1, timeout=300)
+            post = [max(r.iteration_s for r in job.report(i).values()) for i in range(first, first + after)]
             same = all(job.processes.procs[d].pid == p for d, p in pids.items() if d in partial.devices())
-        rows.append(row | {"iteration_before_s": statistics.median(before), "survivors_kept_pid": float(same)})
-        print(f"  kill run {rep + 1}: {rows[-1]['kill_to_first_iteration_s']:.3f} s", flush=True)
+        rows.append(row | {"iteration_before_s": statistics.median(before), "survivors_kept_pid": float(same),
+                           "post_failure_iteration_s": statistics.median(post)})
+        if static is not None:  # the best static 3-device plan, fresh, right after (same load)
+            st = ds_static_three(after)
+            rows[-1] |= {"static_iteration_s": st["static_iteration_s"],
+                         "post_failure_vs_static": rows[-1]["post_failure_iteration_s"] / st["static_iteration_s"]}
+            static.update(static_plan=st["static_plan"])
+        print(f"  kill run {rep + 1}: {rows[-1]['kill_to_first_iteration_s']:.3f} s"
+              + (f"; post-failure / static {rows[-1]['post_failure_vs_static']:.2f}" if static is not None else ""),
+              flush=True)
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    if static is not None:
+        out["post_failure_vs_static_runs"] = [round(r["post_failure_vs_static"], 3) for r in rows]
     out["kill_to_first_iteration_max_s"] = max(r["kill_to_first_iteration_s"] for r in rows)
     out["kill_to_first_iteration_runs_s"] = [round(r["kill_to_first_iteration_s"], 3) for r in rows]
     return out | {"repetitions": reps, "op_timeout_s": timeout_s}
+
+
+def ds_static_three(iterations: int = 8, warm: int = 3) -> dict:
+    """The best static plan for the kill's 3 survivors, run fresh and fault-free (same
+    toy model, job and global batch): PP3 x DP1, layers (2, 2, 2), all 8 micro-batches on
+    the one replica. It is the only static (whole-replica, uniform) 3-device layout of
+    this job: DP3 cannot split its 8 micro-batches evenly, and with the prior's equal
+    per-layer costs the Scheduler cuts 6 layers into 3 stages evenly. Median over the
+    iterations after ``warm`` of the slowest rank's iteration time."""
+    js = JobSpec(adapter="deepspeed", adapter_config=DS_TOY, dp=2, num_microbatches=4, timeout_s=10.0)
+    _, victim, partial = _ds_kill_plans()
+    survivors = sorted(partial.devices())
+    static = ParallelPlan.uniform(tp=1, pp=3, dp=1, num_layers=6, num_microbatches=8, devices=survivors)
+    with LocalJob(js.to_json(), static.devices(), workdir=tempfile.mkdtemp(prefix="resihp-ds-static-")) as job:
+        job.post(static, iterations=max(1000, warm + iterations + 2))
+        job.wait(warm + iterations + 1, timeout=600)
+        times = [max(r.iteration_s for r in job.report(i).values()) for i in range(warm, warm + iterations)]
+    return {"static_plan": f"PP3 x DP1 on devices {survivors}, stages {list(static.layer_ranges)}",
+            "static_iteration_s": statistics.median(times), "static_iterations": len(times)}
 
 
 def ds_restore_at(points: list[int], reps: int, every: int = 10) -> dict:
@@ -539,20 +589,27 @@ def main_deepspeed(args) -> int:
     load = open("/proc/loadavg").read().split()[:3]
     # The job's op timeout: a peer that waited it out would show as a >= 10 s outlier
     # (3 s made the first iteration's receives time out on a machine at load 27).
-    kill = ds_kill_to_iteration(reps, timeout_s=10.0)
+    # The post-failure iteration time against the best static plan for 3 devices, run
+    # fresh after each kill repetition in the same benchmark run (issue 25).
+    static: dict = {}
+    kill = ds_kill_to_iteration(reps, timeout_s=10.0, after=4 if args.quick else 6, static=static)
     over = {} if args.kill_only else ds_engine_overhead(10 if args.quick else 40, 1)
     load_end = open("/proc/loadavg").read().split()[:3]
     print(f"DeepSpeed adapter, 4 gloo workers PP2 x DP2, ZeRO 0 fp32, device 3 SIGKILLed -> the 3 survivors "
           f"(partial replica kept busy); median of {reps} (load average {' '.join(load)} at start, "
           f"{' '.join(load_end)} at end)")
     print(f"{'metric':<40}{'value':>12}")
-    for k, v in {**{f"kill_{k}": v for k, v in kill.items()}, **over}.items():
+    for k, v in {**{f"kill_{k}": v for k, v in kill.items()}, **static, **over}.items():
         print(f"{k:<40}{v:>12.4f}" if isinstance(v, float) else f"{k:<40}{v!s:>12}")
     worst = kill["kill_to_first_iteration_max_s"]
     print(f"  max kill -> first iteration <= 2 s (no op-timeout wait): {'met' if worst <= 2 else 'NOT met'}")
+    print(f"  post-failure iteration (3 survivors, partial replica kept busy) / best static 3-device plan "
+          f"({static['static_plan']}, fresh, fault-free, after each kill run): median "
+          f"{kill['post_failure_vs_static']:.2f}x of {kill['post_failure_vs_static_runs']} "
+          f"({kill['post_failure_iteration_s']:.4f} s vs {kill['static_iteration_s']:.4f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**{f"kill_{k}": v for k, v in kill.items()}, **over, "loadavg": load, "loadavg_end": load_end,
+            json.dump({**{f"kill_{k}": v for k, v in kill.items()}, **static, **over, "loadavg": load, "loadavg_end": load_end,
                        "config": {"adapter": "deepspeed", "quick": args.quick, **DS_TOY}}, f, indent=2)
     return 0
 

@@ -32,6 +32,19 @@ class Block(nn.Module):
         return torch.tanh(self.fc(x))
 
 
+class Wide(nn.Module):
+    """The first layer: twice the parameters of a ``Block``, so DeepSpeed's
+    ``partition_method="parameters"`` gives stage 0 fewer layers than "uniform" would."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.down(torch.tanh(self.up(x))))
+
+
 class Pairs(torch.utils.data.Dataset):
     """A map-style dataset: sample i is always the same (x, y) pair."""
 
@@ -63,9 +76,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_default_dtype(getattr(torch, a.dtype))
     torch.set_num_threads(1)
-    layers = [LayerSpec(Block, a.hidden) for _ in range(a.layers)]
+    layers = [LayerSpec(Wide, a.hidden), *(LayerSpec(Block, a.hidden) for _ in range(a.layers - 1))]
+    # As a plain DeepSpeed script: stages balanced by parameter count, and the shuffled
+    # sample order DeepSpeed's own data loader (engine.deepspeed_io) gives.
     engine = initialize(layers, loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                        training_data=Pairs(4096, a.hidden), base_seed=7)
+                        training_data=Pairs(4096, a.hidden), base_seed=7, partition_method="parameters",
+                        shuffle=True)
     if a.load_dir:
         engine.load_checkpoint(a.load_dir)
     while engine.iteration < a.iterations:

@@ -55,10 +55,13 @@ class JobInputs:
     :param op_timeout_s: how long a worker's collective or store operation may block
         (``JobSpec.timeout_s``).
     :param user_data: the user's own data (None: the ``[data]`` source).
+    :param layer_ranges: the first plan's stage split (None: the even one), e.g. the
+        split a DeepSpeed script's ``partition_method`` makes.
     """
 
     op_timeout_s: float = 10.0
     user_data: UserData | None = None
+    layer_ranges: tuple[tuple[int, int], ...] | None = None
 
 
 class AssembledJob(NamedTuple):
@@ -104,6 +107,8 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
     plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
                                 num_microbatches=tr.microbatches, num_heads=mod.heads if user is None else 0,
                                 schedule=ScheduleKind(cfg.scheduler.schedule))
+    if inputs.layer_ranges is not None:
+        plan = plan.with_(layer_ranges=tuple(inputs.layer_ranges))
     topology = Topology.uniform(cfg.runtime.nodes, cfg.runtime.devices_per_node,
                                 cfg.scheduler.device_memory_gib)
     plan.validate(topology)

@@ -94,6 +94,7 @@ class DeepSpeedAdapter(Adapter):
         self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
         self._last: IterationResult | None = None
         self._ckpt_status: list[dict[str, Any]] = []  # checkpoint writes finished since the last report
+        self._initial: dict[int, tuple[tuple[int, int], ...]] = {}  # initial split per stage count
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         prepare_deepspeed(ctx.timeout_s)
         from deepspeed.accelerator import get_accelerator
@@ -146,8 +147,16 @@ class DeepSpeedAdapter(Adapter):
             "whole-replica equivalent" if xplan is not plan else "plan")
         print(f"resihp: generation {generation}: device {self.ctx.device} "
               + (f"runs replica {where[0]} stage {where[1]} ({how})" if where is not None else
-                 "idles" if plan.location(self.ctx.device) is not None else "is a standby"),
+                 f"idles: {self.idle_reason(plan)}" if plan.location(self.ctx.device) is not None
+                 else "is a standby"),
               file=sys.stderr, flush=True)
+        if generation == 0 and self.spec.partition_method != "uniform" and \
+                tuple(plan.layer_ranges) != self.initial_ranges(plan.pp):
+            raise ConfigError(f"the first plan splits the layers {list(plan.layer_ranges)}, but DeepSpeed's "
+                              f"partition_method={self.spec.partition_method!r} splits them "
+                              f"{list(self.initial_ranges(plan.pp))}: start the job with 'resihp launch', which "
+                              "plans DeepSpeed's split (docs/deepspeed.md)", path="partition_method",
+                              value=self.spec.partition_method)
         if where is None:
             return  # a standby, or idle in this generation: no place in DeepSpeed's grid
         plan = xplan
@@ -171,7 +180,7 @@ class DeepSpeedAdapter(Adapter):
         m = plan.num_microbatches
         engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
         engine.rng_microbatches = job.num_microbatches
-        engine.clip_norm_layers = initial_stage0_layers(len(self.spec.layers), plan.pp)
+        engine.clip_norm_layers = range(*self.initial_ranges(plan.pp)[0])
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
         bound_op_timeouts(self.ctx.timeout_s, self.ctx.superseded)
@@ -187,6 +196,27 @@ class DeepSpeedAdapter(Adapter):
         surviving ranks keep their stages; docs/deepspeed.md, partial replicas): ZeRO 0
         and fp32/fp64. Otherwise such a plan runs as its whole-replica equivalent."""
         return self.zero_stage == 0 and not (self.config.get("bf16") or {}).get("enabled")
+
+    def idle_reason(self, plan: ParallelPlan) -> str:
+        """Why a device the plan places runs nothing: its replica lost a stage and this
+        job cannot run a partial replica as it is (docs/deepspeed.md, partial replicas)."""
+        from resihp_adapters.deepspeed.engine import partial_runnable
+
+        r = plan.location(self.ctx.device)
+        if r is None:
+            return "not in the plan"
+        if not self.partial_replicas:
+            what = " and ".join(w for w, on in (("ZeRO stage 1", self.zero_stage >= 1),
+                                                ("bf16", bool((self.config.get("bf16") or {}).get("enabled"))))
+                                if on)
+            cause = (f"{what} reduces and partitions gradients and optimizer state with DeepSpeed's own per-stage "
+                     "data-parallel averaging, which a replica missing a stage would skew")
+        elif not partial_runnable(plan):
+            cause = "a partial replica runs as it is only with TP degree 1 and more than one stage"
+        else:
+            cause = "its replica runs as its whole-replica equivalent"
+        return (f"replica {r[0]} lost a stage; its remaining work runs on a whole replica "
+                f"(whole-replica equivalent: {cause}; docs/deepspeed.md, partial replicas)")
 
     def runnable(self, plan: ParallelPlan) -> ParallelPlan:
         """The plan DeepSpeed runs for ``plan`` (the same on every rank)."""
@@ -352,28 +382,37 @@ class DeepSpeedAdapter(Adapter):
                 out[full if tp == 1 else f"{full}@tp{t}"] = Shard(tensors)
         return out
 
+    def initial_ranges(self, pp: int) -> tuple[tuple[int, int], ...]:
+        """The job's initial stage split over ``pp`` stages: the one DeepSpeed's
+        ``PipelineModule`` makes for the script's ``partition_method`` (:mod:`.partition`),
+        which the first plan of ``resihp launch`` runs. DeepSpeed's gradient clipping and
+        its checkpoint files refer to it."""
+        from resihp_adapters.deepspeed.partition import deepspeed_parts, parts_to_ranges
+
+        if pp not in self._initial:
+            self._initial[pp] = parts_to_ranges(deepspeed_parts(self.spec.layers, pp, self.spec.partition_method))
+        return self._initial[pp]
+
     def check_initial_layout(self, what: str) -> None:
         """DeepSpeed's own checkpoint files describe one layout (the stage split; with
         ZeRO 1 also the data-parallel degree): refuse ``what`` unless the engine runs
         the job's initial one, which plain DeepSpeed has too."""
         from resihp_adapters.deepspeed.engine import live_replicas
-        from resihp_core.plan import ParallelPlan
 
         x, job = self.xplan, self.ctx.job
         if x is None:
             raise RuntimeError(f"{what}: no plan generation yet")
-        initial = ParallelPlan.uniform(tp=1, pp=x.pp, dp=job.dp, num_layers=x.num_layers,
-                                       num_microbatches=job.num_microbatches)
+        initial = self.initial_ranges(x.pp)
         from resihp_adapters.deepspeed.engine import is_partial
 
         if is_partial(x):
             raise RuntimeError(f"{what} in DeepSpeed's format: this plan generation keeps only part of a replica, "
                                "which DeepSpeed's files cannot describe (ResiHP's own checkpoints load onto any layout)")
-        if tuple(x.layer_ranges) != tuple(initial.layer_ranges) or (
+        if tuple(x.layer_ranges) != initial or (
                 self.zero_stage >= 1 and len(live_replicas(x)) != job.dp):
             raise RuntimeError(
                 f"{what} in DeepSpeed's format: the job now runs layers {list(x.layer_ranges)} on "
-                f"{len(live_replicas(x))} replica(s), not its initial {list(initial.layer_ranges)} on {job.dp}; "
+                f"{len(live_replicas(x))} replica(s), not its initial {list(initial)} on {job.dp}; "
                 "DeepSpeed's files would not load into a plain DeepSpeed job (ResiHP's own checkpoints, "
                 "checkpoint_every, load onto any layout)")
 
@@ -511,12 +550,12 @@ class DeepSpeedAdapter(Adapter):
 
 
 # ---------------------------------------------------------------------- helpers
-def initial_stage0_layers(num_layers: int, pp: int) -> range:
-    """The layers stage 0 holds in the job's initial partition (DeepSpeed's uniform
-    split, as ``resihp launch`` starts): DeepSpeed's gradient clipping counts these."""
-    from deepspeed.runtime.utils import partition_uniform
+def initial_stage0_layers(layers: list[Any], pp: int, method: str = "uniform") -> range:
+    """The layers stage 0 holds in the job's initial partition (DeepSpeed's split for
+    ``method``, as ``resihp launch`` starts): DeepSpeed's gradient clipping counts these."""
+    from resihp_adapters.deepspeed.partition import deepspeed_parts
 
-    return range(0, int(partition_uniform(num_items=num_layers, num_parts=pp)[1]))
+    return range(0, deepspeed_parts(layers, pp, method)[1])
 
 
 def _live(plan: ParallelPlan) -> list[int]:

@@ -259,25 +259,33 @@ def initialize(
         None: the DeepSpeed config's ``scheduler``, if any. Its state is carried across
         reconfigurations.
     :param activation_checkpoint_interval, checkpointable_layers: as ``PipelineModule``'s.
-    :param partition_method: ``PipelineModule``'s initial split. Plain DeepSpeed takes
-        any; under ``resihp launch`` only ``"uniform"``: the launcher plans the initial
-        split before any worker runs the script (the Scheduler repartitions from there),
-        so another method is refused (``docs/deepspeed.md``).
+    :param partition_method: ``PipelineModule``'s initial split (``"uniform"``,
+        ``"parameters"``, ``"type:<regex>"``), computed by DeepSpeed's own code either
+        way; under ``resihp launch`` the first plan takes it (the launcher learns it from
+        a probe run of the script, :mod:`.partition`) and the Scheduler repartitions from
+        there (``docs/deepspeed.md``).
     :param shuffle, data_seed: False: the order of the pipeline engine's own
         ``training_data`` loader; True: the order ``engine.deepspeed_io(dataset)`` gives
         (a shuffling ``DistributedSampler`` with seed ``data_seed``). Either way every
         micro-batch is addressed by (iteration, replica, micro-batch).
     """
+    from resihp_adapters.deepspeed.partition import PROBE_ENV, check_partition_method
+
+    partition_method = check_partition_method(partition_method)
+    probe = os.environ.get(PROBE_ENV)
+    if probe:  # the launcher's probe run: DeepSpeed's split of these layers, then exit
+        from resihp_adapters.deepspeed.partition import write_probe
+
+        write_probe(probe, list(layers), partition_method)
+        raise SystemExit(0)
     cfg = load_ds_config(config)
     spec = PipelineSpec(layers=list(layers), config=cfg, dataset=training_data, loss_fn=loss_fn,
                         collate_fn=collate_fn, optimizer=optimizer, base_seed=base_seed, lr_scheduler=lr_scheduler,
                         activation_checkpoint_interval=activation_checkpoint_interval,
-                        checkpointable_layers=checkpointable_layers, shuffle=shuffle, data_seed=data_seed)
+                        checkpointable_layers=checkpointable_layers, shuffle=shuffle, data_seed=data_seed,
+                        partition_method=partition_method)
     if os.environ.get("RESIHP_STORE"):
         from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
-        from resihp_adapters.deepspeed.spec import check_partition_method
-
-        check_partition_method(partition_method)
         from resihp_core.runtime.worker import Worker
 
         import gc
@@ -296,8 +304,6 @@ def initialize(
 def _stock(spec: PipelineSpec, num_stages: int, partition_method: str = "uniform") -> StockEngine:
     import deepspeed
     import torch
-    from deepspeed.pipe import PipelineModule
-
     from resihp_adapters.deepspeed.data import MicroBatchSource
     from resihp_adapters.deepspeed.world import prepare_deepspeed
 
@@ -305,7 +311,9 @@ def _stock(spec: PipelineSpec, num_stages: int, partition_method: str = "uniform
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     from resihp_adapters.deepspeed.spec import torch_optimizer_config
 
-    module = PipelineModule(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
+    from resihp_adapters.deepspeed.partition import stock_module_class
+
+    module = stock_module_class()(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
                             base_seed=spec.base_seed, partition_method=partition_method,
                             activation_checkpoint_interval=spec.activation_checkpoint_interval,
                             checkpointable_layers=spec.checkpointable_layers)

@@ -75,19 +75,37 @@ def read_resihp_section(ds_config: dict[str, Any], path: str) -> dict[str, Any]:
     return sec
 
 
-def check_script_calls_initialize(script: str) -> None:
-    """Refuse a script that never calls ``initialize`` (ResiHP's or DeepSpeed's): under
-    ``resihp launch`` its workers would train nothing the runtime can see, and their exit
-    would read as failed devices."""
+def check_zero_checkpoints(ds_config: dict[str, Any], sec: dict[str, Any], path: str) -> None:
+    """ZeRO 1 without ResiHP checkpoints cannot survive a kill: each stage's optimizer
+    state is partitioned over its replicas, a killed rank takes the only copy of its
+    shard along, and the survivors restore from the newest checkpoint (docs/deepspeed.md,
+    ZeRO). Refused up front rather than failing at the first kill."""
+    zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    every = int(sec.get("checkpoint_every", 1))
+    if zero >= 1 and every < 1:
+        raise ValueError(f"{path}: zero_optimization.stage={zero} with resihp.checkpoint_every={every}: under ZeRO 1 "
+                         "a killed rank takes the only copy of its optimizer-state shard, which ResiHP restores "
+                         "from its newest checkpoint; set resihp.checkpoint_every >= 1 (or use ZeRO stage 0)")
+
+
+#: The script's ``partition_method`` is an expression the launcher cannot read.
+UNREAD = "<expression>"
+
+
+def check_script_calls_initialize(script: str) -> str:
+    """Refuse a script that never calls ``initialize`` (ResiHP's; ``deepspeed.initialize``
+    does not count): under ``resihp launch`` its workers would train nothing the runtime
+    can see, and their exit would read as failed devices. Returns the call's
+    ``partition_method`` ("uniform" when not given, :data:`UNREAD` when not a literal)."""
     import ast
 
     try:
         tree = ast.parse(Path(script).read_text(), filename=script)
     except (OSError, SyntaxError) as e:
         raise ValueError(f"{script}: cannot read the training script ({e})") from None
-    from resihp_adapters.deepspeed.spec import check_partition_method
+    from resihp_adapters.deepspeed.partition import check_partition_method
 
-    found = False
+    found, method = False, "uniform"
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
@@ -96,19 +114,64 @@ def check_script_calls_initialize(script: str) -> None:
                 and not (isinstance(f.value, ast.Name) and f.value.id == "deepspeed"))
             if ours:
                 found = True
-                for kw in node.keywords:  # a literal another split than the launcher's: say so now
-                    if kw.arg == "partition_method" and isinstance(kw.value, ast.Constant):
-                        check_partition_method(kw.value.value)
+                for kw in node.keywords:  # a literal DeepSpeed would refuse: say so now
+                    if kw.arg == "partition_method":
+                        method = check_partition_method(kw.value.value) if isinstance(kw.value, ast.Constant) \
+                            else UNREAD
+                    elif kw.arg is None:  # **kwargs may carry it
+                        method = UNREAD
     if found:
-        return
+        return method
     raise ValueError(f"{script} never calls initialize(): under 'resihp launch' the script must build its engine "
                      "with resihp_adapters.deepspeed.initialize (docs/deepspeed.md)")
 
 
-def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path) -> AssembledJob:
+#: How long the partition probe (the script run up to ``initialize``) may take.
+PROBE_TIMEOUT_S = 300.0
+
+
+def probe_partition(script: str, script_args: list[str], env: dict[str, str], pp: int,
+                    num_layers: int, workdir: Path) -> tuple[tuple[tuple[int, int], ...], str]:
+    """DeepSpeed's initial split of the script's layers: the script runs once, as rank 0
+    of no world, up to ``initialize``, which writes the split DeepSpeed's
+    ``PipelineModule`` computes for its ``partition_method`` and exits (:mod:`.partition`).
+    Returns the split as a plan's layer ranges and the method the script passed.
+    Needed because the first plan is made before any worker runs the script."""
+    import subprocess
+
+    from resihp_adapters.deepspeed.partition import PROBE_ENV, PROBE_STAGES_ENV, parts_to_ranges, read_probe
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    answer, log = workdir / "partition-probe.json", workdir / "partition-probe.log"
+    penv = {k: v for k, v in {**os.environ, **env}.items() if not k.startswith("RESIHP_STORE")}
+    penv.update({PROBE_ENV: str(answer), PROBE_STAGES_ENV: str(pp), "RANK": "0", "LOCAL_RANK": "0",
+                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, script, *script_args], env=penv, stdout=out, stderr=subprocess.STDOUT,
+                             cwd=os.getcwd())
+        try:
+            rc = p.wait(timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise ValueError(f"{script}: the partition probe (the script run up to initialize() to learn DeepSpeed's "
+                             f"stage split) did not finish in {PROBE_TIMEOUT_S:.0f} s; see {log}") from None
+    if rc != 0 or not answer.exists():
+        tail = log.read_text()[-1500:] if log.exists() else ""
+        raise ValueError(f"{script}: the partition probe (the script run up to initialize() to learn DeepSpeed's "
+                         f"stage split) exited with code {rc} without an answer; its output ends:\n{tail}")
+    got = read_probe(str(answer))
+    if int(got.get("num_layers", -1)) != num_layers:
+        raise ValueError(f"{script} builds {got.get('num_layers')} layers, but resihp.num_layers is {num_layers}")
+    return parts_to_ranges(got["parts"]), str(got.get("method"))
+
+
+def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path,
+                    layer_ranges: tuple[tuple[int, int], ...] | None = None) -> AssembledJob:
     """The launch's job, assembled as every job is (:func:`~resihp_core.runtime.assemble.assemble`):
     the DeepSpeed JSON and its ``resihp`` section read as a ResiHP configuration, the
-    JSON's op timeout and the script's own data as :class:`JobInputs`."""
+    JSON's op timeout, the script's own data and its initial stage split
+    (``layer_ranges``; None: the uniform one) as :class:`JobInputs`."""
     from resihp_core.config import Config
     from resihp_core.faults import load_scenario
     from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
@@ -140,7 +203,7 @@ def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str
     corpus = CorpusSpec(scale=8.0, shape=1.0, min_len=4, max_len=64, token_budget=64, seed=0)
     user = UserData(workload=iteration_workload(corpus, 0, dp, m),
                     shape=ModelShape(tokens=64, hidden=64, params_per_layer=64 * 64, dtype_bytes=4))
-    inputs = JobInputs(op_timeout_s=float(sec.get("timeout_s", 10.0)), user_data=user)
+    inputs = JobInputs(op_timeout_s=float(sec.get("timeout_s", 10.0)), user_data=user, layer_ranges=layer_ranges)
     return assemble(cfg, load_scenario(sec.get("faults", [])), workdir, inputs)
 
 
@@ -166,9 +229,16 @@ def run(args: argparse.Namespace) -> int:
         # Configuration errors stop here, with the reason, before any worker starts (a
         # worker that refused its config would otherwise look like a failed device).
         check_supported(ds)
-        check_script_calls_initialize(script)
+        check_zero_checkpoints(ds, sec, a.deepspeed_config_file)
+        method = check_script_calls_initialize(script)
         work = Path(args.workdir or tempfile.mkdtemp(prefix="resihp-launch-"))
-        job = assemble_launch(int(a.num_processes), ds, sec, work)
+        ranges = None
+        if method != "uniform":  # DeepSpeed's own split of the script's layers (docs/deepspeed.md)
+            penv = {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": a.deepspeed_config_file,
+                    "WORLD_SIZE": str(a.num_processes)}
+            ranges, method = probe_partition(script, script_args, penv, int(sec.get("pp", 2)),
+                                             int(sec["num_layers"]), work)
+        job = assemble_launch(int(a.num_processes), ds, sec, work, ranges)
     except (ValueError, OSError) as e:  # ConfigError and FaultError are ValueErrors
         raise CliError(str(e)) from e
     per_node = int(a.num_processes) // int(sec.get("nodes", 1))
@@ -178,8 +248,9 @@ def run(args: argparse.Namespace) -> int:
                ACCELERATE_DEEPSPEED_CONFIG_FILE=a.deepspeed_config_file, OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     os.environ.update(env)  # agents start here and pass their environment on to workers
     plan = job.plan
-    print(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}), "
-          f"{sec['iterations']} iterations; logs in {work / 'job'}", flush=True)
+    split = " ".join(f"{x}-{y}" for x, y in plan.layer_ranges)
+    print(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}, stages {split}: "
+          f"partition_method {method}), {sec['iterations']} iterations; logs in {work / 'job'}", flush=True)
 
     def on_iteration(rec: Any) -> None:
         print(f"iteration {rec.iteration:>3}  loss {rec.loss:.6f}  {rec.seconds:.2f}s  generation {rec.generation}",

@@ -31,7 +31,6 @@ from resihp_adapters.deepspeed.state import (
     check_zero_stage,
     exchange_layers,
     extract_layers,
-    tied_layers,
     transfer_plan,
     unit_keys,
     unit_name,
@@ -181,7 +180,7 @@ class PipelineRunner:
         engine.commit_hook = self.commit_hook
         from resihp_adapters.deepspeed.adapter import initial_stage0_layers
 
-        engine.clip_norm_layers = initial_stage0_layers(len(self.layers), plan.pp)
+        engine.clip_norm_layers = initial_stage0_layers(self.layers, plan.pp)
         return engine
 
     # ---------------------------------------------------------------- iterations

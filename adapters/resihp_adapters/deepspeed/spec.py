@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 __all__ = ["PipelineSpec", "load_ds_config", "spec_from_adapter_config", "optimizer_factory", "torch_optimizer_config",
-           "check_supported", "check_partition_method"]
+           "check_supported"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class PipelineSpec:
     checkpointable_layers: list[str] | None = None
     shuffle: bool = False
     data_seed: int = 0
+    partition_method: str = "uniform"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,9 @@ class PipelineSpec:
             raise ValueError("lr_scheduler must be a factory 'optimizer -> scheduler' (DeepSpeed accepts one too): "
                              "ResiHP builds the engine again for every plan generation and carries the scheduler's "
                              "state over; a built scheduler is tied to one optimizer")
+        from resihp_adapters.deepspeed.partition import check_partition_method
+
+        self.partition_method = check_partition_method(self.partition_method)
         if hasattr(self.lr_scheduler, "state_dict") and hasattr(self.lr_scheduler, "step"):
             raise ValueError("lr_scheduler is a built scheduler; give a factory 'optimizer -> scheduler' instead "
                              "(ResiHP builds the engine again for every plan generation)")
@@ -152,13 +156,3 @@ def check_supported(config: Mapping[str, Any]) -> None:
     if (config.get("fp16") or {}).get("enabled"):
         raise ValueError("fp16.enabled: ResiHP's DeepSpeed adapter does not carry fp16's dynamic loss scaler across "
                          "a reconfiguration yet; use bf16 (carried: master weights and their optimizer state) or fp32")
-
-
-def check_partition_method(method: object) -> None:
-    """Under ``resihp launch`` the initial split is the uniform one the launcher plans
-    before any worker runs the script; refuse another ``partition_method`` with that
-    reason rather than run a split the user did not ask for."""
-    if method != "uniform":
-        raise ValueError(f"partition_method={method!r}: under 'resihp launch' the initial stage split is DeepSpeed's "
-                         "'uniform' one, planned by the launcher before the script runs (ResiHP's Scheduler "
-                         "repartitions from there); use partition_method='uniform' or leave it out")

@@ -1,5 +1,7 @@
-"""The example under the real ``accelerate launch`` (plain DeepSpeed: it trains) and
-under ``resihp launch`` with a rank SIGKILLed at iteration 2: the siblings keep their
+"""The example, an unchanged plain-DeepSpeed pipeline script (stages balanced by
+``partition_method="parameters"``, DeepSpeed's shuffled sample order), under the real
+``accelerate launch`` (plain DeepSpeed: it trains) and under ``resihp launch``, whose
+first plan is the split plain DeepSpeed printed, with a rank SIGKILLed at iteration 2: the siblings keep their
 processes, the next plan keeps all three of them busy (the killed rank's replica keeps
 its stage 0 and migrates its stage-1 work to the other replica), every iteration
 commits, and the losses equal the plain run's (float64, gradient clipping on).
@@ -56,9 +58,23 @@ def _lines(text: str) -> list[tuple[int, int, int, float | None]]:
     return [(int(r), int(p), int(i), float(l) if l else None) for r, p, i, l in LINE.findall(text)]
 
 
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _finish(p: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``p`` (killed by pid on a timeout) and collect its output."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"{p.args} did not finish in {timeout} s:\n{out[-2000:]}\n{err[-2000:]}") from None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 @pytest.mark.timeout(600)
@@ -67,22 +83,41 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     plain = tmp_path / "plain"
     plain.mkdir()
     _copy(plain, iters, [])
-    out = _run([str(BIN / "accelerate"), "launch", "--config_file", "accelerate.yaml", "train.py",
-                "--iterations", str(iters)], plain, 240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    ref = {i: l for r, p, i, l in _lines(out.stdout + out.stderr) if l is not None}
-    assert sorted(ref) == list(range(1, iters + 1)), out.stdout[-2000:]
-
     res = tmp_path / "resihp"
     res.mkdir()
     _copy(res, iters, [{"device": 3, "iteration": 2, "kind": "kill"}])
     work = tmp_path / "work"
     ckpt = tmp_path / "ds-checkpoint"
-    out = _run([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--workdir", str(work),
-                "--timeout", "300", "train.py", "--iterations", str(iters), "--save-dir", str(ckpt),
-                "--save-at", str(saved_at)], res, 360)
+    # The plain run (the reference) and the ResiHP run start together: each spends most
+    # of its time starting processes and waiting on peers, so together they take less
+    # wall time than one after the other (the ResiHP launch's partition probe included).
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd, cwd in (
+                 ([str(BIN / "accelerate"), "launch", "--config_file", "accelerate.yaml", "train.py",
+                   "--iterations", str(iters)], plain),
+                 ([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--workdir", str(work),
+                   "--timeout", "300", "train.py", "--iterations", str(iters), "--save-dir", str(ckpt),
+                   "--save-at", str(saved_at)], res))]
+    try:
+        out, ours = _finish(procs[0], 300), _finish(procs[1], 360)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    plain_out = out.stdout + out.stderr
+    ref = {i: l for r, p, i, l in _lines(plain_out) if l is not None}
+    assert sorted(ref) == list(range(1, iters + 1)), out.stdout[-2000:]
+
+    out = ours
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{iters} iterations committed" in out.stdout
+    # The first plan's stages are the split plain DeepSpeed's PipelineModule printed for
+    # the script's partition_method="parameters" (the launcher's probe run), not uniform.
+    ds_split = [int(n) for n in re.findall(r"^stage=\d+ layers=(\d+)$", plain_out, re.M)]
+    assert ds_split == [2, 4], plain_out[-2000:]
+    assert "(PP2 x DP2, stages 0-2 2-6: partition_method parameters)" in out.stdout, out.stdout[:2000]
     # The plan after the kill keeps all 3 survivors busy: replica 1 keeps device 1 on
     # stage 0 and hands its stage-1 micro-batches to replica 0 (cross-replica migration),
     # and DeepSpeed runs that plan as it is (no device idles).

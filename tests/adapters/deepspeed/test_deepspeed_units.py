@@ -233,13 +233,25 @@ def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
                          migrations=tuple(Migration(1, 1, j, 0) for j in range(2)))
     x = whole_replicas(partial)
     assert live_replicas(x) == [0] and 1 in x.standbys
+    # Device 1 idles in that equivalent, and its log says exactly why.
+    from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+
+    from types import SimpleNamespace as NS
+
+    a = DeepSpeedAdapter.__new__(DeepSpeedAdapter)
+    a.ctx, a.zero_stage, a.config = NS(device=1), 1, {"bf16": {"enabled": True}}
+    why = a.idle_reason(partial)
+    assert why.startswith("replica 1 lost a stage; its remaining work runs on a whole replica") and \
+        "ZeRO stage 1 and bf16 reduces and partitions" in why, why
+    a.zero_stage, a.config = 0, {}
+    assert a.runnable(partial) is partial  # ZeRO 0, fp32: kept as it is, nobody idles
     assert x.executor_map() == {k: 0 for k in partial.executor_map()}  # every piece once, on replica 0
     assert whole_replicas(base) is base
 
 
 def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, capsys):
-    """ZeRO 2/3 (fp16), a partition_method other than the launcher's and a script that
-    never calls initialize() stop the launch
+    """ZeRO 2/3 (fp16), ZeRO 1 without checkpoints, a partition_method DeepSpeed does not
+    implement and a script that never calls initialize() stop the launch
     before any worker starts: the reason on the console, a non-zero exit, no device failure."""
     import argparse
     import shutil
@@ -258,11 +270,16 @@ def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, c
         with pytest.raises(CliError, match=why) as e:
             run(ns)
         assert e.value.code != 0
+    zero1 = {**cfg, "zero_optimization": {"stage": 1}, "resihp": {**cfg["resihp"], "checkpoint_every": 0}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(zero1))
+    with pytest.raises(CliError, match="stage=1 with resihp.checkpoint_every=0.*only copy of its optimizer-state"):
+        run(ns)
     (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
     script = (tmp_path / "train.py").read_text()
     assert "initialize(layers," in script
-    (tmp_path / "train.py").write_text(script.replace("initialize(layers,", "initialize(layers, partition_method='parameters',"))
-    with pytest.raises(CliError, match="partition_method='parameters'.*planned by the launcher"):
+    assert 'partition_method="parameters"' in script
+    (tmp_path / "train.py").write_text(script.replace('partition_method="parameters"', 'partition_method="profile"'))
+    with pytest.raises(CliError, match="partition_method='profile'.*'uniform', 'parameters' and 'type:<regex>'"):
         run(ns)
     (tmp_path / "train.py").write_text("import deepspeed\nprint('training without initialize')\n")
     with pytest.raises(CliError, match="never calls initialize"):
@@ -271,3 +288,41 @@ def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, c
     with pytest.raises(CliError, match="never calls initialize"):
         run(ns)
     assert not (tmp_path / "w").exists()  # nothing was started
+
+
+def test_initial_split_is_deepspeeds_own_and_the_launch_probe_reports_it(tmp_path):
+    """``partition_method`` under ``resihp launch``: the split is the one DeepSpeed's
+    ``PipelineModule`` makes (checked against DeepSpeed's ``partition_balanced`` of the
+    layers' parameter counts and its ``partition_uniform``); a split leaving a stage
+    empty is refused. (The launcher's probe run of the script, and that a real
+    ``PipelineModule`` makes the same split, are the launch test's.)"""
+    import torch
+    from deepspeed.pipe import LayerSpec
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    from resihp_adapters.deepspeed.launch import check_script_calls_initialize
+    from resihp_adapters.deepspeed.partition import check_partition_method, deepspeed_parts, parts_to_ranges
+
+    class Wide(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(8, 64)
+
+    layers = [LayerSpec(Wide), *(LayerSpec(torch.nn.Linear, 8, 8) for _ in range(5))]
+    counts = [8 * 64 + 64, *([8 * 8 + 8] * 5)]
+    before = torch.get_rng_state()
+    got = deepspeed_parts(layers, 2, "parameters")
+    assert torch.equal(before, torch.get_rng_state())  # building layers to count them leaves no trace
+    assert got == partition_balanced(weights=counts, num_parts=2) == [0, 1, 6]
+    assert deepspeed_parts(layers, 3, "uniform") == partition_uniform(num_items=6, num_parts=3) == [0, 2, 4, 6]
+    # "type:": DeepSpeed's case-insensitive regex on the layer class names (Wide is no match).
+    assert deepspeed_parts(layers, 2, "type:LINEAR") == partition_balanced(weights=[0, 1, 1, 1, 1, 1], num_parts=2)
+    assert check_partition_method("Parameters") == "parameters"
+    with pytest.raises(ValueError, match="'uniform', 'parameters' and 'type:<regex>' only"):
+        check_partition_method("profile")
+    with pytest.raises(ValueError, match=r"stage\(s\) \[1\] without layers"):
+        parts_to_ranges([0, 6, 6])
+
+    # The launcher reads the method from the unchanged example (its probe run, which asks
+    # initialize() for this split, is the launch test's: test_deepspeed_launch.py).
+    example = os.path.join(HERE, "..", "..", "..", "examples", "deepspeed_pipeline")
+    assert check_script_calls_initialize(os.path.join(example, "train.py")) == "parameters"
