@@ -75,12 +75,14 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 from resihp_core.plan import ParallelPlan, Topology, ranges_from_counts
 from resihp_core.predictor.cost import CostModel, LinkModel, fit_stage, mape
 from resihp_core.predictor.predict import IterationPredictor, ModelShape
 from resihp_core.runtime.launcher import LocalJob
+from resihp_core.scheduler.planner import PlanDecision, Planner
 from resihp_adapters.megatron_ref.data import lengths_of
 from resihp_core.job import JobSpec
 
@@ -195,22 +197,87 @@ def torch_native_kill(reps: int, hf: bool = False) -> dict:
 def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelPlan, int, ParallelPlan],
                 job_spec: Callable[[str], JobSpec], timeout: float) -> dict:
     """Kill -> the killed iteration committed again on the restore path, after each of
-    ``points`` iterations of a fresh job (``job_spec(checkpoint_dir)``), median of ``reps``."""
+    ``points`` iterations of a fresh job (``job_spec(checkpoint_dir)``), median of ``reps``.
+
+    The job runs as ``resihp run`` runs one: assembled (``assemble_spec``), then
+    ``run_resilient`` (controller, node agent, the supervisor's control loop). The victim's
+    worker is SIGKILLed once ``point`` iterations committed; the supervisor notices,
+    plans (the scripted answer: ``after`` as a restore decision), restores the checkpoint
+    its rule picks and resumes after it. It restores at once (``move_before_restore``
+    off): ``after`` is not a layout the Scheduler's state can hold, so the supervisor's
+    own restore after a ``StateLost`` could not post it."""
+    from dataclasses import replace
+
+    from resihp_core.runtime.assemble import assemble_spec
+    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.runconfig import RunHooks
+
     base, victim, after = plans
     out = {}
     for point in points:
         rows = []
         for rep in range(reps):
             ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
-            js = job_spec(ckpt)
-            with LocalJob(js.to_json(), base.devices(), workdir=tempfile.mkdtemp(prefix="resihp-rst-")) as job:
-                rows.append(timed_kill(job, base, victim, after, timeout=timeout, restore=True, warm=point,
-                                       every=every, checkpoint_dir=ckpt))
+            # Heartbeats may lag on a loaded machine: only the kill (a process exit, seen at
+            # once by its agent) is a failure here.
+            asm = assemble_spec(job_spec(ckpt), base, iterations=point + 3,
+                                workdir=Path(tempfile.mkdtemp(prefix="resihp-rst-")),
+                                detector={"heartbeat_miss_limit": 600, "hang_min_timeout_s": 120.0})
+            t: dict[str, float] = {}
+            jobs: list[LocalJob] = []
+            restores: list[dict] = []
+
+            def on_iteration(rec, point=point, t=t, jobs=jobs) -> None:
+                if rec.iteration == point - 1 and "kill" not in t:
+                    pid = jobs[0].processes.pids[victim]
+                    t["kill"] = time.perf_counter()
+                    os.kill(pid, signal.SIGKILL)  # the agent's child, by its pid
+                elif "kill" in t and rec.iteration >= point and "first" not in t:
+                    t["first"] = time.perf_counter()
+
+            def on_event(ev: dict, t=t, restores=restores) -> None:
+                if ev["kind"] == "failure" and "kill" in t and "detect" not in t:
+                    t["detect"] = time.perf_counter()
+                if ev["kind"] == "plan" and ev.get("restore") is not None:
+                    t.setdefault("restored", time.perf_counter())
+                    restores.append(ev)
+
+            run = replace(asm.run, planner=_ScriptedRestore(after, victim), timeout_s=timeout,
+                          move_before_restore=False, hooks=RunHooks(
+                on_iteration=on_iteration, on_event=on_event, before_run=lambda job, agents, jobs=jobs: jobs.append(job)))
+            res = run_resilient(run)
+            if not res.ok or "first" not in t or not restores:
+                raise RuntimeError(f"no restore measured after {point} iterations ({res.error or 'no restore'}; "
+                                   f"logs {res.logs})")
+            ev = restores[0]
+            rows.append(dict(kill_to_first_iteration_s=t["first"] - t["kill"], detect_s=t["detect"] - t["kill"],
+                             kill_to_restore_posted_s=t["restored"] - t["kill"], killed_at=point,
+                             restored_from=ev["restore"], resumed_at=ev["resume"], redone=point - ev["resume"]))
             print(f"  kill after {point} iterations, run {rep + 1}: "
                   f"{rows[-1]['kill_to_first_iteration_s']:.3f} s, resumed at {rows[-1]['resumed_at']} "
                   f"({rows[-1]['redone']} redone)", flush=True)
         out[f"at_{point}"] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repetitions": reps}
     return out
+
+
+class _ScriptedRestore(Planner):
+    """The restore-at measurement's planner: whatever fails, ``after`` as a restore
+    decision (the plan is fixed so the two points measure the same reconfiguration)."""
+
+    def __init__(self, after: ParallelPlan, victim: int) -> None:
+        super().__init__(stages=())
+        self.after, self.victim = after, victim
+
+    def plan(self, state, report=None) -> PlanDecision:
+        devices = set(report.devices if report is not None else ())
+        if devices - {self.victim}:
+            raise RuntimeError(f"a failure the benchmark did not cause: {report}")
+        failed = frozenset(state.failed | devices)
+        return PlanDecision(plan=self.after, kind="restore", reason="benchmark: the killed rank's shard is lost",
+                            predicted_time=0.0, timings={}, state=state.with_health(failed=failed))
+
+    def rejoin(self, state, devices) -> PlanDecision:
+        raise RuntimeError(f"devices {sorted(devices)} offered back; the benchmark repairs none")
 
 
 def torch_native_restore_at(points: list[int], reps: int, every: int = 10) -> dict:

@@ -10,7 +10,8 @@ result carries the run's :class:`~resihp_core.runtime.runconfig.ResilientConfig`
 (the detector, iterations, repairs, interface, controller grace and observers of ``cfg``).
 
 What a launcher takes from elsewhere than the configuration (a DeepSpeed JSON's op
-timeout, a user script that reads its own data) comes in as :class:`JobInputs`.
+timeout, a user script that reads its own data, the conformance kit's feature-matrix
+section and base layout) comes in as :class:`JobInputs`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
@@ -29,10 +30,11 @@ from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 
 if TYPE_CHECKING:
+    from resihp_core.adapter import Capabilities
     from resihp_core.config import Config
     from resihp_core.faults import Fault
 
-__all__ = ["AssembledJob", "JobInputs", "UserData", "assemble"]
+__all__ = ["AssembledJob", "JobInputs", "UserData", "assemble", "assemble_spec"]
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,59 @@ class JobInputs:
     :param user_data: the user's own data (None: the ``[data]`` source).
     :param layer_ranges: the first plan's stage split (None: the even one), e.g. the
         split a DeepSpeed script's ``partition_method`` makes.
+    :param section: the adapter's job section as it is, instead of the one its
+        ``job_config`` builds from the configuration (the conformance kit runs an adapter
+        on the feature matrix it declares: its own section).
+    :param data: the workers' data section as it is, instead of the resolved ``[data]``
+        source (the kit: an adapter's own; the first plans are made for its workload).
+    :param plan: the first plan as it is (it must use the configuration's devices),
+        instead of the uniform one of ``[parallel]`` (the kit's base layout).
     """
 
     op_timeout_s: float = 10.0
     user_data: UserData | None = None
     layer_ranges: tuple[tuple[int, int], ...] | None = None
+    section: Mapping[str, object] | None = None
+    data: Mapping[str, object] | None = None
+    plan: ParallelPlan | None = None
+
+
+class _Adapter(NamedTuple):
+    """What :func:`assemble` needs of an adapter: its name (as workers look it up),
+    capabilities and its registered ``job_config`` / ``reference`` functions."""
+
+    name: str
+    capabilities: Capabilities
+    job_config: Callable[[Config], dict] | None
+    reference: Callable[[JobSpec, int], list[float]] | None
+
+
+def _adapter(cfg: Config) -> _Adapter:
+    """The adapter ``runtime.adapter`` names: a registered name, or a ``module:Class``
+    target of the user's own (which workers import the same way; it has no
+    ``job_config``: its section is ``[adapter]`` as it is)."""
+    import importlib
+
+    from resihp_core.config import ConfigError
+    from resihp_core.plugins import get_plugins
+
+    name = cfg.runtime.adapter
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls: object = importlib.import_module(module)
+            for part in attr.split("."):
+                cls = getattr(cls, part)
+            caps = getattr(cls, "capabilities")
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"cannot load the adapter class ({e})", path="runtime.adapter", value=name) from None
+        return _Adapter(name, caps, None, None)
+    registry = get_plugins().adapters()
+    try:
+        spec = registry.get(name or registry.default_name())
+    except LookupError as e:
+        raise ConfigError(str(e), path="runtime.adapter", value=name) from None
+    return _Adapter(spec.name, spec.capabilities, spec.function("job_config"), spec.function("reference"))
 
 
 class AssembledJob(NamedTuple):
@@ -93,20 +143,18 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
     from resihp_core.predictor.predict import IterationPredictor, workload_features
 
     par, mod, tr = cfg.parallel, cfg.model, cfg.training
-    registry = get_plugins().adapters()
+    adapter = _adapter(cfg)
+    make_section = adapter.job_config
     try:
-        adapter = registry.get(cfg.runtime.adapter or registry.default_name())
-    except LookupError as e:
-        raise ConfigError(str(e), path="runtime.adapter", value=cfg.runtime.adapter) from None
-    make_section = adapter.function("job_config")
-    try:
-        section = make_section(cfg) if make_section is not None else dict(cfg.adapter)
+        section = (dict(inputs.section) if inputs.section is not None else
+                   make_section(cfg) if make_section is not None else dict(cfg.adapter))
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e), path="adapter") from None
     user = inputs.user_data
-    plan = ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
-                                num_microbatches=tr.microbatches, num_heads=mod.heads if user is None else 0,
-                                schedule=ScheduleKind(cfg.scheduler.schedule))
+    plan = inputs.plan or ParallelPlan.uniform(tp=par.tp, pp=par.pp, dp=par.dp, num_layers=mod.layers,
+                                               num_microbatches=tr.microbatches,
+                                               num_heads=mod.heads if user is None else 0,
+                                               schedule=ScheduleKind(cfg.scheduler.schedule))
     if inputs.layer_ranges is not None:
         plan = plan.with_(layer_ranges=tuple(inputs.layer_ranges))
     topology = Topology.uniform(cfg.runtime.nodes, cfg.runtime.devices_per_node,
@@ -122,9 +170,10 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
         # The job's data source ([data]; default: the synthetic long-tailed corpus), built
         # here first: a bad section fails before any worker starts, and workers rebuild the
         # very same source from its resolved spec (paths made absolute, corpus fingerprint).
-        source = create_source(cfg.data.section(), dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed,
-                               token_budget=n, vocab_size=mod.vocab)
-        data, workload = source.spec(), source.workload(0)
+        given = dict(inputs.data) if inputs.data is not None else None
+        source = create_source(given if given is not None else cfg.data.section(), dp=par.dp,
+                               num_microbatches=tr.microbatches, seed=tr.seed, token_budget=n, vocab_size=mod.vocab)
+        data, workload = (given if given is not None else source.spec()), source.workload(0)
         shape = ModelShape(tokens=n, hidden=mod.hidden, dtype_bytes=4,
                            params_per_layer=4 * mod.hidden * mod.hidden + 3 * mod.hidden * mod.ffn)
     else:
@@ -153,4 +202,41 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
                           agents=AgentSetup(interface=cfg.runtime.interface),
                           controller_grace_s=cfg.runtime.controller_grace_s, state_dir=work, config=cfg,
                           observers=get_plugins())
-    return AssembledJob(plan, topology, spec, state, planner, adapter.function("reference"), run)
+    return AssembledJob(plan, topology, spec, state, planner, adapter.reference, run)
+
+
+def assemble_spec(job: JobSpec, plan: ParallelPlan, *, iterations: int, faults: Sequence[Fault] = (),
+                  workdir: Path | None = None, detector: Mapping[str, object] | None = None) -> AssembledJob:
+    """:func:`assemble` for a job written as the workers' :class:`~resihp_core.job.JobSpec`
+    and its first plan (the conformance kit, benchmarks): the configuration is made of
+    ``plan``'s shape (one node of its devices), the job's seed and checkpoint settings and
+    ``detector``, with no controller grace; the adapter's section and data go to the
+    workers as they are (:class:`JobInputs`), ``faults`` are added to the job's own."""
+    from dataclasses import replace
+
+    from resihp_core.config import Config
+
+    if (job.dp, job.num_microbatches) != (plan.dp, plan.num_microbatches):
+        from resihp_core.config import ConfigError
+
+        raise ConfigError(f"the job's batch (dp {job.dp} x {job.num_microbatches} micro-batches) is not the first "
+                          f"plan's ({plan.dp} x {plan.num_microbatches})", path="parallel.dp", value=plan.dp)
+    world = len(plan.devices())
+    tp = max(1, world // (plan.pp * plan.dp))
+    data = dict(job.data)
+    budget = data.get("token_budget", 128)
+    cfg = Config.from_dict({
+        "parallel": {"tp": tp, "pp": plan.pp, "dp": plan.dp},
+        "model": {"layers": plan.num_layers, "heads": plan.num_heads or max(4, tp)},
+        "training": {"microbatches": plan.num_microbatches, "iterations": iterations, "seed": job.seed,
+                     "token_budget": budget if isinstance(budget, int) else 128,
+                     "checkpoint_dir": job.checkpoint_dir or "", "checkpoint_every": job.checkpoint_every,
+                     "checkpoint_keep": job.checkpoint_keep},
+        "runtime": {"adapter": job.adapter, "nodes": 1, "devices_per_node": world, "controller_grace_s": 0.0},
+        "scheduler": {"schedule": plan.schedule.value},
+        "detector": dict(detector or {}),
+    }, source=f"job of {job.adapter}")
+    out = assemble(cfg, faults, workdir, JobInputs(op_timeout_s=job.timeout_s, section=job.adapter_config,
+                                                   data=data, plan=plan))
+    spec = replace(out.spec, faults=[*job.faults, *out.spec.faults], dump_dir=job.dump_dir)
+    return out._replace(spec=spec, run=replace(out.run, spec=spec))

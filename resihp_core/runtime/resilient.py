@@ -214,7 +214,9 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
 
         from resihp_core.runtime.session import ENV_GRACE
 
-        env = {INTERFACE_ENV: run.agents.interface} if run.agents.interface else {}
+        env = dict(run.worker_env)
+        if run.agents.interface:
+            env[INTERFACE_ENV] = run.agents.interface
         if failover:
             env[ENV_GRACE] = f"{max(controller_grace_s, 1.0):g}"
         job = LocalJob(job_json, plan.devices(), worker_module=run.worker_module, workdir=workdir,
@@ -240,6 +242,7 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
                           fitted=model.fitted_predictor if supervised else (lambda: None),
                           samples=plan.dp * plan.num_microbatches, phase_of=hooks.phase_of, on_iteration=hooks.on_iteration,
                           checkpoints=CheckpointPolicy(run.spec.checkpoint_dir or None, run.spec.checkpoint_every),
+                          move_before_restore=run.move_before_restore,
                           repairs=dict(run.repairs), handled=handled, first=start, restore_at_start=restore,
                           adopt=attached is not None)
         try:

@@ -112,6 +112,10 @@ class ResilientConfig:
     :param observers: the plugin facade whose observer hooks the session fires.
     :param repair_requests: lists of repaired devices put from any thread; the
         supervisor's one queue of them (healed nodes offer theirs on it too).
+    :param move_before_restore: False: a "restore" decision loads the newest complete
+        checkpoint at once, without first moving the survivors' copies (docs/design.md §2.2).
+    :param worker_env: environment every worker gets besides the agent's own (e.g. a
+        ``PYTHONPATH`` to the user's model or adapter modules).
     """
 
     spec: JobSpec
@@ -133,4 +137,6 @@ class ResilientConfig:
     config: Config | None = None
     observers: Observers | None = None
     repair_requests: queue.Queue[Iterable[int]] | None = None
+    move_before_restore: bool = True
+    worker_env: Mapping[str, str] = field(default_factory=dict)
     hooks: RunHooks = RunHooks()

@@ -53,7 +53,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 from resihp_core.protocol import FailureReport, IterationReport, PlanUpdate, ProtocolError, WorkerLeft, decode, encode
 
@@ -572,7 +572,7 @@ class JobSession:
         self.store.set(SHUTDOWN_KEY, "1")
 
     # ------------------------------------------------------------ observers
-    def event(self, kind: str, text: str, *, at: int | None = None, **extra: Any) -> dict:
+    def event(self, kind: str, text: str, *, at: int | None = None, **extra: object) -> dict:
         """Log and hand on one event, labelled with the iteration the job was at
         (``at``; default: the committed count), not the one a restore rewinds to."""
         it = self.committed if at is None else at
@@ -619,11 +619,11 @@ class Superseded(RuntimeError):
     """A wait in generation ``g``'s rendezvous ended because a newer one was posted."""
 
 
-_FENCED_CLASS: Any = None
+_FENCED_CLASS: type[dist.Store] | None = None
 
 
-def generation_fenced(store: Any, latest: Callable[[], int], *, patience_s: float,
-                      poll_s: float = 0.2) -> Any:
+def generation_fenced(store: dist.Store, latest: Callable[[], int], *, patience_s: float,
+                      poll_s: float = 0.2) -> dist.Store:
     """The worker's job store as its adapter sees it: every operation passes through,
     except that a wait (``wait``, ``get``, ``multi_get``) on keys of generation ``g``'s
     rendezvous (``gen<g>/...``) is cut into ``poll_s`` slices and
@@ -646,7 +646,7 @@ def generation_fenced(store: Any, latest: Callable[[], int], *, patience_s: floa
     return _FENCED_CLASS(store, latest, patience_s, poll_s)
 
 
-def _fenced_class() -> type:
+def _fenced_class() -> type[dist.Store]:
     import torch.distributed as dist
 
     class SupersededStoreError(Superseded, dist.DistStoreError):
@@ -655,7 +655,7 @@ def _fenced_class() -> type:
     _superseded, _timeout = SupersededStoreError, dist.DistStoreError
 
     class GenerationFencedStore(dist.Store):
-        def __init__(self, inner: Any, latest: Callable[[], int], patience_s: float, poll_s: float) -> None:
+        def __init__(self, inner: dist.Store, latest: Callable[[], int], patience_s: float, poll_s: float) -> None:
             super().__init__()
             self._inner, self._latest = inner, latest
             self._patience_s, self._poll_s = patience_s, poll_s
@@ -691,7 +691,7 @@ def _fenced_class() -> type:
         def timeout(self) -> datetime.timedelta:  # type: ignore[override]
             return datetime.timedelta(seconds=self._timeout_s)
 
-        def set(self, key: str, value: Any) -> None:
+        def set(self, key: str, value: str | bytes) -> None:
             self._inner.set(key, value)
 
         def get(self, key: str) -> bytes:
@@ -702,16 +702,16 @@ def _fenced_class() -> type:
             self._fence(list(keys), None)
             return self._inner.multi_get(keys)
 
-        def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
             self._inner.multi_set(keys, values)
 
         def add(self, key: str, value: int) -> int:
             return self._inner.add(key, value)
 
-        def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
             return self._inner.compare_set(key, expected_value, desired_value)
 
-        def append(self, key: str, value: Any) -> None:
+        def append(self, key: str, value: str | bytes) -> None:
             self._inner.append(key, value)
 
         def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
@@ -733,7 +733,7 @@ def _fenced_class() -> type:
     return GenerationFencedStore
 
 
-def _seconds(timeout: Any, default: float) -> float:
+def _seconds(timeout: datetime.timedelta | float | None, default: float) -> float:
     if timeout is None:
         return default
     s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)

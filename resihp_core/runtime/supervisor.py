@@ -263,6 +263,7 @@ class Supervisor:
         self._planning: Literal["failure", "rejoin"] = "failure"
         self._report: FailureReport | None = None
         self._attempt = 0
+        self._futile = 0  # deploys in a row that failed on devices known dead
         self._rejoining: tuple[int, ...] = ()
         self._gen_committed = False  # the current generation committed an iteration
 
@@ -342,6 +343,7 @@ class Supervisor:
     def _deployed(self, ev: Deployed) -> list[Action]:
         self.generation, self.members, self.committed = ev.generation, ev.members, ev.resume
         self._left = {}
+        self._futile = 0
         self._gen_committed = False
         self.phase = Phase.DEPLOYING
         self._last_progress = self.clock()
@@ -492,6 +494,12 @@ class Supervisor:
         """A device of the plan died between the plan and the post (two workers killed
         together, one reported first): plan again without it."""
         gone = tuple(sorted(ev.gone))
+        # A plan onto devices already known dead, again and again, would loop forever
+        # (plan, post, fail): give up after max_retries of them in a row.
+        self._futile = self._futile + 1 if set(gone) <= self.handled else 0
+        if self._futile > self.max_retries:
+            return [Fail(f"the planner placed work on dead devices {list(gone)} {self._futile} times in a row; "
+                         "giving up (a planner must leave out the state's failed devices)")]
         self.handled.update(gone)
         report = FailureReport(generation=self.generation, failure="fail-stop", devices=gone,
                                evidence="died during recovery")

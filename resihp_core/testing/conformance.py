@@ -3,9 +3,14 @@ and through every capability it declares, against its own fault-free run.
 
 An adapter author calls :func:`check_adapter` (or the pytest fixture in
 :mod:`resihp_core.testing.plugin`) with a job description naming the adapter and a base
-layout. Every scenario starts real worker processes (``resihp_core.runtime.worker``)
-through :class:`~resihp_core.runtime.launcher.LocalJob` (the ``restore`` scenario
-through the supervisor's control loop as well), trains a few iterations,
+layout. Every run is the job :func:`~resihp_core.runtime.assemble.assemble_spec` makes of
+them (``assemble()``, as for ``resihp run``: the adapter's own section and data, the base
+layout as the first plan) and starts real worker processes
+(``resihp_core.runtime.worker``). A scenario that kills a device (``replica_drop``,
+``restore``) runs that job as ``resihp run`` does, through
+:func:`~resihp_core.runtime.resilient.run_resilient` (controller, node agent, the
+supervisor's control loop); the others post their plans through
+:class:`~resihp_core.runtime.launcher.LocalJob`. Each trains a few iterations,
 changes the plan the way the capability promises (with a SIGKILLed peer where that is
 the point), finishes, and compares:
 
@@ -27,13 +32,14 @@ run, or restore), and one per declared capability: ``tp_resize``, ``layer_repart
 ``migration``, ``replica_drop``, ``restore``. A capability declared but failed is a
 :class:`ConformanceError`; a capability not declared is not run.
 
-The ``restore`` scenario runs on the production path: the supervisor's
-:class:`~resihp_core.runtime.control.ControlLoop` drives the job, notices the peer
-killed (by the worker's fault injector, as a job's ``[[faults]]``), aborts, selects the
-checkpoint by its own rule (:func:`resihp_core.checkpoints.restore_point`) and resumes
-after it; only the plan it restores onto is the kit's. An adapter whose checkpoints the
-supervisor cannot find or verify (not in the core's layout, ``docs/checkpoints.md``)
-fails it: the job would silently start over from the initial state.
+A scenario with a killed device runs on the production path: the victims die by
+the workers' own fault injector (as a job's ``[[faults]]``), the controller reports
+them, the supervisor aborts, asks its planner (the kit's one scripted answer: the
+scenario's plan) and deploys; for ``restore`` it selects the checkpoint by its own rule
+(:func:`resihp_core.checkpoints.restore_point`) and resumes after it. An adapter whose
+checkpoints the supervisor cannot find or verify (not in the core's layout,
+``docs/checkpoints.md``) fails it: the job would silently start over from the initial
+state.
 """
 
 from __future__ import annotations
@@ -41,9 +47,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import signal
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -57,6 +61,7 @@ from resihp_core.scheduler.planner import PlanDecision, Planner
 from resihp_core.scheduler.state import PlannerState
 
 if TYPE_CHECKING:
+    from resihp_core.runtime.assemble import AssembledJob
     from resihp_core.runtime.launcher import LocalJob
 
 __all__ = ["ConformanceError", "Outcome", "Scenario", "check_adapter", "scenarios", "run_scenario",
@@ -215,122 +220,147 @@ def _assemble_full(dumps: dict[int, dict]) -> dict[str, Any] | None:
     return out
 
 
-def _planner_state(base: ParallelPlan) -> PlannerState:
-    """A Scheduler state of ``base`` for the supervisor (its decisions in the kit are
-    scripted, so the cost model is a uniform prior, as :func:`~resihp_core.runtime.assemble.assemble`'s)."""
-    import numpy as np
+#: The kit's detector waits this long before calling a stall a hang and sees no fail-slow:
+#: it proves state, not detection, on a loaded machine.
+_DETECTOR = {"heartbeat_miss_limit": 50, "slow_threshold": 1e6}
 
-    from resihp_core.plan import Topology
-    from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
-    from resihp_core.predictor.predict import IterationPredictor, ModelShape
 
-    topology = Topology.uniform(1, max(base.devices()) + 1)
-    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8,
-                                       ref_layers=max(1, base.num_layers // base.pp), ref_tp=1), base.pp)
-    predictor = IterationPredictor(cost, topology, ModelShape(tokens=64, hidden=32, params_per_layer=10_000),
-                                   LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9))
-    ones = np.ones((base.dp, base.num_microbatches))
-    return PlannerState.create(topology, base, predictor, (ones * 64, ones * 64 * 64))
+def _kit_job(job: JobSpec, base: ParallelPlan, *, iterations: int, faults: list[Fault], timeout: float,
+             work: str) -> AssembledJob:
+    """The kit's job, assembled as ``resihp run`` assembles a user's
+    (:func:`~resihp_core.runtime.assemble.assemble_spec`: the adapter's own section and
+    data, the base layout as the first plan), ``faults`` injected by the workers as a
+    job's ``[[faults]]``."""
+    from pathlib import Path
+
+    from resihp_core.config import ConfigError
+    from resihp_core.runtime.assemble import assemble_spec
+
+    try:
+        return assemble_spec(job, base, iterations=iterations, faults=faults, workdir=Path(work),
+                             detector={**_DETECTOR, "hang_min_timeout_s": timeout})
+    except ConfigError as e:
+        raise ConformanceError(f"the kit cannot assemble a job of {job.adapter} on the base plan: {e}") from None
 
 
 class _ScenarioPlanner(Planner):
-    """The restore scenario's planner: whatever fails, its answer is the scenario's plan
-    as a restore (what the Scheduler answers when state may be lost). Everything else,
-    noticing the dead worker, aborting, choosing the checkpoint and the resume point,
-    posting, is the supervisor's own (:class:`~resihp_core.runtime.control.ControlLoop`).
-    The Scheduler's state keeps the base layout: the scenario's plan may have fewer
-    replicas than a home layout allows, and nothing in the kit plans from it again."""
+    """A scenario's planner: whatever fails, its answer is the scenario's plan (as a
+    restore for ``restore``, else a "continue"). Everything else, noticing the dead
+    worker, aborting, choosing the checkpoint and the resume point, posting, is the
+    supervisor's own (:class:`~resihp_core.runtime.control.ControlLoop`). The Scheduler's
+    state keeps the base layout: the scenario's plan may have fewer replicas than a home
+    layout allows, and nothing in the kit plans from it again."""
 
-    def __init__(self, target: ParallelPlan, name: str) -> None:
+    def __init__(self, target: ParallelPlan, scenario: Scenario, victims: list[int]) -> None:
         super().__init__(stages=())
-        self.target, self.name = target, name
+        self.target, self.scenario, self.victims = target, scenario, set(victims)
 
     def plan(self, state: PlannerState, report: FailureReport | None = None) -> PlanDecision:
-        failed = frozenset(state.failed | set(report.devices if report is not None else ()))
-        return PlanDecision(plan=self.target, kind="restore", reason=f"conformance kit: {self.name}",
-                            predicted_time=0.0, timings={}, state=state.with_health(failed=failed))
+        devices = set(report.devices if report is not None else ())
+        if not devices <= self.victims:
+            raise ConformanceError(f"{self.scenario.name}: a failure of devices {sorted(devices - self.victims)} "
+                                   f"that the kit did not inject ({report.kind if report else '-'}: "
+                                   f"{getattr(report, 'evidence', '')!s:.120})")
+        return PlanDecision(plan=self.target, kind="restore" if self.scenario.restore else "continue",
+                            reason=f"conformance kit: {self.scenario.name}", predicted_time=0.0, timings={},
+                            state=state.with_health(failed=frozenset(state.failed | devices)))
 
     def rejoin(self, state: PlannerState, devices: Iterable[int]) -> PlanDecision:
-        raise ConformanceError(f"{self.name}: devices {sorted(devices)} offered back; the kit repairs none")
+        raise ConformanceError(f"{self.scenario.name}: devices {sorted(devices)} offered back; the kit repairs none")
 
 
-def _supervised_restore(lj: LocalJob, base: ParallelPlan, scenario: Scenario, ckpt: str, *, iterations: int,
-                        timeout: float) -> None:
-    """The restore scenario on the production path: the supervisor's control loop runs
-    the job, sees the peer killed (by the worker's own fault injector, as a job's
-    ``[[faults]]`` do), restores from the checkpoint *its* rule selects
-    (:func:`resihp_core.checkpoints.restore_point`) and resumes after it. Fails an
-    adapter whose checkpoints it cannot select (the job would silently start over) or
-    that re-trains iterations before the restored one."""
-    from resihp_core.runtime.control import CheckpointPolicy, ControlLoop
+def _supervised(asm: AssembledJob, base: ParallelPlan, scenario: Scenario, ckpt: str, *, env: dict[str, str] | None,
+                timeout: float) -> LocalJob:
+    """A scenario with a fault on the production path: :func:`~resihp_core.runtime.resilient.run_resilient`
+    runs the assembled job (controller, a node agent, the supervisor's control loop), the
+    victims die by the workers' own fault injector, and the supervisor deploys the
+    scenario's plan. For ``restore`` it restores the checkpoint *its* rule selects
+    (:func:`resihp_core.checkpoints.restore_point`) and resumes after it: an adapter
+    whose checkpoints it cannot select (the job would silently start over) fails, and so
+    does one that re-trains iterations before the restored one. Returns the finished
+    job (its reports stay readable)."""
+    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.runconfig import RunHooks
 
     victims = scenario.kill(base)
-    restores: list[dict] = []
+    deployed: list[dict] = []
+    failed: list[ConformanceError] = []
+    jobs: list[LocalJob] = []
 
     def watch(ev: dict) -> None:
-        if ev.get("kind") != "plan" or ev.get("kind_of_plan") != "restore":
+        if ev.get("kind") != "plan" or ev.get("kind_of_plan") not in ("restore", "continue"):
             return
-        restores.append(ev)
+        deployed.append(ev)
+        if not scenario.restore:
+            return
         if ev.get("restore") is None:  # the job would re-train from the seed: stop it here
             from resihp_core import checkpoints
 
             found = sorted(os.listdir(ckpt))[:8]
             why = "; ".join(f"iteration {c.iteration}: {c.problem}" for c in checkpoints.scan(ckpt) if c.problem)
-            raise ConformanceError(
+            failed.append(ConformanceError(
                 f"{scenario.name}: the supervisor finds no complete checkpoint in {ckpt} (it holds "
                 f"{found or 'nothing'}{'; ' + why if why else ''}) and would restart the job from the initial "
                 "state: an adapter writes its files inside iter<NNNNNNNN>/ and seals them with a manifest "
-                "(resihp_core.checkpoints.seal; docs/checkpoints.md)")
+                "(resihp_core.checkpoints.seal; docs/checkpoints.md)"))
+            raise failed[-1]
         if ev.get("resume") != ev["restore"] + 1:
-            raise ConformanceError(f"{scenario.name}: restored the checkpoint of iteration {ev['restore']} but "
-                                   f"resumed at iteration {ev.get('resume')}")
+            failed.append(ConformanceError(f"{scenario.name}: restored the checkpoint of iteration {ev['restore']} "
+                                           f"but resumed at iteration {ev.get('resume')}"))
+            raise failed[-1]
 
-    lj.session.on_event = watch
-    ctl = ControlLoop(lj, _ScenarioPlanner(scenario.change(base), scenario.name), _planner_state(base), iterations,
-                      checkpoints=CheckpointPolicy(ckpt, 1), move_before_restore=False, stall_s=timeout)
-    ctl.run(timeout=timeout * 3)
-    if not restores:
-        raise ConformanceError(f"{scenario.name}: the supervisor never restored after devices {victims} were killed "
-                               f"(events: {[ev.get('text', '')[:80] for ev in ctl.events]})")
+    run = dataclasses.replace(
+        asm.run, planner=_ScenarioPlanner(scenario.change(base), scenario, victims), timeout_s=timeout * 3,
+        worker_env=dict(env or {}), move_before_restore=False,
+        hooks=RunHooks(on_event=watch, before_run=lambda job, agents: jobs.append(job)))
+    out = run_resilient(run)
+    if failed:
+        raise failed[0]
+    if not out.ok:
+        raise ConformanceError(f"{scenario.name}: the job failed after devices {victims} were killed: {out.error} "
+                               f"(logs: {out.logs})")
+    if not deployed:
+        raise ConformanceError(f"{scenario.name}: the supervisor never deployed the scenario's plan after devices "
+                               f"{victims} were killed (events: {[ev.get('text', '')[:80] for ev in out.events]})")
+    return jobs[0]
 
 
 def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *, iterations: int = 4,
                  switch_at: int = 2, env: dict[str, str] | None = None, timeout: float = 120.0) -> Outcome:
-    """Run one scenario (None: the fault-free run) with real workers; return its outcome."""
+    """Run one scenario (None: the fault-free run) with real workers; return its outcome.
+    The job is the one :func:`~resihp_core.runtime.assemble.assemble` makes of ``job``
+    (:func:`_kit_job`); a scenario that kills a device runs it as ``resihp run`` does
+    (:func:`_supervised`), the others post the scenario's plan themselves."""
     import torch
 
     from resihp_core.runtime.launcher import LocalJob
 
     dump = tempfile.mkdtemp(prefix="resihp-conformance-")
     ckpt = tempfile.mkdtemp(prefix="resihp-conformance-ckpt-")
+    work = tempfile.mkdtemp(prefix="resihp-conformance-job-")
+    victims = scenario.kill(base) if scenario is not None else []
     restore = scenario is not None and scenario.restore
-    spec = dataclasses.replace(job, dump_dir=dump, checkpoint_dir=ckpt, checkpoint_every=1 if restore else 0)
-    if restore:  # killed as it starts iteration switch_at: the peers wait for it inside that iteration
-        spec = dataclasses.replace(spec, faults=[*spec.faults, *(Fault(device=d, iteration=switch_at, kind="kill").to_dict()
-                                                                 for d in scenario.kill(base))])
-    with LocalJob(spec.to_json(), base.devices(), env=env) as lj:
-        if scenario is None:
+    # Killed as they start iteration switch_at: the peers wait for them inside that iteration.
+    faults = [Fault(device=d, iteration=switch_at, kind="kill") for d in victims]
+    asm = _kit_job(dataclasses.replace(job, dump_dir=dump, checkpoint_dir=ckpt, checkpoint_every=1 if restore else 0),
+                   base, iterations=iterations, faults=faults, timeout=timeout, work=work)
+    spec = asm.spec
+    if victims:
+        lj = _supervised(asm, base, scenario, ckpt, env=env, timeout=timeout)  # finished and closed
+    else:
+        lj = LocalJob(spec.to_json(), base.devices(), env=env)
+        with lj:
             lj.post(base, iterations=iterations)
-        elif restore:
-            _supervised_restore(lj, base, scenario, ckpt, iterations=iterations, timeout=timeout)
-        else:
-            lj.post(base, iterations=iterations)
-            lj.wait(switch_at, timeout=timeout)
-            victims = scenario.kill(base)
-            if victims:
-                time.sleep(0.02)  # inside the next iteration
-                for d in victims:
-                    lj.kill(d, signal.SIGKILL)
-                lj.wait(iterations, timeout=timeout, on_death="return")
-            resume = lj.abort()
-            lj.post(scenario.change(base), iterations=iterations, resume=resume)
-        lj.wait(iterations, timeout=timeout)
-        losses, computed = [], []
-        for i in range(iterations):
-            rep = lj.report(i)
-            losses.append(sum(r.loss for r in rep.values()))
-            computed.append(Counter(tuple(c) for r in rep.values() for c in r.computed))
-        lj.close()
+            if scenario is not None:
+                lj.wait(switch_at, timeout=timeout)
+                resume = lj.abort()
+                lj.post(scenario.change(base), iterations=iterations, resume=resume)
+            lj.wait(iterations, timeout=timeout)
+    losses, computed = [], []
+    for i in range(iterations):
+        rep = lj.report(i)
+        losses.append(sum(r.loss for r in rep.values()))
+        computed.append(Counter(tuple(c) for r in rep.values() for c in r.computed))
     dumps = {int(f[len("device"):-3]): torch.load(os.path.join(dump, f), weights_only=False)
              for f in os.listdir(dump)}
     if not dumps:

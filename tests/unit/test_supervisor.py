@@ -126,6 +126,23 @@ def test_a_device_gone_before_the_post_is_planned_out() -> None:
     assert of(acts, PlanFailure)[0].report.devices == (3,) and 3 in sup.handled
 
 
+def test_a_planner_that_keeps_placing_work_on_a_dead_device_ends_the_job_instead_of_looping() -> None:
+    """Plan -> post fails (device 3 gone) -> plan again: with a planner that ignores the
+    state's failed devices this never ends (the control loop recursed until Python's
+    limit); past max_retries in a row the supervisor gives up with why."""
+    sup = running(max_retries=2)
+    sup.handle(FailureReport(generation=0, failure="fail-stop", devices=(1,)))
+    sup.handle(tick(alive=(0, 2, 3), dead=(1,)))
+    sup.handle(Planned(decision(), 0.0))
+    assert of(sup.handle(DeployFailed((3,))), PlanFailure)  # new: planned out
+    for _ in range(2):  # the same dead device again: retried up to max_retries
+        sup.handle(Planned(decision(), 0.0))
+        assert of(sup.handle(DeployFailed((3,))), PlanFailure)
+    sup.handle(Planned(decision(), 0.0))
+    (fail,) = of(sup.handle(DeployFailed((3,))), Fail)
+    assert "dead devices [3] 3 times in a row" in fail.message
+
+
 def test_a_report_about_a_rejoined_devices_previous_life_is_ignored() -> None:
     sup = running()
     sup.rejoined[1] = 4
