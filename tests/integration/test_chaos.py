@@ -124,14 +124,17 @@ def _work(plan, device):
 
 
 def _assert_adapted(run, plan, slow, cause):
-    """The Detector reported exactly ``slow`` with ``cause`` once, the Scheduler posted
+    """The Detector reported exactly ``slow`` with ``cause``, the Scheduler posted
     a new generation that took work away from every slow device, and the job committed
     iterations under it. Returns the final plan and the devices of other fail-slow
     reports: on a loaded 2-core machine a starved device's host contention may be
     reported too (filtered out by device, as the Scheduler may act on it as well)."""
     reports = _slow_reports(run)
     ours = [e for e in reports if set(e["devices"]) & set(slow)]
-    assert [(sorted(e["devices"]), e["cause"]) for e in ours] == [(sorted(slow), cause)], run.events
+    # Once, or again after a first plan that only lightened the device: on a loaded
+    # machine the first estimate may be low (1.7x of a 10x slowdown, re-reported at
+    # 4.2x under the new plan); every such report names exactly ``slow`` and ``cause``.
+    assert ours and all((sorted(e["devices"]), e["cause"]) == (sorted(slow), cause) for e in ours), run.events
     others = {d for e in reports if e not in ours for d in e["devices"]}
     assert not [e for e in run.events if e["kind"] == "failure" and e["failure"] != "fail-slow"], run.events
     assert any(e["kind"] == "plan" and e["generation"] >= 1 for e in run.events), run.events

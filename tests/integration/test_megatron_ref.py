@@ -71,6 +71,9 @@ def _run_steps(plan0, steps, *, every=2, m=3, restore=False, spec_kw=None):
             job.post(plan, iterations=iterations, resume=resume, restore=point,
                      fresh=restore and k == len(steps) - 1 and point is None)
         job.wait(iterations, timeout=COMMIT_S)
+        # every step's plan trained: its generation committed iterations of the result
+        ran = {job.committed_in[i] for i in range(iterations)}
+        assert ran >= set(range(job.generation - len(steps) + 1, job.generation + 1)), job.committed_in
         done = finish(job, spec, iterations)
     check_against_reference(done, iterations)
     return done
