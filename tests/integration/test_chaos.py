@@ -27,9 +27,11 @@ from .backend_harness import Finished, check_against_reference, job_spec, read_d
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-# Beats every 0.1 s, 0.8 s of silence to be declared: a 2-core CI machine runs 11+
-# processes here; a dead process is seen at once anyway (exit, closed connection).
-DETECTOR = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_miss_limit=8, hang_min_timeout_s=20.0,
+# Beats every 0.1 s, 3 s of silence to be declared: a 2-core CI machine runs 11+
+# processes here, and a worker starved for 1.06 s (8 missed beats, the former limit) was
+# taken for a hung device on a loaded machine; a dead process is seen at once anyway
+# (exit, closed connection), a stopped one after the 3 s.
+DETECTOR = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_miss_limit=30, hang_min_timeout_s=20.0,
                           warmup_iterations=3, min_changepoint_gap=3)
 # Fail-slow scenarios kill nothing: heartbeats may lapse 10 s (the controller's agent
 # timeout becomes 20 s) so a worker or agent starved for a moment on a loaded machine
@@ -122,18 +124,25 @@ def _work(plan, device):
 
 
 def _assert_adapted(run, plan, slow, cause):
-    """The Detector reported exactly ``slow`` with ``cause`` once, the Scheduler posted
+    """The Detector reported exactly ``slow`` with ``cause``, the Scheduler posted
     a new generation that took work away from every slow device, and the job committed
-    iterations under it."""
+    iterations under it. Returns the final plan and the devices of other fail-slow
+    reports: on a loaded 2-core machine a starved device's host contention may be
+    reported too (filtered out by device, as the Scheduler may act on it as well)."""
     reports = _slow_reports(run)
-    assert [(sorted(e["devices"]), e["cause"]) for e in reports] == [(sorted(slow), cause)], run.events
+    ours = [e for e in reports if set(e["devices"]) & set(slow)]
+    # Once, or again after a first plan that only lightened the device: on a loaded
+    # machine the first estimate may be low (1.7x of a 10x slowdown, re-reported at
+    # 4.2x under the new plan); every such report names exactly ``slow`` and ``cause``.
+    assert ours and all((sorted(e["devices"]), e["cause"]) == (sorted(slow), cause) for e in ours), run.events
+    others = {d for e in reports if e not in ours for d in e["devices"]}
     assert not [e for e in run.events if e["kind"] == "failure" and e["failure"] != "fail-slow"], run.events
     assert any(e["kind"] == "plan" and e["generation"] >= 1 for e in run.events), run.events
     assert any(r.generation >= 1 for r in run.records), [(r.iteration, r.generation) for r in run.records]
     final = run.final_plan
     for d in slow:
         assert _work(final, d) < _work(plan, d), f"device {d} keeps its work:\n{final.to_text()}"
-    return final
+    return final, others
 
 
 def test_compute_fail_slow_of_a_tp_member_is_reported_and_only_it_is_dropped():
@@ -141,9 +150,11 @@ def test_compute_fail_slow_of_a_tp_member_is_reported_and_only_it_is_dropped():
     member = plan.group(0, 1)[1]
     run = _chaos(plan, [fail_at(member, ONSET, "slow", factor=10.0)], iterations=ONSET + SETTLE,
                  detector=SLOW_DETECTOR)
-    final = _assert_adapted(run, plan, [member], "compute")
-    # TP selective exclusion: the slow member leaves, every other device keeps running.
-    assert set(final.devices()) == set(plan.devices()) - {member}, final.to_text()
+    final, others = _assert_adapted(run, plan, [member], "compute")
+    # TP selective exclusion: the slow member leaves, every device nothing was reported
+    # of keeps running.
+    assert member not in final.devices(), final.to_text()
+    assert set(final.devices()) >= set(plan.devices()) - {member} - others, final.to_text()
 
 
 def test_compute_fail_slow_of_the_last_replica_of_a_stage_right_after_warm_up_moves_layers_away():
@@ -153,28 +164,8 @@ def test_compute_fail_slow_of_the_last_replica_of_a_stage_right_after_warm_up_mo
     device = plan.group(0, 1)[0]
     run = _chaos(plan, [fail_at(device, EARLY, "slow", factor=10.0)], iterations=EARLY + SETTLE,
                  detector=SLOW_DETECTOR)
-    final = _assert_adapted(run, plan, [device], "compute")
+    final, _ = _assert_adapted(run, plan, [device], "compute")
     assert final.layers(1) < plan.layers(1), final.to_text()
-
-
-def test_communication_fail_slow_of_one_device_leaves_training_exact():
-    # What the Detector makes of it is not asserted: one device's delayed receives make
-    # every rank wait (pipeline and DP sync), so the excess outside compute is spread
-    # over the job and the profile verifier cannot localise it without a link prober,
-    # which run_resilient does not give it (verdict "unknown", nothing reported); on a
-    # loaded machine compute-timing noise on some other rank may instead be reported as
-    # a compute fail-slow of that rank, and the job is reconfigured around a healthy
-    # device. Either way training must stay exact.
-    plan = uniform(1, 2, 2, 3)
-    device = plan.group(0, 1)[0]  # stage 1: 3 activation receives + 1 gradient reduction
-    delay = 0.1
-    seen = {}
-    _chaos(plan, [fail_at(device, EARLY, "comm", delay_s=delay)], iterations=EARLY + 5, detector=SLOW_DETECTOR,
-           on_detection=lambda d: seen.setdefault(d.iteration, d.measured))
-    # The first faulty iteration completes under the first plan (a report needs two
-    # faulty iterations or more): its slowest rank took at least the delays the device
-    # slept through.
-    assert seen.get(EARLY, 0.0) >= 4 * delay, seen
 
 
 def _job_processes(job_path: str) -> dict[int, str]:
@@ -195,14 +186,30 @@ def _job_processes(job_path: str) -> dict[int, str]:
     return out
 
 
-def test_cpu_contention_on_one_device_leaves_training_exact_and_nothing_behind():
-    # Correctness only, no detection (the run is too short for one, on purpose): the
-    # busy process competes for both cores of this machine, not for the device's own
-    # (nothing is pinned), so every worker slows a little and nothing points at the
-    # contended device; in a trial with contention from iteration 7 of 11 the Detector
-    # saw no change point at all (the machine is oversubscribed already).
+def test_contention_then_a_slow_link_on_one_device_leave_training_exact_and_nothing_behind():
+    # One job, two faults on the two stage-1 devices: CPU contention on one from
+    # iteration 2, delayed communication on the other from iteration EARLY (so a
+    # re-plan around the contended device cannot take the slow link out of the job).
+    #
+    # Contention: correctness only, no detection: the busy process competes for both
+    # cores of this machine, not for the device's own (nothing is pinned), so every
+    # worker slows a little and nothing points at the contended device; in a trial with
+    # contention from iteration 7 of 11 the Detector saw no change point at all (the
+    # machine is oversubscribed already). Its busy process must run during the job and
+    # end with it.
+    #
+    # Communication: what the Detector makes of it is not asserted: one device's delayed
+    # receives make every rank wait (pipeline and DP sync), so the excess outside compute
+    # is spread over the job and the profile verifier cannot localise it without a link
+    # prober, which run_resilient does not give it (verdict "unknown", nothing reported);
+    # on a loaded machine compute-timing noise on some other rank may instead be reported
+    # as a compute fail-slow of that rank, and the job is reconfigured around a healthy
+    # device. Either way training must stay exact.
     plan = uniform(1, 2, 2, 3)
-    device = plan.group(0, 1)[0]
+    contended = plan.group(0, 1)[0]
+    device = plan.group(1, 1)[0]  # stage 1: 3 activation receives + 1 gradient reduction
+    delay = 0.1
+    seen = {}
     job = {}
     busy: set[int] = set()
 
@@ -213,8 +220,13 @@ def test_cpu_contention_on_one_device_leaves_training_exact_and_nothing_behind()
         if rec.iteration >= 2 and not busy:
             busy.update(p for p, cmd in _job_processes(job["path"]).items() if "getppid" in cmd)
 
-    _chaos(plan, [fail_at(device, 2, "contend")], iterations=6, detector=SLOW_DETECTOR,
-           before_run=before_run, on_iteration=on_iteration)
+    _chaos(plan, [fail_at(contended, 2, "contend"), fail_at(device, EARLY, "comm", delay_s=delay)],
+           iterations=EARLY + 5, detector=SLOW_DETECTOR, before_run=before_run, on_iteration=on_iteration,
+           on_detection=lambda d: seen.setdefault(d.iteration, d.measured))
+    # The first iteration with the slow link completes under the first plan (a report
+    # needs two faulty iterations or more): its slowest rank took at least the delays
+    # the device slept through (contention only adds to it).
+    assert seen.get(EARLY, 0.0) >= 4 * delay, seen
     assert busy, "no contending process was running during the job"
     deadline = time.monotonic() + 10
     while _job_processes(job["path"]) and time.monotonic() < deadline:
@@ -241,7 +253,9 @@ def test_one_sigkill_is_one_failure_on_the_prometheus_endpoint():
             body = r.read().decode()
     finally:
         exporter.shutdown()
+    # Fail-stop series only: on a loaded machine the Detector may also report a starved
+    # device's host contention (a fail-slow); that is another failure, not a double count.
     counts = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-              if line.startswith("resihp_failures_total{")]
+              if line.startswith('resihp_failures_total{failure="fail-stop"')]
     assert sum(counts) == 1, body
     assert 'resihp_failures_total{failure="fail-stop",cause="unknown"} 1' in body, body
