@@ -1015,50 +1015,59 @@ def main(argv: list[str] | None = None) -> int:
                               seed=args.seed),
             "spec": job_spec_json(job, iterations, root / f"spec-{job.name}")}
     done_rounds = 0
-    for rnd in range(reps):  # a round runs every job, so a stop for time leaves whole rounds
+    cut = ""  # why the last round stopped short (--max-wall-s passed inside it)
+    for rnd in range(reps):  # a round runs every job; --max-wall-s starts none that would not end in time
         elapsed = time.time() - t_start
         if rnd and args.max_wall_s and elapsed + elapsed / rnd > args.max_wall_s:
             print(f"stopping after {rnd} of {reps} rounds: another would pass --max-wall-s "
                   f"{args.max_wall_s:.0f} s ({elapsed:.0f} s so far)", flush=True)
             break
-        for job in jobs:
+        # Traces outside jobs: a round cut short by --max-wall-s loses its last trace(s)
+        # for every job alike, not a whole job.
+        for tname, job in ((t, j) for t in tnames for j in jobs):
             st = setup[job.name]
             runs, k, spec, traces = st["runs"], st["k"], st["spec"], st["traces"]
-            for tname in tnames:
-                sys_now = st["order"] if tname == "none" else st["systems"]
-                sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
-                for sysname in sys_now:
-                    if sysname in ("ckpt", "resihp") and sysname not in k:
-                        if sysname == "resihp" and args.resihp_checkpoint_every != "young-daly":
-                            k["resihp"] = int(args.resihp_checkpoint_every)
-                        else:
-                            # Young/Daly from the system's own write time and fault-free iteration
-                            # (a calibration run checkpointing every iteration); the trace kills
-                            # every N of its iterations, so its MTBF is N of its own iterations.
-                            c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
-                            mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
-                            k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
-                            out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
-                                "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
-                                "iteration_s": it_s, "every": k[sysname]}
-                            print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
-                                  f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
-                    r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
-                                k.get(sysname, 0))
-                    r.extra["round"] = rnd
-                    load.append(loadavg())
-                    runs.append(r)
-                    if args.json:  # every run so far, in case the benchmark is stopped
-                        Path(args.json + ".partial").write_text(json.dumps(
-                            [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
-                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]}
-                             for v in setup.values() for x in v["runs"]]))
-                    print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
-                          f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
-                          f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
+            if args.max_wall_s and time.time() - t_start > args.max_wall_s:
+                cut = (f"round {rnd + 1} stopped at --max-wall-s {args.max_wall_s:.0f} s before trace "
+                       f"{tname} of {job.name}")
+                print(cut, flush=True)
+                break
+            sys_now = st["order"] if tname == "none" else st["systems"]
+            sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
+            for sysname in sys_now:
+                if sysname in ("ckpt", "resihp") and sysname not in k:
+                    if sysname == "resihp" and args.resihp_checkpoint_every != "young-daly":
+                        k["resihp"] = int(args.resihp_checkpoint_every)
+                    else:
+                        # Young/Daly from the system's own write time and fault-free iteration
+                        # (a calibration run checkpointing every iteration); the trace kills
+                        # every N of its iterations, so its MTBF is N of its own iterations.
+                        c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
+                        mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
+                        k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
+                        out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
+                            "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
+                            "iteration_s": it_s, "every": k[sysname]}
+                        print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
+                              f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
+                r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
+                            k.get(sysname, 0))
+                r.extra["round"] = rnd
+                load.append(loadavg())
+                runs.append(r)
+                if args.json:  # every run so far, in case the benchmark is stopped
+                    Path(args.json + ".partial").write_text(json.dumps(
+                        [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
+                          "extra": x.extra, "commits": [asdict(c) for c in x.commits]}
+                         for v in setup.values() for x in v["runs"]]))
+                print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
+                      f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
+                      f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
+        if cut:
+            break
         done_rounds = rnd + 1
     loads = [x[0] for x in load if x]
-    out.update({"loadavg": [min(loads), max(loads)], "rounds": done_rounds, "wall_s": time.time() - t_start,
+    out.update({"loadavg": [min(loads), max(loads)], "rounds": done_rounds, "cut": cut, "wall_s": time.time() - t_start,
                 "have_torchft": have_torchft})
     for job in jobs:
         out["jobs"].setdefault(job.name, {})["traces"] = {
@@ -1121,7 +1130,8 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
     took = f", {saved['wall_s']:.0f} s" if "wall_s" in saved else ""
     head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({saved['date']}{took})",
             f"`{saved['command']}`; load average (1 min) {lo:.1f}-{hi:.1f} during the runs; "
-            f"{done} round(s){'' if done == reps else f' of {reps} asked (stopped by --max-wall-s)'}, "
+            f"{done} round(s){'' if done == reps else f' of {reps} asked (stopped by --max-wall-s)'}"
+            f"{'; then ' + saved['cut'] + ' (its runs up to there are counted)' if saved.get('cut') else ''}, "
             f"jobs and systems interleaved (order rotated every round); medians with "
             f"order-statistic intervals (min-max below 4 values).",
             f"timeouts: collectives {TIMEOUT_S:.0f} s (ResiHP job, torchrun workers), torchft gloo 5 s / manager 30 s "
