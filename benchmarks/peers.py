@@ -802,6 +802,47 @@ def _torchft_worker(a: dict) -> None:
     manager.shutdown(wait=False)
 
 
+def check_ref(root: Path, iterations: int = 3) -> float:
+    """The largest difference between checkpoint-restart's tp2pp2 script (``_ref_worker``,
+    float64, a checkpoint after every iteration) and the reference backend's own
+    single-process training (``reference_trajectory``): every parameter and AdamW moment
+    of every rank's shard after ``iterations - 1`` iterations. Near 0 says the peer
+    trains the very model and data ResiHP's megatron_ref adapter does."""
+    import torch
+
+    from resihp_adapters.megatron_ref.adapter import data_spec, model_config
+    from resihp_adapters.megatron_ref.model import shard_dim
+    from resihp_adapters.megatron_ref.reference import reference_trajectory
+    from resihp_core.config import Config
+    from resihp_core.job import JobSpec
+    from resihp_core.runtime.jobs import build_job
+
+    job = JOBS["tp2pp2"]
+    d = resihp_config(job, iterations, str(root / "ckpt"))
+    d["training"]["dtype"] = "float64"
+    spec = build_job(Config.from_dict(d), [], root / "spec").spec.to_json()
+    work = root / "run"
+    work.mkdir(parents=True)
+    run = run_torchrun("ckpt", job, [], iterations, work, spec, 600, 1, 0)
+    if not run.ok:
+        raise RuntimeError(f"the tp2pp2 checkpoint-restart script failed: {run.error}")
+    js = JobSpec.from_json(spec)
+    *_, (_, _, ref) = reference_trajectory(model_config(js), data_spec(js), iterations - 1,
+                                           lr=float(js.adapter_config["lr"]))
+    worst, names = 0.0, set()
+    for rank in range(job.workers):
+        shard = torch.load(work / "checkpoints" / f"step{iterations - 1}" / f"rank{rank}.pt", weights_only=True)
+        for name, mine in shard.items():
+            dim = shard_dim(name)
+            for a, full in zip(mine, ref[name]):
+                b = full if dim is None else full.chunk(job.tp, dim)[rank % job.tp]
+                worst = max(worst, float((a - b).abs().max()))
+            names.add(name)
+    if names != set(ref):
+        raise RuntimeError(f"the shards hold {sorted(names)}, the model {sorted(ref)}")
+    return worst
+
+
 # ---------------------------------------------------------------- driver
 def logged_checkpoint_writes(folder: Path) -> list[tuple[int, float]]:
     """``(iteration, seconds)`` of every checkpoint write that ResiHP's workers logged
@@ -991,10 +1032,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = _parser()
     ap.add_argument("--from-json", help="print the report of a saved run (--json's file) with this code, run nothing")
+    ap.add_argument("--check-ref", action="store_true", help="check that checkpoint-restart's tp2pp2 script trains "
+                    "the reference backend's model exactly (float64 against its single-process training), run nothing")
     args = ap.parse_args(argv)
     if args.from_json:
         print(render(json.loads(Path(args.from_json).read_text()))[0])
         return 0
+    if args.check_ref:
+        worst = check_ref(Path(tempfile.mkdtemp(prefix="resihp-peers-check-")))
+        print(f"tp2pp2 checkpoint-restart script vs the reference backend's single-process training, float64, "
+              f"2 iterations: every parameter and AdamW moment of every shard within {worst:.1e}")
+        return 0 if worst < 1e-10 else 1
     reps, iterations, every, repair_after, jobs, tnames = _settings(args)
     try:
         import torchft  # noqa: F401
