@@ -1094,7 +1094,17 @@ def main(argv: list[str] | None = None) -> int:
                         # Young/Daly from the system's own write time and fault-free iteration
                         # (a calibration run checkpointing every iteration); the trace kills
                         # every N of its iterations, so its MTBF is N of its own iterations.
-                        c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
+                        for attempt in range(3):  # a start that timed out at this load is no measurement
+                            try:
+                                c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
+                                break
+                            except RuntimeError as e:
+                                print(f"{job.name} {sysname}: calibration attempt {attempt + 1} failed: "
+                                      f"{str(e)[:300]}", flush=True)
+                                out.setdefault("calibration_failures", []).append(
+                                    {"job": job.name, "system": sysname, "error": str(e)[:300]})
+                        else:
+                            raise RuntimeError(f"{job.name} {sysname}: 3 calibration runs failed")
                         mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
                         k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
                         out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
