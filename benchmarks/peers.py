@@ -21,6 +21,11 @@ from it):
 * ``plain``: the same script as ``ckpt`` without checkpoints or restarts (fault-free
   runs only): the reference for each system's fault-free overhead.
 
+The third job, ``tp2pp2``, runs on the reference backend (megatron_ref): ResiHP on that
+adapter, and checkpoint-restart running the backend's own Megatron-style model under
+the same torchrun loop with Megatron-style per-rank checkpoints (``_ref_worker``;
+``--check-ref`` proves it trains the same model, docs/benchmarks.md).
+
 Checkpoint intervals: ResiHP and checkpoint-restart each checkpoint every ``k`` of
 their iterations, ``k`` from Young/Daly with each system's own ``C`` (its own write:
 ResiHP's DCP checkpoint, the script's ``torch.save`` or DCP) and its own fault-free
@@ -44,7 +49,8 @@ every round) so the machine's drift hits all alike; medians with order-statistic
 intervals (benchstats.py), the load average, and the fault-free runs' spread as the
 noise floor. A run that does not reach the last iteration is reported as crashed.
 
-Usage: python benchmarks/peers.py [--quick] [--reps N] [--jobs dp4,pp2dp2] [--json PATH]
+Usage: python benchmarks/peers.py [--quick] [--reps N] [--jobs dp4,pp2dp2,tp2pp2] [--traces ...]
+       [--max-wall-s S] [--json PATH] | --from-json PATH | --check-ref
 """
 
 from __future__ import annotations
@@ -953,6 +959,9 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
         fig[f"{sysname} fault-free iteration_s"] = its.to_dict()
         fig[f"{sysname} fault-free / plain"] = rc.to_dict()
         lines.append(f"| {sysname} | {_txt(its, '{:.3f}')} | {_txt(rc)} | {100 * floor:.1f} % |")
+        for i, x in enumerate(ss):
+            if not x["ok"]:
+                lines.append(f"|  | {sysname}: fault-free run {i + 1} did not finish: {x['error'][:160]} |  |  |")
     del base_it
     lines += ["", "| trace | system | completed | kill -> next commit s | back to the killed iteration s | "
               "redone per failure | goodput samples/s | goodput / own fault-free | resihp / system |",
