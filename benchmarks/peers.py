@@ -542,7 +542,7 @@ def _torchrun_worker(a: dict) -> None:
         _ref_worker(a)
         return
     out = Path(a["out"])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     (out / f"start-{rank}-{os.getpid()}").touch()
     js, c, data = _model_and_data(a["spec"])
     cfg, m, pp, every = c["model"], a["m"], a["pp"], a["every"]
