@@ -21,6 +21,11 @@ from it):
 * ``plain``: the same script as ``ckpt`` without checkpoints or restarts (fault-free
   runs only): the reference for each system's fault-free overhead.
 
+The third job, ``tp2pp2``, runs on the reference backend (megatron_ref): ResiHP on that
+adapter, and checkpoint-restart running the backend's own Megatron-style model under
+the same torchrun loop with Megatron-style per-rank checkpoints (``_ref_worker``;
+``--check-ref`` proves it trains the same model, docs/benchmarks.md).
+
 Checkpoint intervals: ResiHP and checkpoint-restart each checkpoint every ``k`` of
 their iterations, ``k`` from Young/Daly with each system's own ``C`` (its own write:
 ResiHP's DCP checkpoint, the script's ``torch.save`` or DCP) and its own fault-free
@@ -44,7 +49,8 @@ every round) so the machine's drift hits all alike; medians with order-statistic
 intervals (benchstats.py), the load average, and the fault-free runs' spread as the
 noise floor. A run that does not reach the last iteration is reported as crashed.
 
-Usage: python benchmarks/peers.py [--quick] [--reps N] [--jobs dp4,pp2dp2] [--json PATH]
+Usage: python benchmarks/peers.py [--quick] [--reps N] [--jobs dp4,pp2dp2,tp2pp2] [--traces ...]
+       [--max-wall-s S] [--json PATH] | --from-json PATH | --check-ref
 """
 
 from __future__ import annotations
@@ -206,17 +212,26 @@ class Job:
     pp: int
     dp: int
     microbatches: int  # per replica
+    tp: int = 1
+    adapter: str = "torch_native"  # ResiHP's backend; the peers run this backend's model
 
     @property
     def workers(self) -> int:
-        return self.pp * self.dp
+        return self.tp * self.pp * self.dp
+
+    @property
+    def layout(self) -> str:
+        return f"{f'TP{self.tp} x ' if self.tp > 1 else ''}PP{self.pp} x DP{self.dp}"
 
     @property
     def batch(self) -> int:
         return self.dp * self.microbatches
 
 
-JOBS = {"dp4": Job("dp4", 1, 4, 3), "pp2dp2": Job("pp2dp2", 2, 2, 4)}
+JOBS = {"dp4": Job("dp4", 1, 4, 3), "pp2dp2": Job("pp2dp2", 2, 2, 4),
+        # The reference (Megatron-style) backend's TP2 x PP2: its own model, TP layers and
+        # data; checkpoint-restart runs that model as a Megatron user would (_ref_worker).
+        "tp2pp2": Job("tp2pp2", 2, 1, 4, tp=2, adapter="megatron_ref")}
 MODEL = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128}
 WARMUP = 3  # iterations before the figures start (start-up, first-plan effects)
 TIMEOUT_S = 10.0  # every system's collective timeout where it has one to set (torchft: its example's)
@@ -227,14 +242,15 @@ def resihp_config(job: Job, iterations: int, checkpoint_dir: str, checkpoint_eve
     """The ``resihp run`` configuration of ``job`` (the peers read its model and data),
     checkpointing every ``checkpoint_every`` iterations."""
     return {
-        "parallel": {"tp": 1, "pp": job.pp, "dp": job.dp},
+        "parallel": {"tp": job.tp, "pp": job.pp, "dp": job.dp},
         "model": dict(MODEL),
         "training": {"microbatches": job.microbatches, "token_budget": 64, "iterations": iterations,
                      "lr": 0.003, "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every},
-        "runtime": {"adapter": "torch_native", "nodes": 1, "devices_per_node": job.workers,
+        "runtime": {"adapter": job.adapter, "nodes": 1, "devices_per_node": job.workers,
                     "controller_port": 0},
-        # HSDP copies (shard 1): a dead rank's state survives in a peer replica's memory.
-        "adapter": {"shard": 1},
+        # HSDP copies (shard 1): a dead rank's state survives in a peer replica's memory
+        # (the reference backend keeps whole copies in its replicas by design).
+        "adapter": {"shard": 1} if job.adapter == "torch_native" else {},
         # A hang is declared after 5 s without a heartbeat: torchft's lighthouse heartbeat
         # timeout as shipped (a dead process is seen at once by its exit). 0.1 s x 8, the
         # example's setting, killed healthy workers at load 30 on 2 cores (docs/benchmarks.md).
@@ -349,8 +365,8 @@ def run_torchft(job: Job, trace: list[Event], iterations: int, work: Path, spec:
                 heartbeat_ms: int) -> Run:
     """torchft: one replica group per worker, a lighthouse in this process; a repaired
     device's replica is started again once the repair iteration has committed."""
-    if job.pp != 1:
-        raise ValueError("torchft runs data-parallel replicas only (no pipelines)")
+    if job.pp != 1 or job.tp != 1:
+        raise ValueError("torchft runs data-parallel replicas only (no pipelines, no tensor parallelism)")
     lh = _Lighthouse(work, heartbeat_ms)
     run = Run("torchft", job.name, "", extra={"heartbeat_timeout_ms": heartbeat_ms})
     logs = [work / f"commits{r}.txt" for r in range(job.dp)]
@@ -446,8 +462,9 @@ def run_torchrun(system: str, job: Job, trace: list[Event], iterations: int, wor
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     a = {"spec": spec, "iterations": iterations, "out": str(work), "trace": [asdict(e) for e in trace],
-         "pp": job.pp, "m": job.microbatches, "every": every if system == "ckpt" else 0,
-         "fsdp": system == "plain-fsdp"}
+         "pp": job.pp, "tp": job.tp, "dp": job.dp, "m": job.microbatches,
+         "every": every if system == "ckpt" else 0, "fsdp": system == "plain-fsdp",
+         "ref": job.adapter == "megatron_ref"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(job.workers),
            "--max-restarts", str(max_restarts if system == "ckpt" else 0), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"peers-{os.getpid()}",
@@ -521,8 +538,11 @@ def _torchrun_worker(a: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    if a.get("ref"):
+        _ref_worker(a)
+        return
     out = Path(a["out"])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     (out / f"start-{rank}-{os.getpid()}").touch()
     js, c, data = _model_and_data(a["spec"])
     cfg, m, pp, every = c["model"], a["m"], a["pp"], a["every"]
@@ -602,7 +622,7 @@ def _torchrun_worker(a: dict) -> None:
         faults.at(it)
         step(it)
         if log is not None:
-            log.write(f"{it} {time.time():.6f} {world // pp * m}\n")
+            log.write(f"{it} {time.time():.6f} {a['dp'] * m}\n")
             log.flush()
         if every and (it + 1) % every == 0 and it + 1 < a["iterations"]:
             t0 = time.perf_counter()
@@ -618,6 +638,121 @@ def _publish(newest: Path, it: int) -> None:
     tmp = newest.with_suffix(".tmp")
     tmp.write_text(str(it))
     os.replace(tmp, newest)
+
+
+def _ref_worker(a: dict) -> None:
+    """The reference backend's TP x PP model under torchrun, as a Megatron user runs a
+    Megatron model: the same ``StageModule`` layers (column/row-parallel linears,
+    vocab-parallel embedding and loss) and seeded weights, data and AdamW as ResiHP's
+    megatron_ref adapter; rank = stage x TP + TP rank (TP innermost, Megatron's order);
+    GPipe (every micro-batch's forward, then every backward) with blocking send/recv
+    between the same TP rank of adjacent stages. With ``every`` > 0 a checkpoint every
+    ``every`` iterations the way Megatron's ``--save-interval`` writes one: each rank
+    ``torch.save``s its own shard (parameters and AdamW moments: Megatron's per-rank
+    ``mp_rank_XX`` files), a barrier, then rank 0 publishes the iteration (Megatron's
+    ``latest_checkpointed_iteration.txt``); at start the newest is loaded (``--load``)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from resihp_adapters.megatron_ref.adapter import data_spec, model_config
+    from resihp_adapters.megatron_ref.data import label_count, micro_batch
+    from resihp_adapters.megatron_ref.model import build_stage
+    from resihp_adapters.megatron_ref.state import AdamW
+    from resihp_core.job import JobSpec
+
+    torch.set_num_threads(1)
+    out = Path(a["out"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    (out / f"start-{rank}-{os.getpid()}").touch()
+    tp, pp, m, every = a["tp"], a["pp"], a["m"], a["every"]
+    if a["dp"] != 1 or world != tp * pp:
+        raise ValueError(f"the reference script runs TP x PP with one replica, not {a} on {world} ranks")
+    js = JobSpec.from_json(a["spec"])
+    cfg, data = model_config(js), data_spec(js)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    stage, t = divmod(rank, tp)
+    groups = [dist.new_group(list(range(k * tp, (k + 1) * tp))) for k in range(pp)]  # every rank makes every group
+    bounds = [round(k * cfg.num_layers / pp) for k in range(pp + 1)]
+    module = build_stage(cfg, (bounds[stage], bounds[stage + 1]), stage == 0, stage == pp - 1,
+                         groups[stage], t, tp)
+    opt = AdamW(lr=float(js.adapter_config.get("lr", 1e-3)))
+    faults = _Faults(a["trace"], rank, out)
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(exist_ok=True)
+    newest = ckdir / "newest"
+    start = int(newest.read_text()) if every and newest.exists() else 0
+    if start:
+        saved = torch.load(ckdir / f"step{start}" / f"rank{rank}.pt", weights_only=True)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                sp, sm, sv = saved[name]
+                p.copy_(sp)
+                opt.state[name] = (sm.clone(), sv.clone())
+    log = open(out / "commits.txt", "a") if rank == 0 else None
+    first, last = stage == 0, stage == pp - 1
+
+    def step(it: int) -> None:
+        denom = float(label_count(data, it))
+        ins, outs = [], []
+        busy = 0.0
+        for j in range(m):
+            mb = micro_batch(data, it, 0, j)
+            if first:
+                x = mb.tokens
+            else:
+                x = torch.empty(sum(mb.lengths), cfg.hidden, dtype=cfg.torch_dtype)
+                dist.recv(x, src=rank - tp)
+                x.requires_grad_()
+            t0 = time.perf_counter()
+            y = module(x, mb.lengths, mb.labels) / denom if last else module(x, mb.lengths)
+            busy += time.perf_counter() - t0
+            if not last:
+                dist.send(y.detach(), dst=rank + tp)
+            ins.append(x)
+            outs.append(y)
+        for j in range(m):
+            g = None
+            if not last:
+                g = torch.empty_like(outs[j])
+                dist.recv(g, src=rank + tp)
+            t0 = time.perf_counter()
+            outs[j].backward(g)
+            busy += time.perf_counter() - t0
+            if not first:
+                dist.send(ins[j].grad, dst=rank - tp)
+        faults.stretch(busy)
+        params = dict(module.named_parameters())
+        opt.step(params, it + 1)
+        for p in params.values():
+            p.grad = None
+
+    def save(it: int) -> None:
+        folder = ckdir / f"step{it}"
+        folder.mkdir(exist_ok=True)
+        shard = {name: (p.detach(), *opt.ensure(name, p)) for name, p in module.named_parameters()}
+        path = folder / f"rank{rank}.pt"
+        torch.save(shard, str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)
+        dist.barrier()
+        if rank == 0:
+            _publish(newest, it)
+
+    for it in range(start, a["iterations"]):
+        faults.at(it)
+        step(it)
+        if log is not None:
+            log.write(f"{it} {time.time():.6f} {m}\n")
+            log.flush()
+        if every and (it + 1) % every == 0 and it + 1 < a["iterations"]:
+            t0 = time.perf_counter()
+            save(it + 1)
+            if rank == 0:
+                with open(out / "ckpt_write_s.txt", "a") as f:
+                    f.write(f"{time.perf_counter() - t0:.6f}\n")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _torchft_worker(a: dict) -> None:
@@ -673,6 +808,47 @@ def _torchft_worker(a: dict) -> None:
     manager.shutdown(wait=False)
 
 
+def check_ref(root: Path, iterations: int = 3) -> float:
+    """The largest difference between checkpoint-restart's tp2pp2 script (``_ref_worker``,
+    float64, a checkpoint after every iteration) and the reference backend's own
+    single-process training (``reference_trajectory``): every parameter and AdamW moment
+    of every rank's shard after ``iterations - 1`` iterations. Near 0 says the peer
+    trains the very model and data ResiHP's megatron_ref adapter does."""
+    import torch
+
+    from resihp_adapters.megatron_ref.adapter import data_spec, model_config
+    from resihp_adapters.megatron_ref.model import shard_dim
+    from resihp_adapters.megatron_ref.reference import reference_trajectory
+    from resihp_core.config import Config
+    from resihp_core.job import JobSpec
+    from resihp_core.runtime.jobs import build_job
+
+    job = JOBS["tp2pp2"]
+    d = resihp_config(job, iterations, str(root / "ckpt"))
+    d["training"]["dtype"] = "float64"
+    spec = build_job(Config.from_dict(d), [], root / "spec").spec.to_json()
+    work = root / "run"
+    work.mkdir(parents=True)
+    run = run_torchrun("ckpt", job, [], iterations, work, spec, 600, 1, 0)
+    if not run.ok:
+        raise RuntimeError(f"the tp2pp2 checkpoint-restart script failed: {run.error}")
+    js = JobSpec.from_json(spec)
+    *_, (_, _, ref) = reference_trajectory(model_config(js), data_spec(js), iterations - 1,
+                                           lr=float(js.adapter_config["lr"]))
+    worst, names = 0.0, set()
+    for rank in range(job.workers):
+        shard = torch.load(work / "checkpoints" / f"step{iterations - 1}" / f"rank{rank}.pt", weights_only=True)
+        for name, mine in shard.items():
+            dim = shard_dim(name)
+            for a, full in zip(mine, ref[name]):
+                b = full if dim is None else full.chunk(job.tp, dim)[rank % job.tp]
+                worst = max(worst, float((a - b).abs().max()))
+            names.add(name)
+    if names != set(ref):
+        raise RuntimeError(f"the shards hold {sorted(names)}, the model {sorted(ref)}")
+    return worst
+
+
 # ---------------------------------------------------------------- driver
 def logged_checkpoint_writes(folder: Path) -> list[tuple[int, float]]:
     """``(iteration, seconds)`` of every checkpoint write that ResiHP's workers logged
@@ -699,8 +875,12 @@ def own_checkpoint_cost(system: str, job: Job, root: Path, spec: str, args: argp
     work = Path(tempfile.mkdtemp(prefix=f"calibrate-{system}-{job.name}-", dir=root))
     if system == "resihp":
         run = run_resihp(job, [], iterations, work, args.run_timeout, checkpoint_every=1)
-        found = logged_checkpoint_writes(work)
-        writes = [w for i, w in found if i >= skip] or [w for _, w in found]
+        # One checkpoint per iteration, as long as its slowest writer (the reference
+        # backend writes one file set per stage, each logged by its writer).
+        per_it: dict[int, float] = {}
+        for i, w in logged_checkpoint_writes(work):
+            per_it[i] = max(w, per_it.get(i, 0.0))
+        writes = [w for i, w in sorted(per_it.items()) if i >= skip] or list(per_it.values())
     elif system == "ckpt":
         run = run_torchrun("ckpt", job, [], iterations, work, spec, args.run_timeout, 1, 0)
         f = work / "ckpt_write_s.txt"
@@ -758,7 +938,7 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
         by.setdefault((r.system, r.trace), []).append(s)
         rounds.setdefault((r.system, r.trace), []).append(s["round"])
     fig: dict = {}
-    lines = [f"### {job.name}: PP{job.pp} x DP{job.dp}, {job.workers} CPU workers, {iterations} iterations "
+    lines = [f"### {job.name}: {job.layout}, {job.workers} CPU workers, {iterations} iterations "
              f"of {job.batch} samples (goodput after iteration {warmup})", "",
              "Each cell: median [order-statistic interval: the min-max range up to 5 values, a 75 % "
              "interval for 3 values, 94 % for 5]; kill figures pool every kill of every run.", ""]
@@ -779,6 +959,9 @@ def table(job: Job, runs: list[Run], iterations: int, warmup: int, traces: dict[
         fig[f"{sysname} fault-free iteration_s"] = its.to_dict()
         fig[f"{sysname} fault-free / plain"] = rc.to_dict()
         lines.append(f"| {sysname} | {_txt(its, '{:.3f}')} | {_txt(rc)} | {100 * floor:.1f} % |")
+        for i, x in enumerate(ss):
+            if not x["ok"]:
+                lines.append(f"|  | {sysname}: fault-free run {i + 1} did not finish: {x['error'][:160]} |  |  |")
     del base_it
     lines += ["", "| trace | system | completed | kill -> next commit s | back to the killed iteration s | "
               "redone per failure | goodput samples/s | goodput / own fault-free | resihp / system |",
@@ -817,7 +1000,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized: 1 round, dp4 only, fault-free and kill-every-n")
     ap.add_argument("--reps", type=int, help="rounds (default 3; 1 with --quick)")
-    ap.add_argument("--jobs", help="comma-separated: dp4, pp2dp2 (default both; dp4 with --quick)")
+    ap.add_argument("--jobs", help=f"comma-separated of {', '.join(JOBS)} (default all; dp4 with --quick)")
     ap.add_argument("--traces", help=f"comma-separated of {', '.join(TRACES)}")
     ap.add_argument("--iterations", type=int, help="iterations per run (default 60; 30 with --quick)")
     ap.add_argument("--every", type=int, default=None, help="kill-every-n: iterations between kills")
@@ -843,7 +1026,7 @@ def _settings(args: argparse.Namespace) -> tuple[int, int, int, int, list[Job], 
     iterations = args.iterations or (30 if args.quick else 60)
     every = args.every or (10 if args.quick else 15)
     repair_after = args.repair_after or 5
-    jobs = [JOBS[j] for j in (args.jobs or ("dp4" if args.quick else "dp4,pp2dp2")).split(",")]
+    jobs = [JOBS[j] for j in (args.jobs or ("dp4" if args.quick else ",".join(JOBS))).split(",")]
     tnames = (args.traces or ("none,kill-every-n" if args.quick else ",".join(TRACES))).split(",")
     if "none" not in tnames:
         tnames.insert(0, "none")
@@ -858,10 +1041,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = _parser()
     ap.add_argument("--from-json", help="print the report of a saved run (--json's file) with this code, run nothing")
+    ap.add_argument("--check-ref", action="store_true", help="check that checkpoint-restart's tp2pp2 script trains "
+                    "the reference backend's model exactly (float64 against its single-process training), run nothing")
     args = ap.parse_args(argv)
     if args.from_json:
         print(render(json.loads(Path(args.from_json).read_text()))[0])
         return 0
+    if args.check_ref:
+        worst = check_ref(Path(tempfile.mkdtemp(prefix="resihp-peers-check-")))
+        print(f"tp2pp2 checkpoint-restart script vs the reference backend's single-process training, float64, "
+              f"2 iterations: every parameter and AdamW moment of every shard within {worst:.1e}")
+        return 0 if worst < 1e-10 else 1
     reps, iterations, every, repair_after, jobs, tnames = _settings(args)
     try:
         import torchft  # noqa: F401
@@ -877,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jobs": {}}
     setup: dict[str, dict] = {}
     for job in jobs:
-        systems = [s for s in SYSTEMS if s != "torchft" or (have_torchft and job.pp == 1)]
+        systems = [s for s in SYSTEMS if s != "torchft" or (have_torchft and job.pp == 1 and job.tp == 1)]
         setup[job.name] = {
             "systems": systems, "order": ["plain", *systems], "runs": [], "k": {},
             "traces": {t: make_trace(t, iterations, job.workers, every=every, repair_after=repair_after,
@@ -886,50 +1076,69 @@ def main(argv: list[str] | None = None) -> int:
                               seed=args.seed),
             "spec": job_spec_json(job, iterations, root / f"spec-{job.name}")}
     done_rounds = 0
-    for rnd in range(reps):  # a round runs every job, so a stop for time leaves whole rounds
+    cut = ""  # why the last round stopped short (--max-wall-s passed inside it)
+    for rnd in range(reps):  # a round runs every job; --max-wall-s starts none that would not end in time
         elapsed = time.time() - t_start
         if rnd and args.max_wall_s and elapsed + elapsed / rnd > args.max_wall_s:
             print(f"stopping after {rnd} of {reps} rounds: another would pass --max-wall-s "
                   f"{args.max_wall_s:.0f} s ({elapsed:.0f} s so far)", flush=True)
             break
-        for job in jobs:
+        # Traces outside jobs: a round cut short by --max-wall-s loses its last trace(s)
+        # for every job alike, not a whole job.
+        for tname, job in ((t, j) for t in tnames for j in jobs):
             st = setup[job.name]
             runs, k, spec, traces = st["runs"], st["k"], st["spec"], st["traces"]
-            for tname in tnames:
-                sys_now = st["order"] if tname == "none" else st["systems"]
-                sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
-                for sysname in sys_now:
-                    if sysname in ("ckpt", "resihp") and sysname not in k:
-                        if sysname == "resihp" and args.resihp_checkpoint_every != "young-daly":
-                            k["resihp"] = int(args.resihp_checkpoint_every)
+            if args.max_wall_s and time.time() - t_start > args.max_wall_s:
+                cut = (f"round {rnd + 1} stopped at --max-wall-s {args.max_wall_s:.0f} s before trace "
+                       f"{tname} of {job.name}")
+                print(cut, flush=True)
+                break
+            sys_now = st["order"] if tname == "none" else st["systems"]
+            sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
+            for sysname in sys_now:
+                if sysname in ("ckpt", "resihp") and sysname not in k:
+                    if sysname == "resihp" and args.resihp_checkpoint_every != "young-daly":
+                        k["resihp"] = int(args.resihp_checkpoint_every)
+                    else:
+                        # Young/Daly from the system's own write time and fault-free iteration
+                        # (a calibration run checkpointing every iteration); the trace kills
+                        # every N of its iterations, so its MTBF is N of its own iterations.
+                        for attempt in range(3):  # a start that timed out at this load is no measurement
+                            try:
+                                c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
+                                break
+                            except RuntimeError as e:
+                                print(f"{job.name} {sysname}: calibration attempt {attempt + 1} failed: "
+                                      f"{str(e)[:300]}", flush=True)
+                                out.setdefault("calibration_failures", []).append(
+                                    {"job": job.name, "system": sysname, "error": str(e)[:300]})
                         else:
-                            # Young/Daly from the system's own write time and fault-free iteration
-                            # (a calibration run checkpointing every iteration); the trace kills
-                            # every N of its iterations, so its MTBF is N of its own iterations.
-                            c_s, it_s, writes = own_checkpoint_cost(sysname, job, root, spec, args)
-                            mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
-                            k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
-                            out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
-                                "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
-                                "iteration_s": it_s, "every": k[sysname]}
-                            print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
-                                  f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
-                    r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
-                                k.get(sysname, 0))
-                    r.extra["round"] = rnd
-                    load.append(loadavg())
-                    runs.append(r)
-                    if args.json:  # every run so far, in case the benchmark is stopped
-                        Path(args.json + ".partial").write_text(json.dumps(
-                            [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
-                              "extra": x.extra, "commits": [asdict(c) for c in x.commits]}
-                             for v in setup.values() for x in v["runs"]]))
-                    print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
-                          f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
-                          f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
+                            raise RuntimeError(f"{job.name} {sysname}: 3 calibration runs failed")
+                        mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
+                        k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
+                        out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
+                            "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
+                            "iteration_s": it_s, "every": k[sysname]}
+                        print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
+                              f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
+                r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
+                            k.get(sysname, 0))
+                r.extra["round"] = rnd
+                load.append(loadavg())
+                runs.append(r)
+                if args.json:  # every run so far, in case the benchmark is stopped
+                    Path(args.json + ".partial").write_text(json.dumps(
+                        [{"system": x.system, "job": x.job, "trace": x.trace, "ok": x.ok, "error": x.error,
+                          "extra": x.extra, "commits": [asdict(c) for c in x.commits]}
+                         for v in setup.values() for x in v["runs"]]))
+                print(f"[{time.time() - t_start:6.0f} s] {job.name} round {rnd + 1}/{reps} {tname:<13} "
+                      f"{sysname:<8} {'ok' if r.ok else 'FAILED'} {len(r.commits)} commits "
+                      f"{r.wall_s:.1f} s{'' if r.ok else ' ' + r.error[:200]}", flush=True)
+        if cut:
+            break
         done_rounds = rnd + 1
     loads = [x[0] for x in load if x]
-    out.update({"loadavg": [min(loads), max(loads)], "rounds": done_rounds, "wall_s": time.time() - t_start,
+    out.update({"loadavg": [min(loads), max(loads)], "rounds": done_rounds, "cut": cut, "wall_s": time.time() - t_start,
                 "have_torchft": have_torchft})
     for job in jobs:
         out["jobs"].setdefault(job.name, {})["traces"] = {
@@ -956,8 +1165,6 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
     args = _parser().parse_args(shlex.split(saved["command"])[2:])
     reps, iterations, _, _, jobs, _ = _settings(args)
     warmup = WARMUP
-    how = {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
-           "resihp": "the coordinator's logged DCP write and seal"}
     report: list[str] = []
     figs: dict[str, dict] = {}
     for job in jobs:
@@ -969,6 +1176,11 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
         systems = [s for s in SYSTEMS if s in ran]
         lines, fig = table(job, runs, iterations, warmup, traces, systems)
         figs[job.name] = fig
+        how = ({"ckpt": "rank 0's timed save: every rank's torch.save of its shard + barrier",
+                "resihp": "the slowest stage writer's logged background write: gathered TP shards, one "
+                          "verified file per component"} if job.adapter == "megatron_ref" else
+               {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
+                "resihp": "the coordinator's logged DCP write and seal"})
         for sysname, yd in saved_job.get("young_daly", {}).items():
             lines += ["", f"{sysname}: a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
@@ -979,8 +1191,9 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
         if "resihp" in ran and "resihp" not in saved_job.get("young_daly", {}):
             fixed = saved_job.get("resihp_checkpoint_every", args.resihp_checkpoint_every)
             lines += ["", f"resihp: a checkpoint every {fixed} iteration(s) (--resihp-checkpoint-every)"]
-        if job.pp != 1:
-            lines += ["", "torchft: not run (it runs data-parallel replicas; it has no pipeline parallelism)"]
+        if job.pp != 1 or job.tp != 1:
+            lines += ["", "torchft: not run (it runs data-parallel replicas; it has no pipeline or tensor "
+                      "parallelism)"]
         elif "torchft" not in ran:
             lines += ["", "torchft: not installed, column skipped"]
         report += lines + [""]
@@ -988,7 +1201,8 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
     took = f", {saved['wall_s']:.0f} s" if "wall_s" in saved else ""
     head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({saved['date']}{took})",
             f"`{saved['command']}`; load average (1 min) {lo:.1f}-{hi:.1f} during the runs; "
-            f"{done} round(s){'' if done == reps else f' of {reps} asked (stopped by --max-wall-s)'}, "
+            f"{done} round(s){'' if done == reps else f' of {reps} asked (stopped by --max-wall-s)'}"
+            f"{'; then ' + saved['cut'] + ' (its runs up to there are counted)' if saved.get('cut') else ''}, "
             f"jobs and systems interleaved (order rotated every round); medians with "
             f"order-statistic intervals (min-max below 4 values).",
             f"timeouts: collectives {TIMEOUT_S:.0f} s (ResiHP job, torchrun workers), torchft gloo 5 s / manager 30 s "

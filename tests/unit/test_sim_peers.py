@@ -175,3 +175,28 @@ def test_peers_fault_free_iteration_time_counts_the_checkpoint_writes() -> None:
         t += 3.0 if (i + 1) % 4 == 0 else 1.0
     s = peers.summarise(commits, [], 13, warmup=0)
     assert s["iteration_s"] == pytest.approx(18.0 / 12)
+
+
+def test_peers_tp2pp2_runs_the_reference_backend_without_torchft() -> None:
+    """The TP2 x PP2 job is the reference backend's (megatron_ref, which rejects
+    torch_native's ``shard`` field), on 4 workers; torchft refuses it (no TP, no PP)."""
+    from resihp_core.config import Config
+
+    job = peers.JOBS["tp2pp2"]
+    assert (job.workers, job.batch, job.layout) == (4, 4, "TP2 x PP2 x DP1")
+    cfg = Config.from_dict(peers.resihp_config(job, 12, "/tmp/unused"))
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.runtime.adapter) == (2, 2, 1, "megatron_ref")
+    assert cfg.adapter == {}
+    assert peers.resihp_config(peers.JOBS["dp4"], 12, "/tmp/unused")["adapter"] == {"shard": 1}
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        peers.run_torchft(job, [], 12, Path("/nonexistent"), "", 1.0, 5000)
+
+
+def test_peers_report_says_where_max_wall_s_cut_a_round() -> None:
+    """A round stopped inside by --max-wall-s is named in the report's head."""
+    saved = {"command": "python benchmarks/peers.py --jobs dp4 --reps 2 --max-wall-s 10", "date": "d",
+             "jobs": {}, "runs": [], "rounds": 1, "loadavg": [1.0, 2.0],
+             "cut": "round 2 stopped at --max-wall-s 10 s before trace slow of dp4"}
+    md, _ = peers.render(saved)
+    assert "1 round(s) of 2 asked (stopped by --max-wall-s); then round 2 stopped at --max-wall-s 10 s " \
+           "before trace slow of dp4" in md
