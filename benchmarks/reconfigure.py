@@ -267,13 +267,16 @@ def _mean_iteration_s(commits: list, warmup: int) -> float:
 
 def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0) -> dict:
     """Fault-free iteration time, resilient vs stock path, PP2 x DP2 (the kill test's job):
-    ``rounds`` rounds, each one run of either (order alternated every round). Both come
-    from peers.py (the same model, data and HSDP layout there): ``run_resihp`` is
-    ``resihp run``'s production path without checkpoints, ``run_torchrun("plain")`` the
-    stock script (``StockPipeline``) under torchrun. Per run: seconds per iteration
-    from the commit after a warm-up of 3 to the last one (the supervisor's commits for
-    ResiHP, rank 0's finished steps for stock); a ResiHP run whose detector re-planned
-    without a fault (contention on a loaded host) is timed over its first plan."""
+    ``rounds`` rounds, each one run of the resilient path (its commit overlapped with the
+    next iteration, the default), one of it with ``RESIHP_COMMIT_OVERLAP=0`` (each
+    iteration committed before the next starts) and one of the stock path, in an order
+    rotated every round. All come from peers.py (the same model, data and HSDP layout
+    there): ``run_resihp`` is ``resihp run``'s production path without checkpoints,
+    ``run_torchrun("plain")`` the stock script (``StockPipeline``) under torchrun. Per
+    run: seconds per iteration from the commit after a warm-up of 3 to the last one (the
+    supervisor's commits for ResiHP, rank 0's finished steps for stock); a ResiHP run
+    whose detector re-planned without a fault (contention on a loaded host) is timed
+    over its first plan."""
     from pathlib import Path
 
     import peers
@@ -281,14 +284,23 @@ def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0
     job = peers.JOBS["pp2dp2"]
     root = Path(tempfile.mkdtemp(prefix="resihp-bench-ff-"))
     spec = peers.job_spec_json(job, iterations, root / "spec")
-    runs: dict[str, list[float]] = {"resihp": [], "stock": []}
+    systems = ("resihp", "resihp_sync", "stock")
+    runs: dict[str, list[float]] = {k: [] for k in systems}
     loads = []
-    replans: list[tuple[int, int, int]] = []  # (round, plan changes, iterations before the first)
+    replans: list[tuple[int, str, int, int]] = []  # (round, system, plan changes, iterations before the first)
     for r in range(rounds):
-        for system in (("resihp", "stock") if r % 2 == 0 else ("stock", "resihp")):
+        for system in systems[r % 3:] + systems[:r % 3]:
             work = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=root))
-            if system == "resihp":
-                run = peers.run_resihp(job, [], iterations, work, timeout, checkpoint_every=0)
+            if system.startswith("resihp"):
+                saved = os.environ.get("RESIHP_COMMIT_OVERLAP")
+                os.environ["RESIHP_COMMIT_OVERLAP"] = "0" if system == "resihp_sync" else "1"
+                try:
+                    run = peers.run_resihp(job, [], iterations, work, timeout, checkpoint_every=0)
+                finally:
+                    if saved is None:
+                        os.environ.pop("RESIHP_COMMIT_OVERLAP", None)
+                    else:
+                        os.environ["RESIHP_COMMIT_OVERLAP"] = saved
             else:
                 run = peers.run_torchrun("plain", job, [], iterations, work, spec, timeout, 0, 0)
             if not run.ok:
@@ -299,15 +311,18 @@ def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0
                 # A "fault-free" run that re-planned: on a loaded host the detector can
                 # take contention for a slow device and mitigate it. Time the first
                 # plan's iterations only (the overhead, not a different layout) and say so.
-                replans.append((r, len(resumes), resumes[0][0]))
+                replans.append((r, system, len(resumes), resumes[0][0]))
                 commits = commits[:resumes[0][0]]
             runs[system].append(_mean_iteration_s(commits, warmup=3))
-            loads.append(float(open("/proc/loadavg").read().split()[0]) if os.path.exists("/proc/loadavg") else math.nan)
-    ratios = [a / b for a, b in zip(runs["resihp"], runs["stock"])]
-    return {"stock_iteration_s": statistics.median(runs["stock"]),
-            "resihp_iteration_s": statistics.median(runs["resihp"]),
-            "resihp_vs_stock": statistics.median(runs["resihp"]) / statistics.median(runs["stock"]) - 1.0,
-            "per_round_ratio": ratios, "stock_runs_s": runs["stock"], "resihp_runs_s": runs["resihp"],
+            loads.append(os.getloadavg()[0])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"stock_iteration_s": med["stock"], "resihp_iteration_s": med["resihp"],
+            "resihp_sync_iteration_s": med["resihp_sync"],
+            "resihp_vs_stock": med["resihp"] / med["stock"] - 1.0,
+            "resihp_sync_vs_stock": med["resihp_sync"] / med["stock"] - 1.0,
+            "per_round_ratio": [a / b for a, b in zip(runs["resihp"], runs["stock"])],
+            "per_round_ratio_sync": [a / b for a, b in zip(runs["resihp_sync"], runs["stock"])],
+            "stock_runs_s": runs["stock"], "resihp_runs_s": runs["resihp"], "resihp_sync_runs_s": runs["resihp_sync"],
             "rounds": rounds, "iterations": iterations, "loadavg_1m": loads, "replans": replans}
 
 
@@ -884,15 +899,17 @@ def _main_torch_native(args) -> int:
         print(f"torch_native fault-free, PP2xDP2 HSDP, 4 CPU workers: resilient path vs stock "
               f"(PipelineStage + Schedule1F1B + fully_shard under torchrun), {ff['rounds']} rounds alternated, "
               f"{ff['iterations']} iterations each; load (1 min) {min(ff['loadavg_1m']):.1f}-{max(ff['loadavg_1m']):.1f}")
-        print(f"  stock iteration s (median)   {ff['stock_iteration_s']:.4f}   runs "
+        print(f"  {'stock':28s} {ff['stock_iteration_s']:.4f}   runs "
               + " ".join(f"{x:.4f}" for x in ff["stock_runs_s"]))
-        print(f"  resihp iteration s (median)  {ff['resihp_iteration_s']:.4f}   runs "
-              + " ".join(f"{x:.4f}" for x in ff["resihp_runs_s"]))
-        print(f"  resihp vs stock              {100 * ff['resihp_vs_stock']:+.1f} %   per round "
-              + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["per_round_ratio"])
-              + f"   target within 3 %: {'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
-        for r, n, before in ff["replans"]:
-            print(f"  round {r + 1}: ResiHP re-planned {n} time(s) without a fault (the detector on a loaded "
+        for key, label in (("resihp", "resihp (commit overlapped)"), ("resihp_sync", "resihp (commit in line)")):
+            print(f"  {label:28s} {ff[key + '_iteration_s']:.4f}   runs "
+                  + " ".join(f"{x:.4f}" for x in ff[key + "_runs_s"]))
+        for key, label in (("", "overlapped"), ("_sync", "in line")):
+            print(f"  resihp ({label}) vs stock {100 * ff['resihp' + key + '_vs_stock']:+7.1f} %   per round "
+                  + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["per_round_ratio" + key]))
+        print(f"  target within 3 % (overlapped, the default): {'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
+        for r, system, n, before in ff["replans"]:
+            print(f"  round {r + 1}: {system} re-planned {n} time(s) without a fault (the detector on a loaded "
                   f"host); timed over the first plan's {before} iterations")
     elif args.model != "llama":
         print("fault-free resilient-vs-stock comparison: run with --model llama (the stock script of "
