@@ -36,7 +36,10 @@ then the fault-free iteration time of the resilient path (``resihp run``'s produ
 path: agents, controller, detector, supervisor, the commit protocol) against the stock
 path (``PipelineStage`` + ``Schedule1F1B`` + ``fully_shard``, HSDP, under ``torchrun``,
 no ResiHP) on the same PP2 x DP2 job, model and data, alternated in one run (medians over
-runs of each run's seconds per iteration after a warm-up; ``--fault-free-only`` runs just this).
+runs of each run's seconds per iteration after a warm-up; ``--fault-free-only`` runs just this);
+the resilient path runs twice per round, its commit overlapped with the next iteration (the
+default) and in line (``RESIHP_COMMIT_OVERLAP=0``). ``--fault-free-phases`` times each part of
+those iterations in every worker instead (snapshot, report, commit, schedule, optimizer).
 
 With ``--controller-restart`` it measures controller failover instead (docs/failover.md):
 a ``resihp run`` job (megatron_ref, TP1 x PP2 x DP2, 2 nodes) whose controller is
@@ -59,7 +62,8 @@ Schedule1F1B) in alternating blocks of the same 4 processes.
 
 Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--model llama|hf_llama]
        [--tp 1|2]
-       [--controller-restart] [--fault-free-only] [--fault-free-rounds N] [--restore-at 30,300]
+       [--controller-restart] [--fault-free-only] [--fault-free-phases] [--fault-free-rounds N]
+       [--restore-at 30,300]
        [--quick] [--json PATH]
 """
 
@@ -337,13 +341,16 @@ def _mean_iteration_s(commits: list, warmup: int) -> float:
 
 def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0) -> dict:
     """Fault-free iteration time, resilient vs stock path, PP2 x DP2 (the kill test's job):
-    ``rounds`` rounds, each one run of either (order alternated every round). Both come
-    from peers.py (the same model, data and HSDP layout there): ``run_resihp`` is
-    ``resihp run``'s production path without checkpoints, ``run_torchrun("plain")`` the
-    stock script (``StockPipeline``) under torchrun. Per run: seconds per iteration
-    from the commit after a warm-up of 3 to the last one (the supervisor's commits for
-    ResiHP, rank 0's finished steps for stock); a ResiHP run whose detector re-planned
-    without a fault (contention on a loaded host) is timed over its first plan."""
+    ``rounds`` rounds, each one run of the resilient path (its commit overlapped with the
+    next iteration, the default), one of it with ``RESIHP_COMMIT_OVERLAP=0`` (each
+    iteration committed before the next starts) and one of the stock path, in an order
+    rotated every round. All come from peers.py (the same model, data and HSDP layout
+    there): ``run_resihp`` is ``resihp run``'s production path without checkpoints,
+    ``run_torchrun("plain")`` the stock script (``StockPipeline``) under torchrun. Per
+    run: seconds per iteration from the commit after a warm-up of 3 to the last one (the
+    supervisor's commits for ResiHP, rank 0's finished steps for stock); a ResiHP run
+    whose detector re-planned without a fault (contention on a loaded host) is timed
+    over its first plan."""
     from pathlib import Path
 
     import peers
@@ -351,14 +358,23 @@ def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0
     job = peers.JOBS["pp2dp2"]
     root = Path(tempfile.mkdtemp(prefix="resihp-bench-ff-"))
     spec = peers.job_spec_json(job, iterations, root / "spec")
-    runs: dict[str, list[float]] = {"resihp": [], "stock": []}
+    systems = ("resihp", "resihp_sync", "stock")
+    runs: dict[str, list[float]] = {k: [] for k in systems}
     loads = []
-    replans: list[tuple[int, int, int]] = []  # (round, plan changes, iterations before the first)
+    replans: list[tuple[int, str, int, int]] = []  # (round, system, plan changes, iterations before the first)
     for r in range(rounds):
-        for system in (("resihp", "stock") if r % 2 == 0 else ("stock", "resihp")):
+        for system in systems[r % 3:] + systems[:r % 3]:
             work = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=root))
-            if system == "resihp":
-                run = peers.run_resihp(job, [], iterations, work, timeout, checkpoint_every=0)
+            if system.startswith("resihp"):
+                saved = os.environ.get("RESIHP_COMMIT_OVERLAP")
+                os.environ["RESIHP_COMMIT_OVERLAP"] = "0" if system == "resihp_sync" else "1"
+                try:
+                    run = peers.run_resihp(job, [], iterations, work, timeout, checkpoint_every=0)
+                finally:
+                    if saved is None:
+                        os.environ.pop("RESIHP_COMMIT_OVERLAP", None)
+                    else:
+                        os.environ["RESIHP_COMMIT_OVERLAP"] = saved
             else:
                 run = peers.run_torchrun("plain", job, [], iterations, work, spec, timeout, 0, 0)
             if not run.ok:
@@ -369,16 +385,72 @@ def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0
                 # A "fault-free" run that re-planned: on a loaded host the detector can
                 # take contention for a slow device and mitigate it. Time the first
                 # plan's iterations only (the overhead, not a different layout) and say so.
-                replans.append((r, len(resumes), resumes[0][0]))
+                replans.append((r, system, len(resumes), resumes[0][0]))
                 commits = commits[:resumes[0][0]]
             runs[system].append(_mean_iteration_s(commits, warmup=3))
-            loads.append(float(open("/proc/loadavg").read().split()[0]) if os.path.exists("/proc/loadavg") else math.nan)
-    ratios = [a / b for a, b in zip(runs["resihp"], runs["stock"])]
-    return {"stock_iteration_s": statistics.median(runs["stock"]),
-            "resihp_iteration_s": statistics.median(runs["resihp"]),
-            "resihp_vs_stock": statistics.median(runs["resihp"]) / statistics.median(runs["stock"]) - 1.0,
-            "per_round_ratio": ratios, "stock_runs_s": runs["stock"], "resihp_runs_s": runs["resihp"],
+            loads.append(os.getloadavg()[0])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"stock_iteration_s": med["stock"], "resihp_iteration_s": med["resihp"],
+            "resihp_sync_iteration_s": med["resihp_sync"],
+            "resihp_vs_stock": med["resihp"] / med["stock"] - 1.0,
+            "resihp_sync_vs_stock": med["resihp_sync"] / med["stock"] - 1.0,
+            "per_round_ratio": [a / b for a, b in zip(runs["resihp"], runs["stock"])],
+            "per_round_ratio_sync": [a / b for a, b in zip(runs["resihp_sync"], runs["stock"])],
+            "stock_runs_s": runs["stock"], "resihp_runs_s": runs["resihp"], "resihp_sync_runs_s": runs["resihp_sync"],
             "rounds": rounds, "iterations": iterations, "loadavg_1m": loads, "replans": replans}
+
+
+# Started in every worker (ResiHP's: RESIHP_JOB and RESIHP_DEVICE set; torchrun's: RANK)
+# through a sitecustomize on the workers' PYTHONPATH: wall time and calls of each part of
+# an iteration, per process, written at exit (``--fault-free-phases``).
+_PHASES_SITE = 'import os\n_DIR = os.environ.get("RESIHP_PHASES_DIR")\n_ROLE = ("resihp" if os.environ.get("RESIHP_DEVICE") and os.environ.get("RESIHP_JOB")\n         else "stock" if os.environ.get("RANK") and os.environ.get("LOCAL_RANK") else None)\nif _DIR and _ROLE:\n    import atexit, importlib, json, time, functools\n    _acc = {}\n    def _wrap(owner, attr, key):\n        fn = getattr(owner, attr)\n        @functools.wraps(fn)\n        def run(*a, **k):\n            t = time.perf_counter()\n            try:\n                return fn(*a, **k)\n            finally:\n                s = _acc.setdefault(key, [0.0, 0])\n                s[0] += time.perf_counter() - t\n                s[1] += 1\n        setattr(owner, attr, run)\n    def _install():\n        targets = [\n            ("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime", "_step_microbatches", "schedule(runtime)"),\n            ("torch.distributed.pipelining.schedules", "PipelineScheduleSingle", "step", "schedule.step(stock)"),\n            ("torch.distributed.pipelining.stage", "_PipelineStageBase", "forward_one_chunk", "fwd chunk"),\n            ("torch.distributed.pipelining.stage", "_PipelineStageBase", "backward_one_chunk", "bwd chunk"),\n            ("torch.distributed.pipelining.stage", "_PipelineStageBase", "perform_reduce_grad", "reduce grad"),\n            ("torch.optim.adamw", "AdamW", "step", "optimizer step"),\n        ]\n        if _ROLE == "resihp":\n            targets += [\n                ("resihp_core.runtime.session", None, "put_report", "put_report"),\n                ("resihp_core.runtime.session", None, "commit", "commit"),\n                ("resihp_adapters.torch_native.engine", "TorchNativeEngine", "run", "engine.run"),\n                ("resihp_adapters.torch_native.engine", "TorchNativeEngine", "snapshot", "snapshot"),\n                ("resihp_adapters.torch_native.engine", "TorchNativeEngine", "finish_grads", "finish_grads"),\n                ("resihp_adapters.torch_native.engine", "TorchNativeEngine", "_prepare", "_prepare"),\n                ("resihp_adapters.torch_native.adapter", "TorchNativeAdapter", "profile", "adapter.profile"),\n                ("resihp_adapters.torch_native.adapter", "TorchNativeAdapter", "result_of", "result_of"),\n                ("resihp_core.adapter", "AdapterContext", "step", "ctx.step (beat, abort check)"),\n                ("resihp_core.runtime.heartbeat", "WorkerClient", "send_profile", "send_profile"),\n            ]\n        else:\n            targets += [("resihp_adapters.torch_native.reference", "StockPipeline", "step", "iteration (stock)")]\n        for mod, cls, attr, key in targets:\n            try:\n                m = importlib.import_module(mod)\n                owner = getattr(m, cls) if cls else m\n                _wrap(owner, attr, key)\n            except Exception as e:  # noqa\n                _acc.setdefault("ERR " + key + ": " + repr(e)[:80], [0.0, 0])\n    _install()\n    def _dump():\n        with open(os.path.join(_DIR, f"{_ROLE}-{os.environ.get(\'RESIHP_DEVICE\') or os.environ.get(\'RANK\')}-{os.getpid()}.json"), "w") as f:\n            json.dump(_acc, f)\n    atexit.register(_dump)\n'
+
+
+def torch_native_fault_free_phases(iterations: int, timeout: float = 300.0) -> dict:
+    """Where a fault-free PP2 x DP2 iteration goes, resilient (commit overlapped, and in
+    line) vs stock: one run each of the fault-free comparison's jobs with every worker's
+    parts timed (wall clock, ms per iteration per worker, by device), and the CPU
+    seconds of the job's processes by role. One run each, not alternated rounds: read
+    the ResiHP-only parts (snapshot, report, commit, per-chunk hooks) against the parts
+    both pay, not the totals, on a loaded host."""
+    import glob
+    from pathlib import Path
+
+    import peers
+    from fault_free_profile import CpuSampler
+
+    root = Path(tempfile.mkdtemp(prefix="resihp-bench-phases-"))
+    site = root / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_PHASES_SITE)
+    job = peers.JOBS["pp2dp2"]
+    spec = peers.job_spec_json(job, iterations, root / "spec")
+    env0 = dict(os.environ)
+    out: dict = {}
+    try:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env0.get("PYTHONPATH")]))
+        for system in ("resihp", "resihp_sync", "stock"):
+            d = root / system
+            (d / "work").mkdir(parents=True)
+            os.environ["RESIHP_PHASES_DIR"] = str(d)
+            os.environ["RESIHP_COMMIT_OVERLAP"] = "0" if system == "resihp_sync" else "1"
+            cpu, load0 = CpuSampler(), os.getloadavg()[0]
+            if system == "stock":
+                run = peers.run_torchrun("plain", job, [], iterations, d / "work", spec, timeout, 0, 0)
+            else:
+                run = peers.run_resihp(job, [], iterations, d / "work", timeout, checkpoint_every=0)
+            if not run.ok:
+                raise RuntimeError(f"{system} run failed: {run.error}")
+            parts: dict[str, list[float]] = {}
+            for f in sorted(glob.glob(str(d / "*.json"))):
+                for k, (sec, _calls) in json.load(open(f)).items():
+                    parts.setdefault(k, []).append(1e3 * sec / iterations)
+            out[system] = {"iteration_s": _mean_iteration_s(run.commits, 3), "load": [load0, os.getloadavg()[0]],
+                           "cpu_s": cpu.roles(), "parts_ms": parts, "replans": len(run.extra.get("resumes", []))}
+    finally:
+        os.environ.clear()
+        os.environ.update(env0)
+    return out
 
 
 def migration_vs_bytes(quick: bool) -> list[dict]:
@@ -949,6 +1021,8 @@ def main(argv=None) -> int:
                     help="deepspeed: only the kill measurement (no fault-free engine comparison)")
     ap.add_argument("--fault-free-only", action="store_true",
                     help="torch_native: only the fault-free resilient-vs-stock comparison")
+    ap.add_argument("--fault-free-phases", action="store_true",
+                    help="torch_native: time each part of a fault-free iteration (resilient, commit in line, stock)")
     ap.add_argument("--fault-free-rounds", type=int, default=None,
                     help="torch_native: rounds of the fault-free comparison (default 5; 3 with --quick)")
     args = ap.parse_args(argv)
@@ -994,7 +1068,38 @@ def main(argv=None) -> int:
     return 0
 
 
+def _main_fault_free_phases(args) -> int:
+    try:
+        res = torch_native_fault_free_phases(20 if args.quick else 30)
+    except Exception as e:  # noqa: BLE001 - report and fail
+        print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    systems = list(res)
+    print("torch_native fault-free PP2xDP2 (HSDP, 4 CPU workers), one run each: ms per iteration per part, "
+          "median over the 4 workers [per worker]")
+    for k in systems:
+        r = res[k]
+        print(f"  {k}: {1e3 * r['iteration_s']:.1f} ms per iteration (commit rate), load {r['load'][0]:.1f}-"
+              f"{r['load'][1]:.1f}, re-plans {r['replans']}, CPU s " +
+              ", ".join(f"{role} {v:.1f}" for role, v in sorted(r["cpu_s"].items())))
+    names = sorted({n for r in res.values() for n in r["parts_ms"]},
+                   key=lambda n: -max(statistics.median(r["parts_ms"].get(n, [0.0])) for r in res.values()))
+    print(f"  {'part':32s} " + " ".join(f"{k:>30s}" for k in systems))
+    for n in names:
+        cells = []
+        for k in systems:
+            v = res[k]["parts_ms"].get(n)
+            cells.append(f"{statistics.median(v):7.2f} [{' '.join(f'{x:.1f}' for x in v)}]" if v else "-")
+        print(f"  {n:32s} " + " ".join(f"{c:>30s}" for c in cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"phases": res, "config": {"quick": args.quick}}, f, indent=2)
+    return 0
+
+
 def _main_torch_native(args) -> int:
+    if args.fault_free_phases:
+        return _main_fault_free_phases(args)
     ff = None
     try:
         res = {} if args.fault_free_only else torch_native_kill(1 if args.quick else 3, hf=args.model == "hf_llama")
@@ -1008,15 +1113,17 @@ def _main_torch_native(args) -> int:
         print(f"torch_native fault-free, PP2xDP2 HSDP, 4 CPU workers: resilient path vs stock "
               f"(PipelineStage + Schedule1F1B + fully_shard under torchrun), {ff['rounds']} rounds alternated, "
               f"{ff['iterations']} iterations each; load (1 min) {min(ff['loadavg_1m']):.1f}-{max(ff['loadavg_1m']):.1f}")
-        print(f"  stock iteration s (median)   {ff['stock_iteration_s']:.4f}   runs "
+        print(f"  {'stock':28s} {ff['stock_iteration_s']:.4f}   runs "
               + " ".join(f"{x:.4f}" for x in ff["stock_runs_s"]))
-        print(f"  resihp iteration s (median)  {ff['resihp_iteration_s']:.4f}   runs "
-              + " ".join(f"{x:.4f}" for x in ff["resihp_runs_s"]))
-        print(f"  resihp vs stock              {100 * ff['resihp_vs_stock']:+.1f} %   per round "
-              + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["per_round_ratio"])
-              + f"   target within 3 %: {'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
-        for r, n, before in ff["replans"]:
-            print(f"  round {r + 1}: ResiHP re-planned {n} time(s) without a fault (the detector on a loaded "
+        for key, label in (("resihp", "resihp (commit overlapped)"), ("resihp_sync", "resihp (commit in line)")):
+            print(f"  {label:28s} {ff[key + '_iteration_s']:.4f}   runs "
+                  + " ".join(f"{x:.4f}" for x in ff[key + "_runs_s"]))
+        for key, label in (("", "overlapped"), ("_sync", "in line")):
+            print(f"  resihp ({label}) vs stock {100 * ff['resihp' + key + '_vs_stock']:+7.1f} %   per round "
+                  + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["per_round_ratio" + key]))
+        print(f"  target within 3 % (overlapped, the default): {'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
+        for r, system, n, before in ff["replans"]:
+            print(f"  round {r + 1}: {system} re-planned {n} time(s) without a fault (the detector on a loaded "
                   f"host); timed over the first plan's {before} iterations")
     elif args.model != "llama":
         print("fault-free resilient-vs-stock comparison: run with --model llama (the stock script of "

@@ -26,7 +26,9 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult, StateLost
 from resihp_core.job import JobSpec
@@ -38,6 +40,31 @@ from resihp_core.runtime.injector import FaultInjector
 __all__ = ["GenerationWatch", "Worker", "main"]
 
 AdapterFactory = Callable[[AdapterContext], Adapter]
+
+#: ``RESIHP_COMMIT_OVERLAP=0`` turns the overlapped commit off (process mode commits
+#: each iteration before the next starts, as library mode always does).
+ENV_COMMIT_OVERLAP = "RESIHP_COMMIT_OVERLAP"
+
+
+@runtime_checkable
+class DeepRollback(Protocol):
+    """An adapter that keeps two rollback snapshots (torch_native): the worker can then
+    commit an iteration on a background thread while the next one runs, and still put
+    back the exact state before either if the commit is refused (docs/torch_native.md,
+    "The commit off the critical path")."""
+
+    def keep_snapshots(self, depth: int) -> bool: ...
+
+    def rollback_to(self, iteration: int) -> None: ...
+
+
+@dataclass
+class _Pending:
+    """An iteration whose optimizer step this device applied and whose report and
+    commit are in flight on the committer thread."""
+
+    iteration: int
+    verdict: Future
 
 
 def _log(event: str, device: int, **kv: Any) -> None:
@@ -114,6 +141,9 @@ class Worker:
         self.active = False  # in a generation, as an executor, able to run iterations
         self.program: Any = None
         self._seen = -1
+        self._pending: _Pending | None = None  # process mode: the commit in flight
+        self._commit_store: Any = None  # its own store connection (overlap_commits)
+        self._committer: ThreadPoolExecutor | None = None
         # A store hosted outside the controller: hold each commit while it is away
         # (docs/failover.md); the agent ends this worker when its grace period is over.
         grace = float(os.environ.get(session.ENV_GRACE, "0") or 0)
@@ -142,6 +172,8 @@ class Worker:
         store = session.connect(env["RESIHP_STORE"], timeout)
         watch = GenerationWatch(session.connect(env["RESIHP_STORE"], timeout))
         worker = cls(device, store, job, factory=factory, watch=watch)
+        if env.get(ENV_COMMIT_OVERLAP, "1") != "0":
+            worker.overlap_commits(session.connect(env["RESIHP_STORE"], timeout))
         if env.get("RESIHP_AGENT_ADDR"):
             # Heartbeats start only now: creating the adapter imports its framework, which
             # holds the GIL for seconds and would starve the beat thread into a "hang".
@@ -152,10 +184,27 @@ class Worker:
         return worker
 
     # ------------------------------------------------------------------ the loop
+    def overlap_commits(self, store: Any) -> None:
+        """Process mode (:meth:`run`): report and commit each iteration on a background
+        thread over ``store`` (a connection of its own) while the next iteration runs,
+        if the adapter keeps two snapshots (:class:`DeepRollback`); its verdict is
+        awaited before the next commit, a fault, a new generation or the end."""
+        self._commit_store = store
+
     def run(self) -> None:
         """Process mode: train until the job stops."""
-        while self.step() is not None:
-            pass
+        a = self.adapter
+        if self._commit_store is None or not isinstance(a, DeepRollback) or not a.keep_snapshots(2):
+            while self.step() is not None:
+                pass
+            return
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="resihp-commit")
+        try:
+            while self.next_iteration() is not None:
+                self._overlapped_iteration()
+        finally:
+            self._committer.shutdown(wait=False)
+            self._committer = None
 
     def step(self) -> IterationResult | None:
         """Run until one more iteration commits everywhere (entering plan generations as
@@ -177,10 +226,66 @@ class Worker:
                 if not self._enter_next():
                     return None
                 continue
-            if self.iteration >= self.msg.iterations or self._superseded():
+            if self._pending is not None and (self.iteration + 1 >= self.msg.iterations or self._superseded()
+                                              or self._fault_due(self.iteration + 1)):
+                # The commit in flight first: the job's end, a new generation and an
+                # injected fault see every iteration before them settled.
+                if not self._settle():
+                    self.adapter.release()
+                    self.active = False
+                continue
+            nxt = self.iteration + (self._pending is not None)
+            if nxt >= self.msg.iterations or self._superseded():
                 self.active = False  # wait for the next generation (or the stop)
                 continue
-            return self.iteration
+            return nxt
+
+    def _fault_due(self, i: int) -> bool:
+        return any(int(f["iteration"]) == i for f in self.faults.faults)
+
+    def _settle(self) -> bool:
+        """Wait for the verdict of the commit in flight: True if it committed everywhere
+        (the iteration count advances); else the state goes back to that iteration's
+        start (two snapshots back if the next iteration already stepped), False."""
+        p, self._pending = self._pending, None
+        if p.verdict.result() == session.CommitResult.COMMITTED:
+            self.iteration = p.iteration + 1
+            return True
+        self.adapter.rollback_to(p.iteration)
+        self.iteration = p.iteration
+        return False
+
+    def _commit_in_background(self, report: IterationReport, generation: int, iteration: int,
+                              executors: int) -> str:
+        session.put_report(self._commit_store, report)
+        return session.commit(self._commit_store, generation, iteration, executors,
+                              timeout_s=self.job.timeout_s * 6, hold_s=self.hold_s)
+
+    def _overlapped_iteration(self) -> None:
+        """One iteration whose report and commit leave on the committer thread; the one
+        before it must have committed before this one's commit is sent."""
+        i = self.begin_iteration()
+        failed = None
+        try:
+            result = self.adapter.run_iteration(self.program, i)
+        except Exception as e:  # noqa: BLE001 - a peer died: any collective may raise
+            failed = f"{type(e).__name__}: {e}"
+        if failed is not None:
+            # Outside the except block. Back to this iteration's start if the one before
+            # committed, else (settle rolled back) to that one's.
+            if self._pending is None or self._settle():
+                self.adapter.rollback()
+            self._left(self.msg.generation, failed, "generation_left", iteration=self.iteration)
+            return
+        report = self._before_commit(result, i)
+        if report is None:
+            return
+        if self._pending is not None and not self._settle():
+            self.adapter.release()
+            self.active = False
+            return
+        g, executors = self.msg.generation, len(self.plan.devices())
+        self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors))
 
     def _superseded(self) -> bool:
         # Newer only: the watch starts at -1 before its first answer. A generation posted
@@ -267,7 +372,7 @@ class Worker:
 
     def begin_iteration(self) -> int:
         """Injected faults due now, the rollback snapshot; the iteration's index."""
-        i = self.iteration
+        i = self.iteration + (self._pending is not None)
         self.faults.at_iteration(i)
         self.adapter.snapshot()
         return i
@@ -281,12 +386,36 @@ class Worker:
         """Profile, checkpoint, report and commit an iteration whose optimizer step this
         device applied; its result once committed everywhere, else None (rolled back)."""
         a, g, i = self.adapter, self.msg.generation, self.iteration
+        report = self._before_commit(result, i)
+        if report is None:
+            return None
+        session.put_report(self.store, report)
+        executors = len(self.plan.devices())
+        verdict = session.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
+                                  hold_s=self.hold_s)
+        if verdict != session.CommitResult.COMMITTED:
+            a.rollback()
+            a.release()
+            self.active = False
+            return None
+        self.iteration = i + 1
+        return result
+
+    def _before_commit(self, result: IterationResult, i: int) -> IterationReport | None:
+        """Profile and checkpoint an iteration that stepped; its report, or None if a
+        peer died while the checkpoint gathered (rolled back, generation left). A due
+        checkpoint waits for the commit in flight (it is written of committed state)."""
+        a, g = self.adapter, self.msg.generation
         failed = None
         # The first iteration of a generation carries one-time costs (allocator, first
         # touch, fresh sockets): the Detector's healthy model starts after it.
         if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
             self.client.send_profile(self._with_cpu_wait(prof))
         if self._checkpoint_due(i):
+            if self._pending is not None and not self._settle():
+                a.release()
+                self.active = False
+                return None
             # Before the commit: the copy for the writer is taken now; the files are
             # written in the background and the supervisor restores only from complete
             # ones (docs/checkpoints.md). Raising here means a peer died while gathering.
@@ -299,17 +428,7 @@ class Worker:
                 self._left(g, failed, "checkpoint_failed", iteration=i)
                 return None
         self._checkpoint_reports()
-        session.put_report(self.store, self._report(result))
-        executors = len(self.plan.devices())
-        verdict = session.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
-                                  hold_s=self.hold_s)
-        if verdict != session.CommitResult.COMMITTED:
-            a.rollback()
-            a.release()
-            self.active = False
-            return None
-        self.iteration = i + 1
-        return result
+        return self._report(result)
 
     def _with_cpu_wait(self, prof: Any) -> Any:
         """The profile with the time this thread waited for a CPU (the environment's

@@ -1,5 +1,6 @@
 """The engine's per-iteration snapshot reuses its buffers (docs/benchmarks.md) and still
-rolls back exactly: one process, world of 1 (gloo), float64."""
+rolls back exactly, one snapshot deep or two (the worker's overlapped commit,
+docs/torch_native.md): one process, world of 1 (gloo), float64."""
 
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ def _state(eng: TorchNativeEngine) -> dict[str, tuple[torch.Tensor, ...]]:
             for k, h in eng.local_shards().items()}
 
 
-@pytest.mark.timeout(120)
-def test_snapshot_buffers_are_reused_and_rollback_is_exact():
+def _engine() -> tuple[TorchNativeEngine, object]:
     cfg = LlamaConfig(vocab_size=32, dim=8, n_layers=2, n_heads=2, ffn_dim=16, dtype="float64")
     job = JobSpec(adapter="torch_native", adapter_config={}, data={"source": "synthetic", "token_budget": 16},
                   dp=1, num_microbatches=2)
@@ -31,26 +31,70 @@ def test_snapshot_buffers_are_reused_and_rollback_is_exact():
                             shard_degree=1, lr=0.01, weight_decay=0.0)
     plan = ParallelPlan.uniform(tp=1, pp=1, dp=1, num_layers=2, num_microbatches=2)
     eng.rebuild(plan, 0, [0])
+    eng.start_fresh()
+    return eng, {(p.replica, p.stage): p for p in emit_programs(plan)}[(0, 0)]
+
+
+def _equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert all(torch.equal(x, y) for x, y in zip(got[k], want[k])), k
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_buffers_are_reused_and_rollback_is_exact():
+    eng, prog = _engine()
     try:
-        eng.start_fresh()
-        prog = {(p.replica, p.stage): p for p in emit_programs(plan)}[(0, 0)]
         for i in range(2):  # the optimizer's state exists from the first step on
             eng.snapshot()
             eng.run(prog, i)
         eng.snapshot()
-        buffers = eng._snapshot[0]
+        buffers = eng._snapshots[-1][0]
         before = _state(eng)
         eng.run(prog, 2)
         eng.snapshot()  # the same buffers, now holding the state after iteration 2
-        assert eng._snapshot[0] is buffers
+        assert eng._snapshots[-1][0] is buffers and len(eng._snapshots) == 1
         after = _state(eng)
         assert any(not torch.equal(a[0], b[0]) for a, b in zip(before.values(), after.values()))
         eng.run(prog, 3)
         eng.rollback()  # back to the state after iteration 2, exactly
         assert eng.iteration == 3
-        got = _state(eng)
-        assert got.keys() == after.keys()
-        for k in after:
-            assert all(torch.equal(x, y) for x, y in zip(got[k], after[k])), k
+        _equal(_state(eng), after)
+    finally:
+        eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_two_snapshots_roll_back_past_a_stepped_iteration_exactly():
+    """Two kept (the commit of iteration 2 in flight while 3 runs): a refused commit of
+    2 puts back the state before 2 although 3 has stepped too; a refused 3 (2
+    committed) the state before 3. The two buffers alternate, none is cloned anew."""
+    eng, prog = _engine()
+    try:
+        eng.keep_snapshots(2)
+        for i in range(2):
+            eng.snapshot()
+            eng.run(prog, i)
+        eng.snapshot()
+        before2 = _state(eng)
+        eng.run(prog, 2)
+        eng.snapshot()
+        before3 = _state(eng)
+        buffers = {id(h) for h, _ in eng._snapshots}
+        assert [step for _, step in eng._snapshots] == [2, 3]
+        eng.run(prog, 3)
+        eng.rollback_to(2)  # 2 refused while 3 had stepped: two steps back
+        assert eng.iteration == 2 and [step for _, step in eng._snapshots] == [2]
+        _equal(_state(eng), before2)
+        eng.run(prog, 2)  # again; 3 begins while 2's commit is in flight
+        eng.snapshot()
+        _equal(_state(eng), before3)  # the same step again: the same state
+        assert [step for _, step in eng._snapshots] == [2, 3] and {id(h) for h, _ in eng._snapshots} == buffers
+        eng.run(prog, 3)
+        eng.rollback_to(3)  # 2 committed, 3 refused: one step back
+        assert eng.iteration == 3
+        _equal(_state(eng), before3)
+        with pytest.raises(RuntimeError, match="no snapshot of iteration 1"):
+            eng.rollback_to(1)
     finally:
         eng.release()

@@ -168,6 +168,14 @@ class TorchNativeAdapter(Adapter):
     def rollback(self) -> None:
         self.engine.rollback()
 
+    def keep_snapshots(self, depth: int) -> bool:
+        """Two-deep rollback (the worker's overlapped commit, docs/torch_native.md)."""
+        self.engine.keep_snapshots(depth)
+        return True
+
+    def rollback_to(self, iteration: int) -> None:
+        self.engine.rollback_to(iteration)
+
     # ------------------------------------------------------------ iterations
     def run_iteration(self, program: Program, iteration: int) -> IterationResult:
         steps = iter(range(1 << 30))

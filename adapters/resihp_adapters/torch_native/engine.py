@@ -334,8 +334,13 @@ class TorchNativeEngine:
         self.before_action: Callable[[], None] = lambda: None  # abort checks, heartbeats
         self.last: IterationResult | None = None
         self._kept: tuple[ParallelPlan | None, dict[str, Held]] = (None, {})
-        self._snapshot: tuple[dict[str, Held], int] | None = None
-        self._snap_module: nn.Module | None = None  # the stage the snapshot's buffers were made for
+        # Rollback copies, oldest first: (shards, iteration they were taken at the start
+        # of). One, or two while the worker overlaps a commit with the next iteration
+        # (:meth:`keep_snapshots`, docs/torch_native.md "The commit off the critical path").
+        self._snapshots: list[tuple[dict[str, Held], int]] = []
+        self._depth = 1
+        self._spare: dict[str, Held] | None = None  # a dropped snapshot's buffers, for the next one
+        self._snap_module: nn.Module | None = None  # the stage the snapshots' buffers were made for
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
         #: the user's loop mode (:mod:`.loop`): the stage is the user's whole model, no
         #: PipelineStage; pp = 1 only
@@ -587,16 +592,38 @@ class TorchNativeEngine:
         self._make_scheduler()
         self.schedule = None  # a failed step leaves receives and unshards pending in it
 
+    def keep_snapshots(self, depth: int) -> None:
+        """Keep the last ``depth`` (1 or 2) snapshots: with 2, :meth:`rollback_to` can go
+        back past an iteration whose commit was still pending when the next began."""
+        if depth not in (1, 2):
+            raise ValueError(f"snapshot depth is 1 or 2, not {depth}")
+        self._depth = depth
+        del self._snapshots[:-depth]
+
     def snapshot(self) -> None:
         """Remember this rank's shards at the start of an iteration, for rollback. While
         the stage and its optimizer state keep their layout, the copy goes into the
-        previous snapshot's buffers in one foreach copy (the per-tensor clones of
-        :meth:`local_shards` cost milliseconds per iteration; docs/benchmarks.md)."""
-        held = self._snapshot[0] if self._snapshot is not None else None
-        if held is not None and self._snap_module is self.module is not None and self._copy_into(held):
-            self._snapshot = (held, self.iteration)
+        buffers of the oldest snapshot it replaces, in one foreach copy (the per-tensor
+        clones of :meth:`local_shards` cost milliseconds per iteration; docs/benchmarks.md)."""
+        snaps = self._snapshots
+        if snaps and snaps[-1][1] == self.iteration and self._snap_module is self.module is not None:
+            # Taken again at the same iteration (a rolled-back attempt runs again): the
+            # state is that snapshot's, which stays the newest.
+            if self._copy_into(snaps[-1][0]):
+                return
+        full = len(snaps) >= self._depth
+        spare = snaps[0][0] if full else self._spare
+        if spare is not None and self._snap_module is self.module is not None and self._copy_into(spare):
+            if full:
+                snaps.pop(0)
+            self._spare = None
+            snaps.append((spare, self.iteration))
             return
-        self._snapshot = (self.local_shards(), self.iteration)
+        self._spare = None
+        if self._snap_module is not self.module:
+            snaps.clear()  # another stage's layout: its copies cannot be put back into this one
+        snaps.append((self.local_shards(), self.iteration))
+        del snaps[:-self._depth]
         self._snap_module = self.module
 
     def _copy_into(self, held: dict[str, Held]) -> bool:
@@ -637,11 +664,24 @@ class TorchNativeEngine:
 
     def rollback(self) -> None:
         """Back to the last snapshot (an iteration that was not committed everywhere)."""
-        if self._snapshot is None:
-            return
+        if self._snapshots:
+            self.rollback_to(self._snapshots[-1][1])
+
+    def rollback_to(self, iteration: int) -> None:
+        """Back to the state at the start of ``iteration`` (a kept snapshot): the newest,
+        or with two kept the one before it too (the pending commit of ``iteration`` was
+        refused while the next iteration had already stepped)."""
         from torch.distributed.tensor import DTensor
 
-        shards, step = self._snapshot
+        at = [k for k, (_, step) in enumerate(self._snapshots) if step == iteration]
+        if not at:
+            raise RuntimeError(f"no snapshot of iteration {iteration} to roll back to "
+                               f"(kept: {[step for _, step in self._snapshots]})")
+        undone = self._snapshots[at[-1] + 1:]  # of iterations undone now: buffers to reuse
+        del self._snapshots[at[-1] + 1:]
+        if undone:
+            self._spare = undone[0][0]
+        shards, step = self._snapshots[-1]
         if self.module is not None and all(isinstance(p, DTensor) for p in self.module.parameters()):
             self.restore_local(shards, step)
             return

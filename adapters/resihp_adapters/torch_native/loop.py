@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import torch
 from torch import Tensor, nn
 
+from resihp_adapters.torchkit.device import ChunkTimer
+
 if TYPE_CHECKING:
     from resihp_core.runtime.worker import Worker
     from resihp_adapters.torch_native.data import UserData
@@ -74,6 +76,10 @@ class LoopBackend(Protocol):
     def batch(self, owner: int, mb: int) -> Any: ...
 
     def before(self, k: int) -> None: ...  # before micro-batch k (abort checks, beats)
+
+    def lengths(self, owner: int, mb: int) -> tuple[int, ...]: ...  # its document lengths, for the profiles
+
+    def timer(self) -> ChunkTimer: ...  # times a forward or backward for the profiles
 
     def timed(self, seconds: float) -> float: ...  # injected slowdowns
 
@@ -140,7 +146,10 @@ class Iteration:
             self._b.before(k)
             self._k = k
             batch = self._b.batch(owner, mb)
-            self._t = time.perf_counter()
+            # The Detector's cost model is fitted on each micro-batch's document lengths:
+            # without them it never leaves its warm-up (no slow device is ever found).
+            self._result.lengths[k] = self._b.lengths(owner, mb)
+            self._timer = self._b.timer().start()
             yield batch
         if self._backwards != len(self._b.work):
             raise RuntimeError("the last micro-batch: call it.backward(loss) once per micro-batch")
@@ -153,12 +162,12 @@ class Iteration:
         if k < 0 or self._backwards != k:
             raise RuntimeError("it.backward(loss): once per micro-batch of it.microbatches()")
         r = self._result
-        r.forward_s[k] = self._b.timed(time.perf_counter() - self._t)
-        t = time.perf_counter()
+        r.forward_s[k] = self._b.timed(self._timer.stop())
+        timer = self._b.timer().start()
         scaled = loss * (self.weight if weight is None else weight)
         set_last_backward(self._b.module, k == len(self._b.work) - 1)
         scaled.backward()
-        r.backward_s[k] = self._b.timed(time.perf_counter() - t)
+        r.backward_s[k] = self._b.timed(timer.stop())
         r.loss += float(scaled.detach())
         self._backwards += 1
 
@@ -230,6 +239,19 @@ class ResilientLoop:
 
     def batch(self, owner: int, mb: int) -> Any:
         return _to_home(self.data.collated(self.index, owner * self.m + mb), self.engine.placement.to_home)
+
+    def lengths(self, owner: int, mb: int) -> tuple[int, ...]:
+        return self.data.micro_batch(self.index, owner, mb, self.m).lengths
+
+    def timer(self) -> ChunkTimer:
+        """On the host, busy time (:class:`~.tp.BusyTimer`): the last backward holds
+        FSDP's reduce-scatter, where every peer of a slow replica waits for it; wall time
+        would show them all as slow as it (its own compute is what the Detector compares)."""
+        if self.engine.placement.device.type == "cpu":
+            from resihp_adapters.torch_native.tp import BusyTimer
+
+            return BusyTimer()
+        return self.engine.chunk_timer()
 
     def before(self, k: int) -> None:
         self.worker.ctx.step(self.index, next(self._steps))  # beats; raises once superseded
@@ -326,6 +348,12 @@ class StockLoop:
 
     def batch(self, owner: int, mb: int) -> Any:
         return self.data.collated(self.index, owner * self.m + mb)
+
+    def lengths(self, owner: int, mb: int) -> tuple[int, ...]:
+        return ()  # nobody reads profiles on a plain launch
+
+    def timer(self) -> ChunkTimer:
+        return ChunkTimer(torch.device("cpu"))
 
     def before(self, k: int) -> None:
         pass

@@ -222,13 +222,18 @@ class UserStages:
     """A user's model as the engine's model: stages cut from it by ``split``, holding
     copies of its modules (its current weights are the initial state)."""
 
-    def __init__(self, model: nn.Module, split: Split | None = None) -> None:
+    def __init__(self, model: nn.Module, split: Split | None = None, *, seed: int = 0) -> None:
+        from resihp_adapters.torch_native.materialize import check_initialisable, on_meta
+
         self.source = model
         self.split = split_for(model, split)
         check_split(self.split, model)
-        if any(p.is_meta for p in model.parameters()):
-            raise ValueError("initialize(model): the model's parameters are on the meta device; pass a model with "
-                             "its initial weights, or a factory that builds one (docs/torch_native.md)")
+        #: on the meta device: each stage materialises only what it holds, every split path
+        #: under its own seed (docs/torch_native.md, "Models on the meta device")
+        self.meta = on_meta(model)
+        self.seed = seed
+        if self.meta:
+            check_initialisable(model, self._all_paths())
         self.aliases = tied_names(model)
         self.n_layers = self.split.n_layers
         floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
@@ -237,13 +242,32 @@ class UserStages:
         #: the user's TP plan (None: the model's own; docs/torch_native.md, "Tensor parallelism")
         self.tp_plan: dict | None = None
 
+    def _all_paths(self) -> list[str]:
+        sp = self.split
+        return [*sp.shared, *sp.pre, *sp.blocks, *sp.post]
+
     def build(self, start: int, end: int) -> Stage:
-        return Stage(self.split, self.source, start, end)
+        stage = Stage(self.split, self.source, start, end)
+        if self.meta:
+            from resihp_adapters.torch_native.materialize import materialise
+
+            materialise(stage, self.source, self.split.paths(start, end), self._all_paths(), self.aliases, self.seed)
+        return stage
 
     def build_whole(self) -> nn.Module:
         """A copy of the whole user model, for the user's own loop (pp = 1,
         :mod:`.loop`): the user's ``forward`` and outputs, the same parameter names."""
-        return copy.deepcopy(self.source)
+        whole = copy.deepcopy(self.source)
+        if self.meta:
+            from resihp_adapters.torch_native.materialize import materialise
+
+            paths = self._all_paths()
+            covered = {n for x in paths for n, _ in _get(whole, x).named_parameters(prefix=x, remove_duplicate=False)}
+            rest = [n for n, _ in whole.named_parameters(remove_duplicate=False) if n not in covered]
+            if rest:
+                raise ValueError(f"initialize(model): meta parameters {rest[:5]} are in no module of the split")
+            materialise(whole, self.source, paths, paths, self.aliases, self.seed)
+        return whole
 
     def blocks(self, module: nn.Module) -> list[nn.Module]:
         if isinstance(module, Stage):
