@@ -618,11 +618,20 @@ def _torchrun_worker(a: dict) -> None:
             if rank == 0:
                 _publish(newest, it)
 
+    _train(a, start, step, save, faults, log, out, samples=a["dp"] * m, rank=rank)
+
+
+def _train(a: dict, start: int, step, save, faults, log, out: Path, *, samples: int, rank: int) -> None:
+    """A checkpoint-restart worker's loop from ``start``: step, log the committed samples,
+    save every ``a["every"]`` iterations (rank 0 logs each write's seconds), then leave."""
+    import torch.distributed as dist
+
+    every = a["every"]
     for it in range(start, a["iterations"]):
         faults.at(it)
         step(it)
         if log is not None:
-            log.write(f"{it} {time.time():.6f} {a['dp'] * m}\n")
+            log.write(f"{it} {time.time():.6f} {samples}\n")
             log.flush()
         if every and (it + 1) % every == 0 and it + 1 < a["iterations"]:
             t0 = time.perf_counter()
@@ -739,20 +748,7 @@ def _ref_worker(a: dict) -> None:
         if rank == 0:
             _publish(newest, it)
 
-    for it in range(start, a["iterations"]):
-        faults.at(it)
-        step(it)
-        if log is not None:
-            log.write(f"{it} {time.time():.6f} {m}\n")
-            log.flush()
-        if every and (it + 1) % every == 0 and it + 1 < a["iterations"]:
-            t0 = time.perf_counter()
-            save(it + 1)
-            if rank == 0:
-                with open(out / "ckpt_write_s.txt", "a") as f:
-                    f.write(f"{time.perf_counter() - t0:.6f}\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    _train(a, start, step, save, faults, log, out, samples=m, rank=rank)
 
 
 def _torchft_worker(a: dict) -> None:
