@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from resihp_core.protocol.auth import *  # noqa: F401,F403
 from resihp_core.protocol.auth import HANDSHAKE_TIMEOUT_S, NONCE_BYTES  # noqa: F401
-from resihp_core.protocol.errors import AuthError, ProtocolError  # noqa: F401
+from resihp_core.protocol.errors import AuthError, HandshakeBroken, ProtocolError  # noqa: F401
 from resihp_core.protocol.framing import *  # noqa: F401,F403
 from resihp_core.protocol.messages import *  # noqa: F401,F403
 from resihp_core.protocol.messages import Cause, FailureClass  # noqa: F401
@@ -60,6 +60,7 @@ __all__ = [
     "HEADER_BYTES",
     "ProtocolError",
     "AuthError",
+    "HandshakeBroken",
     "Hello",
     "Challenge",
     "AuthResponse",

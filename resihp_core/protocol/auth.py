@@ -23,7 +23,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Callable, Union
 
-from resihp_core.protocol.errors import AuthError, ProtocolError
+from resihp_core.protocol.errors import AuthError, HandshakeBroken, ProtocolError
 from resihp_core.protocol.framing import read_msg, recv_msg, send_msg, write_msg
 from resihp_core.protocol.messages import (
     PROTOCOL_VERSION, AuthResponse, AuthResult, Challenge, Hello, Message,
@@ -79,12 +79,12 @@ def server_proof(secret: str | bytes, client_nonce: bytes, server_nonce: bytes, 
 
 
 def _handshake_failed(exc: BaseException) -> AuthError:
-    return AuthError(f"handshake failed: {str(exc) or type(exc).__name__}")
+    return HandshakeBroken(f"handshake failed: {str(exc) or type(exc).__name__}")
 
 
 def _expect(msg: Message | None, typ: type, step: str) -> None:
     if msg is None:
-        raise AuthError(f"peer closed the connection while waiting for {step}")
+        raise HandshakeBroken(f"peer closed the connection while waiting for {step}")
     if not isinstance(msg, typ):
         raise AuthError(f"expected {step}, got {type(msg).__name__}")
 

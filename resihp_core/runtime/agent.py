@@ -64,6 +64,7 @@ from resihp_core.protocol import (
     AgentState,
     AuthError,
     Error,
+    HandshakeBroken,
     LaunchWorkers,
     Message,
     NodeRejoin,
@@ -489,7 +490,10 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
                     announced = await self._read_announcement()
                     break
                 except AuthError as e:
-                    self.refused = str(e)
+                    if not isinstance(e, HandshakeBroken):  # broken off (a controller dying or
+                        self.refused = str(e)               # starting): dial again, as below
+                    elif self._ctl_writer is not None:
+                        self._ctl_writer.close()
                 except (OSError, ProtocolError, asyncio.TimeoutError):
                     # Close a half-made connection: left open, the controller would
                     # refuse the next dial as a duplicate of this node.

@@ -394,6 +394,24 @@ def test_tcp_wrong_secret_is_refused_on_both_sides() -> None:
     assert isinstance(srv.error, P.AuthError)
 
 
+def test_a_handshake_broken_off_is_not_a_refusal() -> None:
+    """A server that hangs up mid-handshake (a controller dying or starting) breaks the
+    handshake off (retry); one that says no refuses it. Agents redialing a restarted
+    controller tell the two apart: only a refusal ends their grace period."""
+    srv = _Server(lambda conn: conn.close())
+    with srv.connect() as c:
+        with pytest.raises(P.HandshakeBroken):
+            P.client_handshake_sync(c, SECRET, "agent:node0", timeout=2)
+    srv.join()
+
+    srv = _Server(_serve_one)
+    with srv.connect() as c:
+        with pytest.raises(P.AuthError) as refused:
+            P.client_handshake_sync(c, "not-the-secret", "agent:node0", timeout=2)
+    srv.join()
+    assert not isinstance(refused.value, P.HandshakeBroken)
+
+
 def test_tcp_client_without_secret_is_refused() -> None:
     srv = _Server(_serve_one)
     with srv.connect() as c:
