@@ -265,17 +265,13 @@ class Worker:
         """One iteration whose report and commit leave on the committer thread; the one
         before it must have committed before this one's commit is sent."""
         i = self.begin_iteration()
-        failed = None
-        try:
-            result = self.adapter.run_iteration(self.program, i)
-        except Exception as e:  # noqa: BLE001 - a peer died: any collective may raise
-            failed = f"{type(e).__name__}: {e}"
-        if failed is not None:
-            # Outside the except block. Back to this iteration's start if the one before
-            # committed, else (settle rolled back) to that one's.
+        result = self._run_adapter_iteration(i)
+        if isinstance(result, str):
+            # Back to this iteration's start if the one before committed, else (settle
+            # rolled back) to that one's.
             if self._pending is None or self._settle():
                 self.adapter.rollback()
-            self._left(self.msg.generation, failed, "generation_left", iteration=self.iteration)
+            self._left(self.msg.generation, result, "generation_left", iteration=self.iteration)
             return
         report = self._before_commit(result, i)
         if report is None:
@@ -359,16 +355,20 @@ class Worker:
         self.active = False
 
     def _one_iteration(self) -> IterationResult | None:
-        i = self.begin_iteration()
-        failed = None
-        try:
-            result = self.adapter.run_iteration(self.program, i)
-        except Exception as e:  # noqa: BLE001 - a peer died: any collective may raise
-            failed = f"{type(e).__name__}: {e}"
-        if failed is not None:
-            self.abandon_iteration(failed)  # outside the except block: no traceback pins the broken groups
+        result = self._run_adapter_iteration(self.begin_iteration())
+        if isinstance(result, str):
+            self.abandon_iteration(result)
             return None
         return self.end_iteration(result)
+
+    def _run_adapter_iteration(self, i: int) -> IterationResult | str:
+        """The adapter's iteration ``i``, or why it failed (a peer died: any collective
+        may raise). The reason is handled by the caller outside this except block, so no
+        traceback pins the broken groups while it rolls back."""
+        try:
+            return self.adapter.run_iteration(self.program, i)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
 
     def begin_iteration(self) -> int:
         """Injected faults due now, the rollback snapshot; the iteration's index."""
