@@ -323,7 +323,25 @@ def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = 
     return _stock(config or os.environ.get("RESIHP_CONFIG"), user)
 
 
+def _end_world() -> None:
+    """Destroy the process group this module made, while the interpreter is still whole:
+    a gloo thread left to interpreter shutdown can abort the process ("terminate called
+    without an active exception") after training finished, and torchrun then reports the
+    job failed (docs/torch_native.md, "Exit")."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    gc.collect()
+
+
 def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrainer:
+    import atexit
     import datetime
 
     import torch
@@ -343,6 +361,7 @@ def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrain
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        atexit.register(_end_world)
     cfg = settings(config, processes=dist.get_world_size())
     tr = cfg.training
     # The job resihp launch would run: the adapter's section and the [data] source.
