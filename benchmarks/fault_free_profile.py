@@ -90,10 +90,12 @@ def breakdown(folder: Path) -> tuple[list[tuple[str, float, list[float]]], int]:
 
 
 class CpuSampler:
-    """CPU seconds of this process and its descendants, by role (last reading of each)."""
+    """CPU seconds of this process and its descendants, by role (last reading of each,
+    and a series of readings to take the steady state between two times)."""
 
     def __init__(self) -> None:
         self.last: dict[int, tuple[float, str]] = {}
+        self.series: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._hz = os.sysconf("SC_CLK_TCK")
         threading.Thread(target=self._run, daemon=True).start()
@@ -125,16 +127,28 @@ class CpuSampler:
                         self.last[p] = ((int(f[11]) + int(f[12])) / self._hz, cmd)
                 except (OSError, ValueError, IndexError):
                     pass
+            self.series.append((time.time(), self._roles()))
 
-    def roles(self) -> dict[str, float]:
-        self._stop.set()
+    def _roles(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for p, (cpu, cmd) in self.last.items():
+        for p, (cpu, cmd) in list(self.last.items()):
             role = ("controller (store, supervisor, detector)" if p == os.getpid() else
                     "workers" if "runtime.processes" in cmd or "runtime.worker" in cmd else
                     "node agent" if "runtime.agent" in cmd else "other")
             out[role] = out.get(role, 0.0) + cpu
         return out
+
+    def roles(self) -> dict[str, float]:
+        self._stop.set()
+        return self._roles()
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each role used from the last reading at or before ``t0`` to the
+        last at or before ``t1`` (the steady state: start-up and exit left out)."""
+        a = [r for t, r in self.series if t <= t0] or self.series[:1]
+        b = [r for t, r in self.series if t <= t1] or self.series[-1:]
+        lo, hi = a[-1], b[-1]
+        return {k: hi[k] - lo.get(k, 0.0) for k in hi}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,10 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     print("\nCPU seconds of the whole run (start-up included), by process:")
     for k, v in sorted(roles.items()):
         print(f"  {k:45s} {v:7.2f}")
+    t_first, t_last = run.commits[0].t, run.commits[-1].t
+    steady = cpu.between(t_first, t_last)
+    print(f"\nCPU seconds from the first to the last commit ({t_last - t_first:.1f} s wall), by process:")
+    for k, v in sorted(steady.items()):
+        print(f"  {k:45s} {v:7.2f}")
+    ratio = steady.get("controller (store, supervisor, detector)", 0.0) / max(1e-9, steady.get("workers", 0.0))
+    print(f"  controller / workers: {ratio:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"job": args.job, "iterations": args.iterations,
                                                "checkpoint_every": args.checkpoint_every, "iteration_s": it_s,
-                                               "rows": rows, "cpu_s": roles, "load": [load0, load1]}, indent=2))
+                                               "rows": rows, "cpu_s": roles, "cpu_s_steady": steady,
+                                               "controller_per_worker_cpu": ratio, "load": [load0, load1]}, indent=2))
     return 0
 
 

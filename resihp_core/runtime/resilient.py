@@ -23,6 +23,7 @@ import queue
 import sys
 import secrets as _secrets
 import subprocess
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
@@ -32,11 +33,11 @@ from resihp_core.runtime.failover import JobState, remove_state, write_state
 from resihp_core.runtime.session import JobSession
 from resihp_core.runtime.launcher import LocalJob
 from resihp_core.protocol import FailureReport
-from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, IterationRecord
+from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, Inbox, IterationRecord
 from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig, Resume, RunHooks
 
 if TYPE_CHECKING:
-    from resihp_core.protocol import PlanUpdate
+    from resihp_core.protocol import PlanUpdate, WorkerProcess
     from resihp_core.runtime.controller import Controller
     from resihp_core.runtime.loop import LoopThread
     from resihp_core.runtime.processes import AgentProcesses
@@ -139,8 +140,10 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
     workdir = Path(run.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     state_dir = Path(run.state_dir) if run.state_dir is not None else workdir
-    reports: queue.Queue[FailureReport] = queue.Queue()
-    repaired: queue.Queue[Iterable[int]] = run.repair_requests if run.repair_requests is not None else queue.Queue()
+    # The control loop sleeps until one of these wakes it (docs/design.md, "The control loop").
+    wake = threading.Event()
+    reports: queue.Queue[FailureReport] = Inbox()
+    repaired: queue.Queue[Iterable[int]] = run.repair_requests if run.repair_requests is not None else Inbox()
     job: LocalJob | None = None
 
     def report(r: FailureReport) -> None:
@@ -153,6 +156,7 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
     node_of = {d: node for node, devs in topology.nodes().items() for d in devs}
     nodes = sorted({node_of[d] for d in plan.devices()})
     store: StoreClient | None = None
+    watch: StoreClient | None = None  # the control loop's own connection to a store hosted apart
     if attach is not None:
         try:
             store = connect_store(attach.store_address, secret, connect_timeout=5.0)
@@ -164,11 +168,20 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
     loop = LoopThread("resihp-job").start()
     model = WorkloadModel(plan=plan, predictor=state.predictor, warmup_iterations=detector.warmup_iterations)
     procs = AgentProcesses(None, loop.run, node_of, detector=asdict(detector), launch_timeout=agent_timeout)
+
+    def on_process(msg: WorkerProcess) -> None:  # a worker exited or came up: the loop looks now
+        procs.process(msg)
+        wake.set()
+
+    def on_node_lost(node: int) -> None:
+        procs.node_lost(node)
+        wake.set()
+
     controller = Controller(detector, secret, host=listen[0], port=listen[1],
                             on_report=report,
                             expected_ranks=set(plan.devices()), node_devices=topology.nodes(),
                             failslow=build_failslow_detector(detector, model=model, plan=plan) if supervised else False,
-                            on_detection=hooks.on_detection, on_process=procs.process, on_node_lost=procs.node_lost,
+                            on_detection=hooks.on_detection, on_process=on_process, on_node_lost=on_node_lost,
                             on_rejoin=(lambda node, devices: repaired.put(devices)) if supervised else None,
                             # the job's session is the one place observers are notified
                             notify_failures=False, plugins=run.observers,
@@ -237,6 +250,8 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
                                                  controller, store_address,
                                                  store_proc.pid if store_proc is not None else attach.store_pid,
                                                  iterations, nodes)
+        if store is not None:  # hosted apart: a wait blocking in it needs a connection of its own
+            watch = connect_store(store_address, secret)
         ctl = ControlLoop(job, planner, state, iterations, reports, repaired, set_generation=set_generation,
                           ready=lambda devices: set(devices) <= ready_devices(),
                           fitted=model.fitted_predictor if supervised else (lambda: None),
@@ -244,7 +259,7 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
                           checkpoints=CheckpointPolicy(run.spec.checkpoint_dir or None, run.spec.checkpoint_every),
                           move_before_restore=run.move_before_restore,
                           repairs=dict(run.repairs), handled=handled, first=start, restore_at_start=restore,
-                          adopt=attached is not None)
+                          adopt=attached is not None, wake=wake, watch_store=watch)
         try:
             hooks.before_run(job, agent_procs)
             out.records = ctl.run(timeout=run.timeout_s)
@@ -258,6 +273,8 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
     except Exception as e:  # noqa: BLE001 - the caller reports it with the logs
         out.ok, out.error = False, f"{type(e).__name__}: {e}"
     finally:
+        if watch is not None:
+            watch.close()
         if job is not None:
             job.close()
         try:  # every agent is told the job is over: it reaps its workers and exits 0

@@ -53,7 +53,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol
 
 from resihp_core.protocol import FailureReport, IterationReport, PlanUpdate, ProtocolError, WorkerLeft, decode, encode
 
@@ -63,9 +63,9 @@ if TYPE_CHECKING:
     from resihp_core.plan import ParallelPlan
     from resihp_core.runtime.store import LocalStore, StoreClient
 
-__all__ = ["KeyValueStore", "Observers", "JobSession", "StorageFault", "Layout",
+__all__ = ["KeyValueStore", "WatchableStore", "Observers", "JobSession", "StorageFault", "Layout",
            "connect", "host", "post_plan", "wait_controller", "PRESENT_KEY", "SHUTDOWN_KEY", "ENV_GRACE",
-           "latest_generation", "wait_generation", "read_plan", "verdict",
+           "latest_generation", "wait_generation", "read_plan", "verdict", "wait_news",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report", "put_left", "get_left",
            "put_ready", "get_ready", "put_pid", "clear_pid", "pids_posted", "put_storage_fault", "storage_faults",
            "rendezvous_store", "join_members", "generation_fenced", "rendezvous_generation", "Superseded"]
@@ -89,6 +89,13 @@ class KeyValueStore(Protocol):
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes: ...
     def delete_key(self, key: str) -> bool: ...
+
+
+class WatchableStore(KeyValueStore, Protocol):
+    """ResiHP's own store (:mod:`resihp_core.runtime.store`): it can also block until
+    any one of several keys exists."""
+
+    def wait_any(self, keys: list[str], timeout_s: float) -> int: ...
 
 
 # ------------------------------------------------------------------ the one spelling of each key
@@ -241,6 +248,19 @@ def verdict(store: KeyValueStore, generation: int, iteration: int) -> str | None
         return None
     got = store.get(key)
     return got.decode() if isinstance(got, bytes) else str(got)
+
+
+def wait_news(store: WatchableStore, generation: int, iteration: int, devices: Iterable[int],
+              told: Collection[int], timeout_s: float) -> tuple[Literal["verdict", "left"], int] | None:
+    """Block up to ``timeout_s`` inside the store until ``iteration``'s verdict in
+    ``generation`` exists or a device of ``devices`` not in ``told`` posted why it left
+    the generation: ``("verdict", iteration)`` or ``("left", device)``; None if neither
+    came. The controller sleeps on this instead of polling the store (its idle CPU)."""
+    devs = [d for d in devices if d not in told]
+    n = store.wait_any([_verdict_key(generation, iteration)] + [_failed(generation, d) for d in devs], timeout_s)
+    if n < 0:
+        return None
+    return ("verdict", iteration) if n == 0 else ("left", devs[n - 1])
 
 
 def wait_controller(store: KeyValueStore, timeout_s: float) -> bool:

@@ -110,6 +110,20 @@ class _Table:
         with self.cond:
             self._wait(keys, timeout_s)
 
+    def wait_any(self, keys: list[str], timeout_s: float) -> int:
+        """Block until one of ``keys`` exists; its index, -1 if none came in ``timeout_s``
+        (no error: the caller waits again, as a poll would have looked again)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                for n, k in enumerate(keys):
+                    if k in self.data:
+                        return n
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return -1
+                self.cond.wait(min(left, 1.0))
+
     def add(self, key: str, amount: int) -> int:
         with self.cond:
             try:
@@ -165,6 +179,8 @@ def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
         return None
     if op == "wait":
         return table.wait(args[0], args[1])
+    if op == "any":
+        return table.wait_any(args[0], args[1])
     if op == "add":
         return table.add(args[0], args[1])
     if op == "cas":
@@ -181,7 +197,7 @@ def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
 
 
 def _keys_of(op: str, args: list[Any]) -> list[str]:
-    if op in ("mget", "mset", "wait", "check"):
+    if op in ("mget", "mset", "wait", "any", "check"):
         return list(args[0])
     return [args[0]] if op != "num" else []
 
@@ -222,7 +238,8 @@ def _is_seconds(a: Any) -> bool:
 _ARG_TYPES = {
     "set": (_is_key, _is_bytes), "get": (_is_key, _is_seconds), "mget": (_is_keys, _is_seconds),
     "mset": (_is_keys, lambda a: isinstance(a, list) and all(isinstance(v, bytes) for v in a)),
-    "wait": (_is_keys, _is_seconds), "add": (_is_key, _is_int), "cas": (_is_key, _is_bytes, _is_bytes),
+    "wait": (_is_keys, _is_seconds), "any": (_is_keys, _is_seconds), "add": (_is_key, _is_int),
+    "cas": (_is_key, _is_bytes, _is_bytes),
     "append": (_is_key, _is_bytes), "check": (_is_keys,), "del": (_is_key,), "num": (),
 }
 
@@ -465,6 +482,11 @@ class _StoreAPI(dist.Store):
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         self._call("wait", list(keys), _seconds(timeout, self._timeout_s))
+
+    def wait_any(self, keys: list[str], timeout_s: float) -> int:
+        """Block up to ``timeout_s`` until one of ``keys`` exists; its index, -1 if none
+        came (ResiHP's own operation: the controller sleeps on what wakes it)."""
+        return int(self._call("any", list(keys), float(timeout_s)))
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", list(keys)))
