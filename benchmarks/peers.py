@@ -254,8 +254,12 @@ def resihp_config(job: Job, iterations: int, checkpoint_dir: str, checkpoint_eve
         # A hang is declared after 5 s without a heartbeat: torchft's lighthouse heartbeat
         # timeout as shipped (a dead process is seen at once by its exit). 0.1 s x 8, the
         # example's setting, killed healthy workers at load 30 on 2 cores (docs/benchmarks.md).
+        # One node, so no partition to find: its agent, starved for more than 10 s at load
+        # ~52, was declared lost with all its devices (docs/benchmarks.md); a dead agent's
+        # closed connection is seen at once whatever this limit.
         "detector": {"heartbeat_interval_s": 0.1, "heartbeat_miss_limit": HEARTBEAT_MISSES,
-                     "hang_min_timeout_s": 20.0, "warmup_iterations": 3, "min_changepoint_gap": 3},
+                     "hang_min_timeout_s": 20.0, "warmup_iterations": 3, "min_changepoint_gap": 3,
+                     "agent_silence_s": 60.0},
     }
 
 

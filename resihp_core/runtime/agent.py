@@ -293,8 +293,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
             return
         self.local_address = sock.getsockname()[0]
         if hasattr(socket, "TCP_USER_TIMEOUT"):
-            cfg = self.config
-            ms = int(1000 * max(3.0, 2 * cfg.heartbeat_miss_limit * cfg.heartbeat_interval_s))
+            ms = int(1000 * self.config.agent_silence())  # the controller's limit on this agent's silence
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
 

@@ -172,9 +172,7 @@ class Controller:
         self.generation = generation
         # A dead agent is seen at once (its connection closes); the timeout only catches a
         # silent partition, so it errs long: 1 s falsely lost agents on a loaded 2-core machine.
-        self.agent_timeout_s = agent_timeout_s or max(
-            3.0, 2 * self.config.heartbeat_miss_limit * self.config.heartbeat_interval_s
-        )
+        self.agent_timeout_s = agent_timeout_s or self.config.agent_silence()
         self.handshake_timeout = handshake_timeout
         self.expected_ranks = set(expected_ranks) if expected_ranks else None
         self._failslow_arg = failslow

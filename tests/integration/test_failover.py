@@ -25,6 +25,11 @@ from .proctree import alive, descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
+# agent_silence_s: 8 workers importing torch on 2 loaded cores starved an agent for the
+# derived 3 s; the controller took its node for lost (every device) before the first
+# iteration and the job went on in another generation. The controller's death is seen
+# by the agents at once (the connection closes), not by silence.
+
 CLI = [sys.executable, "-m", "resihp_core.cli"]
 CONFIG = """
 [parallel]
@@ -53,6 +58,7 @@ heartbeat_interval_s = 0.1
 heartbeat_miss_limit = 8
 hang_min_timeout_s = 20.0
 warmup_iterations = 3
+agent_silence_s = 30.0
 """
 
 
@@ -237,6 +243,7 @@ heartbeat_interval_s = 0.1
 heartbeat_miss_limit = 8
 hang_min_timeout_s = 20.0
 warmup_iterations = 3
+agent_silence_s = 30.0
 """
 
 
