@@ -268,10 +268,60 @@ def test_a_torch_native_resihp_launch_reattaches_too(tmp_path):
     losses = {int(i): float(x) for text in (before, after)
               for i, x in re.findall(r"^iteration\s+(\d+)\s+loss ([0-9.e+-]+)", text, re.M)}
     assert sorted(losses) == list(range(20)), sorted(losses)
-    assembled = assemble(settings(job / "resihp.toml", processes=4), [], work)
-    want = assembled.reference(assembled.spec, 20)
+    spec = assemble(settings(job / "resihp.toml", processes=4), [], work).spec
+    ref, want = _torch_native_reference(spec, 20)  # one run gives the losses and the final state
     for i, w in enumerate(want):
         assert abs(losses[i] - w) <= 1e-9 * abs(w) + 1e-10, (i, losses[i], w)  # printed with 10 decimals
+    # Final parameters and AdamW state (moments and step count): those of the fault-free
+    # run (float64), read from the job's last checkpoint (iteration 19, written by the
+    # workers after the re-attach).
+    from resihp_core import checkpoints
+
+    assert checkpoints.newest_complete(spec.checkpoint_dir)[0] == 19
+    got = _torch_native_checkpoint(spec, 19)
+    assert set(got) == set(ref)
+    for name, (param, m, v) in ref.items():
+        assert float(got[name][3]) == 20.0, f"{name}: AdamW step {float(got[name][3])}, not 20"
+        for what, a, b in zip(("parameter", "exp_avg", "exp_avg_sq"), got[name][:3], (param, m, v)):
+            err = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300))
+            assert err <= 1e-9, f"{name} {what}: relative error {err:.3g}"
+
+
+def _torch_native_reference(spec, iterations: int):
+    """The fault-free single-process run of ``spec``: ({name: (param, exp_avg,
+    exp_avg_sq)}, losses)."""
+    from resihp_adapters.torch_native.adapter import parse_config
+    from resihp_adapters.torch_native.data import Batches, job_source
+    from resihp_adapters.torch_native.reference import single_process_run
+
+    torch.set_num_threads(1)
+    c = parse_config(spec.adapter_config, spec.seed)
+    data = Batches(job_source(spec, c["model"].vocab_size), c["model"].torch_dtype)
+    return single_process_run(c["model"], data, iterations, lr=c["lr"], weight_decay=c["weight_decay"])
+
+
+def _torch_native_checkpoint(spec, iteration: int) -> dict:
+    """Checkpoint ``iteration`` of a torch_native job read whole in this process (no
+    process group) in the engine's own layout: {name: (param, exp_avg, exp_avg_sq, step)}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+    from resihp_adapters.torch_native.adapter import parse_config
+    from resihp_adapters.torch_native.model import build_stage
+    from resihp_core import checkpoints
+
+    c = parse_config(spec.adapter_config, spec.seed)
+    model = build_stage(c["model"], 0, c["model"].n_layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], weight_decay=c["weight_decay"], foreach=False)
+    for p in model.parameters():  # every key present, as the engine saves them
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    sd = {"model": get_model_state_dict(model, options=opts), "optim": get_optimizer_state_dict(model, opt, options=opts)}
+    dcp.load(sd, checkpoint_id=str(checkpoints.iteration_dir(spec.checkpoint_dir, iteration) / "dcp"), no_dist=True)
+    m, o = sd["model"], sd["optim"]
+    return {n: (m[n], o[f"state.{n}.exp_avg"], o[f"state.{n}.exp_avg_sq"], o[f"state.{n}.step"])
+            for n, _ in model.named_parameters()}
 
 
 def test_no_controller_within_the_grace_period_ends_every_process(tmp_path):
