@@ -250,8 +250,9 @@ agent_silence_s = 30.0
 def test_a_torch_native_resihp_launch_reattaches_too(tmp_path):
     """``resihp launch`` of the torch_native example (FSDP2 stages in torch's pipeline
     runtime, PP2 x DP2, shards not replicated): a restore would need a checkpoint; the
-    re-attach of ``resihp launch --resume`` needs none, and every committed iteration,
-    before and after, equals the fault-free reference (float64)."""
+    re-attach of ``resihp launch --resume`` needs none, every committed iteration,
+    before and after, equals the fault-free reference, and so does the final state
+    (parameters, AdamW moments and steps; float64)."""
     import shutil
 
     from resihp_adapters.torch_native.launch import settings
