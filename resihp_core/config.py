@@ -212,7 +212,7 @@ class DetectorConfig(_Section):
     warmup_iterations: int = _opt(3, _ge(1))  # fits the micro-batch cost model
     # A node agent that sends nothing this long while its connection stays open (a frozen
     # host, a silent partition) is lost with every device of its node; a dead agent's
-    # closed connection is seen at once. 0: max(3 s, 2 x miss_limit x interval). On a
+    # closed connection is seen at once. 0: max(10 s, 2 x miss_limit x interval). On a
     # loaded host an agent starved of CPU falls silent too: size it to the host's
     # scheduling delays (docs/multihost.md, "Partition").
     agent_silence_s: float = _opt(0.0, _ge(0), _finite)
@@ -221,7 +221,7 @@ class DetectorConfig(_Section):
         """Seconds of an agent's silence after which its node is lost (see ``agent_silence_s``)."""
         if self.agent_silence_s > 0:
             return self.agent_silence_s
-        return max(3.0, 2 * self.heartbeat_miss_limit * self.heartbeat_interval_s)
+        return max(10.0, 2 * self.heartbeat_miss_limit * self.heartbeat_interval_s)
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class Controller:
         model and a prober); None: built from ``config``; ``False``: no fail-slow
         detection.
     :param agent_timeout_s: a node whose agent sent nothing for this long is lost;
-        default ``max(3.0, 2 x miss_limit x interval)`` (agents send every interval).
+        default ``max(10.0, 2 x miss_limit x interval)`` (agents send every interval).
     :param expected_ranks: ranks whose profiles make an iteration complete; default: the
         ranks the agents report alive.
     :param on_process: called on the loop with each agent's ``WorkerProcess``.

@@ -35,7 +35,7 @@ WHY = unavailable()
 # in the middle of the checks, so the slow threshold is out of reach; and 30 missed
 # beats (an agent silent 6 s is lost) so that agents starved while six workers import
 # torch at once on two loaded cores are not taken for partitioned hosts.
-FAILSTOP = dataclasses.replace(DETECTOR, slow_threshold=50.0, heartbeat_miss_limit=30)
+FAILSTOP = dataclasses.replace(DETECTOR, slow_threshold=50.0, heartbeat_miss_limit=30, agent_silence_s=6.0)
 PACE = 10.0
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240),
               pytest.mark.skipif(bool(WHY), reason=WHY)]

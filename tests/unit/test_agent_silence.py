@@ -20,8 +20,8 @@ SECRET = "test-secret"
 
 
 def test_the_limit_is_derived_from_the_heartbeats_unless_set() -> None:
-    assert DetectorConfig().agent_silence() == 3.0  # the floor
-    assert DetectorConfig(heartbeat_interval_s=0.1, heartbeat_miss_limit=50).agent_silence() == pytest.approx(10.0)
+    assert DetectorConfig().agent_silence() == 10.0  # the floor
+    assert DetectorConfig(heartbeat_interval_s=0.1, heartbeat_miss_limit=100).agent_silence() == pytest.approx(20.0)
     assert DetectorConfig(heartbeat_miss_limit=50, agent_silence_s=60.0).agent_silence() == 60.0
     assert Controller(DetectorConfig(agent_silence_s=45.0), SECRET).agent_timeout_s == 45.0
     assert Controller(DetectorConfig(agent_silence_s=45.0), SECRET, agent_timeout_s=2.0).agent_timeout_s == 2.0

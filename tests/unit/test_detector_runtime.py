@@ -37,7 +37,7 @@ from resihp_core.runtime.heartbeat import (
 from resihp_core.runtime.loop import LoopThread
 
 SECRET = "test-secret"
-CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=3, hang_min_timeout_s=0.5)
+CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=3, hang_min_timeout_s=0.5, agent_silence_s=3.0)
 
 pytestmark = pytest.mark.timeout(60)
 
