@@ -8,10 +8,11 @@ a throttle lengthen it as they would a trainer's), each pinned to a core of its 
 (``os.sched_setaffinity``, every thread; replicas share cores round-robin when there
 are more replicas than cores). Cases:
 
-* **pinned CPU hog** — three busy processes pinned to worker 0's core from the onset;
+* **pinned CPU hog** — three busy processes pinned to worker 0's core from the onset
+  (started and held before the job, released at the onset: :class:`~resihp_core.testing.hogs.CpuHogs`);
 * **duty-cycled SIGSTOP** — worker 1 stopped 0.1 s of every 0.2 s from the onset;
-* **whole-machine load** — three busy processes pinned to *every* worker's core: every
-  replica slowed alike, which must not be reported;
+* **whole-machine load** — three busy processes pinned to *every* worker's core, released
+  on every core at once: every replica slowed alike, which must not be reported;
 * **small / large model** — the injector's way (``--slow-compute 1.5``): 1.5x slower
   compute of worker 1, iterations of ~0.05 s and ~0.5 s of compute;
 * **DP-only** — four replicas, one 3x slower (injected).
@@ -33,7 +34,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -47,14 +47,15 @@ for p in (ROOT, ROOT / "adapters"):
         sys.path.insert(0, str(p))
 
 from resihp_core.config import DetectorConfig  # noqa: E402
+from resihp_core.testing.hogs import CpuHogs  # noqa: E402
 from resihp_core.testing.synthetic import SyntheticCluster  # noqa: E402
 
 ONSET = 12  # warm-up (1 skipped + 3 fitted) and healthy per-device history before it
 AFTER = 10  # iterations watched after the onset
 # The detector's defaults, but beats may lapse for long: a busy worker's beat thread
-# starved on a loaded core must not be taken for a hang (this measures fail-slow only).
-CONFIG = DetectorConfig(heartbeat_miss_limit=100, hang_min_timeout_s=120.0)
-HOG = "import os, time\nend = time.time() + 300\nwhile time.time() < end and os.getppid() != 1: pass\n"
+# starved on a loaded core must not be taken for a hang (this measures fail-slow only;
+# 10 s was too short at load 50 with a hog on the core: two workers killed as hung).
+CONFIG = DetectorConfig(heartbeat_miss_limit=600, hang_min_timeout_s=120.0)
 
 
 @dataclass(frozen=True)
@@ -88,16 +89,6 @@ def _pin(pid: int, core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
-def _hogs(cores: list[int], per_core: int = 3) -> list[subprocess.Popen]:
-    out = []
-    for c in cores:
-        for _ in range(per_core):
-            p = subprocess.Popen([sys.executable, "-c", HOG])
-            os.sched_setaffinity(p.pid, {c})
-            out.append(p)
-    return out
-
-
 def _duty(pid: int, stop: threading.Event) -> None:
     try:
         while not stop.is_set():
@@ -112,7 +103,7 @@ def _duty(pid: int, stop: threading.Event) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
-def run_case(case: Case, timeout_s: float = 180.0) -> dict[str, Any]:
+def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
     """One run of ``case``; returns what the controller reported and when."""
     cores = _cores()
     alpha = case.compute_s / (12 * 1024)  # 4 micro-batches x (forward + 2 x backward) x ~N tokens
@@ -123,12 +114,16 @@ def run_case(case: Case, timeout_s: float = 180.0) -> dict[str, Any]:
         if case.inject != 1.0 and d == case.target:
             args += ["--slow-compute", str(case.inject), "--slow-from", str(ONSET)]
         workers[d] = args
-    extra: list[subprocess.Popen] = []
+    # The hogs are started (and held) before the job: each busy process takes seconds to
+    # start on a loaded machine, and they must begin at the onset, on every core at once.
+    hog_cores = ([cores[case.target % len(cores)]] if case.external == "hog"  # type: ignore[operator]
+                 else sorted({cores[d % len(cores)] for d in workers}) if case.external == "hog-all" else [])
+    hogs = CpuHogs(hog_cores)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     onset = ONSET
     loads = []
-    with SyntheticCluster(CONFIG, workers) as c:
+    with hogs if hog_cores else contextlib.nullcontext(), SyntheticCluster(CONFIG, workers) as c:
         for d, p in c.workers.items():
             _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
         c.go()
@@ -142,10 +137,8 @@ def run_case(case: Case, timeout_s: float = 180.0) -> dict[str, Any]:
                 onset, started = done + 2, True
                 for d, p in c.workers.items():  # threads started since (the beat thread) too
                     _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
-                if case.external == "hog":
-                    extra += _hogs([cores[case.target % len(cores)]])  # type: ignore[operator]
-                elif case.external == "hog-all":
-                    extra += _hogs(sorted({cores[d % len(cores)] for d in c.workers}))
+                if hog_cores:
+                    hogs.release()
                 elif case.external == "duty":
                     t = threading.Thread(target=_duty, args=(c.workers[case.target].pid, stop), daemon=True)  # type: ignore[index,attr-defined]
                     t.start()
@@ -156,9 +149,7 @@ def run_case(case: Case, timeout_s: float = 180.0) -> dict[str, Any]:
         stop.set()
         for t in threads:
             t.join(5)
-        for p in extra:
-            p.kill()
-            p.wait(10)
+        hogs.kill()
         dets = list(ctl.detections)  # type: ignore[attr-defined]
         reports = [d for d in dets if d.report is not None]
     hit = next((d for d in reports if case.target is not None and case.target in d.report.devices

@@ -178,6 +178,21 @@ class _Totals:
         pred = self.predicted.get(rank, 0.0)
         return self.device_measured(rank) / pred if pred > 0 else 1.0
 
+    def qo(self, rank: int) -> float:
+        """The device's own compute slowdown as the per-device watch reads it: measured
+        compute with *all* its waiting for a CPU taken out, over the healthy compute
+        with its healthy waiting taken out. :meth:`qd` keeps the healthy waiting in both,
+        which on a loaded host (waiting 80 % of the compute in the warm-up) dilutes a
+        device 6x slower in its own compute to under 2x: verification then found "no
+        compute suspect" where the own-compute watch had flagged it (docs/detector.md
+        "Measured")."""
+        pred = self.predicted.get(rank, 0.0)
+        share = self.wait_share.get(self.device[rank], (0.0, 0.0))[0]
+        base = pred * (1.0 - share)
+        if not base > 0:
+            return self.qd(rank)
+        return max(0.0, self.measured[rank] - self.compute_wait[rank]) / base
+
     def outside_waited(self, rank: int) -> float:
         """Seconds outside compute ``rank`` lost waiting for a CPU, beyond its healthy share."""
         share = self.wait_share.get(self.device[rank], (0.0, 0.0))[1]
@@ -330,7 +345,8 @@ class ProfileVerifier:
             # a loaded host, where the waiting swamps the measured compute): a suspect
             # too, judged against its own-compute noise (docs/detector.md "DP-only jobs").
             own_margin = {ex: self._margin(ctx, t, ranks, ctx.own_noise) for ex, ranks in groups.items()}
-            for ex, ranks in self._suspects(groups, worst, own_margin).items():
+            own = {ex: max(t.qo(r) for r in ranks) for ex, ranks in groups.items()}
+            for ex, ranks in self._suspects(groups, own, own_margin).items():
                 suspects.setdefault(ex, ranks)
         return _Case(ctx, t, dict(groups), raw, worst, margin, own_margin, suspects)
 
@@ -564,7 +580,7 @@ class ProfileVerifier:
 
         def ratio(profiles: Mapping[int, IterationProfile] | None, ranks: list[int]) -> float:
             if profiles is None:
-                return max(t.qd(r) if own else t.q(r) for r in ranks)
+                return max(t.qo(r) if own else t.q(r) for r in ranks)
             vals = []
             for r in ranks:
                 p = profiles.get(r)

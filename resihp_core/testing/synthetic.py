@@ -13,7 +13,7 @@ Faults are injected on the command line:
 * ``--exit-at I``: exit at iteration I with status 1, without goodbye.
 
 With ``--busy`` the compute is a fixed amount of CPU work (calibrated at start to the
-times above) instead of a sleep, so other processes on its core, a SIGSTOP or a
+times above, in the thread's CPU time) instead of a sleep, so other processes on its core, a SIGSTOP or a
 throttle lengthen it as they would a real trainer's (the detector benchmark's
 externally made slowdowns).
 
@@ -72,15 +72,20 @@ def _sleep(seconds: float) -> float:
 
 
 def _spin_rate(seconds: float = 0.05) -> float:
-    """Loop turns per second of this CPU (the best of a few short tries)."""
+    """Loop turns per second of this thread's CPU time (the best of a few short tries).
+    CPU time, not wall time: calibrated by the wall clock on a loaded machine (where the
+    thread runs a fifteenth of the time) the "fixed amount of CPU work" came out a
+    fifteenth of the times asked for, so small that the few milliseconds by which the
+    run-delay reading and the chunk's timing disagree were most of a worker's own compute
+    (docs/detector.md "Measured")."""
     best = 0.0
     for _ in range(3):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        n, t0 = 0, time.thread_time()
+        while time.thread_time() - t0 < seconds:
             for _ in range(1000):
                 pass
             n += 1000
-        best = max(best, n / (time.perf_counter() - t0))
+        best = max(best, n / max(time.thread_time() - t0, 1e-9))
     return best
 
 

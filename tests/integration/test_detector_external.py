@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from resihp_core.faults import fail_at
+from resihp_core.plan import parse_plan
+from resihp_core.testing.hogs import CpuHogs
 
 from .backend_harness import job_spec, tmpdir, uniform
 from .test_chaos import SLOW_DETECTOR, _work, run_checked
@@ -45,7 +45,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ONSET = 10  # warm-up (1 skipped + 3 fitted) and 4 healthy iterations of per-device history before it
 SETTLE = 8
 
-_HOG = "import os, time\nend = time.time() + 120\nwhile time.time() < end and os.getppid() != 1: pass\n"
 
 
 def _cores() -> list[int]:
@@ -77,15 +76,6 @@ def _pin(pid: int, core: int) -> None:
             os.sched_setaffinity(int(tid), {core})
         except OSError:  # a thread that ended meanwhile
             pass
-
-
-def _hog(core: int, processes: int = 3) -> list[subprocess.Popen]:
-    out = []
-    for _ in range(processes):
-        p = subprocess.Popen([sys.executable, "-c", _HOG])
-        os.sched_setaffinity(p.pid, {core})
-        out.append(p)
-    return out
 
 
 def _quiet(loads: list[float]) -> bool:
@@ -137,23 +127,26 @@ def test_a_cpu_hog_on_one_workers_core_is_its_fail_slow_the_same_load_on_every_c
     iterations, and the Scheduler moves work away from it."""
     plan = uniform(1, 1, 2, 4)
     job = _Job()
-    hogs: dict[int, list[subprocess.Popen]] = {}
     at: dict[str, int] = {}
     detections = []
     cores = _cores()
     loads: list[float] = []
+    # Three busy processes per worker's core, started (and held) before the job: on a
+    # loaded machine each takes seconds to start, and the hogs of both cores must begin
+    # together, or the first core is loaded alone for a few iterations (which is a
+    # localised slowdown, rightly reported).
+    hogs = CpuHogs([cores[d % len(cores)] for d in (0, 1)], per_core=3, seconds=120).start()
 
     def on_iteration(rec) -> None:
         loads.append(os.getloadavg()[0])
         if rec.iteration == 0:
             job.pin()  # before the warm-up the healthy model is fitted on
-        if rec.iteration + 1 == ONSET and not hogs:
+        if rec.iteration + 1 == ONSET and "all" not in at:
             job.pin()  # threads started since (collectives) follow too
-            hogs.update({d: _hog(cores[d % len(cores)]) for d in (0, 1)})
+            hogs.release()
             at["all"] = rec.iteration + 2
-        if rec.iteration + 1 == ONSET + 6 and 1 in hogs and "one" not in at:
-            for p in hogs[1]:
-                p.kill()
+        if rec.iteration + 1 == ONSET + 6 and "all" in at and "one" not in at:
+            hogs.kill([cores[1 % len(cores)]])
             at["one"] = rec.iteration + 2
 
     spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir())
@@ -161,9 +154,7 @@ def test_a_cpu_hog_on_one_workers_core_is_its_fail_slow_the_same_load_on_every_c
         run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + 6 + SETTLE, before_run=job.before_run,
                           on_iteration=on_iteration, on_detection=detections.append)
     finally:
-        for p in [p for ps in hogs.values() for p in ps]:
-            p.kill()
-            p.wait(10)
+        hogs.kill()
     seen = _explain(detections)
     print("detections:", seen, f"load average {min(loads):.1f}-{max(loads):.1f}")
     assert job.pids and "one" in at, (job.pids, at)
@@ -336,5 +327,10 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
                 and e["iteration"] <= back[0]["iteration"]], failures
     if _quiet(loads):
         assert back[0]["iteration"] - at["resumed"] <= 3, (back[0], at)
-    assert _work(run.final_plan, 1) > 0, run.final_plan.to_text()
+    # The plan that took it back gives it work (the final plan may have moved work off
+    # it again after a fail-slow report of either device on a loaded machine).
+    assert _work(parse_plan(back[0]["plan"]), 1) > 0, back[0]["plan"]
+    slow_after = [e for e in failures if e["failure"] == "fail-slow"]
+    if slow_after:
+        print("fail-slow reports after the rejoin (not this test's subject):", slow_after)
     assert pids["after"] == pids["before"], pids  # the same process: never killed

@@ -37,7 +37,12 @@ from resihp_core.runtime.heartbeat import (
 from resihp_core.runtime.loop import LoopThread
 
 SECRET = "test-secret"
-CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=3, hang_min_timeout_s=0.5, agent_silence_s=3.0)
+# 0.5 s of silence before a fail-stop: with 0.15 s a beat thread starved for a moment on
+# the loaded 2-core machine (load 25) was reported as a hang, in the goodbye and stalled
+# progress tests. What is immediate (a closed connection) is asserted by its evidence,
+# never by a wall-clock bound (load only delays it).
+CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=10, hang_min_timeout_s=1.0,
+                     agent_silence_s=3.0)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,12 +151,10 @@ def test_a_dropped_worker_connection_is_reported_at_once(stack) -> None:
     lt, ctl, agent, obs, det, got = stack
     w = client(agent, 3, rank=1)
     assert wait_for(lambda: 0 in ctl.nodes and 3 in ctl.nodes[0].workers())
-    t0 = time.monotonic()
     w.close(goodbye=False)  # as if the process died: the socket closes, no goodbye
     rep = ctl.wait_for_report(lambda r: r.failure == "fail-stop", 5.0)
     assert rep is not None and rep.devices == (3,)
-    assert time.monotonic() - t0 < 0.5
-    assert "disconnect" in rep.evidence
+    assert "disconnect" in rep.evidence  # the closed connection, not the missed beats
     assert wait_for(lambda: obs.reports == [rep]) and got == [rep]
 
 
@@ -194,11 +197,9 @@ def test_stalled_progress_is_a_hang(stack) -> None:
     for step in range(20):
         w.beat(0, step)
         time.sleep(0.05)
-    t0 = time.monotonic()
-    rep = ctl.wait_for_report(lambda r: 2 in r.devices, 5.0)  # beats go on, progress does not
+    rep = ctl.wait_for_report(lambda r: 2 in r.devices, 10.0)  # beats go on, progress does not
     w.close(goodbye=False)
-    assert rep is not None and "progress stuck" in rep.evidence
-    assert time.monotonic() - t0 < 2.0
+    assert rep is not None and "progress stuck" in rep.evidence, rep
 
 
 def test_a_wrong_secret_is_refused_and_reports_nothing(stack) -> None:
@@ -216,11 +217,10 @@ def test_an_agent_connection_lost_reports_the_whole_node(stack) -> None:
     lt.run(a2.start())
     ws = [WorkerClient(a2.worker_address, node_credential(SECRET, a2.node), rank=d, device=d, interval=0.05).start() for d in (50, 51)]
     assert wait_for(lambda: 5 in ctl.nodes and set(ctl.nodes[5].workers()) == {50, 51})
-    t0 = time.monotonic()
     a2._ctl_writer.transport.abort()  # type: ignore[union-attr]  # as if the agent died
     rep = ctl.wait_for_report(lambda r: set(r.devices) == {50, 51}, 5.0)
     assert rep is not None and "node 5 lost" in rep.evidence
-    assert time.monotonic() - t0 < 0.5
+    assert "silent" not in rep.evidence  # its connection closed: not the agent timeout
     for w in ws:
         w.close(goodbye=False)
     lt.run(a2.stop())
@@ -250,11 +250,11 @@ def test_a_silent_agent_is_lost_after_the_timeout(stack) -> None:
         await write_msg(writer, AgentState(node=7, time=0.0, workers=(WorkerSummary(device=70, rank=70, alive=True),)))
         return writer  # and then nothing, without closing: a partitioned node
 
+    t0 = time.monotonic()  # before its last message: the timeout runs from after it
     writer = lt.run(mute_agent())
-    t0 = time.monotonic()
     rep = ctl.wait_for_report(lambda r: r.devices == (70,), 5.0)
     assert rep is not None and "silent" in rep.evidence
-    assert time.monotonic() - t0 == pytest.approx(ctl.agent_timeout_s, abs=0.5)
+    assert time.monotonic() - t0 >= ctl.agent_timeout_s - 0.1  # not before its timeout (load only delays it)
     lt.call(writer.close)
 
 
