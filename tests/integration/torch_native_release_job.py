@@ -71,6 +71,7 @@ def main(device: int, port: int, out: Path) -> None:
             report["error"] = str(e)[:300]
         report["wait_s"] = time.monotonic() - t0
         (out / "1.json").write_text(json.dumps(report))
+        eng.release()  # not left to interpreter shutdown (a live gloo group can abort the exit)
         store.set("done/1", "1")
 
 
