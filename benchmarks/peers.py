@@ -758,6 +758,7 @@ def _ref_worker(a: dict) -> None:
 def _torchft_worker(a: dict) -> None:
     """One torchft replica group of one worker, as torchft's train_ddp.py builds it."""
     import contextlib
+    import gc
     from datetime import timedelta
 
     import torch
@@ -806,6 +807,11 @@ def _torchft_worker(a: dict) -> None:
             log.write(f"{manager.current_step() - 1} {time.time():.6f} {manager.num_participants() * m}\n")
             log.flush()
     manager.shutdown(wait=False)
+    # The manager leaves its gloo group alive: drop it now, not at interpreter shutdown
+    # (where a gloo thread can abort the finished worker, docs/torch_native.md "Exit").
+    pg.shutdown()
+    del ddp, opt, manager
+    gc.collect()
 
 
 def check_ref(root: Path, iterations: int = 3) -> float:

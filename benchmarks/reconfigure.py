@@ -689,6 +689,15 @@ def _ds_iteration_worker(store: str, out: str, iters: int, blocks: int) -> None:
                 times[kind].append(time.perf_counter() - t0)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(times, f)
+    # Both engines and the world go while the interpreter is whole: gloo threads left to
+    # interpreter shutdown can abort the finished rank (docs/deepspeed.md, "Exit").
+    from resihp_adapters.deepspeed.world import dismantle, teardown_world
+
+    del steps, it
+    dismantle(stock)
+    dismantle(ours)
+    del stock, ours
+    teardown_world()
 
 
 def ds_engine_overhead(iters: int, blocks: int) -> dict:

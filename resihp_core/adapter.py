@@ -380,7 +380,9 @@ class Adapter(abc.ABC):
         return None
 
     def close(self) -> None:
-        """Release framework resources; default does nothing."""
+        """Release framework resources at the job's end, process groups included (a gloo
+        group left to interpreter shutdown can abort the finished process); default does
+        nothing."""
 
 
 # The registries live in resihp_core.registries; these names stay importable from here.

@@ -439,17 +439,22 @@ def _compare(name: str, got: Outcome, want: Outcome, base: ParallelPlan, job: Jo
 
 def check_adapter(job: JobSpec, base: ParallelPlan, *, only: list[str] | None = None, tol: float = 1e-9,
                   env: dict[str, str] | None = None, iterations: int = 4,
-                  progress: Callable[[str], None] = lambda line: None, timeout: float = 120.0) -> dict[str, float]:
+                  progress: Callable[[str], None] = lambda line: None, timeout: float = 120.0,
+                  reference: Outcome | None = None) -> dict[str, float]:
     """Run the fault-free job and every scenario ``job.adapter`` declares; returns the
     worst relative error per scenario or raises :class:`ConformanceError`. ``timeout``:
-    seconds each wait for iterations may take (worker start-up included)."""
+    seconds each wait for iterations may take (worker start-up included). ``reference``:
+    the fault-free outcome of this job already run (:func:`run_scenario` with no
+    scenario, the same ``iterations``), so tests of one job can share it."""
     caps = capabilities_of(job.adapter)
     violations = caps.violations(base)
     if violations:
         raise ConformanceError(f"base plan not runnable by {job.adapter}: {'; '.join(violations)}")
     todo = [s for s in scenarios(caps, base) if only is None or s.name in only]
     progress(f"{job.adapter}: fault-free run ({base.dp}x{base.pp}, TP {base.degree(0, 0)})")
-    want = run_scenario(job, base, None, iterations=iterations, env=env, timeout=timeout)
+    want = reference or run_scenario(job, base, None, iterations=iterations, env=env, timeout=timeout)
+    if len(want.losses) != iterations:
+        raise ConformanceError(f"reference: {len(want.losses)} iterations, the scenarios run {iterations}")
     if want.full is None:
         progress(f"{job.adapter}: does not report full_state(); comparing held_state() only "
                  "(parameters and the optimizer tensors it chooses to report)")

@@ -27,11 +27,25 @@ def _example_job(adapter: str) -> JobSpec:
     return JobSpec(adapter=adapter, adapter_config={"lr": 0.05}, dp=2, num_microbatches=2, seed=3)
 
 
-def test_example_adapter_passes_for_what_it_declares():
-    base = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=1, num_microbatches=2)
+EXAMPLE_BASE = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=1, num_microbatches=2)
+
+
+@pytest.fixture(scope="module")
+def example_fault_free():
+    """The example adapter's fault-free run, once for the module: it is also
+    ``liar:SkipsMigrated``'s (a fault-free plan has no migrated micro-batch, the only
+    ones that liar treats differently), which saves a job of worker processes (their
+    start-up is most of a conformance run's CPU time)."""
+    from resihp_core.testing.conformance import run_scenario
+
+    return run_scenario(_example_job("resihp_example_adapter.adapter:ExampleAdapter"), EXAMPLE_BASE, None, env=ENV)
+
+
+def test_example_adapter_passes_for_what_it_declares(example_fault_free):
+    base = EXAMPLE_BASE
     said: list[str] = []
     got = check_adapter(_example_job("resihp_example_adapter.adapter:ExampleAdapter"), base, env=ENV,
-                        progress=said.append)
+                        progress=said.append, reference=example_fault_free)
     assert set(got) == {"regeneration", "migration", "replica_drop", "restore"}
     assert max(got.values()) <= 1e-12
     # It reports no full_state(): the kit says it compares held_state() only.
@@ -49,10 +63,10 @@ def test_checkpoints_the_supervisor_cannot_select_fail_the_restore_scenario():
         run_scenario(_example_job("liar:OwnCheckpointLayout"), base, restore, env=ENV)
 
 
-def test_a_declared_capability_the_adapter_lacks_fails_the_kit():
-    base = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=1, num_microbatches=2)
+def test_a_declared_capability_the_adapter_lacks_fails_the_kit(example_fault_free):
     with pytest.raises(ConformanceError, match=r"migration: .*(accounting|differs|loss)"):
-        check_adapter(_example_job("liar:SkipsMigrated"), base, env=ENV, only=["migration"])
+        check_adapter(_example_job("liar:SkipsMigrated"), EXAMPLE_BASE, env=ENV, only=["migration"],
+                      reference=example_fault_free)
 
 
 def _reference_job(adapter: str = "megatron_ref") -> JobSpec:

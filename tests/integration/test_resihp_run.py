@@ -55,7 +55,11 @@ def test_run_survives_a_killed_worker_and_writes_the_report(tmp_path: Path):
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"}]))
     port = _free_port()
-    env = {**os.environ, "RESIHP_TRAINING__ITERATIONS": "8", "RESIHP_RUNTIME__METRICS_PORT": str(port)}
+    # The example's 0.8 s heartbeat limit (8 x 0.1 s) is for a quiet machine: at load 22
+    # a run of it lost node 0 ("agent silent for 3.00 s") and took a starved worker for a
+    # hung one. The kill is seen at once (the process exits) whatever this limit is.
+    env = {**os.environ, "RESIHP_TRAINING__ITERATIONS": "8", "RESIHP_RUNTIME__METRICS_PORT": str(port),
+           "RESIHP_DETECTOR__HEARTBEAT_MISS_LIMIT": "30"}
     proc = subprocess.Popen([*CLI, "run", str(cfg), "--faults", str(faults), "--no-live", "--report", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     scraped: list[dict[str, float]] = []

@@ -71,6 +71,10 @@ def main(device: int, port: int, out: Path) -> None:
             report["error"] = str(e)[:300]
         report["wait_s"] = time.monotonic() - t0
         (out / "1.json").write_text(json.dumps(report))
+        # As the worker runtime after a failed iteration: back to the snapshot, then the
+        # groups go now, not at interpreter shutdown (a live gloo group can abort the exit).
+        eng.rollback()
+        eng.release()
         store.set("done/1", "1")
 
 

@@ -306,9 +306,13 @@ class MegatronRefAdapter(Adapter):
                 for r in self._ckpt_writer.results()]
 
     def close(self) -> None:
-        """Finish queued checkpoint writes before the process ends."""
+        """Finish queued checkpoint writes, then end the process groups while the
+        interpreter is still whole: the worker returns right after this, and a gloo group
+        left to interpreter shutdown can abort the process ("terminate called without an
+        active exception") after the job's last iteration (docs/torch_native.md, "Exit")."""
         if self._ckpt_writer is not None:
             self._ckpt_writer.drain()
+        self.release()
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """Build this worker's shards of ``plan`` from checkpoint ``iteration``."""

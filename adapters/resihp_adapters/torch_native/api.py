@@ -307,6 +307,7 @@ def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = 
         model, optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
         dataset=dataset, collate_fn=collate_fn, micro_batch_size=micro_batch_size, split=split, tp_plan=tp_plan)
     if os.environ.get("RESIHP_STORE"):
+        import atexit
         import gc
 
         from resihp_core.runtime.worker import Worker
@@ -319,8 +320,21 @@ def initialize(model: Any = None, *, optimizer: Any = None, lr_scheduler: Any = 
         # What is loaded so far lives for the whole process: keep it out of the
         # collections that run when a generation's groups are released.
         gc.freeze()
+        atexit.register(_close_at_exit, worker)
         return ResilientTrainer(worker)
     return _stock(config or os.environ.get("RESIHP_CONFIG"), user)
+
+
+def _close_at_exit(worker: Any) -> None:
+    """Under ``resihp launch``: release the adapter's groups at exit if the script's loop
+    ended before the job's stop reached the worker (which closes it then; a second
+    close does nothing), as the DeepSpeed adapter's ``engine.close()`` at exit does. A
+    gloo group left to interpreter shutdown can abort the process ("Exit" in
+    docs/torch_native.md)."""
+    try:
+        worker.adapter.close()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
 
 
 def _end_world() -> None:

@@ -60,6 +60,11 @@ class ExampleAdapter(Adapter):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def close(self):
+        # The job's end: the group goes while the interpreter is whole (a gloo group left
+        # to interpreter shutdown can abort the finished process).
+        self.release()
+
     def start_fresh(self, plan):
         self.plan = plan
         with torch.no_grad():
