@@ -5,9 +5,10 @@ monotonic clock) and never reads a clock or a socket itself, so every rule is
 unit-testable with a fake clock (docs/design.md §3.1):
 
 * **missed beats** — no heartbeat for ``heartbeat_miss_limit`` intervals (plus a
-  small grace). If the worker's process is known to be alive (a pid to look at) the
-  failure is classified a *hang* (e.g. the process is stopped, ``SIGSTOP``, or every
-  thread is stuck), otherwise a silent death;
+  small grace): a silent death when the process is gone or cannot be looked at. If
+  the process is alive and running, silence is a *hang* (every thread stuck) only
+  once it outlasts ``hang_min_timeout_s`` too: a beat thread starved of CPU on a
+  loaded host is late by a second or two, and was taken for a hang at 0.8 s;
 * **a pause** — silent while its process is *stopped* (state ``T``: SIGSTOP, a debugger,
   a preempting host): declared ``paused``, which fences it (its work is planned
   elsewhere) without killing it. If it beats again and keeps beating for
@@ -301,6 +302,11 @@ class FailStopMonitor:
                 state = "unknown"
                 if w.pid is not None and self.process_state is not None:
                     state = self.process_state(w.pid)
+                if state == "alive" and silent <= self.hang_min_timeout:
+                    # Running but silent: a beat thread starved of CPU (or of the GIL) on a
+                    # loaded host looks like this for a second or two; a process whose every
+                    # thread is stuck stays silent past the hang timeout's floor.
+                    continue
                 if state == "dead":
                     f = self._fail(w, now, FailureKind.EXIT, f"process {w.pid} is gone (no heartbeat for {silent:.2f} s)")
                 elif state == "stopped":

@@ -45,7 +45,11 @@ def test_silence_is_classified_by_the_process_state(state: str, kind: FailureKin
     m = monitor(state)
     m.add(0, 0, 0.0, pid=123)
     t = beat_until(m, 0, 0.0, 1.0)
-    (f,) = m.check(t + 0.5)
+    if state == "alive":  # running but silent: starved, until it outlasts the hang floor (1 s)
+        assert m.check(t + 0.5) == []
+        (f,) = m.check(t + 1.05)
+    else:
+        (f,) = m.check(t + 0.5)
     assert f.kind is kind
     if state == "stopped":
         assert "stopped" in f.reason
@@ -217,11 +221,13 @@ def test_a_worker_running_and_silent_after_a_pause_is_a_hang() -> None:
     proc.state = "alive"  # resumed, but no beat comes: a real hang
     (f,) = m.check(t + 1.0)
     assert f.kind is FailureKind.HANG and f.after_pause
-    # A worker alive, running and silent with no pause before is a hang at once (killed
-    # by the supervisor after the usual report).
+    # A worker alive, running and silent with no pause before is a hang once its silence
+    # outlasts the hang floor (1 s here; before it, a starved beat thread), killed by
+    # the supervisor after the usual report.
     m2, proc2 = paused_monitor()
     t = beat_until(m2, 0, 0.0, 1.0)
-    (f,) = m2.check(t + 0.5)
+    assert m2.check(t + 0.5) == []
+    (f,) = m2.check(t + 1.05)
     assert f.kind is FailureKind.HANG and not f.after_pause
 
 
