@@ -328,6 +328,10 @@ class TorchNativeEngine:
         self._denom = 1.0
         self.rank_of: dict[int, int] = {}
         self.executors_group = None
+        # Who writes checkpoints (:meth:`save_checkpoint`): DCP over ``checkpoint_group``
+        # (None: the executors' group), by the ranks whose ``writes_checkpoint`` is set.
+        self.checkpoint_group = None
+        self.writes_checkpoint = True
         self._ties: list[tuple[object, str]] = []  # (group, this stage's name of the tied parameter)
         self.stretch: Callable[[float], float] = lambda seconds: seconds  # fault injection
         self.delay_comm: Callable[[], None] = lambda: None  # fault injection
@@ -363,7 +367,8 @@ class TorchNativeEngine:
         if self.module is not None:
             self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
-        self.executors_group = None
+        self.executors_group = self.checkpoint_group = None
+        self.writes_checkpoint = True
         self._ties = []
         self._lowered = None
         _unbind_groups(*self._bound)
@@ -406,6 +411,12 @@ class TorchNativeEngine:
             mesh = DeviceMesh(self.placement.device.type, layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
             self.executors_group = None if world == executors else dist.new_group(
                 list(range(executors)), timeout=self.timeout)
+            if len(live) > k:
+                # HSDP: the replicas of replicate index 0 hold every shard of every stage,
+                # so they alone write checkpoints (:meth:`save_checkpoint`).
+                self.checkpoint_group = dist.new_group(
+                    [s * len(live) + slot for s in range(plan.pp) for slot in range(k)], timeout=self.timeout)
+                self.writes_checkpoint = self.place is not None and self.place.replicate_index == 0
             for stages, where in tie_sets(self.model, plan):
                 for slot, r in enumerate(live):
                     ranks = [s * len(live) + slot for s in stages]
@@ -853,14 +864,22 @@ class TorchNativeEngine:
                                      self.model.aliases)}
 
     def save_checkpoint(self, path: str) -> None:
-        """Collective over the whole world: every stage writes its shards by name
-        (names are split-independent, so any later layout can read them)."""
+        """Collective over the checkpoint writers: every stage writes its shards by name
+        (names are split-independent, so any later layout can read them). Under HSDP
+        only the first replicate group writes: the other copies hold the same shards
+        bit for bit (their gradients are all-reduced), DCP's planning costs every
+        participant per tensor (a pickled plan of every tensor, gathered and scattered),
+        and its de-duplication would write each tensor once anyway
+        (docs/benchmarks.md, "Where a fault-free iteration goes")."""
         import torch.distributed.checkpoint as dcp
 
         if self.module is None:
             return
         self._ensure_optimizer_state()
-        dcp.save(self._state_dicts(), checkpoint_id=path, process_group=self.executors_group)
+        if not self.writes_checkpoint:
+            return  # an HSDP copy: replicate index 0 holds the same shards and writes them
+        group = self.executors_group if self.checkpoint_group is None else self.checkpoint_group
+        dcp.save(self._state_dicts(), checkpoint_id=path, process_group=group)
 
     def _ensure_optimizer_state(self) -> None:
         """Optimizers create their state lazily; a checkpoint needs every key present:
