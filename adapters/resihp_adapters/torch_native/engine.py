@@ -11,7 +11,8 @@ Per plan generation the engine builds, over the plan's devices only:
 * its stage as a :class:`~.model.StageModel`, each transformer block and the stage
   itself wrapped by ``fully_shard`` over the ``(dp_replicate, dp_shard)`` sub-mesh:
   FSDP2 when the shard degree equals the replicas, HSDP when it is smaller (each
-  replicate group holds a whole copy, so a dead rank's shard survives elsewhere);
+  replicate group holds a whole copy, so a dead rank's shard survives elsewhere); with
+  shard degree 1 (nothing sharded) the stage alone is wrapped, one FSDP group;
 * a ``PipelineStage`` over the ``pp`` sub-mesh group and a ``_PipelineScheduleRuntime``
   running the action lists lowered from the core's programs (:mod:`.lowering`).
 
