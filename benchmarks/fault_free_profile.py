@@ -42,7 +42,17 @@ _ID = (os.environ.get("RESIHP_DEVICE") if os.environ.get("RESIHP_JOB") else None
 if os.environ.get("RESIHP_PROFILE_DIR") and _ID is not None:
     import atexit, cProfile, time
     _p = cProfile.Profile(time.thread_time) if os.environ.get("RESIHP_PROFILE_CLOCK") == "thread" else cProfile.Profile()
-    _p.enable()
+    _after = int(os.environ.get("RESIHP_PROFILE_AFTER", "0") or 0)
+    if _after <= 0:
+        _p.enable()
+    else:  # the steady state only: from the end of optimizer step _after on
+        import torch.optim.optimizer as _o
+        _n = [0]
+        def _hook(opt, args, kwargs):
+            _n[0] += 1
+            if _n[0] == _after:
+                _p.enable()
+        _o.register_optimizer_step_post_hook(_hook)
     def _dump():
         _p.disable()
         _p.dump_stats(os.path.join(os.environ["RESIHP_PROFILE_DIR"], f"worker{_ID}-{os.getpid()}.prof"))
@@ -51,7 +61,8 @@ if os.environ.get("RESIHP_PROFILE_DIR") and _ID is not None:
 
 # (row, file suffix, function): cumulative wall time of that function per iteration.
 PARTS = [
-    ("iteration in the worker (Worker._one_iteration)", "runtime/worker.py", "_one_iteration"),
+    ("iteration in the worker (Worker._one_iteration, _overlapped_iteration)", "runtime/worker.py",
+     "_one_iteration|_overlapped_iteration"),
     ("  adapter.run_iteration", "torch_native/adapter.py", "run_iteration"),
     ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
     ("      forward and backward chunks", "pipelining/stage.py", "forward_one_chunk|backward_one_chunk|"
@@ -88,7 +99,8 @@ def breakdown(folder: Path) -> tuple[list[tuple[str, float, list[float]]], int]:
     iterations = 0
     for f in files:
         st = pstats.Stats(f)
-        iterations = _cum(st, "runtime/worker.py", "_one_iteration")[1]
+        # begin_iteration: once per iteration, commit in line or overlapped
+        iterations = _cum(st, "runtime/worker.py", "begin_iteration")[1]
         for label, suffix, fn in PARTS:
             rows[label].append(1e3 * _cum(st, suffix, fn)[0] / max(1, iterations))
     return [(k, statistics.median(v), v) for k, v in rows.items()], iterations
@@ -161,6 +173,7 @@ def compare_stock(job: peers.Job, iterations: int, root: Path, prof: Path) -> di
     first (what ResiHP adds, or saves, on the training thread)."""
     out: dict = {}
     spec = peers.job_spec_json(job, iterations, root / "spec")
+    os.environ["RESIHP_PROFILE_AFTER"] = str(peers.WARMUP)  # start-up and warm-up left out
     for system in ("resihp", "stock"):
         d = prof / system
         d.mkdir()
@@ -174,7 +187,7 @@ def compare_stock(job: peers.Job, iterations: int, root: Path, prof: Path) -> di
         if not run.ok:
             raise RuntimeError(f"the {system} run failed: {run.error}")
         files = sorted(glob.glob(str(d / "*.prof")))
-        out[system] = {"functions": per_function(files, iterations), "workers": len(files),
+        out[system] = {"functions": per_function(files, iterations - peers.WARMUP), "workers": len(files),
                        "load": [load0, os.getloadavg()[0]]}
     return out
 
