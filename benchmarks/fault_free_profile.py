@@ -31,22 +31,38 @@ import peers  # noqa: E402
 
 # Started in every worker (RESIHP_JOB and RESIHP_DEVICE set) through a sitecustomize
 # on the workers' PYTHONPATH: profile the main thread, dump the stats at exit.
+# With RESIHP_PROFILE_CLOCK=thread the profiler's clock is the main thread's CPU time
+# (time.thread_time): waits for a core or a peer count nothing, so the table reads as
+# work done per iteration, much less sensitive to the host's load. Stock torchrun
+# workers (RANK, LOCAL_RANK set) are profiled too (``--stock``).
 _SITECUSTOMIZE = '''
 import os
-if os.environ.get("RESIHP_PROFILE_DIR") and os.environ.get("RESIHP_JOB") and os.environ.get("RESIHP_DEVICE"):
-    import atexit, cProfile
-    _p = cProfile.Profile()
-    _p.enable()
+_ID = (os.environ.get("RESIHP_DEVICE") if os.environ.get("RESIHP_JOB") else None) or (
+    "stock" + os.environ["RANK"] if os.environ.get("RANK") and os.environ.get("LOCAL_RANK") is not None else None)
+if os.environ.get("RESIHP_PROFILE_DIR") and _ID is not None:
+    import atexit, cProfile, time
+    _p = cProfile.Profile(time.thread_time) if os.environ.get("RESIHP_PROFILE_CLOCK") == "thread" else cProfile.Profile()
+    _after = int(os.environ.get("RESIHP_PROFILE_AFTER", "0") or 0)
+    if _after <= 0:
+        _p.enable()
+    else:  # the steady state only: from the end of optimizer step _after on
+        import torch.optim.optimizer as _o
+        _n = [0]
+        def _hook(opt, args, kwargs):
+            _n[0] += 1
+            if _n[0] == _after:
+                _p.enable()
+        _o.register_optimizer_step_post_hook(_hook)
     def _dump():
         _p.disable()
-        _p.dump_stats(os.path.join(os.environ["RESIHP_PROFILE_DIR"],
-                                   f"worker{os.environ['RESIHP_DEVICE']}-{os.getpid()}.prof"))
+        _p.dump_stats(os.path.join(os.environ["RESIHP_PROFILE_DIR"], f"worker{_ID}-{os.getpid()}.prof"))
     atexit.register(_dump)
 '''
 
 # (row, file suffix, function): cumulative wall time of that function per iteration.
 PARTS = [
-    ("iteration in the worker (Worker._one_iteration)", "runtime/worker.py", "_one_iteration"),
+    ("iteration in the worker (Worker._one_iteration, _overlapped_iteration)", "runtime/worker.py",
+     "_one_iteration|_overlapped_iteration"),
     ("  adapter.run_iteration", "torch_native/adapter.py", "run_iteration"),
     ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
     ("      forward and backward chunks", "pipelining/stage.py", "forward_one_chunk|backward_one_chunk|"
@@ -83,7 +99,8 @@ def breakdown(folder: Path) -> tuple[list[tuple[str, float, list[float]]], int]:
     iterations = 0
     for f in files:
         st = pstats.Stats(f)
-        iterations = _cum(st, "runtime/worker.py", "_one_iteration")[1]
+        # begin_iteration: once per iteration, commit in line or overlapped
+        iterations = _cum(st, "runtime/worker.py", "begin_iteration")[1]
         for label, suffix, fn in PARTS:
             rows[label].append(1e3 * _cum(st, suffix, fn)[0] / max(1, iterations))
     return [(k, statistics.median(v), v) for k, v in rows.items()], iterations
@@ -151,6 +168,56 @@ class CpuSampler:
         return {k: hi[k] - lo.get(k, 0.0) for k in hi}
 
 
+def per_function(files: list[str], iterations: int) -> dict[str, float]:
+    """Own time (cProfile's tottime) per iteration per worker of every function, summed
+    over ``files`` (one profile per worker) and divided by workers x ``iterations``: ms."""
+    out: dict[str, float] = {}
+    for f in files:
+        st = pstats.Stats(f)
+        for (path, line, name), (_cc, _nc, tt, _ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+            key = f"{'/'.join(path.split('/')[-2:])}:{line}({name})"
+            out[key] = out.get(key, 0.0) + 1e3 * tt / (len(files) * iterations)
+    return out
+
+
+def compare_stock(job: peers.Job, iterations: int, root: Path, prof: Path) -> dict:
+    """One run of ResiHP (no checkpoints, commit overlapped) and one of the stock script
+    (peers.py's ``plain``), every worker's main thread profiled on the same clock; the
+    functions by own time per iteration per worker, both sides, largest difference
+    first (what ResiHP adds, or saves, on the training thread)."""
+    out: dict = {}
+    spec = peers.job_spec_json(job, iterations, root / "spec")
+    os.environ["RESIHP_PROFILE_AFTER"] = str(peers.WARMUP)  # start-up and warm-up left out
+    for system in ("resihp", "stock"):
+        d = prof / system
+        d.mkdir()
+        (root / system).mkdir()
+        os.environ["RESIHP_PROFILE_DIR"] = str(d)
+        load0 = os.getloadavg()[0]
+        if system == "resihp":
+            run = peers.run_resihp(job, [], iterations, root / system, 600, 0)
+        else:
+            run = peers.run_torchrun("plain", job, [], iterations, root / system, spec, 600, 0, 0)
+        if not run.ok:
+            raise RuntimeError(f"the {system} run failed: {run.error}")
+        files = sorted(glob.glob(str(d / "*.prof")))
+        out[system] = {"functions": per_function(files, iterations - peers.WARMUP), "workers": len(files),
+                       "load": [load0, os.getloadavg()[0]]}
+    return out
+
+
+def _print_compare(res: dict, clock: str, top: int = 25) -> None:
+    a, b = res["resihp"]["functions"], res["stock"]["functions"]
+    ta, tb = sum(a.values()), sum(b.values())
+    print(f"main thread, {clock} clock, ms per iteration per worker (all functions' own time): "
+          f"resihp {ta:.2f}, stock {tb:.2f} ({100 * (ta / tb - 1):+.1f} %); loads "
+          f"{res['resihp']['load']} / {res['stock']['load']}")
+    diff = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, 0.0) - b.get(k, 0.0)))
+    print("| function | resihp ms | stock ms | difference |\n| --- | --- | --- | --- |")
+    for k in diff[:top]:
+        print(f"| {k} | {a.get(k, 0.0):.3f} | {b.get(k, 0.0):.3f} | {a.get(k, 0.0) - b.get(k, 0.0):+.3f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", default="dp4", choices=sorted(peers.JOBS))
@@ -158,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=3,
                     help="ResiHP's checkpoint interval (3: what peers.py --quick's Young/Daly picked)")
     ap.add_argument("--json", help="write the table here")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="the profiler's clock: wall, or the main thread's CPU time (load-insensitive)")
+    ap.add_argument("--stock", action="store_true",
+                    help="profile a ResiHP run (no checkpoints) and the stock script's run of the job; "
+                         "print the functions by difference in own time per iteration")
     args = ap.parse_args(argv)
+    os.environ["RESIHP_PROFILE_CLOCK"] = args.clock
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     root = Path(tempfile.mkdtemp(prefix="resihp-ffprof-"))
     site, prof = root / "site", root / "prof"
@@ -168,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     os.environ["RESIHP_PROFILE_DIR"] = str(prof)
     job = peers.JOBS[args.job]
+    if args.stock:
+        res = compare_stock(job, args.iterations, root, prof)
+        _print_compare(res, args.clock)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"job": args.job, "iterations": args.iterations,
+                                                   "clock": args.clock, **res}, indent=2))
+        return 0
     load0 = os.getloadavg()[0]
     cpu = CpuSampler()
     t0 = time.time()

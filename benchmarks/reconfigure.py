@@ -339,7 +339,8 @@ def _mean_iteration_s(commits: list, warmup: int) -> float:
     return (first[its[-1]] - first[its[0]]) / (its[-1] - its[0])
 
 
-def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0) -> dict:
+def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0, job_name: str = "pp2dp2",
+                            checkpoint_every: int = 0, baseline_tree: str | None = None) -> dict:
     """Fault-free iteration time, resilient vs stock path, PP2 x DP2 (the kill test's job):
     ``rounds`` rounds, each one run of the resilient path (its commit overlapped with the
     next iteration, the default), one of it with ``RESIHP_COMMIT_OVERLAP=0`` (each
@@ -350,54 +351,118 @@ def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0
     run: seconds per iteration from the commit after a warm-up of 3 to the last one (the
     supervisor's commits for ResiHP, rank 0's finished steps for stock); a ResiHP run
     whose detector re-planned without a fault (contention on a loaded host) is timed
-    over its first plan."""
+    over its first plan.
+
+    Next to the wall time, the CPU seconds per iteration of the job's workers (summed;
+    :mod:`itercpu`), which move far less with the other sessions' load, and ResiHP's
+    controller's and node agent's. ``job_name`` ``dp4`` (PP1 x DP4, issue 27) compares
+    ResiHP with plain DDP and with ``plain-fsdp`` (the adapter's stock blocks) instead;
+    ``checkpoint_every`` > 0 gives ResiHP that checkpoint interval (the peers' comparison
+    with Young/Daly's). ``baseline_tree``: another checkout of ResiHP (e.g. the
+    integration branch) whose workers run as one more system, ``resihp@base``, in the
+    same rounds: an A/B of a change at the same load. A run that fails (a false node
+    loss at high load) is recorded and its round's ratios left out, not the whole
+    measurement."""
     from pathlib import Path
 
+    import itercpu
     import peers
 
-    job = peers.JOBS["pp2dp2"]
+    job = peers.JOBS[job_name]
     root = Path(tempfile.mkdtemp(prefix="resihp-bench-ff-"))
     spec = peers.job_spec_json(job, iterations, root / "spec")
-    systems = ("resihp", "resihp_sync", "stock")
+    systems: tuple[str, ...] = ("resihp", "resihp_sync", "stock") if job.pp > 1 else ("resihp", "plain", "plain-fsdp")
+    base = "stock" if job.pp > 1 else "plain"
+    if baseline_tree:
+        systems += ("resihp@base",)
+        tree = Path(baseline_tree).resolve()
+        base_path = os.pathsep.join(str(tree / x) for x in ("", "adapters", "plugins"))
     runs: dict[str, list[float]] = {k: [] for k in systems}
+    cpu: dict[str, list[dict]] = {k: [] for k in systems}
     loads = []
+    failures: list[tuple[int, str, str]] = []
     replans: list[tuple[int, str, int, int]] = []  # (round, system, plan changes, iterations before the first)
-    for r in range(rounds):
-        for system in systems[r % 3:] + systems[:r % 3]:
-            work = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=root))
-            if system.startswith("resihp"):
-                saved = os.environ.get("RESIHP_COMMIT_OVERLAP")
-                os.environ["RESIHP_COMMIT_OVERLAP"] = "0" if system == "resihp_sync" else "1"
-                try:
-                    run = peers.run_resihp(job, [], iterations, work, timeout, checkpoint_every=0)
-                finally:
-                    if saved is None:
-                        os.environ.pop("RESIHP_COMMIT_OVERLAP", None)
-                    else:
-                        os.environ["RESIHP_COMMIT_OVERLAP"] = saved
-            else:
-                run = peers.run_torchrun("plain", job, [], iterations, work, spec, timeout, 0, 0)
-            if not run.ok:
-                raise RuntimeError(f"{system} run {r + 1} failed: {run.error}")
-            commits = run.commits
-            resumes = run.extra.get("resumes", [])
-            if resumes:
-                # A "fault-free" run that re-planned: on a loaded host the detector can
-                # take contention for a slow device and mitigate it. Time the first
-                # plan's iterations only (the overhead, not a different layout) and say so.
-                replans.append((r, system, len(resumes), resumes[0][0]))
-                commits = commits[:resumes[0][0]]
-            runs[system].append(_mean_iteration_s(commits, warmup=3))
-            loads.append(os.getloadavg()[0])
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"stock_iteration_s": med["stock"], "resihp_iteration_s": med["resihp"],
-            "resihp_sync_iteration_s": med["resihp_sync"],
-            "resihp_vs_stock": med["resihp"] / med["stock"] - 1.0,
-            "resihp_sync_vs_stock": med["resihp_sync"] / med["stock"] - 1.0,
-            "per_round_ratio": [a / b for a, b in zip(runs["resihp"], runs["stock"])],
-            "per_round_ratio_sync": [a / b for a, b in zip(runs["resihp_sync"], runs["stock"])],
-            "stock_runs_s": runs["stock"], "resihp_runs_s": runs["resihp"], "resihp_sync_runs_s": runs["resihp_sync"],
-            "rounds": rounds, "iterations": iterations, "loadavg_1m": loads, "replans": replans}
+    saved_env = dict(os.environ)
+    itercpu.install(root)
+    try:
+        path0 = os.environ["PYTHONPATH"]
+        for r in range(rounds):
+            n = len(systems)
+            for system in systems[r % n:] + systems[:r % n]:
+                work = Path(tempfile.mkdtemp(prefix=f"{system.replace('@', '-')}-", dir=root))
+                folder = itercpu.run_dir(root, f"{r}-{system.replace('@', '-')}")
+                # the site first, then (for resihp@base) the other tree before this one
+                site, _, rest = path0.partition(os.pathsep)
+                os.environ["PYTHONPATH"] = (os.pathsep.join([site, base_path, rest]) if system == "resihp@base"
+                                            else path0)
+                if system.startswith("resihp"):
+                    os.environ["RESIHP_COMMIT_OVERLAP"] = "0" if system == "resihp_sync" else "1"
+                    run = peers.run_resihp(job, [], iterations, work, timeout, checkpoint_every=checkpoint_every)
+                else:
+                    kind = "plain" if system == "stock" else system
+                    run = peers.run_torchrun(kind, job, [], iterations, work, spec, timeout, 0, 0)
+                loads.append(os.getloadavg()[0])
+                if not run.ok:
+                    failures.append((r, system, run.error[:200]))
+                    runs[system].append(math.nan)
+                    cpu[system].append({})
+                    print(f"  round {r + 1}: {system} failed: {run.error[:160]}", flush=True)
+                    continue
+                commits = run.commits
+                resumes = run.extra.get("resumes", [])
+                if resumes:
+                    # A "fault-free" run that re-planned: on a loaded host the detector can
+                    # take contention for a slow device and mitigate it. Time the first
+                    # plan's iterations only (the overhead, not a different layout) and say so.
+                    replans.append((r, system, len(resumes), resumes[0][0]))
+                    commits = commits[:resumes[0][0]]
+                runs[system].append(_mean_iteration_s(commits, warmup=3))
+                c = itercpu.read(folder, warmup=3)
+                if not system.startswith("resihp"):
+                    c["other_cpu_s"] = math.nan  # the benchmark's own polling, not the system's
+                cpu[system].append(c)
+                print(f"  round {r + 1}: {system} {runs[system][-1]:.4f} s/it, workers' CPU "
+                      f"{c.get('worker_cpu_s', math.nan):.4f} s/it, launcher/agent {c.get('parent_cpu_s', math.nan):.4f}, "
+                      f"controller {c.get('other_cpu_s', math.nan):.4f}; load {loads[-1]:.1f}", flush=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+    def med(xs: list[float]) -> float:
+        xs = [x for x in xs if not math.isnan(x)]
+        return statistics.median(xs) if xs else math.nan
+
+    def ratios(a: list[float], b: list[float]) -> list[float]:
+        return [x / y for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
+
+    def cpu_of(system: str, key: str) -> list[float]:
+        return [c.get(key, math.nan) for c in cpu[system]]
+
+    out = {"job": job_name, "systems": list(systems), "base": base, "checkpoint_every": checkpoint_every,
+           "rounds": rounds, "iterations": iterations, "loadavg_1m": loads, "replans": replans,
+           "failures": failures, "runs_s": runs, "cpu": cpu}
+    for k in systems:
+        out[f"{k}_iteration_s"] = med(runs[k])
+        out[f"{k}_worker_cpu_s"] = med(cpu_of(k, "worker_cpu_s"))
+        if k != base:
+            rr = ratios(runs[k], runs[base])
+            rc = ratios(cpu_of(k, "worker_cpu_s"), cpu_of(base, "worker_cpu_s"))
+            out[f"{k}_per_round_ratio"], out[f"{k}_per_round_cpu_ratio"] = rr, rc
+            out[f"{k}_vs_{base}"] = med(rr) - 1.0 if rr else math.nan
+            out[f"{k}_cpu_vs_{base}"] = med(rc) - 1.0 if rc else math.nan
+    if baseline_tree:  # the change itself: this tree's ResiHP over the other's, round by round
+        rr = ratios(runs["resihp"], runs["resihp@base"])
+        rc = ratios(cpu_of("resihp", "worker_cpu_s"), cpu_of("resihp@base", "worker_cpu_s"))
+        out.update({"resihp_vs_base_per_round": rr, "resihp_vs_base_per_round_cpu": rc,
+                    "resihp_vs_base": med(rr) - 1.0 if rr else math.nan,
+                    "resihp_cpu_vs_base": med(rc) - 1.0 if rc else math.nan, "baseline_tree": str(baseline_tree)})
+    if job.pp > 1:  # the names earlier results used
+        out.update({"stock_runs_s": runs["stock"], "resihp_runs_s": runs["resihp"],
+                    "resihp_sync_runs_s": runs["resihp_sync"],
+                    "resihp_vs_stock": out["resihp_vs_stock"], "resihp_sync_vs_stock": out["resihp_sync_vs_stock"],
+                    "per_round_ratio": out["resihp_per_round_ratio"],
+                    "per_round_ratio_sync": out["resihp_sync_per_round_ratio"]})
+    return out
 
 
 # Started in every worker (ResiHP's: RESIHP_JOB and RESIHP_DEVICE set; torchrun's: RANK)
@@ -1032,6 +1097,14 @@ def main(argv=None) -> int:
                     help="torch_native: only the fault-free resilient-vs-stock comparison")
     ap.add_argument("--fault-free-phases", action="store_true",
                     help="torch_native: time each part of a fault-free iteration (resilient, commit in line, stock)")
+    ap.add_argument("--fault-free-job", default="pp2dp2", choices=["pp2dp2", "dp4"],
+                    help="torch_native fault-free comparison: pp2dp2 (resilient vs stock pipelining, issue 23) or "
+                         "dp4 (ResiHP vs plain DDP and the adapter's stock FSDP blocks, issue 27)")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="torch_native fault-free comparison: ResiHP's checkpoint interval (0: none, as stock)")
+    ap.add_argument("--baseline-tree", metavar="PATH",
+                    help="torch_native fault-free comparison: also run ResiHP's workers from this checkout "
+                         "(resihp@base), interleaved, for an A/B of a change")
     ap.add_argument("--fault-free-rounds", type=int, default=None,
                     help="torch_native: rounds of the fault-free comparison (default 5; 3 with --quick)")
     args = ap.parse_args(argv)
@@ -1106,6 +1179,45 @@ def _main_fault_free_phases(args) -> int:
     return 0
 
 
+def print_fault_free(ff: dict) -> None:
+    """The fault-free comparison's table: wall and workers' CPU per iteration per system,
+    each against the base system (stock, or plain DDP for dp4) round by round."""
+    base = ff["base"]
+    loads = ff["loadavg_1m"]
+    print(f"torch_native fault-free, {ff['job']} (4 CPU workers), {ff['rounds']} rounds alternated, "
+          f"{ff['iterations']} iterations each, ResiHP checkpoint every {ff['checkpoint_every'] or 'never'}; "
+          f"load (1 min) {min(loads):.1f}-{max(loads):.1f}; seconds per iteration after a warm-up of 3")
+    print(f"  {'system':14s} {'wall s':>8s} {'workers CPU s':>14s} {'agent CPU s':>12s} {'controller CPU s':>17s}   "
+          "wall runs | workers' CPU runs")
+    for k in ff["systems"]:
+        cs = ff["cpu"][k]
+        side = [statistics.median([c[key] for c in cs if c.get(key) == c.get(key) and key in c] or [math.nan])
+                for key in ("parent_cpu_s", "other_cpu_s")]
+        print(f"  {k:14s} {ff[k + '_iteration_s']:8.4f} {ff[k + '_worker_cpu_s']:14.4f} {side[0]:12.4f} {side[1]:17.4f}   "
+              + " ".join(f"{x:.4f}" for x in ff["runs_s"][k]) + " | "
+              + " ".join(f"{c.get('worker_cpu_s', math.nan):.4f}" for c in cs))
+    for k in ff["systems"]:
+        if k == base:
+            continue
+        print(f"  {k} vs {base}: wall {100 * ff[f'{k}_vs_{base}']:+.1f} % (per round "
+              + " ".join(f"{100 * (x - 1):+.1f}" for x in ff[f"{k}_per_round_ratio"])
+              + f"), workers' CPU {100 * ff[f'{k}_cpu_vs_{base}']:+.1f} % (per round "
+              + " ".join(f"{100 * (x - 1):+.1f}" for x in ff[f"{k}_per_round_cpu_ratio"]) + ")")
+    if "resihp_vs_base" in ff:
+        print(f"  resihp (this tree) vs resihp@base ({ff['baseline_tree']}): wall {100 * ff['resihp_vs_base']:+.1f} % "
+              "(per round " + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["resihp_vs_base_per_round"])
+              + f"), workers' CPU {100 * ff['resihp_cpu_vs_base']:+.1f} % (per round "
+              + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["resihp_vs_base_per_round_cpu"]) + ")")
+    if ff["job"] == "pp2dp2":
+        print(f"  target within 3 % (overlapped, the default, wall): "
+              f"{'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
+    for r, system, n, before in ff["replans"]:
+        print(f"  round {r + 1}: {system} re-planned {n} time(s) without a fault (the detector on a loaded "
+              f"host); timed over the first plan's {before} iterations")
+    for r, system, err in ff["failures"]:
+        print(f"  round {r + 1}: {system} FAILED ({err[:120]}); that round's ratios left out")
+
+
 def _main_torch_native(args) -> int:
     if args.fault_free_phases:
         return _main_fault_free_phases(args)
@@ -1113,27 +1225,15 @@ def _main_torch_native(args) -> int:
     try:
         res = {} if args.fault_free_only else torch_native_kill(1 if args.quick else 3, hf=args.model == "hf_llama")
         if args.model == "llama":
-            ff = torch_native_fault_free(args.fault_free_rounds or (3 if args.quick else 5), 20 if args.quick else 30)
+            ff = torch_native_fault_free(args.fault_free_rounds or (3 if args.quick else 5), 20 if args.quick else 30,
+                                         job_name=args.fault_free_job, checkpoint_every=args.checkpoint_every,
+                                         baseline_tree=args.baseline_tree)
     except Exception as e:  # noqa: BLE001 - report and fail: no number is better than a wrong one
         print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
     if ff is not None:
-        print(f"torch_native fault-free, PP2xDP2 HSDP, 4 CPU workers: resilient path vs stock "
-              f"(PipelineStage + Schedule1F1B + fully_shard under torchrun), {ff['rounds']} rounds alternated, "
-              f"{ff['iterations']} iterations each; load (1 min) {min(ff['loadavg_1m']):.1f}-{max(ff['loadavg_1m']):.1f}")
-        print(f"  {'stock':28s} {ff['stock_iteration_s']:.4f}   runs "
-              + " ".join(f"{x:.4f}" for x in ff["stock_runs_s"]))
-        for key, label in (("resihp", "resihp (commit overlapped)"), ("resihp_sync", "resihp (commit in line)")):
-            print(f"  {label:28s} {ff[key + '_iteration_s']:.4f}   runs "
-                  + " ".join(f"{x:.4f}" for x in ff[key + "_runs_s"]))
-        for key, label in (("", "overlapped"), ("_sync", "in line")):
-            print(f"  resihp ({label}) vs stock {100 * ff['resihp' + key + '_vs_stock']:+7.1f} %   per round "
-                  + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["per_round_ratio" + key]))
-        print(f"  target within 3 % (overlapped, the default): {'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
-        for r, system, n, before in ff["replans"]:
-            print(f"  round {r + 1}: {system} re-planned {n} time(s) without a fault (the detector on a loaded "
-                  f"host); timed over the first plan's {before} iterations")
+        print_fault_free(ff)
     elif args.model != "llama":
         print("fault-free resilient-vs-stock comparison: run with --model llama (the stock script of "
               "peers.py builds the adapter's LLaMA)")

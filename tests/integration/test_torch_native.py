@@ -118,18 +118,19 @@ def three_stages(devices: tuple[int, int, int]) -> ParallelPlan:
                         tp_groups=(tuple((d,) for d in devices),), num_microbatches=8, excluded=frozenset({1}))
 
 
-def kill_and_repartition(tmp: Path, *, shard: int, restore: bool) -> dict:
+def kill_and_repartition(tmp: Path, *, shard: int, restore: bool, checkpoint: bool = False) -> dict:
     """Through the core's worker runtime: pp2 x dp2, 4 micro-batches each; device 1
     (replica 1, stage 0) is SIGKILLed inside iteration 2; the survivors (same
     processes) run one pipeline of 3 stages to iteration 5, moving state from memory or
-    restoring the last DCP checkpoint."""
+    restoring the last DCP checkpoint. ``checkpoint``: write one every iteration (and
+    keep them all) even when moving from memory."""
     from resihp_core.job import JobSpec
     from resihp_core.runtime.launcher import LocalJob
     from resihp_core.testing.conformance import _assemble
 
     job = JobSpec(adapter="torch_native", adapter_config={"model": MODEL, "shard": shard}, data=DATA,
                   dp=2, num_microbatches=4, seed=0, timeout_s=10.0, dump_dir=str(tmp / "dump"),
-                  checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=1 if restore else 0)
+                  checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=1 if restore or checkpoint else 0)
     (tmp / "dump").mkdir()
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
     with LocalJob(job.to_json(), base.devices(), workdir=tmp / "job") as lj:
@@ -161,11 +162,42 @@ def as_triples(state: dict) -> dict:
     return {k: tuple(v) for k, v in state.items()}
 
 
+def load_whole(path: Path, step: int):
+    """A one-process engine (pp1 x dp1, world of 1) built from DCP checkpoint ``path``."""
+    from resihp_core.job import JobSpec
+    from resihp_adapters.torch_native.data import Batches, job_source
+    from resihp_adapters.torch_native.engine import TorchNativeEngine
+    from resihp_adapters.torch_native.model import LlamaConfig
+
+    cfg = LlamaConfig(**MODEL)
+    job = JobSpec(adapter="torch_native", adapter_config={}, data=DATA, dp=1, num_microbatches=8)
+    eng = TorchNativeEngine(0, cfg, Batches(job_source(job, cfg.vocab_size), cfg.torch_dtype), dist.HashStore(),
+                            shard_degree=1)
+    eng.rebuild(ParallelPlan.uniform(tp=1, pp=1, dp=1, num_layers=4, num_microbatches=8), 0, [0])
+    eng.load_checkpoint(str(path), step)
+    return eng
+
+
 @pytest.mark.timeout(420)
 def test_killed_rank_under_hsdp_survivors_repartition_from_memory(tmp_path):
-    """HSDP (each replica a whole copy), no checkpoint: the survivors keep their
-    processes and take every parameter and AdamW moment from the surviving copies."""
-    out = kill_and_repartition(tmp_path, shard=1, restore=False)
+    """HSDP (each replica a whole copy): the survivors keep their processes and take
+    every parameter and AdamW moment from the surviving copies. The checkpoints the
+    HSDP layout wrote (one every iteration) come from one copy of each stage only
+    (replicate index 0: 2 writers, not 4) and hold the complete state: read back into
+    one process, they equal the single-process run, step counts included."""
+    out = kill_and_repartition(tmp_path, shard=1, restore=False, checkpoint=True)
+    from resihp_core.checkpoints import iteration_dir
+
+    dcp_dir = iteration_dir(tmp_path / "ckpt", 1) / "dcp"
+    assert sorted(p.name for p in dcp_dir.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    eng = load_whole(dcp_dir, 2)
+    try:
+        ref2, _ = reference(2)
+        held = eng.local_shards()
+        assert max_rel_err({k: h.tensors() for k, h in held.items()}, ref2) <= TOL
+        assert all(int(h.other["step"]) == 2 for h in held.values())
+    finally:
+        eng.release()
     assert sorted(out["dumps"]) == [0, 2, 3] and all(d["iteration"] == 5 for d in out["dumps"].values())
     # Device 2 (old stage 1) now runs layer 1: it receives it from device 0's copy;
     # devices 0 and 3 already hold whole copies of what they keep.

@@ -11,7 +11,8 @@ Per plan generation the engine builds, over the plan's devices only:
 * its stage as a :class:`~.model.StageModel`, each transformer block and the stage
   itself wrapped by ``fully_shard`` over the ``(dp_replicate, dp_shard)`` sub-mesh:
   FSDP2 when the shard degree equals the replicas, HSDP when it is smaller (each
-  replicate group holds a whole copy, so a dead rank's shard survives elsewhere);
+  replicate group holds a whole copy, so a dead rank's shard survives elsewhere); with
+  shard degree 1 (nothing sharded) the stage alone is wrapped, one FSDP group;
 * a ``PipelineStage`` over the ``pp`` sub-mesh group and a ``_PipelineScheduleRuntime``
   running the action lists lowered from the core's programs (:mod:`.lowering`).
 
@@ -328,6 +329,10 @@ class TorchNativeEngine:
         self._denom = 1.0
         self.rank_of: dict[int, int] = {}
         self.executors_group = None
+        # Who writes checkpoints (:meth:`save_checkpoint`): DCP over ``checkpoint_group``
+        # (None: the executors' group), by the ranks whose ``writes_checkpoint`` is set.
+        self.checkpoint_group = None
+        self.writes_checkpoint = True
         self._ties: list[tuple[object, str]] = []  # (group, this stage's name of the tied parameter)
         self.stretch: Callable[[float], float] = lambda seconds: seconds  # fault injection
         self.delay_comm: Callable[[], None] = lambda: None  # fault injection
@@ -363,7 +368,8 @@ class TorchNativeEngine:
         if self.module is not None:
             self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
-        self.executors_group = None
+        self.executors_group = self.checkpoint_group = None
+        self.writes_checkpoint = True
         self._ties = []
         self._lowered = None
         _unbind_groups(*self._bound)
@@ -406,6 +412,12 @@ class TorchNativeEngine:
             mesh = DeviceMesh(self.placement.device.type, layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
             self.executors_group = None if world == executors else dist.new_group(
                 list(range(executors)), timeout=self.timeout)
+            if len(live) > k:
+                # HSDP: the replicas of replicate index 0 hold every shard of every stage,
+                # so they alone write checkpoints (:meth:`save_checkpoint`).
+                self.checkpoint_group = dist.new_group(
+                    [s * len(live) + slot for s in range(plan.pp) for slot in range(k)], timeout=self.timeout)
+                self.writes_checkpoint = self.place is not None and self.place.replicate_index == 0
             for stages, where in tie_sets(self.model, plan):
                 for slot, r in enumerate(live):
                     ranks = [s * len(live) + slot for s in stages]
@@ -433,7 +445,13 @@ class TorchNativeEngine:
         plan, place = self.plan, self.place
         dp_mesh, pp_mesh = self.mesh["dp_replicate", "dp_shard"], self.mesh["pp"]
         self._bound[0].extend((dp_mesh, pp_mesh))
-        blocks = self.model.blocks(module)
+        # Per-block FSDP groups bound the unsharded memory and overlap each block's
+        # reduction with the backward of the next. Unsharded, every rank holds the whole
+        # stage anyway (shard degree 1: pure replicas, or one replica): one group for
+        # the stage, so one gradient all-reduce per iteration instead of one per block
+        # and one all-gather / reduce-scatter copy, as DDP buckets them
+        # (docs/benchmarks.md, "Where a fault-free iteration goes").
+        blocks = self.model.blocks(module) if place.shard_degree > 1 else []
         with _default_timeout(self.timeout):
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
@@ -853,14 +871,22 @@ class TorchNativeEngine:
                                      self.model.aliases)}
 
     def save_checkpoint(self, path: str) -> None:
-        """Collective over the whole world: every stage writes its shards by name
-        (names are split-independent, so any later layout can read them)."""
+        """Collective over the checkpoint writers: every stage writes its shards by name
+        (names are split-independent, so any later layout can read them). Under HSDP
+        only the first replicate group writes: the other copies hold the same shards
+        bit for bit (their gradients are all-reduced), DCP's planning costs every
+        participant per tensor (a pickled plan of every tensor, gathered and scattered),
+        and its de-duplication would write each tensor once anyway
+        (docs/benchmarks.md, "Where a fault-free iteration goes")."""
         import torch.distributed.checkpoint as dcp
 
         if self.module is None:
             return
         self._ensure_optimizer_state()
-        dcp.save(self._state_dicts(), checkpoint_id=path, process_group=self.executors_group)
+        if not self.writes_checkpoint:
+            return  # an HSDP copy: replicate index 0 holds the same shards and writes them
+        group = self.executors_group if self.checkpoint_group is None else self.checkpoint_group
+        dcp.save(pack_groups(self._state_dicts()), checkpoint_id=path, process_group=group)
 
     def _ensure_optimizer_state(self) -> None:
         """Optimizers create their state lazily; a checkpoint needs every key present:
@@ -901,13 +927,78 @@ class TorchNativeEngine:
         self._wrap(self._build())
         self._ensure_optimizer_state()
         sd = self._state_dicts()
-        dcp.load(sd, checkpoint_id=path, process_group=self.executors_group)
+        if _packed(path, sd):
+            packed = pack_groups(sd)
+            dcp.load(packed, checkpoint_id=path, process_group=self.executors_group)
+            sd = unpack_groups(packed, sd)
+        else:  # written before the hyper-parameters were packed: one entry per value
+            dcp.load(sd, checkpoint_id=path, process_group=self.executors_group)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         aliases = self.model.aliases
         set_model_state_dict(self.module, _local_keys(sd["model"], self.module, aliases, both=True), options=opts)
         set_optimizer_state_dict(self.module, self.optimizer,
                                  _local_keys(sd["optim"], self.module, aliases), options=opts)
         self._make_scheduler()
+
+
+_GROUPS = "param_groups."
+
+
+def _group_entries(sd: dict) -> dict[str, dict[str, object]]:
+    """The flattened optimizer state dict's hyper-parameters by parameter name:
+    ``param_groups.NAME.KEY`` entries (NAME a parameter of the model state dict)."""
+    names = set(sd["model"])
+    out: dict[str, dict[str, object]] = {}
+    for key, v in sd["optim"].items():
+        if not key.startswith(_GROUPS):
+            continue
+        rest = key[len(_GROUPS):]
+        name, _, hyper = rest.rpartition(".")
+        while name and name not in names:  # a hyper-parameter name with a dot in it
+            name, _, head = name.rpartition(".")
+            hyper = f"{head}.{hyper}"
+        if not name:
+            raise ValueError(f"optimizer state dict entry {key!r} names no parameter of the stage")
+        out.setdefault(name, {})[hyper] = v
+    return out
+
+
+def pack_groups(sd: dict) -> dict:
+    """The checkpoint's view of ``sd``: each parameter's optimizer hyper-parameters
+    (``lr``, ``betas``, ... of its group) as one pickled entry ``param_groups.NAME``
+    instead of one entry per value. DCP plans, pickles and writes every entry on its
+    own (torch.save each), and the flattened state dict repeats a group's ~11 values
+    for every parameter: 3 of every 4 entries of the built-in model's checkpoint."""
+    import pickle
+
+    optim = {k: v for k, v in sd["optim"].items() if not k.startswith(_GROUPS)}
+    for name, hypers in _group_entries(sd).items():
+        optim[_GROUPS + name] = pickle.dumps(hypers)
+    return {**sd, "optim": optim}
+
+
+def unpack_groups(packed: dict, like: dict) -> dict:
+    """``like`` (the flattened state dicts) with what :func:`pack_groups`'s view
+    ``packed`` was loaded with: tensors and the packed hyper-parameters put back."""
+    import pickle
+
+    optim = {k: v for k, v in packed["optim"].items() if not k.startswith(_GROUPS)}
+    for name in _group_entries(like):
+        blob = packed["optim"][_GROUPS + name]
+        for hyper, v in pickle.loads(blob).items():
+            optim[f"{_GROUPS}{name}.{hyper}"] = v
+    return {**packed, "optim": optim}
+
+
+def _packed(path: str, sd: dict) -> bool:
+    """Whether the checkpoint at ``path`` holds packed hyper-parameters (:func:`pack_groups`)."""
+    import torch.distributed.checkpoint as dcp
+
+    names = _group_entries(sd)
+    if not names:
+        return True  # nothing to pack either way
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return f"optim.{_GROUPS}{next(iter(names))}" in keys
 
 
 def flatten_state(full: dict[str, Held] | dict, optimizer: torch.optim.Optimizer, scheduler: object | None,
