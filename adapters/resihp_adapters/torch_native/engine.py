@@ -52,7 +52,6 @@ from torch import Tensor, nn
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
 from resihp_core.runtime.session import join_members, rendezvous_store
-from resihp_adapters.torch_native.data import Batches
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
