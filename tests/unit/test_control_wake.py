@@ -11,33 +11,18 @@ import threading
 
 import pytest
 
-from resihp_core.plan import ParallelPlan, Topology
-from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
-from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
-from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
 from resihp_core.protocol import FailureReport, WorkerLeft
 from resihp_core.runtime import session as s
 from resihp_core.runtime.control import ControlLoop, Inbox
 from resihp_core.runtime.store import StoreClient, StoreServer
 from resihp_core.scheduler.planner import Planner
-from resihp_core.scheduler.state import PlannerState
+from test_supervisor import planner_state  # the same planner state over the same plan
 
 pytestmark = pytest.mark.timeout(120)
 
-PLAN = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
 DEVICES = (0, 1, 2, 3)
 SECRET = "s" * 32
 NEVER = 3600.0  # the loop's idle wake-up: beyond the test's timeout
-
-
-def _state() -> PlannerState:
-    topology = Topology.uniform(2, 2)
-    cost = CostModel.uniform(StageCost(alpha_f=2e-5, beta_f=2e-8, alpha_b=4e-5, beta_b=4e-8, ref_layers=2,
-                                       ref_tp=1), 2)
-    pred = IterationPredictor(cost, topology, ModelShape(tokens=64, hidden=32, params_per_layer=10_000),
-                              LinkModel(intra_bandwidth=2e9, inter_bandwidth=1e9))
-    corpus = CorpusSpec(scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64)
-    return PlannerState.create(topology, PLAN, pred, workload_features(iteration_workload(corpus, 0, 2, 2), 2, 2))
 
 
 class FakeJob:
@@ -122,7 +107,7 @@ def test_wait_any_returns_the_first_key_written_locally_and_over_a_connection(se
 def test_commits_wake_the_loop_it_does_not_poll(server) -> None:
     store = server.local()
     job = FakeJob(store)
-    ctl = ControlLoop(job, Planner(), _state(), 5, reports=Inbox(), idle_s=NEVER)
+    ctl = ControlLoop(job, Planner(), planner_state(), 5, reports=Inbox(), idle_s=NEVER)
     t, out = _run(ctl)
     _until(lambda: job.session.generation == 0, t)
     _commit(store, 0, range(5))
@@ -135,7 +120,7 @@ def test_commits_wake_the_loop_it_does_not_poll(server) -> None:
 def test_a_failure_report_and_a_worker_leaving_wake_the_loop(server) -> None:
     store = server.local()
     job = FakeJob(store)
-    ctl = ControlLoop(job, Planner(), _state(), 4, reports=Inbox(), idle_s=NEVER)
+    ctl = ControlLoop(job, Planner(), planner_state(), 4, reports=Inbox(), idle_s=NEVER)
     t, out = _run(ctl)
     _until(lambda: job.session.generation == 0, t)
     _commit(store, 0, range(1))
