@@ -136,9 +136,10 @@ class TorchNative(_Complete):
     def load(self, root: Path, it: int) -> State:
         """The engine's own state-dict layout (model + flattened optimizer), filled by
         ``dcp.load`` from the checkpoint without a process group."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+        from resihp_adapters.torch_native.engine import read_checkpoint
 
         model, opt = self._model()
         named = list(model.named_parameters())
@@ -149,7 +150,7 @@ class TorchNative(_Complete):
               "optim": get_optimizer_state_dict(model, opt, options=opts)}
         path = checkpoints.iteration_dir(root, it) / "dcp"
         try:
-            dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+            sd = read_checkpoint(sd, str(path), alone=True)
         except Exception as e:  # noqa: BLE001 - DCP wraps storage errors in its own exceptions
             raise CheckpointUnreadable(f"{path}: {type(e).__name__}: {e}") from e
         m, o = sd["model"], sd["optim"]

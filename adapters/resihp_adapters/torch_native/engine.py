@@ -916,7 +916,6 @@ class TorchNativeEngine:
     def load_checkpoint(self, path: str, step: int) -> None:
         """Build this plan's stage and read its shards from checkpoint ``path``, written
         after ``step`` optimizer steps under any earlier layout."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
@@ -925,13 +924,7 @@ class TorchNativeEngine:
             return
         self._wrap(self._build())
         self._ensure_optimizer_state()
-        sd = self._state_dicts()
-        if _packed(path, sd):
-            packed = pack_groups(sd)
-            dcp.load(packed, checkpoint_id=path, process_group=self.executors_group)
-            sd = unpack_groups(packed, sd)
-        else:  # written before the hyper-parameters were packed: one entry per value
-            dcp.load(sd, checkpoint_id=path, process_group=self.executors_group)
+        sd = read_checkpoint(self._state_dicts(), path, self.executors_group)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         aliases = self.model.aliases
         set_model_state_dict(self.module, _local_keys(sd["model"], self.module, aliases, both=True), options=opts)
@@ -987,6 +980,22 @@ def unpack_groups(packed: dict, like: dict) -> dict:
         for hyper, v in pickle.loads(blob).items():
             optim[f"{_GROUPS}{name}.{hyper}"] = v
     return {**packed, "optim": optim}
+
+
+def read_checkpoint(sd: dict, path: str, process_group: object | None = None, *, alone: bool = False) -> dict:
+    """``sd`` (the flattened model and optimizer state dicts) filled from the DCP
+    checkpoint at ``path``, in either layout (hyper-parameters packed or one entry per
+    value); over ``process_group``, or with ``alone`` in this process without one (a
+    reader outside the job: a verifier, a test)."""
+    import torch.distributed.checkpoint as dcp
+
+    kw = {"no_dist": True} if alone else {"process_group": process_group}
+    if _packed(path, sd):
+        packed = pack_groups(sd)
+        dcp.load(packed, checkpoint_id=path, **kw)
+        return unpack_groups(packed, sd)
+    dcp.load(sd, checkpoint_id=path, **kw)  # written before the hyper-parameters were packed
+    return sd
 
 
 def _packed(path: str, sd: dict) -> bool:
