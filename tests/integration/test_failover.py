@@ -203,6 +203,8 @@ def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_pa
 
     ckpt = work / "checkpoints"
     assert checkpoints.newest_complete(ckpt)[0] == iterations - 1
+    # Retention across the restart: checkpoint_keep = 2 complete checkpoints, nothing older.
+    assert [c.iteration for c in checkpoints.scan(ckpt)] == [iterations - 1, iterations - 5], checkpoints.scan(ckpt)
     spec = build_job(load_config(cfg), [], work).spec
     torch.set_num_threads(1)
     ref, _ = reference_run(model_config(spec), data_spec(spec), iterations, lr=float(spec.adapter_config["lr"]))
@@ -286,6 +288,8 @@ def test_a_torch_native_resihp_launch_reattaches_too(tmp_path):
     from resihp_core import checkpoints
 
     assert checkpoints.newest_complete(spec.checkpoint_dir)[0] == 19
+    # Retention: checkpoint_keep = 2 complete checkpoints, nothing older.
+    assert [c.iteration for c in checkpoints.scan(spec.checkpoint_dir)] == [19, 15], checkpoints.scan(spec.checkpoint_dir)
     got = _torch_native_checkpoint(spec, 19)
     assert set(got) == set(ref)
     for name, (param, m, v) in ref.items():
