@@ -11,14 +11,15 @@ single-process reference of that adapter's model (``soak_formats.py``). A driver
 at a time, chosen at random:
 
 - ``kill``: SIGKILL one executor's worker (fail-stop, state moved to the survivors);
-- ``stop``: SIGSTOP one worker (a hang: the Detector's heartbeats find it, it is fenced);
+- ``stop``: SIGSTOP one worker (the Detector's heartbeats find it paused, it is fenced;
+  its repair is SIGCONT: the same process is planned back in);
 - ``kill-stage``: SIGKILL every replica of one stage (no copy left: restore from the
   newest complete checkpoint and re-train the iterations after it);
 - ``slow``: throttle one worker to about half speed for a few iterations (SIGSTOP /
   SIGCONT duty cycle: a real slowdown the Detector may or may not act on);
 - ``agent``: the last failure: SIGKILL one node's agent (the node is lost, not repaired).
 
-Killed and stopped devices are repaired afterwards (their workers start again and
+Killed devices are repaired afterwards (their workers start again and
 rejoin); so is any device the job fenced after a false, load-induced report (counted as
 ``false_reports_repaired``), before the next failure. It checks:
 
@@ -364,11 +365,13 @@ class Soak:
             where = traceback.extract_tb(e.__traceback__)[-1]
             self.problems.append(f"driver: {type(e).__name__}: {e} (line {where.lineno}: {where.line})")
 
-    def repair(self, devices: list[int], timeout: float = 240.0):
-        """Offer ``devices`` for repair and wait until a rejoin plan brought every one
-        back and an iteration committed after it; returns that record (None: it did not)."""
+    def repair(self, devices: list[int], timeout: float = 240.0, *, offer: bool = True):
+        """Offer ``devices`` for repair (``offer``; a resumed paused worker offers itself)
+        and wait until a rejoin plan brought every one back and an iteration committed
+        after it; returns that record (None: it did not)."""
         g1 = self.job.generation
-        self.repairs.put(list(devices))
+        if offer:
+            self.repairs.put(list(devices))
         back: dict[int, int] = {}
 
         def rejoined() -> bool:
@@ -417,9 +420,9 @@ class Soak:
                     if pid:
                         os.kill(pid, signal.SIGKILL)
             elif kind == "stop":
-                pid = self.pid(devices[0])
-                if pid:
-                    os.kill(pid, signal.SIGSTOP)
+                stopped = self.pid(devices[0])
+                if stopped:
+                    os.kill(stopped, signal.SIGSTOP)
             elif kind == "agent":
                 node = max(self.agents)
                 devices = sorted(d for d, n in self.node_of.items() if n == node)
@@ -442,10 +445,18 @@ class Soak:
                        fallback=any(e["kind"] == "checkpoint" and e["generation"] >= g0 for e in self.events))
             row["recovered_at"] = rec.iteration
             if kind in ("kill", "kill-stage", "stop"):
-                deadline = time.monotonic() + 60
-                while set(devices) - set(self.job.dead()) and time.monotonic() < deadline:
-                    time.sleep(0.05)  # a stopped worker is fenced (SIGKILL) by the supervisor
-                rec = self.repair(devices)
+                if kind == "stop":
+                    # A stopped worker is fenced, not killed (paused, docs/detector.md): its
+                    # repair is to let it run again; it passes its health check and is
+                    # planned back in by a rejoin, the same process.
+                    if stopped:
+                        os.kill(stopped, signal.SIGCONT)
+                    rec = self.repair(devices, offer=False)
+                else:
+                    deadline = time.monotonic() + 60
+                    while set(devices) - set(self.job.dead()) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    rec = self.repair(devices)
                 if rec is None:
                     self.problems.append(f"failure {k + 1}: the repair of {devices} did not come back")
                     self.rows.append(row)
