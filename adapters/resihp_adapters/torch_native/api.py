@@ -337,23 +337,6 @@ def _close_at_exit(worker: Any) -> None:
         pass
 
 
-def _end_world() -> None:
-    """Destroy the process group this module made, while the interpreter is still whole:
-    a gloo thread left to interpreter shutdown can abort the process ("terminate called
-    without an active exception") after training finished, and torchrun then reports the
-    job failed (docs/torch_native.md, "Exit")."""
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    gc.collect()
-
-
 def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrainer:
     import atexit
     import datetime
@@ -368,6 +351,7 @@ def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrain
     from resihp_adapters.torch_native.launch import settings
     from resihp_adapters.torch_native.plugin import job_section
     from resihp_adapters.torch_native.reference import StockPipeline
+    from resihp_adapters.torchkit.device import CPU, release_world
 
     if not config:
         raise RuntimeError("initialize(): name the ResiHP configuration file (initialize(..., config='resihp.toml') "
@@ -375,7 +359,9 @@ def _stock(config: str | os.PathLike | None, user: UserJob | None) -> StockTrain
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        atexit.register(_end_world)
+        # Destroyed at exit while the interpreter is whole: a gloo thread left to
+        # interpreter shutdown aborted the finished process (docs/torch_native.md, "Exit").
+        atexit.register(release_world, CPU)
     cfg = settings(config, processes=dist.get_world_size())
     tr = cfg.training
     # The job resihp launch would run: the adapter's section and the [data] source.
