@@ -957,27 +957,30 @@ def _group_entries(sd: dict) -> dict[str, dict[str, object]]:
 
 def pack_groups(sd: dict) -> dict:
     """The checkpoint's view of ``sd``: each parameter's optimizer hyper-parameters
-    (``lr``, ``betas``, ... of its group) as one pickled entry ``param_groups.NAME``
-    instead of one entry per value. DCP plans, pickles and writes every entry on its
+    (``lr``, ``betas``, ... of its group) as one entry ``param_groups.NAME`` (bytes of
+    ``torch.save``, read back with ``weights_only``: a checkpoint is never trusted to
+    run code) instead of one entry per value. DCP plans, pickles and writes every entry on its
     own (torch.save each), and the flattened state dict repeats a group's ~11 values
     for every parameter: 3 of every 4 entries of the built-in model's checkpoint."""
-    import pickle
+    import io
 
     optim = {k: v for k, v in sd["optim"].items() if not k.startswith(_GROUPS)}
     for name, hypers in _group_entries(sd).items():
-        optim[_GROUPS + name] = pickle.dumps(hypers)
+        buf = io.BytesIO()
+        torch.save(hypers, buf)
+        optim[_GROUPS + name] = buf.getvalue()
     return {**sd, "optim": optim}
 
 
 def unpack_groups(packed: dict, like: dict) -> dict:
     """``like`` (the flattened state dicts) with what :func:`pack_groups`'s view
     ``packed`` was loaded with: tensors and the packed hyper-parameters put back."""
-    import pickle
+    import io
 
     optim = {k: v for k, v in packed["optim"].items() if not k.startswith(_GROUPS)}
     for name in _group_entries(like):
         blob = packed["optim"][_GROUPS + name]
-        for hyper, v in pickle.loads(blob).items():
+        for hyper, v in torch.load(io.BytesIO(blob), weights_only=True).items():
             optim[f"{_GROUPS}{name}.{hyper}"] = v
     return {**packed, "optim": optim}
 
