@@ -381,8 +381,10 @@ class Adapter(abc.ABC):
 
     def close(self) -> None:
         """Release framework resources at the job's end, process groups included (a gloo
-        group left to interpreter shutdown can abort the finished process); default does
-        nothing."""
+        group left to interpreter shutdown can abort the finished process). Default:
+        :meth:`release`, so an adapter that keeps nothing else still ends its groups;
+        override it to also finish queued work (checkpoint writes) first."""
+        self.release()
 
 
 # The registries live in resihp_core.registries; these names stay importable from here.

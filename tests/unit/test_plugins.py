@@ -539,7 +539,8 @@ def test_adapter_contract_and_create() -> None:
     a.ctx.superseded = lambda: True
     with pytest.raises(GenerationAborted):
         a.run_iteration(Program(replica=0, stage=0, generation=1, ops=(Forward(0, 0, 0),)), 1)
-    a.close()
+    a.close()  # the default close() ends the adapter's groups through release()
+    assert a.calls[-1] == "release"
 
 
 # ------------------------------------------------------------ capabilities
