@@ -60,6 +60,11 @@ that group shrunk to TP1 (state from memory), and the fault-free iteration time 
 resilient TP path against stock torch (parallelize_module + PipelineStage +
 Schedule1F1B) in alternating blocks of the same 4 processes.
 
+With ``--adapter torch_native --model hf_llama --fault-free-only``: the user's HF LLaMA
+script itself (examples/hf_llama/train.py, unchanged) under ``accelerate launch`` (stock
+torch) and under ``resihp launch``, alternated, no checkpoints: fault-free iteration
+time of the resilient path against the stock one (``hf_fault_free``).
+
 Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--model llama|hf_llama]
        [--tp 1|2]
        [--controller-restart] [--fault-free-only] [--fault-free-phases] [--fault-free-rounds N]
@@ -74,10 +79,13 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -463,6 +471,104 @@ def torch_native_fault_free(rounds: int, iterations: int, timeout: float = 300.0
                     "per_round_ratio": out["resihp_per_round_ratio"],
                     "per_round_ratio_sync": out["resihp_sync_per_round_ratio"]})
     return out
+
+
+_HF_STOCK_LINE = re.compile(r"rank=\d+ pid=\d+ iteration=(\d+) loss=")
+_HF_COMMITTED_LINE = re.compile(r"^iteration\s+(\d+)\s+loss ")
+
+
+def _stamped_lines(cmd: list[str], cwd: str, timeout: float) -> tuple[int, list[tuple[float, str]]]:
+    """Run ``cmd`` in its own process group and stamp each output line as it arrives;
+    on timeout kill that group (only what this started)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RESIHP_CONFIG", None)
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
+    timer.start()
+    lines = []
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            lines.append((time.perf_counter(), line.rstrip("\n")))
+        rc = p.wait()
+    finally:
+        timer.cancel()
+    return rc, lines
+
+
+def hf_fault_free(rounds: int, iterations: int, timeout: float = 300.0) -> dict:
+    """Fault-free iteration time of the user's HF LLaMA script (examples/hf_llama/train.py:
+    AdamW, warm-up + cosine, clipping at 1.0, its own dataset; PP2 x DP2 HSDP as its
+    resihp.toml says) run unchanged under ``accelerate launch`` (the stock path: torch's
+    ``PipelineStage`` + ``Schedule1F1B`` + ``fully_shard``) and under ``resihp launch``
+    (the resilient path), alternated every round, no checkpoints on either. Per run:
+    seconds per iteration from the arrival of iteration ``warm-up`` to the last one, as
+    printed (stock: the last stage's ranks; ResiHP: the controller's committed line)."""
+    import shutil
+
+    here = Path(__file__).resolve().parents[1] / "examples" / "hf_llama"
+    bindir = Path(sys.executable).parent
+    root = Path(tempfile.mkdtemp(prefix="resihp-bench-hf-ff-"))
+    work = root / "script"
+    work.mkdir()
+    for f in ("accelerate.yaml", "train.py", "hf_model.py", "README.md"):
+        shutil.copy(here / f, work / f)
+    text = (here / "resihp.toml").read_text()
+    text = re.sub(r"iterations = \d+", f"iterations = {iterations}", text)
+    text = re.sub(r"checkpoint_every = \d+", "checkpoint_every = 0", text)
+    (work / "resihp.toml").write_text(text)
+    cmds = {"stock": [str(bindir / "accelerate"), "launch", "--config_file", "accelerate.yaml", "train.py",
+                      "--iterations", str(iterations)],
+            "resihp": [str(bindir / "resihp"), "launch", "--config_file", "accelerate.yaml", "--timeout",
+                       str(int(timeout)), "train.py", "--iterations", str(iterations)]}
+    warmup = 3
+    runs: dict[str, list[float]] = {k: [] for k in cmds}
+    loads: list[float] = []
+    failures: list[tuple[int, str, str]] = []
+    for r in range(rounds):
+        order = list(cmds) if r % 2 == 0 else list(cmds)[::-1]
+        for system in order:
+            cmd = list(cmds[system])
+            if system == "resihp":  # the launcher's options go before the script
+                i = cmd.index("train.py")
+                cmd[i:i] = ["--workdir", str(root / f"work-{r}")]
+            rc, lines = _stamped_lines(cmd, str(work), timeout)
+            loads.append(os.getloadavg()[0])
+            pattern = _HF_STOCK_LINE if system == "stock" else _HF_COMMITTED_LINE
+            first: dict[int, float] = {}
+            for t, line in lines:
+                m = pattern.search(line)
+                if m:
+                    first.setdefault(int(m.group(1)), t)
+            its = sorted(i for i in first if i >= warmup)
+            if rc != 0 or len(its) < 2:
+                failures.append((r, system, f"rc {rc}: " + " | ".join(x for _, x in lines[-3:])))
+                runs[system].append(math.nan)
+                print(f"  round {r + 1}: {system} failed (rc {rc})", flush=True)
+                continue
+            runs[system].append((first[its[-1]] - first[its[0]]) / (its[-1] - its[0]))
+            print(f"  round {r + 1}: {system} {runs[system][-1]:.4f} s/it; load {loads[-1]:.1f}", flush=True)
+    ratios = [a / b for a, b in zip(runs["resihp"], runs["stock"]) if not (math.isnan(a) or math.isnan(b))]
+    med = {k: statistics.median([x for x in v if not math.isnan(x)] or [math.nan]) for k, v in runs.items()}
+    return {"job": "hf_llama pp2dp2", "rounds": rounds, "iterations": iterations, "warmup": warmup,
+            "runs_s": runs, "per_round_ratio": ratios, "loadavg_1m": loads, "failures": failures,
+            "stock_iteration_s": med["stock"], "resihp_iteration_s": med["resihp"],
+            "resihp_vs_stock": statistics.median(ratios) - 1.0 if ratios else math.nan}
+
+
+def print_hf_fault_free(ff: dict) -> None:
+    loads = ff["loadavg_1m"]
+    print(f"torch_native fault-free, the user's HF LLaMA script (examples/hf_llama, PP2 x DP2, 4 CPU workers), "
+          f"{ff['rounds']} rounds alternated, {ff['iterations']} iterations each, no checkpoints; load (1 min) "
+          f"{min(loads):.1f}-{max(loads):.1f}; seconds per iteration after a warm-up of {ff['warmup']}")
+    for k in ("stock", "resihp"):
+        print(f"  {k:8s} {ff[k + '_iteration_s']:8.4f}   " + " ".join(f"{x:.4f}" for x in ff["runs_s"][k]))
+    print(f"  resihp vs stock: wall {100 * ff['resihp_vs_stock']:+.1f} % (per round "
+          + " ".join(f"{100 * (x - 1):+.1f}" for x in ff["per_round_ratio"]) + ")")
+    print(f"  target within 3 %: {'met' if ff['resihp_vs_stock'] <= 0.03 else 'NOT met'}")
+    for r, system, err in ff["failures"]:
+        print(f"  round {r + 1}: {system} FAILED ({err[:160]}); that round's ratio left out")
 
 
 # Started in every worker (ResiHP's: RESIHP_JOB and RESIHP_DEVICE set; torchrun's: RANK)
@@ -1224,7 +1330,9 @@ def _main_torch_native(args) -> int:
     ff = None
     try:
         res = {} if args.fault_free_only else torch_native_kill(1 if args.quick else 3, hf=args.model == "hf_llama")
-        if args.model == "llama":
+        if args.model == "hf_llama" and args.fault_free_only:
+            ff = hf_fault_free(args.fault_free_rounds or (3 if args.quick else 5), 20 if args.quick else 40)
+        elif args.model == "llama":
             ff = torch_native_fault_free(args.fault_free_rounds or (3 if args.quick else 5), 20 if args.quick else 30,
                                          job_name=args.fault_free_job, checkpoint_every=args.checkpoint_every,
                                          baseline_tree=args.baseline_tree)
@@ -1233,10 +1341,7 @@ def _main_torch_native(args) -> int:
         return 1
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
     if ff is not None:
-        print_fault_free(ff)
-    elif args.model != "llama":
-        print("fault-free resilient-vs-stock comparison: run with --model llama (the stock script of "
-              "peers.py builds the adapter's LLaMA)")
+        (print_hf_fault_free if args.model == "hf_llama" else print_fault_free)(ff)
     if args.json and not res:
         with open(args.json, "w") as f:
             json.dump({"fault_free": ff, "config": {"quick": args.quick, "adapter": "torch_native",
