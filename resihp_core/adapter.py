@@ -308,6 +308,14 @@ class Adapter(abc.ABC):
     def start_fresh(self, plan: ParallelPlan) -> None:
         """The job's first generation: this device's part of the initial weights."""
 
+    def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> None:
+        """Raise :class:`StateLost` when :meth:`move_state` could not build ``new_plan``
+        from copies on ``devices``. Called before :meth:`rebuild_communicators`, so every
+        device (each computes the same answer from the two plans) leaves the generation
+        before any rendezvous; found later, inside ``move_state``, some peers may already
+        be connecting to ones that left, and wait out the backend's connect timeout.
+        Default: nothing (``move_state`` finds out)."""
+
     @abc.abstractmethod
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         """Move or re-shard parameters and optimizer state from ``old_plan``'s layout to

@@ -317,12 +317,15 @@ class Worker:
         if self.client is not None:
             self.client.set_generation(g, dev)  # the Detector keys workers by device id
         moved, failed, lost, t2 = 0, None, False, t1
+        moving = msg.restore is None and self.plan is not None and not msg.fresh
         try:
+            if moving:  # state lost: every device leaves before the rendezvous, together
+                a.check_move(self.plan, plan, list(msg.devices))
             a.rebuild_communicators(plan, g, list(msg.devices))
             t2 = time.perf_counter()
             if msg.restore is not None:
                 a.load_checkpoint(msg.restore, plan)
-            elif self.plan is None or msg.fresh:
+            elif not moving:
                 a.start_fresh(plan)
             else:
                 moved = a.move_state(self.plan, plan, list(msg.devices))

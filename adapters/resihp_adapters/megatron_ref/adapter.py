@@ -212,6 +212,9 @@ class MegatronRefAdapter(Adapter):
                 d = shard_dim(name)
                 p.copy_(full if d is None else full.chunk(self.module.tp.size, d)[self.module.tp.rank])
 
+    def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> None:
+        state.transfer_plan(old_plan, new_plan, devices)  # raises NoSurvivingCopy
+
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         """Re-shard/move every component to ``new_plan``'s layout; returns bytes received.
         If a transfer fails (a peer died meanwhile) the previous layout and state are

@@ -155,6 +155,9 @@ class TorchNativeAdapter(Adapter):
     def start_fresh(self, plan: ParallelPlan) -> None:
         self.engine.start_fresh()
 
+    def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> None:
+        self.engine.check_move(old_plan, new_plan, set(devices))
+
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         return self.engine.move_state(old_plan, new_plan, set(devices), self.engine.iteration)
 

@@ -708,6 +708,14 @@ class TorchNativeEngine:
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = None
         self.iteration = step
 
+    def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int]) -> None:
+        """Raise :class:`~resihp_core.adapter.StateLost` before any rendezvous when
+        :meth:`move_state` would (the same plan arithmetic; ``alive``: the new world)."""
+        from resihp_adapters.torch_native.reshard import transfer_plan
+
+        if self.iteration != 0:  # nothing trained yet: the initial weights are the state
+            transfer_plan(self, old_plan, new_plan, set(alive) & set(new_plan.devices()), self.wanted_shard)
+
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int],
                    step: int) -> int:
         """Build this plan's stage from the survivors' shards of ``old_plan`` (after
