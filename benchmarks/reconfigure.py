@@ -231,10 +231,13 @@ def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelP
         for rep in range(reps):
             ckpt = tempfile.mkdtemp(prefix="resihp-bench-ckpt-")
             # Heartbeats may lag on a loaded machine: only the kill (a process exit, seen at
-            # once by its agent) is a failure here.
+            # once by its agent) is a failure here. The fail-slow Detector stays in its
+            # warm-up for the whole job: at load 50 it took contention for a slow device and
+            # the measurement stopped on a failure it did not cause.
             asm = assemble_spec(job_spec(ckpt), base, iterations=point + 3,
                                 workdir=Path(tempfile.mkdtemp(prefix="resihp-rst-")),
-                                detector={"heartbeat_miss_limit": 600, "hang_min_timeout_s": 120.0})
+                                detector={"heartbeat_miss_limit": 600, "hang_min_timeout_s": 120.0,
+                                          "warmup_iterations": 1_000_000})
             t: dict[str, float] = {}
             jobs: list[LocalJob] = []
             restores: list[dict] = []
