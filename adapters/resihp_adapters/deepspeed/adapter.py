@@ -242,6 +242,16 @@ class DeepSpeedAdapter(Adapter):
         self._held = {}
         self._current = True
 
+    def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> None:
+        """The unit plan of :meth:`move_state` from the plans and the model's specs alone
+        (the engine is gone after a failure): raises ``LayersLost`` before the rendezvous.
+        A ZeRO 1 fragment lost with its only holder is still found inside the move."""
+        from resihp_adapters.deepspeed.state import tied_of_specs, transfer_plan
+
+        old, new = self.runnable(old_plan), self.runnable(new_plan)
+        have = set(devices) & set(old.devices()) & set(new.devices())
+        transfer_plan(old, new, have, tied_of_specs(self.spec.layers), sharded=self.zero_stage >= 1)
+
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         import torch
         import torch.distributed as tdist

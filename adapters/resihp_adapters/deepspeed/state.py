@@ -160,11 +160,16 @@ def unit_name(key: Unit) -> str:
 def tied_layers(engine_or_module: Any) -> dict[str, set[int]]:
     """Tie key -> global indices of the layers that use it (the whole model's, from the
     module's layer specs, so the same on every rank)."""
+    module = getattr(engine_or_module, "module", engine_or_module)
+    return tied_of_specs(getattr(module, "_layer_specs", []))
+
+
+def tied_of_specs(specs: Iterable[Any]) -> dict[str, set[int]]:
+    """:func:`tied_layers` from the model's layer specs alone (no engine needed)."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
 
-    module = getattr(engine_or_module, "module", engine_or_module)
     out: dict[str, set[int]] = {}
-    for idx, spec in enumerate(getattr(module, "_layer_specs", [])):
+    for idx, spec in enumerate(specs):
         if isinstance(spec, TiedLayerSpec):
             out.setdefault(spec.key, set()).add(idx)
     return out
