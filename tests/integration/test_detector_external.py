@@ -39,11 +39,12 @@ import time
 import pytest
 
 from resihp_core.faults import fail_at
+from resihp_core.job import JobSpec
 from resihp_core.plan import parse_plan
 from resihp_core.testing.hogs import CpuHogs
 from resihp_core.testing.outside_load import OutsideLoad
 
-from .backend_harness import job_spec, tmpdir, uniform
+from .backend_harness import HEADS, LAYERS, job_spec, tmpdir, uniform
 from .test_chaos import SLOW_DETECTOR, _work, run_checked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -293,6 +294,12 @@ def test_a_1_5x_slowdown_of_one_device_of_a_small_model_is_reported_within_3_ite
 
 # ------------------------------------------------------------------ paused workers
 PAUSE_S = 15.0
+# A model whose iteration (~0.15-0.2 s on a quiet 2-core machine) is long next to the
+# resumed worker's health check (FailStopMonitor.resume_check_s, 0.3 s here) and the
+# re-plan: with the harness's tiny model (~0.03-0.07 s) those alone take 6-10
+# iterations, so "planned back in within 3 iterations" would measure the model size.
+PAUSE_MODEL = dict(vocab_size=64, hidden=96, num_heads=HEADS, ffn_hidden=384, num_layers=LAYERS, dtype="float64")
+PAUSE_DATA = dict(source="synthetic", scale=24.0, shape=0.8, min_len=2, max_len=128, token_budget=128)
 
 
 def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when_it_resumes():
@@ -312,6 +319,7 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
     iterations = 60
     stopped: list[int] = []
     detections = []
+    seconds: dict[int, float] = {}
 
     loads: list[float] = []
     outside = OutsideLoad()
@@ -319,6 +327,7 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
     def on_iteration(rec) -> None:
         loads.append(os.getloadavg()[0])
         outside.sample()
+        seconds.setdefault(rec.iteration, rec.seconds)
         if rec.iteration + 1 == 4 and not stopped:
             pids["before"] = _worker_pids(job.path)[1]
             os.kill(pids["before"], signal.SIGSTOP)
@@ -327,17 +336,24 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
         elif stopped and "resumed" not in at and (time.monotonic() - at["stop_time"] >= PAUSE_S
                                                   or rec.iteration >= iterations - 20):
             os.kill(stopped[0], signal.SIGCONT)
+            at["cont_time"] = time.monotonic()
             # Iterations committed when it resumed (the job may be ahead of ``rec``).
             at["resumed"] = max(rec.iteration + 1, job.job.committed)
             at["paused_s"] = time.monotonic() - at["stop_time"]
         if rec.iteration == iterations - 1:
             pids["after"] = _worker_pids(job.path).get(1, -1)
 
-    spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir(), checkpoint_dir=tmpdir(),
-                    checkpoint_every=1)
+    def on_event(e: dict) -> None:
+        events.append(e)
+        if e["kind"] == "plan" and "rejoin of devices [1]" in e["text"] and "cont_time" in at:
+            at.setdefault("rejoin_after_s", time.monotonic() - at["cont_time"])
+
+    spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
+                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir(), checkpoint_dir=tmpdir(),
+                   checkpoint_every=1)
     try:
         run = run_checked(spec, plan, DETECTOR, iterations, before_run=job.before_run, on_iteration=on_iteration,
-                          on_event=events.append, on_detection=detections.append)
+                          on_event=on_event, on_detection=detections.append)
     finally:
         for pid in stopped:
             try:
@@ -346,6 +362,7 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
                 pass
     print("events:", [(e["iteration"], e["kind"], e["text"][:100]) for e in events], at)
     print("detections:", _explain(detections), _machine(loads, outside))
+    print("iteration seconds:", {i: round(s, 3) for i, s in sorted(seconds.items())})
     assert "resumed" in at and at["paused_s"] >= 5.0, at  # longer than any hang timeout of old
     failures = [e for e in run.events if e["kind"] == "failure"]
     assert [(e["failure"], e["devices"]) for e in failures if e["failure"] == "fail-stop"] == [("fail-stop", [1])], \
