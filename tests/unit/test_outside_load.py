@@ -63,3 +63,16 @@ def test_no_samples_is_not_quiet():
     assert not load.quiet()
     load.sample()
     assert load.cores_used() == 0.0 and not load.quiet()
+
+
+def test_cores_used_and_peak_read_busy_time_minus_own_over_wall_time():
+    from resihp_core.testing.outside_load import _Sample
+
+    load = OutsideLoad(cores=[0, 1])
+    # 4 s: the cores were busy 6 CPU s, 4 of them the test's own; the outside 2 s all in
+    # the last 2 s (a burst).
+    load.samples = [_Sample(0.0, 100.0, 10.0), _Sample(2.0, 102.0, 12.0), _Sample(4.0, 106.0, 14.0)]
+    assert load.cpu_seconds() == 2.0
+    assert load.cores_used() == 0.5
+    assert load.peak(2.0) == 1.0
+    assert load.quiet(0.25) and not load.quiet(0.2)
