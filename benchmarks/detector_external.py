@@ -10,7 +10,9 @@ are more replicas than cores). Cases:
 
 * **pinned CPU hog** — three busy processes pinned to worker 0's core from the onset
   (started and held before the job, released at the onset: :class:`~resihp_core.testing.hogs.CpuHogs`);
-* **duty-cycled SIGSTOP** — worker 1 stopped 0.1 s of every 0.2 s from the onset;
+* **duty-cycled SIGSTOP** — worker 1 stopped half of every cycle from the onset, the
+  cycle a quarter of its healthy compute (20 ms at least), so every iteration is stopped
+  about half of its time;
 * **whole-machine load** — three busy processes pinned to *every* worker's core, released
   on every core at once: every replica slowed alike, which must not be reported;
 * **small / large model** — the injector's way (``--slow-compute 1.5``): 1.5x slower
@@ -48,6 +50,7 @@ for p in (ROOT, ROOT / "adapters"):
 
 from resihp_core.config import DetectorConfig  # noqa: E402
 from resihp_core.testing.hogs import CpuHogs  # noqa: E402
+from resihp_core.testing.outside_load import OutsideLoad  # noqa: E402
 from resihp_core.testing.synthetic import SyntheticCluster  # noqa: E402
 
 ONSET = 12  # warm-up (1 skipped + 3 fitted) and healthy per-device history before it
@@ -89,13 +92,13 @@ def _pin(pid: int, core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
-def _duty(pid: int, stop: threading.Event) -> None:
+def _duty(pid: int, stop: threading.Event, period: float) -> None:
     try:
         while not stop.is_set():
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.1)
+            time.sleep(period / 2)
             os.kill(pid, signal.SIGCONT)
-            time.sleep(0.1)
+            time.sleep(period / 2)
     except ProcessLookupError:
         pass
     finally:
@@ -123,6 +126,7 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
     threads: list[threading.Thread] = []
     onset = ONSET
     loads = []
+    outside = OutsideLoad()  # CPU other processes (not this benchmark's tree) took
     with hogs if hog_cores else contextlib.nullcontext(), SyntheticCluster(CONFIG, workers) as c:
         for d, p in c.workers.items():
             _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
@@ -133,6 +137,7 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
         while time.monotonic() < deadline:
             done = max((d.iteration for d in list(ctl.detections)), default=-1)  # type: ignore[attr-defined]
             loads.append(os.getloadavg()[0])
+            outside.sample()
             if case.external and not started and done >= ONSET - 2:
                 onset, started = done + 2, True
                 for d, p in c.workers.items():  # threads started since (the beat thread) too
@@ -140,7 +145,9 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
                 if hog_cores:
                     hogs.release()
                 elif case.external == "duty":
-                    t = threading.Thread(target=_duty, args=(c.workers[case.target].pid, stop), daemon=True)  # type: ignore[index,attr-defined]
+                    period = min(0.2, max(0.02, case.compute_s / 4))
+                    t = threading.Thread(target=_duty, args=(c.workers[case.target].pid, stop, period),  # type: ignore[index,attr-defined]
+                                         daemon=True)
                     t.start()
                     threads.append(t)
             if done >= onset + AFTER:
@@ -165,6 +172,7 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
         "false_reports": len(false),
         "reports": [(d.iteration, list(d.report.devices), d.report.cause) for d in reports],
         "load": [min(loads, default=0.0), max(loads, default=0.0)],
+        "outside_cores": round(outside.cores_used(), 3),
     }
 
 
@@ -184,20 +192,27 @@ def run(quick: bool, runs: int | None = None) -> dict[str, Any]:
             "latency_mean": statistics.fmean(lats) if lats else None,
             "causes": sorted({r["cause"] for r in rs if r["cause"]}),
             "load": [min(r["load"][0] for r in rs), max(r["load"][1] for r in rs)],
+            "outside_cores": max(r["outside_cores"] for r in rs),
             "details": rs,
         }
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
+def _span(load: list[float]) -> str:
+    return f"{load[0]:.1f}-{load[1]:.1f}"
+
+
 def table(r: dict[str, Any]) -> str:
     lines = [f"externally made slowdowns (real busy workers pinned to cores, {r['runs']} run(s) per case, "
              f"onset at iteration {ONSET}, watched {AFTER} after):",
-             f"  {'case':<36} {'expect':<8} {'misses':>6} {'false reports':>13} {'latency max':>11}  cause         load avg"]
+             f"  {'case':<36} {'expect':<8} {'misses':>6} {'false reports':>13} {'latency max':>11}  cause         load avg   outside"]
     for name, v in r["cases"].items():
         lat = "-" if v["latency_max"] is None else f"{v['latency_max']} it"
         lines.append(f"  {name:<36} {v['expect']:<8} {v['misses']:>6} {v['false_reports']:>13} {lat:>11}  "
-                     f"{','.join(v['causes']) or '-':<13} {v['load'][0]:.1f}-{v['load'][1]:.1f}")
+                     f"{','.join(v['causes']) or '-':<13} {_span(v['load']):<10} {v.get('outside_cores', 0.0):.2f}")
+    lines.append("  (outside: cores' time other processes than this benchmark's took, worst run; "
+                 f"{len(_cores())} cores)")
     return "\n".join(lines)
 
 

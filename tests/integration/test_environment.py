@@ -22,6 +22,7 @@ import pytest
 
 from resihp_core.faults import fail_at
 from resihp_core.job import JobSpec
+from resihp_core.testing.outside_load import OutsideLoad
 
 from .backend_harness import HEADS, LAYERS, tmpdir, uniform
 from .test_chaos import SLOW_DETECTOR, _chaos, run_checked
@@ -91,27 +92,32 @@ def test_a_2x_compute_slowdown_of_one_device_is_found_within_3_iterations():
     device = plan.group(0, 1)[0]
     detections = []
     loads = []
+    outside = OutsideLoad()
+
+    def on_iteration(rec) -> None:
+        loads.append(os.getloadavg()[0])
+        outside.sample()
+
     run = _wide_run(plan, [fail_at(device, ONSET, "slow", factor=2.0)], ONSET + 8, on_detection=detections.append,
-                    on_iteration=lambda rec: loads.append(os.getloadavg()[0]))
+                    on_iteration=on_iteration)
     seen = [(d.iteration, d.action, d.ratio and round(d.ratio, 2), d.verdict and d.verdict.evidence[:160])
             for d in detections if d.action not in ("none", "warmup")]
     reports = [(e["failure"], tuple(e["devices"]), e["cause"]) for e in run.events if e["kind"] == "failure"]
-    print("reports:", reports, "detections:", seen, f"load average {min(loads):.1f}-{max(loads):.1f}")
+    print("reports:", reports, "detections:", seen, f"load average {min(loads):.1f}-{max(loads):.1f},",
+          outside.describe())
     # No other device is ever blamed. Latency and throughput are held to their targets
-    # on a machine the job does not share with much more than itself (a load average up
-    # to twice the cores; the job is about one per core). Beyond that (10-30 on 2 cores
-    # here) the others' load swings as much as the slowdown, and a device slowing while
-    # its worker also waits long for a CPU is put down to the environment until the
-    # contention eases: such a run may end before the report.
+    # on a machine the job does not share with much else: processes outside this test
+    # took at most a quarter of its cores' time (the load average counts the job's own
+    # workers too; tests/integration/test_detector_external.py). On a shared machine
+    # (10-30 runnable tasks on 2 cores here) the others' load swings as much as the
+    # slowdown, and a device slowing while its worker also waits long for a CPU is put
+    # down to the environment until the contention eases: such a run may end before
+    # the report.
     assert set(reports) <= {("fail-slow", (device,), "compute")}, (reports, seen)
-    if max(loads) > 2 * _cores():
+    if not outside.quiet(0.25):
         return
     assert len(reports) == 1, seen
     found = next(d for d in detections if d.report is not None)
     latency = found.iteration - ONSET + 1  # in iterations, the onset included
     assert latency <= 3, seen
     assert 0.35 <= found.report.throughput[device] <= 0.65, found.report
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0))
