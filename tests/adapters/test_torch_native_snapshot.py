@@ -98,3 +98,40 @@ def test_two_snapshots_roll_back_past_a_stepped_iteration_exactly():
             eng.rollback_to(1)
     finally:
         eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_copy_plan_is_reused_and_follows_replaced_state():
+    """The snapshot's copy plan is made once per buffers and reused; an optimizer-state
+    tensor replaced by another object (not updated in place) is noticed: the snapshot
+    then holds the new tensor's values and a rollback puts them back exactly."""
+    from torch.distributed.tensor import DTensor
+
+    eng, prog = _engine()
+    slow = []
+    plan_anew = eng._copy_into_slow
+    eng._copy_into_slow = lambda held: slow.append(id(held)) or plan_anew(held)
+    try:
+        eng.keep_snapshots(2)
+        for i in range(5):  # buffers taken before the first step hold no optimizer state: replaced
+            eng.snapshot()
+            eng.run(prog, i)
+        planned = len(slow)
+        for i in range(5, 8):
+            eng.snapshot()
+            eng.run(prog, i)
+        assert len(slow) == planned, "the rotating buffers' copy plans were made again"
+        p = next(iter(eng.module.parameters()))
+        old = eng.optimizer.state[p]["exp_avg"]
+        assert isinstance(old, DTensor)
+        eng.optimizer.state[p]["exp_avg"] = DTensor.from_local(
+            old.to_local().clone() + 1.0, old.device_mesh, old.placements, run_check=False,
+            shape=old.shape, stride=old.stride())
+        eng.snapshot()
+        assert len(slow) == planned + 1  # the plan no longer matched: made again
+        want = _state(eng)
+        eng.run(prog, 8)
+        eng.rollback_to(8)
+        _equal(_state(eng), want)
+    finally:
+        eng.release()

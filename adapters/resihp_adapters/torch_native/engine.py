@@ -345,6 +345,8 @@ class TorchNativeEngine:
         self._depth = 1
         self._spare: dict[str, Held] | None = None  # a dropped snapshot's buffers, for the next one
         self._snap_module: nn.Module | None = None  # the stage the snapshots' buffers were made for
+        # id(buffers) -> (buffers, sources, destinations, module, optimizer, guard): :meth:`_copy_into`
+        self._copy_plans: dict[int, tuple] = {}
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
         #: the user's loop mode (:mod:`.loop`): the stage is the user's whole model, no
         #: PipelineStage; pp = 1 only
@@ -367,6 +369,7 @@ class TorchNativeEngine:
         if self.module is not None:
             self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
+        self._copy_plans = {}  # they hold the stage's tensors: nothing may pin the old groups
         self.executors_group = self.checkpoint_group = None
         self.writes_checkpoint = True
         self._ties = []
@@ -462,6 +465,7 @@ class TorchNativeEngine:
             if group is not None:
                 self._bound[1].extend(i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None)
         self.module = module
+        self._copy_plans = {}
         self.optimizer = self.recipe.optimizer(list(module.parameters()))
         # the factory's hyper-parameters: every scheduler built later starts from them
         self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -645,9 +649,43 @@ class TorchNativeEngine:
 
     def _copy_into(self, held: dict[str, Held]) -> bool:
         """Copy this rank's shards into ``held`` (a snapshot of the same stage); False,
-        copying nothing, if any tensor's place, shape or dtype differs."""
+        copying nothing, if any tensor's place, shape or dtype differs.
+
+        The source and destination lists are planned once per (stage, snapshot buffers)
+        and reused while every object they were taken from is still the same one
+        (:meth:`_copy_plan_valid`): walking the module, naming and checking each
+        tensor cost more than the copy itself on small stages (docs/benchmarks.md,
+        "Session 11")."""
+        plan = self._copy_plans.get(id(held))
+        if plan is not None and plan[0] is held and self._copy_plan_valid(plan):
+            with torch.no_grad():
+                torch._foreach_copy_(plan[2], plan[1])
+            return True
+        return self._copy_into_slow(held)
+
+    def _copy_plan_valid(self, plan: tuple) -> bool:
+        """True while the module, optimizer, every parameter's local tensor, every
+        optimizer-state entry and every snapshot buffer are the objects the plan was made of."""
+        _, _, _, module, optimizer, guard = plan
+        if module is not self.module or optimizer is not self.optimizer:
+            return False
+        for obj, attrs, mappings in guard:
+            for name, expected in attrs:
+                if getattr(obj, name, None) is not expected:
+                    return False
+            for m, items in mappings:
+                if len(m) != len(items):
+                    return False
+                for k, v in items:
+                    if m.get(k) is not v:
+                        return False
+        return True
+
+    def _copy_into_slow(self, held: dict[str, Held]) -> bool:
+        """:meth:`_copy_into` planned from scratch (and the plan kept for the next call)."""
         from torch.distributed.tensor import DTensor
 
+        guard: list[tuple] = []
         srcs: list[Tensor] = []
         dsts: list[Tensor] = []
         seen: set[str] = set()
@@ -662,9 +700,13 @@ class TorchNativeEngine:
                 if h is None or len(st) != len(h.sharded) + len(h.other) or not isinstance(p, DTensor):
                     return False  # a new layout, or a plain (replicated) parameter: clone instead
                 pairs = [(p.to_local(), h.param)]
+                guard.append((p, (("_local_tensor", p._local_tensor),), ()))
+                guard.append((h, (("param", h.param),), ((st, tuple(st.items())), (h.sharded, tuple(h.sharded.items())),
+                                                        (h.other, tuple(h.other.items())))))
                 for k, v in st.items():
                     if isinstance(v, DTensor) and k in h.sharded:
                         pairs.append((v.to_local(), h.sharded[k]))
+                        guard.append((v, (("_local_tensor", v._local_tensor),), ()))
                     elif isinstance(v, Tensor) and not isinstance(v, DTensor) and isinstance(h.other.get(k), Tensor):
                         pairs.append((v, h.other[k]))
                     else:
@@ -677,6 +719,14 @@ class TorchNativeEngine:
             if len(seen) != len(held):
                 return False
             torch._foreach_copy_(dsts, srcs)
+        state = self.optimizer.state
+        params = [q for _, q in self.module.named_parameters()]
+        guard.append((None, (), ((held, tuple(held.items())),
+                                 (state, tuple((q, state[q]) for q in params if q in state)))))
+        # Plans of this stage only, and of the (at most three) buffers it rotates through.
+        plans = {k: v for k, v in self._copy_plans.items() if v[3] is self.module and k != id(held)}
+        self._copy_plans = dict(list(plans.items())[-2:])
+        self._copy_plans[id(held)] = (held, srcs, dsts, self.module, self.optimizer, guard)
         return True
 
     def rollback(self) -> None:
@@ -706,6 +756,7 @@ class TorchNativeEngine:
         # to reuse. Keep the snapshot for the next generation, which rebuilds the stage.
         self._kept = (self.plan if self.module is not None else self._kept[0], shards)
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = None
+        self._copy_plans = {}
         self.iteration = step
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int],
