@@ -135,3 +135,35 @@ def test_snapshot_copy_plan_is_reused_and_follows_replaced_state():
         _equal(_state(eng), want)
     finally:
         eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_recursive_fsdp_flags_reach_every_group_without_walking_the_stage():
+    """The stage's recursive FSDP flag setters (torch's PipelineStage calls them around
+    every backward chunk) set every FSDP group of the stage from the list made when it
+    was wrapped, not by listing its submodules; training still steps."""
+    eng, prog = _engine()
+    try:
+        m = eng.module
+
+        def walked():
+            raise AssertionError("walked the stage's submodules")
+
+        object.__setattr__(m, "modules", walked)
+        try:
+            m.set_requires_gradient_sync(False)
+            m.set_reshard_after_backward(False)
+        finally:
+            object.__delattr__(m, "modules")
+        groups = [g for sub in m.modules() if hasattr(sub, "_get_fsdp_state")
+                  for g in sub._get_fsdp_state()._fsdp_param_groups]
+        assert groups and all(not g.reduce_grads and not g.all_reduce_grads and not g.reshard_after_backward
+                              for g in groups)
+        m.set_requires_gradient_sync(True)
+        m.set_reshard_after_backward(True)
+        assert all(g.reduce_grads and g.reshard_after_backward for g in groups)
+        before = _state(eng)
+        eng.run(prog, 0)
+        assert any(not torch.equal(a[0], b[0]) for a, b in zip(before.values(), _state(eng).values()))
+    finally:
+        eng.release()

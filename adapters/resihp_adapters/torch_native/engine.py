@@ -458,6 +458,7 @@ class TorchNativeEngine:
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+        _flags_on_known_groups(module, [*blocks, module])
         for block in (*blocks, module):
             block.set_gradient_divide_factor(1.0)  # sums: the loss carries the global scale
             block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
@@ -985,6 +986,28 @@ class TorchNativeEngine:
 
 
 _GROUPS = "param_groups."
+
+
+def _flags_on_known_groups(root: nn.Module, members: list[nn.Module]) -> None:
+    """Make ``root``'s recursive FSDP flag setters visit ``members`` (its FSDP modules,
+    root included) instead of every submodule. torch's ``PipelineStage`` sets
+    gradient sync and reshard-after-backward with ``recurse=True`` around every backward
+    chunk and at the reduction, each a walk of the whole stage; the stage's FSDP modules
+    are known once it is wrapped (docs/benchmarks.md, "Session 11"). Weak references:
+    no cycle keeps the stage, and so its groups, alive after :meth:`release`."""
+    import weakref
+
+    refs, top = [weakref.ref(m) for m in members], weakref.ref(root)
+
+    def visiting(name: str) -> Callable[..., None]:
+        def set_flag(value: bool, *, recurse: bool = True) -> None:
+            for m in ([r() for r in refs] if recurse else [top()]):
+                if m is not None:
+                    getattr(type(m), name)(m, value, recurse=False)
+        return set_flag
+
+    for name in ("set_requires_gradient_sync", "set_reshard_after_backward"):
+        object.__setattr__(root, name, visiting(name))
 
 
 def _group_entries(sd: dict) -> dict[str, dict[str, object]]:
