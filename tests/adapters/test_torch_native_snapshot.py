@@ -167,3 +167,32 @@ def test_recursive_fsdp_flags_reach_every_group_without_walking_the_stage():
         assert any(not torch.equal(a[0], b[0]) for a, b in zip(before.values(), _state(eng).values()))
     finally:
         eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_step_on_local_tensors_equals_the_dtensor_step_bitwise():
+    """The engine steps AdamW on the DTensors' local tensors once their state exists;
+    parameters and both moments equal an engine stepping the DTensors, bit for bit."""
+    import resihp_adapters.torch_native.engine as engine_mod
+
+    runs = []
+    for local in (True, False):
+        eng, prog = _engine()
+        used = []
+        view = engine_mod._local_view
+        def counted(opt):
+            v = view(opt)
+            used.append(v is not None)
+            return v
+
+        engine_mod._local_view = counted if local else (lambda opt: None)
+        try:
+            for i in range(4):
+                eng.run(prog, i)
+            runs.append(_state(eng))
+        finally:
+            engine_mod._local_view = view
+            eng.release()
+        if local:
+            assert used == [False, True, True, True]  # the first step makes the state (DTensors)
+    _equal(runs[0], runs[1])
