@@ -98,3 +98,101 @@ def test_two_snapshots_roll_back_past_a_stepped_iteration_exactly():
             eng.rollback_to(1)
     finally:
         eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_copy_plan_is_reused_and_follows_replaced_state():
+    """The snapshot's copy plan is made once per buffers and reused; an optimizer-state
+    tensor replaced by another object (not updated in place) is noticed: the snapshot
+    then holds the new tensor's values and a rollback puts them back exactly."""
+    from torch.distributed.tensor import DTensor
+
+    eng, prog = _engine()
+    slow = []
+    plan_anew = eng._copy_into_slow
+    eng._copy_into_slow = lambda held: slow.append(id(held)) or plan_anew(held)
+    try:
+        eng.keep_snapshots(2)
+        for i in range(5):  # buffers taken before the first step hold no optimizer state: replaced
+            eng.snapshot()
+            eng.run(prog, i)
+        planned = len(slow)
+        for i in range(5, 8):
+            eng.snapshot()
+            eng.run(prog, i)
+        assert len(slow) == planned, "the rotating buffers' copy plans were made again"
+        p = next(iter(eng.module.parameters()))
+        old = eng.optimizer.state[p]["exp_avg"]
+        assert isinstance(old, DTensor)
+        eng.optimizer.state[p]["exp_avg"] = DTensor.from_local(
+            old.to_local().clone() + 1.0, old.device_mesh, old.placements, run_check=False,
+            shape=old.shape, stride=old.stride())
+        eng.snapshot()
+        assert len(slow) == planned + 1  # the plan no longer matched: made again
+        want = _state(eng)
+        eng.run(prog, 8)
+        eng.rollback_to(8)
+        _equal(_state(eng), want)
+    finally:
+        eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_recursive_fsdp_flags_reach_every_group_without_walking_the_stage():
+    """The stage's recursive FSDP flag setters (torch's PipelineStage calls them around
+    every backward chunk) set every FSDP group of the stage from the list made when it
+    was wrapped, not by listing its submodules; training still steps."""
+    eng, prog = _engine()
+    try:
+        m = eng.module
+
+        def walked():
+            raise AssertionError("walked the stage's submodules")
+
+        object.__setattr__(m, "modules", walked)
+        try:
+            m.set_requires_gradient_sync(False)
+            m.set_reshard_after_backward(False)
+        finally:
+            object.__delattr__(m, "modules")
+        groups = [g for sub in m.modules() if hasattr(sub, "_get_fsdp_state")
+                  for g in sub._get_fsdp_state()._fsdp_param_groups]
+        assert groups and all(not g.reduce_grads and not g.all_reduce_grads and not g.reshard_after_backward
+                              for g in groups)
+        m.set_requires_gradient_sync(True)
+        m.set_reshard_after_backward(True)
+        assert all(g.reduce_grads and g.reshard_after_backward for g in groups)
+        before = _state(eng)
+        eng.run(prog, 0)
+        assert any(not torch.equal(a[0], b[0]) for a, b in zip(before.values(), _state(eng).values()))
+    finally:
+        eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_step_on_local_tensors_equals_the_dtensor_step_bitwise():
+    """The engine steps AdamW on the DTensors' local tensors once their state exists;
+    parameters and both moments equal an engine stepping the DTensors, bit for bit."""
+    import resihp_adapters.torch_native.engine as engine_mod
+
+    runs = []
+    for local in (True, False):
+        eng, prog = _engine()
+        used = []
+        view = engine_mod._local_view
+        def counted(opt):
+            v = view(opt)
+            used.append(v is not None)
+            return v
+
+        engine_mod._local_view = counted if local else (lambda opt: None)
+        try:
+            for i in range(4):
+                eng.run(prog, i)
+            runs.append(_state(eng))
+        finally:
+            engine_mod._local_view = view
+            eng.release()
+        if local:
+            assert used == [False, True, True, True]  # the first step makes the state (DTensors)
+    _equal(runs[0], runs[1])

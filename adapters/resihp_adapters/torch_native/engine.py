@@ -345,6 +345,8 @@ class TorchNativeEngine:
         self._depth = 1
         self._spare: dict[str, Held] | None = None  # a dropped snapshot's buffers, for the next one
         self._snap_module: nn.Module | None = None  # the stage the snapshots' buffers were made for
+        # id(buffers) -> (buffers, sources, destinations, module, optimizer, guard): :meth:`_copy_into`
+        self._copy_plans: dict[int, tuple] = {}
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
         #: the user's loop mode (:mod:`.loop`): the stage is the user's whole model, no
         #: PipelineStage; pp = 1 only
@@ -367,6 +369,7 @@ class TorchNativeEngine:
         if self.module is not None:
             self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
+        self._copy_plans = {}  # they hold the stage's tensors: nothing may pin the old groups
         self.executors_group = self.checkpoint_group = None
         self.writes_checkpoint = True
         self._ties = []
@@ -455,6 +458,7 @@ class TorchNativeEngine:
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+        _flags_on_known_groups(module, [*blocks, module])
         for block in (*blocks, module):
             block.set_gradient_divide_factor(1.0)  # sums: the loss carries the global scale
             block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
@@ -462,6 +466,7 @@ class TorchNativeEngine:
             if group is not None:
                 self._bound[1].extend(i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None)
         self.module = module
+        self._copy_plans = {}
         self.optimizer = self.recipe.optimizer(list(module.parameters()))
         # the factory's hyper-parameters: every scheduler built later starts from them
         self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -645,9 +650,43 @@ class TorchNativeEngine:
 
     def _copy_into(self, held: dict[str, Held]) -> bool:
         """Copy this rank's shards into ``held`` (a snapshot of the same stage); False,
-        copying nothing, if any tensor's place, shape or dtype differs."""
+        copying nothing, if any tensor's place, shape or dtype differs.
+
+        The source and destination lists are planned once per (stage, snapshot buffers)
+        and reused while every object they were taken from is still the same one
+        (:meth:`_copy_plan_valid`): walking the module, naming and checking each
+        tensor cost more than the copy itself on small stages (docs/benchmarks.md,
+        "Session 11")."""
+        plan = self._copy_plans.get(id(held))
+        if plan is not None and plan[0] is held and self._copy_plan_valid(plan):
+            with torch.no_grad():
+                torch._foreach_copy_(plan[2], plan[1])
+            return True
+        return self._copy_into_slow(held)
+
+    def _copy_plan_valid(self, plan: tuple) -> bool:
+        """True while the module, optimizer, every parameter's local tensor, every
+        optimizer-state entry and every snapshot buffer are the objects the plan was made of."""
+        _, _, _, module, optimizer, guard = plan
+        if module is not self.module or optimizer is not self.optimizer:
+            return False
+        for obj, attrs, mappings in guard:
+            for name, expected in attrs:
+                if getattr(obj, name, None) is not expected:
+                    return False
+            for m, items in mappings:
+                if len(m) != len(items):
+                    return False
+                for k, v in items:
+                    if m.get(k) is not v:
+                        return False
+        return True
+
+    def _copy_into_slow(self, held: dict[str, Held]) -> bool:
+        """:meth:`_copy_into` planned from scratch (and the plan kept for the next call)."""
         from torch.distributed.tensor import DTensor
 
+        guard: list[tuple] = []
         srcs: list[Tensor] = []
         dsts: list[Tensor] = []
         seen: set[str] = set()
@@ -662,9 +701,13 @@ class TorchNativeEngine:
                 if h is None or len(st) != len(h.sharded) + len(h.other) or not isinstance(p, DTensor):
                     return False  # a new layout, or a plain (replicated) parameter: clone instead
                 pairs = [(p.to_local(), h.param)]
+                guard.append((p, (("_local_tensor", p._local_tensor),), ()))
+                guard.append((h, (("param", h.param),), ((st, tuple(st.items())), (h.sharded, tuple(h.sharded.items())),
+                                                        (h.other, tuple(h.other.items())))))
                 for k, v in st.items():
                     if isinstance(v, DTensor) and k in h.sharded:
                         pairs.append((v.to_local(), h.sharded[k]))
+                        guard.append((v, (("_local_tensor", v._local_tensor),), ()))
                     elif isinstance(v, Tensor) and not isinstance(v, DTensor) and isinstance(h.other.get(k), Tensor):
                         pairs.append((v, h.other[k]))
                     else:
@@ -677,6 +720,14 @@ class TorchNativeEngine:
             if len(seen) != len(held):
                 return False
             torch._foreach_copy_(dsts, srcs)
+        state = self.optimizer.state
+        params = [q for _, q in self.module.named_parameters()]
+        guard.append((None, (), ((held, tuple(held.items())),
+                                 (state, tuple((q, state[q]) for q in params if q in state)))))
+        # Plans of this stage only, and of the (at most three) buffers it rotates through.
+        plans = {k: v for k, v in self._copy_plans.items() if v[3] is self.module and k != id(held)}
+        self._copy_plans = dict(list(plans.items())[-2:])
+        self._copy_plans[id(held)] = (held, srcs, dsts, self.module, self.optimizer, guard)
         return True
 
     def rollback(self) -> None:
@@ -706,6 +757,7 @@ class TorchNativeEngine:
         # to reuse. Keep the snapshot for the next generation, which rebuilds the stage.
         self._kept = (self.plan if self.module is not None else self._kept[0], shards)
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = None
+        self._copy_plans = {}
         self.iteration = step
 
     def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int]) -> None:
@@ -855,7 +907,7 @@ class TorchNativeEngine:
             self._current = None
         self.before_action()
         self.finish_grads()
-        self.optimizer.step()
+        self.step_optimizer()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -864,6 +916,33 @@ class TorchNativeEngine:
         res.iteration_s = time.perf_counter() - t_iter
         self.last = res
         return res
+
+    def step_optimizer(self) -> None:
+        """The optimizer's step, on the DTensors' local tensors when that is the same
+        arithmetic: an element-wise optimizer (:data:`_ELEMENTWISE`) whose every
+        parameter, gradient and state tensor is a DTensor of one layout (or a plain
+        tensor, the step counts), after its first step (its lazily created state must be
+        DTensors). The foreach kernels then run on the same local tensors without DTensor
+        dispatch per op (0.6-0.75 ms an iteration on the peers' dp4 stage;
+        docs/benchmarks.md, "Session 11"). Anything else steps the DTensors."""
+        opt = self.optimizer
+        view = _local_view(opt) if type(opt) in _ELEMENTWISE else None
+        if view is None:
+            opt.step()
+            return
+        groups, state, locals_ = view
+        saved = [g["params"] for g in opt.param_groups], opt.state
+        try:
+            for g, ps in zip(opt.param_groups, groups):
+                g["params"] = ps
+            opt.state = state
+            opt.step()
+        finally:
+            for g, ps in zip(opt.param_groups, saved[0]):
+                g["params"] = ps
+            opt.state = saved[1]
+            for lp in locals_:
+                lp.grad = None
 
     # ------------------------------------------------------------ checkpoints
     def _state_dicts(self) -> dict:
@@ -942,6 +1021,74 @@ class TorchNativeEngine:
 
 
 _GROUPS = "param_groups."
+
+
+#: torch.optim classes whose step is element-wise per tensor: on the local tensors of
+#: same-layout DTensors it is the DTensor step's arithmetic (no norms across shards).
+_ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+
+
+def _local_view(opt: torch.optim.Optimizer) -> tuple[list[list[Tensor]], dict, list[Tensor]] | None:
+    """``opt``'s parameter groups and state with every DTensor replaced by its local
+    tensor (the same storage: the step's in-place updates land in the DTensors), the
+    local parameters carrying their DTensor's local gradient; None when any parameter,
+    gradient or state entry is not of that form (the caller steps the DTensors)."""
+    from collections import defaultdict
+
+    from torch.distributed.tensor import DTensor
+
+    groups: list[list[Tensor]] = []
+    state: defaultdict = defaultdict(dict)  # as torch.optim keeps it
+    locals_: list[Tensor] = []
+    grads: list[tuple[Tensor, Tensor]] = []
+    for g in opt.param_groups:
+        ps = []
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if not isinstance(p, DTensor) or not st:
+                return None  # a plain parameter, or state not made yet (it must be DTensors)
+            lp = p._local_tensor
+            if p.grad is not None:
+                if not isinstance(p.grad, DTensor) or p.grad.placements != p.placements:
+                    return None
+                grads.append((lp, p.grad._local_tensor))
+            local_st = {}
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    if v.placements != p.placements or v._local_tensor.shape != lp.shape:
+                        return None
+                    local_st[k] = v._local_tensor
+                else:
+                    local_st[k] = v
+            state[lp] = local_st
+            ps.append(lp)
+            locals_.append(lp)
+        groups.append(ps)
+    for lp, grad in grads:
+        lp.grad = grad
+    return groups, state, locals_
+
+
+def _flags_on_known_groups(root: nn.Module, members: list[nn.Module]) -> None:
+    """Make ``root``'s recursive FSDP flag setters visit ``members`` (its FSDP modules,
+    root included) instead of every submodule. torch's ``PipelineStage`` sets
+    gradient sync and reshard-after-backward with ``recurse=True`` around every backward
+    chunk and at the reduction, each a walk of the whole stage; the stage's FSDP modules
+    are known once it is wrapped (docs/benchmarks.md, "Session 11"). Weak references:
+    no cycle keeps the stage, and so its groups, alive after :meth:`release`."""
+    import weakref
+
+    refs, top = [weakref.ref(m) for m in members], weakref.ref(root)
+
+    def visiting(name: str) -> Callable[..., None]:
+        def set_flag(value: bool, *, recurse: bool = True) -> None:
+            for m in ([r() for r in refs] if recurse else [top()]):
+                if m is not None:
+                    getattr(type(m), name)(m, value, recurse=False)
+        return set_flag
+
+    for name in ("set_requires_gradient_sync", "set_reshard_after_backward"):
+        object.__setattr__(root, name, visiting(name))
 
 
 def _group_entries(sd: dict) -> dict[str, dict[str, object]]:

@@ -265,7 +265,7 @@ class ResilientLoop:
         e = self.engine
         self.worker.ctx.step(self.index, next(self._steps))
         e.finish_grads()
-        e.optimizer.step()
+        e.step_optimizer()
         if e.scheduler is not None:
             e.scheduler.step()
         e.optimizer.zero_grad(set_to_none=True)

@@ -443,6 +443,7 @@ class TPEngine(TorchNativeEngine):
             with _default_timeout(self.timeout):
                 parallelize_module(module, self.mesh, tp_styles(self._tp_plan()))
         self.module = module
+        self._copy_plans = {}
         self.optimizer = self.recipe.optimizer(list(module.parameters()))
         self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self._make_scheduler()
