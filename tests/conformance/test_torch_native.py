@@ -1,9 +1,8 @@
-"""The conformance kit on the torch_native adapter (pipelining + FSDP2): it passes every
-scenario its capabilities call for, to float64 precision."""
+"""The conformance kit on the torch_native adapter (pipelining + FSDP2, DTensor TP) with
+the user's own HF model, optimizer, LR schedule and clipping: it passes every scenario
+its capabilities call for, to float64 precision."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -13,33 +12,18 @@ from resihp_core.testing.conformance import check_adapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-MODEL = {"vocab_size": 64, "dim": 16, "n_layers": 4, "n_heads": 2, "ffn_dim": 32, "dtype": "float64"}
 
-
-def job(**config) -> JobSpec:
-    return JobSpec(adapter="torch_native", adapter_config={"model": MODEL, **config},
-                   data={"source": "synthetic", "token_budget": 16, "scale": 3.0, "min_len": 2, "max_len": 16},
-                   dp=2, num_microbatches=2, seed=5, timeout_s=5.0)
-
-
-def test_torch_native_passes_for_what_it_declares():
-    """pp2 x dp2 sharded FSDP2 (each replica half of each stage), 1F1B; uneven DP with
-    pipelining (``migration``: pipelines of 3 and 1 micro-batches). ``replica_drop``
-    kills a whole replica and expects its state in memory: under FSDP2 half of every
-    shard dies with it (the supervisor restores it from a checkpoint, as
+def test_torch_native_passes_for_what_it_declares_with_a_users_hf_model_optimizer_schedule_and_clipping():
+    """The user's tiny HF LLaMA (GQA, tied embeddings) with their AdamW, warm-up + cosine
+    LambdaLR and clipping at 1.0 (``adapter_config.user``), pp2 x dp2 sharded FSDP2 (each
+    replica half of each stage), 1F1B; uneven DP with pipelining (``migration``:
+    pipelines of 3 and 1 micro-batches); the complete state (parameters, optimizer state,
+    learning rate, scheduler position) equals the fault-free run. ``replica_drop`` kills a
+    whole replica and expects its state in memory: under FSDP2 half of every shard dies
+    with it (the supervisor restores it from a checkpoint, as
     tests/integration/test_torch_native_dp.py shows); under HSDP it passes (measured by
-    hand, docs/torch_native.md), left out here for the CI budget."""
-    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
-    got = check_adapter(job(), base, only=["regeneration", "layer_repartition", "migration", "restore"])
-    assert set(got) == {"regeneration", "layer_repartition", "migration", "restore"}
-    assert max(got.values()) <= 1e-9
-
-
-@pytest.mark.skipif(not os.environ.get("RESIHP_HF_KIT"), reason="about 6 min on a loaded 2-core machine (CI budget); "
-                    "set RESIHP_HF_KIT=1")
-def test_torch_native_passes_with_a_users_hf_model_optimizer_schedule_and_clipping():
-    """The tiny HF LLaMA (GQA, tied embeddings) with AdamW, warm-up + cosine LambdaLR and
-    clipping at 1.0 (``adapter_config.user``), pp2 x dp2 FSDP2."""
+    hand, docs/torch_native.md), left out here for the CI budget. (The adapter's own
+    LLaMA runs through the same engine in tests/integration/test_torch_native*.py.)"""
     pytest.importorskip("transformers")
     spec = JobSpec(adapter="torch_native", adapter_config={"user": "tests.conformance.hf_user:llama"},
                    data={"source": "synthetic", "token_budget": 16}, dp=2, num_microbatches=2, seed=5, timeout_s=10.0)
@@ -49,8 +33,6 @@ def test_torch_native_passes_with_a_users_hf_model_optimizer_schedule_and_clippi
     assert max(got.values()) <= 1e-9
 
 
-@pytest.mark.skipif(not os.environ.get("RESIHP_HF_KIT"), reason="minutes on a loaded 2-core machine (CI budget); "
-                    "set RESIHP_HF_KIT=1")
 def test_torch_native_tp_resize_with_a_users_hf_model():
     """TP2 x PP2 x DP1 (DTensor, the HF model's own TP plan): the kit shrinks stage 0 of
     replica 0 to TP1 while stage 1 keeps TP2 (heterogeneous TP), moves the stages' layers,
