@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import sys
 import threading
@@ -49,6 +48,7 @@ for p in (ROOT, ROOT / "adapters"):
         sys.path.insert(0, str(p))
 
 from resihp_core.config import DetectorConfig  # noqa: E402
+from resihp_core.testing.duty import duty_cycle, duty_period  # noqa: E402
 from resihp_core.testing.hogs import CpuHogs  # noqa: E402
 from resihp_core.testing.outside_load import OutsideLoad  # noqa: E402
 from resihp_core.testing.synthetic import SyntheticCluster  # noqa: E402
@@ -92,20 +92,6 @@ def _pin(pid: int, core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
-def _duty(pid: int, stop: threading.Event, period: float) -> None:
-    try:
-        while not stop.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(period / 2)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(period / 2)
-    except ProcessLookupError:
-        pass
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-
-
 def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
     """One run of ``case``; returns what the controller reported and when."""
     cores = _cores()
@@ -145,8 +131,8 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
                 if hog_cores:
                     hogs.release()
                 elif case.external == "duty":
-                    period = min(0.2, max(0.02, case.compute_s / 4))
-                    t = threading.Thread(target=_duty, args=(c.workers[case.target].pid, stop, period),  # type: ignore[index,attr-defined]
+                    period = duty_period(case.compute_s)
+                    t = threading.Thread(target=duty_cycle, args=(c.workers[case.target].pid, stop, period),  # type: ignore[index,attr-defined]
                                          daemon=True)
                     t.start()
                     threads.append(t)

@@ -41,6 +41,7 @@ import pytest
 from resihp_core.faults import fail_at
 from resihp_core.job import JobSpec
 from resihp_core.plan import parse_plan
+from resihp_core.testing.duty import duty_cycle, duty_period
 from resihp_core.testing.hogs import CpuHogs
 from resihp_core.testing.outside_load import OutsideLoad
 
@@ -187,15 +188,6 @@ def test_a_cpu_hog_on_one_workers_core_is_its_fail_slow_the_same_load_on_every_c
     assert _work(run.final_plan, 0) < _work(plan, 0), run.final_plan.to_text()
 
 
-def _duty_period(seconds: list[float]) -> float:
-    """A stop cycle (stopped half of it) several times shorter than the job's healthy
-    iteration (median of ``seconds``), so that every iteration is stopped about half of
-    its time: a 0.2 s cycle against ~0.07 s iterations on a quiet machine stopped some
-    iterations whole and left others alone. At least 20 ms (signals and a thread's
-    sleep are not much finer), at most 0.2 s."""
-    return min(0.2, max(0.02, statistics.median(seconds) / 4))
-
-
 def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
     plan = uniform(1, 1, 2, 4)
     job = _Job()
@@ -206,24 +198,7 @@ def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
     stopped: list[float] = []  # seconds the worker was stopped, and the cycle's wall time
 
     def duty(pid: int, period: float) -> None:
-        # Stopped half of every ``period``, like a throttled or preempted process.
-        t0, held = time.monotonic(), 0.0
-        try:
-            while not stop.is_set():
-                os.kill(pid, signal.SIGSTOP)
-                s0 = time.monotonic()
-                time.sleep(period / 2)
-                os.kill(pid, signal.SIGCONT)
-                held += time.monotonic() - s0
-                time.sleep(period / 2)
-        except ProcessLookupError:
-            pass
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            stopped[:] = [held, time.monotonic() - t0]
+        stopped[:] = duty_cycle(pid, stop, period)  # like a throttled or preempted process
 
     thread: list[threading.Thread] = []
     loads: list[float] = []
@@ -235,7 +210,7 @@ def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
         seconds.setdefault(rec.iteration, rec.seconds)
         if rec.iteration + 1 == ONSET and not thread:
             pid = _worker_pids(job.path)[1]
-            at["period"] = _duty_period([seconds[i] for i in range(4, ONSET - 1) if i in seconds])
+            at["period"] = duty_period(statistics.median(seconds[i] for i in range(4, ONSET - 1) if i in seconds))
             thread.append(threading.Thread(target=duty, args=(pid, at["period"]), daemon=True))
             thread[0].start()
             at["onset"] = rec.iteration + 2
