@@ -126,6 +126,7 @@ class WorkerStatus:
     connected: bool = True
     hang: HangTimeout | None = field(default=None, repr=False)
     resumed_at: float | None = None  # a paused worker's first beat since the pause
+    running_since: float | None = None  # a paused worker's process first seen running again
 
     @property
     def paused(self) -> bool:
@@ -238,7 +239,7 @@ class FailStopMonitor:
               after_pause: bool = False) -> WorkerFailure | None:
         if not w.alive and not (w.paused and kind is not FailureKind.PAUSED):
             return None  # a paused worker may still fail for good (exit, hang)
-        w.resumed_at = None
+        w.resumed_at = w.running_since = None
         w.failure = WorkerFailure(w.device, w.rank, kind, reason, now, w.iteration, w.step, after_pause)
         return w.failure
 
@@ -261,20 +262,26 @@ class FailStopMonitor:
             return self._fail(w, now, FailureKind.EXIT, f"process {w.pid} is gone (paused since {w.failure.time:.2f})")
         if silent <= self.silence_limit and w.resumed_at is not None:
             if now - w.resumed_at >= self.resume_check_s and state != "stopped":
-                w.failure, w.resumed_at = None, None
+                w.failure, w.resumed_at, w.running_since = None, None, None
                 w.last_progress = None  # disarmed until it makes progress again
                 self._resumed.append(w.device)
             return None
         if state == "stopped":
+            w.running_since = None
             paused = now - w.failure.time
             if paused > self.max_pause_s:
                 return self._fail(w, now, FailureKind.HANG, f"process {w.pid} stopped for {paused:.1f} s "
                                   f"(more than the {self.max_pause_s:.0f} s a pause may last)", after_pause=True)
             return None
-        # Running (or unknown) and silent beyond the limit: a hang, not a pause.
-        if silent > self.silence_limit and now - w.failure.time > self.silence_limit:
+        # Running (or unknown) and silent beyond the limit *since it runs again*: a hang,
+        # not a pause. Counted from when it was first seen running: just after SIGCONT
+        # its beat thread has not been scheduled yet, and its last beat is the pause's age.
+        if w.running_since is None:
+            w.running_since = now
+        running_silent = now - max(w.last_beat, w.running_since)
+        if running_silent > self.silence_limit and now - w.failure.time > self.silence_limit:
             return self._fail(w, now, FailureKind.HANG, f"process {w.pid} runs again but has not beaten "
-                              f"for {silent:.2f} s after a pause", after_pause=True)
+                              f"for {running_silent:.2f} s since (silent {silent:.2f} s in all)", after_pause=True)
         return None
 
     def take_resumed(self) -> list[int]:
