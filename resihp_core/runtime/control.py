@@ -192,7 +192,11 @@ class ControlLoop:
                     break
                 generation = self.job.generation
                 self._poll()
-                self._feed(Tick(alive=frozenset(self.job.alive()), dead=frozenset(self.job.dead())))
+                alive, dead = frozenset(self.job.alive()), frozenset(self.job.dead())
+                # A lost node's report is queued before its workers count as dead: the
+                # reports drained after the snapshot carry why they died (not just "exited").
+                self._drain_reports()
+                self._feed(Tick(alive=alive, dead=dead))
                 if self.job.generation != generation:
                     last_commit = self.clock()  # the pause is the reconfiguration's, not an iteration's
                 if self.clock() - t0 > timeout:
@@ -293,11 +297,7 @@ class ControlLoop:
             self._polled["left"], self._left_news = now, False
             for left in self.job.workers_left().values():
                 self._feed(left)
-        while True:
-            try:
-                self._feed(self.reports.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_reports()
         while True:
             try:
                 self._feed(Rejoin(tuple(int(d) for d in self.repaired.get_nowait())))
@@ -312,6 +312,14 @@ class ControlLoop:
                 logger.warning("could not learn whether relaunched devices %s are ready; asking again", waiting)
 
     # ------------------------------------------------------------ carrying out actions
+    def _drain_reports(self) -> None:
+        """Buffer the Detector's queued reports in the core (feeding one acts on nothing)."""
+        while True:
+            try:
+                self._feed(self.reports.get_nowait())
+            except queue.Empty:
+                break
+
     def _feed(self, event: Event) -> None:
         self._do(self.core.handle(event))
 

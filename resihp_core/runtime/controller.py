@@ -563,13 +563,13 @@ class Controller:
             devices = set(view.devices)
         devices = sorted(devices | view.running)  # launched, not yet heard from, also lost
         logger.error("event=node_lost node=%d reason=%r devices=%s", view.node, why, devices)
+        if devices:  # reported before its workers are marked dead, so the report says why
+            self._fail_stop(devices, f"node {view.node} lost: {why}")
         if self.on_node_lost is not None:
             try:
                 self.on_node_lost(view.node)
             except Exception:  # noqa: BLE001
                 logger.exception("on_node_lost callback failed")
-        if devices:
-            self._fail_stop(devices, f"node {view.node} lost: {why}")
         self._recheck_pending()
 
     # ------------------------------------------------------------ fail-slow

@@ -127,6 +127,32 @@ def test_an_agent_that_lost_the_controller_fences_its_workers_and_offers_its_dev
     lt.run(agent.stop())
 
 
+def test_a_lost_nodes_report_is_queued_before_its_workers_count_as_dead(tmp_path: Path) -> None:
+    """The supervisor reads the dead workers after the queued reports: a lost node's
+    report must be there first, or the failure is told as "worker process exited"."""
+    seen: list[tuple[str, int]] = []
+    with LoopThread("test-lost-order") as lt:
+        procs = AgentProcesses(None, lt.run, {0: 0})
+        ctl = Controller(CFG, SECRET, failslow=False, on_process=procs.process,
+                         on_report=lambda r: seen.append(("report", len(procs.dead()))),
+                         on_node_lost=lambda n: (procs.node_lost(n), seen.append(("dead", len(procs.dead())))))
+        procs.controller = ctl
+        lt.run(ctl.start())
+        agent = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path, rejoin_timeout=30)
+        try:
+            lt.run(agent.start())
+            lt.run(ctl.wait_for_agents({0}, 5.0))
+            procs.launch([0], module="resihp_core.testing.synthetic", job_path=Path("unused"), job_json="{}",
+                         store="127.0.0.1:1", env={})
+            lt.call(lambda: ctl._conns[0].transport.abort())
+            assert wait_for(lambda: len(seen) >= 2), seen
+            assert seen[:2] == [("report", 0), ("dead", 1)], seen
+            assert "node 0 lost" in ctl.reports[0].evidence
+        finally:
+            lt.run(agent.stop())
+            lt.run(ctl.stop())
+
+
 def test_a_refused_agent_does_not_try_again(hub, tmp_path: Path) -> None:
     lt, ctl, procs, rejoined = hub
     first = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path / "a")
