@@ -375,7 +375,7 @@ class ProfileVerifier:
         is contended and how much each worker loses is the scheduler's unevenness, not
         its device. Reads every rank's run delay in compute beyond its healthy share."""
         for ex in c.local:
-            if self._shared_contention(c.t, c.groups, ex):
+            if self._shared_contention(c, ex):
                 c.dismissed.setdefault(ex, "contention-shared-by-peers")
         return None
 
@@ -397,7 +397,7 @@ class ProfileVerifier:
             if not self._by_waiting_only(c, ex):
                 continue
             pinned = own_cores(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
-            busy = self._peers_waiting(c.t, c.groups, ex) >= self.loaded_share
+            busy = self._peers_waiting(c, ex) >= self.loaded_share
             if not busy and pinned:
                 continue
             w = self.loaded_iterations if pinned else self.unpinned_iterations
@@ -410,7 +410,7 @@ class ProfileVerifier:
             return Verdict({}, "unknown", "slower than their peers only by waiting for a CPU, on a loaded "
                            "machine or on CPUs their peers may use (" + ", ".join(
                                f"replica {r} stage {s}: compute {c.raw[(r, s)]:.2f}x, peers waited "
-                               f"{100 * self._peers_waiting(c.t, c.groups, (r, s)):.0f} % of theirs, "
+                               f"{100 * self._peers_waiting(c, (r, s)):.0f} % of theirs, "
                                f"{loaded[(r, s)]}"
                                for r, s in sorted(loaded))
                            + f"): {n} iterations are too few to tell its host from "
@@ -430,8 +430,8 @@ class ProfileVerifier:
             rules = sorted(set(c.dismissed[ex] for ex in c.local))
             return Verdict({}, "unknown", "the slowdown is waiting for a CPU that its peers share ("
                            + ", ".join(f"replica {r} stage {s}: compute {c.raw[(r, s)]:.2f}x, peers waited "
-                                       f"{100 * self._peer_wait(c.t, c.groups, (r, s)):.0f} % of their compute "
-                                       f"beyond healthy, {100 * self._peers_waiting(c.t, c.groups, (r, s)):.0f} % "
+                                       f"{100 * self._peer_wait(c, (r, s)):.0f} % of their compute "
+                                       f"beyond healthy, {100 * self._peers_waiting(c, (r, s)):.0f} % "
                                        f"in all, over {len(c.ctx.iterations)} iterations"
                                        for r, s in sorted(c.dismissed) if (r, s) in c.local)
                            + "): the whole machine is contended, unevenly; not a device", rule="+".join(rules))
@@ -546,27 +546,57 @@ class ProfileVerifier:
         """Most of what ``rank`` lost in compute is time it waited for a CPU."""
         return t.waited(rank) >= self.waiting * (t.measured[rank] - t.predicted[rank])
 
-    def _peer_wait(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> float:
-        """Median over the other executors of the share of their healthy compute they
-        lost waiting for a CPU (beyond their healthy share)."""
-        shares = [max(t.waited(r) / t.predicted[r] if t.predicted.get(r, 0.0) > 0 else 0.0 for r in ranks)
-                  for e, ranks in groups.items() if e != ex]
-        return statistics.median(shares) if shares else 0.0
+    def _peer_wait(self, c: _Case, ex: tuple[int, int]) -> float:
+        """How much of their healthy compute the other executors lost waiting for a CPU
+        (beyond their healthy share): see :meth:`_peers_share`."""
+        t = c.t
 
-    def _peers_waiting(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> float:
-        """Median over the other executors of the share of their measured compute they
-        spent waiting for a CPU (all of it, the healthy share included): how loaded the
-        machine is around ``ex``."""
-        shares = [max(min(1.0, t.compute_wait[r] / t.measured[r]) if t.measured[r] > 0 else 0.0 for r in ranks)
-                  for e, ranks in groups.items() if e != ex]
-        return statistics.median(shares) if shares else 0.0
+        def share(r: int, p: IterationProfile | None, profiles: Mapping[int, IterationProfile] | None) -> float:
+            pred = t.predicted.get(r, 0.0) if p is None else (t.rank_prediction(p, profiles or {}) or 0.0)
+            if pred <= 0:
+                return 0.0
+            wait = t.compute_wait[r] if p is None else p.compute_wait_s
+            return max(0.0, wait - t.wait_share.get(t.device[r], (0.0, 0.0))[0] * pred) / pred
 
-    def _shared_contention(self, t: _Totals, groups: dict[tuple[int, int], list[int]], ex: tuple[int, int]) -> bool:
+        return self._peers_share(c, ex, share)
+
+    def _peers_waiting(self, c: _Case, ex: tuple[int, int]) -> float:
+        """How much of their measured compute the other executors spent waiting for a CPU
+        (all of it, the healthy share included): how loaded the machine is around ``ex``
+        (:meth:`_peers_share`)."""
+        t = c.t
+
+        def share(r: int, p: IterationProfile | None, profiles: Mapping[int, IterationProfile] | None) -> float:
+            meas, wait = (t.measured[r], t.compute_wait[r]) if p is None else (compute_of(p), p.compute_wait_s)
+            return min(1.0, wait / meas) if meas > 0 else 0.0
+
+        return self._peers_share(c, ex, share)
+
+    @staticmethod
+    def _peers_share(c: _Case, ex: tuple[int, int],
+                     share: Callable[[int, IterationProfile | None, Mapping[int, IterationProfile] | None], float],
+                     ) -> float:
+        """Median over the other executors of a rank share (their worst rank's), over
+        the iterations verified taken together, and at most its median one iteration at
+        a time: a load the peers bore in one iteration only (a hog on their core that
+        just ended) is not the machine's."""
+        peers = [ranks for e, ranks in c.groups.items() if e != ex]
+        if not peers:
+            return 0.0
+        total = statistics.median(max(share(r, None, None) for r in ranks) for ranks in peers)
+        each = []
+        for profiles in c.ctx.iterations:
+            vals = [max(share(r, profiles[r], profiles) for r in ranks if r in profiles)
+                    for ranks in peers if any(r in profiles for r in ranks)]
+            if vals:
+                each.append(statistics.median(vals))
+        return min(total, statistics.median(each)) if each else total
+
+    def _shared_contention(self, c: _Case, ex: tuple[int, int]) -> bool:
         """A suspect slowed by contention whose peers lost ``shared_wait`` of their
         compute waiting for a CPU as well: the machine is contended, and how much each
         worker loses is the scheduler's unevenness, not a property of its device."""
-        return (all(self._contended(t, r) for r in groups[ex])
-                and self._peer_wait(t, groups, ex) >= self.shared_wait)
+        return all(self._contended(c.t, r) for r in c.groups[ex]) and self._peer_wait(c, ex) >= self.shared_wait
 
     def _above_peers(self, ctx: VerificationContext, t: _Totals, groups: dict[tuple[int, int], list[int]],
                      ex: tuple[int, int], margin: float,

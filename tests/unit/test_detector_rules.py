@@ -164,6 +164,19 @@ def test_contention_shared_by_peers_is_not_a_device() -> None:
     assert v.rule == "contention-shared-by-peers" and not v.confirmed, v
 
 
+def test_a_load_the_peers_bore_in_one_iteration_only_is_not_the_machines() -> None:
+    # The CI run of test_detector_external: rank 0's core hogged throughout, its peers'
+    # hog ended as the window began. Taken together, the peers waited 30 % of their
+    # compute; iteration by iteration, only in the first: rank 0's host, reported at once.
+    first = _iteration(0, [2.0, 2.0, 2.0, 2.0], wait=[1.0, 1.0, 1.0, 1.0])
+    its = [first] + [_iteration(i, [2.0, 1.0, 1.0, 1.0], wait=[1.0, 0.0, 0.0, 0.0]) for i in (1, 2)]
+    v = _verify(its)
+    assert v.confirmed and v.cause == "contention" and set(v.slow) == {0}, v
+    # The same load in most iterations is the machine's.
+    v = _verify([first, first, its[1]])
+    assert not v.confirmed, v
+
+
 def test_environment_changed_several_executors_at_once_with_their_nodes_contention() -> None:
     its = [_iteration(i, [1.0, 2.0, 2.0, 1.0, 1.0, 1.0]) for i in range(3)]
     v = _verify(its, environment={d: 1.6 for d in range(6)})
