@@ -7,6 +7,8 @@ Scheduler, supervisor), with ``runtime.backend = "auto"``:
   losses against the adapter's fault-free reference);
 * torch_native, PP2 x DP2: one worker's compute slowed 3x (iterations until the plan
   changes, losses against the reference); not run with ``--quick``;
+* torch_native with a GPU per worker over NCCL (DP = the host's GPUs, up to 4, fault-free:
+  losses against the CPU reference); not run without a GPU;
 * torch_native TP shrink: a pointer to ``reconfigure.py --adapter torch_native --tp 2``,
   which runs it on the user's HF LLaMA (the built-in model here has no TP plan);
 * the reference backend's demo job (``resihp demo``'s configuration, TP2 x PP2 x DP2;
@@ -58,6 +60,7 @@ class Row:
     fault: str = ""
     fault_to_first_s: float | None = None  # wall time from the commit before the fault to the first one after
     adapted_after: int | None = None  # iterations from the fault to the plan made for a report naming its device
+    redone: int | None = None  # committed iterations trained again after the fault (lost progress)
     exact: bool | None = None
     worst_rel_diff: float | None = None
     mape_pct: float | None = None
@@ -125,15 +128,9 @@ def _judge(row: Row, cfg: Any, job: Any, run: Any, fault_at: int, victim: int) -
     iterations after it the plan changed for a report naming the faulty device (a
     report of another device, e.g. contention on a loaded machine, does not count),
     and the losses against the fault-free reference."""
-    from resihp_core.runtime.jobs import _reference_check
-
-    recs = {r.iteration: r for r in run.records}
-    row.extra["events"] = [f"{ev.get('iteration')}: {ev.get('kind')} {str(ev.get('text', ''))[:120]}"
-                           for ev in run.events]
-    if not run.ok or not recs:
-        row.note = f"run failed: {run.error[:200]}"
-        row.exact = False
+    if not _ran(row, run):
         return
+    recs = {r.iteration: r for r in run.records}
     if fault_at in recs:
         row.fault_to_first_s = recs[fault_at].seconds
     named = [ev["iteration"] for ev in run.events if ev.get("kind") == "failure"
@@ -144,13 +141,35 @@ def _judge(row: Row, cfg: Any, job: Any, run: Any, fault_at: int, victim: int) -
         row.adapted_after = min(plans) - fault_at
     else:
         row.note = f"device {victim} never reported (load average {os.getloadavg()[0]:.0f})"
-    if job.reference is not None:
-        losses = [recs[i].loss for i in sorted(recs)]
-        ref = job.reference(job.spec, len(losses))
-        worst, _, tol = _reference_check(cfg, losses, ref)
-        row.worst_rel_diff, row.exact = worst, worst <= tol
-    else:
+    resumes = [ev["resume"] for ev in run.events if ev.get("kind") == "plan" and ev.get("resume") is not None
+               and ev.get("iteration", -1) >= fault_at]
+    row.redone = max(0, fault_at - min(resumes)) if resumes else 0
+    _exact(row, cfg, job, run)
+
+
+def _ran(row: Row, run: Any) -> bool:
+    """Keep the run's events in the row; False (and the row says why) if it failed."""
+    row.extra["events"] = [f"{ev.get('iteration')}: {ev.get('kind')} {str(ev.get('text', ''))[:120]}"
+                           for ev in run.events]
+    if not run.ok or not run.records:
+        row.note = f"run failed: {run.error[:200]}"
+        row.exact = False
+        return False
+    return True
+
+
+def _exact(row: Row, cfg: Any, job: Any, run: Any) -> None:
+    """The losses against the adapter's fault-free reference."""
+    from resihp_core.runtime.jobs import _reference_check
+
+    if job.reference is None:
         row.note = "adapter has no fault-free reference"
+        return
+    recs = {r.iteration: r for r in run.records}
+    losses = [recs[i].loss for i in sorted(recs)]
+    ref = job.reference(job.spec, len(losses))
+    worst, _, tol = _reference_check(cfg, losses, ref)
+    row.worst_rel_diff, row.exact = worst, worst <= tol
 
 
 def torch_native(kind: str, quick: bool, work: Path) -> Row:
@@ -178,6 +197,36 @@ def torch_native(kind: str, quick: bool, work: Path) -> Row:
     cfg, job, run = _run(data, [fault], work)
     row.seconds = time.perf_counter() - t0
     _judge(row, cfg, job, run, at, victim)
+    return row
+
+
+def torch_native_gpus(work: Path) -> Row:
+    """torch_native with every worker on a GPU of its own over NCCL, as many as this host
+    has GPUs (up to 4: DP = that many, fault-free; a host of one GPU gives a world of
+    one). What it shows: the adapter's tensors all on the GPU (a host tensor in a forward
+    or backward raises), the mixed ``cpu:gloo,cuda:nccl`` world, FSDP2 over NCCL, and the
+    losses against the fault-free reference computed on the CPU (float64)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    row = Row("torch_native on GPUs, NCCL", "torch_native", workers=min(gpus, 4))
+    if gpus == 0:
+        row.note = "not run: no GPU here"
+        return row
+    n = min(gpus, 4)
+    data = {"parallel": {"tp": 1, "pp": 1, "dp": n},
+            "model": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "ffn_hidden": 64},
+            "training": {"microbatches": 4, "token_budget": 64, "iterations": 6, "lr": 3e-3,
+                         "dtype": "float64", "checkpoint_every": 0},
+            "runtime": {"nodes": 1, "devices_per_node": n, "adapter": "torch_native", "backend": "nccl"},
+            "detector": DETECTOR}
+    row.device, row.backend, row.fault = "cuda", "nccl", "none"
+    t0 = time.perf_counter()
+    cfg, job, run = _run(data, [], work)
+    row.seconds = time.perf_counter() - t0
+    row.note = f"DP{n}, fault-free"
+    if _ran(row, run):
+        _exact(row, cfg, job, run)
     return row
 
 
@@ -296,10 +345,11 @@ def table(rows: list[Row], here: dict[str, Any]) -> str:
     lines = [f"gpu_check: torch {here['torch']} (CUDA build {here['cuda_build'] or 'none'}), GPUs: {gpus}, "
              f"{here['date_utc']} UTC",
              f"{'scenario':28s} {'device':6s} {'backend':7s} {'workers':>7s} {'fault->first s':>14s} "
-             f"{'replan after':>12s} {'exact?':>6s} {'MAPE %':>7s}  note"]
+             f"{'replan after':>12s} {'redone':>6s} {'exact?':>6s} {'MAPE %':>7s}  note"]
     for r in rows:
         lines.append(f"{r.scenario:28s} {r.device or '-':6s} {r.backend or '-':7s} {r.workers:>7d} "
-                     f"{_fmt(r.fault_to_first_s):>14s} {_fmt(r.adapted_after, 'd'):>12s} {_fmt(r.exact):>6s} "
+                     f"{_fmt(r.fault_to_first_s):>14s} {_fmt(r.adapted_after, 'd'):>12s} {_fmt(r.redone, 'd'):>6s} "
+                     f"{_fmt(r.exact):>6s} "
                      f"{_fmt(r.mape_pct, '.1f'):>7s}  {r.note}")
     return "\n".join(lines)
 
@@ -317,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.quick:
         steps.append(("tn_slow", lambda w: torch_native("slow", args.quick, w)))
-    steps += [("tn_tp", lambda w: torch_native_tp(args.quick, w)),
+    steps += [("tn_gpu", torch_native_gpus),
+              ("tn_tp", lambda w: torch_native_tp(args.quick, w)),
               ("ref_demo", lambda w: reference_demo(args.quick, w))]
     for name, step in steps:
         work = base / name

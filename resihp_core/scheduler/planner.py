@@ -191,9 +191,9 @@ def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
             f"cannot hold {pp} stages at any allowed TP degree {degrees} within memory"
         )
     dp_new, t, groups = best
-    used = groups[: dp_new * pp]
-    tp_groups = tuple(tuple(used[s * dp_new + r] for s in range(pp)) for r in range(dp_new))
-    in_use = {d for g in used for d in g}
+    slots = _place_by_state(cur, groups, ranges, dp_new)
+    tp_groups = tuple(tuple(slots[s][r] for s in range(pp)) for r in range(dp_new))
+    in_use = {d for stage in slots for g in stage for d in g}
     standbys = tuple(d for d in sorted(state.topology.ids)
                      if d not in in_use and d not in state.failed)
     plan = ParallelPlan(
@@ -210,6 +210,33 @@ def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
     ntok, ssq = state.features
     feats = (ntok.reshape(dp_new, -1).copy(), ssq.reshape(dp_new, -1).copy())
     return plan, feats
+
+
+def _place_by_state(cur: ParallelPlan, groups: list[tuple[int, ...]], ranges: Sequence[tuple[int, int]],
+                    dp: int) -> list[list[tuple[int, ...]]]:
+    """``dp`` groups for each stage of ``ranges``, each stage taking the groups that hold
+    most of its layers under ``cur`` (then the order of ``groups``: healthiest first), the
+    stage with the fewest such holders first: the survivors' state then moves to the new
+    layout instead of being lost with a holder left out as a standby (docs/design.md
+    5.2)."""
+    def held(g: tuple[int, ...], stage: int) -> int:
+        a, b = ranges[stage]
+        n = 0
+        for d in g:
+            loc = cur.location(d)
+            if loc is not None:
+                lo, hi = cur.layer_ranges[loc[1]]
+                n += max(0, min(b, hi) - max(a, lo))
+        return n
+
+    left = list(groups)
+    slots: list[list[tuple[int, ...]]] = [[] for _ in ranges]
+    order = sorted(range(len(ranges)), key=lambda st: (sum(held(g, st) > 0 for g in groups), st))
+    for st in order:
+        ranked = sorted(left, key=lambda g: -held(g, st))  # stable: healthiest first among equals
+        slots[st] = ranked[:dp]
+        left = [g for g in left if g not in slots[st]]
+    return slots
 
 
 def _rebase(state: PlannerState, plan: ParallelPlan, features: Features) -> PlannerState:

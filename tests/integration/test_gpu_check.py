@@ -37,6 +37,11 @@ def test_gpu_check_quick_prints_its_table_and_writes_json(tmp_path):
         assert r["exact"] is True, r  # losses equal the fault-free reference after the fault
         assert r["fault_to_first_s"] is not None and r["fault_to_first_s"] > 0
         assert r["adapted_after"] == 0  # the iteration the fault hit ran under a new plan
+    # The survivors' state moved to the new layout: resumed where it was, no restart.
+    # (The quick demo has one replica and no checkpoint: the killed TP member's shard had
+    # no other copy, so it restarts from the initial state and says how much it redid.)
+    assert kill["redone"] == 0, kill
+    assert demo["redone"] is not None and demo["redone"] >= 0, demo
     assert math.isfinite(demo["mape_pct"]) and demo["extra"]["held_out_iterations"] >= 1
     tp = rows["torch_native TP shrink"]
     from resihp_adapters.torch_native.plugin import CAPABILITIES

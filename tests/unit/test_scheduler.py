@@ -362,3 +362,22 @@ def test_uneven_dp_adapters_get_every_survivor_at_pp1_and_whole_micro_batches_on
     assert any("single stage" in w for w in UNEVEN_DP.violations(single))
     whole = p2.plan.with_(migrations=(Migration(0, 1, 0, 0), Migration(1, 1, 0, 0)))
     assert not UNEVEN_DP.violations(whole) and Capabilities(cross_replica_migration=True).uneven_dp
+
+
+def test_restore_puts_each_stage_on_the_survivors_that_hold_it() -> None:
+    """PP2 x DP2 with a node per stage (replica 0: 0 | 2, replica 1: 1 | 3), an adapter
+    that cannot migrate across replicas; device 3 dies. The one-replica layout takes
+    stage 1 from device 2, its only survivor, and leaves device 1 (a second copy of
+    stage 0) as the standby: with device 2 left out, stage 1's trained state had no
+    holder and the job restarted from a checkpoint (the first GPU check's kill row)."""
+    from resihp_core.plan import parse_plan
+
+    caps = Capabilities(tp_resize=False, heterogeneous_tp=False, layer_repartition=True,
+                        cross_replica_migration=False, checkpoint=True)
+    st = tiny(pp=2, dp=2, m=4, layers=4, devices_per_node=2, capabilities=caps)
+    plan = parse_plan("resihp-plan v1\ngeneration 0\nschedule 1f1b\nlayers 4\nmicrobatches 4\n"
+                      "stages 0-2 2-4\nreplica 0: 0 | 2\nreplica 1: 1 | 3\n")
+    st = replace(st, plan=plan, home=plan)
+    d = planner().plan(st, stop(3))
+    assert d.kind == "restore" and d.plan.dp == 1 and d.plan.num_microbatches == 8
+    assert d.plan.tp_groups == (((0,), (2,)),) and d.plan.standbys == (1,), d.plan.to_text()
