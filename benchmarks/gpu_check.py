@@ -94,8 +94,12 @@ def _placement(devices_per_node: int, own_transfers: bool) -> tuple[str, str]:
 
 
 def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | None = None,
-         on_iteration: Callable[[Any, Any], None] | None = None) -> tuple[Any, Any, Any]:
-    """Run one job through the production path; returns (config, assembled job, run)."""
+         on_iteration: Callable[[Any, Any], None] | None = None,
+         adapter_extra: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """Run one job through the production path; returns (config, assembled job, run).
+    ``adapter_extra``: job-spec adapter fields a configuration file cannot set (the
+    user's model, which ``resihp launch`` takes from the user's script)."""
+    from dataclasses import replace
     from resihp_core.config import Config
     from resihp_core.faults import repairs
     from resihp_core.runtime.jobs import build_job, phases
@@ -103,6 +107,8 @@ def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | N
 
     cfg = Config.from_dict(data, source="gpu_check")
     job = build_job(cfg, faults, work)
+    if adapter_extra:
+        job = job._replace(spec=replace(job.spec, adapter_config={**job.spec.adapter_config, **adapter_extra}))
     holder: dict[str, Any] = {}
 
     def before_run(local_job, agents) -> None:
@@ -200,29 +206,37 @@ def torch_native(kind: str, quick: bool, work: Path) -> Row:
     return row
 
 
-def torch_native_gpus(work: Path) -> Row:
+def torch_native_gpus(work: Path, hf: bool = False, backend: str = "nccl") -> Row:
     """torch_native with every worker on a GPU of its own over NCCL, as many as this host
     has GPUs (up to 4: DP = that many, fault-free; a host of one GPU gives a world of
     one). What it shows: the adapter's tensors all on the GPU (a host tensor in a forward
     or backward raises), the mixed ``cpu:gloo,cuda:nccl`` world, FSDP2 over NCCL, and the
-    losses against the fault-free reference computed on the CPU (float64)."""
+    losses against the fault-free reference computed on the CPU (float64). ``hf``: the
+    user's tiny HF LLaMA of examples/hf_llama (its AdamW, warm-up + cosine, clipping)
+    instead of the adapter's LLaMA. ``backend="gloo"`` runs the same job on the CPU."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    row = Row("torch_native on GPUs, NCCL", "torch_native", workers=min(gpus, 4))
-    if gpus == 0:
+    n = min(gpus, 4) if backend == "nccl" else 1
+    what = "HF LLaMA (user's)" if hf else "torch_native"
+    row = Row(f"{what} on GPUs, {backend.upper()}", "torch_native", workers=n)
+    if n == 0:
         row.note = "not run: no GPU here"
         return row
-    n = min(gpus, 4)
     data = {"parallel": {"tp": 1, "pp": 1, "dp": n},
             "model": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "ffn_hidden": 64},
             "training": {"microbatches": 4, "token_budget": 64, "iterations": 6, "lr": 3e-3,
                          "dtype": "float64", "checkpoint_every": 0},
-            "runtime": {"nodes": 1, "devices_per_node": n, "adapter": "torch_native", "backend": "nccl"},
+            "runtime": {"nodes": 1, "devices_per_node": n, "adapter": "torch_native", "backend": backend},
             "detector": DETECTOR}
-    row.device, row.backend, row.fault = "cuda", "nccl", "none"
+    if hf:
+        here = Path(__file__).resolve().parents[1] / "examples" / "hf_llama"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")]))
+        sys.path.insert(0, str(here))
+        data["model"] = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "ffn_hidden": 64}
+    row.device, row.backend, row.fault = ("cuda" if backend == "nccl" else "cpu"), backend, "none"
     t0 = time.perf_counter()
-    cfg, job, run = _run(data, [], work)
+    cfg, job, run = _run(data, [], work, adapter_extra={"user": "hf_model:user_llama"} if hf else None)
     row.seconds = time.perf_counter() - t0
     row.note = f"DP{n}, fault-free"
     if _ran(row, run):
@@ -367,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.quick:
         steps.append(("tn_slow", lambda w: torch_native("slow", args.quick, w)))
-    steps += [("tn_gpu", torch_native_gpus),
+    steps += [("tn_gpu", torch_native_gpus), ("hf_gpu", lambda w: torch_native_gpus(w, hf=True)),
               ("tn_tp", lambda w: torch_native_tp(args.quick, w)),
               ("ref_demo", lambda w: reference_demo(args.quick, w))]
     for name, step in steps:

@@ -201,3 +201,20 @@ def test_your_loop_refuses_a_pipelined_job_and_mixing_with_train_batch():
     assert t.train_batch() is None
     with pytest.raises(RuntimeError, match="cannot be mixed"):
         t.iterations()
+
+
+def test_the_fault_free_reference_of_a_job_with_the_users_model_is_that_models():
+    """``reference_losses`` (what ``resihp run`` and gpu_check compare a run with) trains
+    the model ``adapter_config.user`` names, not the adapter's own LLaMA."""
+    from resihp_core.job import JobSpec
+    from resihp_adapters.torch_native.adapter import load_user
+    from resihp_adapters.torch_native.reference import reference_losses, user_single_process_run
+
+    spec = JobSpec(adapter="torch_native", adapter_config={"user": "hf_model:user_llama"},
+                   data={"source": "synthetic", "token_budget": 16}, dp=2, num_microbatches=2, seed=5)
+    user = load_user("hf_model:user_llama")
+    want = user_single_process_run(user.stages, user.recipe, user.data(4), 2)[1]
+    assert reference_losses(spec, 2) == want
+    own = JobSpec(adapter="torch_native", data={"source": "synthetic", "token_budget": 16}, dp=2,
+                  num_microbatches=2, seed=5)
+    assert reference_losses(own, 2) != want

@@ -30,12 +30,17 @@ Full = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 def reference_losses(job, iterations: int) -> list[float]:
     """Fault-free losses of ``job`` (a :class:`~resihp_core.job.JobSpec`) in one process:
-    the job's whole global batch (``job.dp x job.num_microbatches``) per iteration."""
-    from resihp_adapters.torch_native.adapter import parse_config
+    the job's whole global batch (``job.dp x job.num_microbatches``) per iteration, of
+    the user's model, optimizer and data where ``adapter_config.user`` names them."""
+    from resihp_adapters.torch_native.adapter import load_user, parse_config
     from resihp_adapters.torch_native.data import job_source
 
     torch.set_num_threads(1)
     c = parse_config(job.adapter_config, job.seed)
+    if c["user"]:
+        user = load_user(c["user"])
+        return user_single_process_run(user.stages, user.recipe, user.data(job.dp * job.num_microbatches),
+                                       iterations)[1]
     data = Batches(job_source(job, c["model"].vocab_size), c["model"].torch_dtype)
     return single_process_run(c["model"], data, iterations, lr=c["lr"], weight_decay=c["weight_decay"])[1]
 
