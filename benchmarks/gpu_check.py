@@ -164,8 +164,9 @@ def _ran(row: Row, run: Any) -> bool:
     return True
 
 
-def _exact(row: Row, cfg: Any, job: Any, run: Any) -> None:
-    """The losses against the adapter's fault-free reference."""
+def _exact(row: Row, cfg: Any, job: Any, run: Any, tol: float | None = None) -> None:
+    """The losses against the adapter's fault-free reference (``tol``: instead of the
+    dtype's own tolerance)."""
     from resihp_core.runtime.jobs import _reference_check
 
     if job.reference is None:
@@ -174,8 +175,8 @@ def _exact(row: Row, cfg: Any, job: Any, run: Any) -> None:
     recs = {r.iteration: r for r in run.records}
     losses = [recs[i].loss for i in sorted(recs)]
     ref = job.reference(job.spec, len(losses))
-    worst, _, tol = _reference_check(cfg, losses, ref)
-    row.worst_rel_diff, row.exact = worst, worst <= tol
+    worst, _, own = _reference_check(cfg, losses, ref)
+    row.worst_rel_diff, row.exact = worst, worst <= (own if tol is None else tol)
 
 
 def torch_native(kind: str, quick: bool, work: Path) -> Row:
@@ -239,8 +240,14 @@ def torch_native_gpus(work: Path, hf: bool = False, backend: str = "nccl") -> Ro
     cfg, job, run = _run(data, [], work, adapter_extra={"user": "hf_model:user_llama"} if hf else None)
     row.seconds = time.perf_counter() - t0
     row.note = f"DP{n}, fault-free"
+    # HF's RMSNorm and rotary tables compute in float32 inside a float64 model: on a GPU
+    # they round differently from the CPU reference (1.0e-9 measured on an H200), so
+    # the user's model is held to float32's resolution there.
+    cross_device = hf and row.device == "cuda"
     if _ran(row, run):
-        _exact(row, cfg, job, run)
+        _exact(row, cfg, job, run, tol=1e-6 if cross_device else None)
+        if cross_device:
+            row.note += f", within {row.worst_rel_diff:.1e} of the CPU reference (float32 inside HF)"
     return row
 
 
