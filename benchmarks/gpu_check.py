@@ -230,24 +230,32 @@ def torch_native_gpus(work: Path, hf: bool = False, backend: str = "nccl") -> Ro
                          "dtype": "float64", "checkpoint_every": 0},
             "runtime": {"nodes": 1, "devices_per_node": n, "adapter": "torch_native", "backend": backend},
             "detector": DETECTOR}
-    if hf:
+    saved_env, saved_path = os.environ.get("PYTHONPATH"), list(sys.path)
+    if hf:  # the workers and the in-process reference import the user's hf_model
         here = Path(__file__).resolve().parents[1] / "examples" / "hf_llama"
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")]))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), saved_env]))
         sys.path.insert(0, str(here))
         data["model"] = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "ffn_hidden": 64}
     row.device, row.backend, row.fault = ("cuda" if backend == "nccl" else "cpu"), backend, "none"
-    t0 = time.perf_counter()
-    cfg, job, run = _run(data, [], work, adapter_extra={"user": "hf_model:user_llama"} if hf else None)
-    row.seconds = time.perf_counter() - t0
-    row.note = f"DP{n}, fault-free"
     # HF's RMSNorm and rotary tables compute in float32 inside a float64 model: on a GPU
     # they round differently from the CPU reference (1.0e-9 measured on an H200), so
     # the user's model is held to float32's resolution there.
     cross_device = hf and row.device == "cuda"
-    if _ran(row, run):
-        _exact(row, cfg, job, run, tol=1e-6 if cross_device else None)
-        if cross_device:
-            row.note += f", within {row.worst_rel_diff:.1e} of the CPU reference (float32 inside HF)"
+    try:
+        t0 = time.perf_counter()
+        cfg, job, run = _run(data, [], work, adapter_extra={"user": "hf_model:user_llama"} if hf else None)
+        row.seconds = time.perf_counter() - t0
+        row.note = f"DP{n}, fault-free"
+        if _ran(row, run):
+            _exact(row, cfg, job, run, tol=1e-6 if cross_device else None)
+            if cross_device:
+                row.note += f", within {row.worst_rel_diff:.1e} of the CPU reference (float32 inside HF)"
+    finally:  # the later rows' workers see the environment they would have
+        sys.path[:] = saved_path
+        if saved_env is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_env
     return row
 
 
