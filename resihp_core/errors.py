@@ -132,6 +132,11 @@ _OWN_PACKAGES = ("resihp_core", "resihp_adapters", "resihp_plugins", "torch", "d
 def user_frame(exc: BaseException) -> str:
     """``file:line`` of the innermost frame of ``exc``'s traceback in the user's own code
     (not ResiHP, not a framework, not the standard library); else the innermost frame."""
+    where = getattr(exc, "where", None)  # an error about the script as a whole names it
+    if isinstance(where, str) and where:
+        return where
+    if isinstance(exc, SyntaxError) and exc.filename:  # the script itself does not parse
+        return f"{exc.filename}:{exc.lineno}"
     frames = traceback.extract_tb(exc.__traceback__)
     stdlib = sys.prefix if sys.prefix == sys.base_prefix else sys.base_prefix
 

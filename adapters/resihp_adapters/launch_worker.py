@@ -53,15 +53,20 @@ class ScriptExit(RuntimeError):
 
 
 class NeverInitialized(RuntimeError):
-    """The training script ended without handing its training to ResiHP."""
+    """The training script ended without handing its training to ResiHP; ``where``
+    names the script (the user's file, for the console's file:line)."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def never_initialized(script: str, device: int) -> None:
     """The script returned without calling ``initialize()``: the job's error (one clear
     line on the console, not the exits of workers read as failed devices)."""
-    raise NeverInitialized(f"{script} ended without calling initialize(): under 'resihp launch' the script must "
-                           "hand its training to ResiHP (resihp_adapters.torch_native.initialize(model, "
-                           "optimizer=..., dataset=...), or resihp_adapters.deepspeed.initialize)")
+    raise NeverInitialized("the script ended without calling initialize(): under 'resihp launch' it must hand its "
+                           "training to ResiHP (resihp_adapters.torch_native.initialize(model, optimizer=..., "
+                           "dataset=...), or resihp_adapters.deepspeed.initialize)", where=os.path.abspath(script))
 
 
 if __name__ == "__main__":
