@@ -486,6 +486,8 @@ REPEATED_TITLE = ("The repeated set (predictor, simulator, scheduler, detector, 
                   "min-max range over interleaved repetitions")
 MAX_ROWS = 30  # rows of one table; the rest stay in the JSON
 MAX_COLS = 9
+MAX_FIGURES = 100  # single figures of one section; the rest stay in the JSON
+FIRST_KEYS = ("summary", "targets", "overhead", "ok", "problems")
 
 
 def _fmt(v: Any) -> str:
@@ -637,15 +639,16 @@ def figures(d: JSON) -> list[str]:
             if len(rows) == len(v):
                 blocks.append([f"**{prefix}**", ""] + _table(rows, "row"))
 
-    for k, v in d.items():
+    first = [k for k in FIRST_KEYS if k in d]  # a script's own summary leads its section
+    for k in first + [k for k in d if k not in first]:
         if k not in META_KEYS and not k.startswith("_"):
-            walk(str(k), v, 1)
+            walk(str(k), d[k], 1)
     out: list[str] = []
     if flat:
         out += ["| figure | value |", "| --- | --- |"]
-        out += [f"| {k} | {_fmt(v)} |" for k, v in flat[:60]]
-        if len(flat) > 60:
-            out.append(f"\n({len(flat) - 60} more figures in the JSON.)")
+        out += [f"| {k} | {_fmt(v)} |" for k, v in flat[:MAX_FIGURES]]
+        if len(flat) > MAX_FIGURES:
+            out.append(f"\n({len(flat) - MAX_FIGURES} more figures in the JSON.)")
     for b in blocks:
         out += [""] + b
     return out
@@ -717,7 +720,7 @@ def generate(results: Path = RESULTS, sources: list[Source] | None = None) -> st
         s = by_file.get(f.name)
         title = s.title if s else REPEATED_TITLE if f.name == "measured.json" else "not a registered benchmark"
         date = run_meta(d)["date"] if isinstance(d, dict) else NOT_RECORDED
-        anchor = re.sub(r"[^a-z0-9 -]", "", f.name.lower()).replace(" ", "-")
+        anchor = re.sub(r"[^a-z0-9 _-]", "", f.name.lower()).replace(" ", "-")
         lines.append(f"| [`{f.name}`](#{anchor}) | {title} | {date} |")
     lines.append("")
     missing = [s for s in (SOURCES if sources is None else sources) if not (results / s.file).exists()]
