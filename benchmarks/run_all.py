@@ -359,8 +359,10 @@ class Source:
     quick: bool = False  # CI-sized: run by --run --quick (the others by --run)
     needs_gpu: bool = False
 
-    def command(self) -> str:
-        return shlex.join(["python", f"benchmarks/{self.script}", *self.args, "--json", f"benchmarks/results/{self.file}"])
+    def command(self, results: Path = RESULTS) -> str:
+        out = results / self.file
+        shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
+        return shlex.join(["python", f"benchmarks/{self.script}", *self.args, "--json", str(shown)])
 
 
 PEERS_TRACES = ("--traces", "none,kill-every-n,one-kill,slow", "--iterations", "30", "--every", "10",
@@ -465,7 +467,7 @@ def run_source(s: Source, results: Path, timeout: float) -> str | None:
     finally:
         Path(tmp).unlink(missing_ok=True)
     if isinstance(data, dict):
-        data["_run"] = {"command": s.command(), "date": _utc(t0), "machine": machine(),
+        data["_run"] = {"command": s.command(results), "date": _utc(t0), "machine": machine(),
                         "loadavg_before": load0, "loadavg_after": loadavg(),
                         "seconds": round(time.time() - t0, 1), "exit": rc}
     (results / s.file).write_text(json.dumps(data, indent=2) + "\n")
@@ -563,7 +565,8 @@ def run_meta(d: JSON) -> dict[str, str]:
     date = run.get("date") or d.get("date") or meta.get("date") or (m.get("date_utc") if isinstance(m, dict) else None)
     command = run.get("command") or d.get("command")
     if not command and "table" in d and "quick" in meta:  # run_all.py's own repeated set
-        command = f"python benchmarks/run_all.py --run{' --quick' if meta['quick'] else ''} --reps {meta.get('reps')}"
+        only = "".join(f" --only {n}" for n in meta.get("only") or [])
+        command = f"python benchmarks/run_all.py --run{' --quick' if meta['quick'] else ''} --reps {meta.get('reps')}{only}"
     load = None
     if run.get("loadavg_before") or run.get("loadavg_after"):
         load = _load_text([x for x in (run.get("loadavg_before"), run.get("loadavg_after")) if x])
@@ -766,7 +769,7 @@ def run_repeated(benches: list[Bench], args: argparse.Namespace) -> int:
             failed[name] = "partly: " + failed[name]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": parts[0]["meta"]["machine"] if parts else machine(), "quick": args.quick,
-            "reps": args.reps, "seconds": time.time() - t0,
+            "reps": args.reps, "only": [b.name for b in benches] if args.only else None, "seconds": time.time() - t0,
             "load_min": min(loads) if loads else float("nan"), "load_max": max(loads) if loads else float("nan"),
             "failed": failed}
     md = markdown(rows, meta)
@@ -814,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
             if s.needs_gpu and not gpu:
                 print(f"{s.name}: skipped, no GPU here", flush=True)
                 continue
-            print(f"[{time.strftime('%H:%M:%S')}] {s.command()}, load {loadavg()}", flush=True)
+            print(f"[{time.strftime('%H:%M:%S')}] {s.command(args.results)}, load {loadavg()}", flush=True)
             err = run_source(s, args.results, args.timeout)
             if err:
                 print(f"    {s.name}: {err[:600]}", flush=True)
