@@ -67,7 +67,8 @@ def test_docs_results_md_is_what_run_all_generates() -> None:
 HISTORY = re.compile(
     r"\bsession \d+|\bsession s?\d+\b|\bs1[0-9]\b|\bround \d+ of (?:work|the work)|\bwave \d|\bstop \d+\b"
     r"|\bwas fixed\b|\bfixed in\b|\bafter the fix\b|\bbefore the fix\b|\bthis branch\b|\bhelpers?'? (?:tests|ran)"
-    r"|\bin this session\b|\bthe (?:first|second|third|fourth) run\b",
+    r"|\bin this session\b|\bthe (?:first|second|third|fourth) run\b"
+    r"|\b20\d\d-\d\d-\d\d\b|\b\d\d:\d\d UTC\b",  # the day or hour something was measured
     re.I)
 
 
@@ -81,3 +82,12 @@ def test_docs_tell_no_development_history() -> None:
             if m:
                 found.append(f"{path.name}:{n}: {m.group(0)!r}: {line.strip()[:100]}")
     assert not found, "docs narrate development history:\n" + "\n".join(found)
+
+
+def test_the_history_pattern_catches_narrative_and_spares_ordinary_prose() -> None:
+    for narrative in ("Latest, session 11: the hog", "the JSON of stop 7", "was fixed in round 3 of work",
+                      "measured 2026-12-04 13:14 UTC", "after the fix: 5 of 5", "in wave 2 the loop"):
+        assert HISTORY.search(narrative), narrative
+    for prose in ("SIGSTOP 15 s, then SIGCONT", "the job session holds the generation", "a stop every hour",
+                  "checkpoint_every - 1 iterations", "torch 2.11, CUDA 13.0"):
+        assert not HISTORY.search(prose), prose
