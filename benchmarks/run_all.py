@@ -487,7 +487,7 @@ NOT_RECORDED = "not recorded"
 REPEATED_TITLE = ("The repeated set (predictor, simulator, scheduler, detector, reconfigure, e2e): median and "
                   "min-max range over interleaved repetitions")
 MAX_ROWS = 30  # rows of one table; the rest stay in the JSON
-MAX_COLS = 9
+MAX_COLS = 14
 MAX_FIGURES = 100  # single figures of one section; the rest stay in the JSON
 FIRST_KEYS = ("summary", "targets", "overhead", "ok", "problems")
 
@@ -638,9 +638,10 @@ def figures(d: JSON) -> list[str]:
                 for k, x in v.items():
                     walk(f"{prefix}.{k}" if prefix else str(k), x, depth + 1)
         elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            rows = {_row_name(x, i): x for i, x in enumerate(v)}
-            if len(rows) == len(v):
-                blocks.append([f"**{prefix}**", ""] + _table(rows, "row"))
+            names = [_row_name(x, i) for i, x in enumerate(v)]
+            if len(set(names)) < len(names):  # repeated names (a soak's failure kinds): number them
+                names = [f"{i + 1}: {n}" for i, n in enumerate(names)]
+            blocks.append([f"**{prefix}**", ""] + _table(dict(zip(names, v)), "row"))
 
     first = [k for k in FIRST_KEYS if k in d]  # a script's own summary leads its section
     for k in first + [k for k in d if k not in first]:
