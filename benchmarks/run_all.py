@@ -16,7 +16,8 @@ replaced (a run that writes no JSON leaves the previous file in place). Two kind
   ``--reps`` times as separate processes, interleaved (repetition 1 of every script,
   then repetition 2, ...) so a change of the machine's load hits all of them alike;
   every figure is the median over the repetitions with the min-max range, written to
-  ``measured.json`` (``e2e.py`` repeats its paired comparisons itself, ``--reps``);
+  ``measured.json`` (``measured-quick.json`` with ``--quick``; ``e2e.py`` repeats its paired
+  comparisons itself, ``--reps``);
 * *single runs* (:data:`SOURCES`): one configuration of one script each, one JSON file
   each (peers, soak, reconfigure variants, ...). ``--run`` runs the full-size ones,
   ``--run --quick`` the CI-sized ones; those that need a GPU are skipped without one.
@@ -666,7 +667,7 @@ def _demote(md: str) -> str:
 def section(path: Path, d: Any, sources: dict[str, Source]) -> list[str]:
     s = sources.get(path.name)
     out = [f"## `{path.name}`", ""]
-    if s or path.name == "measured.json":
+    if s or _repeated(path.name):
         out += [(s.title if s else REPEATED_TITLE) + ".", ""]
     if isinstance(d, str):  # the parse error
         return out + [d, ""]
@@ -700,6 +701,10 @@ def section(path: Path, d: Any, sources: dict[str, Source]) -> list[str]:
     return out + [""]
 
 
+def _repeated(name: str) -> bool:
+    return name in ("measured.json", "measured-quick.json")
+
+
 def generate(results: Path = RESULTS, sources: list[Source] | None = None) -> str:
     """docs/results.md's text from every ``*.json`` under ``results``."""
     by_file = {s.file: s for s in (SOURCES if sources is None else sources)}
@@ -722,7 +727,7 @@ def generate(results: Path = RESULTS, sources: list[Source] | None = None) -> st
             d = f"unreadable JSON: {e}"
         parsed.append((f, d))
         s = by_file.get(f.name)
-        title = s.title if s else REPEATED_TITLE if f.name == "measured.json" else "not a registered benchmark"
+        title = s.title if s else REPEATED_TITLE if _repeated(f.name) else "not a registered benchmark"
         date = run_meta(d)["date"] if isinstance(d, dict) else NOT_RECORDED
         anchor = re.sub(r"[^a-z0-9 _-]", "", f.name.lower()).replace(" ", "-")
         lines.append(f"| [`{f.name}`](#{anchor}) | {title} | {date} |")
@@ -775,7 +780,8 @@ def run_repeated(benches: list[Bench], args: argparse.Namespace) -> int:
             "failed": failed}
     md = markdown(rows, meta)
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "measured.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": records}, indent=2))
+    name = "measured-quick.json" if args.quick else "measured.json"  # one file per size: the latest of each
+    (args.results / name).write_text(json.dumps({"meta": meta, "table": rows, "runs": records}, indent=2) + "\n")
     print()
     print(md)
     if args.compare:
