@@ -64,10 +64,24 @@ def accelerate_env(config_file: str, script: str, script_args: list[str]) -> tup
     return a, dict(env)
 
 
+#: Every key of the DeepSpeed JSON's ``resihp`` section (docs/deepspeed.md).
+RESIHP_KEYS = ("num_layers", "iterations", "pp", "nodes", "checkpoint_every", "timeout_s", "backend", "faults",
+               "detector")
+
+
 def read_resihp_section(ds_config: dict[str, Any], path: str) -> dict[str, Any]:
+    """The ``resihp`` section, its required keys checked; an unknown key (a misspelled
+    optional one would be ignored silently) is refused with the closest valid name."""
+    import difflib
+
     sec = ds_config.get("resihp")
     if not isinstance(sec, dict):
         raise ValueError(f"{path}: no 'resihp' section (an object) in the DeepSpeed config")
+    for key in sec:
+        if key not in RESIHP_KEYS:
+            close = difflib.get_close_matches(str(key), RESIHP_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(RESIHP_KEYS)})"
+            raise ValueError(f"{path}: resihp.{key}: unknown key{hint}")
     for key in ("num_layers", "iterations"):
         v = sec.get(key)
         if not isinstance(v, int) or v < 1:
