@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.plan import ParallelPlan
+from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
@@ -120,7 +121,7 @@ class TorchNativeAdapter(Adapter):
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
         self._progress = (0, 0)
-        self._status: list[dict[str, Any]] = []  # checkpoint writes sealed since the last report
+        self._status: list[CheckpointWrite] = []  # checkpoint writes sealed since the last report
 
     # ------------------------------------------------------------ placement
     @property
@@ -269,10 +270,9 @@ class TorchNativeAdapter(Adapter):
                 checkpoints.prune(self.ctx.job.checkpoint_dir, self.ctx.job.checkpoint_keep)
             except (OSError, ValueError) as e:
                 error = f"{type(e).__name__}: {e}"
-        self._status.append({"iteration": iteration, "error": error, "bytes": nbytes,
-                             "seconds": time.perf_counter() - t0})
+        self._status.append(CheckpointWrite(iteration, error, nbytes, time.perf_counter() - t0))
 
-    def checkpoint_status(self) -> list[dict[str, Any]]:
+    def checkpoint_status(self) -> list[CheckpointWrite]:
         out, self._status = self._status, []
         return out
 
