@@ -82,6 +82,10 @@ def main() -> None:
     engine = initialize(layers, loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                         training_data=Pairs(4096, a.hidden), base_seed=7, partition_method="parameters",
                         shuffle=True)
+    # DeepSpeed's engine API, before the first step, under either launcher.
+    print(f"rank={os.environ.get('RANK')} start stage_id={engine.stage_id} "
+          f"local_layers={len(engine.module.forward_funcs)} optimizer={type(engine.optimizer).__name__} "
+          f"lr={engine.get_lr()[0]:g} global_steps={engine.global_steps}", flush=True)
     if a.load_dir:
         engine.load_checkpoint(a.load_dir)
     while engine.iteration < a.iterations:

@@ -34,14 +34,67 @@ from resihp_adapters.deepspeed.spec import PipelineSpec, load_ds_config
 __all__ = ["initialize", "ResilientEngine", "StockEngine"]
 
 
-class ResilientEngine:
-    """The user's handle under ``resihp launch``: behaves like DeepSpeed's
-    ``PipelineEngine`` for what pipeline scripts call (``train_batch``, ``module``,
-    ``global_rank``, ``get_lr``, ``is_last_stage``, ...), each call going to the engine
-    of the current plan generation (rebuilt at every reconfiguration)."""
+def _ds_callable(name: str) -> bool:
+    """Whether ``name`` is a method of DeepSpeed's ``PipelineEngine`` (else an attribute)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
+    return callable(getattr(PipelineEngine, name, None))
+
+
+class ResilientEngine:
+    """The user's handle under ``resihp launch``: answers DeepSpeed's ``PipelineEngine``
+    API (:mod:`.surface` lists how each name is answered), each call going to the job or
+    to the engine of the current plan generation (rebuilt at every reconfiguration).
+
+    The first plan generation is entered here, as ``deepspeed.initialize`` returns a
+    built engine: ``module``, ``stage_id``, ``optimizer``, ``get_lr()`` answer before the
+    first ``train_batch()``. Every rank of the job constructs it together (the
+    generation's rendezvous)."""
+
+    def __init__(self, worker: Any, spec: PipelineSpec) -> None:
+        object.__setattr__(self, "worker", worker)
+        object.__setattr__(self, "spec", spec)
+        # None: the stop came before any generation this device runs (then train_batch
+        # returns None at once).
+        object.__setattr__(self, "_ended", worker.next_iteration() is None)
+
+    # ------------------------------------------------------------------ DeepSpeed's API
+    def __getattr__(self, name: str) -> Any:
+        from resihp_adapters.deepspeed.surface import DELEGATED, REFUSED, EngineCallRefused, refusal, refused_call
+
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in REFUSED:
+            if _ds_callable(name):
+                return refused_call(name)
+            raise EngineCallRefused(refusal(name))
+        if name in DELEGATED:
+            return getattr(self._engine(name), name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (nor has DeepSpeed's PipelineEngine)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        from resihp_adapters.deepspeed.surface import DELEGATED, OWN, REFUSED, EngineCallRefused
+
+        if name in DELEGATED or name in REFUSED or name in OWN:
+            raise EngineCallRefused(
+                f"engine.{name} = ...: not available under resihp launch: a reconfiguration builds the engine "
+                "again from initialize()'s arguments and the DeepSpeed JSON, so the value would be lost silently "
+                "(set it there)")
+        object.__setattr__(self, name, value)
+
+    def _engine(self, name: str) -> Any:
+        """The current generation's engine, or why this rank has none (naming ``name``)."""
+        e = self.worker.adapter.engine
+        if e is not None:
+            return e
+        a = self.worker.adapter
+        if self._ended:
+            why = "the job has ended"
+        elif a.plan is None or a.where is None:
+            why = "this device is a standby in the current plan generation"
+        else:
+            why = a.idle_reason(a.plan)
+        raise RuntimeError(f"engine.{name}: device {a.ctx.device} runs no DeepSpeed engine now: {why}")
 
     @property
     def adapter(self) -> Any:
@@ -53,14 +106,30 @@ class ResilientEngine:
         that runs nothing in it)."""
         return self.worker.adapter.engine
 
-    def train_batch(self, data_iter: Any = None) -> float | None:
-        """Train one iteration; its global mean loss (on last-stage ranks; elsewhere the
-        value DeepSpeed broadcasts), or None once the job has ended. ``data_iter`` is
-        ignored: micro-batches are read by address from ``training_data``."""
-        r = self.worker.step()
-        if r is None:
+    def train_batch(self, data_iter: Any = None) -> Any:
+        """Train one iteration and return DeepSpeed's aggregated loss (a 0-dim tensor: the
+        global mean loss on last-stage ranks, elsewhere the value DeepSpeed broadcasts),
+        or None once the job has ended. Micro-batches are read by address from
+        ``training_data``, so a user's ``data_iter`` is refused (:mod:`.surface`)."""
+        import torch
+
+        from resihp_adapters.deepspeed.surface import REFUSED, EngineCallRefused
+
+        if data_iter is not None:
+            raise EngineCallRefused(f"engine.train_batch(data_iter): not available under resihp launch: "
+                                    f"{REFUSED['set_dataiterator']}")
+        if self._ended:
             return None
-        return self.worker.adapter.last_loss
+        if self.worker.step() is None:
+            object.__setattr__(self, "_ended", True)
+            return None
+        loss = self.worker.adapter.last_loss
+        if loss is None:
+            return None
+        e = self.current
+        agg = getattr(e, "agg_train_loss", None) if e is not None else None
+        dtype = agg.dtype if isinstance(agg, torch.Tensor) else torch.float64
+        return torch.tensor(loss, dtype=dtype)
 
     @property
     def iteration(self) -> int:
@@ -68,24 +137,48 @@ class ResilientEngine:
 
     @property
     def global_steps(self) -> int:
+        """Optimizer steps the job has committed (DeepSpeed's ``global_steps``)."""
         return self.worker.iteration
 
     @property
-    def module(self) -> Any:
-        """This rank's ``PipelineModule`` of the current generation."""
-        e = self.current
-        return e.module if e is not None else None
+    def global_samples(self) -> int:
+        return self.worker.iteration * self.train_batch_size()
+
+    def train_batch_size(self) -> int:
+        """The job's global batch in samples (constant across plan generations)."""
+        job = self.worker.job
+        return self.spec.micro_batch_size * job.num_microbatches * job.dp
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.spec.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per data shard and iteration, as the DeepSpeed JSON sets them
+        (the job's; a generation's engine divides losses by its own count)."""
+        return int(self.worker.job.num_microbatches)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.gradient_accumulation_steps()
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.spec.micro_batch_size
+
+    @property
+    def training_data(self) -> Any:
+        """The dataset given to ``initialize``."""
+        return self.spec.dataset
+
+    @property
+    def collate_fn(self) -> Any:
+        return self.spec.collate_fn
 
     @property
     def global_rank(self) -> int:
         """This process's rank as the launcher numbered it (stable across generations;
         the rank inside a generation's world is ``current.global_rank``)."""
         return int(os.environ.get("RANK", self.worker.device))
-
-    def get_lr(self) -> list[float] | None:
-        """The learning rate per parameter group (None on a rank that runs nothing now)."""
-        e = self.current
-        return e.get_lr() if e is not None else None
 
     def full_state(self) -> dict[str, Any]:
         """DeepSpeed's complete state of this rank by layout-independent names
@@ -131,9 +224,7 @@ class ResilientEngine:
         addresses the data by its own iteration, so the checkpoint must be of the step
         the job stands at (a plain-DeepSpeed checkpoint of step k needs the job to start
         at iteration k, which ``resihp launch`` cannot do yet): otherwise refused."""
-        e = self.current
-        if e is None:
-            raise RuntimeError("load_checkpoint: this rank runs nothing in the current plan generation")
+        e = self._engine("load_checkpoint")
         from resihp_adapters.deepspeed.engine import unbounded
 
         self.worker.adapter.check_initial_layout("load_checkpoint")
@@ -153,13 +244,20 @@ class ResilientEngine:
         e = self.current
         return bool(e is not None and e.is_first_stage())
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``destroy``: :meth:`close`."""
+        self.close()
+
     def close(self) -> None:
         """Release the engine and this generation's process groups (idempotent; also
         run at exit, when the script's loop ends before the job's stop reached it)."""
         self.worker.adapter.close()
 
+
 class StockEngine:
-    """Plain DeepSpeed (no ResiHP runtime): the same interface, the same data order."""
+    """Plain DeepSpeed (no ResiHP runtime): DeepSpeed's engine itself (every other name
+    is the engine's own), fed the same addressed micro-batches as under ResiHP when
+    ``train_batch()`` gets no iterator."""
 
     def __init__(self, engine: Any, source: Any) -> None:
         self.engine = engine
@@ -167,41 +265,30 @@ class StockEngine:
         self._source = source
         self._data = source.iterator(engine.grid.data_parallel_id)
 
-    def is_last_stage(self) -> bool:
-        return bool(self.engine.is_last_stage())
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("engine", "_source", "_data", "iteration"):
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
-    def is_first_stage(self) -> bool:
-        return bool(self.engine.is_first_stage())
+    def __setattr__(self, name: str, value: Any) -> None:
+        from resihp_adapters.deepspeed.surface import DELEGATED, OWN, REFUSED
+
+        if (name in DELEGATED or name in REFUSED or name in OWN) and self.__dict__.get("engine") is not None:
+            setattr(self.engine, name, value)  # DeepSpeed's engine is the one that reads it
+        else:
+            object.__setattr__(self, name, value)
 
     @property
-    def module(self) -> Any:
-        return self.engine.module
+    def current(self) -> Any:
+        """DeepSpeed's engine (as ``ResilientEngine.current`` is the generation's)."""
+        return self.engine
 
-    @property
-    def global_rank(self) -> int:
-        return int(self.engine.global_rank)
-
-    @property
-    def global_steps(self) -> int:
-        return int(self.engine.global_steps)
-
-    def get_lr(self) -> list[float]:
-        return self.engine.get_lr()
-
-    def train_batch(self) -> float:
-        loss = self.engine.train_batch(self._data)
+    def train_batch(self, data_iter: Any = None) -> Any:
+        """DeepSpeed's ``train_batch``: on ``data_iter`` when given, else on the
+        micro-batches ResiHP would read (the same order)."""
+        loss = self.engine.train_batch(self._data if data_iter is None else data_iter)
         self.iteration += 1
-        return float(loss)
-
-    def eval_batch(self, data_iter: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's own ``eval_batch``."""
-        return self.engine.eval_batch(data_iter, **kwargs)
-
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True) -> bool:
-        """DeepSpeed's own ``save_checkpoint``."""
-        return bool(self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
-                                                save_latest=save_latest))
+        return loss
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
         """DeepSpeed's own ``load_checkpoint``, then the data resumes at the loaded step
@@ -214,6 +301,9 @@ class StockEngine:
             self._data = self._source.iterator(self.engine.grid.data_parallel_id, start_iteration=step)
             self.engine.module.micro_offset = step * int(self.engine.gradient_accumulation_steps())
         return path, client
+
+    def destroy(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Break the engine apart and destroy every process group (idempotent; run at
@@ -294,7 +384,7 @@ def initialize(
         # What is loaded so far lives for the whole process: keep it out of the
         # collections that run when a generation's groups are released.
         gc.freeze()
-        handle: ResilientEngine | StockEngine = ResilientEngine(worker)
+        handle: ResilientEngine | StockEngine = ResilientEngine(worker, spec)
     else:
         handle = _stock(spec, num_stages or int(spec.resihp.get("pp", 2)), partition_method)
     atexit.register(handle.close)

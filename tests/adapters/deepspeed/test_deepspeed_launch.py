@@ -30,6 +30,7 @@ pytest.importorskip("accelerate")
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "deepspeed_pipeline"
 BIN = Path(sys.executable).parent
 LINE = re.compile(r"rank=(\d+) pid=(\d+) iteration=(\d+)(?: loss=([0-9.]+))?")
+START = re.compile(r"rank=(\d+) start (stage_id=\d+ local_layers=\d+ optimizer=\w+ lr=\S+ global_steps=\d+)")
 
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
@@ -110,6 +111,13 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     ref = {i: l for r, p, i, l in _lines(plain_out) if l is not None}
     assert sorted(ref) == list(range(1, iters + 1)), out.stdout[-2000:]
 
+    # DeepSpeed's engine API right after initialize, before the first step (module,
+    # stage_id, optimizer, get_lr()[0], global_steps): DeepSpeed's (2, 4) split, ranks
+    # stage-major as DeepSpeed numbers them.
+    want = {r: f"stage_id={r // 2} local_layers={(2, 4)[r // 2]} optimizer=AdamW lr=0.001 global_steps=0"
+            for r in range(4)}
+    assert dict((int(r), t) for r, t in START.findall(plain_out)) == want, plain_out[-2000:]
+
     out = ours
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{iters} iterations committed" in out.stdout
@@ -135,8 +143,10 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     seen: dict[int, set[int]] = {}
     last: dict[int, int] = {}
     losses: dict[int, float] = {}
+    starts: dict[int, str] = {}
     for d in range(4):
         log = (work / "job" / f"worker{d}.log").read_text()
+        starts.update((int(r), t) for r, t in START.findall(log))
         # A worker whose gloo threads outlived the interpreter died with SIGABRT here.
         assert "terminate called" not in log, log[-2000:]
         for r, p, i, l in _lines(log):
@@ -150,6 +160,7 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
         assert len(seen[r]) == 1, f"rank {r} changed process"
         assert last[r] == iters, f"rank {r} stopped at iteration {last[r]}"
     assert sorted(losses) == list(range(1, iters + 1))
+    assert starts == want, starts
 
     # DeepSpeed's own files, as plain DeepSpeed writes them (one stage's optimizer state
     # per model-parallel rank, layers by global index), and plain DeepSpeed trains on.
