@@ -218,22 +218,24 @@ class ResilientEngine:
             return bool(e.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
                                           save_latest=save_latest))
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint in DeepSpeed's own format (written by plain DeepSpeed or by
-        :meth:`save_checkpoint`) into the current generation's engine. ResiHP's runtime
-        addresses the data by its own iteration, so the checkpoint must be of the step
-        the job stands at (a plain-DeepSpeed checkpoint of step k needs the job to start
-        at iteration k, which ``resihp launch`` cannot do yet): otherwise refused."""
-        e = self._engine("load_checkpoint")
+        :meth:`save_checkpoint`) into the current generation's engine, on every rank of
+        the generation together: everything or nothing (:mod:`.ds_checkpoint`; a
+        missing, corrupt or other-model checkpoint raises ``CheckpointNotLoaded`` and
+        leaves every rank's state as it was). ResiHP's runtime addresses the data by its
+        own iteration, so the checkpoint must be of the step the job stands at (a
+        plain-DeepSpeed checkpoint of step k needs the job to start at iteration k,
+        which ``resihp launch`` cannot do yet): otherwise refused, before anything loads.
+        ``(None, None)`` as DeepSpeed when ``load_dir`` has no ``latest`` file."""
+        from resihp_adapters.deepspeed.ds_checkpoint import load_all_or_nothing
         from resihp_adapters.deepspeed.engine import unbounded
 
+        e = self._engine("load_checkpoint")
         self.worker.adapter.check_initial_layout("load_checkpoint")
         with unbounded():
-            path, client = e.load_checkpoint(load_dir, tag=tag, **kwargs)
-        if path is not None and int(e.global_steps) != int(self.iteration):
-            raise RuntimeError(f"load_checkpoint: {path} is of step {e.global_steps}, the job stands at iteration "
-                               f"{self.iteration}; ResiHP resumes a job only where its runtime stands")
-        return path, client
+            return load_all_or_nothing(e, load_dir, tag, int(self.iteration), **kwargs)
 
     def is_last_stage(self) -> bool:
         """True on ranks whose loss is the global mean (DeepSpeed's loss stage)."""
@@ -291,10 +293,13 @@ class StockEngine:
         return loss
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
-        """DeepSpeed's own ``load_checkpoint``, then the data resumes at the loaded step
+        """DeepSpeed's own ``load_checkpoint``, all or nothing on every rank as under
+        ResiHP (:mod:`.ds_checkpoint`), then the data resumes at the loaded step
         (micro-batches are addressed by iteration, as under ResiHP) and so does the
         dropout seed count (``PipelineModule.micro_offset``: forwards run so far)."""
-        path, client = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        from resihp_adapters.deepspeed.ds_checkpoint import load_all_or_nothing
+
+        path, client = load_all_or_nothing(self.engine, load_dir, tag, None, **kwargs)
         if path is not None:
             step = int(self.engine.global_steps)
             self.iteration = step
