@@ -252,11 +252,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}, stages {split}: "
           f"partition_method {method}), {sec['iterations']} iterations; logs in {work / 'job'}", flush=True)
 
+    from resihp_core.faults import load_scenario
+    from resihp_core.runtime.jobs import phases
+
+    faults = load_scenario(sec.get("faults", []))
+    phase_of = phases(faults)
+
     def on_iteration(rec: Any) -> None:
         print(f"iteration {rec.iteration:>3}  loss {rec.loss:.6f}  {rec.seconds:.2f}s  generation {rec.generation}",
               flush=True)
 
     def on_event(ev: dict) -> None:
+        phase_of.event(ev)  # a detected failure starts a report phase too
         print(f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:160]}", flush=True)
         if ev["kind"] == "plan" and ev.get("plan"):
             # The plan itself (ParallelPlan.to_text): where every device runs.
@@ -267,7 +274,10 @@ def run(args: argparse.Namespace) -> int:
         # Its own agents, started here: on a loaded machine one took over the
         # core's 60 s to import and connect (a dead one is seen when it exits).
         agents=dataclasses.replace(job.run.agents, timeout_s=AGENT_CONNECT_S),
-        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event)))
+        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event, phase_of=phase_of)))
+    report = getattr(args, "report", None)
+    if report and out.records:
+        write_launch_report(Path(report), out, faults, f"resihp demo --adapter deepspeed: PP{plan.pp} x DP{plan.dp}")
     if not out.ok:
         print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)
         return 1
@@ -275,6 +285,38 @@ def run(args: argparse.Namespace) -> int:
     print(f"resihp launch: {done} iterations committed; final plan generation "
           f"{out.final_plan.generation if out.final_plan else '?'}", flush=True)
     return 0 if done >= int(sec["iterations"]) else 1
+
+
+def write_launch_report(parent: Path, out: Any, faults: list[Any], title: str) -> Path:
+    """The report ``resihp demo`` writes (``report.write_report``: events JSON, loss,
+    iteration time and throughput plots, a summary) for a launch's run, in a new folder
+    under ``parent``; prints the summary table and the paths. No fault-free reference:
+    the script's losses are its own (the launch test compares them with plain DeepSpeed's)."""
+    import time
+
+    from resihp_core.report import format_table, summary_table, write_report
+
+    outdir = parent / f"demo-deepspeed-{time.strftime('%Y%m%d-%H%M%S')}"
+    records = out.records
+    # Iteration 0 carries process start-up (imports, rendezvous, the partition probe): an
+    # event, not a point of the iteration-time trace (as the default demo).
+    iterations = [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples,
+                       generation=r.generation, phase=r.phase) for r in records[1:]] or \
+        [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples, generation=r.generation,
+              phase=r.phase) for r in records]
+    events = [*out.events,
+              *(dict(kind="injection", iteration=f.iteration, generation=0,
+                     text=f"{f.kind} on device {f.device}" + (f" x{f.factor:.2f}" if f.kind == "slow" else ""))
+                for f in faults),
+              dict(kind="start-up", iteration=0, generation=0,
+                   text=f"start-up and first iteration {records[0].seconds:.1f} s")]
+    paths = write_report(outdir, iterations=iterations, events=events, title=title)
+    print()
+    print(format_table(summary_table(iterations)))
+    print(f"\nreport: {outdir}")
+    for name, path in paths.items():
+        print(f"  {name}: {path}")
+    return outdir
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -298,7 +340,8 @@ def run_demo(args: argparse.Namespace) -> int:
     os.chdir(work)
     try:
         ns = argparse.Namespace(config_file="accelerate.yaml", workdir=str(work / "run"), timeout=900.0,
-                                training_script="train.py", training_script_args=["--iterations", str(iterations)])
+                                training_script="train.py", training_script_args=["--iterations", str(iterations)],
+                                report=os.path.join(cwd, args.report) if getattr(args, "report", None) else None)
         return run(ns)
     finally:
         os.chdir(cwd)

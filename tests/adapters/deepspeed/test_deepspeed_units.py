@@ -326,3 +326,29 @@ def test_initial_split_is_deepspeeds_own_and_the_launch_probe_reports_it(tmp_pat
     # initialize() for this split, is the launch test's: test_deepspeed_launch.py).
     example = os.path.join(HERE, "..", "..", "..", "examples", "deepspeed_pipeline")
     assert check_script_calls_initialize(os.path.join(example, "train.py")) == "parameters"
+
+
+def test_the_deepspeed_demo_writes_the_default_demos_report(tmp_path):
+    """``resihp demo --adapter deepspeed --report DIR``: the same files as the default
+    demo (events JSON, loss / iteration time / throughput plots, summary), phases split
+    at the kill, start-up kept out of the trace."""
+    from types import SimpleNamespace
+
+    from resihp_adapters.deepspeed.launch import write_launch_report
+    from resihp_core.faults import load_scenario
+    from resihp_core.runtime.control import IterationRecord
+
+    faults = load_scenario([{"device": 3, "iteration": 3, "kind": "kill"}])
+    recs = [IterationRecord(iteration=i, loss=1.0 - 0.1 * i, seconds=9.0 if i == 0 else 0.1, samples=32,
+                            generation=int(i >= 3), phase="after kill on device 3" if i >= 3 else "healthy")
+            for i in range(6)]
+    plan_ev = {"kind": "plan", "iteration": 3, "generation": 1, "text": "generation 1"}
+    out = write_launch_report(tmp_path, SimpleNamespace(records=recs, events=[plan_ev]), faults, "ds demo")
+    assert out.parent == tmp_path and out.name.startswith("demo-deepspeed-")
+    assert sorted(p.name for p in out.iterdir()) == ["events.json", "iteration_time.png", "loss.png",
+                                                      "summary.md", "throughput.png"]
+    rec = json.loads((out / "events.json").read_text())
+    assert [r["iteration"] for r in rec["iterations"]] == [1, 2, 3, 4, 5]
+    kinds = {e["kind"] for e in rec["events"]}
+    assert {"plan", "injection", "start-up"} <= kinds
+    assert [p["phase"] for p in rec["phases"]] == ["healthy", "after kill on device 3"]
