@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--load-dir", help="engine.load_checkpoint from here first")
     a = ap.parse_args()
+    deepspeed.init_distributed()  # as a plain DeepSpeed script does (deferred under resihp launch)
     torch.set_default_dtype(getattr(torch, a.dtype))
     torch.set_num_threads(1)
     layers = [LayerSpec(Wide, a.hidden), *(LayerSpec(Block, a.hidden) for _ in range(a.layers - 1))]

@@ -147,8 +147,10 @@ def probe_partition(script: str, script_args: list[str], env: dict[str, str], pp
     penv.update({PROBE_ENV: str(answer), PROBE_STAGES_ENV: str(pp), "RANK": "0", "LOCAL_RANK": "0",
                  "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
     with open(log, "w") as out:
-        p = subprocess.Popen([sys.executable, script, *script_args], env=penv, stdout=out, stderr=subprocess.STDOUT,
-                             cwd=os.getcwd())
+        # Through the worker module: the script's deepspeed.init_distributed() is deferred
+        # there too (this process has no world to join; script_worker.py).
+        p = subprocess.Popen([sys.executable, "-m", "resihp_adapters.deepspeed.script_worker", "--probe", script,
+                              *script_args], env=penv, stdout=out, stderr=subprocess.STDOUT, cwd=os.getcwd())
         try:
             rc = p.wait(timeout=PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -126,6 +126,8 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     ds_split = [int(n) for n in re.findall(r"^stage=\d+ layers=(\d+)$", plain_out, re.M)]
     assert ds_split == [2, 4], plain_out[-2000:]
     assert "(PP2 x DP2, stages 0-2 2-6: partition_method parameters)" in out.stdout, out.stdout[:2000]
+    # The partition probe ran the script alone, its deepspeed.init_distributed() deferred.
+    assert "init_distributed() deferred" in (work / "partition-probe.log").read_text()
     # The plan after the kill keeps all 3 survivors busy: replica 1 keeps device 1 on
     # stage 0 and hands its stage-1 micro-batches to replica 0 (cross-replica migration),
     # and DeepSpeed runs that plan as it is (no device idles).
@@ -147,6 +149,9 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     for d in range(4):
         log = (work / "job" / f"worker{d}.log").read_text()
         starts.update((int(r), t) for r, t in START.findall(log))
+        # The script's own deepspeed.init_distributed() (a world of all launched ranks)
+        # waits for initialize(), which builds each generation's groups.
+        assert "resihp: deepspeed.init_distributed() deferred" in log, log[-2000:]
         # A worker whose gloo threads outlived the interpreter died with SIGABRT here.
         assert "terminate called" not in log, log[-2000:]
         for r, p, i, l in _lines(log):
