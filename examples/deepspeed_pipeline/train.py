@@ -78,11 +78,12 @@ def main() -> None:
     deepspeed.init_distributed()  # as a plain DeepSpeed script does (deferred under resihp launch)
     torch.set_default_dtype(getattr(torch, a.dtype))
     torch.set_num_threads(1)
+    torch.manual_seed(7)  # DeepSpeed builds the layers from this (seed_layers=False, its default)
     layers = [LayerSpec(Wide, a.hidden), *(LayerSpec(Block, a.hidden) for _ in range(a.layers - 1))]
     # As a plain DeepSpeed script: stages balanced by parameter count, and the shuffled
     # sample order DeepSpeed's own data loader (engine.deepspeed_io) gives.
     engine = initialize(layers, loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                        training_data=Pairs(4096, a.hidden), base_seed=7, partition_method="parameters",
+                        training_data=Pairs(4096, a.hidden), partition_method="parameters",
                         shuffle=True)
     # DeepSpeed's engine API, before the first step, under either launcher.
     print(f"rank={os.environ.get('RANK')} start stage_id={engine.stage_id} "

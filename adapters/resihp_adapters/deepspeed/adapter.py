@@ -173,7 +173,11 @@ class DeepSpeedAdapter(Adapter):
                               optimizer=self.optimizer_factory, loss_fn=self.spec.loss_fn,
                               base_seed=self.spec.base_seed, lr_scheduler=self.spec.lr_scheduler,
                               activation_checkpoint_interval=self.spec.activation_checkpoint_interval,
-                              checkpointable_layers=self.spec.checkpointable_layers)
+                              checkpointable_layers=self.spec.checkpointable_layers,
+                              seed_layers=self.spec.seed_layers,
+                              # Unseeded, the first generation draws what plain DeepSpeed's module draws.
+                              count_build=(generation == 0 and not self.spec.seed_layers
+                                           and self.spec.partition_method == "parameters"))
         # A partial-replica plan sums its stages' gradients instead of averaging them
         # (their replica counts differ): each loss is divided by the whole global batch.
         engine.loss_divisor = job.dp * job.num_microbatches / (1 if is_partial(plan) else len(live))

@@ -340,6 +340,7 @@ def initialize(
     shuffle: bool = False,
     data_seed: int = 0,
     partition_method: str = "uniform",
+    seed_layers: bool = False,
 ) -> ResilientEngine | StockEngine:
     """ResiHP's stand-in for ``deepspeed.initialize`` (see the module docstring).
 
@@ -359,6 +360,11 @@ def initialize(
         way; under ``resihp launch`` the first plan takes it (the launcher learns it from
         a probe run of the script, :mod:`.partition`) and the Scheduler repartitions from
         there (``docs/deepspeed.md``).
+    :param seed_layers: ``PipelineModule``'s, with DeepSpeed's default (False): layers
+        are built from the process's random state as plain DeepSpeed builds them, so the
+        same script starts from the same model under either launcher. True seeds each
+        layer (``base_seed`` + its index) and each dropout draw per micro-batch, which a
+        model with dropout needs for a recovery to be exact (``docs/deepspeed.md``).
     :param shuffle, data_seed: False: the order of the pipeline engine's own
         ``training_data`` loader; True: the order ``engine.deepspeed_io(dataset)`` gives
         (a shuffling ``DistributedSampler`` with seed ``data_seed``). Either way every
@@ -378,7 +384,7 @@ def initialize(
                         collate_fn=collate_fn, optimizer=optimizer, base_seed=base_seed, lr_scheduler=lr_scheduler,
                         activation_checkpoint_interval=activation_checkpoint_interval,
                         checkpointable_layers=checkpointable_layers, shuffle=shuffle, data_seed=data_seed,
-                        partition_method=partition_method)
+                        partition_method=partition_method, seed_layers=bool(seed_layers))
     if os.environ.get("RESIHP_STORE"):
         from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
         from resihp_core.runtime.worker import Worker
@@ -408,7 +414,7 @@ def _stock(spec: PipelineSpec, num_stages: int, partition_method: str = "uniform
 
     from resihp_adapters.deepspeed.partition import stock_module_class
 
-    module = stock_module_class()(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
+    module = stock_module_class()(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=spec.seed_layers,
                             base_seed=spec.base_seed, partition_method=partition_method,
                             activation_checkpoint_interval=spec.activation_checkpoint_interval,
                             checkpointable_layers=spec.checkpointable_layers)
