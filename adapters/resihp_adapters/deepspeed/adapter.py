@@ -85,6 +85,7 @@ class DeepSpeedAdapter(Adapter):
         self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
         self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs
         self._held: dict[int, dict[str, Any]] = {}  # layer state while no engine exists
+        self.idle_global: dict[str, Any] | None = None  # the GLOBAL unit an idle rank's get_lr() reads
         # Whether the engine holds the job's state: not between a rebuild and a state move
         # (or load) that succeeded. A failed move leaves the previous generation's state
         # in ``_held`` for the next plan (the contract: move_state puts it back).
@@ -534,6 +535,10 @@ class DeepSpeedAdapter(Adapter):
 
         if self.engine is None:
             self._held = {}
+            # An idle rank's loop still asks get_lr(): keep the checkpoint's optimizer
+            # groups and scheduler state for that only (idle.py); it is no state to move.
+            f = os.path.join(self._ckpt_dir(iteration), "global-tp0.pt")
+            self.idle_global = torch.load(f, weights_only=True) if os.path.exists(f) else None
             return
         path = self._ckpt_dir(iteration)
         t = self.xplan.location(self.ctx.device)[2]

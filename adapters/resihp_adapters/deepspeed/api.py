@@ -120,16 +120,42 @@ class ResilientEngine:
                                     f"{REFUSED['set_dataiterator']}")
         if self._ended:
             return None
-        if self.worker.step() is None:
+        result = self.worker.step()
+        if result is None:
             object.__setattr__(self, "_ended", True)
             return None
+        e = self.current
+        if e is None or not e.is_last_stage():
+            # DeepSpeed gives every stage the last stage's loss; a rank idle in this
+            # generation or off the last stage reads the committed one (idle.py).
+            from resihp_adapters.deepspeed.idle import committed_loss
+
+            w = self.worker
+            return torch.tensor(committed_loss(w.store, w.msg.generation, result.iteration, list(w.plan.devices())),
+                                dtype=torch.float64)
         loss = self.worker.adapter.last_loss
         if loss is None:
             return None
-        e = self.current
         agg = getattr(e, "agg_train_loss", None) if e is not None else None
         dtype = agg.dtype if isinstance(agg, torch.Tensor) else torch.float64
         return torch.tensor(loss, dtype=dtype)
+
+    def get_lr(self) -> list[float]:
+        """DeepSpeed's ``get_lr()`` of the current generation's engine; on a rank idle in
+        this generation (ZeRO 1 / bf16 whole-replica equivalent), the LR its held
+        scheduler state gives at the job's step (idle.py), so it is never None."""
+        e = self.current
+        if e is not None:
+            return e.get_lr()
+        a = self.worker.adapter
+        from resihp_adapters.deepspeed.state import GLOBAL
+
+        held = a._held if GLOBAL in a._held else {GLOBAL: a.idle_global} if a.idle_global is not None else None
+        if a.where is not None and held is not None:
+            from resihp_adapters.deepspeed.idle import held_lr
+
+            return held_lr(held, self.worker.iteration, self.spec, a.config)
+        return self._engine("get_lr").get_lr()  # raises with the reason
 
     @property
     def iteration(self) -> int:

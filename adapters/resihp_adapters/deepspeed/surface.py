@@ -10,7 +10,7 @@ is told, at the call, why it cannot:
   batch sizes, checkpoints, ...).
 - :data:`DELEGATED`: read from the current plan generation's engine, which *is*
   DeepSpeed's ``PipelineEngine`` (ResiHP's subclass): ``module``, ``optimizer``,
-  ``lr_scheduler``, ``stage_id``, ``grid``, ``get_lr()``, the config queries, ...
+  ``lr_scheduler``, ``stage_id``, ``grid``, the config queries, ...
   A reconfiguration builds a new engine, so read these again after ``train_batch``
   instead of keeping the objects.
 - :data:`REFUSED`: calls that would bypass ResiHP's schedule or change only the current
@@ -37,7 +37,7 @@ OWN = frozenset({
     "train_batch", "eval_batch", "save_checkpoint", "load_checkpoint", "destroy",
     "global_rank", "global_steps", "global_samples", "micro_batches", "micro_batch_size",
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "is_first_stage", "is_last_stage", "training_data", "collate_fn",
+    "is_first_stage", "is_last_stage", "training_data", "collate_fn", "get_lr",
 })
 
 _SCHEDULE = ("ResiHP's schedule runs forward, backward and the optimizer step inside train_batch() (as "
@@ -87,7 +87,7 @@ REFUSED: dict[str, str] = {
 DELEGATED = frozenset({
     # what scripts use
     "module", "optimizer", "lr_scheduler", "basic_optimizer", "client_optimizer", "client_lr_scheduler",
-    "stage_id", "num_stages", "grid", "prev_stage", "next_stage", "get_lr", "get_mom", "get_global_grad_norm",
+    "stage_id", "num_stages", "grid", "prev_stage", "next_stage", "get_mom", "get_global_grad_norm",
     "deepspeed_io", "device", "local_rank", "world_size", "dp_world_size", "mp_world_size", "seq_dp_world_size",
     "config", "mpu", "monitor", "timers", "get_wall_clock_timers", "engine_timers", "engine_timers_cache",
     "get_data_parallel_rank", "get_model_parallel_rank", "get_pipeline_parallel_rank", "get_tensor_parallel_rank",

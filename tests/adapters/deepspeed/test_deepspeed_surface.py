@@ -62,7 +62,7 @@ class _Worker:
         self.iteration, self.device = 3, 1
         self.job = SimpleNamespace(num_microbatches=4, dp=2)
         self.adapter = SimpleNamespace(engine=engine, plan=None, where=None, ctx=SimpleNamespace(device=1),
-                                       close=lambda: None)
+                                       close=lambda: None, _held={}, idle_global=None)
 
     def next_iteration(self) -> int:
         return self.iteration
