@@ -34,6 +34,43 @@ from resihp_adapters.deepspeed.spec import PipelineSpec, load_ds_config
 __all__ = ["initialize", "ResilientEngine", "StockEngine"]
 
 
+class AddressedLoader:
+    """What :meth:`ResilientEngine.deepspeed_io` returns: iterated, DeepSpeed's own loader
+    of the current plan generation (``engine.deepspeed_io`` there); given to
+    ``train_batch(data_iter)`` (bare or in DeepSpeed's ``RepeatingLoader``), the order
+    ResiHP reads micro-batches in by address, which is this loader's order on every
+    replica (``DistributedSampler(shuffle=True, seed=0)``, :class:`~.data.MicroBatchSource`)."""
+
+    def __init__(self, handle: ResilientEngine, dataset: Any, options: dict[str, Any]) -> None:
+        self.handle, self.dataset, self.options = handle, dataset, options
+
+    def __iter__(self) -> Any:
+        def batches() -> Any:  # built at the first next(): RepeatingLoader calls iter() at once
+            yield from self.handle._engine("deepspeed_io").deepspeed_io(self.dataset, **self.options)
+
+        return batches()
+
+    def __len__(self) -> int:
+        return len(self.handle._engine("deepspeed_io").deepspeed_io(self.dataset, **self.options))
+
+    def addressable(self, spec: PipelineSpec) -> str | None:
+        """Why ResiHP cannot read this loader's micro-batches by address (None: it can)."""
+        from deepspeed.runtime.constants import ROUTE_TRAIN
+
+        o = self.options
+        if self.dataset is not spec.dataset:
+            return "its dataset is not the one given to initialize(training_data=...)"
+        if o.get("route", ROUTE_TRAIN) != ROUTE_TRAIN:
+            return f"its route is {o['route']!r}, not training"
+        if o.get("data_sampler") is not None:
+            return "it has its own data_sampler, which ResiHP cannot address for another replica's micro-batches"
+        if o.get("batch_size") not in (None, spec.micro_batch_size):
+            return f"its batch_size {o['batch_size']} is not train_micro_batch_size_per_gpu ({spec.micro_batch_size})"
+        if o.get("collate_fn") not in (None, spec.collate_fn):
+            return "its collate_fn is not the one given to initialize(collate_fn=...)"
+        return None
+
+
 def _ds_callable(name: str) -> bool:
     """Whether ``name`` is a method of DeepSpeed's ``PipelineEngine`` (else an attribute)."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -113,11 +150,7 @@ class ResilientEngine:
         ``training_data``, so a user's ``data_iter`` is refused (:mod:`.surface`)."""
         import torch
 
-        from resihp_adapters.deepspeed.surface import REFUSED, EngineCallRefused
-
-        if data_iter is not None:
-            raise EngineCallRefused(f"engine.train_batch(data_iter): not available under resihp launch: "
-                                    f"{REFUSED['set_dataiterator']}")
+        self._data_order(data_iter)
         if self._ended:
             return None
         result = self.worker.step()
@@ -139,6 +172,53 @@ class ResilientEngine:
         agg = getattr(e, "agg_train_loss", None) if e is not None else None
         dtype = agg.dtype if isinstance(agg, torch.Tensor) else torch.float64
         return torch.tensor(loss, dtype=dtype)
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str | None = None,
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: int | None = None) -> AddressedLoader:
+        """DeepSpeed's ``deepspeed_io``: a loader that iterates as the current generation's
+        engine's, and that ``train_batch(data_iter)`` accepts (:class:`AddressedLoader`)."""
+        from deepspeed.runtime.constants import ROUTE_TRAIN
+
+        opts = {"batch_size": batch_size, "route": ROUTE_TRAIN if route is None else route,
+                "pin_memory": pin_memory, "data_sampler": data_sampler, "collate_fn": collate_fn,
+                "num_local_io_workers": num_local_io_workers}
+        return AddressedLoader(self, dataset, opts)
+
+    def _data_order(self, data_iter: Any) -> None:
+        """Check ``train_batch``'s ``data_iter`` and fix the job's micro-batch order on the
+        first call: None reads ``initialize``'s (``shuffle``); a loader of
+        :meth:`deepspeed_io` (bare or in a ``RepeatingLoader``) reads that loader's order
+        (DeepSpeed's shuffling sampler, seed 0) by address, so a migrated or recovered
+        micro-batch is the one DeepSpeed's loader gives that replica. The iterator
+        itself is not consumed. Any other iterator is refused with the reason."""
+        from deepspeed.runtime.dataloader import RepeatingLoader
+
+        from resihp_adapters.deepspeed.surface import REFUSED, EngineCallRefused
+
+        kind = "initialize"
+        if data_iter is not None:
+            loader = data_iter.loader if isinstance(data_iter, RepeatingLoader) else data_iter
+            why = ("it is not a loader of this engine's deepspeed_io()" if not isinstance(loader, AddressedLoader)
+                   or loader.handle is not self else loader.addressable(self.spec))
+            if why is not None:
+                raise EngineCallRefused(f"engine.train_batch(data_iter): not available under resihp launch for this "
+                                        f"iterator ({why}): {REFUSED['set_dataiterator']}")
+            kind = "deepspeed_io"
+        chosen = self.__dict__.get("_order")
+        if chosen is None:
+            if kind == "deepspeed_io":
+                from resihp_adapters.deepspeed.data import MicroBatchSource
+
+                a = self.worker.adapter
+                s = a.source
+                a.source = MicroBatchSource(s.dataset, s.collate_fn, s.micro_batch_size, s.num_microbatches,
+                                            s.replicas, shuffle=True, seed=0)
+            object.__setattr__(self, "_order", kind)
+        elif chosen != kind:
+            raise EngineCallRefused(f"engine.train_batch: the job reads micro-batches in the order of {chosen}() since "
+                                    f"its first step; mixing train_batch() and train_batch(deepspeed_io loader) "
+                                    "would change the order mid-job")
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's ``get_lr()`` of the current generation's engine; on a rank idle in

@@ -37,14 +37,14 @@ OWN = frozenset({
     "train_batch", "eval_batch", "save_checkpoint", "load_checkpoint", "destroy",
     "global_rank", "global_steps", "global_samples", "micro_batches", "micro_batch_size",
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "is_first_stage", "is_last_stage", "training_data", "collate_fn", "get_lr",
+    "is_first_stage", "is_last_stage", "training_data", "collate_fn", "get_lr", "deepspeed_io",
 })
 
 _SCHEDULE = ("ResiHP's schedule runs forward, backward and the optimizer step inside train_batch() (as "
              "DeepSpeed's PipelineEngine, which refuses it too)")
 _DATA = ("under resihp launch micro-batches are read by address from initialize(training_data=...), so a "
-         "migrated or recovered micro-batch is the right one; give the dataset (and shuffle=True for "
-         "deepspeed_io's order) to initialize")
+         "migrated or recovered micro-batch is the right one; give the dataset to initialize and call "
+         "train_batch() or train_batch(RepeatingLoader(engine.deepspeed_io(training_data)))")
 _BATCH = ("the job's global batch is fixed by the DeepSpeed JSON; each plan generation derives its own "
           "batch settings from it")
 _REDUCE = ("gradient reductions run inside train_batch() over the plan generation's groups, which a "
@@ -88,7 +88,7 @@ DELEGATED = frozenset({
     # what scripts use
     "module", "optimizer", "lr_scheduler", "basic_optimizer", "client_optimizer", "client_lr_scheduler",
     "stage_id", "num_stages", "grid", "prev_stage", "next_stage", "get_mom", "get_global_grad_norm",
-    "deepspeed_io", "device", "local_rank", "world_size", "dp_world_size", "mp_world_size", "seq_dp_world_size",
+    "device", "local_rank", "world_size", "dp_world_size", "mp_world_size", "seq_dp_world_size",
     "config", "mpu", "monitor", "timers", "get_wall_clock_timers", "engine_timers", "engine_timers_cache",
     "get_data_parallel_rank", "get_model_parallel_rank", "get_pipeline_parallel_rank", "get_tensor_parallel_rank",
     "get_sequence_parallel_group", "data_parallel_group", "seq_data_parallel_group", "seq_parallel_group",

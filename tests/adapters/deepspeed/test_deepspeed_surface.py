@@ -91,7 +91,7 @@ def test_refused_calls_and_assignments_name_the_call_and_the_reason():
                        (lambda: h.training_dataloader, "training_dataloader"),
                        (lambda: h.train_batch(iter([])), "train_batch(data_iter)"),
                        (lambda: h.load_module_state_dict({}), "load_module_state_dict")):
-        with pytest.raises(EngineCallRefused, match=rf"engine\.{re.escape(name)}[ :=].*resihp launch: \w+"):
+        with pytest.raises(EngineCallRefused, match=rf"engine\.{re.escape(name)}[ :=].*not available under resihp launch"):
             call()
     assert callable(h.backward)  # a method stays a method (hasattr answers), refused when called
     with pytest.raises(EngineCallRefused, match=r"engine\.optimizer = \.\.\..*lost"):
@@ -115,3 +115,30 @@ def test_the_stock_handle_is_deepspeeds_engine_for_every_other_name():
     assert s.current is ds and s.stage_id == 1 and s.grid is ds.grid
     s.eval_return_logits = True  # DeepSpeed's engine is the one that reads it
     assert ds.eval_return_logits is True
+
+
+def test_train_batch_takes_a_deepspeed_io_loader_of_the_training_data_and_reads_its_order():
+    """``train_batch(RepeatingLoader(engine.deepspeed_io(training_data)))``: the job reads
+    micro-batches by address in that loader's order (DeepSpeed's shuffling sampler, seed
+    0) from its first step; another iterator, another dataset or mixing is refused."""
+    from deepspeed.utils import RepeatingLoader
+
+    from resihp_adapters.deepspeed.data import MicroBatchSource
+
+    data = [(torch.tensor([float(i)]), torch.tensor([0.0])) for i in range(16)]
+    src = MicroBatchSource(data, MicroBatchSource.default_collate, 2, 4, 2, shuffle=False)
+    h = _handle(None)
+    h.spec.dataset, h.spec.micro_batch_size, h.worker.adapter.source = data, 2, src
+    with pytest.raises(EngineCallRefused, match=r"its dataset is not the one given to initialize"):
+        h._data_order(RepeatingLoader(h.deepspeed_io(list(data))))
+    with pytest.raises(EngineCallRefused, match=r"its own data_sampler"):
+        h._data_order(h.deepspeed_io(data, data_sampler=object()))
+    with pytest.raises(EngineCallRefused, match=r"not a loader of this engine's deepspeed_io"):
+        h._data_order(iter(data))
+    h._data_order(RepeatingLoader(h.deepspeed_io(data)))  # RepeatingLoader iterates lazily: no engine needed yet
+    got = h.worker.adapter.source
+    want = MicroBatchSource(data, src.collate_fn, 2, 4, 2, shuffle=True, seed=0)
+    assert got.shuffle and [got.indices(1, r, 2) for r in (0, 1)] == [want.indices(1, r, 2) for r in (0, 1)]
+    assert [got.indices(1, r, 2) for r in (0, 1)] != [src.indices(1, r, 2) for r in (0, 1)]
+    with pytest.raises(EngineCallRefused, match=r"mixing"):
+        h._data_order(None)
