@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from resihp_adapters.deepspeed.spec import PipelineSpec, load_ds_config
+
+if TYPE_CHECKING:
+    from resihp_core.runtime.worker import Worker
 
 __all__ = ["initialize", "ResilientEngine", "StockEngine"]
 
@@ -44,8 +47,8 @@ class AddressedLoader:
     def __init__(self, handle: ResilientEngine, dataset: Any, options: dict[str, Any]) -> None:
         self.handle, self.dataset, self.options = handle, dataset, options
 
-    def __iter__(self) -> Any:
-        def batches() -> Any:  # built at the first next(): RepeatingLoader calls iter() at once
+    def __iter__(self) -> Iterator[Any]:
+        def batches() -> Iterator[Any]:  # built at the first next(): RepeatingLoader calls iter() at once
             yield from self.handle._engine("deepspeed_io").deepspeed_io(self.dataset, **self.options)
 
         return batches()
@@ -88,7 +91,7 @@ class ResilientEngine:
     first ``train_batch()``. Every rank of the job constructs it together (the
     generation's rendezvous)."""
 
-    def __init__(self, worker: Any, spec: PipelineSpec) -> None:
+    def __init__(self, worker: Worker, spec: PipelineSpec) -> None:
         object.__setattr__(self, "worker", worker)
         object.__setattr__(self, "spec", spec)
         # None: the stop came before any generation this device runs (then train_batch
