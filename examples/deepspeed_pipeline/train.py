@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 
+import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec
+from deepspeed.utils import RepeatingLoader
 from torch import nn
 
 from resihp_adapters.deepspeed import initialize
@@ -74,18 +76,27 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--load-dir", help="engine.load_checkpoint from here first")
     a = ap.parse_args()
+    deepspeed.init_distributed()  # as a plain DeepSpeed script does (deferred under resihp launch)
     torch.set_default_dtype(getattr(torch, a.dtype))
     torch.set_num_threads(1)
+    torch.manual_seed(7)  # DeepSpeed builds the layers from this (seed_layers=False, its default)
     layers = [LayerSpec(Wide, a.hidden), *(LayerSpec(Block, a.hidden) for _ in range(a.layers - 1))]
-    # As a plain DeepSpeed script: stages balanced by parameter count, and the shuffled
-    # sample order DeepSpeed's own data loader (engine.deepspeed_io) gives.
+    # As a plain DeepSpeed script: stages balanced by parameter count, and DeepSpeed's own
+    # data loader (engine.deepspeed_io: a shuffling DistributedSampler per replica).
+    dataset = Pairs(4096, a.hidden)
     engine = initialize(layers, loss_fn=mse, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                        training_data=Pairs(4096, a.hidden), base_seed=7, partition_method="parameters",
-                        shuffle=True)
+                        training_data=dataset, partition_method="parameters")
+    # DeepSpeed's engine API, before the first step, under either launcher.
+    print(f"rank={os.environ.get('RANK')} start stage_id={engine.stage_id} "
+          f"local_layers={len(engine.module.forward_funcs)} optimizer={type(engine.optimizer).__name__} "
+          f"lr={engine.get_lr()[0]:g} global_steps={engine.global_steps}", flush=True)
+    train_iter = RepeatingLoader(engine.deepspeed_io(dataset))
     if a.load_dir:
         engine.load_checkpoint(a.load_dir)
+        for _ in range(engine.global_steps * engine.gradient_accumulation_steps()):
+            next(train_iter)  # the data resumes where the checkpoint's step left it
     while engine.iteration < a.iterations:
-        loss = engine.train_batch()
+        loss = engine.train_batch(train_iter)
         if loss is None:  # the job ended (resihp launch decides how many iterations)
             break
         shown = f" loss={loss:.10f}" if engine.is_last_stage() else ""

@@ -145,15 +145,17 @@ def _describe(report: FailureReport | None) -> str:
 def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
     """A fresh uniform layout on the surviving devices, for a restart from checkpoint.
 
-    Keeps the number of stages and the global batch (``dp * m`` micro-batches, the same
-    micro-batches in the same order, re-split over the new replicas). Tries TP degrees
+    Keeps the global batch (``dp * m`` micro-batches, the same micro-batches in the same
+    order, re-split over the new replicas) and the number of stages; when the survivors
+    cannot hold that many and the adapter repartitions layers, fewer stages (down to
+    one), as far as the memory model lets a device hold the larger stages. Tries TP degrees
     from the nominal one down (only the nominal one without ``tp_resize``); TP groups
     stay inside a node, healthiest devices first; picks the layout with the most
     devices in use (then the larger degree), with a replica count dividing the global
     batch and every group fitting its stage in memory. Leftover devices are standbys.
     """
     cur = state.plan
-    pp, total = cur.pp, cur.dp * cur.num_microbatches
+    total = cur.dp * cur.num_microbatches
     t0 = max((len(g) for rep in state.home.tp_groups for g in rep), default=1)  # nominal
     degrees = [t0]
     if state.capabilities.tp_resize:
@@ -161,6 +163,47 @@ def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
         while k >= state.k_min:
             degrees.append(k)
             k //= 2
+    # The job's stage count first; with layer repartition, fewer stages (more layers
+    # each) when the survivors cannot hold it, as far as the model fits in memory.
+    counts = range(cur.pp, 0, -1) if state.capabilities.layer_repartition else (cur.pp,)
+    best: tuple[int, int, list[tuple[int, ...]]] | None = None
+    for pp in counts:
+        best = _restore_groups(state, cur, pp, total, degrees)
+        if best is not None:
+            break
+    if best is None:
+        fewer = " or fewer" if len(counts) > 1 else ""
+        raise PlannerError(
+            f"cannot restore: {len(state.topology.ids - state.failed)} surviving devices "
+            f"cannot hold {cur.pp}{fewer} stages at any allowed TP degree {degrees} within memory"
+        )
+    ranges = even_layer_ranges(cur.num_layers, pp)
+    dp_new, t, groups = best
+    slots = _place_by_state(cur, groups, ranges, dp_new)
+    tp_groups = tuple(tuple(slots[s][r] for s in range(pp)) for r in range(dp_new))
+    in_use = {d for stage in slots for g in stage for d in g}
+    standbys = tuple(d for d in sorted(state.topology.ids)
+                     if d not in in_use and d not in state.failed)
+    plan = ParallelPlan(
+        num_layers=cur.num_layers,
+        layer_ranges=ranges,
+        tp_groups=tp_groups,
+        num_microbatches=total // dp_new,
+        schedule=cur.schedule,
+        generation=cur.generation,
+        standbys=standbys,
+        excluded=frozenset(state.failed),
+        num_heads=cur.num_heads,
+    )
+    ntok, ssq = state.features
+    feats = (ntok.reshape(dp_new, -1).copy(), ssq.reshape(dp_new, -1).copy())
+    return plan, feats
+
+
+def _restore_groups(state: PlannerState, cur: ParallelPlan, pp: int, total: int,
+                    degrees: list[int]) -> tuple[int, int, list[tuple[int, ...]]] | None:
+    """The best (replicas, TP degree, groups) of :func:`restore_layout` for ``pp``
+    stages, or None when the survivors cannot hold them."""
     ranges = even_layer_ranges(cur.num_layers, pp)
     max_layers = max(b - a for a, b in ranges)
     best: tuple[int, int, list[tuple[int, ...]]] | None = None
@@ -185,31 +228,7 @@ def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
             continue
         if best is None or dp_new * t > best[0] * best[1]:
             best = (dp_new, t, groups)
-    if best is None:
-        raise PlannerError(
-            f"cannot restore: {len(state.topology.ids - state.failed)} surviving devices "
-            f"cannot hold {pp} stages at any allowed TP degree {degrees} within memory"
-        )
-    dp_new, t, groups = best
-    slots = _place_by_state(cur, groups, ranges, dp_new)
-    tp_groups = tuple(tuple(slots[s][r] for s in range(pp)) for r in range(dp_new))
-    in_use = {d for stage in slots for g in stage for d in g}
-    standbys = tuple(d for d in sorted(state.topology.ids)
-                     if d not in in_use and d not in state.failed)
-    plan = ParallelPlan(
-        num_layers=cur.num_layers,
-        layer_ranges=ranges,
-        tp_groups=tp_groups,
-        num_microbatches=total // dp_new,
-        schedule=cur.schedule,
-        generation=cur.generation,
-        standbys=standbys,
-        excluded=frozenset(state.failed),
-        num_heads=cur.num_heads,
-    )
-    ntok, ssq = state.features
-    feats = (ntok.reshape(dp_new, -1).copy(), ssq.reshape(dp_new, -1).copy())
-    return plan, feats
+    return best
 
 
 def _place_by_state(cur: ParallelPlan, groups: list[tuple[int, ...]], ranges: Sequence[tuple[int, int]],

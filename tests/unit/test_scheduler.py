@@ -231,10 +231,25 @@ def test_restore_keeps_the_global_batch_without_cross_replica_migration() -> Non
     assert not d.plan.migrations
 
 
-def test_restore_impossible_and_no_checkpoint_are_errors() -> None:
+def test_restore_shrinks_to_fewer_stages_as_far_as_memory_allows() -> None:
+    """One device left for two stages: with layer repartition the restore runs the whole
+    model as one stage on it; without, or when one device cannot hold the whole model in
+    memory, it is an error that says so."""
     st = tiny(tp=1, pp=2, dp=1, m=2, devices_per_node=2)
-    with pytest.raises(PlannerError, match="cannot restore"):
-        planner().plan(st, stop(1))  # one device left for two stages
+    d = planner().plan(st, stop(1))
+    assert d.kind == "restore" and d.plan.pp == 1 and tuple(d.plan.devices()) == (0,)
+    assert d.plan.layer_ranges == ((0, 2),) and d.plan.dp * d.plan.num_microbatches == 2
+    check_programs(d.programs())
+    fixed = replace(Capabilities.all(), layer_repartition=False)
+    with pytest.raises(PlannerError, match="cannot restore: 1 surviving devices cannot hold 2 stages"):
+        planner().plan(tiny(tp=1, pp=2, dp=1, m=2, devices_per_node=2, capabilities=fixed), stop(1))
+    # 50 GiB per layer: one layer fits an 80 GiB device, the whole model does not.
+    big = tiny(tp=1, pp=2, dp=1, m=2, devices_per_node=2, memory=MemoryModel(layer_state_gib=50.0))
+    with pytest.raises(PlannerError, match="cannot hold 2 or fewer stages"):
+        planner().plan(big, stop(1))
+
+
+def test_restore_impossible_and_no_checkpoint_are_errors() -> None:
     caps = replace(Capabilities.all(), checkpoint=False)
     st2 = tiny(tp=1, pp=2, dp=1, m=2, capabilities=caps)
     with pytest.raises(PlannerError, match="checkpoint"):

@@ -86,6 +86,7 @@ class DeepSpeedAdapter(Adapter):
         self.plan: ParallelPlan | None = None  # the plan as posted (``where`` refers to it)
         self.xplan: ParallelPlan | None = None  # the whole-replica plan DeepSpeed runs
         self._held: dict[int, dict[str, Any]] = {}  # layer state while no engine exists
+        self.idle_global: dict[str, Any] | None = None  # the GLOBAL unit an idle rank's get_lr() reads
         # Whether the engine holds the job's state: not between a rebuild and a state move
         # (or load) that succeeded. A failed move leaves the previous generation's state
         # in ``_held`` for the next plan (the contract: move_state puts it back).
@@ -174,7 +175,11 @@ class DeepSpeedAdapter(Adapter):
                               optimizer=self.optimizer_factory, loss_fn=self.spec.loss_fn,
                               base_seed=self.spec.base_seed, lr_scheduler=self.spec.lr_scheduler,
                               activation_checkpoint_interval=self.spec.activation_checkpoint_interval,
-                              checkpointable_layers=self.spec.checkpointable_layers)
+                              checkpointable_layers=self.spec.checkpointable_layers,
+                              seed_layers=self.spec.seed_layers,
+                              # Unseeded, the first generation draws what plain DeepSpeed's module draws.
+                              count_build=(generation == 0 and not self.spec.seed_layers
+                                           and self.spec.partition_method == "parameters"))
         # A partial-replica plan sums its stages' gradients instead of averaging them
         # (their replica counts differ): each loss is divided by the whole global batch.
         engine.loss_divisor = job.dp * job.num_microbatches / (1 if is_partial(plan) else len(live))
@@ -530,6 +535,10 @@ class DeepSpeedAdapter(Adapter):
 
         if self.engine is None:
             self._held = {}
+            # An idle rank's loop still asks get_lr(): keep the checkpoint's optimizer
+            # groups and scheduler state for that only (idle.py); it is no state to move.
+            f = os.path.join(self._ckpt_dir(iteration), "global-tp0.pt")
+            self.idle_global = torch.load(f, weights_only=True) if os.path.exists(f) else None
             return
         path = self._ckpt_dir(iteration)
         t = self.xplan.location(self.ctx.device)[2]

@@ -27,21 +27,114 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from resihp_adapters.deepspeed.spec import PipelineSpec, load_ds_config
+
+if TYPE_CHECKING:
+    from resihp_core.runtime.worker import Worker
 
 __all__ = ["initialize", "ResilientEngine", "StockEngine"]
 
 
-class ResilientEngine:
-    """The user's handle under ``resihp launch``: behaves like DeepSpeed's
-    ``PipelineEngine`` for what pipeline scripts call (``train_batch``, ``module``,
-    ``global_rank``, ``get_lr``, ``is_last_stage``, ...), each call going to the engine
-    of the current plan generation (rebuilt at every reconfiguration)."""
+class AddressedLoader:
+    """What :meth:`ResilientEngine.deepspeed_io` returns: iterated, DeepSpeed's own loader
+    of the current plan generation (``engine.deepspeed_io`` there); given to
+    ``train_batch(data_iter)`` (bare or in DeepSpeed's ``RepeatingLoader``), the order
+    ResiHP reads micro-batches in by address, which is this loader's order on every
+    replica (``DistributedSampler(shuffle=True, seed=0)``, :class:`~.data.MicroBatchSource`)."""
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
+    def __init__(self, handle: ResilientEngine, dataset: Any, options: dict[str, Any]) -> None:
+        self.handle, self.dataset, self.options = handle, dataset, options
+
+    def __iter__(self) -> Iterator[Any]:
+        def batches() -> Iterator[Any]:  # built at the first next(): RepeatingLoader calls iter() at once
+            yield from self.handle._engine("deepspeed_io").deepspeed_io(self.dataset, **self.options)
+
+        return batches()
+
+    def __len__(self) -> int:
+        return len(self.handle._engine("deepspeed_io").deepspeed_io(self.dataset, **self.options))
+
+    def addressable(self, spec: PipelineSpec) -> str | None:
+        """Why ResiHP cannot read this loader's micro-batches by address (None: it can)."""
+        from deepspeed.runtime.constants import ROUTE_TRAIN
+
+        o = self.options
+        if self.dataset is not spec.dataset:
+            return "its dataset is not the one given to initialize(training_data=...)"
+        if o.get("route", ROUTE_TRAIN) != ROUTE_TRAIN:
+            return f"its route is {o['route']!r}, not training"
+        if o.get("data_sampler") is not None:
+            return "it has its own data_sampler, which ResiHP cannot address for another replica's micro-batches"
+        if o.get("batch_size") not in (None, spec.micro_batch_size):
+            return f"its batch_size {o['batch_size']} is not train_micro_batch_size_per_gpu ({spec.micro_batch_size})"
+        if o.get("collate_fn") not in (None, spec.collate_fn):
+            return "its collate_fn is not the one given to initialize(collate_fn=...)"
+        return None
+
+
+def _ds_callable(name: str) -> bool:
+    """Whether ``name`` is a method of DeepSpeed's ``PipelineEngine`` (else an attribute)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return callable(getattr(PipelineEngine, name, None))
+
+
+class ResilientEngine:
+    """The user's handle under ``resihp launch``: answers DeepSpeed's ``PipelineEngine``
+    API (:mod:`.surface` lists how each name is answered), each call going to the job or
+    to the engine of the current plan generation (rebuilt at every reconfiguration).
+
+    The first plan generation is entered here, as ``deepspeed.initialize`` returns a
+    built engine: ``module``, ``stage_id``, ``optimizer``, ``get_lr()`` answer before the
+    first ``train_batch()``. Every rank of the job constructs it together (the
+    generation's rendezvous)."""
+
+    def __init__(self, worker: Worker, spec: PipelineSpec) -> None:
+        object.__setattr__(self, "worker", worker)
+        object.__setattr__(self, "spec", spec)
+        # None: the stop came before any generation this device runs (then train_batch
+        # returns None at once).
+        object.__setattr__(self, "_ended", worker.next_iteration() is None)
+
+    # ------------------------------------------------------------------ DeepSpeed's API
+    def __getattr__(self, name: str) -> Any:
+        from resihp_adapters.deepspeed.surface import DELEGATED, REFUSED, EngineCallRefused, refusal, refused_call
+
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in REFUSED:
+            if _ds_callable(name):
+                return refused_call(name)
+            raise EngineCallRefused(refusal(name))
+        if name in DELEGATED:
+            return getattr(self._engine(name), name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (nor has DeepSpeed's PipelineEngine)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        from resihp_adapters.deepspeed.surface import DELEGATED, OWN, REFUSED, EngineCallRefused
+
+        if name in DELEGATED or name in REFUSED or name in OWN:
+            raise EngineCallRefused(
+                f"engine.{name} = ...: not available under resihp launch: a reconfiguration builds the engine "
+                "again from initialize()'s arguments and the DeepSpeed JSON, so the value would be lost silently "
+                "(set it there)")
+        object.__setattr__(self, name, value)
+
+    def _engine(self, name: str) -> Any:
+        """The current generation's engine, or why this rank has none (naming ``name``)."""
+        e = self.worker.adapter.engine
+        if e is not None:
+            return e
+        a = self.worker.adapter
+        if self._ended:
+            why = "the job has ended"
+        elif a.plan is None or a.where is None:
+            why = "this device is a standby in the current plan generation"
+        else:
+            why = a.idle_reason(a.plan)
+        raise RuntimeError(f"engine.{name}: device {a.ctx.device} runs no DeepSpeed engine now: {why}")
 
     @property
     def adapter(self) -> Any:
@@ -53,14 +146,99 @@ class ResilientEngine:
         that runs nothing in it)."""
         return self.worker.adapter.engine
 
-    def train_batch(self, data_iter: Any = None) -> float | None:
-        """Train one iteration; its global mean loss (on last-stage ranks; elsewhere the
-        value DeepSpeed broadcasts), or None once the job has ended. ``data_iter`` is
-        ignored: micro-batches are read by address from ``training_data``."""
-        r = self.worker.step()
-        if r is None:
+    def train_batch(self, data_iter: Any = None) -> Any:
+        """Train one iteration and return DeepSpeed's aggregated loss (a 0-dim tensor: the
+        global mean loss on last-stage ranks, elsewhere the value DeepSpeed broadcasts),
+        or None once the job has ended. Micro-batches are read by address from
+        ``training_data``, so a user's ``data_iter`` is refused (:mod:`.surface`)."""
+        import torch
+
+        self._data_order(data_iter)
+        if self._ended:
             return None
-        return self.worker.adapter.last_loss
+        result = self.worker.step()
+        if result is None:
+            object.__setattr__(self, "_ended", True)
+            return None
+        e = self.current
+        if e is None or not e.is_last_stage():
+            # DeepSpeed gives every stage the last stage's loss; a rank idle in this
+            # generation or off the last stage reads the committed one (idle.py).
+            from resihp_adapters.deepspeed.idle import committed_loss
+
+            w = self.worker
+            return torch.tensor(committed_loss(w.store, w.msg.generation, result.iteration, list(w.plan.devices())),
+                                dtype=torch.float64)
+        loss = self.worker.adapter.last_loss
+        if loss is None:
+            return None
+        agg = getattr(e, "agg_train_loss", None) if e is not None else None
+        dtype = agg.dtype if isinstance(agg, torch.Tensor) else torch.float64
+        return torch.tensor(loss, dtype=dtype)
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str | None = None,
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: int | None = None) -> AddressedLoader:
+        """DeepSpeed's ``deepspeed_io``: a loader that iterates as the current generation's
+        engine's, and that ``train_batch(data_iter)`` accepts (:class:`AddressedLoader`)."""
+        from deepspeed.runtime.constants import ROUTE_TRAIN
+
+        opts = {"batch_size": batch_size, "route": ROUTE_TRAIN if route is None else route,
+                "pin_memory": pin_memory, "data_sampler": data_sampler, "collate_fn": collate_fn,
+                "num_local_io_workers": num_local_io_workers}
+        return AddressedLoader(self, dataset, opts)
+
+    def _data_order(self, data_iter: Any) -> None:
+        """Check ``train_batch``'s ``data_iter`` and fix the job's micro-batch order on the
+        first call: None reads ``initialize``'s (``shuffle``); a loader of
+        :meth:`deepspeed_io` (bare or in a ``RepeatingLoader``) reads that loader's order
+        (DeepSpeed's shuffling sampler, seed 0) by address, so a migrated or recovered
+        micro-batch is the one DeepSpeed's loader gives that replica. The iterator
+        itself is not consumed. Any other iterator is refused with the reason."""
+        from deepspeed.runtime.dataloader import RepeatingLoader
+
+        from resihp_adapters.deepspeed.surface import REFUSED, EngineCallRefused
+
+        kind = "initialize"
+        if data_iter is not None:
+            loader = data_iter.loader if isinstance(data_iter, RepeatingLoader) else data_iter
+            why = ("it is not a loader of this engine's deepspeed_io()" if not isinstance(loader, AddressedLoader)
+                   or loader.handle is not self else loader.addressable(self.spec))
+            if why is not None:
+                raise EngineCallRefused(f"engine.train_batch(data_iter): not available under resihp launch for this "
+                                        f"iterator ({why}): {REFUSED['set_dataiterator']}")
+            kind = "deepspeed_io"
+        chosen = self.__dict__.get("_order")
+        if chosen is None:
+            if kind == "deepspeed_io":
+                from resihp_adapters.deepspeed.data import MicroBatchSource
+
+                a = self.worker.adapter
+                s = a.source
+                a.source = MicroBatchSource(s.dataset, s.collate_fn, s.micro_batch_size, s.num_microbatches,
+                                            s.replicas, shuffle=True, seed=0)
+            object.__setattr__(self, "_order", kind)
+        elif chosen != kind:
+            raise EngineCallRefused(f"engine.train_batch: the job reads micro-batches in the order of {chosen}() since "
+                                    f"its first step; mixing train_batch() and train_batch(deepspeed_io loader) "
+                                    "would change the order mid-job")
+
+    def get_lr(self) -> list[float]:
+        """DeepSpeed's ``get_lr()`` of the current generation's engine; on a rank idle in
+        this generation (ZeRO 1 / bf16 whole-replica equivalent), the LR its held
+        scheduler state gives at the job's step (idle.py), so it is never None."""
+        e = self.current
+        if e is not None:
+            return e.get_lr()
+        a = self.worker.adapter
+        from resihp_adapters.deepspeed.state import GLOBAL
+
+        held = a._held if GLOBAL in a._held else {GLOBAL: a.idle_global} if a.idle_global is not None else None
+        if a.where is not None and held is not None:
+            from resihp_adapters.deepspeed.idle import held_lr
+
+            return held_lr(held, self.worker.iteration, self.spec, a.config)
+        return self._engine("get_lr").get_lr()  # raises with the reason
 
     @property
     def iteration(self) -> int:
@@ -68,24 +246,48 @@ class ResilientEngine:
 
     @property
     def global_steps(self) -> int:
+        """Optimizer steps the job has committed (DeepSpeed's ``global_steps``)."""
         return self.worker.iteration
 
     @property
-    def module(self) -> Any:
-        """This rank's ``PipelineModule`` of the current generation."""
-        e = self.current
-        return e.module if e is not None else None
+    def global_samples(self) -> int:
+        return self.worker.iteration * self.train_batch_size()
+
+    def train_batch_size(self) -> int:
+        """The job's global batch in samples (constant across plan generations)."""
+        job = self.worker.job
+        return self.spec.micro_batch_size * job.num_microbatches * job.dp
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.spec.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per data shard and iteration, as the DeepSpeed JSON sets them
+        (the job's; a generation's engine divides losses by its own count)."""
+        return int(self.worker.job.num_microbatches)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.gradient_accumulation_steps()
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.spec.micro_batch_size
+
+    @property
+    def training_data(self) -> Any:
+        """The dataset given to ``initialize``."""
+        return self.spec.dataset
+
+    @property
+    def collate_fn(self) -> Any:
+        return self.spec.collate_fn
 
     @property
     def global_rank(self) -> int:
         """This process's rank as the launcher numbered it (stable across generations;
         the rank inside a generation's world is ``current.global_rank``)."""
         return int(os.environ.get("RANK", self.worker.device))
-
-    def get_lr(self) -> list[float] | None:
-        """The learning rate per parameter group (None on a rank that runs nothing now)."""
-        e = self.current
-        return e.get_lr() if e is not None else None
 
     def full_state(self) -> dict[str, Any]:
         """DeepSpeed's complete state of this rank by layout-independent names
@@ -125,24 +327,24 @@ class ResilientEngine:
             return bool(e.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
                                           save_latest=save_latest))
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint in DeepSpeed's own format (written by plain DeepSpeed or by
-        :meth:`save_checkpoint`) into the current generation's engine. ResiHP's runtime
-        addresses the data by its own iteration, so the checkpoint must be of the step
-        the job stands at (a plain-DeepSpeed checkpoint of step k needs the job to start
-        at iteration k, which ``resihp launch`` cannot do yet): otherwise refused."""
-        e = self.current
-        if e is None:
-            raise RuntimeError("load_checkpoint: this rank runs nothing in the current plan generation")
+        :meth:`save_checkpoint`) into the current generation's engine, on every rank of
+        the generation together: everything or nothing (:mod:`.ds_checkpoint`; a
+        missing, corrupt or other-model checkpoint raises ``CheckpointNotLoaded`` and
+        leaves every rank's state as it was). ResiHP's runtime addresses the data by its
+        own iteration, so the checkpoint must be of the step the job stands at (a
+        plain-DeepSpeed checkpoint of step k needs the job to start at iteration k,
+        which ``resihp launch`` cannot do yet): otherwise refused, before anything loads.
+        ``(None, None)`` as DeepSpeed when ``load_dir`` has no ``latest`` file."""
+        from resihp_adapters.deepspeed.ds_checkpoint import load_all_or_nothing
         from resihp_adapters.deepspeed.engine import unbounded
 
+        e = self._engine("load_checkpoint")
         self.worker.adapter.check_initial_layout("load_checkpoint")
         with unbounded():
-            path, client = e.load_checkpoint(load_dir, tag=tag, **kwargs)
-        if path is not None and int(e.global_steps) != int(self.iteration):
-            raise RuntimeError(f"load_checkpoint: {path} is of step {e.global_steps}, the job stands at iteration "
-                               f"{self.iteration}; ResiHP resumes a job only where its runtime stands")
-        return path, client
+            return load_all_or_nothing(e, load_dir, tag, int(self.iteration), **kwargs)
 
     def is_last_stage(self) -> bool:
         """True on ranks whose loss is the global mean (DeepSpeed's loss stage)."""
@@ -153,13 +355,20 @@ class ResilientEngine:
         e = self.current
         return bool(e is not None and e.is_first_stage())
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``destroy``: :meth:`close`."""
+        self.close()
+
     def close(self) -> None:
         """Release the engine and this generation's process groups (idempotent; also
         run at exit, when the script's loop ends before the job's stop reached it)."""
         self.worker.adapter.close()
 
+
 class StockEngine:
-    """Plain DeepSpeed (no ResiHP runtime): the same interface, the same data order."""
+    """Plain DeepSpeed (no ResiHP runtime): DeepSpeed's engine itself (every other name
+    is the engine's own), fed the same addressed micro-batches as under ResiHP when
+    ``train_batch()`` gets no iterator."""
 
     def __init__(self, engine: Any, source: Any) -> None:
         self.engine = engine
@@ -167,53 +376,48 @@ class StockEngine:
         self._source = source
         self._data = source.iterator(engine.grid.data_parallel_id)
 
-    def is_last_stage(self) -> bool:
-        return bool(self.engine.is_last_stage())
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("engine", "_source", "_data", "iteration"):
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
-    def is_first_stage(self) -> bool:
-        return bool(self.engine.is_first_stage())
+    def __setattr__(self, name: str, value: Any) -> None:
+        from resihp_adapters.deepspeed.surface import DELEGATED, OWN, REFUSED
+
+        if (name in DELEGATED or name in REFUSED or name in OWN) and self.__dict__.get("engine") is not None:
+            setattr(self.engine, name, value)  # DeepSpeed's engine is the one that reads it
+        else:
+            object.__setattr__(self, name, value)
 
     @property
-    def module(self) -> Any:
-        return self.engine.module
+    def current(self) -> Any:
+        """DeepSpeed's engine (as ``ResilientEngine.current`` is the generation's)."""
+        return self.engine
 
-    @property
-    def global_rank(self) -> int:
-        return int(self.engine.global_rank)
-
-    @property
-    def global_steps(self) -> int:
-        return int(self.engine.global_steps)
-
-    def get_lr(self) -> list[float]:
-        return self.engine.get_lr()
-
-    def train_batch(self) -> float:
-        loss = self.engine.train_batch(self._data)
+    def train_batch(self, data_iter: Any = None) -> Any:
+        """DeepSpeed's ``train_batch``: on ``data_iter`` when given, else on the
+        micro-batches ResiHP would read (the same order)."""
+        loss = self.engine.train_batch(self._data if data_iter is None else data_iter)
         self.iteration += 1
-        return float(loss)
-
-    def eval_batch(self, data_iter: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's own ``eval_batch``."""
-        return self.engine.eval_batch(data_iter, **kwargs)
-
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True) -> bool:
-        """DeepSpeed's own ``save_checkpoint``."""
-        return bool(self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
-                                                save_latest=save_latest))
+        return loss
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
-        """DeepSpeed's own ``load_checkpoint``, then the data resumes at the loaded step
+        """DeepSpeed's own ``load_checkpoint``, all or nothing on every rank as under
+        ResiHP (:mod:`.ds_checkpoint`), then the data resumes at the loaded step
         (micro-batches are addressed by iteration, as under ResiHP) and so does the
         dropout seed count (``PipelineModule.micro_offset``: forwards run so far)."""
-        path, client = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        from resihp_adapters.deepspeed.ds_checkpoint import load_all_or_nothing
+
+        path, client = load_all_or_nothing(self.engine, load_dir, tag, None, **kwargs)
         if path is not None:
             step = int(self.engine.global_steps)
             self.iteration = step
             self._data = self._source.iterator(self.engine.grid.data_parallel_id, start_iteration=step)
             self.engine.module.micro_offset = step * int(self.engine.gradient_accumulation_steps())
         return path, client
+
+    def destroy(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Break the engine apart and destroy every process group (idempotent; run at
@@ -245,6 +449,7 @@ def initialize(
     shuffle: bool = False,
     data_seed: int = 0,
     partition_method: str = "uniform",
+    seed_layers: bool = False,
 ) -> ResilientEngine | StockEngine:
     """ResiHP's stand-in for ``deepspeed.initialize`` (see the module docstring).
 
@@ -264,6 +469,11 @@ def initialize(
         way; under ``resihp launch`` the first plan takes it (the launcher learns it from
         a probe run of the script, :mod:`.partition`) and the Scheduler repartitions from
         there (``docs/deepspeed.md``).
+    :param seed_layers: ``PipelineModule``'s, with DeepSpeed's default (False): layers
+        are built from the process's random state as plain DeepSpeed builds them, so the
+        same script starts from the same model under either launcher. True seeds each
+        layer (``base_seed`` + its index) and each dropout draw per micro-batch, which a
+        model with dropout needs for a recovery to be exact (``docs/deepspeed.md``).
     :param shuffle, data_seed: False: the order of the pipeline engine's own
         ``training_data`` loader; True: the order ``engine.deepspeed_io(dataset)`` gives
         (a shuffling ``DistributedSampler`` with seed ``data_seed``). Either way every
@@ -283,7 +493,7 @@ def initialize(
                         collate_fn=collate_fn, optimizer=optimizer, base_seed=base_seed, lr_scheduler=lr_scheduler,
                         activation_checkpoint_interval=activation_checkpoint_interval,
                         checkpointable_layers=checkpointable_layers, shuffle=shuffle, data_seed=data_seed,
-                        partition_method=partition_method)
+                        partition_method=partition_method, seed_layers=bool(seed_layers))
     if os.environ.get("RESIHP_STORE"):
         from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
         from resihp_core.runtime.worker import Worker
@@ -294,7 +504,7 @@ def initialize(
         # What is loaded so far lives for the whole process: keep it out of the
         # collections that run when a generation's groups are released.
         gc.freeze()
-        handle: ResilientEngine | StockEngine = ResilientEngine(worker)
+        handle: ResilientEngine | StockEngine = ResilientEngine(worker, spec)
     else:
         handle = _stock(spec, num_stages or int(spec.resihp.get("pp", 2)), partition_method)
     atexit.register(handle.close)
@@ -313,7 +523,7 @@ def _stock(spec: PipelineSpec, num_stages: int, partition_method: str = "uniform
 
     from resihp_adapters.deepspeed.partition import stock_module_class
 
-    module = stock_module_class()(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=True,
+    module = stock_module_class()(spec.layers, num_stages=num_stages, loss_fn=spec.loss_fn, seed_layers=spec.seed_layers,
                             base_seed=spec.base_seed, partition_method=partition_method,
                             activation_checkpoint_interval=spec.activation_checkpoint_interval,
                             checkpointable_layers=spec.checkpointable_layers)

@@ -221,8 +221,14 @@ class ResiPipelineModule(PipelineModule):
     ``_partition_layers`` is overridden (as DeepSpeed's DualPipeV module does).
     """
 
-    def __init__(self, layers: Sequence[Any], *, parts: Sequence[int], **kwargs: Any) -> None:
+    def __init__(self, layers: Sequence[Any], *, parts: Sequence[int], count_build: bool = False,
+                 **kwargs: Any) -> None:
+        """``count_build``: build every ``LayerSpec`` once before this stage's layers, as
+        DeepSpeed's ``partition_method="parameters"`` does to count parameters, so an
+        unseeded build (``seed_layers=False``) draws the process's random numbers as
+        plain DeepSpeed's module would (the job's first generation)."""
         parts = [int(p) for p in parts]
+        self._count_build = bool(count_build)
         n = len(list(layers))
         if not parts or parts[0] != 0 or parts[-1] != n or any(b <= a for a, b in zip(parts, parts[1:])):
             raise ValueError(
@@ -243,6 +249,12 @@ class ResiPipelineModule(PipelineModule):
             raise ValueError(f"parts {parts} give {len(parts) - 1} stages, topology has {self.num_stages}")
 
     def _partition_layers(self, method: str = "uniform") -> None:
+        if self._count_build:
+            from deepspeed.pipe import LayerSpec
+
+            for spec in self._layer_specs:
+                if isinstance(spec, LayerSpec):
+                    spec.build()  # discarded: the random numbers DeepSpeed's counting draws
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self.parts = list(self._explicit_parts)
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])

@@ -161,8 +161,10 @@ def probe_partition(script: str, script_args: list[str], env: dict[str, str], pp
     penv.update({PROBE_ENV: str(answer), PROBE_STAGES_ENV: str(pp), "RANK": "0", "LOCAL_RANK": "0",
                  "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
     with open(log, "w") as out:
-        p = subprocess.Popen([sys.executable, script, *script_args], env=penv, stdout=out, stderr=subprocess.STDOUT,
-                             cwd=os.getcwd())
+        # Through the worker module: the script's deepspeed.init_distributed() is deferred
+        # there too (this process has no world to join; script_worker.py).
+        p = subprocess.Popen([sys.executable, "-m", "resihp_adapters.deepspeed.script_worker", "--probe", script,
+                              *script_args], env=penv, stdout=out, stderr=subprocess.STDOUT, cwd=os.getcwd())
         try:
             rc = p.wait(timeout=PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -269,17 +271,62 @@ def run(args: argparse.Namespace) -> int:
             f"partition_method {method}), {sec['iterations']} iterations; run log {log.path}; "
             f"worker logs in {work / 'job'}")
 
+    from resihp_core.faults import load_scenario
+    from resihp_core.runtime.jobs import phases
+
+    faults = load_scenario(sec.get("faults", []))
+    phase_of = phases(faults)
+
     def on_iteration(rec: Any) -> None:
         print(f"iteration {rec.iteration:>3}  loss {rec.loss:.6f}  {rec.seconds:.2f}s  generation {rec.generation}",
               flush=True)
+
+    def on_event(ev: dict) -> None:
+        phase_of.event(ev)  # a detected failure starts a report phase too
+        log.event(ev)
 
     out = run_resilient(dataclasses.replace(
         job.run, worker_module="resihp_adapters.deepspeed.script_worker", timeout_s=args.timeout,
         # Its own agents, started here: on a loaded machine one took over the
         # core's 60 s to import and connect (a dead one is seen when it exits).
         agents=dataclasses.replace(job.run.agents, timeout_s=AGENT_CONNECT_S),
-        hooks=RunHooks(on_iteration=on_iteration, on_event=log.event)))
+        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event, phase_of=phase_of)))
+    report = getattr(args, "report", None)
+    if report and out.records:
+        write_launch_report(Path(report), out, faults, f"resihp demo --adapter deepspeed: PP{plan.pp} x DP{plan.dp}")
     return finish(out, log, what="resihp launch", iterations=int(sec["iterations"]))
+
+
+def write_launch_report(parent: Path, out: Any, faults: list[Any], title: str) -> Path:
+    """The report ``resihp demo`` writes (``report.write_report``: events JSON, loss,
+    iteration time and throughput plots, a summary) for a launch's run, in a new folder
+    under ``parent``; prints the summary table and the paths. No fault-free reference:
+    the script's losses are its own (the launch test compares them with plain DeepSpeed's)."""
+    import time
+
+    from resihp_core.report import format_table, summary_table, write_report
+
+    outdir = parent / f"demo-deepspeed-{time.strftime('%Y%m%d-%H%M%S')}"
+    records = out.records
+    # Iteration 0 carries process start-up (imports, rendezvous, the partition probe): an
+    # event, not a point of the iteration-time trace (as the default demo).
+    iterations = [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples,
+                       generation=r.generation, phase=r.phase) for r in records[1:]] or \
+        [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples, generation=r.generation,
+              phase=r.phase) for r in records]
+    events = [*out.events,
+              *(dict(kind="injection", iteration=f.iteration, generation=0,
+                     text=f"{f.kind} on device {f.device}" + (f" x{f.factor:.2f}" if f.kind == "slow" else ""))
+                for f in faults),
+              dict(kind="start-up", iteration=0, generation=0,
+                   text=f"start-up and first iteration {records[0].seconds:.1f} s")]
+    paths = write_report(outdir, iterations=iterations, events=events, title=title)
+    print()
+    print(format_table(summary_table(iterations)))
+    print(f"\nreport: {outdir}")
+    for name, path in paths.items():
+        print(f"  {name}: {path}")
+    return outdir
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -303,7 +350,8 @@ def run_demo(args: argparse.Namespace) -> int:
     os.chdir(work)
     try:
         ns = argparse.Namespace(config_file="accelerate.yaml", workdir=str(work / "run"), timeout=900.0,
-                                training_script="train.py", training_script_args=["--iterations", str(iterations)])
+                                training_script="train.py", training_script_args=["--iterations", str(iterations)],
+                                report=os.path.join(cwd, args.report) if getattr(args, "report", None) else None)
         return run(ns)
     finally:
         os.chdir(cwd)

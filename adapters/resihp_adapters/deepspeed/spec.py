@@ -32,6 +32,9 @@ class PipelineSpec:
     collate_fn: Callable[[list[Any]], Any] | None = None
     optimizer: Any = None
     base_seed: int = 1234
+    #: DeepSpeed's ``seed_layers``: ``initialize`` passes DeepSpeed's default (False)
+    #: unless the user sets it; the adapter's own jobs (the kit) seed per layer.
+    seed_layers: bool = True
     lr_scheduler: Any = None
     activation_checkpoint_interval: int = 0
     checkpointable_layers: list[str] | None = None

@@ -186,7 +186,12 @@ def unit_keys(engine: Any) -> list[Unit]:
 
 def _unit_module(engine: Any, key: Unit) -> Any:
     if isinstance(key, int):
-        return engine.module.local_layers().get(key)
+        if hasattr(engine.module, "local_layers"):
+            return engine.module.local_layers().get(key)
+        import torch  # DeepSpeed's own PipelineModule (plain launches) names layers the same way
+
+        mod = getattr(engine.module, str(key), None)
+        return mod if isinstance(mod, torch.nn.Module) else None
     if key.startswith("tied."):
         return engine.module.tied_modules[key[len("tied."):]] if key[len("tied."):] in engine.module.tied_modules \
             else None

@@ -185,15 +185,18 @@ def build_engine(
     lr_scheduler: Any = None,
     activation_checkpoint_interval: int = 0,
     checkpointable_layers: list[str] | None = None,
+    count_build: bool = False,
 ):
     """A :class:`ResiPipelineModule` over ``parts`` and a :class:`ResiPipelineEngine`,
-    built directly (``deepspeed.initialize`` hard-codes the stock engine class)."""
+    built directly (``deepspeed.initialize`` hard-codes the stock engine class).
+    ``count_build``: see :class:`ResiPipelineModule`."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from resihp_adapters.deepspeed.engine import ResiPipelineEngine, ResiPipelineModule
 
     module = ResiPipelineModule(
         layers, parts=parts, topology=topology, loss_fn=loss_fn, seed_layers=seed_layers, base_seed=base_seed,
+        count_build=count_build,
         activation_checkpoint_interval=activation_checkpoint_interval, checkpointable_layers=checkpointable_layers,
     )
     mpu = module.mpu()

@@ -73,14 +73,15 @@ def main() -> None:
     if a.variant == "torch":
         kw = dict(optimizer=lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.01),
                   lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 15)))
-    engine = initialize(layers, loss_fn=xent, training_data=Tokens(), base_seed=11, **kw)
+    # Dropout: seeded per layer and micro-batch, so a recovery draws the same masks.
+    engine = initialize(layers, loss_fn=xent, training_data=Tokens(), base_seed=11, seed_layers=True, **kw)
     log, full = [], {}
     while True:
         loss = engine.train_batch()
         if loss is None:
             break
-        log.append({"iteration": engine.iteration, "loss": loss if engine.is_last_stage() else None,
-                    "lr": engine.get_lr(), "pid": os.getpid()})
+        log.append({"iteration": engine.iteration, "loss": float(loss) if engine.is_last_stage() else None,
+                    "returned": float(loss), "lr": engine.get_lr(), "pid": os.getpid()})
         full = engine.full_state()
         print(f"rank={engine.global_rank} iteration={engine.iteration} lr={engine.get_lr()} loss={loss}", flush=True)
     torch.save({"log": log, "full": full}, os.path.join(a.out, f"rank{engine.global_rank}.pt"))

@@ -114,8 +114,11 @@ def wait(procs: list[subprocess.Popen], timeout: float) -> None:
 
 def results(work: Path) -> tuple[dict[int, float], dict[int, list[float]], dict[str, object], dict[int, int]]:
     """Losses and LRs per iteration, the merged full state (ranks holding the same name
-    must agree exactly), and each rank's pids."""
+    must agree exactly), and each rank's pids. Every rank's LR must be the same (also a
+    rank idle in its generation: never None), and so must, within ``RETURNED_TOL``,
+    what every rank's ``train_batch`` returned (no stale loss on an idle rank)."""
     losses, lrs, full, pids = {}, {}, {}, {}
+    returned: list[tuple[int, int, float]] = []
     for f in sorted((work / "out").glob("rank*.pt")):
         d = torch.load(f, weights_only=False)
         rank = int(f.stem[4:])
@@ -123,13 +126,22 @@ def results(work: Path) -> tuple[dict[int, float], dict[int, list[float]], dict[
         for e in d["log"]:
             if e["loss"] is not None:
                 losses.setdefault(e["iteration"], e["loss"])
-            if e["lr"] is not None:
-                assert lrs.setdefault(e["iteration"], e["lr"]) == e["lr"], (rank, e)
+            assert e["lr"] is not None, (rank, e)
+            assert lrs.setdefault(e["iteration"], e["lr"]) == e["lr"], (rank, e)
+            returned.append((rank, e["iteration"], e["returned"]))
         for k, v in d["full"].items():
             if k in full and torch.is_tensor(v):
                 assert torch.equal(full[k], v), f"ranks disagree on {k}"
             full[k] = v
+    tol = RETURNED_TOL[work.name.split("-")[0]]
+    for rank, i, got in returned:
+        assert abs(got - losses[i]) <= tol * abs(losses[i]), (work.name, rank, i, got, losses[i])
     return losses, lrs, full, pids
+
+
+#: How far what a rank's train_batch returns may be from the last stage's loss: the
+#: same value summed in another order (bf16: the loss tensor's own resolution).
+RETURNED_TOL = {"json": 1e-9, "torch": 1e-2}
 
 
 def rel(a, b) -> float:

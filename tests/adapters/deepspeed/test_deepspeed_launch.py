@@ -30,6 +30,7 @@ pytest.importorskip("accelerate")
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "deepspeed_pipeline"
 BIN = Path(sys.executable).parent
 LINE = re.compile(r"rank=(\d+) pid=(\d+) iteration=(\d+)(?: loss=([0-9.]+))?")
+START = re.compile(r"rank=(\d+) start (stage_id=\d+ local_layers=\d+ optimizer=\w+ lr=\S+ global_steps=\d+)")
 
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
@@ -110,6 +111,13 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     ref = {i: l for r, p, i, l in _lines(plain_out) if l is not None}
     assert sorted(ref) == list(range(1, iters + 1)), out.stdout[-2000:]
 
+    # DeepSpeed's engine API right after initialize, before the first step (module,
+    # stage_id, optimizer, get_lr()[0], global_steps): DeepSpeed's (2, 4) split, ranks
+    # stage-major as DeepSpeed numbers them.
+    want = {r: f"stage_id={r // 2} local_layers={(2, 4)[r // 2]} optimizer=AdamW lr=0.001 global_steps=0"
+            for r in range(4)}
+    assert dict((int(r), t) for r, t in START.findall(plain_out)) == want, plain_out[-2000:]
+
     out = ours
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{iters} iterations committed" in out.stdout
@@ -118,6 +126,8 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     ds_split = [int(n) for n in re.findall(r"^stage=\d+ layers=(\d+)$", plain_out, re.M)]
     assert ds_split == [2, 4], plain_out[-2000:]
     assert "(PP2 x DP2, stages 0-2 2-6: partition_method parameters)" in out.stdout, out.stdout[:2000]
+    # The partition probe ran the script alone, its deepspeed.init_distributed() deferred.
+    assert "init_distributed() deferred" in (work / "partition-probe.log").read_text()
     # The plan after the kill keeps all 3 survivors busy: replica 1 keeps device 1 on
     # stage 0 and hands its stage-1 micro-batches to replica 0 (cross-replica migration),
     # and DeepSpeed runs that plan as it is (no device idles).
@@ -132,8 +142,13 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     seen: dict[int, set[int]] = {}
     last: dict[int, int] = {}
     losses: dict[int, float] = {}
+    starts: dict[int, str] = {}
     for d in range(4):
         log = (work / "job" / f"worker{d}.log").read_text()
+        starts.update((int(r), t) for r, t in START.findall(log))
+        # The script's own deepspeed.init_distributed() (a world of all launched ranks)
+        # waits for initialize(), which builds each generation's groups.
+        assert "resihp: deepspeed.init_distributed() deferred" in log, log[-2000:]
         # A worker whose gloo threads outlived the interpreter died with SIGABRT here.
         assert "terminate called" not in log, log[-2000:]
         for r, p, i, l in _lines(log):
@@ -147,6 +162,7 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
         assert len(seen[r]) == 1, f"rank {r} changed process"
         assert last[r] == iters, f"rank {r} stopped at iteration {last[r]}"
     assert sorted(losses) == list(range(1, iters + 1))
+    assert starts == want, starts
 
     # DeepSpeed's own files, as plain DeepSpeed writes them (one stage's optimizer state
     # per model-parallel rank, layers by global index), and plain DeepSpeed trains on.

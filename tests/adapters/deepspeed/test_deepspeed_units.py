@@ -328,3 +328,67 @@ def test_initial_split_is_deepspeeds_own_and_the_launch_probe_reports_it(tmp_pat
     # initialize() for this split, is the launch test's: test_deepspeed_launch.py).
     example = os.path.join(HERE, "..", "..", "..", "examples", "deepspeed_pipeline")
     assert check_script_calls_initialize(os.path.join(example, "train.py")) == "parameters"
+
+
+def test_the_deepspeed_demo_writes_the_default_demos_report(tmp_path):
+    """``resihp demo --adapter deepspeed --report DIR``: the same files as the default
+    demo (events JSON, loss / iteration time / throughput plots, summary), phases split
+    at the kill, start-up kept out of the trace."""
+    from types import SimpleNamespace
+
+    from resihp_adapters.deepspeed.launch import write_launch_report
+    from resihp_core.faults import load_scenario
+    from resihp_core.runtime.control import IterationRecord
+
+    faults = load_scenario([{"device": 3, "iteration": 3, "kind": "kill"}])
+    recs = [IterationRecord(iteration=i, loss=1.0 - 0.1 * i, seconds=9.0 if i == 0 else 0.1, samples=32,
+                            generation=int(i >= 3), phase="after kill on device 3" if i >= 3 else "healthy")
+            for i in range(6)]
+    plan_ev = {"kind": "plan", "iteration": 3, "generation": 1, "text": "generation 1"}
+    out = write_launch_report(tmp_path, SimpleNamespace(records=recs, events=[plan_ev]), faults, "ds demo")
+    assert out.parent == tmp_path and out.name.startswith("demo-deepspeed-")
+    assert sorted(p.name for p in out.iterdir()) == ["events.json", "iteration_time.png", "loss.png",
+                                                      "summary.md", "throughput.png"]
+    rec = json.loads((out / "events.json").read_text())
+    assert [r["iteration"] for r in rec["iterations"]] == [1, 2, 3, 4, 5]
+    kinds = {e["kind"] for e in rec["events"]}
+    assert {"plan", "injection", "start-up"} <= kinds
+    assert [p["phase"] for p in rec["phases"]] == ["healthy", "after kill on device 3"]
+
+
+@pytest.mark.parametrize("kind", ["json WarmupLR", "factory LambdaLR", "none"])
+def test_an_idle_rank_gets_the_lr_of_the_jobs_step_from_its_held_state(kind):
+    """A rank idle in its generation answers ``get_lr()`` from the optimizer groups and
+    scheduler state it held when it went idle, stepped once per step committed since:
+    the LR the working ranks' schedulers give (idle.py)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from resihp_adapters.deepspeed.idle import held_lr
+    from resihp_adapters.deepspeed.state import GLOBAL
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w], lr=2e-3, weight_decay=0.01)
+    warm = {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 15}
+    factory = (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 15)))
+    sched = {"json WarmupLR": lambda: WarmupLR(opt, **warm), "factory LambdaLR": lambda: factory(opt),
+             "none": lambda: None}[kind]()
+    config = {"scheduler": {"type": "WarmupLR", "params": warm}} if kind == "json WarmupLR" else {}
+    spec = SimpleNamespace(lr_scheduler=factory if kind == "factory LambdaLR" else None)
+    for _ in range(4):  # four steps before going idle
+        opt.step()
+        if sched is not None:
+            sched.step()
+    held = {GLOBAL: {"groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                     "lr_scheduler": ({k: v for k, v in sched.state_dict().items() if not callable(v)}
+                                      if sched is not None else None),
+                     "counters": {"global_steps": 4, "global_samples": 0, "skipped_steps": 0}}}
+    for _ in range(3):  # the job commits three more while this rank idles
+        opt.step()
+        if sched is not None:
+            sched.step()
+    want = [g["lr"] for g in opt.param_groups]
+    assert held_lr(held, 7, spec, config) == want
+    if sched is not None:
+        assert held_lr(held, 4, spec, config) != want  # the step count matters
