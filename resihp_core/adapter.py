@@ -23,6 +23,7 @@ from resihp_core.plan import ParallelPlan, ScheduleKind
 from resihp_core.program import Program
 
 if TYPE_CHECKING:  # the wire message a worker sends; not needed at run time here
+    from resihp_core.detector.sdc import Fingerprint
     from resihp_core.protocol import IterationProfile
 
 __all__ = [
@@ -68,6 +69,8 @@ class Capabilities:
     :param tp_with_dp: can run TP degrees > 1 in a plan with more than one replica
         (False: tensor parallelism with one replica only, e.g. torch_native, whose DP
         reduction does not span replicas of different TP layouts).
+    :param sdc_fingerprint: implements :meth:`Adapter.fingerprint`: replicas that must
+        hold bit-identical state compare it before each iteration commits (docs/sdc.md).
     """
 
     tp_resize: bool = False
@@ -78,6 +81,7 @@ class Capabilities:
     checkpoint: bool = False
     uneven_dp: bool = False
     tp_with_dp: bool = True
+    sdc_fingerprint: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.schedules, str):
@@ -106,6 +110,7 @@ class Capabilities:
             schedules=frozenset(ScheduleKind),
             checkpoint=True,
             uneven_dp=True,
+            sdc_fingerprint=True,
         )
 
     def migrates(self, pp: int) -> bool:
@@ -125,6 +130,7 @@ class Capabilities:
             "checkpoint": self.checkpoint,
             "uneven_dp": self.uneven_dp,
             "tp_with_dp": self.tp_with_dp,
+            "sdc_fingerprint": self.sdc_fingerprint,
         }
 
     def violations(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
@@ -277,6 +283,7 @@ class Adapter(abc.ABC):
                                                  | load_checkpoint(iteration, plan)
         per iteration:         snapshot(); run_iteration(program, i) -> IterationResult
                                rollback() if the iteration does not commit everywhere
+                               fingerprint() before committing i (sdc_fingerprint)
                                save_checkpoint(i) before committing i, when due
                                checkpoint_status() (finished writes, storage faults)
         after a failure:       release()   (drop every reference to broken groups)
@@ -357,6 +364,17 @@ class Adapter(abc.ABC):
         assembles the pieces of every device). Default:
         not provided (the kit then compares :meth:`held_state` only and says so)."""
         raise NotImplementedError(f"adapter {self.name!r} does not report its full state")
+
+    def fingerprint(self) -> Fingerprint | None:
+        """A cheap checksum of this device's parameters and optimizer state after the
+        optimizer step of the iteration just run, with the name of the group of devices
+        that must hold exactly the same bits (DP replicas of a stage with the same TP
+        layout; :class:`~resihp_core.detector.sdc.Fingerprint`). Called after
+        :meth:`run_iteration`, before the iteration commits, only with
+        ``capabilities.sdc_fingerprint``; None: this device shares its state with no
+        replica. :func:`~resihp_core.detector.sdc.tensor_digest` computes the checksum
+        (docs/sdc.md)."""
+        raise NotImplementedError(f"adapter {self.name!r} does not fingerprint its state")
 
     def save_checkpoint(self, iteration: int) -> None:
         """Persist the state after ``iteration`` under ``ctx.job.checkpoint_dir``, before
