@@ -477,7 +477,11 @@ class MegatronRefAdapter(Adapter):
                 st.comm_s += time.perf_counter() - t0
             elif isinstance(op, OptimizerStep):
                 self.steps = self._step_number(iteration)
-                self.optimizer.step(self._params(), self.steps)
+                named = self._params()
+                self.ctx.faults.corrupt("grad", {n: p.grad for n, p in named.items()})  # injected SDC only
+                self.optimizer.step(named, self.steps)
+                self.ctx.faults.corrupt("param", {n: p.data for n, p in named.items()})
+                self.ctx.faults.corrupt("optimizer", {n: self.optimizer.ensure(n, p)[0] for n, p in named.items()})
                 for p in params:
                     p.grad = None
             else:
