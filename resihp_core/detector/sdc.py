@@ -9,8 +9,9 @@ writes the verdict: if two members of a group disagree, it writes an
 :class:`SdcFinding` and the verdict ``abort``, so the corrupt update is rolled back on
 every device exactly as any uncommitted iteration is.
 
-On the controller, :class:`SdcMonitor` reads findings and hands them to the supervisor
-as :class:`SdcDetected` events; :class:`SdcArbiter` (pure, owned by the supervisor) decides:
+On the controller, :class:`SdcMonitor` reads findings (and asks the detectors plugins
+register with ``resihp_register_sdc_detectors``) and hands them to the supervisor as
+:class:`SdcDetected` events; :class:`SdcArbiter` (pure, owned by the supervisor) decides:
 
 - three or more replicas and a strict majority: the odd ones out are reported
   fail-stop with cause ``sdc`` (quarantined: fenced and planned around, back only
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from resihp_core.plan import ParallelPlan
     from resihp_core.runtime.session import JobSession, KeyValueStore
 
-__all__ = ["ENV_SDC", "Fingerprint", "SdcFinding", "SdcDetected",
+__all__ = ["ENV_SDC", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
            "Quarantine", "Reexecute", "Refuse", "SdcDecision", "SdcArbiter", "SdcMonitor", "SdcGuard",
            "tensor_digest", "compare", "commit_check", "enabled"]
 
@@ -244,6 +245,35 @@ class SdcGuard:
         return commit_check(store, generation, iteration, devices)
 
 
+# ------------------------------------------------------------------ plugin detectors
+@dataclass(frozen=True)
+class SdcView:
+    """What a registered SDC detector is shown each time the controller looks: the
+    current generation, its plan and the number of committed iterations."""
+
+    generation: int
+    committed: int
+    plan: ParallelPlan | None
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SdcSuspect:
+    """A detector's verdict: ``device`` computed wrong numbers around ``iteration``."""
+
+    device: int
+    iteration: int
+    evidence: str = ""
+
+
+class SdcDetector(Protocol):
+    """A detector registered with ``resihp_register_sdc_detectors`` (hardware error
+    counters, a vendor health check). ``poll`` is called on the controller each time it
+    looks (about ten times a second); it returns the devices it blames, each once."""
+
+    def poll(self, view: SdcView) -> Iterable[SdcSuspect]: ...
+
+
 # ------------------------------------------------------------------ the controller's side
 @dataclass(frozen=True)
 class SdcDetected:
@@ -308,12 +338,28 @@ class SdcArbiter:
 
 class SdcMonitor:
     """The control loop's reader of SDC findings: the fingerprint check's (written by
-    the worker that aborted an iteration)."""
+    the worker that aborted an iteration) and those of registered detectors."""
 
-    def __init__(self, *, every_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, detectors: Mapping[str, SdcDetector] | None = None, *, every_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.detectors = dict(detectors or {})
         self.every_s, self.clock = every_s, clock
         self._last = float("-inf")
         self._seen: set[tuple[int, int]] = set()
+        self._blamed: set[tuple[str, int, int]] = set()
+
+    @classmethod
+    def from_plugins(cls) -> SdcMonitor:
+        """With every detector registered through ``resihp_register_sdc_detectors``
+        (none loaded if the plugins cannot be read: the fingerprints still work)."""
+        try:
+            from resihp_core.plugins import Plugins
+
+            reg = Plugins().sdc_detectors()
+            return cls({name: reg.create(name) for name in reg.names()})
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not stop the job
+            logger.warning("SDC detectors from plugins not loaded: %s", e)
+            return cls()
 
     def poll(self, job: JobSession) -> list[SdcDetected]:
         now = self.clock()
@@ -327,4 +373,19 @@ class SdcMonitor:
             if text is not None:
                 self._seen.add((g, i))
                 out.append(SdcDetected(SdcFinding.from_json(text)))
+        if self.detectors:
+            msg = job.message
+            view = SdcView(g, i, job.plan, tuple(msg.devices) if msg is not None else ())
+            for name, det in self.detectors.items():
+                try:
+                    got = list(det.poll(view))
+                except Exception as e:  # noqa: BLE001 - a plugin's failure is logged, not the job's
+                    logger.warning("SDC detector %s failed: %s", name, e)
+                    continue
+                for s in got:
+                    if (name, s.device, s.iteration) in self._blamed:
+                        continue
+                    self._blamed.add((name, s.device, s.iteration))
+                    out.append(SdcDetected(SdcFinding(g, s.iteration, (s.device,), source=name,
+                                                      evidence=s.evidence or f"reported by {name}")))
         return out

@@ -131,7 +131,7 @@ class ControlLoop:
     wake: threading.Event = field(default_factory=threading.Event)
     watch_store: WatchableStore | None = None
     idle_s: float = 0.1
-    sdc: SdcMonitor | None = None  # None: the fingerprints' findings
+    sdc: SdcMonitor | None = None  # None: the fingerprints' findings and the plugins' SDC detectors
 
     def __post_init__(self) -> None:
         self.session: JobSession = self.job.session
@@ -142,7 +142,7 @@ class ControlLoop:
                                move_before_restore=self.move_before_restore, repairs=self.repairs,
                                handled=self.handled)
         if self.sdc is None:
-            self.sdc = SdcMonitor()
+            self.sdc = SdcMonitor.from_plugins()
         self._polled = {"faults": 0.0, "left": 0.0}
         self._left_news = False  # the watcher saw a worker leave: read who now, not at the next throttle
         for q in (self.reports, self.repaired):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from resihp_core.detector.sdc import (
-    Fingerprint, Quarantine, Reexecute, Refuse, SdcArbiter, SdcDetected, SdcFinding, SdcGuard, SdcMonitor, commit_check,
-    compare, tensor_digest,
+    Fingerprint, Quarantine, Reexecute, Refuse, SdcArbiter, SdcDetected, SdcFinding, SdcGuard, SdcMonitor, SdcSuspect,
+    SdcView, commit_check, compare, tensor_digest,
 )
 from resihp_core.runtime import session
 from resihp_core.runtime.store import StoreServer
@@ -77,19 +77,24 @@ def test_the_last_executor_aborts_a_disagreeing_iteration_and_leaves_the_finding
     assert session.get_sdc_finding(store, 3, 6) is None
 
 
-def test_the_monitor_hands_on_each_finding_once(store) -> None:
+def test_the_monitor_hands_on_each_finding_once_and_plugin_suspects(store) -> None:
+    class Counter:
+        def poll(self, view: SdcView) -> list[SdcSuspect]:
+            return [SdcSuspect(device=view.devices[-1], iteration=view.committed, evidence="ECC count rose")]
+
     job = session.JobSession(store)
     from resihp_core.plan import ParallelPlan
 
     job.post(ParallelPlan.uniform(tp=1, pp=1, dp=3, num_layers=2, num_microbatches=1), devices=(0, 1, 2),
              iterations=9, resume=0)
     clock = [0.0]
-    mon = SdcMonitor(clock=lambda: clock[0])
-    assert mon.poll(job) == []
+    mon = SdcMonitor({"counter": Counter()}, clock=lambda: clock[0])
+    got = mon.poll(job)
+    assert [(e.finding.source, e.finding.suspects) for e in got] == [("counter", (2,))]
     session.put_sdc_finding(store, 0, 0, compare(_fps({0: "a", 1: "a", 2: "b"}), generation=0, iteration=0).to_json())
     session.abort_generation(store, 0, 0)
     assert mon.poll(job) == []  # within its interval
-    clock[0] = 0.5
+    clock[0] = 1.0
     got = mon.poll(job)
     assert [(e.finding.source, e.finding.suspects) for e in got] == [("fingerprint", (2,))]
     clock[0] = 2.0
@@ -158,3 +163,24 @@ def test_a_guard_exists_only_for_an_adapter_that_declares_fingerprints() -> None
     assert SdcGuard.for_adapter(Declares(), 0, env={"RESIHP_SDC": "0"}) is None
     with pytest.raises(TypeError, match="'liar' declares sdc_fingerprint"):
         SdcGuard.for_adapter(Liar(), 0)
+
+
+def test_a_plugin_registers_an_sdc_detector_the_monitor_runs(monkeypatch) -> None:
+    from resihp_core.hookspecs import hookimpl
+    from resihp_core.plugins import FactoryRegistry, Plugins
+
+    class Health:
+        def poll(self, view: SdcView) -> list[SdcSuspect]:
+            return []
+
+    class Vendor:
+        @hookimpl
+        def resihp_register_sdc_detectors(self, registry: FactoryRegistry) -> None:
+            registry.register("vendor-health", Health)
+
+    plugins = Plugins(autoload=False, builtins=[])
+    plugins.register(Vendor(), name="vendor")
+    assert plugins.sdc_detectors().names() == ["vendor-health"]
+    monkeypatch.setattr("resihp_core.plugins.Plugins", lambda: plugins)
+    mon = SdcMonitor.from_plugins()
+    assert isinstance(mon.detectors["vendor-health"], Health)
