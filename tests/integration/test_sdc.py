@@ -1,0 +1,103 @@
+"""Silent data corruption caught before the corrupt update commits (docs/sdc.md), on the
+production path (``run_resilient``: controller, agent, supervisor, the Scheduler's own
+planner) with the reference backend in float64: a bit flipped in one replica's reduced
+gradient aborts that iteration on every device; with three replicas the odd one is
+quarantined and training goes on without it; with two a transient flip is re-executed
+and nothing is quarantined. Either way the final complete state equals the fault-free
+run's."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from resihp_core.faults import fail_at
+from resihp_core.job import JobSpec
+from resihp_core.plan import ParallelPlan
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ITERATIONS, FLIP_AT = 5, 2
+
+
+def _job(dp: int) -> JobSpec:
+    return JobSpec(adapter="megatron_ref",
+                   adapter_config=dict(vocab_size=64, hidden=32, num_heads=4, ffn_hidden=64, num_layers=2,
+                                       dtype="float64"),
+                   data=dict(source="synthetic", scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64),
+                   dp=dp, num_microbatches=2)
+
+
+def _base(dp: int) -> ParallelPlan:
+    return ParallelPlan.uniform(tp=1, pp=1, dp=dp, num_layers=2, num_microbatches=2, num_heads=4)
+
+
+def _flipped(job: JobSpec, base: ParallelPlan, fault):
+    """Run ``job`` with ``fault`` through ``run_resilient`` (the assembled job's own
+    planner); its outcome (as the conformance kit reads one), events and final plan."""
+    import torch
+
+    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.runconfig import RunHooks
+    from resihp_core.testing.conformance import Outcome, _assemble, _assemble_full, _kit_job
+
+    dump, work = tempfile.mkdtemp(prefix="resihp-sdc-"), tempfile.mkdtemp(prefix="resihp-sdc-job-")
+    asm = _kit_job(dataclasses.replace(job, dump_dir=dump), base, iterations=ITERATIONS, faults=[fault],
+                   timeout=60.0, work=work)
+    jobs = []
+    run = dataclasses.replace(asm.run, timeout_s=300.0, hooks=RunHooks(before_run=lambda lj, agents: jobs.append(lj)))
+    out = run_resilient(run)
+    assert out.ok, f"{out.error} (logs: {out.logs})"
+    lj = jobs[0]
+    losses, computed = [], []
+    for i in range(ITERATIONS):
+        rep = lj.report(i)
+        losses.append(sum(r.loss for r in rep.values()))
+        computed.append(Counter(tuple(c) for r in rep.values() for c in r.computed))
+    dumps = {int(f[len("device"):-3]): torch.load(os.path.join(dump, f), weights_only=False) for f in os.listdir(dump)}
+    assert all(d["iteration"] == ITERATIONS for d in dumps.values())
+    logs = "".join(p.read_text(errors="replace") for p in Path(work).rglob("*.log"))
+    return Outcome(_assemble(dumps), losses, computed, _assemble_full(dumps)), out, logs
+
+
+def test_a_bad_device_among_three_replicas_is_quarantined_after_one_aborted_iteration():
+    from resihp_core.testing.conformance import _compare, run_scenario
+
+    dp, victim = 3, 1
+    job, base = _job(dp), _base(dp)
+    got, out, logs = _flipped(job, base, fail_at(victim, FLIP_AT, "flip", target="grad", bit=20, repeat=True))
+    sdc = [e for e in out.events if e["kind"] == "sdc"]
+    assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT, sdc
+    failures = [e for e in out.events if e["kind"] == "failure"]
+    assert [(f["cause"], f["devices"]) for f in failures] == [("sdc", [victim])], failures
+    assert victim not in out.final_plan.devices()
+    assert logs.count("event=bit_flipped") == 1  # the corrupting device never ran again
+    assert logs.count("event=sdc_detected") == 1
+    committed_in = {r.iteration: r.generation for r in out.records}
+    assert committed_in[FLIP_AT] > committed_in[FLIP_AT - 1]  # iteration k committed only after the abort
+    want = run_scenario(job, base, None, iterations=ITERATIONS)
+    assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
+
+
+def test_a_transient_flip_between_two_replicas_is_re_executed_and_quarantines_nothing():
+    from resihp_core.testing.conformance import _compare, run_scenario
+
+    dp, victim = 2, 0
+    job, base = _job(dp), _base(dp)
+    got, out, logs = _flipped(job, base, fail_at(victim, FLIP_AT, "flip", target="grad", bit=20))
+    sdc = [e for e in out.events if e["kind"] == "sdc"]
+    assert len(sdc) == 2 and "re-executing" in sdc[0]["text"] and "transient" in sdc[1]["text"], sdc
+    assert sdc[0]["candidates"] == [0, 1]
+    assert not [e for e in out.events if e["kind"] == "failure"]
+    assert [e.get("kind_of_plan") for e in out.events if e["kind"] == "plan"][1:] == ["retry"]
+    assert out.final_plan.devices() == base.devices()
+    assert logs.count("event=bit_flipped") == 1
+    committed_in = {r.iteration: r.generation for r in out.records}
+    assert committed_in[FLIP_AT] > committed_in[FLIP_AT - 1]
+    want = run_scenario(job, base, None, iterations=ITERATIONS)
+    assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
