@@ -69,6 +69,11 @@ class FaultInjector:
             elif kind == "flip":
                 self._flips.append(f)
 
+    def flip_due(self, target: str) -> bool:
+        """Whether a flip of ``target`` is armed now (an adapter gathers the tensors
+        for :meth:`corrupt` only then)."""
+        return any(f.get("target", "grad") == target for f in self._flips)
+
     def corrupt(self, target: str, named: Mapping[str, torch.Tensor]) -> None:
         """Flip the bits armed for ``target`` (``grad``, ``param``, ``optimizer``) in
         ``named`` tensors: bit ``bit`` (modulo the element's width) of the first element

@@ -4,7 +4,8 @@ planner) with the reference backend in float64: a bit flipped in one replica's r
 gradient aborts that iteration on every device; with three replicas the odd one is
 quarantined and training goes on without it; with two a transient flip is re-executed
 and nothing is quarantined. Either way the final complete state equals the fault-free
-run's."""
+run's. torch_native with HSDP replicate groups: the same quarantine, exact against one
+process training the fault-free global batch."""
 
 from __future__ import annotations
 
@@ -25,16 +26,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ITERATIONS, FLIP_AT = 5, 2
 
 
-def _job(dp: int) -> JobSpec:
+def _job(dp: int, m: int) -> JobSpec:
     return JobSpec(adapter="megatron_ref",
                    adapter_config=dict(vocab_size=64, hidden=32, num_heads=4, ffn_hidden=64, num_layers=2,
                                        dtype="float64"),
                    data=dict(source="synthetic", scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64),
-                   dp=dp, num_microbatches=2)
+                   dp=dp, num_microbatches=m)
 
 
-def _base(dp: int) -> ParallelPlan:
-    return ParallelPlan.uniform(tp=1, pp=1, dp=dp, num_layers=2, num_microbatches=2, num_heads=4)
+def _base(dp: int, m: int) -> ParallelPlan:
+    return ParallelPlan.uniform(tp=1, pp=1, dp=dp, num_layers=2, num_microbatches=m, num_heads=4)
 
 
 def _flipped(job: JobSpec, base: ParallelPlan, fault):
@@ -68,8 +69,8 @@ def _flipped(job: JobSpec, base: ParallelPlan, fault):
 def test_a_bad_device_among_three_replicas_is_quarantined_after_one_aborted_iteration():
     from resihp_core.testing.conformance import _compare, run_scenario
 
-    dp, victim = 3, 1
-    job, base = _job(dp), _base(dp)
+    victim = 1
+    job, base = _job(3, 2), _base(3, 2)
     got, out, logs = _flipped(job, base, fail_at(victim, FLIP_AT, "flip", target="grad", bit=20, repeat=True))
     sdc = [e for e in out.events if e["kind"] == "sdc"]
     assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT, sdc
@@ -87,8 +88,8 @@ def test_a_bad_device_among_three_replicas_is_quarantined_after_one_aborted_iter
 def test_a_transient_flip_between_two_replicas_is_re_executed_and_quarantines_nothing():
     from resihp_core.testing.conformance import _compare, run_scenario
 
-    dp, victim = 2, 0
-    job, base = _job(dp), _base(dp)
+    victim = 0
+    job, base = _job(2, 2), _base(2, 2)
     got, out, logs = _flipped(job, base, fail_at(victim, FLIP_AT, "flip", target="grad", bit=20))
     sdc = [e for e in out.events if e["kind"] == "sdc"]
     assert len(sdc) == 2 and "re-executing" in sdc[0]["text"] and "transient" in sdc[1]["text"], sdc
@@ -101,3 +102,30 @@ def test_a_transient_flip_between_two_replicas_is_re_executed_and_quarantines_no
     assert committed_in[FLIP_AT] > committed_in[FLIP_AT - 1]
     want = run_scenario(job, base, None, iterations=ITERATIONS)
     assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
+
+
+def test_torch_native_hsdp_quarantines_a_bad_replica_and_trains_exactly(tmp_path):
+    """torch_native with HSDP (``shard = 1``: every replica a replicate group holding the
+    whole stage) on three replicas, through ``resihp run``'s assembly: a device that
+    flips a bit of its reduced gradient every iteration from 2 is quarantined after one
+    aborted iteration, its micro-batches run on the two survivors, and the final state
+    and every loss equal one process training the fault-free global batch."""
+    from resihp_core.testing.conformance import _assemble
+
+    from .test_torch_native import MODEL, TOL, as_triples, max_rel_err, reference
+    from .test_torch_native_dp import CONFIG, M, run_job
+
+    victim = 1
+    config = (CONFIG.replace("dp = 4", "dp = 3").replace("devices_per_node = 4", "devices_per_node = 3")
+              + "[adapter]\nshard = 1\n")
+    run, dumps = run_job(tmp_path, ITERATIONS, [{"device": victim, "iteration": FLIP_AT, "kind": "flip",
+                                                 "repeat": True}], checkpoint_every=0, config=config)
+    sdc = [e for e in run.events if e["kind"] == "sdc"]
+    assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT, sdc
+    failures = [e for e in run.events if e["kind"] == "failure"]
+    assert [(f["cause"], f["devices"]) for f in failures] == [("sdc", [victim])], failures
+    assert victim not in run.final_plan.devices() and victim not in dumps
+    ref, losses = reference(ITERATIONS, dp=3, m=M, model=MODEL)
+    assert max_rel_err(as_triples(_assemble(dumps)), ref) <= TOL
+    for i, (rec, want) in enumerate(zip(run.records, losses)):
+        assert abs(rec.loss - want) <= TOL * abs(want), (i, rec.generation, rec.loss, want)
