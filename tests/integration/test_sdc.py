@@ -3,9 +3,10 @@ production path (``run_resilient``: controller, agent, supervisor, the Scheduler
 planner) with the reference backend in float64: a bit flipped in one replica's reduced
 gradient aborts that iteration on every device; with three replicas the odd one is
 quarantined and training goes on without it; with two a transient flip is re-executed
-and nothing is quarantined. Either way the final complete state equals the fault-free
-run's. torch_native with HSDP replicate groups: the same quarantine, exact against one
-process training the fault-free global batch."""
+and nothing is quarantined, while a repeating one stops the job naming both (no majority
+to decide). Where it trains on, the final complete state equals the fault-free run's.
+torch_native with HSDP replicate groups: the same quarantine, exact against one process
+training the fault-free global batch."""
 
 from __future__ import annotations
 
@@ -102,6 +103,23 @@ def test_a_transient_flip_between_two_replicas_is_re_executed_and_quarantines_no
     assert committed_in[FLIP_AT] > committed_in[FLIP_AT - 1]
     want = run_scenario(job, base, None, iterations=ITERATIONS)
     assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
+
+
+def test_a_bad_device_between_two_replicas_stops_the_job_naming_both():
+    """Two replicas that disagree again on re-execution: no majority says which one is
+    wrong, and the job stops with a message naming both rather than guess."""
+    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.testing.conformance import _kit_job
+
+    job, base = _job(2, 2), _base(2, 2)
+    asm = _kit_job(dataclasses.replace(job, dump_dir=tempfile.mkdtemp(prefix="resihp-sdc-")), base,
+                   iterations=ITERATIONS, faults=[fail_at(0, FLIP_AT, "flip", repeat=True)], timeout=60.0,
+                   work=tempfile.mkdtemp(prefix="resihp-sdc-job-"))
+    out = run_resilient(dataclasses.replace(asm.run, timeout_s=300.0))
+    assert not out.ok and "persisted on re-execution among devices [0, 1]" in out.error, out.error
+    assert "refuses to guess" in out.error
+    assert [e.get("kind_of_plan") for e in out.events if e["kind"] == "plan"][1:] == ["retry"]
+    assert not [e for e in out.events if e["kind"] == "failure"]  # nothing quarantined on a guess
 
 
 def test_torch_native_hsdp_quarantines_a_bad_replica_and_trains_exactly(tmp_path):
