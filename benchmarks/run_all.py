@@ -1,20 +1,32 @@
-"""Run every benchmark several times and write the measured table (markdown + JSON).
+"""Regenerate docs/results.md from the benchmarks' JSON, or run the benchmarks first.
 
-Each benchmark script runs ``--reps`` times as its own process (``--quick`` passed
-through), the repetitions interleaved (round 1 of every benchmark, then round 2, ...)
-so a change of the machine's load hits all of them alike. The load average is read
-before and after every run, and the machine (CPU model, cores, memory, kernel) is
-recorded. Every figure is reported as the median over the repetitions with the range
-(min-max) across them; ``e2e.py`` repeats its paired comparisons inside one process
-(``--reps``), so its range is across its pairs. The README's measured table is this
-script's markdown output.
+    python benchmarks/run_all.py                      # docs/results.md from benchmarks/results/*.json
+    python benchmarks/run_all.py --check              # exit 1 if docs/results.md is out of date
+    python benchmarks/run_all.py --run [--quick] [--reps N] [--only NAME ...]
 
-    python benchmarks/run_all.py [--quick] [--reps N] [--only NAME ...] [--out DIR] [--compare OLD.json]
+Without ``--run`` nothing is measured: every JSON file in ``benchmarks/results/`` becomes
+one section of the page, with the command that produced it, its date, the machine, the
+load average and the noise floor wherever the JSON records them ("not recorded" where
+it does not). The page is the one place the documentation takes measured figures from.
 
-Writes ``DIR/measured.md`` and ``DIR/measured.json`` (default ``benchmarks/results``)
-and prints the table; with ``--compare`` also ``DIR/rerun.md``: whether each median
-lies inside the range of an earlier run. Exit status 1 if a benchmark could not measure in any repetition
-(its figures are then missing from the table, and its error is in the JSON).
+With ``--run`` each benchmark is run first and its JSON in ``benchmarks/results/``
+replaced (a run that writes no JSON leaves the previous file in place). Two kinds:
+
+* the *repeated set* (predictor, simulator, scheduler, detector, reconfigure, e2e) runs
+  ``--reps`` times as separate processes, interleaved (repetition 1 of every script,
+  then repetition 2, ...) so a change of the machine's load hits all of them alike;
+  every figure is the median over the repetitions with the min-max range, written to
+  ``measured.json`` (``measured-quick.json`` with ``--quick``; ``e2e.py`` repeats its paired
+  comparisons itself, ``--reps``);
+* *single runs* (:data:`SOURCES`): one configuration of one script each, one JSON file
+  each (peers, soak, reconfigure variants, ...). ``--run`` runs the full-size ones,
+  ``--run --quick`` the CI-sized ones; those that need a GPU are skipped without one.
+
+``run_all.py`` adds a ``_run`` record (command, date, machine, load average before and
+after, seconds, exit status) to every JSON file it writes. ``--compare OLD.json``
+compares a fresh ``measured.json`` with an earlier one (whether each median lies inside
+the earlier range), written to ``rerun.md`` next to it. Exit status 1 if a benchmark
+could not measure.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import json
 import os
 import random
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -35,11 +48,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+PAGE = ROOT / "docs" / "results.md"
 sys.path.insert(0, str(HERE))
 
 from benchstats import loadavg, machine  # noqa: E402
 
 Values = dict[str, list[float]]  # figure -> values (one per repetition, or per pair)
+JSON = dict[str, Any]  # a benchmark's JSON document, as parsed
 
 
 def _get(d: Any, *path: str) -> Any:
@@ -237,7 +254,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Measured {meta['date']} on {m.get('cpu', '?')}, {m.get('cores')} cores, "
         f"{m.get('memory_gib', '?')} GiB ({m.get('platform')}); load average (1 min) "
         f"{meta['load_min']:.1f}-{meta['load_max']:.1f} during the runs; "
-        f"`python benchmarks/run_all.py{' --quick' if meta['quick'] else ''} --reps {meta['reps']}` "
+        f"`python benchmarks/run_all.py --run{' --quick' if meta['quick'] else ''} --reps {meta['reps']}` "
         f"({meta['seconds'] / 60:.0f} min). Median over the repetitions (n), range = min-max across them.",
         "",
         "| benchmark | figure | median | range | n | load | target |",
@@ -327,23 +344,410 @@ def compare_markdown(cmp: list[dict[str, Any]], path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="every benchmark's --quick (CI-sized)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of every benchmark (default 3)")
-    ap.add_argument("--only", action="append", choices=[b.name for b in BENCHES], help="this benchmark only")
-    ap.add_argument("--out", type=Path, default=HERE / "results", help="folder for measured.md / .json")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per benchmark run")
-    ap.add_argument("--compare", type=Path, help="a previous measured.json: is every median inside its range?")
-    ap.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
-                    help="measure nothing: one table from the runs of these measured.json files "
-                         "(e.g. --only parts run side by side)")
-    args = ap.parse_args(argv)
-    if args.reps < 1:
-        ap.error("--reps must be >= 1")
-    benches = [b for b in BENCHES if not args.only or b.name in args.only]
+# ---------------------------------------------------------------------------------------
+# Single runs: one configuration of one script, one JSON file each.
+
+
+@dataclass(frozen=True)
+class Source:
+    """One configuration of one benchmark script whose latest JSON the page shows."""
+
+    name: str  # for --only
+    file: str  # its JSON in benchmarks/results/
+    script: str
+    args: tuple[str, ...]
+    title: str  # what it measures, one line
+    quick: bool = False  # CI-sized: run by --run --quick (the others by --run)
+    needs_gpu: bool = False
+
+    def command(self, results: Path = RESULTS) -> str:
+        out = results / self.file
+        shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
+        return shlex.join(["python", f"benchmarks/{self.script}", *self.args, "--json", str(shown)])
+
+
+PEERS_TRACES = ("--traces", "none,kill-every-n,one-kill,slow", "--iterations", "30", "--every", "10",
+                "--run-timeout", "240")
+SOURCES = [
+    Source("detector-quick", "detector-quick.json", "detector.py", ("--quick",),
+           "Detector: false alarms, accuracy and latency on traces, overhead, slowdowns made outside the "
+           "injector", quick=True),
+    Source("peers-quick", "peers-quick.json", "peers.py", ("--quick",),
+           "ResiHP next to torchft and checkpoint-restart, CI-sized (DP4, fault-free and kill-every-n)", quick=True),
+    Source("peers-full", "peers-full.json", "peers.py",
+           ("--reps", "3", "--jobs", "dp4,pp2dp2,tp2pp2", *PEERS_TRACES, "--max-wall-s", "2700"),
+           "ResiHP next to torchft and checkpoint-restart: three jobs, four failure traces"),
+    Source("peers-tp2pp2", "peers-tp2pp2.json", "peers.py",
+           ("--reps", "3", "--jobs", "tp2pp2", "--traces", "one-kill,kill-every-n", "--iterations", "30",
+            "--every", "10", "--run-timeout", "240"),
+           "ResiHP next to checkpoint-restart on TP2 x PP2 (reference backend) under kills"),
+    *(Source(f"soak-quick-{a}", f"soak-quick-{a}.json", "soak.py", ("--quick", "--adapter", a),
+             f"Soak, 10 random failures, {a} adapter: every committed iteration checked step by step",
+             quick=True) for a in ("megatron_ref", "torch_native", "deepspeed")),
+    Source("soak-100", "soak-100.json", "soak.py", ("--failures", "100"),
+           "Soak, 100 random failures (megatron_ref): every committed iteration checked step by step"),
+    Source("soak-sensitivity", "soak-sensitivity.json", "soak_sensitivity.py", (),
+           "How fast float64 training amplifies a rounding-level difference (why the soak checks one step at a time)"),
+    Source("reconfigure-deepspeed-kill", "reconfigure-deepspeed-kill.json", "reconfigure.py",
+           ("--adapter", "deepspeed", "--kill-only"),
+           "DeepSpeed PP2 x DP2: SIGKILL -> first committed iteration; post-failure iteration vs the best static plan"),
+    Source("reconfigure-deepspeed-restore-at", "reconfigure-deepspeed-restore-at.json", "reconfigure.py",
+           ("--adapter", "deepspeed", "--restore-at", "30,300"),
+           "DeepSpeed ZeRO 1: kill -> the killed iteration recommitted through a checkpoint restore, at 30 and 300"),
+    Source("reconfigure-torch_native-restore-at", "reconfigure-torch_native-restore-at.json", "reconfigure.py",
+           ("--adapter", "torch_native", "--restore-at", "30,300"),
+           "torch_native FSDP2: kill -> the killed iteration recommitted through a checkpoint restore, at 30 and 300"),
+    Source("reconfigure-torch_native-fault-free", "reconfigure-torch_native-fault-free.json", "reconfigure.py",
+           ("--adapter", "torch_native", "--fault-free-only"),
+           "torch_native PP2 x DP2: fault-free iteration time, resilient path vs stock torch, alternated"),
+    Source("reconfigure-torch_native-fault-free-dp4", "reconfigure-torch_native-fault-free-dp4.json",
+           "reconfigure.py", ("--adapter", "torch_native", "--fault-free-only", "--fault-free-job", "dp4"),
+           "torch_native DP4: fault-free iteration time, resilient path vs plain DDP and stock FSDP"),
+    Source("reconfigure-torch_native-hf_llama-kill", "reconfigure-torch_native-hf_llama-kill.json",
+           "reconfigure.py", ("--adapter", "torch_native", "--model", "hf_llama"),
+           "torch_native, the user's HF LLaMA, PP2 x DP2: SIGKILL -> first iteration (HSDP from memory, FSDP2 "
+           "from DCP)"),
+    Source("reconfigure-torch_native-hf_llama-fault-free", "reconfigure-torch_native-hf_llama-fault-free.json",
+           "reconfigure.py", ("--adapter", "torch_native", "--model", "hf_llama", "--fault-free-only"),
+           "The user's HF LLaMA script under resihp launch vs accelerate launch: fault-free iteration time"),
+    Source("reconfigure-torch_native-tp2", "reconfigure-torch_native-tp2.json", "reconfigure.py",
+           ("--adapter", "torch_native", "--tp", "2"),
+           "torch_native TP2 x PP2 (HF LLaMA): SIGKILL of a TP member -> first iteration with that group at TP1; "
+           "fault-free vs stock"),
+    Source("reconfigure-controller-restart", "reconfigure-controller-restart.json", "reconfigure.py",
+           ("--controller-restart",), "Controller SIGKILLed and restarted with --resume: re-attach and first iteration"),
+    Source("false-reports", "false-reports.json", "false_reports.py", ("--runs", "2"),
+           "Fail-slow detector on a loaded machine: false reports and misses per case"),
+    Source("dcp-write-cost", "dcp-write-cost.json", "dcp_write_cost.py", (),
+           "One torch_native DCP checkpoint write per rank (DP4): wall and CPU seconds"),
+    Source("fault-free-profile-dp4", "fault-free-profile-dp4.json", "fault_free_profile.py",
+           ("--job", "dp4", "--iterations", "30"),
+           "Where a fault-free ResiHP iteration goes (DP4): per-iteration ms by part, CPU by process"),
+    Source("fault-free-profile-pp2dp2", "fault-free-profile-pp2dp2.json", "fault_free_profile.py",
+           ("--job", "pp2dp2", "--iterations", "30", "--clock", "thread", "--stock"),
+           "Where a fault-free ResiHP iteration goes (PP2 x DP2) next to stock torch, thread CPU clock"),
+    Source("engine-cpu", "engine-cpu.json", "engine_cpu.py", (),
+           "CPU per iteration of the torch_native engine vs a plain DDP step, one process"),
+    Source("checkpoint-quick", "checkpoint-quick.json", "checkpoint.py", ("--quick",),
+           "What a checkpoint costs: bytes, training-thread time, writer time, verification", quick=True),
+    Source("cluster-quick", "cluster-quick.json", "cluster.py", ("--quick",),
+           "Cluster scale, simulated: retained throughput per policy and scenario", quick=True),
+    Source("data-detector-quick", "data-detector-quick.json", "data_detector.py", ("--quick",),
+           "Fail-slow false alarms on a real corpus's length fluctuation", quick=True),
+    Source("gpu-check", "gpu-check.json", "gpu_check.py", (),
+           "One prepared check on this machine's GPUs: kills, slowdown, NCCL, predictor", needs_gpu=True),
+]
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def run_source(s: Source, results: Path, timeout: float) -> str | None:
+    """Run one single-run benchmark and replace its JSON; the error text, or None."""
+    fd, tmp = tempfile.mkstemp(suffix=".json", prefix=f"resihp-{s.name}-")
+    os.close(fd)
+    Path(tmp).unlink()
+    cmd = [sys.executable, str(HERE / s.script), *s.args, "--json", tmp]
+    load0, t0 = loadavg(), time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        rc, err = p.returncode, p.stderr[-1500:]
+    except subprocess.TimeoutExpired:
+        rc, err = -1, f"timed out after {timeout:.0f} s"
+    try:
+        data = json.loads(Path(tmp).read_text())
+    except (OSError, ValueError) as e:
+        return f"no JSON ({e}); exit {rc}: {err}"
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    if isinstance(data, dict):
+        data["_run"] = {"command": s.command(results), "date": _utc(t0), "machine": machine(),
+                        "loadavg_before": load0, "loadavg_after": loadavg(),
+                        "seconds": round(time.time() - t0, 1), "exit": rc}
+    (results / s.file).write_text(json.dumps(data, indent=2) + "\n")
+    return None if rc == 0 else f"exit {rc} (JSON kept): {err}"
+
+
+def _utc(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+# ---------------------------------------------------------------------------------------
+# The page: one section per JSON file.
+
+META_KEYS = {"_run", "command", "date", "machine", "loadavg", "loadavg_end", "load", "config", "markdown", "meta",
+             "wall_s", "seconds", "what", "commands"}
+NOT_RECORDED = "not recorded"
+REPEATED_TITLE = ("The repeated set (predictor, simulator, scheduler, detector, reconfigure, e2e): median and "
+                  "min-max range over interleaved repetitions")
+MAX_ROWS = 30  # rows of one table; the rest stay in the JSON
+MAX_COLS = 14
+MAX_FIGURES = 100  # single figures of one section; the rest stay in the JSON
+FIRST_KEYS = ("summary", "targets", "overhead", "ok", "problems")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
+            return f"{v:.2e}"
+        return _num(v)
+    if v is None:
+        return "-"
+    if isinstance(v, list) and len(v) <= 4 and all(_scalar(x) for x in v):
+        return ", ".join(_fmt(x) for x in v) if v else "-"
+    text = str(v).replace("\n", " ").replace("|", "/")
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 90)
+
+
+def _cell(v: Any) -> bool:
+    """Whether ``v`` fits in a table cell (a scalar or a short list of scalars)."""
+    return _scalar(v) or (isinstance(v, list) and len(v) <= 4 and all(_scalar(x) for x in v))
+
+
+def _load_text(v: Any) -> str | None:
+    """A load-average record (three readings, or a list of 1-min readings) as 'A-B'."""
+    if not isinstance(v, list) or not v:
+        return None
+    nums: list[float] = []
+    for x in v:
+        x = x[0] if isinstance(x, list) and x else x
+        try:
+            nums.append(float(x))
+        except (TypeError, ValueError):
+            return None
+    lo, hi = min(nums), max(nums)
+    return f"{lo:.1f}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
+
+
+def _machine_text(m: Any) -> str | None:
+    if isinstance(m, str):
+        return m
+    if not isinstance(m, dict):
+        return None
+    parts = []
+    if m.get("gpus"):
+        parts.append(", ".join(str(g) for g in m["gpus"]))
+    if m.get("cpu"):
+        parts.append(str(m["cpu"]))
+    if m.get("cores"):
+        parts.append(f"{m['cores']} cores")
+    if m.get("memory_gib"):
+        parts.append(f"{m['memory_gib']} GiB")
+    for k in ("torch", "cuda_build", "python", "platform"):
+        if m.get(k):
+            parts.append(f"{k} {m[k]}")
+    return ", ".join(parts) or None
+
+
+def run_meta(d: JSON) -> dict[str, str]:
+    """Command, date, machine, load and noise floor of one JSON file, each
+    :data:`NOT_RECORDED` where the file does not say."""
+    run = d.get("_run") if isinstance(d.get("_run"), dict) else {}
+    meta = d.get("meta") if isinstance(d.get("meta"), dict) else {}
+    config = d.get("config") if isinstance(d.get("config"), dict) else {}
+    m = run.get("machine") or d.get("machine") or meta.get("machine")
+    date = run.get("date") or d.get("date") or meta.get("date") or (m.get("date_utc") if isinstance(m, dict) else None)
+    command = run.get("command") or d.get("command")
+    if not command and "table" in d and "quick" in meta:  # run_all.py's own repeated set
+        only = "".join(f" --only {n}" for n in meta.get("only") or [])
+        command = f"python benchmarks/run_all.py --run{' --quick' if meta['quick'] else ''} --reps {meta.get('reps')}{only}"
+    load = None
+    if run.get("loadavg_before") or run.get("loadavg_after"):
+        load = _load_text([x for x in (run.get("loadavg_before"), run.get("loadavg_after")) if x])
+    if load is None and "load_min" in meta:
+        load = _load_text([meta["load_min"], meta["load_max"]])
+    for v in (d.get("loadavg"), d.get("load"), config.get("loadavg")):
+        if load is None:
+            load = _load_text(v)
+    if load is None:  # per-case load readings (false_reports.py, detector_external.py)
+        cases = d.get("cases") if isinstance(d.get("cases"), dict) else {}
+        readings = [x for c in cases.values() if isinstance(c, dict) for x in (c.get("load") or [])]
+        load = _load_text(readings)
+    floors = []
+    for k, v in d.items():  # the script's own noise figures, top level and one level down
+        subs = v.items() if isinstance(v, dict) else [("", v)]
+        for k2, v2 in subs:
+            name = f"{k}.{k2}" if k2 else k
+            if re.search(r"floor|noise", name) and isinstance(v2, (int, float)) and not isinstance(v2, bool):
+                floors.append(f"{name} {_fmt(v2)}")
+    for r in d.get("table") or []:  # run_all.py's repeated set
+        if isinstance(r, dict) and "floor" in str(r.get("figure", "")) and isinstance(r.get("median"), (int, float)):
+            floors.append(f"{r.get('benchmark')} {r['figure']} {_fmt(r['median'])}")
+    wall = run.get("seconds") or d.get("wall_s") or d.get("seconds") or meta.get("seconds")
+    return {"command": command or NOT_RECORDED, "date": date or NOT_RECORDED,
+            "machine": _machine_text(m) or NOT_RECORDED,
+            "load": f"1-min load average {load}" if load else NOT_RECORDED,
+            "noise floor": "; ".join(floors) or NOT_RECORDED,
+            "wall": f"{float(wall):.0f} s" if isinstance(wall, (int, float)) else NOT_RECORDED}
+
+
+def _table(rows: dict[str, dict[str, Any]], first: str) -> list[str]:
+    cols: list[str] = []
+    for r in rows.values():
+        for k, v in r.items():
+            if k not in cols and _cell(v):
+                cols.append(k)
+    cols = cols[:MAX_COLS]
+    out = [f"| {first} | " + " | ".join(cols) + " |", "| --- " * (len(cols) + 1) + "|"]
+    for name, r in list(rows.items())[:MAX_ROWS]:
+        out.append(f"| {name} | " + " | ".join(_fmt(r.get(c)) if _cell(r.get(c)) else "" for c in cols) + " |")
+    if len(rows) > MAX_ROWS:
+        out.append(f"\n({len(rows) - MAX_ROWS} more rows in the JSON.)")
+    return out
+
+
+def _row_name(r: dict[str, Any], i: int) -> str:
+    for k in ("scenario", "name", "case", "job", "kind", "failure", "benchmark"):
+        if isinstance(r.get(k), str):
+            return r[k]
+    return str(i)
+
+
+def figures(d: JSON) -> list[str]:
+    """The figures of one JSON document as markdown: scalars as a figure | value table,
+    dicts of records and lists of records as tables of their own."""
+    flat: list[tuple[str, Any]] = []
+    blocks: list[list[str]] = []
+
+    def walk(prefix: str, v: Any, depth: int) -> None:
+        if _cell(v):
+            flat.append((prefix, v))
+        elif isinstance(v, dict) and len(v) > MAX_ROWS:
+            flat.append((prefix, f"{len(v)} entries (in the JSON)"))
+        elif isinstance(v, dict) and v:
+            recs = [x for x in v.values() if isinstance(x, dict)]
+            if len(recs) == len(v) and len(v) >= 2 and all(any(_cell(y) for y in x.values()) for x in recs):
+                blocks.append([f"**{prefix}**", ""] + _table(v, prefix.rsplit(".", 1)[-1]))
+            elif depth < 3:
+                for k, x in v.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), x, depth + 1)
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            names = [_row_name(x, i) for i, x in enumerate(v)]
+            if len(set(names)) < len(names):  # repeated names (a soak's failure kinds): number them
+                names = [f"{i + 1}: {n}" for i, n in enumerate(names)]
+            blocks.append([f"**{prefix}**", ""] + _table(dict(zip(names, v)), "row"))
+
+    first = [k for k in FIRST_KEYS if k in d]  # a script's own summary leads its section
+    for k in first + [k for k in d if k not in first]:
+        if k not in META_KEYS and not k.startswith("_"):
+            walk(str(k), d[k], 1)
+    out: list[str] = []
+    if flat:
+        out += ["| figure | value |", "| --- | --- |"]
+        out += [f"| {k} | {_fmt(v)} |" for k, v in flat[:MAX_FIGURES]]
+        if len(flat) > MAX_FIGURES:
+            out.append(f"\n({len(flat) - MAX_FIGURES} more figures in the JSON.)")
+    for b in blocks:
+        out += [""] + b
+    return out
+
+
+def _demote(md: str) -> str:
+    """A benchmark's own markdown report inside a section: its headings one level down."""
+    return "\n".join("###" + ln if ln.startswith("#") else ln for ln in md.splitlines())
+
+
+def section(path: Path, d: Any, sources: dict[str, Source]) -> list[str]:
+    s = sources.get(path.name)
+    out = [f"## `{path.name}`", ""]
+    if s or _repeated(path.name):
+        out += [(s.title if s else REPEATED_TITLE) + ".", ""]
+    if isinstance(d, str):  # the parse error
+        return out + [d, ""]
+    if not isinstance(d, dict):
+        return out + [f"Not a JSON object ({type(d).__name__}): nothing to show.", ""]
+    meta = run_meta(d)
+    if meta["noise floor"] == NOT_RECORDED and "noise floor" in str(d.get("markdown", "")):
+        meta["noise floor"] = "per system, in the tables below"
+    if meta["command"] == NOT_RECORDED and s:
+        meta["command"] = f"{NOT_RECORDED} (`run_all.py --run` runs `{s.command()}`)"
+    else:
+        meta["command"] = f"`{meta['command']}`" if meta["command"] != NOT_RECORDED else NOT_RECORDED
+    out += [f"- {k}: {v}" for k, v in meta.items()]
+    if isinstance(d.get("_run"), dict) and d["_run"].get("source"):
+        out.append(f"- note: {d['_run']['source']}")
+    out.append("")
+    if isinstance(d.get("table"), list) and isinstance(d.get("meta"), dict):  # run_all.py's repeated set
+        rows, m = d["table"], d["meta"]
+        out += ["| benchmark | figure | median | range | n | load | target |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            load = "-" if not r.get("load_1min") else f"{r['load_1min'][0]:.1f}-{r['load_1min'][1]:.1f}"
+            out.append(f"| `{r['benchmark']}` | {r['figure']} | {_num(r['median'])} | {_num(r['min'])} .. "
+                       f"{_num(r['max'])} | {r['n']} | {load} | {r.get('target', '')} |")
+        if m.get("failed"):
+            out += ["", "Could not measure: " + "; ".join(f"{k} ({v})" for k, v in m["failed"].items())]
+    elif isinstance(d.get("markdown"), str):  # the script's own report (peers.py)
+        out += [_demote(d["markdown"])]
+    else:
+        out += figures(d)
+    return out + [""]
+
+
+def _repeated(name: str) -> bool:
+    return name in ("measured.json", "measured-quick.json")
+
+
+def generate(results: Path = RESULTS, sources: list[Source] | None = None) -> str:
+    """docs/results.md's text from every ``*.json`` under ``results``."""
+    by_file = {s.file: s for s in (SOURCES if sources is None else sources)}
+    files = sorted(results.glob("*.json"))
+    lines = [
+        "# Measured results",
+        "",
+        "Generated by `python benchmarks/run_all.py` from the JSON files in `benchmarks/results/`; do not edit by",
+        "hand. Each section is one benchmark configuration's latest run: the command that produced it, when, on",
+        "what machine, under what load, and its noise floor where the benchmark records one. How each benchmark",
+        "measures and how to read its figures: [benchmarks.md](benchmarks.md).",
+        "",
+    ]
+    lines += ["| file | what it measures | date |", "| --- | --- | --- |"]
+    parsed: list[tuple[Path, Any]] = []
+    for f in files:
+        try:
+            d: Any = json.loads(f.read_text())
+        except ValueError as e:
+            d = f"unreadable JSON: {e}"
+        parsed.append((f, d))
+        s = by_file.get(f.name)
+        title = s.title if s else REPEATED_TITLE if _repeated(f.name) else "not a registered benchmark"
+        date = run_meta(d)["date"] if isinstance(d, dict) else NOT_RECORDED
+        anchor = re.sub(r"[^a-z0-9 _-]", "", f.name.lower()).replace(" ", "-")
+        lines.append(f"| [`{f.name}`](#{anchor}) | {title} | {date} |")
+    lines.append("")
+    missing = [s for s in (SOURCES if sources is None else sources) if not (results / s.file).exists()]
+    if missing:
+        lines += ["Not measured yet (no JSON): " + "; ".join(f"`{s.command()}`" for s in missing), ""]
+    for f, d in parsed:
+        lines += section(f, d, by_file)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def run_repeated(benches: list[Bench], args: argparse.Namespace) -> int:
+    """The repeated set: ``--reps`` interleaved repetitions, ``measured.json``."""
     t0 = time.time()
     records: list[dict[str, Any]] = []
+    parts: list[JSON] = []
     if args.combine:
         parts = [json.loads(f.read_text()) for f in args.combine]
         records = [r for part in parts for r in part["runs"]]
@@ -366,26 +770,77 @@ def main(argv: list[str] | None = None) -> int:
     loads = [x[0] for r in records for x in (r["loadavg_before"], r["loadavg_after"]) if x]
     failed = {b.name: next((r["error"][:600] for r in records if r["benchmark"] == b.name and "error" in r), "")
               for b in benches if all(r["rc"] != 0 for r in records if r["benchmark"] == b.name)}
-    for b in failed:  # a script that measured some of its figures says so
-        if any(r["values"] for r in records if r["benchmark"] == b):
-            failed[b] = "partly: " + failed[b]
+    for name in failed:  # a script that measured some of its figures says so
+        if any(r["values"] for r in records if r["benchmark"] == name):
+            failed[name] = "partly: " + failed[name]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": parts[0]["meta"]["machine"] if args.combine else machine(), "quick": args.quick, "reps": args.reps, "seconds": time.time() - t0,
+            "machine": parts[0]["meta"]["machine"] if parts else machine(), "quick": args.quick,
+            "reps": args.reps, "only": [b.name for b in benches] if args.only else None, "seconds": time.time() - t0,
             "load_min": min(loads) if loads else float("nan"), "load_max": max(loads) if loads else float("nan"),
             "failed": failed}
     md = markdown(rows, meta)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "measured.md").write_text(md)
-    (args.out / "measured.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": records}, indent=2))
+    args.results.mkdir(parents=True, exist_ok=True)
+    name = "measured-quick.json" if args.quick else "measured.json"  # one file per size: the latest of each
+    (args.results / name).write_text(json.dumps({"meta": meta, "table": rows, "runs": records}, indent=2) + "\n")
     print()
     print(md)
     if args.compare:
         cmp = compare(rows, json.loads(args.compare.read_text())["table"])
-        cmd = compare_markdown(cmp, args.compare)
-        (args.out / "rerun.md").write_text(cmd)
-        print(cmd)
-    print(f"written: {args.out / 'measured.md'}, {args.out / 'measured.json'}")
+        text = compare_markdown(cmp, args.compare)
+        (args.results / "rerun.md").write_text(text)
+        print(text)
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="store_true", help="run the benchmarks first (their JSON is replaced)")
+    ap.add_argument("--quick", action="store_true", help="with --run: the CI-sized configurations")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the repeated set (default 3)")
+    names = [b.name for b in BENCHES] + [s.name for s in SOURCES]
+    ap.add_argument("--only", action="append", choices=names, metavar="NAME",
+                    help=f"with --run: this benchmark only (repeatable); one of {', '.join(names)}")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the JSON folder (default benchmarks/results)")
+    ap.add_argument("--out", type=Path, default=PAGE, help="the page to write (default docs/results.md)")
+    ap.add_argument("--check", action="store_true", help="write nothing: exit 1 if the page is out of date")
+    ap.add_argument("--timeout", type=float, default=7200.0, help="seconds allowed per benchmark run")
+    ap.add_argument("--compare", type=Path, help="with --run: an earlier measured.json, is every median inside its range?")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                    help="measure nothing: one measured.json from the runs of these measured.json files")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+    if (args.quick or args.only or args.compare) and not (args.run or args.combine):
+        ap.error("--quick, --only and --compare go with --run (or --combine)")
+    rc = 0
+    if args.run or args.combine:
+        benches = [b for b in BENCHES if not args.only or b.name in args.only]
+        if benches:
+            rc |= run_repeated(benches, args)
+        gpu = _has_gpu()
+        for s in SOURCES:
+            if args.combine or (args.only and s.name not in args.only) or (not args.only and s.quick != args.quick):
+                continue
+            if s.needs_gpu and not gpu:
+                print(f"{s.name}: skipped, no GPU here", flush=True)
+                continue
+            print(f"[{time.strftime('%H:%M:%S')}] {s.command(args.results)}, load {loadavg()}", flush=True)
+            err = run_source(s, args.results, args.timeout)
+            if err:
+                print(f"    {s.name}: {err[:600]}", flush=True)
+                rc = 1
+    text = generate(args.results)
+    if args.check:
+        now = args.out.read_text() if args.out.exists() else ""
+        if now != text:
+            print(f"{args.out} is out of date: run python benchmarks/run_all.py", file=sys.stderr)
+            return 1
+        print(f"{args.out} is up to date")
+        return rc
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"written: {args.out} ({len(text.splitlines())} lines, {len(list(args.results.glob('*.json')))} JSON files)")
+    return rc
 
 
 if __name__ == "__main__":

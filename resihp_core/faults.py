@@ -8,6 +8,9 @@ Kinds (docs/design.md §7):
 - ``comm``: communication fail-slow: every transfer the device takes part in is
   delayed by ``delay_s`` seconds;
 - ``contend``: CPU contention: a busy process competes with the worker for its core;
+- ``ecc`` / ``nccl``: the worker raises what a GPU job sees of a failing device (CUDA's
+  uncorrectable ECC error, an NCCL ``DistBackendError``): a device-kind exception, so the
+  device is lost and the job goes on (docs/errors.md);
 - ``repair``: the device is repaired: once ``iteration`` iterations are committed its
   worker is started again and the Scheduler brings it back (after a ``kill``);
 - ``flip``: silent data corruption: bit ``bit`` of the first element of the device's
@@ -36,7 +39,7 @@ from typing import Iterable
 __all__ = ["Fault", "FaultError", "KINDS", "TARGETS", "SEVERITY_LOSS", "fail_at", "severity_factor", "load_scenario",
            "repairs", "worker_faults"]
 
-KINDS = ("kill", "stop", "slow", "comm", "contend", "repair", "flip")
+KINDS = ("kill", "stop", "slow", "comm", "contend", "repair", "ecc", "nccl", "flip")
 TARGETS = ("grad", "param", "optimizer")
 SEVERITY_LOSS = {"weak": 0.35, "medium": 0.55, "strong": 0.70}
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from resihp_core.hookspecs import hookimpl
 
-__all__ = ["configure", "run", "framework_of", "print_iteration", "print_event"]
+__all__ = ["configure", "run", "framework_of", "print_iteration"]
 
 #: framework name -> the module whose ``run(args)`` launches it
 FRAMEWORKS = {"deepspeed": "resihp_adapters.deepspeed.launch", "torch_native": "resihp_adapters.torch_native.launch"}
@@ -103,13 +103,6 @@ def run(args: argparse.Namespace) -> int:
 def print_iteration(rec: Any) -> None:
     print(f"iteration {rec.iteration:>3}  loss {rec.loss:.10f}  {rec.seconds:.2f}s  generation {rec.generation}",
           flush=True)
-
-
-def print_event(ev: dict) -> None:
-    print(f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:160]}", flush=True)
-    if ev.get("kind") == "plan" and isinstance(ev.get("plan"), str):  # the layout: stages, TP groups
-        layout = [ln for ln in ev["plan"].splitlines() if ln.startswith(("stages ", "replica "))]
-        print(f"[iteration {ev['iteration']}] layout: {'; '.join(layout)}", flush=True)
 
 
 @hookimpl(trylast=True)

@@ -27,61 +27,46 @@ def main() -> None:
     os.environ.update(RANK=str(device), LOCAL_RANK=str(device % per_node), GROUP_RANK=str(device // per_node))
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
-    if not os.environ.get("RESIHP_INITIALIZED") and "resihp_core.runtime.worker" not in sys.modules:
-        never_initialized(script, device)
+    from resihp_core.runtime.worker import end_on_job_error, end_script
+
+    try:
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):  # the script gave up: its own error, as it said
+                raise ScriptExit(f"the script called sys.exit({e.code!r})") from e
+        if not initialized():
+            never_initialized(script, device)
+    except Exception as e:  # noqa: BLE001 - the job's own error ends the job, a device's the process
+        end_on_job_error(e)
+    end_script()
 
 
-#: The marker a worker leaves beside its job file when the script ended without calling
-#: ``initialize()``; ``resihp launch`` turns it into one clear error.
-MARKER = "never-initialized-{device}"
+def initialized() -> bool:
+    from resihp_core.runtime import worker
+
+    return bool(os.environ.get("RESIHP_INITIALIZED")) or worker._current is not None
 
 
-def never_initialized(script: str, device: int) -> None:
-    """The script returned without handing its training to ResiHP: say so once (the
-    launcher reads the marker) instead of leaving the controller to see exited workers."""
-    job = os.environ.get("RESIHP_JOB")
-    if job:
-        with open(os.path.join(os.path.dirname(job), MARKER.format(device=device)), "w") as f:
-            f.write(script)
-    print(f"resihp launch: {script} ended without calling initialize() (resihp_adapters.torch_native."
-          "initialize or resihp_adapters.deepspeed.initialize); nothing was trained under ResiHP",
-          file=sys.stderr, flush=True)
-    raise SystemExit(3)
-
-
-#: The marker a worker leaves when the script's ResiHP call refused the job up front
-#: (e.g. torch_native's loop mode on a pipelined job): its text is the reason.
-REFUSED = "refused-{device}"
-
-
-def refuse(reason: str) -> None:
-    """Leave ``reason`` for ``resihp launch`` (one clear error, instead of the fail-stops
-    the workers' exits would read as); the caller then raises. Nothing outside a launch."""
-    job, device = os.environ.get("RESIHP_JOB"), os.environ.get("RESIHP_DEVICE")
-    if job and device:
-        with open(os.path.join(os.path.dirname(job), REFUSED.format(device=device)), "w") as f:
-            f.write(reason)
-
-
-def check_initialized(workdir: str | os.PathLike) -> None:
-    """Raise :class:`NeverInitialized` if a worker of the job under ``workdir`` left the
-    marker, or refused the job (:func:`refuse`)."""
-    from pathlib import Path
-
-    refused = sorted(Path(workdir).rglob(REFUSED.format(device="*")))
-    if refused:
-        raise NeverInitialized(f"the script refused the job: {refused[0].read_text()}")
-    hits = sorted(Path(workdir).rglob(MARKER.format(device="*")))
-    if hits:
-        raise NeverInitialized(f"{hits[0].read_text()} never called initialize(): under 'resihp launch' the script "
-                               "must hand its training to ResiHP (resihp_adapters.torch_native.initialize(model, "
-                               "optimizer=..., dataset=...), or resihp_adapters.deepspeed.initialize); "
-                               f"{len(hits)} worker(s) ended without it")
+class ScriptExit(RuntimeError):
+    """The training script exited with a non-zero status of its own."""
 
 
 class NeverInitialized(RuntimeError):
-    """The launched script never called ``initialize()``."""
+    """The training script ended without handing its training to ResiHP; ``where``
+    names the script (the user's file, for the console's file:line)."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def never_initialized(script: str, device: int) -> None:
+    """The script returned without calling ``initialize()``: the job's error (one clear
+    line on the console, not the exits of workers read as failed devices)."""
+    raise NeverInitialized("the script ended without calling initialize(): under 'resihp launch' it must hand its "
+                           "training to ResiHP (resihp_adapters.torch_native.initialize(model, optimizer=..., "
+                           "dataset=...), or resihp_adapters.deepspeed.initialize)", where=os.path.abspath(script))
 
 
 if __name__ == "__main__":

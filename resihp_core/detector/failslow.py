@@ -191,7 +191,7 @@ class _Base:
             evidence=verdict.evidence[:4000],
             time=max(0.0, self.clock()),
         )
-        logger.warning(
+        logger.info(  # the console says it once, through the job's events
             "event=failure_report generation=%d failure=fail-slow detector=%s devices=%s cause=%s throughput=%s",
             report.generation, self.name, list(report.devices), report.cause,
             {d: round(p, 3) for d, p in report.throughput.items()},

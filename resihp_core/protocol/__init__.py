@@ -80,6 +80,8 @@ __all__ = [
     "WorkerProcess",
     "NodeRejoin",
     "WorkerLeft",
+    "JobError",
+    "ScriptEnded",
     "Message",
     "MESSAGE_TYPES",
     "encode",

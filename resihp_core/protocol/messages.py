@@ -20,7 +20,7 @@ __all__ = [
     "PROTOCOL_VERSION", "Hello", "Challenge", "AuthResponse", "AuthResult", "Heartbeat",
     "MicroBatchProfile", "IterationProfile", "FailureReport", "PlanUpdate", "IterationReport", "WorkerSummary",
     "AgentState", "Ack", "Error", "LaunchWorkers", "SignalWorker", "WorkerProcess",
-    "NodeRejoin", "WorkerLeft",
+    "NodeRejoin", "WorkerLeft", "JobError", "ScriptEnded",
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
@@ -218,6 +218,36 @@ class WorkerLeft(_Msg, tag="worker_left"):
     state_lost: bool = False
 
 
+class JobError(_Msg, tag="job_error"):
+    """Worker -> controller (through the job store): the job's own code raised on this
+    device (the user's script, or an adapter refusing it): the job ends, nothing is
+    planned (docs/errors.md). ``where`` is the user's ``file:line``; ``phase`` says
+    whether training had started (``setup`` before the first iteration ran)."""
+
+    device: NonNeg
+    exc_type: ShortText
+    message: str
+    where: str = ""
+    traceback: str = ""
+    phase: Literal["setup", "training"] = "training"
+    iteration: NonNeg = 0
+    generation: int = -1
+
+    def line(self) -> str:
+        """One line for the console: the exception, the user's file:line and the rank."""
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.exc_type}: {first} (at {self.where or '?'}, device {self.device})"
+
+
+class ScriptEnded(_Msg, tag="script_ended"):
+    """Worker -> controller (through the job store): the user's training script returned
+    on this device after ``iteration`` committed iterations, before the job's configured
+    end (its own loop ended early). The job ends normally (docs/errors.md)."""
+
+    device: NonNeg
+    iteration: NonNeg
+
+
 # ------------------------------------------------------------------- agent traffic
 class WorkerSummary(msgspec.Struct, frozen=True):
     """An agent's view of one local worker: its last heartbeat and whether it is alive."""
@@ -327,6 +357,8 @@ Message = Union[
     WorkerProcess,
     NodeRejoin,
     WorkerLeft,
+    JobError,
+    ScriptEnded,
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 

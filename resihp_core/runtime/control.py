@@ -30,19 +30,28 @@ from resihp_core import checkpoints
 from resihp_core.detector.sdc import SdcMonitor
 from resihp_core.plan import ParallelPlan
 from resihp_core.predictor.predict import IterationPredictor
-from resihp_core.protocol import FailureReport
-from resihp_core.runtime.launcher import JobError, LocalJob
+from resihp_core.protocol import FailureReport, JobError, ScriptEnded
+from resihp_core.runtime.launcher import LocalJob, NoProgress
 from resihp_core.runtime.session import JobSession, WatchableStore, wait_news
 from resihp_core.runtime.supervisor import (
-    Action, Committed, Deploy, Deployed, DeployFailed, Emit, Event, Fail, Kill, NotifyFailure, PlanFailure, Planned,
+    Action, Committed, Deploy, Deployed, DeployFailed, Emit, EndJob, Event, Fail, Finish, Kill, NotifyFailure,
+    PlanFailure, Planned,
     PlanRejoin, Ready, Rejoin, Relaunch, RelaunchFailed, Retry, Supervisor, Tick, needs_restore,
 )
 from resihp_core.scheduler.planner import PlanDecision, Planner
 from resihp_core.scheduler.state import PlannerState
 
-__all__ = ["ControlLoop", "IterationRecord", "CheckpointPolicy", "Inbox"]
+__all__ = ["ControlLoop", "IterationRecord", "CheckpointPolicy", "Inbox", "JobFailed"]
 
 logger = logging.getLogger("resihp.supervisor")
+
+
+class JobFailed(RuntimeError):
+    """The job's own code raised on a worker (docs/errors.md): the job ended."""
+
+    def __init__(self, error: JobError) -> None:
+        super().__init__(error.line())
+        self.error = error
 
 
 @dataclass
@@ -157,6 +166,8 @@ class ControlLoop:
         self._rounds = threading.Condition()
         self._round = 0
         self._running = False
+        self._dead_seen: frozenset[int] = frozenset()
+        self.ended: ScriptEnded | None = None  # the user's script returned before the end
 
     @property
     def events(self) -> list[dict]:
@@ -190,13 +201,17 @@ class ControlLoop:
         last_commit = self.clock()
         watcher = self._start_watcher() if self._sleeps else None
         try:
-            while self.first + len(self.records) < self.iterations:
+            while self.first + len(self.records) < self.iterations and self.ended is None:
                 last_commit = self._commits(last_commit)
                 if self.first + len(self.records) >= self.iterations:
                     break
                 generation = self.job.generation
                 self._poll()
                 alive, dead = frozenset(self.job.alive()), frozenset(self.job.dead())
+                # A worker posts its job error before it exits: read after the snapshot,
+                # a death the error explains is never taken for a failure.
+                self._job_errors(force=dead != self._dead_seen)
+                self._dead_seen = dead
                 # A lost node's report is queued before its workers count as dead: the
                 # reports drained after the snapshot carry why they died (not just "exited").
                 self._drain_reports()
@@ -212,7 +227,8 @@ class ControlLoop:
                 self._rounds.notify_all()
             if watcher is not None:  # it looks again within a second (a wait in the store is not interruptible)
                 watcher.join(timeout=1.5)
-        self._do(self.core.finish(self.job.alive()))
+        if self.ended is None:
+            self._do(self.core.finish(self.job.alive()))
         return self.records
 
     def _sleep(self) -> None:
@@ -318,6 +334,16 @@ class ControlLoop:
             except Exception:  # noqa: BLE001 - the controller did not answer in time (a loaded host): ask again
                 logger.warning("could not learn whether relaunched devices %s are ready; asking again", waiting)
 
+    def _job_errors(self, force: bool) -> None:
+        """Feed the job errors and early script ends workers posted (at most four reads
+        a second, or now when a worker's process ended)."""
+        now = self.clock()
+        if not force and now - self._polled.get("errors", 0.0) < 0.25:
+            return
+        self._polled["errors"] = now
+        for e in self.session.new_job_errors():
+            self._feed(e)
+
     # ------------------------------------------------------------ carrying out actions
     def _drain_reports(self) -> None:
         """Buffer the Detector's queued reports in the core (feeding one acts on nothing)."""
@@ -361,6 +387,13 @@ class ControlLoop:
                 self._retry(a)
             elif isinstance(a, Fail):
                 raise RuntimeError(a.message)
+            elif isinstance(a, EndJob):
+                raise JobFailed(a.error)
+            elif isinstance(a, Finish):
+                self.ended = a.ended
+                self.session.event("ended", f"the training script returned after {self.first + len(self.records)} "
+                                            f"of {self.iterations} iterations (device {a.ended.device}): "
+                                            "the job ends here", devices=[a.ended.device])
             else:
                 raise TypeError(f"not a supervisor action: {a!r}")
 
@@ -414,7 +447,7 @@ class ControlLoop:
         try:
             g = self.job.post(plan, iterations=self.iterations, resume=resume, restore=restore, fresh=fresh,
                               exclude=self.core.handled)
-        except JobError:
+        except NoProgress:
             gone = sorted(set(plan.devices()) - set(self.job.alive()))
             if not gone:
                 raise
@@ -435,12 +468,12 @@ class ControlLoop:
         g = self._post(decision.plan, resume, restore, fresh)
         if g is None:
             return
-        self.session.plan_changed(old, decision.plan, f"{a.what or a.kind}: {decision.reason[:200]}")
+        self.session.plan_changed(old, decision.plan, f"{a.what or a.kind}: {decision.reason}")
         where = (f", resumed from the checkpoint of iteration {restore} at iteration {resume}"
                  if restore is not None else ", from the initial state (no complete checkpoint)" if fresh else "")
         extra = {"devices": list(a.devices)} if a.devices else {}
         self.session.event("plan", f"generation {g} ({a.what or a.kind}, planned in {a.seconds * 1e3:.0f} ms"
-                                   f"{where}): {decision.reason[:200]}", at=at, plan=decision.plan.to_text(),
+                                   f"{where}): {decision.reason}", at=at, plan=decision.plan.to_text(),
                            kind_of_plan=a.kind, planning_s=a.seconds, resume=resume, restore=restore, **extra)
         self._feed(Deployed(g, tuple(self.job.message.devices), resume))
 

@@ -326,7 +326,7 @@ class Controller:
         return self._plugins
 
     def _emit(self, report: FailureReport) -> None:
-        logger.warning(
+        logger.info(  # the console says it once, through the job's events
             "event=failure_report generation=%d failure=%s devices=%s cause=%s evidence=%r",
             report.generation, report.failure, list(report.devices), report.cause, report.evidence,
         )

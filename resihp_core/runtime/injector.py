@@ -32,6 +32,24 @@ __all__ = ["FaultInjector"]
 _BUSY = "import os, time\nend = time.time() + 3600\nwhile time.time() < end and os.getppid() != 1: pass"
 
 
+def _device_exception(kind: str) -> Exception:
+    """What a GPU job sees of a failing device: CUDA's sticky error for an uncorrectable
+    ECC error (``torch.AcceleratorError`` where torch has it), or NCCL's error through
+    torch.distributed (``DistBackendError``)."""
+    import torch
+
+    if kind == "ecc":
+        cls = getattr(torch, "AcceleratorError", RuntimeError)
+        text = "CUDA error: uncorrectable ECC error encountered"
+        try:
+            return cls(text)
+        except TypeError:  # a constructor that wants the error code first
+            return RuntimeError(text)
+    return torch.distributed.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp, unhandled system error (run with NCCL_DEBUG=INFO for details), "
+        "NCCL version 2.28.9 ncclSystemError: System call (e.g. socket, malloc) or external library call failed")
+
+
 class FaultInjector:
     """This device's scheduled faults and the slowdowns currently in force."""
 
@@ -58,6 +76,10 @@ class FaultInjector:
             kind = f["kind"]
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "ecc":
+                raise _device_exception("ecc")
+            elif kind == "nccl":
+                raise _device_exception("nccl")
             elif kind == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "slow":

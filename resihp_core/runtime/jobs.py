@@ -337,19 +337,27 @@ def run_job(cfg: Config, faults: list[Fault], args: argparse.Namespace, title: s
         for d in r.devices:
             health[d] = "DEAD" if r.failure == "fail-stop" else f"slow {r.cause}"
 
+    from resihp_core.runtime.console import RunLog, finish, one_line
+
     view = _View(args, health)
     phase_of = phases(faults)
+    log = RunLog(work)
+    print(f"run log: {log.path}", flush=True)
 
     def on_event(ev: dict) -> None:
         phase_of.event(ev)  # a detected failure starts a phase too
+        log.write(ev)
         view.event(ev)
 
     with view:
         run, start = run_controlled(cfg, job, work, args, hooks=RunHooks(phase_of=phase_of, on_event=on_event,
                                                                          on_iteration=view.iteration,
                                                                          on_report=on_report))
+    if run.job_error is not None:
+        return finish(run, log, what=tag, iterations=cfg.training.iterations, start=start)
     if not run.ok:
-        print(f"{tag} failed: {run.error}\nworker logs: {run.logs}", file=sys.stderr)
+        print(f"{tag} failed: {run.error}\nrun log: {log.path}; worker logs: {run.logs}", file=sys.stderr)
+    log.close(run.events)
     records = run.records
     if not records:
         if run.ok and start >= cfg.training.iterations:  # re-attached to a job that had committed everything
@@ -381,8 +389,8 @@ def run_job(cfg: Config, faults: list[Fault], args: argparse.Namespace, title: s
         print(f"\nadapter {job.spec.adapter!r} has no fault-free reference: losses not checked")
     print("events:")
     for ev in run.events:
-        print(f"  iteration {ev['iteration']:>3}  {ev['kind']:<8} {ev['text'][:110]}")
-    print(f"\nreport: {outdir}")
+        print(one_line(f"  iteration {ev['iteration']:>3}  {ev['kind']:<8} {ev['text']}", where=str(log.path)))
+    print(f"\nreport: {outdir}\nrun log: {log.path}")
     for name, p in paths.items():
         print(f"  {name}: {p}")
     return 0 if ok else 1
@@ -437,7 +445,9 @@ class _View:
                   f"gen {rec.generation}  {rec.phase}", flush=True)
 
     def event(self, ev: dict) -> None:
-        line = f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:120]}"
+        from resihp_core.runtime.console import one_line
+
+        line = one_line(f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text']}", 160)
         self.lines.append(line)
         if self.live is not None:
             self.live.update(self._render())

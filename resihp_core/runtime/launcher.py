@@ -27,10 +27,10 @@ from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
 if TYPE_CHECKING:
     from resihp_core.runtime.store import LocalStore, StoreClient
 
-__all__ = ["LocalJob", "JobError"]
+__all__ = ["LocalJob", "NoProgress"]
 
 
-class JobError(RuntimeError):
+class NoProgress(RuntimeError):
     """The job could not make progress; the message says which device or iteration."""
 
 
@@ -175,7 +175,7 @@ class LocalJob:
         devices = tuple(d for d in self.alive() if d not in exclude)
         missing = [d for d in plan.devices() if d not in devices]
         if missing:
-            raise JobError(f"plan generation {self.generation + 1} uses devices {missing} that have no live worker")
+            raise NoProgress(f"plan generation {self.generation + 1} uses devices {missing} that have no live worker")
         return self.session.post(plan, devices=devices, iterations=iterations, resume=resume, restore=restore,
                                  fresh=fresh)
 
@@ -189,17 +189,17 @@ class LocalJob:
 
     def wait(self, iteration: int, *, timeout: float = 120.0, on_death: str = "raise") -> list[int]:
         """Wait until ``iteration`` iterations are committed. Returns the devices that
-        died meanwhile (``on_death='return'``), or raises :class:`JobError`."""
+        died meanwhile (``on_death='return'``), or raises :class:`NoProgress`."""
         deadline = time.monotonic() + timeout
         while self.committed_through() < iteration:
             dead = [d for d in self.dead() if self.message and d in self.message.devices]
             if dead:
                 if on_death == "return":
                     return dead
-                raise JobError(f"worker(s) {dead} died during generation {self.generation}:\n"
+                raise NoProgress(f"worker(s) {dead} died during generation {self.generation}:\n"
                                + "\n".join(self.log(d)[-2000:] for d in dead))
             if time.monotonic() > deadline:
-                raise JobError(f"iteration {self.committed} did not commit in {timeout:.0f}s "
+                raise NoProgress(f"iteration {self.committed} did not commit in {timeout:.0f}s "
                                f"(generation {self.generation}); logs in {self.workdir}")
             time.sleep(0.002)
         return []

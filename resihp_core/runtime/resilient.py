@@ -32,8 +32,8 @@ from resihp_core.plan import ParallelPlan
 from resihp_core.runtime.failover import JobState, remove_state, write_state
 from resihp_core.runtime.session import JobSession
 from resihp_core.runtime.launcher import LocalJob
-from resihp_core.protocol import FailureReport
-from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, Inbox, IterationRecord
+from resihp_core.protocol import FailureReport, JobError, ScriptEnded
+from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, Inbox, IterationRecord, JobFailed
 from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig, Resume, RunHooks
 
 if TYPE_CHECKING:
@@ -111,6 +111,17 @@ class ResilientRun:
     final_plan: ParallelPlan | None = None
     logs: Path | None = None
     extra: dict = field(default_factory=dict)
+    job_error: JobError | None = None  # the job's own error that ended it (docs/errors.md)
+    ended: ScriptEnded | None = None  # the user's script returned before the configured end
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit code for this run (:mod:`resihp_core.errors`)."""
+        from resihp_core.errors import EXIT_FAILED, EXIT_JOB_ERROR, EXIT_OK, EXIT_USAGE
+
+        if self.job_error is not None:
+            return EXIT_USAGE if self.job_error.phase == "setup" else EXIT_JOB_ERROR
+        return EXIT_OK if self.ok else EXIT_FAILED
 
 
 def run_resilient(run: ResilientConfig) -> ResilientRun:
@@ -268,8 +279,11 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
             out.events = ctl.events
             out.final_plan = ctl.plan
             out.extra["first"] = ctl.first
+            out.ended = ctl.ended
     except AttachFailed:
         raise  # nothing was started or changed: the caller restores from a checkpoint instead
+    except JobFailed as e:
+        out.ok, out.error, out.job_error = False, str(e), e.error
     except Exception as e:  # noqa: BLE001 - the caller reports it with the logs
         out.ok, out.error = False, f"{type(e).__name__}: {e}"
     finally:

@@ -58,7 +58,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol
 
-from resihp_core.protocol import FailureReport, IterationReport, PlanUpdate, ProtocolError, WorkerLeft, decode, encode
+from resihp_core.protocol import (FailureReport, IterationReport, JobError, PlanUpdate, ProtocolError, ScriptEnded,
+                                  WorkerLeft, decode, encode)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -109,6 +110,7 @@ PLAN_LATEST = PLAN_PREFIX + "latest"
 PRESENT_KEY = CONTROLLER_PREFIX + "present"
 SHUTDOWN_KEY = CONTROLLER_PREFIX + "shutdown"
 _FAULTS = "ckpt/faults"
+_JOB_ERRORS = "joberror/count"
 
 
 def _plan(g: int) -> str:
@@ -466,6 +468,33 @@ def storage_faults(store: KeyValueStore, seen: int) -> list[StorageFault]:
     return out
 
 
+def put_job_error(store: KeyValueStore, error: JobError | ScriptEnded) -> None:
+    """Post the job's own error, or its script's early end (docs/errors.md), in the
+    next numbered slot."""
+    n = store.add(_JOB_ERRORS, 1)
+    store.set(f"joberror/{n}", encode(error))
+
+
+def job_errors(store: KeyValueStore, seen: int) -> tuple[list[JobError | ScriptEnded], int]:
+    """The job errors posted after the first ``seen`` and the new count seen (a slot
+    counted but not written yet ends the list: it comes next time). An entry that does
+    not decode as a :class:`~resihp_core.protocol.JobError` is skipped (hostile input)."""
+    n = store.add(_JOB_ERRORS, 0)
+    out: list[JobError | ScriptEnded] = []
+    while seen < n:
+        key = f"joberror/{seen + 1}"
+        if not store.check([key]):
+            break
+        seen += 1
+        try:
+            msg = decode(store.get(key))
+        except ProtocolError:
+            continue
+        if isinstance(msg, (JobError, ScriptEnded)):
+            out.append(msg)
+    return out, seen
+
+
 def rendezvous_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     """Generation ``generation``'s torch.distributed rendezvous: a ``PrefixStore`` over
     the (fenced) job store, so no key of one generation meets another's."""
@@ -528,6 +557,7 @@ class JobSession:
         self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
         self.events: list[dict] = []
         self._faults_seen = 0
+        self._job_errors_seen = 0
 
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, devices: tuple[int, ...], iterations: int, resume: int | None = None,
@@ -625,6 +655,11 @@ class JobSession:
             if r is not None:
                 out[d] = r
         return out
+
+    def new_job_errors(self) -> list[JobError | ScriptEnded]:
+        """Job errors workers posted since the last call (docs/errors.md)."""
+        got, self._job_errors_seen = job_errors(self.store, self._job_errors_seen)
+        return got
 
     def new_storage_faults(self) -> list[StorageFault]:
         """Storage faults posted since the last call."""

@@ -39,14 +39,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Union
 
 from resihp_core.detector.sdc import Quarantine, Reexecute, SdcArbiter, SdcDetected
-from resihp_core.protocol import FailureReport, PlanUpdate, WorkerLeft
+from resihp_core.protocol import FailureReport, JobError, PlanUpdate, ScriptEnded, WorkerLeft
 from resihp_core.runtime.session import Layout, StorageFault
 from resihp_core.scheduler.planner import PlanDecision
 from resihp_core.scheduler.state import PlannerState
 
 __all__ = ["Phase", "Supervisor", "Event", "Action", "Committed", "Rejoin", "Ready", "Planned", "Deployed",
            "DeployFailed", "RelaunchFailed", "Tick", "Emit", "NotifyFailure", "Kill", "Relaunch", "PlanFailure",
-           "PlanRejoin", "Deploy", "Retry", "Fail", "SdcDetected", "needs_restore"]
+           "PlanRejoin", "Deploy", "Retry", "Fail", "EndJob", "Finish", "SdcDetected", "needs_restore",
+           "JOB_ERROR_GRACE_S"]
+
+#: A job error waits this long for a device failure that would explain it (a peer's
+#: death seen as an odd exception on a survivor) before it ends the job.
+JOB_ERROR_GRACE_S = 2.0
 
 
 class Phase(enum.Enum):
@@ -120,7 +125,7 @@ class Tick:
 
 
 Event = Union[Committed, FailureReport, WorkerLeft, StorageFault, Rejoin, Ready, Planned, Deployed, DeployFailed,
-              RelaunchFailed, Tick, SdcDetected]
+              RelaunchFailed, Tick, JobError, ScriptEnded, SdcDetected]
 
 
 # ------------------------------------------------------------------ actions (what to do)
@@ -199,7 +204,21 @@ class Fail:
     message: str
 
 
-Action = Union[Emit, NotifyFailure, Kill, Relaunch, PlanFailure, PlanRejoin, Deploy, Retry, Fail]
+@dataclass(frozen=True)
+class EndJob:
+    """The job's own code raised (docs/errors.md): end the job now, nothing planned."""
+
+    error: JobError
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The user's script returned before the configured end: stop the job normally."""
+
+    ended: ScriptEnded
+
+
+Action = Union[Emit, NotifyFailure, Kill, Relaunch, PlanFailure, PlanRejoin, Deploy, Retry, Fail, EndJob, Finish]
 
 
 def needs_restore(prev: PlanUpdate | None, resume: int, *, can_restore: bool,
@@ -268,6 +287,8 @@ class Supervisor:
         self._futile = 0  # deploys in a row that failed on devices known dead
         self._rejoining: tuple[int, ...] = ()
         self._gen_committed = False  # the current generation committed an iteration
+        self._job_errors: dict[int, tuple[JobError, float]] = {}  # device -> error, when seen
+        self.ended: dict[int, ScriptEnded] = {}  # devices whose script returned (not failures)
         self.sdc = SdcArbiter()  # silent data corruption: what a finding means (docs/sdc.md)
         self._reexecute: Reexecute | None = None
 
@@ -286,7 +307,7 @@ class Supervisor:
         if isinstance(event, StorageFault):
             nxt = f"at iteration {event.iteration + self.checkpoint_every}" if self.checkpoint_every else "never"
             return [Emit("storage", f"storage fault: checkpoint of iteration {event.iteration} not written by "
-                                    f"device {event.device} ({event.error[:160]}); training goes on, "
+                                    f"device {event.device} ({event.error}); training goes on, "
                                     f"next checkpoint {nxt}",
                          {"devices": [event.device], "checkpoint": event.iteration})]
         if isinstance(event, Rejoin):
@@ -306,10 +327,16 @@ class Supervisor:
                 self.joining.pop(d, None)
             self._settle()
             return [Emit("failure", f"workers of devices {list(event.devices)} could not be started again: "
-                                    f"{event.error[:200]}",
+                                    f"{event.error}",
                          {"failure": "fail-stop", "devices": list(event.devices), "cause": "unknown"})]
         if isinstance(event, Tick):
             return self._tick(event)
+        if isinstance(event, JobError):
+            self._job_errors.setdefault(event.device, (event, self.clock()))
+            return []
+        if isinstance(event, ScriptEnded):
+            self.ended[event.device] = event
+            return []
         if isinstance(event, SdcDetected):
             return self._sdc(event)
         raise TypeError(f"not a supervisor event: {event!r}")
@@ -381,6 +408,10 @@ class Supervisor:
     def _tick(self, ev: Tick) -> list[Action]:
         if self.phase is Phase.PLANNING:
             return []
+        if self._job_errors or self.ended:
+            got = self._job_end(ev)
+            if got is not None:
+                return got
         out = self._expire_joining(ev)
         if self.joining and set(self.joining) <= self._ready:
             devices = tuple(sorted(self.joining))
@@ -407,7 +438,7 @@ class Supervisor:
                                     state=self.state, reason="no live copy of some state: restore from checkpoint")
             self.phase = Phase.PLANNING
             return out + [Emit("failure", f"state cannot be moved to generation {self.generation}'s plan "
-                                          f"({next(iter(lost.values()))[:120]}): restoring it from a checkpoint",
+                                          f"({next(iter(lost.values()))}): restoring it from a checkpoint",
                                {"failure": "state-lost", "devices": sorted(lost), "cause": "state"}),
                           Deploy(decision, 0.0, "restore", from_checkpoint=True)]
         if self.clock() - self._last_progress > self.stall_s:
@@ -424,6 +455,31 @@ class Supervisor:
                                    "workers failed: " + "; ".join(f"device {d}: {t}"
                                                                   for d, t in sorted(failures.items())))]
         return out
+
+    def _expired(self, d: int) -> bool:
+        return d in self._job_errors or d in self.ended
+
+    def _job_end(self, ev: Tick) -> list[Action] | None:
+        """A job error ends the job once no device failure explains it within the grace
+        period (then the error was a peer's death seen from a survivor, and its device
+        is lost with the rest); a script that ended ends the job normally."""
+        failing = any(set(r.devices) - set(self._job_errors) - set(self.ended) - self.handled
+                      for r in self._pending if r.failure == "fail-stop")
+        failing |= any(d in self.members and d not in self.handled and not self._expired(d) for d in ev.dead)
+        if self._job_errors:
+            if failing:
+                self._job_errors.clear()  # secondary: planned as the failure it followed
+                return None
+            first, seen = min(self._job_errors.values(), key=lambda x: x[1])
+            if self.clock() - seen < JOB_ERROR_GRACE_S:
+                return []
+            return [Emit("job_error", first.line(), {"devices": sorted(self._job_errors), "where": first.where,
+                                                     "exception": first.exc_type, "phase": first.phase}),
+                    EndJob(first)]
+        if failing:
+            return None
+        ended = min(self.ended.values(), key=lambda e: e.iteration)
+        return [Finish(ended)]
 
     def _expire_joining(self, ev: Tick) -> list[Action]:
         """Forget relaunched devices that died or never got ready."""
@@ -444,13 +500,14 @@ class Supervisor:
         """The pending reports that say something new, plus a backstop: a worker process
         of the generation that exited without the controller saying so yet."""
         got, self._pending = self._pending, []
-        dead = [d for d in sorted(ev.dead) if d in self.members and d not in self.handled]
+        dead = [d for d in sorted(ev.dead) if d in self.members and d not in self.handled and not self._expired(d)]
         if dead:
             got.append(FailureReport(generation=self.generation, failure="fail-stop", devices=tuple(dead),
                                      evidence="worker process exited"))
         fresh = []
         for r in got:
             devs = set(r.devices) - (self.handled if r.failure == "fail-stop" else set())
+            devs -= {d for d in devs if self._expired(d)}  # its exit was the job's end, not a failure
             devs -= {d for d, g in self.rejoined.items() if r.generation < g}  # about its previous life
             if devs:
                 fresh.append(r)
@@ -471,7 +528,7 @@ class Supervisor:
             self._pending += slows[1:]
         out: list[Action] = [NotifyFailure(report),
                              Emit("failure", f"{report.failure} of devices {list(report.devices)} "
-                                             f"({report.cause}): {report.evidence[:120]}",
+                                             f"({report.cause}): {report.evidence}",
                                   {"failure": report.failure, "devices": list(report.devices), "cause": report.cause})]
         if report.failure == "fail-stop":
             paused = {d for r in stops for d in r.paused}

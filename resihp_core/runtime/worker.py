@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, NoReturn, Protocol, runtime_checkable
 
 from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult, StateLost
 from resihp_core.detector.sdc import SdcGuard
@@ -38,7 +38,7 @@ from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate,
 from resihp_core.runtime import session
 from resihp_core.runtime.injector import FaultInjector
 
-__all__ = ["GenerationWatch", "Worker", "main"]
+__all__ = ["GenerationWatch", "Worker", "main", "end_on_job_error", "end_script"]
 
 AdapterFactory = Callable[[AdapterContext], Adapter]
 
@@ -94,6 +94,73 @@ class GenerationWatch:
                 return
 
 
+#: This process's worker, once built: the job-error handler posts through its store and
+#: says goodbye through its Detector client (one worker per process).
+_current: Worker | None = None
+
+
+def end_on_job_error(exc: BaseException) -> NoReturn:
+    """The top level of a worker process, with the exception that ends it. A job error
+    (:func:`resihp_core.errors.classify`) is posted to the controller through the job
+    store, the agent is told this exit is expected, and the process exits with
+    :data:`~resihp_core.errors.WORKER_EXIT_JOB_ERROR`. A device-kind exception (a CUDA
+    or NCCL error, a closed peer) ends the process with status 1, unannounced: the
+    device failure it is (docs/errors.md). The traceback goes to the worker's log."""
+    from resihp_core.errors import WORKER_EXIT_JOB_ERROR, classify, traceback_tail, user_frame
+    from resihp_core.protocol import JobError
+
+    if classify(exc) != "job":
+        print(traceback_tail(exc), file=sys.stderr, flush=True)
+        _log("device_error", _current.device if _current is not None else -1, exception=type(exc).__name__)
+        os._exit(1)
+    w = _current
+    env = os.environ
+    device = w.device if w is not None else int(env.get("RESIHP_DEVICE", "0") or 0)
+    training = w is not None and w.msg is not None
+    err = JobError(device=device, exc_type=type(exc).__name__[:256], message=str(exc)[:4000],
+                   where=user_frame(exc), traceback=traceback_tail(exc), phase="training" if training else "setup",
+                   iteration=w.iteration if w is not None else 0,
+                   generation=w.msg.generation if w is not None and w.msg is not None else -1)
+    print(err.traceback, file=sys.stderr, flush=True)
+    _log("job_error", device, exception=err.exc_type, where=repr(err.where))
+    try:
+        store = w.store if w is not None else session.connect(env["RESIHP_STORE"], 30.0)
+        session.put_job_error(store, err)
+    except Exception as e:  # noqa: BLE001 - no store (run outside a launcher): the log has it
+        _log("job_error_not_posted", device, reason=repr(str(e)[:200]))
+    client = w.client if w is not None else None
+    try:
+        if client is None and env.get("RESIHP_AGENT_ADDR"):
+            from resihp_core.runtime.heartbeat import WorkerClient
+
+            client = WorkerClient.from_env(dict(env, RESIHP_RANK=env.get("RESIHP_RANK", str(device)))).start()
+        if client is not None:
+            client.close(goodbye=True)  # the agent: an expected exit, not a failure
+    except Exception:  # noqa: BLE001 - the agent then reports the exit; the controller reads the error
+        pass
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(WORKER_EXIT_JOB_ERROR)  # threads blocked in collectives must not hold the exit
+
+
+def end_script() -> None:
+    """The user's training script returned (a ``resihp launch`` worker): before the job's
+    end, its loop ended early; say so (the job ends normally, docs/errors.md) and tell
+    the agent this exit is expected."""
+    w = _current
+    if w is None or w.finished:
+        return
+    from resihp_core.protocol import ScriptEnded
+
+    _log("script_ended", w.device, iteration=w.iteration)
+    try:
+        session.put_job_error(w.store, ScriptEnded(device=w.device, iteration=w.iteration))
+    except Exception as e:  # noqa: BLE001 - the job store is gone: the job is over anyway
+        _log("script_end_not_posted", w.device, reason=repr(str(e)[:200]))
+    if w.client is not None:
+        w.client.close(goodbye=True)
+
+
 def registry_factory(name: str) -> AdapterFactory:
     """Create adapter ``name`` through the plugin registry (entry points included), or
     from a ``module:Class`` target directly (an adapter under development)."""
@@ -141,6 +208,7 @@ class Worker:
         self.msg: PlanUpdate | None = None
         self.iteration = 0  # iterations whose optimizer step this worker applied
         self.active = False  # in a generation, as an executor, able to run iterations
+        self.finished = False  # the job's stop was seen: every iteration it runs is done
         self.program: Any = None
         self._seen = -1
         self._pending: _Pending | None = None  # process mode: the commit in flight
@@ -151,6 +219,8 @@ class Worker:
         grace = float(os.environ.get(session.ENV_GRACE, "0") or 0)
         self.hold_s = 2 * grace + 30 if grace > 0 else 0.0  # a backstop: the agent and the store host end it first
         session.put_pid(store, device, os.getpid())
+        global _current
+        _current = self
 
     def attach(self, client: Any) -> None:
         """Send heartbeats (progress per primitive) and profiles through ``client``."""
@@ -333,6 +403,8 @@ class Worker:
             else:
                 moved = a.move_state(self.plan, plan, list(msg.devices))
         except Exception as e:  # noqa: BLE001 - a peer died during the reconfiguration itself
+            if self._is_job_error(e):
+                raise  # the adapter refused the job, or the user's code raised: the job ends
             failed = f"{type(e).__name__}: {e}"
             lost = isinstance(e, StateLost)  # the typed signal: restore from a checkpoint
         if failed is not None:
@@ -374,7 +446,16 @@ class Worker:
         try:
             return self.adapter.run_iteration(self.program, i)
         except Exception as e:  # noqa: BLE001
+            if self._is_job_error(e):
+                raise  # the job's own error ends the job (docs/errors.md)
             return f"{type(e).__name__}: {e}"
+
+    def _is_job_error(self, e: BaseException) -> bool:
+        """``e`` is the job's own error, not the echo of a peer's failure: of the job
+        kind (:func:`resihp_core.errors.classify`) while this generation is current."""
+        from resihp_core.errors import classify
+
+        return classify(e) == "job" and not self._superseded()
 
     def begin_iteration(self) -> int:
         """Injected faults due now, the rollback snapshot; the iteration's index."""
@@ -489,6 +570,7 @@ class Worker:
 
     def _finish(self) -> None:
         """The job's end: close the Detector client, dump state if asked, release."""
+        self.finished = True
         if self.client is not None:
             self.client.close()
         if self.job.dump_dir and self.adapter.where is not None and self.plan is not None:
@@ -509,11 +591,14 @@ def main() -> int:
     import signal
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
-    worker = Worker.from_env()
-    # Everything imported so far lives for the whole process: keep it out of the
-    # collections that release broken process groups (0.4 s -> milliseconds).
-    gc.freeze()
-    worker.run()
+    try:
+        worker = Worker.from_env()
+        # Everything imported so far lives for the whole process: keep it out of the
+        # collections that release broken process groups (0.4 s -> milliseconds).
+        gc.freeze()
+        worker.run()
+    except Exception as e:  # noqa: BLE001 - the job's own error ends the job, a device's the process
+        end_on_job_error(e)
     return 0
 
 

@@ -126,6 +126,8 @@ messages = st.one_of(
     st.builds(P.WorkerProcess, ids, ids, ids, st.none() | small, text, st.sampled_from(["", "10.0.0.2", "::1"])),
     st.builds(P.NodeRejoin, ids, st.lists(ids, max_size=8).map(tuple)),
     st.builds(P.WorkerLeft, ids, ids, text, text, st.booleans()),
+    st.builds(P.JobError, ids, text, text, text, text, st.sampled_from(["setup", "training"]), ids, small),
+    st.builds(P.ScriptEnded, ids, ids),
 )
 
 
@@ -137,7 +139,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 17
+    assert len(P.MESSAGE_TYPES) == 19
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])

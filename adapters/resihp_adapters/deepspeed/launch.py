@@ -64,10 +64,24 @@ def accelerate_env(config_file: str, script: str, script_args: list[str]) -> tup
     return a, dict(env)
 
 
+#: Every key of the DeepSpeed JSON's ``resihp`` section (docs/deepspeed.md).
+RESIHP_KEYS = ("num_layers", "iterations", "pp", "nodes", "checkpoint_every", "timeout_s", "backend", "faults",
+               "detector")
+
+
 def read_resihp_section(ds_config: dict[str, Any], path: str) -> dict[str, Any]:
+    """The ``resihp`` section, its required keys checked; an unknown key (a misspelled
+    optional one would be ignored silently) is refused with the closest valid name."""
+    import difflib
+
     sec = ds_config.get("resihp")
     if not isinstance(sec, dict):
         raise ValueError(f"{path}: no 'resihp' section (an object) in the DeepSpeed config")
+    for key in sec:
+        if key not in RESIHP_KEYS:
+            close = difflib.get_close_matches(str(key), RESIHP_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(RESIHP_KEYS)})"
+            raise ValueError(f"{path}: resihp.{key}: unknown key{hint}")
     for key in ("num_layers", "iterations"):
         v = sec.get(key)
         if not isinstance(v, int) or v < 1:
@@ -216,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from resihp_core.cli import CliError
+    from resihp_core.runtime.console import RunLog, finish
     from resihp_core.runtime.resilient import RunHooks, run_resilient
 
     from resihp_adapters.deepspeed.spec import check_supported, load_ds_config
@@ -249,32 +264,22 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(env)  # agents start here and pass their environment on to workers
     plan = job.plan
     split = " ".join(f"{x}-{y}" for x, y in plan.layer_ranges)
-    print(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}, stages {split}: "
-          f"partition_method {method}), {sec['iterations']} iterations; logs in {work / 'job'}", flush=True)
+    log = RunLog(work)
+    log.say(f"resihp launch: {a.num_processes} workers of {script} (PP{plan.pp} x DP{plan.dp}, stages {split}: "
+            f"partition_method {method}), {sec['iterations']} iterations; run log {log.path}; "
+            f"worker logs in {work / 'job'}")
 
     def on_iteration(rec: Any) -> None:
         print(f"iteration {rec.iteration:>3}  loss {rec.loss:.6f}  {rec.seconds:.2f}s  generation {rec.generation}",
               flush=True)
-
-    def on_event(ev: dict) -> None:
-        print(f"[iteration {ev['iteration']}] {ev['kind']}: {ev['text'][:160]}", flush=True)
-        if ev["kind"] == "plan" and ev.get("plan"):
-            # The plan itself (ParallelPlan.to_text): where every device runs.
-            print("".join(f"    {line}\n" for line in str(ev["plan"]).splitlines()), end="", flush=True)
 
     out = run_resilient(dataclasses.replace(
         job.run, worker_module="resihp_adapters.deepspeed.script_worker", timeout_s=args.timeout,
         # Its own agents, started here: on a loaded machine one took over the
         # core's 60 s to import and connect (a dead one is seen when it exits).
         agents=dataclasses.replace(job.run.agents, timeout_s=AGENT_CONNECT_S),
-        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event)))
-    if not out.ok:
-        print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)
-        return 1
-    done = len(out.records)
-    print(f"resihp launch: {done} iterations committed; final plan generation "
-          f"{out.final_plan.generation if out.final_plan else '?'}", flush=True)
-    return 0 if done >= int(sec["iterations"]) else 1
+        hooks=RunHooks(on_iteration=on_iteration, on_event=log.event)))
+    return finish(out, log, what="resihp launch", iterations=int(sec["iterations"]))
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -86,14 +86,8 @@ class ResilientTrainer(_Modes):
                 pass
             msg = session.read_plan(self.worker.store, g)
             if not msg.stop:
-                plan = msg.parsed_plan()
-                try:
-                    refuse_pipelined(plan.pp, max(len(x) for rep in plan.tp_groups for x in rep))
-                except ValueError as e:
-                    from resihp_adapters.launch_worker import refuse
-
-                    refuse(str(e))  # resihp launch reports it as the job's one error
-                    raise
+                plan = msg.parsed_plan()  # a refusal is the job's own error (docs/errors.md)
+                refuse_pipelined(plan.pp, max(len(x) for rep in plan.tp_groups for x in rep))
         self._use("iterations")
         engine.whole = True
         return iterations(self.worker, engine, engine.data, adapter.result_of)

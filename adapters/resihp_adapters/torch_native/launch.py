@@ -133,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
     from resihp_core.runtime.jobs import assemble, run_controlled, work_folder
     from resihp_core.runtime.runconfig import RunHooks
 
-    from resihp_adapters.launch import print_event, print_iteration
-    from resihp_adapters.launch_worker import NeverInitialized, check_initialized
+    from resihp_core.runtime.console import RunLog, finish
+
+    from resihp_adapters.launch import print_iteration
 
     script = os.path.abspath(args.training_script)
     script_args = [a for a in args.training_script_args if a != "--"] if args.training_script_args else []
@@ -157,25 +158,11 @@ def run(args: argparse.Namespace) -> int:
     p = job.plan
     tps = sorted({len(g) for rep in p.tp_groups for g in rep})
     how = f"TP{tps[0]} x PP{p.pp} x DP{p.dp}, DTensor TP" if tps != [1] else f"PP{p.pp} x DP{p.dp}, FSDP2"
-    print(f"resihp launch: {n} workers of {script} on torch_native ({how}), "
-          f"{cfg.training.iterations} iterations; settings {path}; logs in {work / 'job'}", flush=True)
-
-    def on_event(ev: dict) -> None:
-        check_initialized(work / "job")  # a script without initialize(): one error, not fail-stops
-        print_event(ev)
-
+    log = RunLog(work)
+    log.say(f"resihp launch: {n} workers of {script} on torch_native ({how}), "
+            f"{cfg.training.iterations} iterations; settings {path}; run log {log.path}; worker logs in {work / 'job'}")
     # The controller's part is resihp run's: one controller per job, and --resume
     # re-attaches to live agents and workers (runtime.controller_grace_s > 0) or restores.
     out, start = run_controlled(cfg, job, work, args, worker_module="resihp_adapters.launch_worker",
-                                timeout_s=args.timeout, hooks=RunHooks(on_iteration=print_iteration, on_event=on_event))
-    try:
-        check_initialized(work / "job")
-    except NeverInitialized as e:
-        print(f"resihp launch failed: {e}", file=sys.stderr)
-        return 1
-    if not out.ok:
-        print(f"resihp launch failed: {out.error}\nworker logs: {out.logs}", file=sys.stderr)
-        return 1
-    print(f"resihp launch: {len(out.records)} iterations committed" + (f" from iteration {start}" if start else "")
-          + f"; final plan generation {out.final_plan.generation if out.final_plan else '?'}", flush=True)
-    return 0 if start + len(out.records) >= cfg.training.iterations else 1
+                                timeout_s=args.timeout, hooks=RunHooks(on_iteration=print_iteration, on_event=log.event))
+    return finish(out, log, what="resihp launch", iterations=cfg.training.iterations, start=start)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import torch
 from torch import Tensor, nn
 
+from resihp_core.errors import classify
 from resihp_adapters.torchkit.device import ChunkTimer
 
 if TYPE_CHECKING:
@@ -198,10 +199,9 @@ class Iteration:
             if not self._stepped:
                 raise RuntimeError("the iteration's block ended without it.step()")
             return False
-        if isinstance(ev, RuntimeError) and not self.committed and self._b.resilient:
-            # A collective failed (a dead peer, a superseded generation: torch's and
-            # ResiHP's errors are RuntimeErrors). Only the text is kept: a live
-            # traceback would pin the broken groups' sockets.
+        if not self.committed and self._b.resilient and classify(ev) == "device":
+            # A collective failed (a dead peer, a superseded generation). Only the text
+            # is kept: a live traceback would pin the broken groups' sockets.
             self.failed = f"{type(ev).__name__}: {ev}"
             return True
         return False  # a bug in the loop body: the script fails as it would without ResiHP

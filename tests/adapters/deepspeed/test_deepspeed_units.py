@@ -217,6 +217,8 @@ def test_spec_and_launch_config_errors_name_the_field(tmp_path):
         PipelineSpec(layers=M.layer_specs(2), config={}, dataset=M.Samples())
     with pytest.raises(ValueError, match="resihp.iterations"):
         read_resihp_section({"resihp": {"num_layers": 4}}, "ds.json")
+    with pytest.raises(ValueError, match=r"resihp.checkpont_every: unknown key \(did you mean 'checkpoint_every'\?\)"):
+        read_resihp_section({"resihp": {"num_layers": 4, "iterations": 2, "checkpont_every": 1}}, "ds.json")
     example = os.path.join(HERE, "..", "..", "..", "examples", "deepspeed_pipeline")
     a, env = accelerate_env(os.path.join(example, "accelerate.yaml"), "train.py", [])
     assert a.num_processes == 4 and env["ACCELERATE_USE_DEEPSPEED"] == "true"
