@@ -112,14 +112,15 @@ def main() -> int:
         ms = digest_ms(n, args.dtype, args.device)
         step = adamw_ms(n, args.dtype, args.device)
         mb = 3 * n * torch.tensor([], dtype=getattr(torch, args.dtype)).element_size() / 1e6
-        rows.append({"what": "digest", "parameters": n, "mb": mb, "ms": ms, "share": ms / 1e3 / ITERATION_S,
-                     "adamw_ms": step})
+        rows.append({"name": f"fingerprint of {n:,} parameters", "parameters": n, "mb": mb, "ms": ms,
+                     "share": ms / 1e3 / ITERATION_S, "adamw_ms": step})
         print(f"{n:>12,} {mb:>9.1f} {ms:>8.2f} {mb / ms:>7.2f} {100 * ms / 1e3 / ITERATION_S:>10.2f}% "
               f"{step:>9.2f} {ms / step:>8.2f}")
     print(f"\n{'executors':>12} {'check ms':>9} {'% of 0.5 s':>11}   (last executor, over TCP)")
     for e in args.executors.split(","):
         ms = check_ms(int(e))
-        rows.append({"what": "check", "executors": int(e), "ms": ms, "share": ms / 1e3 / ITERATION_S})
+        rows.append({"name": f"comparison of {int(e)} executors", "executors": int(e), "ms": ms,
+                     "share": ms / 1e3 / ITERATION_S})
         print(f"{int(e):>12} {ms:>9.2f} {100 * ms / 1e3 / ITERATION_S:>10.2f}%")
     if args.json:
         with open(args.json, "w") as f:
