@@ -22,9 +22,14 @@ from typing import TYPE_CHECKING, Any, Callable
 from resihp_core.plan import ParallelPlan, ScheduleKind
 from resihp_core.program import Program
 
-if TYPE_CHECKING:  # the wire message a worker sends; not needed at run time here
+if TYPE_CHECKING:  # types of the contract; not needed at run time here (no torch import)
+    import torch.distributed as dist
+
     from resihp_core.detector.sdc import Fingerprint
+    from resihp_core.job import JobSpec
     from resihp_core.protocol import IterationProfile
+    from resihp_core.protocols.checkpoints import CheckpointWrite
+    from resihp_core.runtime.injector import FaultInjector
 
 __all__ = [
     "Adapter",
@@ -215,16 +220,17 @@ class AdapterContext:
     :param store: the job store (a ``torch.distributed.Store``); rendezvous of
         generation ``g`` lives under the prefix ``gen{g}/``.
     :param faults: the worker's :class:`~resihp_core.runtime.injector.FaultInjector`;
-        an adapter stretches compute with ``faults.stretch`` and delays transfers with
-        ``faults.delay_comm``.
+        an adapter stretches compute with ``faults.stretch``, delays transfers with
+        ``faults.delay_comm`` and applies injected bit flips at its optimizer step with
+        ``faults.corrupt`` (docs/sdc.md).
     :param superseded: true once a newer generation is posted (cheap; poll it often).
     :param beat: progress heartbeat ``beat(iteration, step)`` for hang detection.
     """
 
     device: int
-    job: Any
-    store: Any
-    faults: Any
+    job: JobSpec
+    store: dist.Store
+    faults: FaultInjector
     superseded: Callable[[], bool] = lambda: False
     beat: Callable[[int, int], None] = lambda iteration, step: None
     generation: int = -1  # the generation being entered or run (set by the worker)
@@ -389,10 +395,9 @@ class Adapter(abc.ABC):
         committed iteration (``docs/checkpoints.md``)."""
         raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
 
-    def checkpoint_status(self) -> list[dict[str, Any]]:
-        """Checkpoint writes of this worker finished since the last call, each
-        ``{"iteration", "error" (None: written and verified), "bytes", "seconds"}``;
-        the worker reports failed ones as storage faults. Default: none."""
+    def checkpoint_status(self) -> list[CheckpointWrite]:
+        """Checkpoint writes of this worker finished since the last call; the worker
+        reports failed ones as storage faults. Default: none."""
         return []
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from resihp_core.plan import ParallelPlan
     from resihp_core.plugins import CommandRegistry, FactoryRegistry, StageRegistry
     from resihp_core.protocol import FailureReport
+    from resihp_core.protocols.metrics import IterationMetrics
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
 
@@ -194,9 +195,9 @@ def resihp_job_started(config: Any, workdir: str) -> None:
 
 
 @hookspec
-def resihp_iteration_finished(metrics: Any) -> None:
+def resihp_iteration_finished(metrics: IterationMetrics) -> None:
     """A training iteration finished (called on the controller, once per iteration).
 
-    :param metrics: the ``IterationMetrics`` of that iteration (:mod:`resihp_core.runtime`):
-        iteration number, plan generation, wall time, samples/s, loss.
+    :param metrics: the :class:`~resihp_core.protocols.IterationMetrics` of that
+        iteration: iteration number, loss, wall time, samples, plan generation, phase.
     """

@@ -50,6 +50,7 @@ from resihp_core.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from resihp_core.protocol import FailureReport
+    from resihp_core.protocols.metrics import IterationMetrics
 
 __all__ = [
     "BUILTINS",
@@ -343,7 +344,7 @@ class Plugins:
     def notify_job_started(self, config: object, workdir: str) -> None:
         self._notify("resihp_job_started", config=config, workdir=workdir)
 
-    def notify_iteration(self, metrics: object) -> None:
+    def notify_iteration(self, metrics: IterationMetrics) -> None:
         self._notify("resihp_iteration_finished", metrics=metrics)
 
 

@@ -31,6 +31,7 @@ from resihp_core.detector.sdc import SdcMonitor
 from resihp_core.plan import ParallelPlan
 from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded
+from resihp_core.protocols.metrics import IterationMetrics
 from resihp_core.runtime.launcher import LocalJob, NoProgress
 from resihp_core.runtime.session import JobSession, WatchableStore, wait_news
 from resihp_core.runtime.supervisor import (
@@ -41,7 +42,7 @@ from resihp_core.runtime.supervisor import (
 from resihp_core.scheduler.planner import PlanDecision, Planner
 from resihp_core.scheduler.state import PlannerState
 
-__all__ = ["ControlLoop", "IterationRecord", "CheckpointPolicy", "Inbox", "JobFailed"]
+__all__ = ["ControlLoop", "CheckpointPolicy", "Inbox", "JobFailed"]
 
 logger = logging.getLogger("resihp.supervisor")
 
@@ -52,16 +53,6 @@ class JobFailed(RuntimeError):
     def __init__(self, error: JobError) -> None:
         super().__init__(error.line())
         self.error = error
-
-
-@dataclass
-class IterationRecord:
-    iteration: int
-    loss: float
-    seconds: float  # wall time from the previous commit to this one
-    samples: int
-    generation: int
-    phase: str
 
 
 @dataclass(frozen=True)
@@ -124,7 +115,7 @@ class ControlLoop:
     fitted: Callable[[], IterationPredictor | None] = lambda: None
     samples: int = 1
     phase_of: Callable[[int, int], str] = lambda iteration, generation: "running"
-    on_iteration: Callable[[IterationRecord], None] = lambda rec: None
+    on_iteration: Callable[[IterationMetrics], None] = lambda rec: None
     checkpoints: CheckpointPolicy = CheckpointPolicy()
     move_before_restore: bool = True
     repairs: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -134,7 +125,7 @@ class ControlLoop:
     first: int = 0
     restore_at_start: int | None = None
     adopt: bool = False
-    records: list[IterationRecord] = field(default_factory=list)
+    records: list[IterationMetrics] = field(default_factory=list)
     storage_faults: list[dict] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
     wake: threading.Event = field(default_factory=threading.Event)
@@ -178,7 +169,7 @@ class ControlLoop:
         return self.core.state.plan
 
     # ------------------------------------------------------------ the loop
-    def run(self, timeout: float = 600.0) -> list[IterationRecord]:
+    def run(self, timeout: float = 600.0) -> list[IterationMetrics]:
         t0 = self.clock()
         state = self.core.state
         if self.adopt:
@@ -295,7 +286,7 @@ class ControlLoop:
             now = self.clock()
             g = self.job.committed_in.get(i, self.job.generation)
             rep = self.job.report(i)
-            rec = IterationRecord(i, sum(r.loss for r in rep.values()), now - last_commit, self.samples, g,
+            rec = IterationMetrics(i, sum(r.loss for r in rep.values()), now - last_commit, self.samples, g,
                                   self.phase_of(i, self.job.generation))
             last_commit = now
             self.records.append(rec)

@@ -33,7 +33,8 @@ from resihp_core.runtime.failover import JobState, remove_state, write_state
 from resihp_core.runtime.session import JobSession
 from resihp_core.runtime.launcher import LocalJob
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded
-from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, Inbox, IterationRecord, JobFailed
+from resihp_core.protocols.metrics import IterationMetrics
+from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, Inbox, JobFailed
 from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig, Resume, RunHooks
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def connect_store(address: str, secret: str, timeout: float = 300.0, connect_tim
 
 @dataclass
 class ResilientRun:
-    records: list[IterationRecord]
+    records: list[IterationMetrics]
     events: list[dict]
     ok: bool
     error: str = ""

@@ -27,7 +27,7 @@ from resihp_core.scheduler.state import PlannerState
 if TYPE_CHECKING:
     from resihp_core.config import Config
     from resihp_core.detector import Detection
-    from resihp_core.runtime.control import IterationRecord
+    from resihp_core.protocols.metrics import IterationMetrics
     from resihp_core.runtime.failover import JobState
     from resihp_core.runtime.launcher import LocalJob
     from resihp_core.runtime.session import Observers
@@ -88,7 +88,7 @@ class RunHooks:
 
     phase_of: Callable[[int, int], str] = _running
     on_event: Callable[[dict], None] = _ignore
-    on_iteration: Callable[[IterationRecord], None] = _ignore
+    on_iteration: Callable[[IterationMetrics], None] = _ignore
     on_report: Callable[[FailureReport], None] = _ignore
     on_detection: Callable[[Detection], None] | None = None
     on_listening: Callable[[str, list[int]], None] = _ignore

@@ -58,6 +58,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol
 
+from resihp_core.protocols.store import KeyValueStore, WatchableStore
 from resihp_core.protocol import (FailureReport, IterationReport, JobError, PlanUpdate, ProtocolError, ScriptEnded,
                                   WorkerLeft, decode, encode)
 
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from resihp_core.plan import ParallelPlan
+    from resihp_core.protocols.metrics import IterationMetrics
     from resihp_core.runtime.store import LocalStore, StoreClient
 
 __all__ = ["KeyValueStore", "WatchableStore", "Observers", "JobSession", "StorageFault", "Layout",
@@ -81,26 +83,6 @@ ENV_SECRET = "RESIHP_SECRET"  # the worker's node credential (never on a command
 ENV_NODE = "RESIHP_NODE"
 ENV_DEVICE = "RESIHP_DEVICE"
 ENV_GRACE = "RESIHP_CONTROLLER_GRACE"
-
-
-class KeyValueStore(Protocol):
-    """What the session needs of a job store: the ``torch.distributed.Store`` calls our
-    own :class:`~resihp_core.runtime.store.StoreClient` implements too."""
-
-    def set(self, key: str, value: str | bytes) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def add(self, key: str, value: int) -> int: ...
-    def check(self, keys: list[str]) -> bool: ...
-    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
-    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes: ...
-    def delete_key(self, key: str) -> bool: ...
-
-
-class WatchableStore(KeyValueStore, Protocol):
-    """ResiHP's own store (:mod:`resihp_core.runtime.store`): it can also block until
-    any one of several keys exists."""
-
-    def wait_any(self, keys: list[str], timeout_s: float) -> int: ...
 
 
 # ------------------------------------------------------------------ the one spelling of each key
@@ -706,7 +688,7 @@ class JobSession:
         if self.observers is not None:
             self.observers.notify_plan_changed(old, new, reason)
 
-    def iteration(self, metrics: object) -> None:
+    def iteration(self, metrics: IterationMetrics) -> None:
         if self.observers is not None:
             self.observers.notify_iteration(metrics)
 

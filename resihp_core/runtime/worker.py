@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, runtime_checkable
 
 from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult, StateLost
 from resihp_core.detector.sdc import SdcGuard
@@ -36,7 +36,12 @@ from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate, WorkerLeft
 from resihp_core.runtime import session
+from resihp_core.protocols.store import KeyValueStore
 from resihp_core.runtime.injector import FaultInjector
+
+if TYPE_CHECKING:
+    from resihp_core.program import Program
+    from resihp_core.runtime.heartbeat import WorkerClient
 
 __all__ = ["GenerationWatch", "Worker", "main", "end_on_job_error", "end_script"]
 
@@ -80,7 +85,7 @@ class GenerationWatch:
     plan key rather than polling, so it costs the controller nothing while nothing
     changes."""
 
-    def __init__(self, store: Any, wait_s: float = 2.0) -> None:
+    def __init__(self, store: KeyValueStore, wait_s: float = 2.0) -> None:
         self.latest = -1
         self._store = store
         self._wait_s = wait_s
@@ -187,8 +192,8 @@ class Worker:
     :param client: the Detector's heartbeat client (optional).
     """
 
-    def __init__(self, device: int, store: Any, job: JobSpec, *, factory: AdapterFactory | None = None,
-                 watch: GenerationWatch | None = None, client: Any = None) -> None:
+    def __init__(self, device: int, store: KeyValueStore, job: JobSpec, *, factory: AdapterFactory | None = None,
+                 watch: GenerationWatch | None = None, client: WorkerClient | None = None) -> None:
         self.device, self.store, self.job, self.client = device, store, job, None
         self.faults = FaultInjector(device, job.faults)
         latest: Callable[[], int] = ((lambda: watch.latest) if watch is not None
@@ -209,10 +214,10 @@ class Worker:
         self.iteration = 0  # iterations whose optimizer step this worker applied
         self.active = False  # in a generation, as an executor, able to run iterations
         self.finished = False  # the job's stop was seen: every iteration it runs is done
-        self.program: Any = None
+        self.program: Program | None = None
         self._seen = -1
         self._pending: _Pending | None = None  # process mode: the commit in flight
-        self._commit_store: Any = None  # its own store connection (overlap_commits)
+        self._commit_store: KeyValueStore | None = None  # its own store connection (overlap_commits)
         self._committer: ThreadPoolExecutor | None = None
         # A store hosted outside the controller: hold each commit while it is away
         # (docs/failover.md); the agent ends this worker when its grace period is over.
@@ -222,7 +227,7 @@ class Worker:
         global _current
         _current = self
 
-    def attach(self, client: Any) -> None:
+    def attach(self, client: WorkerClient) -> None:
         """Send heartbeats (progress per primitive) and profiles through ``client``."""
         self.client = client
         self.ctx.beat = client.beat
@@ -256,7 +261,7 @@ class Worker:
         return worker
 
     # ------------------------------------------------------------------ the loop
-    def overlap_commits(self, store: Any) -> None:
+    def overlap_commits(self, store: KeyValueStore) -> None:
         """Process mode (:meth:`run`): report and commit each iteration on a background
         thread over ``store`` (a connection of its own) while the next iteration runs,
         if the adapter keeps two snapshots (:class:`DeepRollback`); its verdict is
@@ -548,13 +553,13 @@ class Worker:
         """Post this worker's finished checkpoint writes; a failed one is a storage
         fault (:func:`~resihp_core.runtime.session.put_storage_fault`): reported, never fatal."""
         for st in self.adapter.checkpoint_status():
-            if st.get("error"):
+            if st.error:
                 session.put_storage_fault(self.store, session.StorageFault(
-                    device=self.device, iteration=int(st["iteration"]), error=str(st["error"])))
-                _log("checkpoint_write_failed", self.device, iteration=st["iteration"], reason=repr(st["error"][:200]))
+                    device=self.device, iteration=st.iteration, error=st.error))
+                _log("checkpoint_write_failed", self.device, iteration=st.iteration, reason=repr(st.error[:200]))
             else:
-                _log("checkpoint_written", self.device, iteration=st["iteration"], bytes=st.get("bytes", 0),
-                     seconds=f"{st.get('seconds', 0.0):.3f}")
+                _log("checkpoint_written", self.device, iteration=st.iteration, bytes=st.bytes,
+                     seconds=f"{st.seconds:.3f}")
 
     def _report(self, r: IterationResult) -> IterationReport:
         replica, stage, tp_rank = self.adapter.where

@@ -42,6 +42,7 @@ from typing import Any
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.config import ConfigError
 from resihp_core.plan import ParallelPlan
+from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
 
 from resihp_adapters.deepspeed.plugin import CAPABILITIES, NAME
@@ -93,7 +94,7 @@ class DeepSpeedAdapter(Adapter):
         self._program: Program | None = None
         self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
         self._last: IterationResult | None = None
-        self._ckpt_status: list[dict[str, Any]] = []  # checkpoint writes finished since the last report
+        self._ckpt_status: list[CheckpointWrite] = []  # checkpoint writes finished since the last report
         self._initial: dict[int, tuple[tuple[int, int], ...]] = {}  # initial split per stage count
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         prepare_deepspeed(ctx.timeout_s)
@@ -514,10 +515,9 @@ class DeepSpeedAdapter(Adapter):
             elif error is None:
                 error = "another writer of this checkpoint failed; it is left unsealed (incomplete)"
         if error is not None or nbytes:
-            self._ckpt_status.append({"iteration": iteration, "error": error, "bytes": nbytes,
-                                      "seconds": time.perf_counter() - t0})
+            self._ckpt_status.append(CheckpointWrite(iteration, error, nbytes, time.perf_counter() - t0))
 
-    def checkpoint_status(self) -> list[dict[str, Any]]:
+    def checkpoint_status(self) -> list[CheckpointWrite]:
         out, self._ckpt_status = self._ckpt_status, []
         return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.predictor.schedules import emit_programs
@@ -45,6 +45,9 @@ from resihp_adapters.deepspeed.world import (
     teardown_world,
 )
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 __all__ = ["PipelineRunner"]
 
 
@@ -56,7 +59,7 @@ class PipelineRunner:
         layers: Sequence[Any],
         *,
         device: int,
-        store: Any,
+        store: dist.Store,
         config: dict[str, Any],
         dataset: Any,
         collate_fn: Callable[[list[Any]], Any] | None = None,

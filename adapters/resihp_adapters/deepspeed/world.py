@@ -26,6 +26,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from resihp_adapters.torchkit.device import Placement
 
 from resihp_core.runtime.session import rendezvous_store
@@ -136,7 +138,7 @@ def teardown_world(placement: Placement | None = None) -> None:
     gc.collect()
 
 
-def init_world(store: Any, generation: int, rank: int, world_size: int, timeout_s: float,
+def init_world(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
                placement: Placement | None = None) -> None:
     """Join plan generation ``generation``'s world in its rendezvous (gloo, or
     NCCL for CUDA tensors when ``placement`` says so, docs/gpu.md), waiting up to

@@ -20,6 +20,7 @@ from torch import Tensor
 from resihp_core.adapter import Adapter, AdapterContext, Capabilities, IterationResult, Shard
 from resihp_core.detector.sdc import Fingerprint, tensor_digest
 from resihp_core.plan import ParallelPlan
+from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import (
     Backward,
     BackwardWeight,
@@ -316,10 +317,10 @@ class MegatronRefAdapter(Adapter):
             every = ["embed", *(f"layers.{i}" for i in range(self.config.num_layers)), "head"]
             self._writer().submit(iteration, full, every)
 
-    def checkpoint_status(self) -> list[dict]:
+    def checkpoint_status(self) -> list[CheckpointWrite]:
         if self._ckpt_writer is None:
             return []
-        return [dict(iteration=r.iteration, error=r.error, bytes=r.bytes, seconds=r.seconds, pruned=list(r.pruned))
+        return [CheckpointWrite(r.iteration, r.error, r.bytes, r.seconds, tuple(r.pruned))
                 for r in self._ckpt_writer.results()]
 
     def close(self) -> None:

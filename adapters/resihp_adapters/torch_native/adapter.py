@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.detector.sdc import Fingerprint, tensor_digest
 from resihp_core.plan import ParallelPlan
+from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
@@ -123,7 +124,7 @@ class TorchNativeAdapter(Adapter):
         if hasattr(ctx.faults, "flip_due"):  # the runtime's injector (tests may lend a stand-in)
             self.engine.flip_due, self.engine.corrupt = ctx.faults.flip_due, ctx.faults.corrupt
         self._progress = (0, 0)
-        self._status: list[dict[str, Any]] = []  # checkpoint writes sealed since the last report
+        self._status: list[CheckpointWrite] = []  # checkpoint writes sealed since the last report
 
     # ------------------------------------------------------------ placement
     @property
@@ -297,10 +298,9 @@ class TorchNativeAdapter(Adapter):
                 checkpoints.prune(self.ctx.job.checkpoint_dir, self.ctx.job.checkpoint_keep)
             except (OSError, ValueError) as e:
                 error = f"{type(e).__name__}: {e}"
-        self._status.append({"iteration": iteration, "error": error, "bytes": nbytes,
-                             "seconds": time.perf_counter() - t0})
+        self._status.append(CheckpointWrite(iteration, error, nbytes, time.perf_counter() - t0))
 
-    def checkpoint_status(self) -> list[dict[str, Any]]:
+    def checkpoint_status(self) -> list[CheckpointWrite]:
         out, self._status = self._status, []
         return out
 

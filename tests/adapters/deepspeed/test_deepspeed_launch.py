@@ -121,12 +121,9 @@ def test_accelerate_launch_trains_and_resihp_launch_survives_a_killed_rank(tmp_p
     # The plan after the kill keeps all 3 survivors busy: replica 1 keeps device 1 on
     # stage 0 and hands its stage-1 micro-batches to replica 0 (cross-replica migration),
     # and DeepSpeed runs that plan as it is (no device idles).
-    block = []
-    for ln in out.stdout.split("plan: generation 1 ", 1)[1].splitlines()[1:]:
-        if not ln.startswith("    "):
-            break
-        block.append(ln[4:] + "\n")
-    plan = parse_plan("".join(block))
+    events = json.loads((work / "events.json").read_text())  # every event in full
+    plan = parse_plan(next(ev["plan"] for ev in events if ev["kind"] == "plan"
+                           and ev["text"].startswith("generation 1 ")))
     assert {d: plan.location(d) is not None for d in range(4)} == {0: True, 1: True, 2: True, 3: False}, \
         plan.to_text()
     assert plan.migrations and not plan.standbys, plan.to_text()
