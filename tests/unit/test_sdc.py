@@ -77,6 +77,13 @@ def test_the_last_executor_aborts_a_disagreeing_iteration_and_leaves_the_finding
     assert session.get_sdc_finding(store, 3, 6) is None
 
 
+def test_a_malformed_fingerprint_is_skipped_not_taken_for_corruption(store, capsys) -> None:
+    session.put_fingerprint(store, 1, 0, 0, Fingerprint("stage0", "a").to_json())
+    session.put_fingerprint(store, 1, 0, 1, "{not json")
+    assert session.commit(store, 1, 0, 1, check=commit_check(store, 1, 0, [0, 1])) == "commit"
+    assert "event=sdc_check_skipped" in capsys.readouterr().out
+
+
 def test_the_monitor_hands_on_each_finding_once_and_plugin_suspects(store) -> None:
     class Counter:
         def poll(self, view: SdcView) -> list[SdcSuspect]:
