@@ -14,7 +14,7 @@ from resihp_core.runtime import session
 from resihp_core.runtime.store import StoreServer
 from resihp_core.runtime.supervisor import Emit, Fail, Kill, NotifyFailure, PlanFailure, Retry
 
-from tests.unit.test_supervisor import DEVICES, of, running, tick
+from test_supervisor import DEVICES, of, running, tick  # the same job and clock
 
 
 def _state(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
