@@ -418,6 +418,12 @@ SOURCES = [
            ("--controller-restart",), "Controller SIGKILLed and restarted with --resume: re-attach and first iteration"),
     Source("false-reports", "false-reports.json", "false_reports.py", ("--runs", "2"),
            "Fail-slow detector on a loaded machine: false reports and misses per case"),
+    Source("false-reports-nofault", "false-reports-nofault.json", "false_reports.py",
+           ("--cases", "no-load,steady-load,cpu-burst", "--runs", "1"),
+           "No-fault runs of the reference backend's TP1 x PP2 x DP2 job: fail-slow and SDC false reports"),
+    Source("sdc-cost", "sdc-cost.json", "sdc_cost.py", (),
+           "SDC fingerprints: a shard's checksum next to an AdamW step of it, and the last executor's "
+           "comparison, as shares of a 0.5 s iteration", quick=True),
     Source("dcp-write-cost", "dcp-write-cost.json", "dcp_write_cost.py", (),
            "One torch_native DCP checkpoint write per rank (DP4): wall and CPU seconds"),
     Source("fault-free-profile-dp4", "fault-free-profile-dp4.json", "fault_free_profile.py",

@@ -25,6 +25,7 @@ from resihp_core.program import Program
 if TYPE_CHECKING:  # types of the contract; not needed at run time here (no torch import)
     import torch.distributed as dist
 
+    from resihp_core.detector.sdc import Fingerprint
     from resihp_core.job import JobSpec
     from resihp_core.protocol import IterationProfile
     from resihp_core.protocols.checkpoints import CheckpointWrite
@@ -73,6 +74,8 @@ class Capabilities:
     :param tp_with_dp: can run TP degrees > 1 in a plan with more than one replica
         (False: tensor parallelism with one replica only, e.g. torch_native, whose DP
         reduction does not span replicas of different TP layouts).
+    :param sdc_fingerprint: implements :meth:`Adapter.fingerprint`: replicas that must
+        hold bit-identical state compare it before each iteration commits (docs/sdc.md).
     """
 
     tp_resize: bool = False
@@ -83,6 +86,7 @@ class Capabilities:
     checkpoint: bool = False
     uneven_dp: bool = False
     tp_with_dp: bool = True
+    sdc_fingerprint: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.schedules, str):
@@ -111,6 +115,7 @@ class Capabilities:
             schedules=frozenset(ScheduleKind),
             checkpoint=True,
             uneven_dp=True,
+            sdc_fingerprint=True,
         )
 
     def migrates(self, pp: int) -> bool:
@@ -130,6 +135,7 @@ class Capabilities:
             "checkpoint": self.checkpoint,
             "uneven_dp": self.uneven_dp,
             "tp_with_dp": self.tp_with_dp,
+            "sdc_fingerprint": self.sdc_fingerprint,
         }
 
     def violations(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
@@ -214,8 +220,9 @@ class AdapterContext:
     :param store: the job store (a ``torch.distributed.Store``); rendezvous of
         generation ``g`` lives under the prefix ``gen{g}/``.
     :param faults: the worker's :class:`~resihp_core.runtime.injector.FaultInjector`;
-        an adapter stretches compute with ``faults.stretch`` and delays transfers with
-        ``faults.delay_comm``.
+        an adapter stretches compute with ``faults.stretch``, delays transfers with
+        ``faults.delay_comm`` and applies injected bit flips at its optimizer step with
+        ``faults.corrupt`` (docs/sdc.md).
     :param superseded: true once a newer generation is posted (cheap; poll it often).
     :param beat: progress heartbeat ``beat(iteration, step)`` for hang detection.
     """
@@ -282,6 +289,7 @@ class Adapter(abc.ABC):
                                                  | load_checkpoint(iteration, plan)
         per iteration:         snapshot(); run_iteration(program, i) -> IterationResult
                                rollback() if the iteration does not commit everywhere
+                               fingerprint() before committing i (sdc_fingerprint)
                                save_checkpoint(i) before committing i, when due
                                checkpoint_status() (finished writes, storage faults)
         after a failure:       release()   (drop every reference to broken groups)
@@ -362,6 +370,17 @@ class Adapter(abc.ABC):
         assembles the pieces of every device). Default:
         not provided (the kit then compares :meth:`held_state` only and says so)."""
         raise NotImplementedError(f"adapter {self.name!r} does not report its full state")
+
+    def fingerprint(self) -> Fingerprint | None:
+        """A cheap checksum of this device's parameters and optimizer state after the
+        optimizer step of the iteration just run, with the name of the group of devices
+        that must hold exactly the same bits (DP replicas of a stage with the same TP
+        layout; :class:`~resihp_core.detector.sdc.Fingerprint`). Called after
+        :meth:`run_iteration`, before the iteration commits, only with
+        ``capabilities.sdc_fingerprint``; None: this device shares its state with no
+        replica. :func:`~resihp_core.detector.sdc.tensor_digest` computes the checksum
+        (docs/sdc.md)."""
+        raise NotImplementedError(f"adapter {self.name!r} does not fingerprint its state")
 
     def save_checkpoint(self, iteration: int) -> None:
         """Persist the state after ``iteration`` under ``ctx.job.checkpoint_dir``, before

@@ -12,7 +12,12 @@ Kinds (docs/design.md §7):
   uncorrectable ECC error, an NCCL ``DistBackendError``): a device-kind exception, so the
   device is lost and the job goes on (docs/errors.md);
 - ``repair``: the device is repaired: once ``iteration`` iterations are committed its
-  worker is started again and the Scheduler brings it back (after a ``kill``).
+  worker is started again and the Scheduler brings it back (after a ``kill``);
+- ``flip``: silent data corruption: bit ``bit`` of the first element of the device's
+  first (by name) tensor of ``target`` (``grad``: the reduced gradient just before the
+  optimizer step, ``param``: a parameter or ``optimizer``: an optimizer-state tensor
+  just after it) is flipped in ``iteration``; with ``repeat`` in that iteration and
+  every later one (a bad device). The adapter applies it (docs/sdc.md).
 
 Severities ``weak`` / ``medium`` / ``strong`` are defined by the throughput loss they
 cause unmitigated, about 35 % / 55 % / 70 %: a slowdown factor of 1/(1 - loss), i.e.
@@ -31,10 +36,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Fault", "FaultError", "KINDS", "SEVERITY_LOSS", "fail_at", "severity_factor", "load_scenario",
+__all__ = ["Fault", "FaultError", "KINDS", "TARGETS", "SEVERITY_LOSS", "fail_at", "severity_factor", "load_scenario",
            "repairs", "worker_faults"]
 
-KINDS = ("kill", "stop", "slow", "comm", "contend", "repair", "ecc", "nccl")
+KINDS = ("kill", "stop", "slow", "comm", "contend", "repair", "ecc", "nccl", "flip")
+TARGETS = ("grad", "param", "optimizer")
 SEVERITY_LOSS = {"weak": 0.35, "medium": 0.55, "strong": 0.70}
 
 
@@ -57,6 +63,9 @@ class Fault:
     kind: str
     factor: float = 1.0  # slow / contend
     delay_s: float = 0.0  # comm
+    target: str = "grad"  # flip: which state is corrupted
+    bit: int = 20  # flip: which bit of the element (taken modulo the element's width)
+    repeat: bool = False  # flip: every iteration from ``iteration`` on (a bad device)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or self.kind not in KINDS:
@@ -75,18 +84,26 @@ class Fault:
             raise FaultError(f'"factor" = {self.factor!r}: factor must be > 1 for a slow fault')
         if self.kind == "comm" and not self.delay_s > 0:
             raise FaultError(f'"delay_s" = {self.delay_s!r}: delay_s must be > 0 for a comm fault')
+        if self.target not in TARGETS:
+            raise FaultError(f'"target" = {self.target!r}: not one of {", ".join(TARGETS)}')
+        if isinstance(self.bit, bool) or not isinstance(self.bit, int) or not 0 <= self.bit < 64:
+            raise FaultError(f'"bit" = {self.bit!r}: expected an integer in 0-63')
+        if not isinstance(self.repeat, bool):
+            raise FaultError(f'"repeat" = {self.repeat!r}: expected true or false')
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def fail_at(device: int, iteration: int, kind: str, *, factor: float | None = None,
-            severity: str | None = None, delay_s: float = 0.0) -> Fault:
+            severity: str | None = None, delay_s: float = 0.0, target: str = "grad", bit: int = 20,
+            repeat: bool = False) -> Fault:
     """The one fault-injection API: ``kind`` happens to ``device`` when it starts
-    ``iteration``. ``severity`` (weak/medium/strong) sets ``factor`` for slow faults."""
+    ``iteration``. ``severity`` (weak/medium/strong) sets ``factor`` for slow faults;
+    ``target``, ``bit`` and ``repeat`` describe a ``flip``."""
     if severity is not None:
         factor = severity_factor(severity)
-    return Fault(device, iteration, kind, factor if factor is not None else 1.0, delay_s)
+    return Fault(device, iteration, kind, factor if factor is not None else 1.0, delay_s, target, bit, repeat)
 
 
 def _typed(e: dict, name: str, kinds: tuple[type, ...], what: str, default: object = None) -> object:
@@ -121,7 +138,7 @@ def load_scenario(path: str | Path | Iterable[dict], *, devices: Iterable[int] |
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             raise FaultError(f"scenario entry {i} is not an object")
-        unknown = set(e) - {"device", "iteration", "kind", "severity", "factor", "delay_s"}
+        unknown = set(e) - {"device", "iteration", "kind", "severity", "factor", "delay_s", "target", "bit", "repeat"}
         if unknown:
             raise FaultError(f"scenario entry {i}: unknown field(s) {sorted(unknown)}")
         try:
@@ -134,12 +151,18 @@ def load_scenario(path: str | Path | Iterable[dict], *, devices: Iterable[int] |
             severity = _typed(e, "severity", (str,), f"one of {', '.join(SEVERITY_LOSS)}")
             factor = _typed(e, "factor", (int, float), "a number")
             delay_s = _typed(e, "delay_s", (int, float), "a number", 0.0)
+            target = _typed(e, "target", (str,), f"one of {', '.join(TARGETS)}", "grad")
+            bit = _typed(e, "bit", (int,), "an integer bit index", 20)
+            repeat = e.get("repeat", False)
+            if not isinstance(repeat, bool):
+                raise FaultError(f'"repeat" = {repeat!r}: expected true or false')
             if severity is not None and factor is not None:
                 raise FaultError('give "severity" or "factor", not both')
             if severity is not None and severity not in SEVERITY_LOSS:
                 raise FaultError(f'"severity" = {severity!r}: not one of {", ".join(SEVERITY_LOSS)}')
             fault = fail_at(device, iteration, kind, factor=None if factor is None else float(factor),  # type: ignore[arg-type]
-                            severity=severity, delay_s=float(delay_s))  # type: ignore[arg-type]
+                            severity=severity, delay_s=float(delay_s), target=target,  # type: ignore[arg-type]
+                            bit=bit, repeat=repeat)  # type: ignore[arg-type]
             if known is not None and fault.device not in known:
                 raise FaultError(f'"device" = {fault.device}: not a device of the job '
                                  f'(devices {_ranges(sorted(known))})')

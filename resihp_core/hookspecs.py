@@ -9,9 +9,9 @@ which plugin made each registration. Hook wrappers are not supported.
 Six families:
 
 - **adapters** — ``resihp_register_adapters``: the execution layer for a framework.
-- **detection** — ``resihp_register_changepoint_detectors`` and
-  ``resihp_register_verification_strategies``: named factories the Detector picks from
-  its configuration.
+- **detection** — ``resihp_register_changepoint_detectors``,
+  ``resihp_register_verification_strategies`` and ``resihp_register_sdc_detectors``:
+  named factories the Detector picks from its configuration or (SDC) runs them all.
 - **scheduling** — ``resihp_register_adaptation_stages``: the ordered stages of the
   progressive planner (built in: ``tp``, ``pp``, ``dp``), which a plugin replaces by
   registering the same name or extends with a new name and order.
@@ -83,6 +83,22 @@ def resihp_register_verification_strategies(registry: FactoryRegistry) -> None:
     Call ``registry.register(name, factory)``; the Detector calls ``factory(**options)``.
 
     :param registry: a :class:`~resihp_core.plugins.FactoryRegistry` of strategy factories.
+    """
+
+
+@hookspec
+def resihp_register_sdc_detectors(registry: FactoryRegistry) -> None:
+    """Register silent-data-corruption detectors (hardware error counters, vendor health
+    checks) that report through the same path as the cross-replica fingerprints
+    (docs/sdc.md).
+
+    Call ``registry.register(name, factory)``; the controller calls ``factory()`` once per
+    job and then ``poll(view)`` about ten times a second with a
+    :class:`~resihp_core.detector.sdc.SdcView`; each
+    :class:`~resihp_core.detector.sdc.SdcSuspect` it returns is reported fail-stop with
+    cause ``sdc`` and its device quarantined.
+
+    :param registry: a :class:`~resihp_core.plugins.FactoryRegistry` of detector factories.
     """
 
 

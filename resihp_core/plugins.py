@@ -312,6 +312,11 @@ class Plugins:
             "resihp_register_verification_strategies", lambda: FactoryRegistry("verification strategy")
         )
 
+    def sdc_detectors(self) -> FactoryRegistry:
+        """Silent-data-corruption detectors (docs/sdc.md): ``factory()`` returns an
+        object with ``poll(view) -> [SdcSuspect]``."""
+        return self._fill("resihp_register_sdc_detectors", lambda: FactoryRegistry("SDC detector"))
+
     def adaptation_stages(self) -> StageRegistry:
         """The planner's stages; run them in ``.ordered()`` order."""
         return self._fill("resihp_register_adaptation_stages", StageRegistry)

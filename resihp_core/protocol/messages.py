@@ -34,8 +34,9 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Digest = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 FailureClass = Literal["fail-stop", "fail-slow"]
-# "contention": other processes on the device's host took its CPU (docs/detector.md)
-Cause = Literal["compute", "communication", "contention", "unknown"]
+# "contention": other processes on the device's host took its CPU (docs/detector.md);
+# "sdc": the device computed wrong numbers (silent data corruption, docs/sdc.md)
+Cause = Literal["compute", "communication", "contention", "sdc", "unknown"]
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind"):

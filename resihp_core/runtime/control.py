@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from resihp_core import checkpoints
+from resihp_core.detector.sdc import SdcMonitor
 from resihp_core.plan import ParallelPlan
 from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded
@@ -130,6 +131,7 @@ class ControlLoop:
     wake: threading.Event = field(default_factory=threading.Event)
     watch_store: WatchableStore | None = None
     idle_s: float = 0.1
+    sdc: SdcMonitor | None = None  # None: the fingerprints' findings and the plugins' SDC detectors
 
     def __post_init__(self) -> None:
         self.session: JobSession = self.job.session
@@ -139,6 +141,8 @@ class ControlLoop:
                                checkpoint_every=self.checkpoints.every,
                                move_before_restore=self.move_before_restore, repairs=self.repairs,
                                handled=self.handled)
+        if self.sdc is None:
+            self.sdc = SdcMonitor.from_plugins()
         self._polled = {"faults": 0.0, "left": 0.0}
         self._left_news = False  # the watcher saw a worker leave: read who now, not at the next throttle
         for q in (self.reports, self.repaired):
@@ -305,6 +309,9 @@ class ControlLoop:
             for left in self.job.workers_left().values():
                 self._feed(left)
         self._drain_reports()
+        if self.sdc is not None:  # silent data corruption found (docs/sdc.md)
+            for found in self.sdc.poll(self.session):
+                self._feed(found)
         while True:
             try:
                 self._feed(Rejoin(tuple(int(d) for d in self.repaired.get_nowait())))
@@ -469,9 +476,9 @@ class ControlLoop:
         g = self._post(plan, resume, restore, fresh)
         if g is None:
             return
-        why = "; ".join(f"device {d}: {t[:80]}" for d, t in sorted(a.failures.items()))[:300]
-        self.session.event("plan", f"generation {g} (retry {a.attempt} of the same plan: workers left the "
-                                   f"previous one with no device failing: {why}"
+        why = a.why[:300] or ("workers left the previous one with no device failing: " + "; ".join(
+            f"device {d}: {t[:80]}" for d, t in sorted(a.failures.items()))[:300])
+        self.session.event("plan", f"generation {g} (retry {a.attempt} of the same plan: {why}"
                                    + (f"; resumed from the checkpoint of iteration {restore}" if restore is not None
                                       else "") + ")", at=at, plan=plan.to_text(), kind_of_plan="retry",
                            planning_s=0.0, resume=resume, restore=restore)

@@ -3,8 +3,9 @@
 The worker calls :meth:`FaultInjector.at_iteration` when it starts an iteration; faults
 of this device scheduled for that iteration happen then, each once (kinds: see
 ``resihp_core.faults``). Process-level faults (kill, stop, CPU contention) act here;
-the adapter honours the two it must apply itself: :attr:`slowdown` (stretch every
-compute chunk) and :attr:`comm_delay_s` (delay every receive and reduction).
+the adapter honours the three it must apply itself: :attr:`slowdown` (stretch every
+compute chunk), :attr:`comm_delay_s` (delay every receive and reduction) and bit flips
+(:meth:`FaultInjector.corrupt` at the optimizer step, docs/sdc.md).
 
 Because every adapter ends each compute chunk here, the injector also carries the
 worker's :class:`~resihp_core.detector.environment.CpuWaitMeter` (:attr:`cpu_wait`):
@@ -19,9 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from resihp_core.detector.environment import CpuWaitMeter
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FaultInjector"]
 
@@ -56,10 +60,13 @@ class FaultInjector:
         self.comm_delay_s = 0.0  # added to every receive and reduction
         self._applied: set[int] = set()
         self._busy: list[subprocess.Popen] = []
+        self._flips: list[dict[str, Any]] = []  # armed for the current iteration (``repeat``: kept)
+        self.flipped = 0  # bits flipped so far
         self.cpu_wait = CpuWaitMeter()
 
     def at_iteration(self, iteration: int) -> None:
         self.cpu_wait.start_iteration()
+        self._flips = [f for f in self._flips if f.get("repeat")]
         for n, f in enumerate(self.faults):
             if f["iteration"] != iteration or n in self._applied:
                 continue
@@ -81,6 +88,39 @@ class FaultInjector:
                 self.comm_delay_s = float(f["delay_s"])
             elif kind == "contend":  # dies with this worker (it polls its parent)
                 self._busy.append(subprocess.Popen([sys.executable, "-c", _BUSY]))
+            elif kind == "flip":
+                self._flips.append(f)
+
+    def flip_due(self, target: str) -> bool:
+        """Whether a flip of ``target`` is armed now (an adapter gathers the tensors
+        for :meth:`corrupt` only then)."""
+        return any(f.get("target", "grad") == target for f in self._flips)
+
+    def corrupt(self, target: str, named: Mapping[str, torch.Tensor]) -> None:
+        """Flip the bits armed for ``target`` (``grad``, ``param``, ``optimizer``) in
+        ``named`` tensors: bit ``bit`` (modulo the element's width) of the first element
+        of the first tensor by name. An adapter calls this at its optimizer step; a flip
+        not due does nothing. A ``repeat`` flip stays armed for every later iteration."""
+        due = [f for f in self._flips if f.get("target", "grad") == target]
+        if not due or not named:
+            return
+        import torch
+
+        name = min(n for n, t in named.items() if t is not None and t.numel())
+        flat = named[name].detach().view(-1)
+        ints = flat.view(getattr(torch, {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}[flat.element_size()]))
+        for f in due:
+            width = 8 * flat.element_size()
+            bit = int(f.get("bit", 20)) % width
+            mask = 1 << bit
+            if mask >= 1 << (width - 1) and ints.dtype != torch.uint8:
+                mask -= 1 << width  # the sign bit, as the signed integer it is
+            with torch.no_grad():
+                ints[0:1].bitwise_xor_(mask)
+            self.flipped += 1
+            print(f"time={time.time():.3f} event=bit_flipped device={self.device} target={target} tensor={name} "
+                  f"bit={bit}", file=sys.stderr, flush=True)
+        self._flips = [f for f in self._flips if f not in due or f.get("repeat")]
 
     def stretch(self, seconds: float) -> float:
         """Under an injected slowdown, sleep so a compute chunk that took ``seconds``

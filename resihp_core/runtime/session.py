@@ -35,6 +35,9 @@ in ``docs/worker-protocol.md``. Keys (generation ``g``):
   :class:`~resihp_core.protocol.WorkerLeft`; its ``state_lost`` flag is the typed
   "restore from a checkpoint" signal);
   ``ctl<g>/report/<i>/<device>``: the :class:`~resihp_core.protocol.IterationReport`.
+- ``ctl<g>/fp/<i>/<device>``: the device's state fingerprint after iteration ``i``'s
+  optimizer step (JSON: group, digest); ``ctl<g>/sdc/<i>``: why ``i`` was aborted for
+  silent data corruption (JSON; docs/sdc.md).
 - ``worker/<device>/pid``: the worker's process id.
 - ``ckpt/faults``: count of failed checkpoint writes; ``ckpt/fault/<n>``: the n-th
   (JSON: device, iteration, error): storage faults, reported, never fatal.
@@ -70,7 +73,8 @@ __all__ = ["KeyValueStore", "WatchableStore", "Observers", "JobSession", "Storag
            "connect", "host", "post_plan", "wait_controller", "PRESENT_KEY", "SHUTDOWN_KEY", "ENV_GRACE",
            "latest_generation", "wait_generation", "read_plan", "verdict", "wait_news",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report", "put_left", "get_left",
-           "put_ready", "get_ready", "put_pid", "clear_pid", "pids_posted", "put_storage_fault", "storage_faults",
+           "put_ready", "get_ready", "put_fingerprint", "get_fingerprints", "put_sdc_finding",
+           "get_sdc_finding", "put_pid", "clear_pid", "pids_posted", "put_storage_fault", "storage_faults",
            "rendezvous_store", "join_members", "generation_fenced", "rendezvous_generation", "Superseded"]
 
 logger = logging.getLogger("resihp.session")
@@ -117,6 +121,14 @@ def _failed(g: int, d: int) -> str:
 
 def _report(g: int, i: int, d: int) -> str:
     return f"ctl{g}/report/{i}/{d}"
+
+
+def _fingerprint(g: int, i: int, d: int) -> str:
+    return f"ctl{g}/fp/{i}/{d}"
+
+
+def _sdc(g: int, i: int) -> str:
+    return f"ctl{g}/sdc/{i}"
 
 
 def _pid(d: int) -> str:
@@ -258,16 +270,20 @@ def wait_controller(store: KeyValueStore, timeout_s: float) -> bool:
 
 
 def commit(store: KeyValueStore, generation: int, iteration: int, executors: int,
-           poll_s: float = 0.0005, timeout_s: float = 600.0, hold_s: float = 0.0) -> str:
+           poll_s: float = 0.0005, timeout_s: float = 600.0, hold_s: float = 0.0,
+           check: Callable[[], bool] | None = None) -> str:
     """Add this executor to the iteration's commit counter and wait for the verdict.
 
     ``hold_s > 0``: the store is hosted outside the controller (docs/failover.md);
     while no controller is connected the iteration is held, not committed, for up to
-    ``hold_s`` seconds, then aborted."""
+    ``hold_s`` seconds, then aborted. ``check``: run by the executor whose add completes
+    the count, before it decides; False makes the verdict ``abort`` (the cross-replica
+    fingerprints, docs/sdc.md)."""
     if hold_s > 0 and not wait_controller(store, hold_s):
         return _decide(store, generation, iteration, CommitResult.ABORTED)
     if store.add(_done(generation, iteration), 1) == executors:
-        return _decide(store, generation, iteration, CommitResult.COMMITTED)
+        ok = check is None or check()
+        return _decide(store, generation, iteration, CommitResult.COMMITTED if ok else CommitResult.ABORTED)
     key = _verdict_key(generation, iteration)
     get_within = getattr(store, "get_within", None)  # ResiHP's store: wait and read in one round trip
     try:
@@ -307,6 +323,49 @@ def get_report(store: KeyValueStore, generation: int, iteration: int, device: in
     if not isinstance(msg, IterationReport):
         raise ValueError(f"{key} holds a {type(msg).__name__}, not an iteration report")
     return msg
+
+
+def put_fingerprint(store: KeyValueStore, generation: int, iteration: int, device: int, text: str) -> None:
+    """A device's state fingerprint after ``iteration``'s optimizer step (docs/sdc.md)."""
+    store.set(_fingerprint(generation, iteration, device), text)
+
+
+def get_fingerprints(store: KeyValueStore, generation: int, iteration: int,
+                     devices: Iterable[int]) -> dict[int, str]:
+    """The fingerprints ``devices`` posted for ``iteration`` (absent ones left out).
+    Two round trips when all were posted (one check, one multi-get), else one or two
+    per device."""
+    devices = list(devices)
+    keys = [_fingerprint(generation, iteration, d) for d in devices]
+    multi_get = getattr(store, "multi_get", None)
+    if keys and multi_get is not None and store.check(keys):
+        try:
+            got_all = multi_get(keys)
+        except TypeError:  # a store whose multi_get wants a timeout as well
+            got_all = None
+        if got_all is not None:
+            return {d: g.decode() if isinstance(g, bytes) else str(g) for d, g in zip(devices, got_all)}
+    out: dict[int, str] = {}
+    for d in devices:
+        key = _fingerprint(generation, iteration, d)
+        if store.check([key]):
+            got = store.get(key)
+            out[d] = got.decode() if isinstance(got, bytes) else str(got)
+    return out
+
+
+def put_sdc_finding(store: KeyValueStore, generation: int, iteration: int, text: str) -> None:
+    """Why ``iteration`` was aborted for silent data corruption (written before the
+    abort verdict, so whoever reads the verdict finds it)."""
+    store.set(_sdc(generation, iteration), text)
+
+
+def get_sdc_finding(store: KeyValueStore, generation: int, iteration: int) -> str | None:
+    key = _sdc(generation, iteration)
+    if not store.check([key]):
+        return None
+    got = store.get(key)
+    return got.decode() if isinstance(got, bytes) else str(got)
 
 
 def put_left(store: KeyValueStore, left: WorkerLeft) -> None:

@@ -38,6 +38,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Union
 
+from resihp_core.detector.sdc import Quarantine, Reexecute, SdcArbiter, SdcDetected
 from resihp_core.protocol import FailureReport, JobError, PlanUpdate, ScriptEnded, WorkerLeft
 from resihp_core.runtime.session import Layout, StorageFault
 from resihp_core.scheduler.planner import PlanDecision
@@ -45,7 +46,8 @@ from resihp_core.scheduler.state import PlannerState
 
 __all__ = ["Phase", "Supervisor", "Event", "Action", "Committed", "Rejoin", "Ready", "Planned", "Deployed",
            "DeployFailed", "RelaunchFailed", "Tick", "Emit", "NotifyFailure", "Kill", "Relaunch", "PlanFailure",
-           "PlanRejoin", "Deploy", "Retry", "Fail", "EndJob", "Finish", "needs_restore", "JOB_ERROR_GRACE_S"]
+           "PlanRejoin", "Deploy", "Retry", "Fail", "EndJob", "Finish", "SdcDetected", "needs_restore",
+           "JOB_ERROR_GRACE_S"]
 
 #: A job error waits this long for a device failure that would explain it (a peer's
 #: death seen as an odd exception on a survivor) before it ends the job.
@@ -123,7 +125,7 @@ class Tick:
 
 
 Event = Union[Committed, FailureReport, WorkerLeft, StorageFault, Rejoin, Ready, Planned, Deployed, DeployFailed,
-              RelaunchFailed, Tick, JobError, ScriptEnded]
+              RelaunchFailed, Tick, JobError, ScriptEnded, SdcDetected]
 
 
 # ------------------------------------------------------------------ actions (what to do)
@@ -192,6 +194,7 @@ class Retry:
 
     failures: dict[int, str]
     attempt: int
+    why: str = ""  # set when the retry is not for workers that left (an SDC re-execution)
 
 
 @dataclass(frozen=True)
@@ -286,6 +289,8 @@ class Supervisor:
         self._gen_committed = False  # the current generation committed an iteration
         self._job_errors: dict[int, tuple[JobError, float]] = {}  # device -> error, when seen
         self.ended: dict[int, ScriptEnded] = {}  # devices whose script returned (not failures)
+        self.sdc = SdcArbiter()  # silent data corruption: what a finding means (docs/sdc.md)
+        self._reexecute: Reexecute | None = None
 
     # ------------------------------------------------------------ the one entry point
     def handle(self, event: Event) -> list[Action]:
@@ -332,6 +337,8 @@ class Supervisor:
         if isinstance(event, ScriptEnded):
             self.ended[event.device] = event
             return []
+        if isinstance(event, SdcDetected):
+            return self._sdc(event)
         raise TypeError(f"not a supervisor event: {event!r}")
 
     def finish(self, alive: Iterable[int]) -> list[Action]:
@@ -354,7 +361,26 @@ class Supervisor:
             self._settle()
         for it in sorted(it for it in self.repairs if it <= self.committed):
             self._offered.update(self.repairs.pop(it))  # scheduled repairs, now due
-        return []
+        transient = self.sdc.committed(ev.iteration)
+        return [Emit("sdc", transient, {"iteration": ev.iteration})] if transient else []
+
+    def _sdc(self, ev: SdcDetected) -> list[Action]:
+        """Silent data corruption found (docs/sdc.md): quarantine the outvoted devices
+        (a fail-stop report with cause ``sdc``, acted on at the next tick like any),
+        re-execute an iteration whose replicas have no majority, or stop the job when
+        that re-execution disagrees again."""
+        f = ev.finding
+        d = self.sdc.decide(f)
+        fields = {"iteration": f.iteration, "suspects": list(f.suspects), "candidates": list(f.candidates),
+                  "source": f.source}
+        if isinstance(d, Quarantine):
+            self._pending.append(d.report)
+            return [Emit("sdc", f"silent data corruption at iteration {f.iteration}: devices {list(f.suspects)} "
+                                f"quarantined ({f.evidence[:200]})", fields)]
+        if isinstance(d, Reexecute):
+            self._reexecute = d
+            return [Emit("sdc", d.text, fields)]
+        return [Emit("sdc", d.text, fields), Fail(d.text)]
 
     def _settle(self) -> None:
         """The phase the job is in now, outside a planner call: Deploying until the
@@ -397,6 +423,10 @@ class Supervisor:
         reports = self._fresh_reports(ev)
         if reports:
             return out + self._failure(reports, ev)
+        if self._reexecute is not None:
+            d, self._reexecute = self._reexecute, None
+            self.phase = Phase.PLANNING
+            return out + [Retry({c: "silent data corruption suspected" for c in d.candidates}, 1, why=d.text)]
         if self._gen_committed and self._offered:
             got = self._offers(ev)
             if got:
@@ -488,8 +518,10 @@ class Supervisor:
         slows = [r for r in reports if r.failure != "fail-stop"]
         if stops:  # fail-stop first; one report for every device lost
             devices = sorted({d for r in stops for d in r.devices} - self.handled)
+            causes = {r.cause for r in stops}  # one cause shared by all (e.g. sdc) is kept
             report = FailureReport(generation=self.generation, failure="fail-stop", devices=tuple(devices),
-                                   cause="unknown", evidence="; ".join(r.evidence for r in stops)[:500])
+                                   cause=causes.pop() if len(causes) == 1 else "unknown",
+                                   evidence="; ".join(r.evidence for r in stops)[:500])
             self._pending += slows  # kept for the next round
         else:
             report = slows[0]

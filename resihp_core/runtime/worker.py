@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, runtime_checkable
 
 from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult, StateLost
+from resihp_core.detector.sdc import SdcGuard
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate, WorkerLeft
@@ -205,6 +206,7 @@ class Worker:
         if watch is not None:
             self.ctx.superseded = lambda: watch.latest > self.ctx.generation
         self.adapter = (factory or registry_factory(job.adapter))(self.ctx)
+        self.sdc = SdcGuard.for_adapter(self.adapter, device)  # None: no fingerprints (docs/sdc.md)
         if client is not None:
             self.attach(client)
         self.plan: ParallelPlan | None = None  # the plan whose layout the adapter's state has
@@ -334,7 +336,8 @@ class Worker:
                               executors: int) -> str:
         session.put_report(self._commit_store, report)
         return session.commit(self._commit_store, generation, iteration, executors,
-                              timeout_s=self.job.timeout_s * 6, hold_s=self.hold_s)
+                              timeout_s=self.job.timeout_s * 6, hold_s=self.hold_s,
+                              check=self._sdc_check(self._commit_store, generation, iteration))
 
     def _overlapped_iteration(self) -> None:
         """One iteration whose report and commit leave on the committer thread; the one
@@ -481,7 +484,7 @@ class Worker:
         session.put_report(self.store, report)
         executors = len(self.plan.devices())
         verdict = session.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
-                                  hold_s=self.hold_s)
+                                  hold_s=self.hold_s, check=self._sdc_check(self.store, g, i))
         if verdict != session.CommitResult.COMMITTED:
             a.rollback()
             a.release()
@@ -517,7 +520,15 @@ class Worker:
                 self._left(g, failed, "checkpoint_failed", iteration=i)
                 return None
         self._checkpoint_reports()
+        if self.sdc is not None:
+            self.sdc.post(self.store, g, i)
         return self._report(result)
+
+    def _sdc_check(self, store: Any, generation: int, iteration: int) -> Callable[[], bool] | None:
+        """The fingerprint comparison the last executor runs before its verdict."""
+        if self.sdc is None:
+            return None
+        return self.sdc.check(store, generation, iteration, self.plan.devices())
 
     def _with_cpu_wait(self, prof: Any) -> Any:
         """The profile with the time this thread waited for a CPU (the environment's

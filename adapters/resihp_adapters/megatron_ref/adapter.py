@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from resihp_core.adapter import Adapter, AdapterContext, Capabilities, IterationResult, Shard
+from resihp_core.detector.sdc import Fingerprint, tensor_digest
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import (
@@ -126,6 +127,19 @@ class MegatronRefAdapter(Adapter):
             m, v = self.optimizer.ensure(name, p)
             out[name] = (p.data, m, v)
         return out
+
+    def fingerprint(self) -> Fingerprint | None:
+        """Checksum of every parameter and AdamW moment this device holds; the group is
+        the stage's layer range with this TP rank and degree: every replica holding it
+        has the same bits after the (replica-identical) all-reduce and step."""
+        if self.module is None or self._where is None:
+            return None
+        r, s, t = self._where
+        a, b = self.plan.layer_ranges[s]
+        named = [(f"{kind}.{name}", x) for name, ts in sorted(self.tensors().items())
+                 for kind, x in zip(("p", "m", "v"), ts)]
+        return Fingerprint(f"stage{s}/layers{a}-{b}/tp{t}of{self.plan.degree(r, s)}/step{self.steps}",
+                           tensor_digest(named))
 
     def full_state(self) -> dict[str, Any]:
         """Everything this framework's training state is, by layout-independent name:
@@ -464,7 +478,11 @@ class MegatronRefAdapter(Adapter):
                 st.comm_s += time.perf_counter() - t0
             elif isinstance(op, OptimizerStep):
                 self.steps = self._step_number(iteration)
-                self.optimizer.step(self._params(), self.steps)
+                named = self._params()
+                self.ctx.faults.corrupt("grad", {n: p.grad for n, p in named.items()})  # injected SDC only
+                self.optimizer.step(named, self.steps)
+                self.ctx.faults.corrupt("param", {n: p.data for n, p in named.items()})
+                self.ctx.faults.corrupt("optimizer", {n: self.optimizer.ensure(n, p)[0] for n, p in named.items()})
                 for p in params:
                     p.grad = None
             else:

@@ -20,6 +20,7 @@ CAPABILITIES = Capabilities(
     cross_replica_migration=True,
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
     checkpoint=True,
+    sdc_fingerprint=True,
 )
 
 

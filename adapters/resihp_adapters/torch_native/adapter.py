@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
+from resihp_core.detector.sdc import Fingerprint, tensor_digest
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
@@ -120,6 +121,8 @@ class TorchNativeAdapter(Adapter):
         self._watch = None
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
+        if hasattr(ctx.faults, "flip_due"):  # the runtime's injector (tests may lend a stand-in)
+            self.engine.flip_due, self.engine.corrupt = ctx.faults.flip_due, ctx.faults.corrupt
         self._progress = (0, 0)
         self._status: list[CheckpointWrite] = []  # checkpoint writes sealed since the last report
 
@@ -216,6 +219,31 @@ class TorchNativeAdapter(Adapter):
             return {}
         return {name: Shard(h.tensors(), dim=0, index=pl.shard_index, parts=pl.shard_degree)
                 for name, h in self.engine.local_shards().items()}
+
+    def fingerprint(self) -> Fingerprint | None:
+        """Checksum of this rank's local shards of every parameter and optimizer-state
+        tensor. Only HSDP (``shard`` below the live replicas) has devices holding the
+        same shard: the same stage, layer range and shard index in different replicate
+        groups; with plain FSDP2 (or TP, one replica) no one shares it: None."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from resihp_adapters.torch_native.engine import live_replicas
+
+        eng, pl = self.engine, self.engine.place
+        if pl is None or eng.module is None or eng.plan is None:
+            return None
+        if len(live_replicas(eng.plan)) // pl.shard_degree < 2:
+            return None
+        local = lambda t: t.detach().to_local() if isinstance(t, DTensor) else t.detach()  # noqa: E731
+        named = []
+        for name, p in eng.module.named_parameters():
+            named.append((f"param.{name}", local(p)))
+            st = eng.optimizer.state.get(p, {})
+            named += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+        a, b = eng._layers(eng.plan, pl.stage)
+        return Fingerprint(f"stage{pl.stage}/layers{a}-{b}/shard{pl.shard_index}of{pl.shard_degree}/"
+                           f"tp{pl.tp_index}of{pl.tp_degree}/step{eng.iteration}", tensor_digest(named))
 
     def full_state(self) -> dict[str, Any]:
         """This rank's share of the complete state by layout-independent names

@@ -335,6 +335,8 @@ class TorchNativeEngine:
         self._ties: list[tuple[object, str]] = []  # (group, this stage's name of the tied parameter)
         self.stretch: Callable[[float], float] = lambda seconds: seconds  # fault injection
         self.delay_comm: Callable[[], None] = lambda: None  # fault injection
+        self.flip_due: Callable[[str], bool] = lambda target: False  # injected SDC (docs/sdc.md)
+        self.corrupt: Callable[[str, dict[str, Tensor]], None] = lambda target, named: None
         self.before_action: Callable[[], None] = lambda: None  # abort checks, heartbeats
         self.last: IterationResult | None = None
         self._kept: tuple[ParallelPlan | None, dict[str, Held]] = (None, {})
@@ -907,7 +909,10 @@ class TorchNativeEngine:
             self._current = None
         self.before_action()
         self.finish_grads()
+        self.inject_flip("grad")
         self.step_optimizer()
+        self.inject_flip("param")
+        self.inject_flip("optimizer")
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -916,6 +921,28 @@ class TorchNativeEngine:
         res.iteration_s = time.perf_counter() - t_iter
         self.last = res
         return res
+
+    def inject_flip(self, target: str) -> None:
+        """Injected silent data corruption (docs/sdc.md), when a flip is due: this
+        rank's local shards of the reduced gradients (before the step), the parameters
+        or the first optimizer-state tensor of each (after it)."""
+        if not self.flip_due(target):
+            return
+        from torch.distributed.tensor import DTensor
+
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        named: dict[str, Tensor] = {}
+        for name, p in self.module.named_parameters():
+            if target == "grad":
+                t = p.grad
+            elif target == "param":
+                t = p.detach()
+            else:
+                st = self.optimizer.state.get(p, {})
+                t = next((st[k] for k in sorted(st) if isinstance(st[k], Tensor) and st[k].dim()), None)
+            if t is not None:
+                named[name] = local(t)
+        self.corrupt(target, named)
 
     def step_optimizer(self) -> None:
         """The optimizer's step, on the DTensors' local tensors when that is the same

@@ -265,7 +265,10 @@ class ResilientLoop:
         e = self.engine
         self.worker.ctx.step(self.index, next(self._steps))
         e.finish_grads()
+        e.inject_flip("grad")  # injected silent data corruption, when due (docs/sdc.md)
         e.step_optimizer()
+        e.inject_flip("param")
+        e.inject_flip("optimizer")
         if e.scheduler is not None:
             e.scheduler.step()
         e.optimizer.zero_grad(set_to_none=True)

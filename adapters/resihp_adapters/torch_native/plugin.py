@@ -34,6 +34,7 @@ CAPABILITIES = Capabilities(
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
     checkpoint=True,
     tp_with_dp=False,  # TP with one replica: no DP reduction across TP layouts (tp.py)
+    sdc_fingerprint=True,  # HSDP replicate groups compare their shards (docs/sdc.md)
 )
 
 

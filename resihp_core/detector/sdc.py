@@ -1,0 +1,396 @@
+"""Silent data corruption: cross-replica fingerprints checked before an iteration commits
+(docs/sdc.md).
+
+Devices that must hold bit-identical state after the optimizer step (the DP replicas of
+a stage with the same TP layout) each post a :class:`Fingerprint` of their shard
+(parameters and optimizer state) before they add themselves to the iteration's commit
+counter. The executor whose add completes the count runs :func:`commit_check` before it
+writes the verdict: if two members of a group disagree, it writes an
+:class:`SdcFinding` and the verdict ``abort``, so the corrupt update is rolled back on
+every device exactly as any uncommitted iteration is.
+
+On the controller, :class:`SdcMonitor` reads findings (and asks the detectors plugins
+register with ``resihp_register_sdc_detectors``) and hands them to the supervisor as
+:class:`SdcDetected` events; :class:`SdcArbiter` (pure, owned by the supervisor) decides:
+
+- three or more replicas and a strict majority: the odd ones out are reported
+  fail-stop with cause ``sdc`` (quarantined: fenced and planned around, back only
+  through a repair);
+- no majority (two replicas): the iteration is re-executed once with the same plan;
+  if the re-execution commits the flip was transient and nothing is quarantined; if
+  it disagrees again the arbiter refuses to guess and the job stops, naming the
+  devices.
+
+This module imports no framework: fingerprints of tensors are computed by
+:func:`tensor_digest`, which imports torch only when called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
+
+from resihp_core.protocol import FailureReport
+from resihp_core.runtime import session
+
+if TYPE_CHECKING:
+    import torch
+
+    from resihp_core.plan import ParallelPlan
+    from resihp_core.runtime.session import JobSession, KeyValueStore
+
+__all__ = ["ENV_SDC", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
+           "Quarantine", "Reexecute", "Refuse", "SdcDecision", "SdcArbiter", "SdcMonitor", "SdcGuard",
+           "tensor_digest", "compare", "commit_check", "enabled"]
+
+logger = logging.getLogger("resihp.sdc")
+
+#: ``RESIHP_SDC=0`` in a worker's environment turns the fingerprints off.
+ENV_SDC = "RESIHP_SDC"
+
+_INT_OF_SIZE = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+
+
+# ------------------------------------------------------------------ fingerprints
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one device says about its state after an iteration's optimizer step.
+
+    :param group: devices posting the same ``group`` must hold bit-identical state (the
+        adapter names it: stage, TP degree and rank, layer range).
+    :param digest: the state's checksum (:func:`tensor_digest`).
+    """
+
+    group: str
+    digest: str
+
+    def to_json(self) -> str:
+        return json.dumps({"group": self.group, "digest": self.digest})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Fingerprint:
+        d = json.loads(text)
+        return cls(str(d["group"]), str(d["digest"]))
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A checksum of the exact bits of ``named`` tensors, in the order given.
+
+    Each tensor's elements are read as integers of their own width and summed in 64-bit
+    wrapping arithmetic: the sum does not depend on the order of the reduction, so it is
+    the same on every device holding the same bits, and a single flipped bit changes it
+    (by 2**b). One device-to-host copy for all tensors; the per-tensor sums, sizes and
+    names are hashed."""
+    import torch
+
+    names: list[str] = []
+    sums: list[torch.Tensor] = []
+    for name, t in named:
+        names.append(f"{name}:{t.numel()}")
+        sums.append(_bit_sum(t.detach().contiguous().view(-1)))
+    h = hashlib.blake2b(digest_size=16)
+    h.update("|".join(names).encode())
+    if sums:
+        h.update(repr(torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist()).encode())
+    return h.hexdigest()
+
+
+def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
+    """The wrapping 64-bit sum of ``flat``'s bits read as integers: 8 bytes at a time
+    when its size allows (no widening copy: a flipped bit still moves the sum by
+    2**b), else element by element."""
+    import torch
+
+    if not flat.numel():
+        return torch.zeros((), dtype=torch.int64, device=flat.device)
+    if flat.element_size() < 8 and (flat.numel() * flat.element_size()) % 8 == 0:
+        try:
+            return flat.view(torch.int64).sum()
+        except RuntimeError:  # a storage offset the wider view cannot start at
+            pass
+    if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
+        flat = flat.view(getattr(torch, _INT_OF_SIZE[flat.element_size()]))
+    return flat.sum(dtype=torch.int64)
+
+
+def enabled(capable: bool, env: Mapping[str, str] | None = None) -> bool:
+    """Whether a worker posts fingerprints: its adapter declares ``sdc_fingerprint`` and
+    ``RESIHP_SDC`` is not ``0``."""
+    env = os.environ if env is None else env
+    return capable and env.get(ENV_SDC, "1") != "0"
+
+
+# ------------------------------------------------------------------ comparing
+@dataclass(frozen=True)
+class SdcFinding:
+    """Replicas that disagreed in ``iteration`` of ``generation``.
+
+    :param suspects: devices outvoted by a strict majority of their group (decided).
+    :param candidates: devices of groups with no majority (two replicas, or a tie):
+        one of them is wrong, the comparison cannot say which.
+    :param groups: each disagreeing group's digests by device (evidence).
+    :param source: who found it (``fingerprint`` or a plugin detector's name).
+    """
+
+    generation: int
+    iteration: int
+    suspects: tuple[int, ...] = ()
+    candidates: tuple[int, ...] = ()
+    groups: dict[str, dict[int, str]] = field(default_factory=dict)
+    source: str = "fingerprint"
+    evidence: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "iteration": self.iteration,
+                           "suspects": list(self.suspects), "candidates": list(self.candidates),
+                           "groups": {g: {str(d): v for d, v in m.items()} for g, m in self.groups.items()},
+                           "source": self.source, "evidence": self.evidence})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> SdcFinding:
+        d = json.loads(text)
+        return cls(int(d["generation"]), int(d["iteration"]), tuple(int(x) for x in d["suspects"]),
+                   tuple(int(x) for x in d["candidates"]),
+                   {g: {int(k): str(v) for k, v in m.items()} for g, m in d["groups"].items()},
+                   str(d.get("source", "fingerprint")), str(d.get("evidence", "")))
+
+
+def compare(fingerprints: Mapping[int, Fingerprint], *, generation: int, iteration: int) -> SdcFinding | None:
+    """The disagreement among ``fingerprints`` (device -> its fingerprint), None if
+    every group agrees. In a group of three or more, devices whose digest differs from
+    the one a strict majority holds are suspects; a group without such a majority
+    yields candidates only."""
+    groups: dict[str, dict[int, str]] = {}
+    for d, fp in fingerprints.items():
+        groups.setdefault(fp.group, {})[d] = fp.digest
+    suspects: set[int] = set()
+    candidates: set[int] = set()
+    bad: dict[str, dict[int, str]] = {}
+    notes: list[str] = []
+    for g, members in sorted(groups.items()):
+        if len(set(members.values())) <= 1:
+            continue
+        bad[g] = dict(sorted(members.items()))
+        digest, n = Counter(members.values()).most_common(1)[0]
+        if 2 * n > len(members):
+            odd = sorted(d for d, v in members.items() if v != digest)
+            suspects.update(odd)
+            notes.append(f"{g}: devices {odd} differ from the {n} of {len(members)} replicas that agree")
+        else:
+            candidates.update(members)
+            notes.append(f"{g}: replicas {sorted(members)} disagree with no majority")
+    if not bad:
+        return None
+    return SdcFinding(generation, iteration, tuple(sorted(suspects)), tuple(sorted(candidates - suspects)), bad,
+                      "fingerprint", f"iteration {iteration}: state fingerprints after the optimizer step "
+                                     f"disagree: {'; '.join(notes)}")
+
+
+def commit_check(store: KeyValueStore, generation: int, iteration: int, devices: Sequence[int]) -> Callable[[], bool]:
+    """The check the executor completing ``iteration``'s commit count runs before it
+    writes the verdict (:func:`resihp_core.runtime.session.commit`): True to commit;
+    False after writing the :class:`SdcFinding` (the verdict is then ``abort``). A
+    device that posted no fingerprint is not compared."""
+
+    def check() -> bool:
+        posted = session.get_fingerprints(store, generation, iteration, devices)
+        try:
+            fps = {d: Fingerprint.from_json(t) for d, t in posted.items()}
+        except (ValueError, KeyError, TypeError) as e:  # not a fingerprint: say so, do not guess
+            print(f"time={time.time():.3f} event=sdc_check_skipped generation={generation} iteration={iteration} "
+                  f"reason={e!r:.200}", flush=True)
+            return True
+        finding = compare(fps, generation=generation, iteration=iteration)
+        if finding is None:
+            return True
+        session.put_sdc_finding(store, generation, iteration, finding.to_json())
+        print(f"time={time.time():.3f} event=sdc_detected generation={generation} iteration={iteration} "
+              f"suspects={list(finding.suspects)} candidates={list(finding.candidates)}", flush=True)
+        return False
+
+    return check
+
+
+@runtime_checkable
+class _Fingerprinting(Protocol):
+    def fingerprint(self) -> Fingerprint | None: ...
+
+
+class SdcGuard:
+    """A worker's side: post this device's fingerprint of an iteration, and give the
+    commit its check. Built by :meth:`for_adapter` (None when the adapter does not
+    declare ``sdc_fingerprint`` or ``RESIHP_SDC=0``)."""
+
+    def __init__(self, adapter: _Fingerprinting, device: int) -> None:
+        self.adapter, self.device = adapter, device
+
+    @classmethod
+    def for_adapter(cls, adapter: object, device: int, env: Mapping[str, str] | None = None) -> SdcGuard | None:
+        caps = getattr(adapter, "capabilities", None)
+        if not enabled(bool(getattr(caps, "sdc_fingerprint", False)), env):
+            return None
+        if not isinstance(adapter, _Fingerprinting):
+            raise TypeError(f"adapter {getattr(adapter, 'name', type(adapter).__name__)!r} declares sdc_fingerprint "
+                            "but has no fingerprint() method")
+        return cls(adapter, device)
+
+    def post(self, store: KeyValueStore, generation: int, iteration: int) -> None:
+        fp = self.adapter.fingerprint()
+        if fp is not None:  # a device holding nothing a replica shares
+            session.put_fingerprint(store, generation, iteration, self.device, fp.to_json())
+
+    def check(self, store: KeyValueStore, generation: int, iteration: int,
+              devices: Sequence[int]) -> Callable[[], bool]:
+        return commit_check(store, generation, iteration, devices)
+
+
+# ------------------------------------------------------------------ plugin detectors
+@dataclass(frozen=True)
+class SdcView:
+    """What a registered SDC detector is shown each time the controller looks: the
+    current generation, its plan and the number of committed iterations."""
+
+    generation: int
+    committed: int
+    plan: ParallelPlan | None
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SdcSuspect:
+    """A detector's verdict: ``device`` computed wrong numbers around ``iteration``."""
+
+    device: int
+    iteration: int
+    evidence: str = ""
+
+
+class SdcDetector(Protocol):
+    """A detector registered with ``resihp_register_sdc_detectors`` (hardware error
+    counters, a vendor health check). ``poll`` is called on the controller each time it
+    looks (about ten times a second); it returns the devices it blames, each once."""
+
+    def poll(self, view: SdcView) -> Iterable[SdcSuspect]: ...
+
+
+# ------------------------------------------------------------------ the controller's side
+@dataclass(frozen=True)
+class SdcDetected:
+    """Supervisor event: a finding of silent data corruption."""
+
+    finding: SdcFinding
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    report: FailureReport
+
+
+@dataclass(frozen=True)
+class Reexecute:
+    candidates: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Refuse:
+    text: str
+
+
+SdcDecision = Union[Quarantine, Reexecute, Refuse]
+
+
+class SdcArbiter:
+    """Decides what a finding means (pure; the supervisor owns it). An iteration with
+    candidates but no suspects is re-executed once; a second finding for the same
+    iteration is persistent corruption the arbiter cannot localise."""
+
+    def __init__(self) -> None:
+        self._reexecuted: dict[int, SdcFinding] = {}
+
+    def decide(self, f: SdcFinding) -> SdcDecision:
+        if f.suspects:
+            return Quarantine(FailureReport(generation=f.generation, failure="fail-stop", devices=f.suspects,
+                                            cause="sdc", evidence=f"silent data corruption ({f.source}): "
+                                                                  f"{f.evidence}"[:500]))
+        before = self._reexecuted.get(f.iteration)
+        if before is None:
+            self._reexecuted[f.iteration] = f
+            return Reexecute(f.candidates, f"silent data corruption suspected at iteration {f.iteration} "
+                                           f"({f.evidence[:200]}); no majority among devices "
+                                           f"{list(f.candidates)}: re-executing the iteration to tell a "
+                                           "transient fault from a persistent one")
+        both = sorted(set(before.candidates) | set(f.candidates))
+        return Refuse(f"silent data corruption at iteration {f.iteration} persisted on re-execution among "
+                      f"devices {both} ({f.evidence[:200]}); with no majority of replicas ResiHP cannot tell "
+                      "which device is wrong and refuses to guess: take one of them out (or repair it) and "
+                      "resume the job from a checkpoint")
+
+    def committed(self, iteration: int) -> str | None:
+        """Text for an event when a re-executed iteration commits (a transient fault)."""
+        f = self._reexecuted.pop(iteration, None)
+        if f is None:
+            return None
+        return (f"iteration {iteration} re-executed after replicas {list(f.candidates)} disagreed: the "
+                "re-execution agreed and committed (a transient fault); nothing quarantined")
+
+
+class SdcMonitor:
+    """The control loop's reader of SDC findings: the fingerprint check's (written by
+    the worker that aborted an iteration) and those of registered detectors."""
+
+    def __init__(self, detectors: Mapping[str, SdcDetector] | None = None, *, every_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.detectors = dict(detectors or {})
+        self.every_s, self.clock = every_s, clock
+        self._last = float("-inf")
+        self._seen: set[tuple[int, int]] = set()
+        self._blamed: set[tuple[str, int, int]] = set()
+
+    @classmethod
+    def from_plugins(cls) -> SdcMonitor:
+        """With every detector registered through ``resihp_register_sdc_detectors``
+        (none loaded if the plugins cannot be read: the fingerprints still work)."""
+        try:
+            from resihp_core.plugins import Plugins
+
+            reg = Plugins().sdc_detectors()
+            return cls({name: reg.create(name) for name in reg.names()})
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not stop the job
+            logger.warning("SDC detectors from plugins not loaded: %s", e)
+            return cls()
+
+    def poll(self, job: JobSession) -> list[SdcDetected]:
+        now = self.clock()
+        if now - self._last < self.every_s:
+            return []
+        self._last = now
+        out: list[SdcDetected] = []
+        g, i = job.generation, job.committed
+        if (g, i) not in self._seen and session.verdict(job.store, g, i) == session.CommitResult.ABORTED:
+            text = session.get_sdc_finding(job.store, g, i)
+            if text is not None:
+                self._seen.add((g, i))
+                out.append(SdcDetected(SdcFinding.from_json(text)))
+        if self.detectors:
+            msg = job.message
+            view = SdcView(g, i, job.plan, tuple(msg.devices) if msg is not None else ())
+            for name, det in self.detectors.items():
+                try:
+                    got = list(det.poll(view))
+                except Exception as e:  # noqa: BLE001 - a plugin's failure is logged, not the job's
+                    logger.warning("SDC detector %s failed: %s", name, e)
+                    continue
+                for s in got:
+                    if (name, s.device, s.iteration) in self._blamed:
+                        continue
+                    self._blamed.add((name, s.device, s.iteration))
+                    out.append(SdcDetected(SdcFinding(g, s.iteration, (s.device,), source=name,
+                                                      evidence=s.evidence or f"reported by {name}")))
+        return out

@@ -1,0 +1,149 @@
+"""Silent data corruption caught before the corrupt update commits (docs/sdc.md), on the
+production path (``run_resilient``: controller, agent, supervisor, the Scheduler's own
+planner) with the reference backend in float64: a bit flipped in one replica's reduced
+gradient aborts that iteration on every device; with three replicas the odd one is
+quarantined and training goes on without it; with two a transient flip is re-executed
+and nothing is quarantined, while a repeating one stops the job naming both (no majority
+to decide). Where it trains on, the final complete state equals the fault-free run's.
+torch_native with HSDP replicate groups: the same quarantine, exact against one process
+training the fault-free global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from resihp_core.faults import fail_at
+from resihp_core.job import JobSpec
+from resihp_core.plan import ParallelPlan
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ITERATIONS, FLIP_AT = 5, 2
+
+
+def _job(dp: int, m: int) -> JobSpec:
+    return JobSpec(adapter="megatron_ref",
+                   adapter_config=dict(vocab_size=64, hidden=32, num_heads=4, ffn_hidden=64, num_layers=2,
+                                       dtype="float64"),
+                   data=dict(source="synthetic", scale=12.0, shape=0.8, min_len=2, max_len=64, token_budget=64),
+                   dp=dp, num_microbatches=m)
+
+
+def _base(dp: int, m: int) -> ParallelPlan:
+    return ParallelPlan.uniform(tp=1, pp=1, dp=dp, num_layers=2, num_microbatches=m, num_heads=4)
+
+
+def _flipped(job: JobSpec, base: ParallelPlan, fault):
+    """Run ``job`` with ``fault`` through ``run_resilient`` (the assembled job's own
+    planner); its outcome (as the conformance kit reads one), events and final plan."""
+    import torch
+
+    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.runconfig import RunHooks
+    from resihp_core.testing.conformance import Outcome, _assemble, _assemble_full, _kit_job
+
+    dump, work = tempfile.mkdtemp(prefix="resihp-sdc-"), tempfile.mkdtemp(prefix="resihp-sdc-job-")
+    asm = _kit_job(dataclasses.replace(job, dump_dir=dump), base, iterations=ITERATIONS, faults=[fault],
+                   timeout=60.0, work=work)
+    jobs = []
+    run = dataclasses.replace(asm.run, timeout_s=300.0, hooks=RunHooks(before_run=lambda lj, agents: jobs.append(lj)))
+    out = run_resilient(run)
+    assert out.ok, f"{out.error} (logs: {out.logs})"
+    lj = jobs[0]
+    losses, computed = [], []
+    for i in range(ITERATIONS):
+        rep = lj.report(i)
+        losses.append(sum(r.loss for r in rep.values()))
+        computed.append(Counter(tuple(c) for r in rep.values() for c in r.computed))
+    dumps = {int(f[len("device"):-3]): torch.load(os.path.join(dump, f), weights_only=False) for f in os.listdir(dump)}
+    assert all(d["iteration"] == ITERATIONS for d in dumps.values())
+    logs = "".join(p.read_text(errors="replace") for p in Path(work).rglob("*.log"))
+    return Outcome(_assemble(dumps), losses, computed, _assemble_full(dumps)), out, logs
+
+
+def test_a_bad_device_among_three_replicas_is_quarantined_after_one_aborted_iteration():
+    from resihp_core.testing.conformance import _compare, run_scenario
+
+    victim = 1
+    job, base = _job(3, 2), _base(3, 2)
+    got, out, logs = _flipped(job, base, fail_at(victim, FLIP_AT, "flip", target="grad", bit=20, repeat=True))
+    sdc = [e for e in out.events if e["kind"] == "sdc"]
+    assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT, sdc
+    failures = [e for e in out.events if e["kind"] == "failure"]
+    assert [(f["cause"], f["devices"]) for f in failures] == [("sdc", [victim])], failures
+    assert victim not in out.final_plan.devices()
+    assert logs.count("event=bit_flipped") == 1  # the corrupting device never ran again
+    assert logs.count("event=sdc_detected") == 1
+    committed_in = {r.iteration: r.generation for r in out.records}
+    assert committed_in[FLIP_AT] > committed_in[FLIP_AT - 1]  # iteration k committed only after the abort
+    want = run_scenario(job, base, None, iterations=ITERATIONS)
+    assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
+
+
+def test_a_transient_flip_between_two_replicas_is_re_executed_and_quarantines_nothing():
+    from resihp_core.testing.conformance import _compare, run_scenario
+
+    victim = 0
+    job, base = _job(2, 2), _base(2, 2)
+    got, out, logs = _flipped(job, base, fail_at(victim, FLIP_AT, "flip", target="grad", bit=20))
+    sdc = [e for e in out.events if e["kind"] == "sdc"]
+    assert len(sdc) == 2 and "re-executing" in sdc[0]["text"] and "transient" in sdc[1]["text"], sdc
+    assert sdc[0]["candidates"] == [0, 1]
+    assert not [e for e in out.events if e["kind"] == "failure"]
+    assert [e.get("kind_of_plan") for e in out.events if e["kind"] == "plan"][1:] == ["retry"]
+    assert out.final_plan.devices() == base.devices()
+    assert logs.count("event=bit_flipped") == 1
+    committed_in = {r.iteration: r.generation for r in out.records}
+    assert committed_in[FLIP_AT] > committed_in[FLIP_AT - 1]
+    want = run_scenario(job, base, None, iterations=ITERATIONS)
+    assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
+
+
+def test_a_bad_device_between_two_replicas_stops_the_job_naming_both():
+    """Two replicas that disagree again on re-execution: no majority says which one is
+    wrong, and the job stops with a message naming both rather than guess."""
+    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.testing.conformance import _kit_job
+
+    job, base = _job(2, 2), _base(2, 2)
+    asm = _kit_job(dataclasses.replace(job, dump_dir=tempfile.mkdtemp(prefix="resihp-sdc-")), base,
+                   iterations=ITERATIONS, faults=[fail_at(0, FLIP_AT, "flip", repeat=True)], timeout=60.0,
+                   work=tempfile.mkdtemp(prefix="resihp-sdc-job-"))
+    out = run_resilient(dataclasses.replace(asm.run, timeout_s=300.0))
+    assert not out.ok and "persisted on re-execution among devices [0, 1]" in out.error, out.error
+    assert "refuses to guess" in out.error
+    assert [e.get("kind_of_plan") for e in out.events if e["kind"] == "plan"][1:] == ["retry"]
+    assert not [e for e in out.events if e["kind"] == "failure"]  # nothing quarantined on a guess
+
+
+def test_torch_native_hsdp_quarantines_a_bad_replica_and_trains_exactly(tmp_path):
+    """torch_native with HSDP (``shard = 1``: every replica a replicate group holding the
+    whole stage) on three replicas, through ``resihp run``'s assembly: a device that
+    flips a bit of its reduced gradient every iteration from 2 is quarantined after one
+    aborted iteration, its micro-batches run on the two survivors, and the final state
+    and every loss equal one process training the fault-free global batch."""
+    from resihp_core.testing.conformance import _assemble
+
+    from .test_torch_native import MODEL, TOL, as_triples, max_rel_err, reference
+    from .test_torch_native_dp import CONFIG, M, run_job
+
+    victim = 1
+    config = (CONFIG.replace("dp = 4", "dp = 3").replace("devices_per_node = 4", "devices_per_node = 3")
+              + "[adapter]\nshard = 1\n")
+    run, dumps = run_job(tmp_path, ITERATIONS, [{"device": victim, "iteration": FLIP_AT, "kind": "flip",
+                                                 "repeat": True}], checkpoint_every=0, config=config)
+    sdc = [e for e in run.events if e["kind"] == "sdc"]
+    assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT, sdc
+    failures = [e for e in run.events if e["kind"] == "failure"]
+    assert [(f["cause"], f["devices"]) for f in failures] == [("sdc", [victim])], failures
+    assert victim not in run.final_plan.devices() and victim not in dumps
+    ref, losses = reference(ITERATIONS, dp=3, m=M, model=MODEL)
+    assert max_rel_err(as_triples(_assemble(dumps)), ref) <= TOL
+    for i, (rec, want) in enumerate(zip(run.records, losses)):
+        assert abs(rec.loss - want) <= TOL * abs(want), (i, rec.generation, rec.loss, want)
