@@ -105,7 +105,6 @@ def finish(run: ResilientRun, log: RunLog, *, what: str, iterations: int, start:
         log.close(run.events)
         return 0
     log.say(f"{what}: {len(run.records)} iterations committed" + (f" from iteration {start}" if start else "")
-            + f" ({done} of {iterations}); final plan generation "
-            + f"{run.final_plan.generation if run.final_plan else '?'}; run log: {log.path}")
+            + f" ({done} of {iterations}); last plan generation {run.generation}; run log: {log.path}")
     log.close(run.events)
     return 0 if done >= iterations else 1

@@ -114,6 +114,7 @@ class ResilientRun:
     extra: dict = field(default_factory=dict)
     job_error: JobError | None = None  # the job's own error that ended it (docs/errors.md)
     ended: ScriptEnded | None = None  # the user's script returned before the configured end
+    generation: int = -1  # the last plan generation posted (a retry or restore posts one of the same plan)
 
     @property
     def exit_code(self) -> int:
@@ -281,6 +282,7 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
             out.final_plan = ctl.plan
             out.extra["first"] = ctl.first
             out.ended = ctl.ended
+            out.generation = job.generation
     except AttachFailed:
         raise  # nothing was started or changed: the caller restores from a checkpoint instead
     except JobFailed as e:
