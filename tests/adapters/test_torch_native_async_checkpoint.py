@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,7 +51,8 @@ def _write(eng: TorchNativeEngine, writer: AsyncDcpWriter, root: Path, iteration
 
 @pytest.mark.timeout(300)
 def test_background_checkpoint_is_sealed_and_restores_exactly(tmp_path):
-    """The state is copied at submit: steps taken while the write runs do not leak into it."""
+    """Submitting returns before any file is written (training goes on), and the state
+    is copied at submit: a step taken before the write does not leak into it."""
     eng, prog = _engine(0, 1, dist.HashStore())
     writer = AsyncDcpWriter()
     try:
@@ -58,9 +60,12 @@ def test_background_checkpoint_is_sealed_and_restores_exactly(tmp_path):
         for i in range(2):
             eng.run(prog, i)
         want = eng.flat_state()
-        writer.before_write = lambda it: time.sleep(0.5)  # the next step runs during the write
+        release = threading.Event()
+        writer.before_write = lambda it: release.wait(120)  # the file write waits for the test
         _write(eng, writer, tmp_path, 1)
-        eng.run(prog, 2)
+        eng.run(prog, 2)  # the next step runs while the write has not even started
+        assert not checkpoints.verify(tmp_path, 1).complete
+        release.set()
         assert writer.drain(120)
         done = writer.results()
     finally:

@@ -166,7 +166,7 @@ class AsyncDcpWriter:
         self._idle.set()
         self._pending = 0
         self._results: list[CheckpointWrite] = []
-        self._sealers: list[threading.Thread] = []
+        self._sealers: list[tuple[int, threading.Thread]] = []  # (iteration, its sealer), oldest first
         threading.Thread(target=self._run, daemon=True, name="resihp-dcp-writer").start()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -196,14 +196,17 @@ class AsyncDcpWriter:
         return out
 
     def drain(self, timeout: float = 120.0) -> bool:
-        """Wait until every queued write is written and every seal finished or gave up
-        (the job's end: the last checkpoint must be complete before the process goes)."""
+        """Wait until every queued write is written and the newest checkpoint's seal
+        finished or gave up (the job's end: the last checkpoint must be complete before
+        the process goes). An older seal still waiting is for a writer that died in an
+        earlier generation: the job's end does not wait for it."""
         deadline = time.monotonic() + timeout
         if not self._idle.wait(timeout):
             return False
-        for t in list(self._sealers):
+        last = [t for _, t in self._sealers[-1:]]  # the last checkpoint this rank wrote
+        for t in last:
             t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._sealers)
+        return not any(t.is_alive() for t in last)
 
     # ------------------------------------------------------------ the threads
     def _run(self) -> None:
@@ -222,7 +225,7 @@ class AsyncDcpWriter:
             elif job.plan.coordinator:
                 t = threading.Thread(target=self._seal, args=(job, nbytes, t0), daemon=True,
                                      name=f"resihp-dcp-seal-{job.iteration}")
-                self._sealers = [s for s in self._sealers if s.is_alive()] + [t]
+                self._sealers = [(i, s) for i, s in self._sealers if s.is_alive()] + [(job.iteration, t)]
                 t.start()
             with self._lock:
                 self._pending -= 1
