@@ -418,6 +418,12 @@ SOURCES = [
            ("--controller-restart",), "Controller SIGKILLed and restarted with --resume: re-attach and first iteration"),
     Source("false-reports", "false-reports.json", "false_reports.py", ("--runs", "2"),
            "Fail-slow detector on a loaded machine: false reports and misses per case"),
+    Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
+           "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
+           "without checkpoints", quick=True),
+    Source("overhead", "overhead.json", "overhead.py", (),
+           "The cost of being resilient: each adapter vs the stock framework over model sizes, with and without "
+           "checkpoints (every iteration; Young/Daly)"),
     Source("dcp-write-cost", "dcp-write-cost.json", "dcp_write_cost.py", (),
            "One torch_native DCP checkpoint write per rank (DP4): wall and CPU seconds"),
     Source("fault-free-profile-dp4", "fault-free-profile-dp4.json", "fault_free_profile.py",
