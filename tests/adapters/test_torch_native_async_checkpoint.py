@@ -42,19 +42,25 @@ def _engine(device: int, dp: int, store: object) -> tuple[TorchNativeEngine, obj
     return eng, {(p.replica, p.stage): p for p in emit_programs(plan)}[(eng.place.replica, 0)]
 
 
-def _write(eng: TorchNativeEngine, writer: AsyncDcpWriter, root: Path, iteration: int) -> None:
+def _write(eng: TorchNativeEngine, writer: AsyncDcpWriter, root: Path, iteration: int, keep: int = 0) -> None:
     assert writer.wait_idle(120)
     state, plan = eng.stage_checkpoint()
     writer.submit(iteration, str(root), str(checkpoints.iteration_dir(root, iteration) / "dcp"), state, plan,
-                  0, 0.0)
+                  keep, 0.0)
 
 
 @pytest.mark.timeout(300)
 def test_background_checkpoint_is_sealed_and_restores_exactly(tmp_path):
     """Submitting returns before any file is written (training goes on), and the state
-    is copied at submit: a step taken before the write does not leak into it."""
+    is copied at submit: a step taken before the write does not leak into it. A seal
+    that lands after the rank moved to another generation applies no retention."""
+    old = checkpoints.iteration_dir(tmp_path, 0)
+    old.mkdir()
+    (old / "x.bin").write_bytes(b"an older complete checkpoint")
+    checkpoints.seal(tmp_path, 0)
     eng, prog = _engine(0, 1, dist.HashStore())
-    writer = AsyncDcpWriter()
+    generation = [7]  # the rank's generation: not the one the writes were planned in
+    writer = AsyncDcpWriter(generation=lambda: generation[0])
     try:
         eng.start_fresh()
         for i in range(2):
@@ -62,16 +68,22 @@ def test_background_checkpoint_is_sealed_and_restores_exactly(tmp_path):
         want = eng.flat_state()
         release = threading.Event()
         writer.before_write = lambda it: release.wait(120)  # the file write waits for the test
-        _write(eng, writer, tmp_path, 1)
+        _write(eng, writer, tmp_path, 1, keep=1)
         eng.run(prog, 2)  # the next step runs while the write has not even started
         assert not checkpoints.verify(tmp_path, 1).complete
         release.set()
         assert writer.drain(120)
         done = writer.results()
+        assert checkpoints.verify(tmp_path, 0).complete  # a late seal: retention left alone
+        generation[0] = eng.generation
+        _write(eng, writer, tmp_path, 2, keep=2)
+        assert writer.drain(120)
+        done += writer.results()
     finally:
         eng.release()
-    assert [(w.iteration, w.error) for w in done] == [(1, None)] and done[0].bytes > 0
-    assert checkpoints.verify(tmp_path, 1).complete
+    assert [(w.iteration, w.error, w.pruned) for w in done] == [(1, None, ()), (2, None, (0,))]
+    assert done[0].bytes > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter00000001", "iter00000002"]
     assert not list((tmp_path / "iter00000001" / "dcp").glob("written-*"))  # the results files are gone
     eng, _ = _engine(0, 1, dist.HashStore())
     try:

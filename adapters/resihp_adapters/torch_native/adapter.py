@@ -121,7 +121,8 @@ class TorchNativeAdapter(Adapter):
         self.engine.stretch = ctx.faults.stretch
         self.engine.delay_comm = ctx.faults.delay_comm
         self._progress = (0, 0)
-        self._writer = AsyncDcpWriter()  # checkpoints written and sealed in the background
+        # checkpoints written and sealed in the background (.async_checkpoint)
+        self._writer = AsyncDcpWriter(generation=lambda: self.engine.generation)
 
     # ------------------------------------------------------------ placement
     @property

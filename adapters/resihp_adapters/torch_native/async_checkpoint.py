@@ -155,8 +155,13 @@ class AsyncDcpWriter:
     :class:`~resihp_core.protocols.checkpoints.CheckpointWrite` records: a storage
     error of this rank's write, or the coordinator's sealed checkpoint."""
 
-    def __init__(self, *, busy_timeout_s: float = 120.0, seal_timeout_s: float = 120.0) -> None:
+    def __init__(self, *, busy_timeout_s: float = 120.0, seal_timeout_s: float = 120.0,
+                 generation: Callable[[], int] | None = None) -> None:
         self.busy_timeout_s, self.seal_timeout_s = busy_timeout_s, seal_timeout_s
+        #: the rank's current plan generation: a checkpoint of an earlier one that seals
+        #: late does not apply retention (a restore may be loading the checkpoint that
+        #: retention would delete); the next checkpoint of the current one does
+        self.generation = generation
         #: called in the writer thread before a write starts (tests pause a writer here)
         self.before_write: Callable[[int], None] = lambda iteration: None
         self.waited_s = 0.0  # time submit spent waiting for the previous write
@@ -287,7 +292,8 @@ class AsyncDcpWriter:
             files = [f"{rel}/.metadata"] + sorted({f"{rel}/{r.storage_data.relative_path}"
                                                   for rs in results for r in rs})
             checkpoints.seal(job.root, job.iteration, files)
-            pruned = tuple(checkpoints.prune(job.root, job.keep))
+            late = self.generation is not None and self.generation() != p.generation
+            pruned = () if late else tuple(checkpoints.prune(job.root, job.keep))
         except Exception as e:  # noqa: BLE001 - a storage error is reported, never raised
             error, pruned = f"{type(e).__name__}: {e}", ()
         total = sum(r.storage_data.length for rs in results for r in rs) if error is None else nbytes
