@@ -424,6 +424,12 @@ SOURCES = [
     Source("sdc-cost", "sdc-cost.json", "sdc_cost.py", (),
            "SDC fingerprints: a shard's checksum next to an AdamW step of it, and the last executor's "
            "comparison, as shares of a 0.5 s iteration", quick=True),
+    Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
+           "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
+           "without checkpoints", quick=True),
+    Source("overhead", "overhead.json", "overhead.py", (),
+           "The cost of being resilient: each adapter vs the stock framework over model sizes, with and without "
+           "checkpoints (every iteration; Young/Daly)"),
     Source("dcp-write-cost", "dcp-write-cost.json", "dcp_write_cost.py", (),
            "One torch_native DCP checkpoint write per rank (DP4): wall and CPU seconds"),
     Source("fault-free-profile-dp4", "fault-free-profile-dp4.json", "fault_free_profile.py",

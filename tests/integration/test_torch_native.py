@@ -189,7 +189,8 @@ def test_killed_rank_under_hsdp_survivors_repartition_from_memory(tmp_path):
     from resihp_core.checkpoints import iteration_dir
 
     dcp_dir = iteration_dir(tmp_path / "ckpt", 1) / "dcp"
-    assert sorted(p.name for p in dcp_dir.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # one file per writer, named by the generation and the writer's rank
+    assert sorted(p.name for p in dcp_dir.glob("*.distcp")) == ["__g0r0_0.distcp", "__g0r1_0.distcp"]
     eng = load_whole(dcp_dir, 2)
     try:
         ref2, _ = reference(2)

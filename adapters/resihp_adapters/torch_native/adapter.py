@@ -19,7 +19,6 @@ for every adapter: see :mod:`.data`.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
+from resihp_adapters.torch_native.async_checkpoint import AsyncDcpWriter
 from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
 
 if TYPE_CHECKING:
@@ -124,7 +124,8 @@ class TorchNativeAdapter(Adapter):
         if hasattr(ctx.faults, "flip_due"):  # the runtime's injector (tests may lend a stand-in)
             self.engine.flip_due, self.engine.corrupt = ctx.faults.flip_due, ctx.faults.corrupt
         self._progress = (0, 0)
-        self._status: list[CheckpointWrite] = []  # checkpoint writes sealed since the last report
+        # checkpoints written and sealed in the background (.async_checkpoint)
+        self._writer = AsyncDcpWriter(generation=lambda: self.engine.generation)
 
     # ------------------------------------------------------------ placement
     @property
@@ -252,10 +253,10 @@ class TorchNativeAdapter(Adapter):
         return self.engine.flat_state(gather=False)
 
     # ------------------------------------------------------------ checkpoints
-    # The core's layout (docs/checkpoints.md): DCP writes its files into ``dcp/`` inside
-    # the iteration's folder; once every executor has written (DCP's save ends with a
-    # gather to its coordinator), the coordinator seals the manifest and applies
-    # retention, as every adapter does.
+    # The core's layout (docs/checkpoints.md): a DCP folder ``dcp/`` inside the
+    # iteration's folder, written in the background by every checkpoint writer; once all
+    # have written, the coordinator (writer rank 0) writes DCP's metadata, seals the
+    # manifest and applies retention, as every adapter does.
     DCP_FOLDER = "dcp"
 
     def _path(self, iteration: int) -> str:
@@ -265,44 +266,30 @@ class TorchNativeAdapter(Adapter):
             raise ValueError("torch_native checkpoints need job.checkpoint_dir")
         return str(checkpoints.iteration_dir(self.ctx.job.checkpoint_dir, iteration) / self.DCP_FOLDER)
 
-    def _coordinator(self) -> bool:
-        import torch.distributed as dist
-
-        return dist.get_rank(group=self.engine.executors_group) == 0
-
     def save_checkpoint(self, iteration: int) -> None:
-        """DCP, collective over the executors: each writes its own shards; the
-        coordinator then seals the checkpoint. A storage error is reported through
-        :meth:`checkpoint_status`, not raised (a peer that died still raises)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from resihp_core import checkpoints
-
+        """Off the training path: copy this rank's state into host buffers and queue
+        the write (:mod:`.async_checkpoint`); the coordinator seals the checkpoint once
+        every writer's files are written. The training thread waits only for the copy,
+        for the generation's first plan (a collective: a peer that died raises here)
+        and, if the previous write is still running, for that write. A storage error
+        is reported through :meth:`checkpoint_status`, never raised."""
         if self.engine.module is None:
             return  # a standby: not in the executors' group
         t0 = time.perf_counter()
-        error = None
-        try:
-            os.makedirs(self._path(iteration), exist_ok=True)
-            self.engine.save_checkpoint(self._path(iteration))
-        except (OSError, CheckpointException) as e:  # every executor gets DCP's verdict alike
-            error = f"{type(e).__name__}: {e}"
-        if not self._coordinator():
+        if not self._writer.wait_idle():
+            self._writer.give_up(iteration, f"the previous checkpoint write is still running after "
+                                            f"{self._writer.busy_timeout_s:.0f} s")
             return
-        nbytes = 0
-        if error is None:
-            try:
-                nbytes = sum(os.path.getsize(os.path.join(self._path(iteration), f))
-                             for f in os.listdir(self._path(iteration)))
-                checkpoints.seal(self.ctx.job.checkpoint_dir, iteration)
-                checkpoints.prune(self.ctx.job.checkpoint_dir, self.ctx.job.checkpoint_keep)
-            except (OSError, ValueError) as e:
-                error = f"{type(e).__name__}: {e}"
-        self._status.append(CheckpointWrite(iteration, error, nbytes, time.perf_counter() - t0))
+        staged = self.engine.stage_checkpoint()
+        if staged is None:
+            return  # an HSDP copy: replicate index 0 writes the same shards
+        state, plan = staged
+        job = self.ctx.job
+        self._writer.submit(iteration, job.checkpoint_dir, self._path(iteration), state, plan,
+                            job.checkpoint_keep, time.perf_counter() - t0)
 
     def checkpoint_status(self) -> list[CheckpointWrite]:
-        out, self._status = self._status, []
-        return out
+        return self._writer.results()
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """The state after ``iteration``, re-sharded by DCP onto ``plan``'s layout."""
@@ -312,4 +299,7 @@ class TorchNativeAdapter(Adapter):
         self.engine.load_checkpoint(self._path(iteration), iteration + 1)
 
     def close(self) -> None:
+        """The job's end: the queued checkpoint writes finish first (the last
+        checkpoint must be sealed before the process goes)."""
+        self._writer.drain()
         self.engine.release()

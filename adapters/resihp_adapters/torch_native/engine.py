@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from resihp_core.plan import ParallelPlan
 from resihp_core.program import Program
 from resihp_core.runtime.session import join_members, rendezvous_store
+from resihp_adapters.torch_native.async_checkpoint import DcpPlan, Staging, plan_writes
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
@@ -332,6 +333,10 @@ class TorchNativeEngine:
         # (None: the executors' group), by the ranks whose ``writes_checkpoint`` is set.
         self.checkpoint_group = None
         self.writes_checkpoint = True
+        # Checkpoints off the training path (:meth:`stage_checkpoint`, .async_checkpoint):
+        # host buffers reused across checkpoints, and this generation's DCP write plan.
+        self._staging = Staging()
+        self._dcp_plan: DcpPlan | None = None
         self._ties: list[tuple[object, str]] = []  # (group, this stage's name of the tied parameter)
         self.stretch: Callable[[float], float] = lambda seconds: seconds  # fault injection
         self.delay_comm: Callable[[], None] = lambda: None  # fault injection
@@ -374,6 +379,7 @@ class TorchNativeEngine:
         self._copy_plans = {}  # they hold the stage's tensors: nothing may pin the old groups
         self.executors_group = self.checkpoint_group = None
         self.writes_checkpoint = True
+        self._dcp_plan = None  # made over this generation's group: the next one plans again
         self._ties = []
         self._lowered = None
         _unbind_groups(*self._bound)
@@ -1000,6 +1006,25 @@ class TorchNativeEngine:
             return  # an HSDP copy: replicate index 0 holds the same shards and writes them
         group = self.executors_group if self.checkpoint_group is None else self.checkpoint_group
         dcp.save(pack_groups(self._state_dicts()), checkpoint_id=path, process_group=group)
+
+    def stage_checkpoint(self) -> tuple[dict, DcpPlan] | None:
+        """The training thread's part of a checkpoint written in the background
+        (:class:`~.async_checkpoint.AsyncDcpWriter`): this rank's state copied into host
+        staging buffers, and the generation's DCP write plan (made at the first
+        checkpoint of a generation: a collective over the checkpoint writers, as
+        :meth:`save_checkpoint`'s planning is). None on a rank that writes nothing
+        (a standby, an HSDP copy). The buffers are reused: the previous write must
+        have finished."""
+        if self.module is None:
+            return None
+        self._ensure_optimizer_state()
+        if not self.writes_checkpoint:
+            return None
+        staged = self._staging.stage(pack_groups(self._state_dicts()))
+        if self._dcp_plan is None:
+            group = self.executors_group if self.checkpoint_group is None else self.checkpoint_group
+            self._dcp_plan = plan_writes(staged, group, self.generation)
+        return staged, self._dcp_plan
 
     def _ensure_optimizer_state(self) -> None:
         """Optimizers create their state lazily; a checkpoint needs every key present:

@@ -1,0 +1,249 @@
+"""The cost of being resilient: each adapter's fault-free iteration time against the stock
+framework running the same model, data and layout, over model sizes (issue 35).
+
+Jobs (peers.py's, each through ResiHP's production path: agents, controller, detector,
+supervisor, the commit protocol; the stock side under ``torchrun``, peers.py's script):
+
+* ``dp4``    torch_native PP1 x DP4 (HSDP copies)    vs plain DDP;
+* ``pp2dp2`` torch_native PP2 x DP2                  vs stock ``PipelineStage`` + FSDP2;
+* ``tp2pp2`` megatron_ref TP2 x PP2                  vs the same Megatron-style model under
+  torchrun with per-rank checkpoints (peers.py's ``_ref_worker``).
+
+DeepSpeed is not covered here: its stock comparison (``deepspeed.initialize`` +
+``train_batch`` in the same processes) is ``reconfigure.py --adapter deepspeed``.
+
+Model sizes (``SIZES``: hidden 64 .. 1024, 4 layers) are swept so that the stock
+iteration spans from tens of milliseconds to seconds on a 2-core CPU machine; the
+stock iteration time each size reached is in the output, so the span is visible.
+
+Four systems per job and size, run one after the other in an order that rotates every
+round (the machine's drift hits all alike): ``stock``; ``stock+ckpt`` (its own
+checkpoint every iteration: ``torch.save`` for DDP, DCP for the others, synchronous
+as such scripts write them); ``resihp`` (no checkpoints); ``resihp+ckpt`` (a checkpoint
+every iteration). Each run's iteration time is its commit rate after ``WARMUP``
+iterations (peers.summarise). Per round: the overhead ``resihp / stock - 1`` and the
+fixed cost ``resihp - stock`` in ms per iteration; medians over rounds with the
+min-max range. The cost of one checkpoint to the job is ``C = (X+ckpt) - X`` per
+iteration (what the training path loses per checkpoint; for ResiHP's background writes
+that is the copy and the seal's share of CPU, not the write), and at the Young/Daly
+interval ``k = sqrt(2 C MTBF) / iteration`` (``--mtbf-s``, stated in the output) a
+system's time per iteration is ``X + C / k``: the overhead with checkpoints compares
+the two at their own intervals. Each run records the 1-minute load average and the
+CPU that processes outside the benchmark took (``outside_cores``,
+resihp_core.testing.outside_load): judge a few per cent only where both are low.
+
+Usage: python benchmarks/overhead.py [--quick] [--jobs dp4,pp2dp2,tp2pp2] [--sizes xs,s,m,l]
+       [--rounds N] [--iterations N] [--mtbf-s S] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import peers  # noqa: E402
+from benchstats import loadavg, machine  # noqa: E402
+
+#: the model (resihp run's [model] section): 4 layers; heads divide every TP degree used
+SIZES = {
+    "xs": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128},
+    "s": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 256, "ffn_hidden": 1024},
+    "m": {"layers": 4, "hidden": 512, "heads": 8, "vocab": 256, "ffn_hidden": 2048},
+    "l": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 256, "ffn_hidden": 4096},
+}
+SYSTEMS = ("stock", "stock+ckpt", "resihp", "resihp+ckpt")
+JOBS = ("dp4", "pp2dp2", "tp2pp2")
+
+
+def one_run(system: str, job: peers.Job, iterations: int, root: Path, timeout: float) -> dict:
+    """One fault-free run: its iteration time, noise, load and outside CPU."""
+    from resihp_core.testing.outside_load import OutsideLoad
+
+    work = Path(tempfile.mkdtemp(prefix=f"{system.replace('+', '-')}-{job.name}-", dir=root))
+    outside = OutsideLoad()
+    load0 = loadavg()
+    outside.sample()
+    try:
+        if system.startswith("resihp"):
+            run = peers.run_resihp(job, [], iterations, work, timeout, 1 if system.endswith("ckpt") else 0)
+        else:
+            spec = peers.job_spec_json(job, iterations, work)
+            run = peers.run_torchrun("ckpt" if system.endswith("ckpt") else "plain", job, [], iterations, work, spec,
+                                     timeout, 1, 0)
+    except Exception as e:  # noqa: BLE001 - a system that cannot run is a result, reported as such
+        run = peers.Run(system, job.name, "none", ok=False, error=f"{type(e).__name__}: {e}"[:300])
+    outside.sample()
+    s = peers.summarise(run.commits, [], iterations, peers.WARMUP) if run.ok else {}
+    it = s.get("iteration_s", math.nan)
+    return {"system": system, "ok": bool(run.ok and s.get("complete")), "error": run.error,
+            "iteration_s": it, "iteration_rse": s.get("iteration_rse", math.nan), "wall_s": round(run.wall_s, 1),
+            "load": [load0, loadavg()], "outside_cores": round(outside.cores_used(), 3)}
+
+
+def _mr(xs: list[float]) -> dict:
+    """Median and min-max range of the finite values."""
+    v = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    if not v:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def young_daly(plain_s: float, ckpt_s: float, mtbf_s: float) -> tuple[float, int, float]:
+    """``(C, k, time per iteration at k)``: the cost of one checkpoint to the job (the
+    every-iteration run's extra time, >= 0), Young/Daly's interval in iterations and
+    the resulting time per iteration ``plain + C / k``."""
+    c = max(0.0, ckpt_s - plain_s)
+    k = peers.ckpt_interval(max(c, 1e-6), mtbf_s, plain_s)
+    return c, k, plain_s + c / k
+
+
+def figures(runs: list[dict], mtbf_s: float) -> dict:
+    """One job and size: per round (runs grouped by ``round``) the ratios and the fixed
+    cost, then medians with ranges."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in runs:
+        if r["ok"]:
+            by_round.setdefault(r["round"], {})[r["system"]] = r["iteration_s"]
+    over, fixed, over_ck1, over_ck1_own, over_yd, ks, cs = [], [], [], [], [], {"stock": [], "resihp": []}, \
+        {"stock": [], "resihp": []}
+    for sysmap in by_round.values():
+        st, rs = sysmap.get("stock"), sysmap.get("resihp")
+        stc, rsc = sysmap.get("stock+ckpt"), sysmap.get("resihp+ckpt")
+        if st and rs:
+            over.append(100 * (rs / st - 1))
+            fixed.append(1000 * (rs - st))
+        if st and rsc:
+            over_ck1.append(100 * (rsc / st - 1))
+        if stc and rsc:
+            over_ck1_own.append(100 * (rsc / stc - 1))
+        if st and rs and stc and rsc:
+            c_s, k_s, t_s = young_daly(st, stc, mtbf_s)
+            c_r, k_r, t_r = young_daly(rs, rsc, mtbf_s)
+            over_yd.append(100 * (t_r / t_s - 1))
+            ks["stock"].append(k_s)
+            ks["resihp"].append(k_r)
+            cs["stock"].append(1000 * c_s)
+            cs["resihp"].append(1000 * c_r)
+    per_system = {s: _mr([r["iteration_s"] for r in runs if r["system"] == s and r["ok"]]) for s in SYSTEMS}
+    return {
+        "iteration_s": per_system,
+        "overhead_pct": _mr(over),
+        "fixed_ms_per_iteration": _mr(fixed),
+        "overhead_ckpt_every_iteration_vs_stock_pct": _mr(over_ck1),
+        "overhead_ckpt_every_iteration_vs_stock_ckpt_pct": _mr(over_ck1_own),
+        "checkpoint_cost_ms": {s: _mr(v) for s, v in cs.items()},
+        "young_daly_every": {s: _mr(v) for s, v in ks.items()},
+        "overhead_young_daly_pct": _mr(over_yd),
+        "load": [min(x for r in runs for x in (r["load"][0] or [math.nan])[:1]),
+                 max(x for r in runs for x in (r["load"][1] or [math.nan])[:1])],
+        "outside_cores_max": max((r["outside_cores"] for r in runs), default=math.nan),
+        "failed": [f"{r['system']} round {r['round']}: {r['error'][:120]}" for r in runs if not r["ok"]],
+    }
+
+
+def _txt(m: dict, fmt: str = "{:.1f}") -> str:
+    if not m["n"]:
+        return "-"
+    if m["n"] == 1:
+        return fmt.format(m["median"])
+    return f"{fmt.format(m['median'])} [{fmt.format(m['min'])} .. {fmt.format(m['max'])}]"
+
+
+def markdown(rows: list[dict], mtbf_s: float, rounds: int) -> str:
+    lines = [f"Fault-free overhead against the stock framework: medians over {rounds} alternating round(s), "
+             f"[min .. max]; checkpoint interval by Young/Daly for an MTBF of {mtbf_s:.0f} s.", "",
+             "| job | size | stock s/it | overhead % | fixed ms/it | ckpt every it % (vs stock) | "
+             "Young/Daly k (stock, resihp) | overhead at Young/Daly % | load | outside cores |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        f = r["figures"]
+        k = f"{_txt(f['young_daly_every']['stock'], '{:.0f}')}, {_txt(f['young_daly_every']['resihp'], '{:.0f}')}"
+        lines.append(f"| {r['job']} | {r['size']} | {_txt(f['iteration_s']['stock'], '{:.3f}')} | "
+                     f"{_txt(f['overhead_pct'])} | {_txt(f['fixed_ms_per_iteration'])} | "
+                     f"{_txt(f['overhead_ckpt_every_iteration_vs_stock_pct'])} | {k} | "
+                     f"{_txt(f['overhead_young_daly_pct'])} | {f['load'][0]:.1f}-{f['load'][1]:.1f} | "
+                     f"{f['outside_cores_max']:.2f} |")
+    lines += ["", "Targets (issue 35): with iterations >= 0.5 s, overhead <= 3 % without checkpoints and <= 5 % "
+              "with a checkpoint every iteration, on a quiet machine (outside cores near 0)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized: dp4, size xs, 2 rounds, 14 iterations")
+    ap.add_argument("--jobs", help=f"comma-separated of {', '.join(JOBS)} (default all; dp4 with --quick)")
+    ap.add_argument("--sizes", help=f"comma-separated of {', '.join(SIZES)} (default all; xs with --quick)")
+    ap.add_argument("--rounds", type=int, help="alternating rounds (default 5; 2 with --quick)")
+    ap.add_argument("--iterations", type=int, help="iterations per run (default 25; 14 with --quick)")
+    ap.add_argument("--mtbf-s", type=float, default=3600.0, help="the job's MTBF for Young/Daly (default 1 h)")
+    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run counts as stuck")
+    ap.add_argument("--json", help="write every run and figure here")
+    args = ap.parse_args(argv)
+    jobs = (args.jobs or ("dp4" if args.quick else ",".join(JOBS))).split(",")
+    sizes = (args.sizes or ("xs" if args.quick else ",".join(SIZES))).split(",")
+    for name, known in (("--jobs", JOBS), ("--sizes", SIZES)):
+        bad = [x for x in (jobs if name == "--jobs" else sizes) if x not in known]
+        if bad:
+            ap.error(f"{name}: unknown {bad} (known: {', '.join(known)})")
+    rounds = args.rounds or (2 if args.quick else 5)
+    iterations = args.iterations or (14 if args.quick else 25)
+    if iterations <= peers.WARMUP + 2:
+        ap.error(f"--iterations must exceed {peers.WARMUP + 2} (the first {peers.WARMUP} are warm-up)")
+    root = Path(tempfile.mkdtemp(prefix="resihp-overhead-"))
+    t0 = time.time()
+    rows = []
+    for size in sizes:
+        peers.MODEL = dict(SIZES[size])  # resihp_config and the stock scripts' spec read it
+        for jname in jobs:
+            job = peers.JOBS[jname]
+            runs = []
+            for rnd in range(rounds):
+                order = SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)]
+                for system in order:
+                    r = one_run(system, job, iterations, root, args.run_timeout)
+                    r["round"] = rnd
+                    runs.append(r)
+                    print(f"{jname} {size} round {rnd} {system}: "
+                          f"{'%.4f s/it' % r['iteration_s'] if r['ok'] else 'FAILED ' + r['error'][:200]} "
+                          f"(load {r['load'][1][0] if r['load'][1] else '?'}, outside {r['outside_cores']:.2f} cores)",
+                          flush=True)
+            rows.append({"job": jname, "size": size, "layout": job.layout, "adapter": job.adapter,
+                         "model": SIZES[size], "figures": figures(runs, args.mtbf_s), "runs": runs})
+    md = markdown(rows, args.mtbf_s, rounds)
+    print()
+    print(md)
+    failed = [f for r in rows for f in r["figures"]["failed"]]
+    if failed:
+        print("\nfailed runs: " + "; ".join(failed))
+    if args.json:
+        summary = {f"{r['job']}-{r['size']}": {
+            "stock_s": r["figures"]["iteration_s"]["stock"]["median"],
+            "overhead_pct": r["figures"]["overhead_pct"]["median"],
+            "fixed_ms": r["figures"]["fixed_ms_per_iteration"]["median"],
+            "ckpt_every_it_pct": r["figures"]["overhead_ckpt_every_iteration_vs_stock_pct"]["median"],
+            "young_daly_pct": r["figures"]["overhead_young_daly_pct"]["median"]} for r in rows}
+        loads = [x for r in rows for run in r["runs"] for pair in run["load"] if pair for x in pair[:1]]
+        with open(args.json, "w") as f:
+            json.dump({"command": "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
+                       "load": [min(loads), max(loads)] if loads else None,
+                       "outside_cores_max": max((r["figures"]["outside_cores_max"] for r in rows), default=None),
+                       # each run's relative standard error of its commit gaps, median over runs
+                       "noise_iteration_rse": _mr([run["iteration_rse"] for r in rows for run in r["runs"]])["median"],
+                       "quick": args.quick, "rounds": rounds, "iterations": iterations, "mtbf_s": args.mtbf_s,
+                       "machine": machine(), "wall_s": round(time.time() - t0, 1), "summary": summary,
+                       "rows": rows, "markdown": md}, f, indent=1, default=str)
+    ok = all(r["figures"]["overhead_pct"]["n"] for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/overhead.py's figures from runs: per-round pairing, fixed cost, Young/Daly."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import overhead  # noqa: E402
+
+
+def _run(system: str, rnd: int, s: float, ok: bool = True) -> dict:
+    return {"system": system, "round": rnd, "ok": ok, "error": "" if ok else "boom", "iteration_s": s,
+            "load": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], "outside_cores": 0.1 * (rnd + 1)}
+
+
+def test_rounds_are_paired_and_failed_runs_left_out() -> None:
+    times = [{"stock": 1.0, "resihp": 1.02, "stock+ckpt": 1.10, "resihp+ckpt": 1.03},
+             {"stock": 2.0, "resihp": 2.10, "stock+ckpt": 2.20, "resihp+ckpt": 2.12}]
+    runs = [_run(s, r, t) for r, ts in enumerate(times) for s, t in ts.items()]
+    runs.append(_run("resihp", 2, 9.0, ok=False))  # a third round whose ResiHP run failed
+    runs.append(_run("stock", 2, 0.1))
+    f = overhead.figures(runs, mtbf_s=3600.0)
+    over = [100 * (t["resihp"] / t["stock"] - 1) for t in times]  # paired within each round
+    assert f["overhead_pct"]["median"] == pytest.approx(sum(over) / 2)
+    assert (f["overhead_pct"]["min"], f["overhead_pct"]["max"]) == pytest.approx((min(over), max(over)))
+    assert f["overhead_pct"]["n"] == 2
+    fixed = [1000 * (t["resihp"] - t["stock"]) for t in times]
+    assert f["fixed_ms_per_iteration"]["median"] == pytest.approx(sum(fixed) / 2)
+    assert f["failed"] == ["resihp round 2: boom"]
+    assert f["outside_cores_max"] == pytest.approx(0.3)
+    # Young/Daly per system from its own checkpoint cost C = (X+ckpt) - X, per round.
+    def k(plain: float, ckpt: float) -> int:
+        return max(1, round(math.sqrt(2 * (ckpt - plain) * 3600) / plain))
+
+    ks = sorted(k(t["stock"], t["stock+ckpt"]) for t in times)
+    assert [f["young_daly_every"]["stock"][m] for m in ("min", "max")] == ks
+    kr = sorted(k(t["resihp"], t["resihp+ckpt"]) for t in times)
+    assert [f["young_daly_every"]["resihp"][m] for m in ("min", "max")] == kr
+    t = times[0]
+    c_s = t["stock+ckpt"] - t["stock"]
+    k_s = k(t["stock"], t["stock+ckpt"])
+    assert overhead.young_daly(t["stock"], t["stock+ckpt"], 3600.0) == pytest.approx((c_s, k_s, 1.0 + c_s / k_s))
+    yd = []
+    for t in times:
+        ts = t["stock"] + (t["stock+ckpt"] - t["stock"]) / k(t["stock"], t["stock+ckpt"])
+        tr = t["resihp"] + (t["resihp+ckpt"] - t["resihp"]) / k(t["resihp"], t["resihp+ckpt"])
+        yd.append(100 * (tr / ts - 1))
+    assert f["overhead_young_daly_pct"]["median"] == pytest.approx(sum(yd) / 2)
+
+def test_a_checkpoint_that_costs_nothing_is_every_iteration() -> None:
+    # Background writes that cost the iteration nothing measurable (or a negative
+    # difference, noise): C = 0, so Young/Daly says every iteration and adds nothing.
+    assert overhead.young_daly(1.0, 0.99, 3600.0) == (0.0, 1, 1.0)
