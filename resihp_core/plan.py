@@ -239,11 +239,12 @@ class ParallelPlan:
 
     def location(self, device: int) -> tuple[int, int, int] | None:
         """(replica, stage, tp index) of ``device``, or None when it runs nothing."""
-        for r, rep in enumerate(self.tp_groups):
-            for s, g in enumerate(rep):
-                if device in g:
-                    return r, s, g.index(device)
-        return None
+        return self._where.get(device)
+
+    @cached_property
+    def _where(self) -> dict[int, tuple[int, int, int]]:  # built once: asked per device at scale
+        return {d: (r, s, i) for r, rep in enumerate(self.tp_groups)
+                for s, g in enumerate(rep) for i, d in enumerate(g)}
 
     def with_(self, **changes: object) -> ParallelPlan:
         """A copy with fields replaced (validated again)."""
