@@ -140,21 +140,37 @@ def _emulate(spec: dict[str, Any]) -> int:
             plain(msg)
         agent._to_controller = counted  # type: ignore[method-assign]
 
+    def connect_store(node: int, device: int, cred: str) -> CountingStore:
+        """The rank's store connection; a refused handshake is retried (with 64 pending
+        handshakes at most, the store resets the rest when a thousand ranks connect at
+        once: counted in the results)."""
+        end = time.monotonic() + 120
+        while True:
+            try:
+                return CountingStore(spec["store"], cred, worker_store_identity(node, device), timeout_s=120)
+            except Exception:  # noqa: BLE001 - StoreError: reset before the handshake finished
+                with lock:
+                    out["store_connect_retries"] = out.get("store_connect_retries", 0) + 1
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05 + 0.2 * (device % 7) / 7)
+
     def rank_main(node: int, device: int) -> None:
         cred = node_credential(SECRET, node)
         client = WorkerClient(agents[node].worker_address, cred, rank=device, device=device,
                               interval=spec["heartbeat_s"])
         client.identity = f"worker:{device}:{device}:"  # no pid: watched by heartbeat only
         client.start()
-        store = CountingStore(spec["store"], cred, worker_store_identity(node, device), timeout_s=120)
         calls = 0
         rows: list[list[float]] = []
-        g = session.wait_generation(store, -1, 60)
-        msg = session.read_plan(store, g)
-        calls += 3
-        executors = len(msg.devices)
-        i = msg.resume
+        store = None
         try:
+            store = connect_store(node, device, cred)
+            g = session.wait_generation(store, -1, 60)
+            msg = session.read_plan(store, g)
+            calls += 3
+            executors = len(msg.devices)
+            i = msg.resume
             while i < iters and not stop.is_set():
                 time.sleep(it_s)  # the compute
                 if node == lose and i == fault_at:
@@ -201,16 +217,20 @@ def _emulate(spec: dict[str, Any]) -> int:
             with lock:
                 out["ranks"][device] = rows
                 out["store_requests"] += calls
-                out["store_bytes"] += store.sent + store.received
+                if store is not None:
+                    out["store_bytes"] += store.sent + store.received
             client.close(goodbye=node != lose)
-            store.close()
+            if store is not None:
+                store.close()
 
     threads = [threading.Thread(target=rank_main, args=(n, n * RANKS_PER_NODE + k), daemon=True)
                for n in nodes for k in range(RANKS_PER_NODE)]
+    t_end = time.time() + iters * it_s * 3 + 200
     for t in threads:
         t.start()
+        time.sleep(0.002)  # a launcher starts workers one after another, not all in one instant
     for t in threads:
-        t.join(timeout=iters * it_s + 300)
+        t.join(timeout=max(1.0, t_end - time.time()))
     stop.set()
     for n, a in agents.items():
         try:
@@ -285,7 +305,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
     print(f"  {n_ranks} ranks ({n_nodes} nodes, {len(procs)} emulator processes): running "
           f"{iters} iterations of {a.iteration_s:g} s, node {lose} lost at iteration {fault_at}", flush=True)
-    deadline = time.time() + iters * a.iteration_s * 4 + 600
+    deadline = time.time() + iters * a.iteration_s * 3 + 240
     last = -1
     samples: dict[int, tuple[float, float, int]] = {}  # committed -> (t, cpu, controller messages)
     while any(p.poll() is None for p in procs) and time.time() < deadline:
@@ -308,7 +328,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
     lt.stop()
     store.server.close()  # type: ignore[attr-defined]
     ranks: dict[int, list[list[float]]] = {}
-    store_requests = store_bytes = agent_msgs = agent_bytes = 0
+    store_requests = store_bytes = agent_msgs = agent_bytes = retries = 0
     errors: list[str] = []
     t_loss = None
     for k in range(len(procs)):
@@ -320,6 +340,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
         ranks.update({int(x): v for x, v in d["ranks"].items()})
         store_requests += d["store_requests"]
         store_bytes += d["store_bytes"]
+        retries += d.get("store_connect_retries", 0)
         agent_msgs += d["controller_messages"]
         agent_bytes += d["controller_bytes"]
         errors += d["errors"]
@@ -364,6 +385,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
         "agent_messages_per_iteration": round(agent_msgs / max(1, iters), 1),
         "agent_bytes_per_iteration": round(agent_bytes / max(1, iters)),
         "false_failure_reports": spurious,
+        "store_connect_retries": retries,
         "loss_to_report_s": None if t_loss is None or t_report is None else round(t_report - t_loss, 3),
         "report_to_posted_s": None if t_report is None or t_posted is None else round(t_posted - t_report, 3),
         "posted_to_read_by_all_s": (None if t_posted is None or not read_new
