@@ -14,7 +14,8 @@ by its own simulator, than any of these moves:
   it uses no failed device;
 - ``drop-replica``: every replica with a failed or slow device leaves the plan, its
   micro-batches spread round-robin over the other replicas (torchft's replica-group
-  drop, with the global batch kept);
+  drop, with the global batch kept); built from the plan before the stages and from
+  the stages' plan (whose replicas a repair made whole again stay);
 - ``shed-k``: the progressive plan's groups, but each replica with a failed, slow or
   shrunk group keeps only its first ``k`` micro-batches (``k`` = half of them,
   :data:`SHED_FRACTIONS`); the rest run whole (every
@@ -122,6 +123,10 @@ def peer_candidates(before: PlannerState, after: PlannerState) -> list[tuple[str
         add("drop-group", lambda: drop_groups(prev, _unhealthy(before), before.failed))
     hit = _hit_replicas(after, plan)
     if hit and len(hit) < plan.dp:
+        # The stages' plan with its still-hit replicas dropped: after a repair the
+        # stages grow every emptied group back, the repaired replica whole, the others
+        # shrunk; this keeps the first and drops the rest again.
+        add("drop-replica", lambda: drop_replicas(plan, hit, after.failed))
         m = plan.num_microbatches
         for keep in sorted({int(m * f) for f in SHED_FRACTIONS}, reverse=True):
             add(f"shed-{keep}", lambda k=keep: shed_replicas(plan, hit, k))
