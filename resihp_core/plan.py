@@ -83,8 +83,9 @@ class Topology:
             )
         )
 
-    @property
+    @cached_property
     def ids(self) -> frozenset[int]:
+        """Every device id (built once: plans are checked against it many times)."""
         return frozenset(d.id for d in self.devices)
 
     def device(self, device_id: int) -> Device:
@@ -183,6 +184,10 @@ class ParallelPlan:
 
     def devices(self) -> tuple[int, ...]:
         """Every device running work in this plan, in (replica, stage, tp) order."""
+        return self._devices
+
+    @cached_property
+    def _devices(self) -> tuple[int, ...]:  # asked many times per plan by the planner (131k ids)
         return tuple(d for rep in self.tp_groups for g in rep for d in g)
 
     def executors(self) -> Iterator[tuple[int, int]]:
@@ -234,11 +239,12 @@ class ParallelPlan:
 
     def location(self, device: int) -> tuple[int, int, int] | None:
         """(replica, stage, tp index) of ``device``, or None when it runs nothing."""
-        for r, rep in enumerate(self.tp_groups):
-            for s, g in enumerate(rep):
-                if device in g:
-                    return r, s, g.index(device)
-        return None
+        return self._where.get(device)
+
+    @cached_property
+    def _where(self) -> dict[int, tuple[int, int, int]]:  # built once: asked per device at scale
+        return {d: (r, s, i) for r, rep in enumerate(self.tp_groups)
+                for s, g in enumerate(rep) for i, d in enumerate(g)}
 
     def with_(self, **changes: object) -> ParallelPlan:
         """A copy with fields replaced (validated again)."""
@@ -307,7 +313,7 @@ class ParallelPlan:
         if pos != self.num_layers:
             raise PlanError(f"layer ranges end at {pos}, model has {self.num_layers} layers")
         # TP groups: shape, degree, duplicates, exclusions.
-        where: dict[int, str] = {}
+        where: dict[int, tuple[int, int]] = {}  # formatted only for an error (131k devices)
         for r, rep in enumerate(self.tp_groups):
             if len(rep) != self.pp:
                 raise PlanError(f"replica {r}: has {len(rep)} stages, plan has {self.pp}")
@@ -328,14 +334,15 @@ class ParallelPlan:
                         raise PlanError(f"replica {r} stage {s}: negative device id {d}")
                     if d in where:
                         raise PlanError(
-                            f"device {d} is used twice: {where[d]} and replica {r} stage {s}"
+                            f"device {d} is used twice: replica {where[d][0]} stage {where[d][1]} "
+                            f"and replica {r} stage {s}"
                         )
-                    where[d] = f"replica {r} stage {s}"
+                    where[d] = (r, s)
                     if d in self.excluded:
                         raise PlanError(f"replica {r} stage {s}: device {d} is excluded")
         for d in self.standbys:
             if d in where:
-                raise PlanError(f"standby device {d} is also used by {where[d]}")
+                raise PlanError(f"standby device {d} is also used by replica {where[d][0]} stage {where[d][1]}")
             if d in self.excluded:
                 raise PlanError(f"standby device {d} is excluded")
         if len(set(self.standbys)) != len(self.standbys):
@@ -375,6 +382,8 @@ class ParallelPlan:
         """Check against a topology (unknown devices). Structural checks ran at construction."""
         if topology is not None:
             known = topology.ids
+            if known.issuperset(self.devices()) and known.issuperset(self.standbys):
+                return self
             for r, s in self.executors():
                 for d in self.tp_groups[r][s]:
                     if d not in known:

@@ -108,10 +108,12 @@ class IterationPredictor:
         deg = np.ones((pp, dp))
         spd = np.ones((pp, dp))
         node = np.full((pp, dp), -1, dtype=np.int64)
+        slow = {d for d, p in (speeds or {}).items() if p != 1.0}
         for r, s in plan.executors():
             g = plan.group(r, s)
             deg[s, r] = len(g)
-            spd[s, r] = group_speed(g, speeds)
+            if slow and not slow.isdisjoint(g):  # else 1.0 (the common case at scale)
+                spd[s, r] = group_speed(g, speeds)
             node[s, r] = self._node.get(g[0], -1)
         ex = np.broadcast_to(np.arange(dp)[None, :, None], (pp, dp, m)).copy()
         for mig in plan.migrations:
@@ -151,16 +153,7 @@ class IterationPredictor:
                 cf[s][pairs == key] = cache[ck]
         cb = np.zeros((pp, dp, m))
         cb[:-1] = cf[1:]  # gradients travel the same links back
-        # DP reduction per stage over the replicas executing it, at the coarsest shard.
-        red = np.zeros(pp)
-        opt = np.zeros(pp)
-        for s in range(pp):
-            holders = [r for r in range(dp) if plan.group(r, s)]
-            min_deg = min(deg[s, r] for r in holders)
-            shard = self.shape.params_per_layer * layers[s] / min_deg
-            nodes = {node[s, r] for r in holders}
-            red[s] = self.links.allreduce(shard * self.shape.grad_bytes, len(holders), len(nodes) == 1)
-            opt[s] = shard * self.shape.optimizer_s_per_param / min(spd[s, r] for r in holders)
+        red, opt = self._reduce_optimizer(layers, deg, spd, node, plan.tp_groups)
         return {
             "durations": dur,
             "comm_forward": cf,
@@ -168,6 +161,41 @@ class IterationPredictor:
             "reduce_time": red,
             "optimizer_time": opt,
         }
+
+    def _reduce_optimizer(self, layers: np.ndarray, deg: np.ndarray, spd: np.ndarray, node: np.ndarray,
+                          tp_groups: tuple[tuple[tuple[int, ...], ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+        """``[pp]`` DP reduction per stage over the replicas executing it, at the
+        coarsest shard, and the optimizer step at the slowest holder's speed."""
+        pp, dp = deg.shape
+        red = np.zeros(pp)
+        opt = np.zeros(pp)
+        has = np.array([[bool(g) for g in rep] for rep in tp_groups], dtype=bool).T  # [pp, dp]
+        for s in range(pp):
+            holders = has[s]
+            min_deg = float(deg[s][holders].min())
+            shard = self.shape.params_per_layer * layers[s] / min_deg
+            one_node = len(np.unique(node[s][holders])) == 1
+            red[s] = self.links.allreduce(shard * self.shape.grad_bytes, int(holders.sum()), one_node)
+            opt[s] = shard * self.shape.optimizer_s_per_param / float(spd[s][holders].min())
+        return red, opt
+
+    def reduce_optimizer(self, plan: ParallelPlan, speeds: Mapping[int, float] | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """The ``reduce_time`` and ``optimizer_time`` inputs of ``plan`` alone (what
+        couples all replicas; :meth:`inputs` gives the same values)."""
+        pp, dp = plan.pp, plan.dp
+        layers = np.array([plan.layers(s) for s in range(pp)], dtype=float)
+        deg = np.ones((pp, dp))
+        spd = np.ones((pp, dp))
+        node = np.full((pp, dp), -1, dtype=np.int64)
+        slow = {d: p for d, p in (speeds or {}).items() if p != 1.0}
+        for r, s in plan.executors():
+            g = plan.group(r, s)
+            deg[s, r] = len(g)
+            if slow and not slow.keys().isdisjoint(g):
+                spd[s, r] = group_speed(g, slow)
+            node[s, r] = self._node.get(g[0], -1)
+        return self._reduce_optimizer(layers, deg, spd, node, plan.tp_groups)
 
     def predict(
         self,

@@ -99,9 +99,8 @@ def _order_matrix(
     for r, s in execs:
         if orders is not None:
             seq = orders[(r, s)]
-            row = np.fromiter(
-                (_vid(k, s, o, j, pp, dp, m) for k, o, j in seq), dtype=np.int64, count=len(seq)
-            )
+            kom = np.asarray(seq, dtype=np.int64).reshape(-1, 3)  # (kind, owner, mb) rows
+            row = ((kom[:, 0] * pp + s) * dp + kom[:, 1]) * m + kom[:, 2]  # _vid, vectorised
         else:
             if (r, s) in moved_out or (r, s) in moved_in:
                 work = plan.work(r, s)

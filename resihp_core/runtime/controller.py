@@ -199,6 +199,7 @@ class Controller:
         self.node_devices: dict[int, frozenset[int]] | None = (
             None if node_devices is None else {int(n): frozenset(ds) for n, ds in node_devices.items()})
         self.rejected = 0  # messages dropped because they spoke about another node's devices
+        self.malformed = 0  # agent connections closed for a frame that is not a valid message
         self._gate = PreAuthGate("controller", max_pending_handshakes)
         self.incarnation = incarnation
 
@@ -414,6 +415,9 @@ class Controller:
             why = await self._agent_messages(view, reader)
         except (ProtocolError, ConnectionError, OSError) as e:
             why = f"connection error: {e!r}"
+            if isinstance(e, ProtocolError) and node is not None:
+                self.malformed += 1
+                logger.warning("event=malformed_message node=%d error=%r", node, str(e))
         except asyncio.CancelledError:
             why = ""
             raise
@@ -454,6 +458,7 @@ class Controller:
                 if msg.node != view.node:
                     logger.warning("event=identity_violation node=%d claimed_node=%d message=WorkerProcess",
                                    view.node, msg.node)
+                    self.rejected += 1
                     continue
                 if self._foreign(view, msg, [msg.device]):
                     continue
@@ -470,6 +475,7 @@ class Controller:
             elif isinstance(msg, NodeRejoin):
                 if msg.node != view.node:
                     logger.warning("controller: agent of node %d offered node %d", view.node, msg.node)
+                    self.rejected += 1
                     continue
                 self._offer(view, msg.devices)
             elif isinstance(msg, Ack) and msg.what == BYE:
@@ -523,6 +529,7 @@ class Controller:
     def _on_state(self, view: NodeView, state: AgentState) -> None:
         if state.node != view.node:
             logger.warning("controller: agent of node %d sent a state for node %d", view.node, state.node)
+            self.rejected += 1
             return
         view.state = state
         view.environment = state.environment

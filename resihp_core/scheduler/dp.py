@@ -55,11 +55,14 @@ def _max_items(state: PlannerState, plan: ParallelPlan) -> np.ndarray:
     mem = state.memory
     if not (mem.layer_activation_gib or mem.layer_state_gib or mem.reserve_gib):
         return out
+    seen: dict[tuple[float, int, int], int] = {}  # (capacity, degree, stage): one model call each
     for r, s in plan.executors():
         g = plan.group(r, s)
-        out[s, r] = mem.max_items(
-            state.min_capacity(g), plan.layers(s), len(g), plan.schedule, s, plan.pp
-        )
+        k = (state.min_capacity(g), len(g), s)
+        v = seen.get(k)
+        if v is None:
+            v = seen[k] = mem.max_items(k[0], plan.layers(s), k[1], plan.schedule, s, plan.pp)
+        out[s, r] = v
     return out
 
 

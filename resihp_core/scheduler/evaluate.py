@@ -33,11 +33,59 @@ from typing import Mapping
 
 import numpy as np
 
-from resihp_core.plan import ParallelPlan
+from resihp_core.plan import Migration, ParallelPlan
 from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.predictor.simulator import SimResult, simulate
 
-__all__ = ["Evaluator", "ItemCost", "Features"]
+__all__ = ["BY_PARTS_ABOVE", "Evaluator", "ItemCost", "Features"]
+
+#: :meth:`Evaluator.time` times plans with more (stage, replica, micro-batch) items than
+#: this by parts (:meth:`Evaluator.time_by_parts`): TP8 PP16 DP32 with 64 micro-batches
+#: and larger.
+BY_PARTS_ABOVE = 1 << 15
+
+
+class _ReplicaStore:
+    """Per-replica stage finishes of untouched replicas (see
+    :meth:`Evaluator.time_by_parts`), for one predictor and workload; bounded."""
+
+    LIMIT = 1 << 17
+
+    def __init__(self, features: Features) -> None:
+        self.features = features  # keeps the arrays (and so their ids) alive
+        self._d: dict[tuple, np.ndarray] = {}
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        return self._d.get(key)
+
+    def put(self, key: tuple, value: np.ndarray) -> None:
+        if len(self._d) >= self.LIMIT:
+            self._d.clear()
+        self._d[key] = value
+
+
+def _replica_store(predictor: IterationPredictor, features: Features) -> _ReplicaStore:
+    """The store shared by every evaluator of ``predictor`` on these very arrays."""
+    stores: dict[tuple[int, int], _ReplicaStore] = predictor.__dict__.setdefault("_replica_stores", {})
+    key = (id(features[0]), id(features[1]))
+    st = stores.get(key)
+    if st is None or st.features[0] is not features[0] or st.features[1] is not features[1]:
+        if len(stores) > 16:
+            stores.clear()
+        st = stores[key] = _ReplicaStore(features)
+    return st
+
+
+def _sub_plan(plan: ParallelPlan, keep: list[int], features: Features) -> tuple[ParallelPlan, Features]:
+    """``plan`` restricted to replicas ``keep`` (ascending; every migration's owner and
+    destination among them), renumbered in order, with their workload rows."""
+    idx = {r: i for i, r in enumerate(keep)}
+    sub = plan.with_(
+        tp_groups=tuple(plan.tp_groups[r] for r in keep),
+        migrations=tuple(Migration(mg.stage, idx[mg.replica], mg.mb, idx[mg.to]) for mg in plan.migrations),
+        standbys=(), excluded=frozenset())
+    rows = np.asarray(keep)
+    return sub, (features[0][rows], features[1][rows])
 
 #: Workload features of one iteration: ``[dp, m]`` tokens N and Σ l² per micro-batch.
 Features = tuple[np.ndarray, np.ndarray]
@@ -115,12 +163,17 @@ class Evaluator:
         self._cache: OrderedDict[tuple, SimResult] = OrderedDict()
         self._cache_size = cache_size
         self._items: dict[tuple, ItemCost] = {}
+        self._parts_cache: dict[tuple, float] = {}
+        self._red_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self.simulations = 0  # simulations actually run (cache misses)
 
     # ------------------------------------------------------------------ inputs
     def inputs(self, plan: ParallelPlan) -> dict[str, np.ndarray]:
         """The simulator's inputs for ``plan`` (see the module docstring)."""
-        inp = self.predictor.inputs(plan, self.features, self.speeds)
+        return self._inputs(plan, self.features)
+
+    def _inputs(self, plan: ParallelPlan, features: Features) -> dict[str, np.ndarray]:
+        inp = self.predictor.inputs(plan, features, self.speeds)
         if not self.link_speeds:
             return inp
         pp, dp, m = plan.pp, plan.dp, plan.num_microbatches
@@ -179,8 +232,102 @@ class Evaluator:
         return res
 
     def time(self, plan: ParallelPlan) -> float:
-        """Simulated iteration time of ``plan`` in seconds."""
+        """Simulated iteration time of ``plan`` in seconds.
+
+        Plans above :data:`BY_PARTS_ABOVE` items are timed by parts
+        (:meth:`time_by_parts`, the same number): on 131,072 devices one whole
+        simulation takes seconds, and the planner compares several plans per report."""
+        key = (plan.schedule, plan.num_microbatches, plan.layer_ranges, plan.tp_groups,
+               plan.migrations)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit.iteration_time
+        if plan.pp * plan.dp * plan.num_microbatches > BY_PARTS_ABOVE and plan.dp > 1:
+            return self.time_by_parts(plan)
         return self.simulate(plan).iteration_time
+
+    def time_by_parts(self, plan: ParallelPlan) -> float:
+        """Iteration time of ``plan``, equal to :meth:`simulate`'s, from the parts that
+        changed.
+
+        Why it is the same number: a replica that no migration touches (none of its
+        micro-batches runs elsewhere, it runs no one else's) is a pipeline of its own;
+        replicas meet only in the DP reduction and optimizer step that follow every
+        stage. So the iteration is ``max_s(stage_done[s] + reduce[s] + optimizer[s])``
+        where ``stage_done[s]`` is the latest finish at stage ``s`` over all replicas,
+        and an untouched replica's finishes depend only on its own groups, devices'
+        health, workload row, layer ranges and schedule. Those are kept per replica
+        (shared by every evaluator of the same predictor and workload); only touched
+        replicas and replicas never seen are simulated, together."""
+        key = (plan.schedule, plan.num_microbatches, plan.layer_ranges, plan.tp_groups,
+               plan.migrations)
+        hit = self._parts_cache.get(key)
+        if hit is not None:
+            return hit
+        pp, dp, m = plan.pp, plan.dp, plan.num_microbatches
+        touched = {mg.replica for mg in plan.migrations} | {mg.to for mg in plan.migrations}
+        store = _replica_store(self.predictor, self.features)
+        slow = set(self.speeds) | set(self.link_speeds)
+        shape_key = (plan.schedule, m, plan.layer_ranges)
+        done = np.zeros(pp)
+        need: list[int] = []
+        new_keys: dict[int, tuple] = {}
+        for r in range(dp):
+            if r in touched:
+                need.append(r)
+                continue
+            rep = plan.tp_groups[r]
+            health: tuple = ()
+            if slow:
+                health = tuple((d, self.speeds.get(d, 1.0), self.link_speeds.get(d, 1.0))
+                               for g in rep for d in g if d in slow)
+            k = (shape_key, r, rep, health)
+            v = store.get(k)
+            if v is None:
+                need.append(r)
+                new_keys[r] = k
+            else:
+                np.maximum(done, v, out=done)
+        if need:
+            sub, feats = _sub_plan(plan, need, self.features)
+            res = simulate(sub, **self._inputs(sub, feats))
+            self.simulations += 1
+            with np.errstate(invalid="ignore"):
+                per = np.nan_to_num(np.nanmax(res.finish, axis=(0, 3), initial=0.0))  # [pp, sub dp]
+            np.maximum(done, per.max(axis=1), out=done)
+            for i, r in enumerate(need):
+                k = new_keys.get(r)
+                if k is not None:
+                    store.put(k, per[:, i].copy())
+        red, opt = self._reduce_optimizer(plan)
+        t = float(np.max(done + red + opt))
+        self._parts_cache[key] = t
+        if len(self._parts_cache) > 4 * self._cache_size:
+            self._parts_cache.pop(next(iter(self._parts_cache)))
+        return t
+
+    def _reduce_optimizer(self, plan: ParallelPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Per-stage DP reduction (slowed by the slowest holder's links, as
+        :meth:`inputs`) and optimizer step of the whole plan."""
+        key = (plan.tp_groups, plan.layer_ranges)
+        hit = self._red_cache.get(key)
+        if hit is not None:
+            return hit
+        red, opt = self.predictor.reduce_optimizer(plan, self.speeds)
+        if len(self._red_cache) >= 8:
+            self._red_cache.pop(next(iter(self._red_cache)))
+        self._red_cache[key] = self._with_links(plan, red), opt
+        return self._red_cache[key]
+
+    def _with_links(self, plan: ParallelPlan, red: np.ndarray) -> np.ndarray:
+        if self.link_speeds:
+            red = red.copy()
+            for s in range(plan.pp):
+                worst = min((_group_min(plan.group(r, s), self.link_speeds)
+                             for r in range(plan.dp) if plan.group(r, s)), default=1.0)
+                red[s] /= worst
+        return red
 
     # ------------------------------------------------------------- item cost
     def item_cost(self, plan: ParallelPlan) -> ItemCost:

@@ -9,6 +9,12 @@ against the topology, uses no failed device, and needs nothing the active adapte
 :class:`~resihp_core.adapter.Capabilities` lack (a stage that breaks this is named in
 the error).
 
+After the stages, each peer system's move on the same report (drop the hit replica,
+shed its micro-batches, drop the hit groups, keep the plan, migration or repartition
+alone: :mod:`.candidates`) is judged by the same evaluator, and the fastest plan is
+kept (the stages' plan on ties): the planner's plan is never predicted slower than a
+peer's.
+
 Escalation:
 
 - a TP group with no feasible degree is emptied and its work migrates to its DP peers
@@ -40,6 +46,7 @@ from resihp_core.plugins import AdaptationStage, Plugins, get_plugins
 from resihp_core.predictor.schedules import emit_programs
 from resihp_core.program import Program
 from resihp_core.protocol import FailureReport
+from resihp_core.scheduler.candidates import peer_candidates
 from resihp_core.scheduler.dp import dp_stage
 from resihp_core.scheduler.evaluate import Evaluator, Features
 from resihp_core.scheduler.pp import pp_stage
@@ -275,6 +282,8 @@ class Planner:
     :param capabilities: what the active adapter can execute; plans never need more.
         Default: the state's own.
     :param plugins: the plugin facade to read stages from (default: the process-wide one).
+    :param peer_moves: after the stages, also judge every peer system's move
+        (:mod:`.candidates`) and keep the fastest plan; False runs the stages alone.
     """
 
     def __init__(
@@ -283,6 +292,7 @@ class Planner:
         capabilities: Capabilities | None = None,
         *,
         plugins: Plugins | None = None,
+        peer_moves: bool = True,
     ) -> None:
         if stages is None:
             stages = (plugins or get_plugins()).adaptation_stages().ordered()
@@ -294,6 +304,7 @@ class Planner:
             for i, s in enumerate(stages)
         )
         self.capabilities = capabilities
+        self.peer_moves = peer_moves
 
     # ------------------------------------------------------------- public
     def plan(self, state: PlannerState, report: FailureReport | None = None) -> PlanDecision:
@@ -311,7 +322,9 @@ class Planner:
         timings: dict[str, float] = {}
         kind: Literal["continue", "restore"] = "continue"
         try:
+            before = state
             state = self._run(state, timings)
+            state = self._best_of(before, state, timings)
         except RestoreRequired as e:
             state = self._restore(state, str(e), timings)
             kind = "restore"
@@ -339,7 +352,8 @@ class Planner:
         state = replace(state, plan=plan, previous=previous, notes=())
         what = "rejoin device " + ",".join(map(str, sorted(devices)))
         timings: dict[str, float] = {}
-        state = self._run(state, timings)
+        before = state
+        state = self._best_of(before, self._run(state, timings), timings)
         decision = self._decide(state, previous, "continue", what, timings, t_start)
         back = self._scale_back_up(state, previous, decision, what, t_start)
         return back or decision
@@ -369,6 +383,33 @@ class Planner:
             state = out
         return state
 
+    def _best_of(self, before: PlannerState, after: PlannerState, timings: dict[str, float]) -> PlannerState:
+        """``after`` (the stages' result), or the peer move (:mod:`.candidates`) that the
+        evaluator predicts faster; candidates that fail the planner's checks are skipped."""
+        if not self.peer_moves:
+            return after
+        t0 = time.perf_counter()
+        ev = after.evaluator
+        best_t = ev.time(after.plan)
+        t_stages = best_t
+        best: tuple[str, ParallelPlan] | None = None
+        timed = sorted(((ev.time(c), i, n, c) for i, (n, c) in enumerate(peer_candidates(before, after))),
+                       key=lambda x: (x[0], x[1]))
+        for t, _, name, cand in timed:  # checks cost O(devices): only until one passes
+            if not t < best_t * (1 - 1e-9):
+                break
+            try:
+                self._check(name, replace(after, plan=cand), before.previous)
+            except PlannerError:
+                continue
+            best, best_t = (name, cand), t
+            break
+        timings["peers"] = time.perf_counter() - t0
+        if best is None:
+            return after
+        return after.with_plan(best[1], f"peers: {best[0]} beats the stages' plan "
+                                        f"({t_stages:.4g}s -> {best_t:.4g}s)")
+
     @staticmethod
     def _check(name: str, state: PlannerState, previous: ParallelPlan | None) -> None:
         plan = state.plan
@@ -376,7 +417,7 @@ class Planner:
             plan.validate(state.topology)
         except PlanError as e:
             raise PlannerError(f"stage {name!r} produced an invalid plan: {e}") from e
-        bad = sorted(d for d in plan.devices() if d in state.failed)
+        bad = sorted(state.failed.intersection(plan.devices()))
         if bad:
             raise PlannerError(f"stage {name!r} placed work on failed device(s) {bad}")
         why = state.capabilities.violations(plan, previous)

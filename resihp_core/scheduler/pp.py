@@ -44,7 +44,11 @@ from resihp_core.plan import ParallelPlan, ranges_from_counts
 from resihp_core.scheduler.dp import SCREEN_GAIN, balance_with_gain
 from resihp_core.scheduler.state import PlannerState
 
-__all__ = ["minmax_counts", "pp_stage", "stage_weights", "layer_limits"]
+__all__ = ["HUGE_ITEMS", "minmax_counts", "pp_stage", "stage_weights", "layer_limits"]
+
+#: Above this many (replica, stage, micro-batch) items (TP8 PP16 DP256 with 64
+#: micro-batches: 32,768 GPUs), lean effort does not search layer partitions.
+HUGE_ITEMS = 1 << 18
 
 _EPS = 1e-12
 
@@ -99,14 +103,21 @@ def stage_weights(state: PlannerState, plan: ParallelPlan) -> tuple[np.ndarray, 
 def layer_limits(state: PlannerState, plan: ParallelPlan) -> list[int]:
     """Most layers each stage can hold within every one of its groups' memory."""
     out = []
+    seen: dict[tuple[float, int, int], int] = {}  # (capacity, degree, items): one model call each
+    gone, into = plan._moves_by_executor
+    m = plan.num_microbatches
     for s in range(plan.pp):
         lim = plan.num_layers
         for r in range(plan.dp):
             g = plan.group(r, s)
             if g:
-                n = max(plan.num_microbatches, len(plan.work(r, s)))
-                lim = min(lim, state.memory.max_layers(
-                    state.min_capacity(g), len(g), state.inflight_cap(s, n)))
+                # len(plan.work(r, s)), without building the list
+                n = max(m, m - len(gone.get((r, s), ())) + len(into.get((r, s), ())))
+                k = (state.min_capacity(g), len(g), state.inflight_cap(s, n))
+                v = seen.get(k)
+                if v is None:
+                    v = seen[k] = state.memory.max_layers(*k)
+                lim = min(lim, v)
         out.append(lim)
     return out
 
@@ -190,6 +201,12 @@ def pp_stage(
                 shortlist.append(c)
     if not shortlist:
         return state.with_plan(plan, f"pp: keep layers {current}")
+    if not thorough and dp_aware and plan.dp * plan.pp * m > HUGE_ITEMS:
+        # A repartition changes every replica's pipeline (each candidate is a whole
+        # simulation: seconds here), to relieve the few hit ones; with this many
+        # replicas the planner's peer moves relieve them at about 1/dp of a step.
+        return state.with_plan(plan, f"pp: keep layers {current} (not searched above "
+                                     f"{HUGE_ITEMS} items with lean effort)")
     ev = state.evaluator
     plans = {c: plan.with_(layer_ranges=ranges_from_counts(c)) for c in shortlist}
     plain = {c: ev.time(p) for c, p in plans.items()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Mapping
 
 import numpy as np
@@ -60,6 +61,22 @@ def inflight(schedule: ScheduleKind, stage: int, pp: int, n_items: int) -> int:
 
 
 _LOOKUPS: dict[int, tuple[Topology, dict[int, int], dict[int, float]]] = {}
+
+
+_UNIFORM: dict[int, tuple[Topology, float | None]] = {}
+
+
+def uniform_capacity(topology: Topology) -> float | None:
+    """The one memory size of every device of ``topology``, or None when they differ
+    (then a group's capacity is its smallest member's); computed once."""
+    hit = _UNIFORM.get(id(topology))
+    if hit is None or hit[0] is not topology:
+        if len(_UNIFORM) > 16:
+            _UNIFORM.clear()
+        sizes = set(_lookup(topology)[1].values())
+        hit = (topology, next(iter(sizes)) if len(sizes) == 1 else None)
+        _UNIFORM[id(topology)] = hit
+    return hit[1]
 
 
 def _lookup(topology: Topology) -> tuple[dict[int, int], dict[int, float]]:
@@ -312,10 +329,18 @@ class PlannerState:
         total = compute + tp + p2p
         return (tp + p2p) / total if total > 0 else 0.0
 
+    @cached_property
+    def _impaired(self) -> frozenset[int]:
+        """Devices whose throughput may differ from 1 (failed, or listed with a speed)."""
+        return self.failed | frozenset(self.speeds) | frozenset(self.link_speeds)
+
     def group_throughput(self, group: tuple[int, ...]) -> float:
         """``k * min p_i`` of a TP group (0 for an empty one)."""
         if not group:
             return 0.0
+        imp = self._impaired
+        if not any(d in imp for d in group):  # the common case at scale: every p_i is 1
+            return float(len(group))
         return len(group) * min(self.throughput(d) for d in group)
 
     def nominal_degree(self, replica: int, stage: int) -> int:
@@ -326,6 +351,9 @@ class PlannerState:
         return inflight(self.plan.schedule, stage, self.plan.pp, n)
 
     def min_capacity(self, group: tuple[int, ...]) -> float:
+        u = uniform_capacity(self.topology)
+        if u is not None and group:
+            return u
         mem = _lookup(self.topology)[1]
         return min(mem[d] for d in group)
 
@@ -351,10 +379,14 @@ class PlannerState:
             n_work[(mig.replica, mig.stage)] = n_work.get((mig.replica, mig.stage), 0) - 1
             n_work[(mig.to, mig.stage)] = n_work.get((mig.to, mig.stage), 0) + 1
         out = []
+        needs: dict[tuple[int, int, int], float] = {}  # (stage, degree, items): one model call each
         for r, s in plan.executors():
             g = plan.group(r, s)
             n = plan.num_microbatches + n_work.get((r, s), 0)
-            need = mem.device_gib(plan.layers(s), len(g), inflight(plan.schedule, s, plan.pp, n))
+            k = (s, len(g), n)
+            need = needs.get(k)
+            if need is None:
+                need = needs[k] = mem.device_gib(plan.layers(s), len(g), inflight(plan.schedule, s, plan.pp, n))
             cap = self.min_capacity(g)
             if need > cap * (1 + 1e-12):
                 out.append(f"replica {r} stage {s}: needs {need:.1f} GiB per device "

@@ -21,8 +21,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", metavar="SCENARIO",
                    help="scenario name (stop-2h, stop-1h, stop-30m, slow-weak, slow-medium, slow-strong, "
                         "mixed, none) or a trace file to replay")
-    p.add_argument("--devices", type=int, choices=[16, 32, 64, 256],
-                   help="a docs/design.md §7 job (16: LLaMA-2 7B, 32: 13B, 64: 30B, 256: 70B); default 16")
+    p.add_argument("--devices", type=int, choices=[16, 32, 64, 256, 16384, 131072],
+                   help="a docs/design.md §7 job (16: LLaMA-2 7B, 32: 13B, 64: 30B, 256: 70B; 16384: 70B "
+                        "TP8 PP16 DP128, 131072: 70B TP8 PP16 DP1024, 64 micro-batches); default 16")
     p.add_argument("--model", help="model name (overrides --devices' model)")
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)

@@ -102,6 +102,8 @@ STANDARD_JOBS: dict[int, JobSpec] = {
     32: JobSpec("llama2-13b", 4, 4, 2, 16),
     64: JobSpec("llama-30b", 4, 8, 2, 32),
     256: JobSpec("llama2-70b", 4, 16, 4, 64),
+    16384: JobSpec("llama2-70b", 8, 16, 128, 64),
+    131072: JobSpec("llama2-70b", 8, 16, 1024, 64),
 }
 
 
@@ -114,9 +116,11 @@ class Costs:
     - ``heartbeat_detect_s``: fail-stop detection, heartbeat interval x missed beats of
       :class:`~resihp_core.config.DetectorConfig` (0.1 s x 3), rounded up to 1 s for a
       remote node agent.
-    - ``planning_s``: the progressive planner's measured latency
-      (``benchmarks/scheduler.py``: ~0.1 s at 256 devices, <= 2 s at 16,384); scaled
-      linearly in devices between those points by :meth:`planning`.
+    - ``planning_s``, ``planning_16k_s``, ``planning_128k_s``: the planner's measured
+      latency (``benchmarks/scheduler.py``, the stages and the peer moves: ~0.1 s at 256
+      devices; at 16,384 0.2 s of CPU, 0.4-0.9 s wall on a loaded 2-core machine; at
+      131,072 0.8-0.9 s of CPU), rounded up; scaled linearly in devices between those
+      points by :meth:`planning`.
     - ``rebuild_s``: communicator rebuild of one plan generation (NCCL communicator
       init at scale is seconds; gloo here takes ~1 s: ENVIRONMENT notes).
     - ``state_bandwidth``: bytes/s one device receives when layers move between
@@ -135,7 +139,8 @@ class Costs:
 
     heartbeat_detect_s: float = 1.0
     planning_s: float = 0.1
-    planning_16k_s: float = 2.0
+    planning_16k_s: float = 0.5
+    planning_128k_s: float = 1.0
     rebuild_s: float = 5.0
     state_bandwidth: float = 25e9
     restart_s: float = 120.0
@@ -157,8 +162,11 @@ class Costs:
         """Planning seconds for a job of ``devices`` devices (see the class docs)."""
         if devices <= 256:
             return self.planning_s
-        frac = min(1.0, (devices - 256) / (16384 - 256))
-        return self.planning_s + frac * (self.planning_16k_s - self.planning_s)
+        if devices <= 16384:
+            frac = (devices - 256) / (16384 - 256)
+            return self.planning_s + frac * (self.planning_16k_s - self.planning_s)
+        frac = min(1.0, (devices - 16384) / (131072 - 16384))
+        return self.planning_16k_s + frac * (self.planning_128k_s - self.planning_16k_s)
 
     def to_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,449 @@
+"""The control plane at N ranks: the real controller, job store and session code, with
+emulated nodes speaking the real wire protocol over loopback (issue 34, item 1).
+
+Why: every other figure of the project comes from 4 to 8 worker processes; the jobs it
+is for have thousands. What the controller and the job store cost per iteration at N
+ranks decides whether the control plane stays off the critical path.
+
+What is real and what is emulated:
+
+- the main process runs the real :class:`~resihp_core.runtime.controller.Controller`
+  (with its default fail-slow detector) and the real job store
+  (:func:`resihp_core.runtime.session.host`: the authenticated store server) and posts
+  plans through the real :class:`~resihp_core.runtime.session.JobSession`; on a
+  failure report it aborts the generation and posts the next plan without the lost
+  node, as the supervisor does;
+- a few emulator processes each run real :class:`~resihp_core.runtime.agent.NodeAgent`
+  s (one per node of 8 ranks, each with its authenticated connection to the
+  controller) and, per rank, a real :class:`~resihp_core.runtime.heartbeat.WorkerClient`
+  (heartbeats and profiles to its agent) and a real store client, driven by a thread
+  that runs the worker's per-iteration control logic around a sleep standing for the
+  compute: beat, profile, ``put_report``, ``commit`` (the counter ``add`` and the
+  blocking verdict read), then the plan check (``latest_generation``, and
+  ``read_plan`` when a new generation is posted). The emulated ranks' identities carry
+  no pid, so the agents watch them by heartbeat only.
+
+Measured per N (JSON and a table): commit latency p50 / p99 (the last rank's counter
+``add`` to the verdict seen by every rank, per iteration); the main process's CPU
+(controller + store, all threads) per iteration and its peak memory; messages the
+controller received and store requests served per iteration, and the bytes of both
+(counted on the emulated side: each agent's messages to the controller, each rank's
+store requests and replies); and for a node lost at iteration ``--fault-at`` (its agent's connection aborted): node loss to
+failure report, report to plan posted, and plan posted to plan read by every surviving
+rank. Not measured here (reported as such): a silent node (partition), one slow rank's
+profiles, a controller restart.
+
+    python benchmarks/control_scale.py [--quick] [--ranks 1024,4096,16384] [--iteration-s 1.0]
+        [--iterations N] [--procs P] [--json PATH]
+
+``--quick`` runs 1,024 ranks for a few iterations. Goals (issue 34, at 16,384 ranks with
+1 s iterations): commit overhead p99 <= 5 ms, controller + store <= 1 core, node loss
+to plan read by every node <= 2 s; the table says which are met at each N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from resihp_core.config import DetectorConfig  # noqa: E402
+from resihp_core.protocol import (  # noqa: E402
+    FailureReport,
+    IterationProfile,
+    IterationReport,
+    MicroBatchProfile,
+    node_credential,
+)
+
+SECRET = "control-scale-bench-secret"
+RANKS_PER_NODE = 8
+GOAL_COMMIT_P99_MS = 5.0
+GOAL_CORES = 1.0
+GOAL_LOSS_TO_READ_S = 2.0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1,024 ranks, a few iterations")
+    ap.add_argument("--ranks", help="comma-separated rank counts (multiples of 8; default 1024,4096,16384)")
+    ap.add_argument("--iteration-s", type=float, default=1.0, help="compute time per iteration (default 1 s)")
+    ap.add_argument("--iterations", type=int, help="iterations per run (default 8)")
+    ap.add_argument("--fault-at", type=int, help="iteration at which one node is lost (default iterations - 3)")
+    ap.add_argument("--procs", type=int, default=4, help="emulator processes (default 4)")
+    ap.add_argument("--heartbeat-s", type=float, default=1.0,
+                    help="heartbeat interval of ranks and agents (default 1 s: at the shipped 0.1 s the "
+                         "emulators' thousands of threads on a shared 2-core machine miss beats, and every "
+                         "missed beat is a false fail-stop)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--emulate", help=argparse.SUPPRESS)  # internal: an emulator process's spec (JSON)
+    return ap.parse_args(argv)
+
+
+# ------------------------------------------------------------------ emulator process
+def _emulate(spec: dict[str, Any]) -> int:
+    """Run nodes ``spec['nodes']``: a real NodeAgent each and 8 emulated ranks."""
+    from resihp_core.runtime import session
+    from resihp_core.runtime.agent import NodeAgent
+    from resihp_core.runtime.heartbeat import WorkerClient
+    from resihp_core.runtime.loop import LoopThread
+    from resihp_core.runtime.store import StoreClient, worker_store_identity
+
+    cfg = DetectorConfig(heartbeat_interval_s=spec["heartbeat_s"])
+    nodes: list[int] = spec["nodes"]
+    iters, it_s, fault_at, lose = spec["iterations"], spec["iteration_s"], spec["fault_at"], spec["lose_node"]
+    out: dict[str, Any] = {"ranks": {}, "store_requests": 0, "store_bytes": 0, "controller_messages": 0,
+                           "controller_bytes": 0, "errors": []}
+    from resihp_core.protocol import encode
+
+    class CountingStore(StoreClient):
+        """The real store client, counting requests and their bytes (request and reply)."""
+
+        sent = 0
+        received = 0
+
+        def _call(self, op: str, *args: Any) -> Any:
+            value = super()._call(op, *args)
+            self.sent += 4 + len(_ENC.encode([op, *args]))
+            self.received += 4 + len(_ENC.encode([True, value]))
+            return value
+
+    import msgspec
+    _ENC = msgspec.msgpack.Encoder()
+    lt = LoopThread("emulator").start()
+    agents: dict[int, NodeAgent] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    for n in nodes:
+        agent = NodeAgent(n, spec["controller"], SECRET, cfg, rejoin_timeout=0.0,
+                          on_controller_lost=lambda exc: None)
+        lt.run(agent.start(), timeout=60)
+        agents[n] = agent
+        plain = agent._to_controller
+
+        def counted(msg: Any, plain: Any = plain) -> None:  # what this agent sends the controller
+            out["controller_messages"] += 1
+            out["controller_bytes"] += 4 + len(encode(msg))
+            plain(msg)
+        agent._to_controller = counted  # type: ignore[method-assign]
+
+    def connect_store(node: int, device: int, cred: str) -> CountingStore:
+        """The rank's store connection; a refused handshake is retried (with 64 pending
+        handshakes at most, the store resets the rest when a thousand ranks connect at
+        once: counted in the results)."""
+        end = time.monotonic() + 120
+        while True:
+            try:
+                return CountingStore(spec["store"], cred, worker_store_identity(node, device), timeout_s=120)
+            except Exception:  # noqa: BLE001 - StoreError: reset before the handshake finished
+                with lock:
+                    out["store_connect_retries"] = out.get("store_connect_retries", 0) + 1
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05 + 0.2 * (device % 7) / 7)
+
+    def rank_main(node: int, device: int) -> None:
+        cred = node_credential(SECRET, node)
+        client = WorkerClient(agents[node].worker_address, cred, rank=device, device=device,
+                              interval=spec["heartbeat_s"])
+        client.identity = f"worker:{device}:{device}:"  # no pid: watched by heartbeat only
+        client.start()
+        calls = 0
+        rows: list[list[float]] = []
+        store = None
+        try:
+            store = connect_store(node, device, cred)
+            g = session.wait_generation(store, -1, 60)
+            msg = session.read_plan(store, g)
+            calls += 3
+            executors = len(msg.devices)
+            i = msg.resume
+            while i < iters and not stop.is_set():
+                time.sleep(it_s)  # the compute
+                if node == lose and i == fault_at:
+                    # This node is lost: its agent's connection is aborted, its ranks stop.
+                    with lock:
+                        if "t_loss" not in out:
+                            out["t_loss"] = time.time()
+                            a = agents[lose]
+                            lt.call(lambda: a._ctl_writer.transport.abort() if a._ctl_writer else None)
+                    return
+                client.beat(i)
+                client.send_profile(IterationProfile(
+                    rank=device, device=device, generation=g, iteration=i, stage=0, replica=device,
+                    microbatches=(MicroBatchProfile(0, 0, it_s / 3, 2 * it_s / 3),), comm_s=0.0, iteration_s=it_s))
+                session.put_report(store, IterationReport(generation=g, iteration=i, device=device, replica=device,
+                                                          stage=0, iteration_s=it_s))
+                t_add = time.time()
+                verdict = session.commit(store, g, i, executors, timeout_s=120)
+                t_verdict = time.time()
+                calls += 3
+                latest = session.latest_generation(store)
+                calls += 2
+                t_read = 0.0
+                if latest > g:
+                    msg = session.read_plan(store, latest)
+                    calls += 1
+                    t_read = time.time()
+                    g, executors = latest, len(msg.devices)
+                rows.append([g, i, t_add, t_verdict, 1.0 if verdict == "commit" else 0.0, t_read])
+                if verdict == "commit":
+                    i += 1
+                else:  # aborted: wait for the next generation, resume where it says
+                    if t_read == 0.0:
+                        g2 = session.wait_generation(store, g, 60)
+                        msg = session.read_plan(store, g2)
+                        calls += 3
+                        rows[-1][5] = time.time()
+                        g, executors = g2, len(msg.devices)
+                    i = msg.resume
+        except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on
+            with lock:
+                out["errors"].append(f"device {device}: {e!r}")
+        finally:
+            with lock:
+                out["ranks"][device] = rows
+                out["store_requests"] += calls
+                if store is not None:
+                    out["store_bytes"] += store.sent + store.received
+            client.close(goodbye=node != lose)
+            if store is not None:
+                store.close()
+
+    threads = [threading.Thread(target=rank_main, args=(n, n * RANKS_PER_NODE + k), daemon=True)
+               for n in nodes for k in range(RANKS_PER_NODE)]
+    t_end = time.time() + iters * it_s * 3 + 200
+    for t in threads:
+        t.start()
+        time.sleep(0.002)  # a launcher starts workers one after another, not all in one instant
+    for t in threads:
+        t.join(timeout=max(1.0, t_end - time.time()))
+    stop.set()
+    for n, a in agents.items():
+        try:
+            lt.run(a.stop(), timeout=10)
+        except Exception:  # noqa: BLE001 - the lost node's agent is already gone
+            pass
+    lt.stop()
+    Path(spec["out"]).write_text(json.dumps(out))
+    return 0
+
+
+# ------------------------------------------------------------------ main process
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[str, Any]:
+    from resihp_core.plan import ParallelPlan
+    from resihp_core.runtime import session
+    from resihp_core.runtime.controller import Controller
+    from resihp_core.runtime.loop import LoopThread
+
+    n_nodes = n_ranks // RANKS_PER_NODE
+    fault_at = a.fault_at if a.fault_at is not None else max(2, iters - 2)
+    lose = n_nodes - 1
+    cfg = DetectorConfig(heartbeat_interval_s=a.heartbeat_s)
+    topology = {n: tuple(range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)) for n in range(n_nodes)}
+    reports: list[tuple[float, FailureReport]] = []
+    posted: dict[int, float] = {}
+    store, store_addr = session.host("127.0.0.1", 0, secret=SECRET)
+    js = session.JobSession(store)
+    plan = ParallelPlan.uniform(tp=RANKS_PER_NODE, pp=1, dp=n_nodes, num_layers=8, num_microbatches=1)
+    js.post(plan, devices=tuple(range(n_ranks)), iterations=iters)
+    lt = LoopThread("controller").start()
+
+    handled: set[int] = set()
+    guard = threading.Lock()
+
+    def on_report(rep: FailureReport) -> None:
+        reports.append((time.time(), rep))
+        with guard:
+            if set(rep.devices) <= handled:
+                return  # the same loss, seen again (its workers' ends, its agent's connection)
+            handled.update(rep.devices)
+            lost = set(handled)
+
+        def repost() -> None:  # what the supervisor does: abort, post the survivors' plan
+            resume = js.abort()
+            keep = tuple(r for r in range(n_nodes) if not lost & set(topology[r]))
+            new = ParallelPlan.uniform(tp=RANKS_PER_NODE, pp=1, dp=len(keep), num_layers=8, num_microbatches=1,
+                                       devices=[d for r in keep for d in topology[r]])
+            g = js.post(new, devices=tuple(d for r in keep for d in topology[r]), iterations=iters, resume=resume)
+            posted[g] = time.time()
+        threading.Thread(target=repost, daemon=True).start()
+
+    ctl = Controller(cfg, SECRET, on_report=on_report, node_devices=topology)
+    lt.run(ctl.start())
+    host, port = ctl.address
+    procs = []
+    chunks = [list(range(n_nodes))[k::a.procs] for k in range(a.procs)]
+    cpu0 = time.process_time()
+    msgs0 = ctl.messages
+    t_start = time.time()
+    for k, nodes in enumerate(chunks):
+        if not nodes:
+            continue
+        spec = {"nodes": nodes, "controller": f"{host}:{port}", "store": store_addr, "iterations": iters,
+                "iteration_s": a.iteration_s, "fault_at": fault_at, "lose_node": lose,
+                "heartbeat_s": a.heartbeat_s, "out": str(tmp / f"emu{n_ranks}_{k}.json")}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--emulate", json.dumps(spec)],
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    print(f"  {n_ranks} ranks ({n_nodes} nodes, {len(procs)} emulator processes): running "
+          f"{iters} iterations of {a.iteration_s:g} s, node {lose} lost at iteration {fault_at}", flush=True)
+    deadline = time.time() + iters * a.iteration_s * 3 + 240
+    last = -1
+    samples: dict[int, tuple[float, float, int]] = {}  # committed -> (t, cpu, controller messages)
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.02)
+        done = js.committed_through()
+        if done != last:
+            samples.setdefault(done, (time.time(), time.process_time(), ctl.messages))
+            print(f"    committed through iteration {done}; controller messages {ctl.messages - msgs0}; "
+                  f"CPU {time.process_time() - cpu0:.1f} s", flush=True)
+            last = done
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    wall = time.time() - t_start
+    cpu = time.process_time() - cpu0
+    msgs = ctl.messages - msgs0
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    lt.run(ctl.stop())
+    lt.stop()
+    store.server.close()  # type: ignore[attr-defined]
+    ranks: dict[int, list[list[float]]] = {}
+    store_requests = store_bytes = agent_msgs = agent_bytes = retries = 0
+    errors: list[str] = []
+    t_loss = None
+    for k in range(len(procs)):
+        f = tmp / f"emu{n_ranks}_{k}.json"
+        if not f.exists():
+            errors.append(f"emulator {k} wrote no results")
+            continue
+        d = json.loads(f.read_text())
+        ranks.update({int(x): v for x, v in d["ranks"].items()})
+        store_requests += d["store_requests"]
+        store_bytes += d["store_bytes"]
+        retries += d.get("store_connect_retries", 0)
+        agent_msgs += d["controller_messages"]
+        agent_bytes += d["controller_bytes"]
+        errors += d["errors"]
+        t_loss = d.get("t_loss", t_loss)
+    # Commit latency per committed iteration: last add -> verdict seen by every rank.
+    by_it: dict[tuple[int, int], list[list[float]]] = {}
+    for rows in ranks.values():
+        for row in rows:
+            by_it.setdefault((int(row[0]), int(row[1])), []).append(row)
+    lat = []
+    for (g, i), rows in sorted(by_it.items()):
+        if all(r[4] == 1.0 for r in rows) and i > 0:  # committed; the first iteration warms up
+            lat.append(max(r[3] for r in rows) - max(r[2] for r in rows))
+    read_new = [r[5] for rows in ranks.values() for r in rows if r[5] > 0]
+    lost_devs = set(topology[lose])
+    t_report = next((t for t, rep in reports if lost_devs & set(rep.devices)), None)
+    spurious = [rep.devices for _, rep in reports if not lost_devs & set(rep.devices)]
+    t_posted = min(posted.values()) if posted else None
+    # Steady state: from the first committed iteration to the last before the fault.
+    lo, hi = 1, fault_at
+    steady = None
+    if lo in samples and hi in samples and hi > lo:
+        (ta, ca, ma), (tb, cb, mb) = samples[lo], samples[hi]
+        k = hi - lo
+        steady = {"iterations": k, "seconds": round(tb - ta, 3), "cpu_s_per_iteration": round((cb - ca) / k, 4),
+                  "cores": round((cb - ca) / (tb - ta), 3),
+                  "controller_messages_per_iteration": round((mb - ma) / k, 1)}
+    row: dict[str, Any] = {
+        "ranks": n_ranks, "nodes": n_nodes, "iteration_s": a.iteration_s, "iterations": iters,
+        "heartbeat_s": a.heartbeat_s, "wall_s": round(wall, 1),
+        "commit_ms_p50": round(1e3 * statistics.median(lat), 2) if lat else None,
+        "commit_ms_p99": round(1e3 * _pct(lat, 0.99), 2) if lat else None,
+        "committed_iterations_measured": len(lat),
+        "steady": steady,
+        "main_cpu_s_per_iteration": steady["cpu_s_per_iteration"] if steady else None,
+        "main_cores": steady["cores"] if steady else None,
+        "controller_messages_per_iteration": steady["controller_messages_per_iteration"] if steady else None,
+        "whole_run": {"cpu_s": round(cpu, 2), "wall_s": round(wall, 1), "controller_messages": msgs},
+        "main_peak_rss_mib": round(rss_mib, 1),
+        "store_requests_per_iteration": round(store_requests / max(1, iters), 1),
+        "store_bytes_per_iteration": round(store_bytes / max(1, iters)),
+        "agent_messages_per_iteration": round(agent_msgs / max(1, iters), 1),
+        "agent_bytes_per_iteration": round(agent_bytes / max(1, iters)),
+        "false_failure_reports": spurious,
+        "store_connect_retries": retries,
+        "loss_to_report_s": None if t_loss is None or t_report is None else round(t_report - t_loss, 3),
+        "report_to_posted_s": None if t_report is None or t_posted is None else round(t_posted - t_report, 3),
+        "posted_to_read_by_all_s": (None if t_posted is None or not read_new
+                                    else round(max(read_new) - t_posted, 3)),
+        "silent_node": "not measured", "slow_rank": "not measured", "controller_restart": "not measured",
+        "errors": errors[:10], "load_average": os.getloadavg(),
+    }
+    if row["loss_to_report_s"] is not None and row["posted_to_read_by_all_s"] is not None:
+        row["loss_to_read_by_all_s"] = round(row["loss_to_report_s"] + (row["report_to_posted_s"] or 0)
+                                             + row["posted_to_read_by_all_s"], 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    if a.emulate:
+        return _emulate(json.loads(a.emulate))
+    ranks = [int(x) for x in a.ranks.split(",")] if a.ranks else ([1024] if a.quick else [1024, 4096, 16384])
+    bad = [n for n in ranks if n < 2 * RANKS_PER_NODE or n % RANKS_PER_NODE]
+    if bad:
+        print(f"--ranks: {bad} are not multiples of {RANKS_PER_NODE} ranks per node (at least 2 nodes)",
+              file=sys.stderr)
+        return 2
+    iters = a.iterations or 8
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"control_scale_{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    out: dict[str, Any] = {"config": {"ranks": ranks, "iterations": iters, "iteration_s": a.iteration_s,
+                                      "procs": a.procs, "heartbeat_s": a.heartbeat_s,
+                                      "load_average_start": os.getloadavg()}, "runs": []}
+    print(f"Control plane at scale: the real controller and job store, emulated nodes of {RANKS_PER_NODE} "
+          "ranks over loopback")
+    for n in ranks:
+        out["runs"].append(run_one(n, a, iters, tmp))
+    cols = [("ranks", "ranks"), ("commit_ms_p50", "commit p50 ms"), ("commit_ms_p99", "p99 ms"),
+            ("main_cores", "ctl+store cores"), ("main_cpu_s_per_iteration", "CPU s/it"),
+            ("controller_messages_per_iteration", "ctl msgs/it"), ("store_requests_per_iteration", "store req/it"),
+            ("store_bytes_per_iteration", "store B/it"), ("agent_bytes_per_iteration", "agent->ctl B/it"), ("loss_to_report_s", "loss->report s"),
+            ("report_to_posted_s", "report->plan s"), ("posted_to_read_by_all_s", "plan->all read s"),
+            ("main_peak_rss_mib", "RSS MiB")]
+    print("\n" + " | ".join(h for _, h in cols))
+    for r in out["runs"]:
+        print(" | ".join(str(r.get(k)) for k, _ in cols))
+    print("\nGoals (issue 34, 16,384 ranks, 1 s iterations):")
+    for r in out["runs"]:
+        p99, cores, loss = r["commit_ms_p99"], r["main_cores"], r.get("loss_to_read_by_all_s")
+        print(f"  {r['ranks']} ranks: commit p99 <= {GOAL_COMMIT_P99_MS} ms: "
+              f"{'yes' if p99 is not None and p99 <= GOAL_COMMIT_P99_MS else 'NO'} ({p99}); "
+              f"controller+store <= {GOAL_CORES} core: {'yes' if cores is not None and cores <= GOAL_CORES else 'NO'}"
+              f" ({cores}); node loss -> plan read by all <= {GOAL_LOSS_TO_READ_S} s: "
+              f"{'yes' if loss is not None and loss <= GOAL_LOSS_TO_READ_S else 'NO'} ({loss}); "
+              f"controller restart: not measured; errors: {len(r['errors'])}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
