@@ -23,15 +23,17 @@ def _job(dp: int, nmb: int) -> JobSpec:
                    dp=dp, num_microbatches=nmb, seed=5, timeout_s=20.0)
 
 
-def test_megatron_core_pp2_dp2_regeneration_repartition_migration_and_restore():
-    """PP2 x DP2: the same plan again mid-iteration (rollback + identity move), one layer
-    moved between stages (a new ``pipeline_model_parallel_layout``), replica 1's last
+def test_megatron_core_pp2_dp2_repartition_migration_and_restore():
+    """PP2 x DP2 (for the CI budget, regeneration runs in the TP2 test below, and a
+    replica dropped after a SIGKILL in the opt-in 8-worker test of
+    tests/integration/test_megatron_core.py; the kit's ``replica_drop`` here gave 1.6e-13
+    by hand): one layer moved between stages (a new ``pipeline_model_parallel_layout``), replica 1's last
     micro-batch run whole on replica 0 (pipelines of 3 and 1 micro-batches), and a
     SIGKILLed device restored by the supervisor from the adapter's checkpoint onto the
     surviving replica; the complete state (parameters, Adam moments and step, learning
     rate, scheduler position) equals the fault-free run."""
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
-    want = {"regeneration", "layer_repartition", "migration", "restore"}
+    want = {"layer_repartition", "migration", "restore"}
     got = check_adapter(_job(2, 2), base, only=sorted(want), timeout=600.0)
     assert set(got) == want
     assert max(got.values()) <= 1e-9

@@ -29,7 +29,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,10 @@ from resihp_adapters.megatron_core.build import build_training, samples_of, tran
 from resihp_adapters.megatron_core.plugin import CAPABILITIES, NAME
 from resihp_adapters.megatron_core.spec import MegatronJob, check_supported, load_job
 
-__all__ = ["MegatronCoreAdapter", "megatron_rank"]
+if TYPE_CHECKING:
+    from resihp_adapters.torchkit.transfer import Transfer
+
+__all__ = ["MegatronCoreAdapter", "megatron_rank", "live_replicas"]
 
 Held = dict[str, st.Entry]
 
@@ -286,7 +289,7 @@ class MegatronCoreAdapter(Adapter):
 
     _FLAGS_KEY = "megatron_core/model_flags"
 
-    def _components(self) -> Any:
+    def _components(self) -> Callable[[ParallelPlan, int], list[str]]:
         """``(plan, stage) -> components`` of the user's model: whether its output layer is
         tied to the word embedding and whether it has learned position embeddings, read
         from the first model built (a device that has built none reads what a builder
@@ -380,7 +383,7 @@ class MegatronCoreAdapter(Adapter):
         return nbytes
 
     @staticmethod
-    def _segments(e: st.Entry, tr: Any, *, src_side: bool) -> list[tuple[int, int, int, int]]:
+    def _segments(e: st.Entry, tr: Transfer, *, src_side: bool) -> list[tuple[int, int, int, int]]:
         """(piece, source offset, destination offset, length) of a transfer for one
         entry; offsets -1: the whole (replicated) tensor."""
         if e.dim is None:
@@ -405,7 +408,7 @@ class MegatronCoreAdapter(Adapter):
     def run_iteration(self, program: Program, iteration: int) -> IterationResult:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        r, s, _ = self.where
+        _, s, _ = self.where
         mbs = [(op.owner, op.mb) for op in program.ops if isinstance(op, Forward)]
         res = IterationResult(iteration)
         scale = len(mbs) * len(live_replicas(self.plan)) / self.global_mbs
@@ -452,22 +455,15 @@ class MegatronCoreAdapter(Adapter):
         return res
 
     # ------------------------------------------------------------------ reports
-    def _shards(self) -> dict[str, tuple[st.Entry, list[tuple[str, int, Tensor]]]]:
-        """Per parameter: its entry and (suffix, piece index, piece) to report (a gated
-        ``linear_fc1`` as its gate and up halves, each a plain TP shard)."""
-        out = {}
-        entries = self._live_entries(skip_tied_copy=True) if self.model is not None else self._held
-        for name, e in entries.items():
-            if e.gated:
-                out[name] = (e, [(".gate", 0, None), (".up", 1, None)])
-            else:
-                out[name] = (e, [("", 0, None)])
-        return out
-
     def held_state(self) -> dict[str, Shard]:
+        """Every parameter with its Adam moments, TP shards as :class:`Shard` pieces (a
+        gated ``linear_fc1`` as its ``.gate`` and ``.up`` halves, each a plain TP shard);
+        a last stage's copy of the tied embedding is left to the first stage's."""
+        entries = self._live_entries(skip_tied_copy=True) if self.model is not None and self._next is None \
+            else self._held
         out = {}
-        for name, (e, parts) in self._shards().items():
-            for suffix, p, _ in parts:
+        for name, e in entries.items():
+            for p, suffix in enumerate((".gate", ".up") if e.gated else ("",)):
                 ts = tuple(st.pieces(t, e)[p].detach().clone() for t in e.tensors)
                 out[name + suffix] = Shard(ts) if e.dim is None else Shard(ts, e.dim, e.rank, e.size)
         return out

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
-import torch
 from torch import Tensor
 
 from resihp_core.plan import ParallelPlan
 
-__all__ = ["Entry", "canonical", "component_of", "components_of_stage", "pieces", "overlap", "FIELDS"]
+__all__ = ["Entry", "canonical", "component_of", "components_of_stage", "pieces", "overlap", "take", "FIELDS"]
 
 #: The tensors kept per parameter: the weight and Adam's two moments.
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
@@ -62,7 +62,7 @@ def component_of(name: str) -> str:
     return "head"
 
 
-def components_of_stage(tied: bool, has_position: bool) -> "callable":
+def components_of_stage(tied: bool, has_position: bool) -> Callable[[ParallelPlan, int], list[str]]:
     """``(plan, stage) -> [component]`` for :func:`transfer_plan`."""
 
     def of(plan: ParallelPlan, s: int) -> list[str]:
@@ -96,31 +96,8 @@ def overlap(full: int, src: int, k_src: int, dst: int, k_dst: int) -> tuple[int,
     return lo - a0, lo - b0, hi - lo
 
 
-def full_size(t: Tensor, e: Entry) -> int:
-    return t.size(e.dim) * e.size
-
-
-def slices_for(e_src: Entry, e_dst: Entry, src_tp: int, k_src: int, dst_tp: int, k_dst: int
-               ) -> list[tuple[int, int, int, int]]:
-    """For each piece: (piece index, source offset, destination offset, length) along the
-    TP dimension; a replicated parameter comes whole from the source holding the start of
-    the destination's shard (one sender per destination)."""
-    if e_dst.dim is None:
-        return [(0, -1, -1, -1)] if src_tp == dst_tp * k_src // k_dst else []
-    out = []
-    n = len(pieces(e_dst.tensors[0], e_dst))
-    for p in range(n):
-        full = pieces(e_dst.tensors[0], e_dst)[p].size(e_dst.dim) * k_dst
-        o = overlap(full, src_tp, k_src, dst_tp, k_dst)
-        if o is not None:
-            out.append((p, *o))
-    return out
-
-
 def take(e: Entry, field: int, piece: int, off: int, length: int) -> Tensor:
+    """A view of tensor ``field`` of ``e``: piece ``piece``, ``length`` values from
+    ``off`` along the TP dimension (``off`` < 0: the whole piece)."""
     t = pieces(e.tensors[field], e)[piece]
     return t if off < 0 else t.narrow(e.dim, off, length)
-
-
-def same_layout(e: Entry, shape: torch.Size) -> bool:
-    return tuple(e.tensors[0].shape) == tuple(shape)
