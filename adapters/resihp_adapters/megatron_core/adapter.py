@@ -76,6 +76,30 @@ def _uniform_tp(plan: ParallelPlan) -> int:
     return degrees.pop()
 
 
+def _dtype(meta: list[Any]) -> torch.dtype:
+    return getattr(torch, str(meta[3]).split(".")[-1])
+
+
+def _shard_numel(meta: list[Any], parts: int) -> int:
+    """Values in one of ``parts`` TP shards of a parameter (``meta``: full shape, dim)."""
+    n = 1
+    for x in meta[0]:
+        n *= int(x)
+    return n // parts if meta[1] is not None else n
+
+
+def _place(full: Tensor, shard: Tensor, dim: int | None, gated: bool, index: int, parts: int) -> None:
+    """Write TP shard ``index`` of ``parts`` into ``full`` (a gated ``linear_fc1`` shard
+    is its gate and up halves, each a chunk of the full gate and up)."""
+    if dim is None:
+        full.copy_(shard)
+        return
+    pairs = zip(full.chunk(2, 0), shard.chunk(2, 0)) if gated else [(full, shard)]
+    for whole, part in pairs:
+        n = whole.size(dim) // parts
+        whole.narrow(dim, index * n, n).copy_(part)
+
+
 class MegatronCoreAdapter(Adapter):
     """One device's share of a Megatron-Core job across plan generations."""
 
@@ -111,6 +135,11 @@ class MegatronCoreAdapter(Adapter):
         self._snap: tuple[dict[str, list[Tensor]], int, int] | None = None
         self._ckpt: Any = None
         self._flags: tuple[bool, bool] | None = None  # (tied output layer, learned positions)
+        self._pending: tuple[ParallelPlan, ParallelPlan, list[int]] | None = None  # checked move
+        self._staged: dict[str, list[Tensor]] | None = None  # full tensors moved before the rebuild
+        self._premoved_bytes = 0
+        self._published: set[str] = set()
+        self._meta_cache: dict[str, dict[str, list[Any]]] = {}
 
     # ------------------------------------------------------------------ where
     @property
@@ -245,6 +274,9 @@ class MegatronCoreAdapter(Adapter):
         from resihp_core.runtime.session import rendezvous_store
 
         self.release()
+        pending, self._pending, self._staged = self._pending, None, None
+        if pending is not None and pending[1] is plan:
+            self._staged = self._premove(*pending, generation)
         where = plan.location(self.ctx.device)
         if where is None:
             self._next = plan
@@ -265,6 +297,97 @@ class MegatronCoreAdapter(Adapter):
         self._next = plan
         self._build(plan)
 
+    def _premove(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int], generation: int
+                 ) -> dict[str, list[Tensor]] | None:
+        """When some shard's source is a device that leaves Megatron's world (a standby of
+        the new plan, e.g. the departing member of a shrunk TP group), move the state
+        first in a world of every device (store prefix ``gen{g}/move/``): each receiver
+        gets the whole old shards it overlaps and lays them into full-size tensors
+        (shapes from the layout-independent metadata every builder publishes), which
+        :meth:`move_state` slices into the new shards. None: every source stays, the move
+        runs in Megatron's world."""
+        from resihp_core.runtime.session import rendezvous_store
+
+        from resihp_adapters.torchkit.device import release_world
+        from resihp_adapters.torchkit.transfer import transfer_plan
+
+        plan = transfer_plan(old_plan, new_plan, devices, self._components())
+        executors = set(new_plan.devices())
+        if not any(tr.src not in executors for tr in plan if tr.src != tr.dst):
+            return None
+        me = self.ctx.device
+        ranks = {d: i for i, d in enumerate(devices)}
+        join = timedelta(seconds=6.0 * self.ctx.timeout_s + 10.0)
+        dist.init_process_group(self.placement.init_backend,
+                                store=dist.PrefixStore("move/", rendezvous_store(self.ctx.store, generation)),
+                                rank=ranks[me], world_size=len(devices), timeout=join)
+        try:
+            staged: dict[str, list[Tensor]] = {}
+            works, recvd = [], []
+            for i, tr in enumerate(plan):
+                if me not in (tr.src, tr.dst):
+                    continue
+                meta = self._meta(tr.component)
+                names = sorted(meta)
+                if tr.src == me:
+                    payload = torch.cat([self._held[n].tensors[f].reshape(-1) for n in names
+                                         for f in range(len(st.FIELDS))])
+                    if tr.dst == me:
+                        recvd.append((tr, names, payload))
+                    else:
+                        works.append(dist.isend(payload.contiguous(), ranks[tr.dst], tag=i))
+                else:
+                    numel = sum(_shard_numel(meta[n], tr.src_deg) for n in names) * len(st.FIELDS)
+                    buf = torch.empty(numel, dtype=_dtype(meta[names[0]]))
+                    works.append(dist.irecv(buf, ranks[tr.src], tag=i))
+                    recvd.append((tr, names, buf))
+            for w in works:
+                w.wait()
+            self._premoved_bytes = 0
+            for tr, names, buf in recvd:
+                at = 0
+                for n in names:
+                    shape, dim, gated, _ = meta_of = self._meta(tr.component)[n]
+                    fulls = staged.setdefault(n, [torch.zeros(shape, dtype=_dtype(meta_of))
+                                                  for _ in st.FIELDS])
+                    k = _shard_numel(meta_of, tr.src_deg)
+                    local = list(shape)
+                    if dim is not None:
+                        local[dim] //= tr.src_deg
+                    for f in range(len(st.FIELDS)):
+                        _place(fulls[f], buf[at:at + k].view(local), dim, gated, tr.src_tp, tr.src_deg)
+                        at += k
+                if tr.src != me:
+                    self._premoved_bytes += buf.numel() * buf.element_size()
+        finally:
+            release_world(self.placement)
+        return staged
+
+    _META_KEY = "megatron_core/meta/"
+
+    def _publish_meta(self) -> None:
+        """Layout-independent shapes of this stage's parameters (full shape, TP dim,
+        gated, dtype) in the job store, per component, once per process."""
+        import json
+
+        by_comp: dict[str, dict[str, list[Any]]] = {}
+        for name, e in self._live_entries().items():
+            shape = list(e.tensors[0].shape)
+            if e.dim is not None:
+                shape[e.dim] *= e.size
+            by_comp.setdefault(st.component_of(name), {})[name] = [shape, e.dim, e.gated, str(e.tensors[0].dtype)]
+        for comp, d in by_comp.items():
+            if comp not in self._published:
+                self.ctx.store.set(self._META_KEY + comp, json.dumps(d))
+                self._published.add(comp)
+
+    def _meta(self, comp: str) -> dict[str, list[Any]]:
+        import json
+
+        if comp not in self._meta_cache:
+            self._meta_cache[comp] = json.loads(self.ctx.store.get(self._META_KEY + comp).decode())
+        return self._meta_cache[comp]
+
     def _build(self, plan: ParallelPlan) -> None:
         """This stage's model, DDP wrapper, optimizer and scheduler (:mod:`.build`), with
         the seeded initial weights (the same on every rank holding them)."""
@@ -276,6 +399,7 @@ class MegatronCoreAdapter(Adapter):
             self._flags = (bool(getattr(tr.model, "share_embeddings_and_output_weights", False)),
                            getattr(tr.model, "position_embedding_type", "learned_absolute") == "learned_absolute")
             self.ctx.store.set(self._FLAGS_KEY, "".join(str(int(f)) for f in self._flags))
+        self._publish_meta()
 
     def _enter(self, plan: ParallelPlan) -> None:
         """The new model holds the job's state: it is the plan's now."""
@@ -303,9 +427,13 @@ class MegatronCoreAdapter(Adapter):
         return sorted(set(new_plan.devices()) & set(devices))
 
     def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> None:
+        """Raise ``StateLost`` unless every shard of ``new_plan`` has a complete surviving
+        copy on ``devices`` (standbys included); remember the move for the rebuild."""
         from resihp_adapters.torchkit.transfer import transfer_plan
 
-        transfer_plan(old_plan, new_plan, self._alive(new_plan, devices), self._components())
+        self._pending = None
+        transfer_plan(old_plan, new_plan, sorted(devices), self._components())
+        self._pending = (old_plan, new_plan, sorted(devices))
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, devices: list[int]) -> int:
         """Fill the new model's parameters, Adam moments and scheduler position from the
@@ -313,6 +441,9 @@ class MegatronCoreAdapter(Adapter):
         failure the previous state stays as it was (``_held``)."""
         from resihp_adapters.torchkit.transfer import transfer_plan
 
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            return self._move_staged(staged, new_plan)
         plan = transfer_plan(old_plan, new_plan, self._alive(new_plan, devices), self._components())
         me = self.ctx.device
         old = self._held
@@ -381,6 +512,29 @@ class MegatronCoreAdapter(Adapter):
         self._install(new)
         self._enter(new_plan)
         return nbytes
+
+    def _move_staged(self, staged: dict[str, list[Tensor]], new_plan: ParallelPlan) -> int:
+        """Fill the new model from what :meth:`_premove` moved (full-size tensors, of
+        which this device's new shards are filled) and from the shards it kept."""
+        if self.model is not None:
+            new = self._entries_with_ids()
+            with torch.no_grad():
+                for name, e in new.items():
+                    if name not in staged:
+                        for dst, src in zip(e.tensors, self._held[name].tensors):
+                            dst.copy_(src)
+                        continue
+                    for f, full in enumerate(staged[name]):
+                        if e.dim is None:
+                            e.tensors[f].copy_(full)
+                            continue
+                        for piece, whole in zip(st.pieces(e.tensors[f], e), st.pieces(full, e)):
+                            piece.copy_(whole.chunk(e.size, e.dim)[e.rank])
+            self._install(new)
+            self._enter(new_plan)
+        else:
+            self.plan, self._next, self._held = new_plan, None, {}
+        return self._premoved_bytes
 
     @staticmethod
     def _segments(e: st.Entry, tr: Transfer, *, src_side: bool) -> list[tuple[int, int, int, int]]:

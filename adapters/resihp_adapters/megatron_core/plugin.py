@@ -5,14 +5,13 @@ Registration is lazy: this module imports neither torch nor megatron; the adapte
 ``capabilities = CAPABILITIES``) is imported only when a worker creates it.
 
 What is declared is what the conformance kit runs
-(``tests/conformance/test_megatron_core.py``): layer repartition
-(``pipeline_model_parallel_layout``), whole micro-batches moved between replicas (each
-replica runs Megatron's own 1F1B over its own micro-batch count; a replica with no
-devices drops out) and checkpoint restore. Not declared: TP resize (the state moves
-between TP degrees, but only among the new plan's executors: a shrunk group's departing
-member, whose shard may be the only copy, is not in Megatron's new world), heterogeneous
-TP (one TP size per world in Megatron-Core's parallel state), single pipeline stages run
-by another replica, other schedules than 1F1B.
+(``tests/conformance/test_megatron_core.py``): TP resize (one degree for the whole job;
+a departing TP member sends its shards in a world of every device before Megatron's
+world is built), layer repartition (``pipeline_model_parallel_layout``), whole
+micro-batches moved between replicas (each replica runs Megatron's own 1F1B over its own
+micro-batch count; a replica with no devices drops out) and checkpoint restore. Not
+declared: heterogeneous TP (one TP size per world in Megatron-Core's parallel state),
+single pipeline stages run by another replica, other schedules than 1F1B.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from resihp_core.plan import ScheduleKind
 NAME = "megatron_core"
 TARGET = "resihp_adapters.megatron_core.adapter:MegatronCoreAdapter"
 CAPABILITIES = Capabilities(
-    tp_resize=False,
+    tp_resize=True,
     heterogeneous_tp=False,
     layer_repartition=True,
     cross_replica_migration=False,
