@@ -1178,6 +1178,40 @@ def _main_torch_native_tp(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- Megatron-Core adapter
+def _main_megatron_core(args) -> int:
+    """``--adapter megatron_core``: SIGKILL of one TP member of a TP2 x PP2 x DP2 job (8
+    workers, the built-in GPTModel job in float32, Megatron's optimizer with clipping and
+    its scheduler) -> first committed iteration. Megatron-Core's parallel state has one TP
+    size, so the lost member's replica drops out and its micro-batches run whole on the
+    other replica (``uneven_dp``), the state coming from that replica in memory (``--quick``:
+    one repetition instead of 3)."""
+    from resihp_core.testing.conformance import _drop_replica
+
+    tp, reps = 2, 1 if args.quick else 3
+    rows = []
+    for _ in range(reps):
+        js = JobSpec(adapter="megatron_core", adapter_config={}, data={"source": "synthetic"}, dp=2,
+                     num_microbatches=4, timeout_s=10.0)
+        plan = ParallelPlan.uniform(tp=tp, pp=2, dp=2, num_layers=4, num_microbatches=4)
+        victim = plan.group(1, 1)[-1]
+        after = _drop_replica(plan, 1)  # the victim's replica leaves; its peers idle
+        with LocalJob(js.to_json(), plan.devices()) as job:
+            rows.append(timed_kill(job, plan, victim, after, timeout=600))
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"megatron_core: SIGKILL of device {victim} (TP{tp} x PP2 x DP2, {len(plan.devices())} CPU workers), "
+          f"replica 1 dropped, state from replica 0 in memory (median of {reps})")
+    for k, v in med.items():
+        print(f"  {k:28s} {v:10.3f}" if isinstance(v, float) else f"  {k:28s} {v!s:>10}")
+    load = os.getloadavg()
+    print(f"  load average {load[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kill": med, "rows": rows, "loadavg": load, "config": {"adapter": "megatron_core", "tp": tp,
+                                                                             "quick": args.quick}}, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--_ds-worker":
@@ -1189,7 +1223,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run")
     ap.add_argument("--json", help="write the numbers here")
-    ap.add_argument("--adapter", default="megatron_ref", choices=["megatron_ref", "deepspeed", "torch_native"],
+    ap.add_argument("--adapter", default="megatron_ref",
+                    choices=["megatron_ref", "deepspeed", "torch_native", "megatron_core"],
                     help="which adapter's reconfiguration to measure")
     ap.add_argument("--controller-restart", action="store_true",
                     help="measure controller restart -> first committed iteration instead (docs/failover.md)")
@@ -1228,6 +1263,8 @@ def main(argv=None) -> int:
             print(f"reconfigure --adapter deepspeed could not measure: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.adapter == "megatron_core":
+        return _main_megatron_core(args)
     if args.adapter == "torch_native":
         return _main_torch_native_tp(args) if args.tp == 2 else _main_torch_native(args)
     try:

@@ -7,4 +7,4 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # PIP_CONSTRAINT also pins the isolated build environment (setuptools).
-PIP_CONSTRAINT=constraints.txt .venv/bin/python -m pip install -q -c constraints.txt -e ".[deepspeed,accelerate,hf,dev,peers]"
+PIP_CONSTRAINT=constraints.txt .venv/bin/python -m pip install -q -c constraints.txt -e ".[deepspeed,accelerate,hf,dev,peers,megatron-core]"

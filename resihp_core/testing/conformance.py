@@ -259,7 +259,7 @@ class _ScenarioPlanner(Planner):
         devices = set(report.devices if report is not None else ())
         if not devices <= self.victims:
             raise ConformanceError(f"{self.scenario.name}: a failure of devices {sorted(devices - self.victims)} "
-                                   f"that the kit did not inject ({report.kind if report else '-'}: "
+                                   f"that the kit did not inject ({report.failure if report else '-'}: "
                                    f"{getattr(report, 'evidence', '')!s:.120})")
         return PlanDecision(plan=self.target, kind="restore" if self.scenario.restore else "continue",
                             reason=f"conformance kit: {self.scenario.name}", predicted_time=0.0, timings={},

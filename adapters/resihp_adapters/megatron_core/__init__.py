@@ -1,0 +1,3 @@
+"""Megatron-Core adapter: a ``pretrain_gpt``-shaped job (GPTModel, Megatron's optimizer,
+DDP, parameter scheduler and 1F1B schedule) kept running across plan generations
+(``docs/megatron_core.md``)."""
