@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import FailureReport
@@ -171,8 +172,9 @@ def _same_layout(a: ParallelPlan, b: ParallelPlan) -> bool:
 def is_recovery(report: FailureReport) -> bool:
     """A fail-slow report that every device of is back at full speed (the detector's
     "verified healthy again")."""
-    return (report.failure == "fail-slow" and bool(report.devices)
-            and all(report.throughput.get(d, 0.0) >= 1.0 for d in report.devices))
+    tp = report.throughput
+    return (report.failure == "fail-slow" and bool(report.devices) and isinstance(tp, Mapping)
+            and all(tp.get(d, 0.0) >= 1.0 for d in report.devices))
 
 
 def origin_candidate(decision: PlanDecision) -> PlanDecision | None:

@@ -508,6 +508,9 @@ class Supervisor:
                              Emit("failure", f"{report.failure} of devices {list(report.devices)} "
                                              f"({report.cause}): {report.evidence}",
                                   {"failure": report.failure, "devices": list(report.devices), "cause": report.cause})]
+        if is_recovery(report):  # not a failure: the devices are back at full speed
+            out = [Emit("recovered", f"devices {list(report.devices)} healthy again: {report.evidence}",
+                        {"devices": list(report.devices)})]
         if report.failure == "fail-stop":
             paused = {d for r in stops for d in r.paused}
             for d in report.devices:
