@@ -681,7 +681,7 @@ class ProfileVerifier:
                 continue
             devices = sorted(t.device[r] for r in ranks)
             qg = statistics.median(qs.values())
-            if ctx.prober is None:
+            if ctx.prober is None or not getattr(ctx.prober, "measures_compute", True):
                 for d in devices:
                     slow[d] = _clip_p(1.0 / qg)
                 notes.append(f"{where}: TP group uniformly {qg:.2f}x slow; no prober to split it")

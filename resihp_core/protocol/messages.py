@@ -20,7 +20,7 @@ __all__ = [
     "PROTOCOL_VERSION", "Hello", "Challenge", "AuthResponse", "AuthResult", "Heartbeat",
     "MicroBatchProfile", "IterationProfile", "FailureReport", "PlanUpdate", "IterationReport", "WorkerSummary",
     "AgentState", "Ack", "Error", "LaunchWorkers", "SignalWorker", "WorkerProcess",
-    "NodeRejoin", "WorkerLeft", "JobError", "ScriptEnded",
+    "NodeRejoin", "LinkProbe", "WorkerLeft", "JobError", "ScriptEnded",
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
@@ -324,6 +324,15 @@ class NodeRejoin(_Msg, tag="rejoin"):
     devices: tuple[NonNeg, ...] = ()
 
 
+class LinkProbe(_Msg, tag="link_probe"):
+    """Controller -> agent: echo ``payload`` back (agent -> controller, ``node`` its
+    own): the round trip times the link of that node's host (runtime/linkprobe.py)."""
+
+    seq: NonNeg
+    node: NonNeg = 0
+    payload: Annotated[bytes, msgspec.Meta(max_length=8 * 1024 * 1024)] = b""
+
+
 class Ack(_Msg, tag="ack"):
     """Acknowledges ``what`` (e.g. "plan") of ``generation``."""
 
@@ -355,6 +364,7 @@ Message = Union[
     SignalWorker,
     WorkerProcess,
     NodeRejoin,
+    LinkProbe,
     WorkerLeft,
     JobError,
     ScriptEnded,

@@ -1,0 +1,70 @@
+"""A slow link every rank waits on (docs/detector.md "Slow links"): the profiles cannot
+say whose link it is, so without a prober nothing is reported (what a rate limit on one
+host's interface met); a link prober names the devices behind it. And the node link
+probe's arithmetic (runtime/linkprobe.py)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+
+from resihp_core.detector import ProbeResult
+from resihp_core.detector.changepoint import BOCPD
+from resihp_core.detector.failslow import WorkloadAwareDetector
+from resihp_core.detector.verify import ProfileVerifier
+from resihp_core.runtime.linkprobe import link_result
+from test_detector_localise import Job
+
+
+class HostLinks:
+    """Devices 2 and 3 sit behind a link ``slow`` times slower than the others'."""
+
+    measures_compute = False
+
+    def __init__(self, slow: float) -> None:
+        self.slow, self.calls = slow, 0
+
+    def probe_compute(self, devices: Sequence[int]) -> ProbeResult:
+        return ProbeResult({})
+
+    def probe_links(self, devices: Sequence[int]) -> ProbeResult:
+        self.calls += 1
+        node_of = {d: d // 2 for d in devices}
+        return link_result(node_of, {0: 0.004, 1: 0.004 * self.slow}, slack_s=0.1)
+
+
+def run(prober: HostLinks | None) -> list:
+    job = Job(ranks=4, scale=0.2, overhead=0.02, seed=11)
+    det = WorkloadAwareDetector(BOCPD(), ProfileVerifier(), prober=prober, clock=lambda: 0.0)
+    out = []
+    for it in range(45):
+        job.overhead = 0.02 if it < 30 else 1.0  # every rank waits ~1 s on the link from iteration 30
+        d = det.observe(it, job.iteration(it))
+        if d.report is not None:
+            out.append((it, d.report))
+    return out
+
+
+def test_a_link_every_rank_waits_on_is_reported_with_the_devices_behind_it_only_with_a_prober() -> None:
+    assert run(None) == []  # the profiles alone cannot localise it: nothing (the issue's symptom)
+    prober = HostLinks(slow=100.0)
+    got = run(prober)
+    assert got and prober.calls >= 1
+    it, report = got[0]
+    assert report.cause == "communication" and report.devices == (2, 3)
+    assert it - 30 + 1 <= 5
+    assert all(p < 0.1 for p in report.throughput.values())
+
+
+def test_a_link_probe_that_finds_every_host_alike_reports_nothing() -> None:
+    assert run(HostLinks(slow=1.0)) == []
+
+
+def test_link_result_counts_a_node_slow_only_beyond_the_slack() -> None:
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    slow = link_result(node_of, {0: 0.01, 1: 0.41}, slack_s=0.1).throughput()
+    assert slow[2] == slow[3] == pytest.approx(0.01 / 0.41) and slow[0] == slow[1] == 1.0
+    noisy = link_result(node_of, {0: 0.01, 1: 0.08}, slack_s=0.1).throughput()
+    assert set(noisy.values()) == {1.0}  # loaded-host jitter, not a link
+    assert link_result({0: 0, 1: 0}, {0: 0.5}, slack_s=0.1).times == {}  # one host: nothing to compare
