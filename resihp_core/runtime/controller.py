@@ -282,9 +282,11 @@ class Controller:
             raise ConnectionError(f"the agent of node {node} is not connected")
         await write_msg(writer, msg)
 
-    async def echo_nodes(self, nodes: Iterable[int], nbytes: int, rounds: int, timeout_s: float) -> dict[int, float]:
+    async def echo_nodes(self, nodes: Iterable[int], nbytes: int, rounds: int, timeout_s: float,
+                         clear_s: float = 0.5) -> dict[int, float]:
         """Seconds of the fastest of ``rounds`` round trips of ``nbytes`` through each
-        node's agent (all nodes at once); ``timeout_s`` for a node that does not answer."""
+        node's agent (all nodes at once); ``timeout_s`` for a node that does not answer.
+        A node ``clear_s`` slower than the fastest after a round is not probed again."""
         loop = asyncio.get_running_loop()
         payload = os.urandom(nbytes)
         nodes = sorted(set(nodes))
@@ -306,7 +308,10 @@ class Controller:
                 self._echoes.pop(key, None)
 
         for _ in range(max(1, rounds)):
-            todo = [n for n in nodes if best.get(n, 0.0) < timeout_s]  # one that timed out is slow enough
+            # Another round only for nodes that may be jitter: one far above the fastest
+            # (``clear_s``) or timed out is slow enough, and each round on it takes that long.
+            fastest = min(best.values(), default=0.0)
+            todo = [n for n in nodes if best.get(n, 0.0) < min(timeout_s, fastest + clear_s)]
             got = await asyncio.gather(*(one(n) for n in todo))
             for n, t in zip(todo, got):
                 best[n] = min(best.get(n, t), t)
