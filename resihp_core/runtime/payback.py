@@ -49,6 +49,7 @@ class Payback:
     gain_s: float = 0.0
     cost_s: float = 0.0
     horizon: int = 0
+    unchanged: bool = False  # the planner's answer is the current layout
 
 
 @dataclass
@@ -145,7 +146,7 @@ class PaybackRule:
         after = decision.predicted_time
         if decision.kind == "continue" and _same_layout(decision.plan, current):
             return Payback(False, f"the planner's best plan is the current one (predicted {after:.3g} s/it): "
-                                  "nothing to reconfigure")
+                                  "nothing to reconfigure", unchanged=True)
         horizon = self.horizon_iterations if remaining is None else max(0, min(self.horizon_iterations, remaining))
         measured = meter.steady_s(self.recent_iterations)
         it_s = measured if measured is not None else before

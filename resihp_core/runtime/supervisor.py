@@ -574,6 +574,8 @@ class Supervisor:
         verdict = self.payback.judge(decision, self.state, self.meter, remaining)
         devices = list(report.devices)
         what = f"devices {devices} healthy again" if back else f"fail-slow of devices {devices} ({report.cause})"
+        if verdict.unchanged and report.cause == "communication" and not back:
+            what += f": no layout the planner found moves traffic off the slow link of devices {devices}"
         if not verdict.pays:
             self.state = self.state.with_health(speeds=decision.state.speeds,
                                                 link_speeds=decision.state.link_speeds)

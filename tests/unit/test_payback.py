@@ -144,3 +144,14 @@ def test_the_rule_refuses_bad_settings_by_name() -> None:
         PaybackRule(horizon_iterations=0)
     with pytest.raises(ValueError, match="default_cost_s"):
         PaybackRule(default_cost_s=-1)
+
+
+def test_a_slow_link_no_layout_moves_traffic_off_is_said_plainly() -> None:
+    sup = job(iterations=1000, clock=Clock())
+    link = FailureReport(generation=0, failure="fail-slow", devices=(0, 1, 2, 3), cause="communication",
+                         throughput={d: 0.5 for d in DEVICES})
+    acts = plan_report(sup, link)  # every device's link alike: no plan runs around it
+    assert not of(acts, Deploy)
+    (ev,) = replan_events(acts)
+    assert "no layout the planner found moves traffic off the slow link of devices [0, 1, 2, 3]" in ev.text
+    assert "nothing to reconfigure" in ev.text and dict(sup.state.link_speeds) == {d: 0.5 for d in DEVICES}
