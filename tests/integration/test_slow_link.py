@@ -36,7 +36,7 @@ def test_a_hosts_link_rate_limited_by_tc_is_reported_as_communication_of_its_dev
     plan = uniform(1, 2, 2, 4)  # replica r: stage 0 on node 0, stage 1 on node 1 (a boundary per replica)
     topology = Topology.uniform(2, 2)
     behind = sorted(topology.nodes()[1])  # devices of the throttled host
-    iterations = THROTTLE_AT + 8  # throttled iterations are slow (0.8-3 s): only as many as detection needs
+    iterations = THROTTLE_AT + 10  # throttled iterations are slow (0.6-3 s): a few more than detection needs
     work = Path(tmpdir())
     spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir())
     state, planner = _planner_state(plan, topology)
@@ -44,6 +44,7 @@ def test_a_hosts_link_rate_limited_by_tc_is_reported_as_communication_of_its_dev
     loads: list[float] = []
     at: dict[str, int] = {}
     seconds: list[float] = []
+    detections: list = []
 
     def on_iteration(rec) -> None:
         outside.sample()
@@ -63,6 +64,7 @@ def test_a_hosts_link_rate_limited_by_tc_is_reported_as_communication_of_its_dev
                 iterations=iterations, workdir=work / "job", timeout_s=240,
                 agents=AgentSetup(mode="external", listen=(hosts.address, 0), secret=cluster.secret, timeout_s=60),
                 hooks=RunHooks(on_listening=cluster.on_listening, on_iteration=on_iteration,
+                               on_detection=detections.append,
                                before_run=lambda job, _: _when(job, THROTTLE_AT, lambda: throttle(job)))))
             assert run.ok, f"{run.error}; logs in {run.logs} and {work}"
             cluster.assert_clean_end()
@@ -79,6 +81,8 @@ def test_a_hosts_link_rate_limited_by_tc_is_reported_as_communication_of_its_dev
           f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f}, {outside.describe()}; latency target "
           f"{'asserted' if quiet else 'not asserted (a shared machine)'}")
     print("\n".join(f"{e['iteration']} {e['text'][:300]}" for e in run.events if e["kind"] in ("replan", "plan")))
+    print("detections:", *[(d.iteration, d.action, d.verdict and d.verdict.rule, d.verdict and d.verdict.evidence[:200])
+                            for d in detections if d.action not in ("none", "warmup")], sep="\n  ")
     assert "throttled" in at, _events(run)
     assert not [e for e in failures if e.get("failure") == "fail-stop"], _events(run)
     _check_parameters(spec, run, iterations)
