@@ -363,11 +363,26 @@ class ProfileVerifier:
         c.local = {ex for ex in c.suspects if self._above_peers(c.ctx, c.t, c.groups, ex, c.margin[ex])
                    or self._own_above_peers(c, ex)}
         everyone = all(c.raw[ex] > 1 + self.compute_margin for ex in c.groups)
+        if (c.suspects or everyone) and not c.local and self._elsewhere(c):
+            # Compute slowed alike (a loaded machine) explains little of what the
+            # iteration lost: the time went outside compute; a link probe decides.
+            c.suspects = {}
+            return None
         if (c.suspects or everyone) and not c.local:
             return Verdict({}, "unknown", "every executor slowed alike in compute ("
                            + ", ".join(f"replica {r} stage {s}: {c.raw[(r, s)]:.2f}x" for r, s in sorted(c.groups))
                            + "): a machine-wide slowdown, no device to plan around")
         return None
+
+    def _elsewhere(self, c: _Case) -> bool:
+        """With a link prober: whether the compute lost on any rank is under ``explain``
+        of the iteration's excess over its prediction (the rest is outside compute)."""
+        t = c.t
+        if c.ctx.prober is None or not t.iteration_predicted > 0:
+            return False
+        excess = t.iteration_measured - t.iteration_predicted
+        lost = max((t.measured[r] - t.predicted[r] for r in t.measured), default=0.0)
+        return excess > 0 and lost < self.explain * excess
 
     def _rule_contention_shared_by_peers(self, c: _Case) -> Verdict | None:
         """Marks (never decides alone) the localised suspects slowed by waiting for a CPU

@@ -90,3 +90,4 @@ def test_a_hosts_link_rate_limited_by_tc_is_reported_as_communication_of_its_dev
     assert links[0]["devices"] == behind, _events(run)
     if quiet:
         assert links[0]["iteration"] - at["throttled"] <= 5, _events(run)
+        assert not [e for e in failures if e["iteration"] < at["throttled"]], _events(run)  # none before it

@@ -34,12 +34,13 @@ class HostLinks:
         return link_result(node_of, {0: 0.004, 1: 0.004 * self.slow}, slack_s=0.1)
 
 
-def run(prober: HostLinks | None) -> list:
+def run(prober: HostLinks | None, loaded: float = 1.0) -> list:
     job = Job(ranks=4, scale=0.2, overhead=0.02, seed=11)
     det = WorkloadAwareDetector(BOCPD(), ProfileVerifier(), prober=prober, clock=lambda: 0.0)
     out = []
     for it in range(45):
         job.overhead = 0.02 if it < 30 else 1.0  # every rank waits ~1 s on the link from iteration 30
+        job.slow = {r: loaded for r in range(4)} if it >= 30 else {}  # and computes slower, all alike
         d = det.observe(it, job.iteration(it))
         if d.report is not None:
             out.append((it, d.report))
@@ -55,6 +56,15 @@ def test_a_link_every_rank_waits_on_is_reported_with_the_devices_behind_it_only_
     assert report.cause == "communication" and report.devices == (2, 3)
     assert it - 30 + 1 <= 5
     assert all(p < 0.1 for p in report.throughput.values())
+
+
+def test_a_link_on_a_machine_whose_load_slows_every_ranks_compute_alike_is_still_probed() -> None:
+    # Compute 1.6x on every rank explains little of a 1 s wait: the link is probed, not
+    # dismissed as a machine-wide slowdown (a rate-limited host's link at load 22).
+    assert run(None, loaded=1.6) == []
+    got = run(HostLinks(slow=100.0), loaded=1.6)
+    assert got and got[0][1].cause == "communication" and got[0][1].devices == (2, 3)
+    assert run(HostLinks(slow=1.0), loaded=1.6) == []
 
 
 def test_a_link_probe_that_finds_every_host_alike_reports_nothing() -> None:
