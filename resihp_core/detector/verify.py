@@ -237,6 +237,7 @@ class _Case:
     suspects: dict[tuple[int, int], list[int]]
     local: set[tuple[int, int]] = field(default_factory=set)
     dismissed: dict[tuple[int, int], str] = field(default_factory=dict)
+    probe_only: bool = False  # machine-wide compute set aside: only a link probe may name a link
 
 
 class ProfileVerifier:
@@ -366,7 +367,7 @@ class ProfileVerifier:
         if (c.suspects or everyone) and not c.local and self._elsewhere(c):
             # Compute slowed alike (a loaded machine) explains little of what the
             # iteration lost: the time went outside compute; a link probe decides.
-            c.suspects = {}
+            c.suspects, c.probe_only = {}, True
             return None
         if (c.suspects or everyone) and not c.local:
             return Verdict({}, "unknown", "every executor slowed alike in compute ("
@@ -516,7 +517,7 @@ class ProfileVerifier:
         CPU there taken out) against the healthy expectation, over the iterations and
         one by one, and probes links where the profiles cannot localise
         (:meth:`_communication`; ``Verdict.rule`` names which of its cases decided)."""
-        return self._communication(c.ctx, c.t)
+        return self._communication(c.ctx, c.t, c.probe_only)
 
     RULES: tuple[tuple[str, Callable[[ProfileVerifier, _Case], Verdict | None]], ...] = (
         ("machine-wide", _rule_machine_wide),
@@ -725,10 +726,10 @@ class ProfileVerifier:
         return Verdict(slow, cause, ev, rounds, probe_s)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ communication
-    def _communication(self, ctx: VerificationContext, t: _Totals) -> Verdict:
+    def _communication(self, ctx: VerificationContext, t: _Totals, probe_only: bool = False) -> Verdict:
         outside = {r: t.device_outside(r) for r in t.outside}
         excess = {r: outside[r] - t.expected_outside.get(r, 0.0) for r in outside}
-        top = max(excess.values(), default=0.0)
+        top = 0.0 if probe_only else max(excess.values(), default=0.0)
         slowdown = t.iteration_measured / t.iteration_predicted if t.iteration_predicted > 0 else None
         if top > 0:
             heavy = [r for r, e in excess.items() if e >= 0.5 * top]
