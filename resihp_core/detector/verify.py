@@ -364,10 +364,11 @@ class ProfileVerifier:
         c.local = {ex for ex in c.suspects if self._above_peers(c.ctx, c.t, c.groups, ex, c.margin[ex])
                    or self._own_above_peers(c, ex)}
         everyone = all(c.raw[ex] > 1 + self.compute_margin for ex in c.groups)
-        if (c.suspects or everyone) and not c.local and self._elsewhere(c):
-            # Compute slowed alike (a loaded machine) explains little of what the
-            # iteration lost: the time went outside compute; a link probe decides.
-            c.suspects, c.probe_only = {}, True
+        if (c.suspects or everyone) and self._elsewhere(c):
+            # The compute lost (alike on a loaded machine, or a rank's waiting for a CPU)
+            # explains little of what the iteration lost: the time went outside compute,
+            # and a link probe decides now rather than the compute rules deferring it.
+            c.suspects, c.local, c.probe_only = {}, set(), True
             return None
         if (c.suspects or everyone) and not c.local:
             return Verdict({}, "unknown", "every executor slowed alike in compute ("

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from msgspec.structs import replace
+
 import pytest
 
 from resihp_core.detector import ProbeResult
@@ -34,14 +36,23 @@ class HostLinks:
         return link_result(node_of, {0: 0.004, 1: 0.004 * self.slow}, slack_s=0.1)
 
 
-def run(prober: HostLinks | None, loaded: float = 1.0) -> list:
+def run(prober: HostLinks | None, loaded: float = 1.0, waiting: float = 0.0) -> list:
     job = Job(ranks=4, scale=0.2, overhead=0.02, seed=11)
     det = WorkloadAwareDetector(BOCPD(), ProfileVerifier(), prober=prober, clock=lambda: 0.0)
     out = []
     for it in range(45):
         job.overhead = 0.02 if it < 30 else 1.0  # every rank waits ~1 s on the link from iteration 30
         job.slow = {r: loaded for r in range(4)} if it >= 30 else {}  # and computes slower, all alike
-        d = det.observe(it, job.iteration(it))
+        ps = job.iteration(it)
+        if waiting and it >= 30:  # rank 1 (unpinned) waits for a CPU part of its compute: 1.3x its peers
+            p1 = ps[1]
+            comp = sum(m.forward_s + m.backward_s for m in p1.microbatches)
+            mbs = tuple(replace(m, forward_s=m.forward_s * (1 + waiting), backward_s=m.backward_s * (1 + waiting))
+                        for m in p1.microbatches)
+            ps = {**ps, **{r: replace(p, cpus=(0, 1, 2, 3)) for r, p in ps.items()},
+                  1: replace(p1, microbatches=mbs, compute_wait_s=comp * waiting, cpu_wait_s=comp * waiting,
+                             cpus=(0, 1, 2, 3))}
+        d = det.observe(it, ps)
         if d.report is not None:
             out.append((it, d.report))
     return out
@@ -65,6 +76,14 @@ def test_a_link_on_a_machine_whose_load_slows_every_ranks_compute_alike_is_still
     got = run(HostLinks(slow=100.0), loaded=1.6)
     assert got and got[0][1].cause == "communication" and got[0][1].devices == (2, 3)
     assert run(HostLinks(slow=1.0), loaded=1.6) == []
+
+
+def test_a_link_is_probed_at_once_when_a_ranks_waiting_for_a_cpu_explains_little_of_the_slowdown() -> None:
+    # An unpinned rank waiting 1.3x its peers would be deferred 12 iterations as the
+    # scheduler's luck; the iteration lost ~1 s outside compute: the probe decides now.
+    got = run(HostLinks(slow=100.0), waiting=0.3)
+    assert got and got[0][1].cause == "communication" and got[0][1].devices == (2, 3)
+    assert got[0][0] - 30 + 1 <= 5
 
 
 def test_a_link_probe_that_finds_every_host_alike_reports_nothing() -> None:
