@@ -24,7 +24,7 @@ __all__ = [
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
-PROTOCOL_VERSION = 3  # 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof)
+PROTOCOL_VERSION = 4  # 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof); 4: LinkProbe (a tag older agents reject)
 
 # ------------------------------------------------------------------- field types
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
