@@ -235,7 +235,8 @@ class Detection:
     the previous retained one), ``"benign"`` (filtered out by the predictor),
     ``"cleared"`` (verified, nothing found: a false alarm), ``"pending"`` (a change too
     young to verify, looked at again next iteration), ``"faded"`` (the slowdown
-    was gone by the end of its verification window: nothing to verify), ``"reported"``.
+    was gone by the end of its verification window: nothing to verify), ``"reported"``,
+    ``"recovered"`` (a known-slow device healthy again: a report with throughput 1.0).
     """
 
     iteration: int

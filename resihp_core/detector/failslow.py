@@ -65,6 +65,7 @@ from resihp_core.detector import (
 from resihp_core.detector.environment import environment_change
 from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, own_cores, peer_excess, peers_waiting
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
+from resihp_core.detector.recovery import RecoveryWatch
 
 if TYPE_CHECKING:
     from resihp_core.config import DetectorConfig
@@ -265,6 +266,7 @@ class WorkloadAwareDetector(_Base):
         loaded_share: float = 0.25,
         loaded_window: int = 6,
         unpinned_window: int = 12,
+        healthy_iterations: int = 5,
     ) -> None:
         if (not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window
                 or unpinned_window < loaded_window):
@@ -277,6 +279,9 @@ class WorkloadAwareDetector(_Base):
         # steady where the host is loaded, so a slow DP replica is found in time there
         # too (docs/detector.md "DP-only jobs").
         self.own = PeerExcessWatch(window=verify_window, floor=slow_threshold)
+        # A known-slow device back at full speed for k iterations is reported healthy
+        # again (detector/recovery.py), so the plan can return to the better layout.
+        self.recovery = RecoveryWatch(k=healthy_iterations)
         if series not in ("normalised", "raw"):
             raise ValueError(f"series must be 'normalised' or 'raw', got {series!r}")
         self.slow_threshold, self.min_gap, self.series = slow_threshold, min_gap, series
@@ -294,6 +299,7 @@ class WorkloadAwareDetector(_Base):
         if hasattr(self, "local"):
             self.local.reset()
             self.own.reset()
+            self.recovery.reset()
 
     def _feed_normalised(self, iteration: int, ratio: float) -> Any:
         if len(self._opening) < 4:
@@ -371,8 +377,42 @@ class WorkloadAwareDetector(_Base):
         if det.report is None and det.action not in ("cleared", "known"):
             local = self._observe_local(iteration, measured, profiles)
             if local is not None:
-                return local
+                det = local
+        if det.report is None:
+            back = self._healthy_again(iteration, measured, profiles)
+            if back is not None:
+                return back
         return det
+
+    def _healthy_again(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection | None:
+        """Known-slow devices back at full speed for ``healthy_iterations``: reported with
+        throughput 1.0, their known speed dropped (docs/detector.md "Acting on a slowdown")."""
+        from resihp_core.protocol import FailureReport
+
+        speeds = {d: p for d, p in self.model.speeds.items() if p < self.recovery.slowest}
+        if not speeds:
+            return None
+        try:
+            excess = peer_excess(profiles, self.model.rank_compute)
+        except ModelNotReady:
+            return None
+        back = self.recovery.update(speeds, excess)
+        if not back:
+            return None
+        k = self.recovery.k
+        evidence = "; ".join(f"device {d} known at p={speeds[d]:.2f} ran at {math.exp(-excess[d]) * speeds[d]:.2f} "
+                             f"of its peers' speed in {k} iterations in a row: healthy again" for d in back)
+        self.model.set_speeds({d: 1.0 for d in back})
+        self._pred.clear()
+        for key in [key for key in self._reported if key[0] in back]:
+            del self._reported[key]
+        self.local.forget(back)
+        self.own.forget(back)
+        report = FailureReport(generation=self.generation, failure="fail-slow", devices=tuple(back),
+                               cause="compute", throughput={d: 1.0 for d in back}, evidence=evidence,
+                               time=max(0.0, self.clock()))
+        logger.info("event=healthy_again generation=%d iteration=%d devices=%s", self.generation, iteration, back)
+        return Detection(iteration, measured, "recovered", report=report, notes=(evidence,))
 
     def _observe_series(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection:
         """The iteration-time path: change point, workload filter, verification."""

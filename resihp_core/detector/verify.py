@@ -237,6 +237,7 @@ class _Case:
     suspects: dict[tuple[int, int], list[int]]
     local: set[tuple[int, int]] = field(default_factory=set)
     dismissed: dict[tuple[int, int], str] = field(default_factory=dict)
+    probe_only: bool = False  # machine-wide compute set aside: only a link probe may name a link
 
 
 class ProfileVerifier:
@@ -363,11 +364,27 @@ class ProfileVerifier:
         c.local = {ex for ex in c.suspects if self._above_peers(c.ctx, c.t, c.groups, ex, c.margin[ex])
                    or self._own_above_peers(c, ex)}
         everyone = all(c.raw[ex] > 1 + self.compute_margin for ex in c.groups)
+        if (c.suspects or everyone) and self._elsewhere(c):
+            # The compute lost (alike on a loaded machine, or a rank's waiting for a CPU)
+            # explains little of what the iteration lost: the time went outside compute,
+            # and a link probe decides now rather than the compute rules deferring it.
+            c.suspects, c.local, c.probe_only = {}, set(), True
+            return None
         if (c.suspects or everyone) and not c.local:
             return Verdict({}, "unknown", "every executor slowed alike in compute ("
                            + ", ".join(f"replica {r} stage {s}: {c.raw[(r, s)]:.2f}x" for r, s in sorted(c.groups))
                            + "): a machine-wide slowdown, no device to plan around")
         return None
+
+    def _elsewhere(self, c: _Case) -> bool:
+        """With a link prober: whether the compute lost on any rank is under ``explain``
+        of the iteration's excess over its prediction (the rest is outside compute)."""
+        t = c.t
+        if c.ctx.prober is None or not t.iteration_predicted > 0:
+            return False
+        excess = t.iteration_measured - t.iteration_predicted
+        lost = max((t.measured[r] - t.predicted[r] for r in t.measured), default=0.0)
+        return excess > 0 and lost < self.explain * excess
 
     def _rule_contention_shared_by_peers(self, c: _Case) -> Verdict | None:
         """Marks (never decides alone) the localised suspects slowed by waiting for a CPU
@@ -501,7 +518,7 @@ class ProfileVerifier:
         CPU there taken out) against the healthy expectation, over the iterations and
         one by one, and probes links where the profiles cannot localise
         (:meth:`_communication`; ``Verdict.rule`` names which of its cases decided)."""
-        return self._communication(c.ctx, c.t)
+        return self._communication(c.ctx, c.t, c.probe_only)
 
     RULES: tuple[tuple[str, Callable[[ProfileVerifier, _Case], Verdict | None]], ...] = (
         ("machine-wide", _rule_machine_wide),
@@ -681,7 +698,7 @@ class ProfileVerifier:
                 continue
             devices = sorted(t.device[r] for r in ranks)
             qg = statistics.median(qs.values())
-            if ctx.prober is None:
+            if ctx.prober is None or not getattr(ctx.prober, "measures_compute", True):
                 for d in devices:
                     slow[d] = _clip_p(1.0 / qg)
                 notes.append(f"{where}: TP group uniformly {qg:.2f}x slow; no prober to split it")
@@ -710,10 +727,10 @@ class ProfileVerifier:
         return Verdict(slow, cause, ev, rounds, probe_s)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ communication
-    def _communication(self, ctx: VerificationContext, t: _Totals) -> Verdict:
+    def _communication(self, ctx: VerificationContext, t: _Totals, probe_only: bool = False) -> Verdict:
         outside = {r: t.device_outside(r) for r in t.outside}
         excess = {r: outside[r] - t.expected_outside.get(r, 0.0) for r in outside}
-        top = max(excess.values(), default=0.0)
+        top = 0.0 if probe_only else max(excess.values(), default=0.0)
         slowdown = t.iteration_measured / t.iteration_predicted if t.iteration_predicted > 0 else None
         if top > 0:
             heavy = [r for r, e in excess.items() if e >= 0.5 * top]

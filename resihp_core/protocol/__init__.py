@@ -79,6 +79,7 @@ __all__ = [
     "SignalWorker",
     "WorkerProcess",
     "NodeRejoin",
+    "LinkProbe",
     "WorkerLeft",
     "JobError",
     "ScriptEnded",

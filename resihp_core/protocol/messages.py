@@ -20,11 +20,11 @@ __all__ = [
     "PROTOCOL_VERSION", "Hello", "Challenge", "AuthResponse", "AuthResult", "Heartbeat",
     "MicroBatchProfile", "IterationProfile", "FailureReport", "PlanUpdate", "IterationReport", "WorkerSummary",
     "AgentState", "Ack", "Error", "LaunchWorkers", "SignalWorker", "WorkerProcess",
-    "NodeRejoin", "WorkerLeft", "JobError", "ScriptEnded",
+    "NodeRejoin", "LinkProbe", "WorkerLeft", "JobError", "ScriptEnded",
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
-PROTOCOL_VERSION = 3  # 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof)
+PROTOCOL_VERSION = 4  # 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof); 4: LinkProbe (a tag older agents reject)
 
 # ------------------------------------------------------------------- field types
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -325,6 +325,15 @@ class NodeRejoin(_Msg, tag="rejoin"):
     devices: tuple[NonNeg, ...] = ()
 
 
+class LinkProbe(_Msg, tag="link_probe"):
+    """Controller -> agent: echo ``payload`` back (agent -> controller, ``node`` its
+    own): the round trip times the link of that node's host (runtime/linkprobe.py)."""
+
+    seq: NonNeg
+    node: NonNeg = 0
+    payload: Annotated[bytes, msgspec.Meta(max_length=8 * 1024 * 1024)] = b""
+
+
 class Ack(_Msg, tag="ack"):
     """Acknowledges ``what`` (e.g. "plan") of ``generation``."""
 
@@ -356,6 +365,7 @@ Message = Union[
     SignalWorker,
     WorkerProcess,
     NodeRejoin,
+    LinkProbe,
     WorkerLeft,
     JobError,
     ScriptEnded,

@@ -61,6 +61,7 @@ from resihp_core.detector.environment import EnvironmentProbe
 from resihp_core.detector.failstop import FailStopMonitor, WorkerFailure
 from resihp_core.protocol import (
     Ack,
+    LinkProbe,
     AgentState,
     AuthError,
     Error,
@@ -353,6 +354,8 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
                     self.launch(msg)
                 elif isinstance(msg, SignalWorker):
                     self.signal_worker(msg.device, signal.Signals[msg.signal])
+                elif isinstance(msg, LinkProbe):  # the controller times this host's link
+                    self._to_controller(LinkProbe(seq=msg.seq, node=self.node, payload=msg.payload))
                 elif isinstance(msg, Ack) and msg.what == BYE:
                     self._job_finished()
                     return

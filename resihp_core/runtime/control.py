@@ -33,6 +33,7 @@ from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded
 from resihp_core.protocols.metrics import IterationMetrics
 from resihp_core.runtime.launcher import LocalJob, NoProgress
+from resihp_core.runtime.payback import PaybackRule
 from resihp_core.runtime.session import JobSession, WatchableStore, wait_news
 from resihp_core.runtime.supervisor import (
     Action, Committed, Deploy, Deployed, DeployFailed, Emit, EndJob, Event, Fail, Finish, Kill, NotifyFailure,
@@ -99,6 +100,8 @@ class ControlLoop:
         commit verdict and of workers leaving the generation (None: the session's store
         if it lives in this process; a client connection must be one of its own, since
         a blocking wait holds it).
+    :param payback: the rule a fail-slow re-plan must pass before it is deployed
+        (``runtime/payback.py``; None: every re-plan is deployed).
     :param idle_s: the longest the loop sleeps with nothing waking it (timers, storage
         faults, repairs). The loop sleeps on what wakes it only when ``reports`` is an
         :class:`Inbox` and it has a store to watch; otherwise it polls every 5 ms.
@@ -132,6 +135,7 @@ class ControlLoop:
     watch_store: WatchableStore | None = None
     idle_s: float = 0.1
     sdc: SdcMonitor | None = None  # None: the fingerprints' findings and the plugins' SDC detectors
+    payback: PaybackRule | None = field(default_factory=PaybackRule)
 
     def __post_init__(self) -> None:
         self.session: JobSession = self.job.session
@@ -140,7 +144,7 @@ class ControlLoop:
                                can_restore=self.checkpoints.directory is not None,
                                checkpoint_every=self.checkpoints.every,
                                move_before_restore=self.move_before_restore, repairs=self.repairs,
-                               handled=self.handled)
+                               handled=self.handled, payback=self.payback, iterations=self.iterations)
         if self.sdc is None:
             self.sdc = SdcMonitor.from_plugins()
         self._polled = {"faults": 0.0, "left": 0.0}

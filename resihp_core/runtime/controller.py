@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 from resihp_core.config import DetectorConfig
 from resihp_core.protocol import (
     Ack,
+    LinkProbe,
     AgentState,
     AuthError,
     Error,
@@ -202,6 +203,8 @@ class Controller:
         self.malformed = 0  # agent connections closed for a frame that is not a valid message
         self._gate = PreAuthGate("controller", max_pending_handshakes)
         self.incarnation = incarnation
+        self._echoes: dict[tuple[int, int], asyncio.Future[None]] = {}  # (node, seq) -> its link probe's echo
+        self._echo_seq = 0
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
@@ -214,6 +217,12 @@ class Controller:
             self.failslow = build_failslow_detector(self.config, plugins=self._plugins, generation=self.generation)
         elif self._failslow_arg is not False:
             self.failslow = self._failslow_arg  # type: ignore[assignment]
+        if self.failslow is not None and getattr(self.failslow, "prober", False) is None:
+            # Without a prober a slow link that every rank waits on cannot be localised
+            # (docs/detector.md "Slow links"): time each host's link through its agent.
+            from resihp_core.runtime.linkprobe import NodeLinkProber
+
+            self.failslow.prober = NodeLinkProber(self)  # type: ignore[attr-defined]
         self._server = await asyncio.start_server(self._serve_agent, self.host, self.port)
         sock = self._server.sockets[0].getsockname()
         self.address = (sock[0], sock[1])
@@ -273,6 +282,50 @@ class Controller:
         if writer is None:
             raise ConnectionError(f"the agent of node {node} is not connected")
         await write_msg(writer, msg)
+
+    async def echo_nodes(self, nodes: Iterable[int], nbytes: int, rounds: int, timeout_s: float,
+                         clear_s: float = 0.5) -> dict[int, float]:
+        """Seconds of the fastest of ``rounds`` round trips of ``nbytes`` through each
+        node's agent (all nodes at once); ``timeout_s`` for a node that does not answer.
+        A node ``clear_s`` slower than the fastest after a round is not probed again."""
+        loop = asyncio.get_running_loop()
+        payload = os.urandom(nbytes)
+        nodes = sorted(set(nodes))
+        best: dict[int, float] = {}
+
+        async def one(node: int) -> float:
+            self._echo_seq += 1
+            key = (node, self._echo_seq)
+            fut: asyncio.Future[None] = loop.create_future()
+            self._echoes[key] = fut
+            t0 = time.monotonic()
+            try:
+                await self.send(node, LinkProbe(seq=key[1], payload=payload))
+                await asyncio.wait_for(fut, timeout_s)
+                return time.monotonic() - t0
+            except (ConnectionError, OSError, asyncio.TimeoutError):
+                return timeout_s
+            finally:
+                self._echoes.pop(key, None)
+
+        for _ in range(max(1, rounds)):
+            # Another round only for nodes that may be jitter: one far above the fastest
+            # (``clear_s``) or timed out is slow enough, and each round on it takes that long.
+            fastest = min(best.values(), default=0.0)
+            todo = [n for n in nodes if best.get(n, 0.0) < min(timeout_s, fastest + clear_s)]
+            got = await asyncio.gather(*(one(n) for n in todo))
+            for n, t in zip(todo, got):
+                best[n] = min(best.get(n, t), t)
+        return best
+
+    def node_of(self, devices: Iterable[int]) -> dict[int, int]:
+        """Device -> the node whose connected agent runs it (devices of no connected node left out)."""
+        out: dict[int, int] = {}
+        for node, view in self.nodes.items():
+            if view.connected:
+                for d in view.devices:
+                    out[d] = node
+        return {d: out[d] for d in devices if d in out}
 
     async def wait_for_agents(self, nodes: set[int], timeout: float) -> None:
         """Return once an agent of every node in ``nodes`` is connected, else raise
@@ -472,6 +525,10 @@ class Controller:
                         self.on_process(msg)
                     except Exception:  # noqa: BLE001
                         logger.exception("on_process callback failed")
+            elif isinstance(msg, LinkProbe):
+                fut = self._echoes.get((view.node, msg.seq))
+                if fut is not None and not fut.done() and msg.node == view.node:
+                    fut.set_result(None)
             elif isinstance(msg, NodeRejoin):
                 if msg.node != view.node:
                     logger.warning("controller: agent of node %d offered node %d", view.node, msg.node)

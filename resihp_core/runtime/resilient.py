@@ -270,7 +270,7 @@ def run_resilient(run: ResilientConfig) -> ResilientRun:
                           fitted=model.fitted_predictor if supervised else (lambda: None),
                           samples=plan.dp * plan.num_microbatches, phase_of=hooks.phase_of, on_iteration=hooks.on_iteration,
                           checkpoints=CheckpointPolicy(run.spec.checkpoint_dir or None, run.spec.checkpoint_every),
-                          move_before_restore=run.move_before_restore,
+                          move_before_restore=run.move_before_restore, payback=run.payback,
                           repairs=dict(run.repairs), handled=handled, first=start, restore_at_start=restore,
                           adopt=attached is not None, wake=wake, watch_store=watch)
         try:

@@ -21,6 +21,7 @@ from resihp_core.config import DetectorConfig
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
 from resihp_core.protocol import FailureReport
+from resihp_core.runtime.payback import PaybackRule
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 
@@ -114,6 +115,8 @@ class ResilientConfig:
         supervisor's one queue of them (healed nodes offer theirs on it too).
     :param move_before_restore: False: a "restore" decision loads the newest complete
         checkpoint at once, without first moving the survivors' copies (docs/design.md §2.2).
+    :param payback: the rule a fail-slow re-plan must pass before it is deployed
+        (docs/detector.md "Acting on a slowdown"; None: every re-plan is deployed).
     :param worker_env: environment every worker gets besides the agent's own (e.g. a
         ``PYTHONPATH`` to the user's model or adapter modules).
     """
@@ -138,5 +141,6 @@ class ResilientConfig:
     observers: Observers | None = None
     repair_requests: queue.Queue[Iterable[int]] | None = None
     move_before_restore: bool = True
+    payback: PaybackRule | None = field(default_factory=PaybackRule)
     worker_env: Mapping[str, str] = field(default_factory=dict)
     hooks: RunHooks = RunHooks()

@@ -35,11 +35,12 @@ failing get the same plan again, ``max_retries`` times in a row.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Literal, Union
 
 from resihp_core.detector.sdc import Quarantine, Reexecute, SdcArbiter, SdcDetected
 from resihp_core.protocol import FailureReport, JobError, PlanUpdate, ScriptEnded, WorkerLeft
+from resihp_core.runtime.payback import PaybackRule, ReconfigurationMeter, is_recovery, origin_candidate
 from resihp_core.runtime.session import Layout, StorageFault
 from resihp_core.scheduler.planner import PlanDecision
 from resihp_core.scheduler.state import PlannerState
@@ -255,12 +256,15 @@ class Supervisor:
         ``checkpoint_every``: how often (for the storage-fault events).
     :param repairs: iteration -> devices repaired once that many iterations committed.
     :param handled: devices already out of the job (a re-attached job's lost members).
+    :param payback: the rule a fail-slow re-plan must pass before it is deployed (None:
+        every re-plan is deployed); ``iterations``: the job's length (caps its horizon).
     """
 
     def __init__(self, state: PlannerState, *, clock: Callable[[], float], stall_s: float = 15.0,
                  max_retries: int = 3, join_timeout_s: float = 120.0, can_restore: bool = False,
                  checkpoint_every: int = 0, move_before_restore: bool = True, repairs: dict[int, tuple[int, ...]] | None = None,
-                 handled: Iterable[int] = ()) -> None:
+                 handled: Iterable[int] = (), payback: PaybackRule | None = None,
+                 iterations: int | None = None) -> None:
         self.state = state
         self.clock = clock
         self.stall_s, self.max_retries, self.join_timeout_s = stall_s, max_retries, join_timeout_s
@@ -291,6 +295,9 @@ class Supervisor:
         self.ended: dict[int, ScriptEnded] = {}  # devices whose script returned (not failures)
         self.sdc = SdcArbiter()  # silent data corruption: what a finding means (docs/sdc.md)
         self._reexecute: Reexecute | None = None
+        self.payback, self.iterations = payback, iterations
+        self.meter = ReconfigurationMeter()  # what a fail-slow re-plan costs this job
+        self._replan = False  # the next Deployed is a fail-slow re-plan's (measured)
 
     # ------------------------------------------------------------ the one entry point
     def handle(self, event: Event) -> list[Action]:
@@ -358,6 +365,7 @@ class Supervisor:
         self.retries = 0  # the job makes progress: a later stall gets its own retries
         if ev.generation == self.generation:
             self._gen_committed = True
+            self.meter.committed(self.clock())
             self._settle()
         for it in sorted(it for it in self.repairs if it <= self.committed):
             self._offered.update(self.repairs.pop(it))  # scheduled repairs, now due
@@ -399,6 +407,8 @@ class Supervisor:
         self._gen_committed = False
         self.phase = Phase.DEPLOYING
         self._last_progress = self.clock()
+        self.meter.deployed(replan=self._replan)
+        self._replan = False
         if self._rejoining:
             self.rejoined.update({d: ev.generation for d in self._rejoining})
             self._rejoining = ()
@@ -530,6 +540,9 @@ class Supervisor:
                              Emit("failure", f"{report.failure} of devices {list(report.devices)} "
                                              f"({report.cause}): {report.evidence}",
                                   {"failure": report.failure, "devices": list(report.devices), "cause": report.cause})]
+        if is_recovery(report):  # not a failure: the devices are back at full speed
+            out = [Emit("recovered", f"devices {list(report.devices)} healthy again: {report.evidence}",
+                        {"devices": list(report.devices)})]
         if report.failure == "fail-stop":
             paused = {d for r in stops for d in r.paused}
             for d in report.devices:
@@ -570,6 +583,8 @@ class Supervisor:
             return [Emit("failure", f"fail-stop of devices {dead_in_plan} during recovery",
                          {"failure": "fail-stop", "devices": dead_in_plan, "cause": "unknown"}),
                     PlanFailure(self._report, self.state)]
+        if self.payback is not None and self._report is not None and self._report.failure == "fail-slow":
+            return self._judged(decision, ev.seconds)
         self.state = decision.state
         # A restore decision is a fresh layout over the survivors. Where they still hold
         # a copy of every piece (replicas), moving it there beats reading a checkpoint
@@ -577,6 +592,40 @@ class Supervisor:
         # holder raises StateLost, answered by a restore (Tick).
         return [Deploy(decision, ev.seconds, decision.kind,
                        from_checkpoint=decision.kind == "restore" and not self.move_before_restore)]
+
+    def _judged(self, decision: PlanDecision, seconds: float) -> list[Action]:
+        """A fail-slow re-plan (or the return after a device is healthy again) is deployed
+        only when it pays back its reconfiguration (runtime/payback.py); otherwise the job
+        runs on with its plan, the new speeds noted. The event says which and why."""
+        assert self.payback is not None and self._report is not None
+        report = self._report
+        back = is_recovery(report)
+        if back:
+            decision = origin_candidate(decision) or decision
+        remaining = None if self.iterations is None else max(0, self.iterations - self.committed)
+        verdict = self.payback.judge(decision, self.state, self.meter, remaining)
+        devices = list(report.devices)
+        what = f"devices {devices} healthy again" if back else f"fail-slow of devices {devices} ({report.cause})"
+        if verdict.unchanged and report.cause == "communication" and not back:
+            what += f": no layout the planner found moves traffic off the slow link of devices {devices}"
+        if not verdict.pays:
+            self.state = self.state.with_health(speeds=decision.state.speeds,
+                                                link_speeds=decision.state.link_speeds)
+            self.phase = Phase.DEPLOYING  # back to where the running generation is
+            self._settle()
+            return [Emit("replan", f"{what}: plan generation {self.generation} kept, the re-plan does not pay "
+                                   f"back: {verdict.text}",
+                         {"devices": devices, "pays": False, "gain_s": verdict.gain_s, "cost_s": verdict.cost_s,
+                          "horizon": verdict.horizon})]
+        self.state = decision.state
+        self._replan = True
+        decision = replace(decision, reason=f"{decision.reason}; pays back: {verdict.text}")
+        return [Emit("replan", f"{what}: re-planned, it pays back: {verdict.text}",
+                     {"devices": devices, "pays": True, "gain_s": verdict.gain_s, "cost_s": verdict.cost_s,
+                      "horizon": verdict.horizon}),
+                Deploy(decision, seconds, decision.kind,
+                       from_checkpoint=decision.kind == "restore" and not self.move_before_restore,
+                       what="return to the better layout" if back else "")]
 
     def _deploy_failed(self, ev: DeployFailed) -> list[Action]:
         """A device of the plan died between the plan and the post (two workers killed

@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["Hosts", "Host", "unavailable"]
+__all__ = ["Hosts", "Host", "unavailable", "tc_unavailable"]
 
 # Exec ``argv`` with the host name set to "localhost" (resolves to 127.0.0.1).
 _AS_LOCALHOST = "import os, socket, sys; socket.sethostname('localhost'); os.execvp(sys.argv[1], sys.argv[1:])"
@@ -37,6 +37,22 @@ def unavailable() -> str:
     for tool in ("ip", "unshare"):
         if shutil.which(tool) is None:
             return f"the {tool!r} command (iproute2 / util-linux) is missing"
+    return ""
+
+
+def tc_unavailable() -> str:
+    """Why a host's link cannot be rate-limited here ('' when it can): needs the ``tc``
+    command and the ``tbf`` queueing discipline (docs: /work/shared/ENVIRONMENT.md)."""
+    why = unavailable()
+    if why:
+        return why
+    if shutil.which("tc") is None:
+        return "the 'tc' command (iproute2) is missing"
+    with Hosts(1) as hosts:
+        try:
+            hosts.throttle(0, "10mbit")
+        except subprocess.CalledProcessError as e:
+            return f"tc cannot add a tbf qdisc here: {e.stderr.strip()[:200]}"
     return ""
 
 
@@ -118,6 +134,17 @@ class Hosts:
 
     def heal(self, i: int) -> None:
         _ip("link", "set", self.hosts[i].veth, "up")
+
+    def throttle(self, i: int, rate: str) -> None:
+        """Rate-limit host ``i``'s interface (what leaves it) with the kernel's token
+        bucket filter, from outside any process of the job."""
+        subprocess.run(["ip", "netns", "exec", self.hosts[i].netns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                        "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"],
+                       check=True, capture_output=True, text=True, timeout=30)
+
+    def unthrottle(self, i: int) -> None:
+        subprocess.run(["ip", "netns", "exec", self.hosts[i].netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                       check=False, capture_output=True, timeout=30)
 
     def close(self) -> None:
         for p in self._procs:

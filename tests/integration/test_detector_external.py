@@ -372,3 +372,57 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
     if slow_after:
         print("fail-slow reports after the rejoin (not this test's subject):", slow_after)
     assert pids["after"] == pids["before"], pids  # the same process: never killed
+
+
+def test_a_worker_stopped_half_of_the_time_then_let_run_gets_its_original_layout_back():
+    """The duty cycle of the test above for 10 iterations, then the worker runs freely:
+    it is reported slow, then healthy again after 5 iterations at full speed
+    (docs/detector.md "Acting on a slowdown"), and the plan returns to the layout the
+    job started with. Asserted when the machine was quiet (module docstring)."""
+    plan = uniform(1, 1, 2, 4)
+    job = _Job()
+    stop = threading.Event()
+    at: dict[str, float] = {}
+    seconds: dict[int, float] = {}
+    loads: list[float] = []
+    outside = OutsideLoad()
+    thread: list[threading.Thread] = []
+    cycle = 10
+
+    def on_iteration(rec) -> None:
+        loads.append(os.getloadavg()[0])
+        outside.sample()
+        seconds.setdefault(rec.iteration, rec.seconds)
+        if rec.iteration + 1 == ONSET and not thread:
+            pid = _worker_pids(job.path)[1]
+            period = duty_period(statistics.median(seconds[i] for i in range(4, ONSET - 1) if i in seconds))
+            thread.append(threading.Thread(target=duty_cycle, args=(pid, stop, period), daemon=True))
+            thread[0].start()
+            at["onset"] = rec.iteration + 2
+        if rec.iteration + 1 == ONSET + cycle and "end" not in at:
+            stop.set()
+            at["end"] = rec.iteration + 2
+
+    spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir())
+    try:
+        run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + cycle + 25, before_run=job.before_run,
+                          on_iteration=on_iteration)
+    finally:
+        stop.set()
+        for t in thread:
+            t.join(5)
+    events = [(e["iteration"], e["kind"], e["text"][:220]) for e in run.events
+              if e["kind"] in ("failure", "recovered", "replan", "plan")]
+    print("events:", *events, _machine(loads, outside), sep="\n  ")
+    assert not [e for e in _reports(run) if e["failure"] != "fail-slow"], _reports(run)
+    if not _quiet(outside):
+        return
+    slow = [e for e in _reports(run) if e["devices"] == [1]]
+    back = [e for e in run.events if e["kind"] == "recovered" and e["devices"] == [1]]
+    # Healthy again only after the cycle ended: 5 iterations at full speed, the one in
+    # which it ended counting when little of it was stopped (events carry the count of
+    # iterations committed when they happened).
+    assert slow and back and back[0]["iteration"] >= at["end"] + 2, events
+    final = run.final_plan
+    assert (final.tp_groups, final.layer_ranges, final.migrations) == (plan.tp_groups, plan.layer_ranges,
+                                                                       plan.migrations), events

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 from resihp_core.plan import parse_plan  # noqa: E402
 
+from .test_chaos import SHORT_JOB  # noqa: E402
 from .test_torch_native import DATA, MODEL, TOL, as_triples, max_rel_err, reference  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -76,7 +77,7 @@ def run_job(tmp: Path, iterations: int, faults: list, *, dim: int = MODEL["dim"]
                          warmup_iterations=3, min_changepoint_gap=3)
     run = run_resilient(ResilientConfig(spec=spec, plan=job.plan, topology=job.topology, state=job.state,
                                         planner=job.planner, detector=det, iterations=iterations, workdir=tmp / "work",
-                                        worker_module=worker_module, timeout_s=300,
+                                        worker_module=worker_module, timeout_s=300, payback=SHORT_JOB,
                                         hooks=RunHooks(on_detection=on_detection)))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
@@ -201,6 +202,6 @@ def test_a_slowed_worker_is_found_within_3_iterations_and_runs_fewer_micro_batch
         return
     _found_within_3(seen, slow, onset)
     final = run.final_plan
-    assert final.generation >= 1
+    assert final.generation >= 1, [(e["iteration"], e["kind"], e["text"][:300]) for e in run.events]
     # the slowed replica sheds micro-batches (to none when dropping it is predicted faster)
     assert work_of(final, slow) < M, final.to_text()

@@ -125,6 +125,7 @@ messages = st.one_of(
     st.builds(P.Error, text, text),
     st.builds(P.WorkerProcess, ids, ids, ids, st.none() | small, text, st.sampled_from(["", "10.0.0.2", "::1"])),
     st.builds(P.NodeRejoin, ids, st.lists(ids, max_size=8).map(tuple)),
+    st.builds(P.LinkProbe, ids, ids, st.binary(max_size=64)),
     st.builds(P.WorkerLeft, ids, ids, text, text, st.booleans()),
     st.builds(P.JobError, ids, text, text, text, text, st.sampled_from(["setup", "training"]), ids, small),
     st.builds(P.ScriptEnded, ids, ids),
@@ -139,7 +140,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 19
+    assert len(P.MESSAGE_TYPES) == 20
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
