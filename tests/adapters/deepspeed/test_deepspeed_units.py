@@ -338,10 +338,10 @@ def test_the_deepspeed_demo_writes_the_default_demos_report(tmp_path):
 
     from resihp_adapters.deepspeed.launch import write_launch_report
     from resihp_core.faults import load_scenario
-    from resihp_core.runtime.control import IterationRecord
+    from resihp_core.protocols import IterationMetrics
 
     faults = load_scenario([{"device": 3, "iteration": 3, "kind": "kill"}])
-    recs = [IterationRecord(iteration=i, loss=1.0 - 0.1 * i, seconds=9.0 if i == 0 else 0.1, samples=32,
+    recs = [IterationMetrics(iteration=i, loss=1.0 - 0.1 * i, seconds=9.0 if i == 0 else 0.1, samples=32,
                             generation=int(i >= 3), phase="after kill on device 3" if i >= 3 else "healthy")
             for i in range(6)]
     plan_ev = {"kind": "plan", "iteration": 3, "generation": 1, "text": "generation 1"}
