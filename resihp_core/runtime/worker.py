@@ -36,6 +36,7 @@ from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate, WorkerLeft
 from resihp_core.runtime import session
+from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.protocols.store import KeyValueStore
 from resihp_core.runtime.injector import FaultInjector
 
@@ -553,6 +554,9 @@ class Worker:
         """Post this worker's finished checkpoint writes; a failed one is a storage
         fault (:func:`~resihp_core.runtime.session.put_storage_fault`): reported, never fatal."""
         for st in self.adapter.checkpoint_status():
+            if not isinstance(st, CheckpointWrite):
+                raise TypeError(f"adapter {self.adapter.name!r}: checkpoint_status() must return "
+                                f"resihp_core.protocols.CheckpointWrite records, got {type(st).__name__}")
             if st.error:
                 session.put_storage_fault(self.store, session.StorageFault(
                     device=self.device, iteration=st.iteration, error=st.error))

@@ -38,6 +38,7 @@ from torch import Tensor
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.config import ConfigError
 from resihp_core.plan import ParallelPlan
+from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Forward, Program
 
 from resihp_adapters.megatron_core import state as st
@@ -686,11 +687,10 @@ class MegatronCoreAdapter(Adapter):
             self._writer().submit(iteration, {c: {n: [x.cpu() for x in v] for n, v in d.items()}
                                               for c, d in comps.items()}, self._every_component())
 
-    def checkpoint_status(self) -> list[dict[str, Any]]:
+    def checkpoint_status(self) -> list[CheckpointWrite]:
         if self._ckpt is None:
             return []
-        return [dict(iteration=w.iteration, error=w.error, bytes=w.bytes, seconds=w.seconds, pruned=list(w.pruned))
-                for w in self._ckpt.results()]
+        return [CheckpointWrite(w.iteration, w.error, w.bytes, w.seconds, tuple(w.pruned)) for w in self._ckpt.results()]
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """This device's shards of ``plan`` from checkpoint ``iteration``."""
