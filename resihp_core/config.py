@@ -234,6 +234,11 @@ class SchedulerConfig(_Section):
     schedule: Literal["gpipe", "1f1b", "zbh1"] = _opt("1f1b")
     device_memory_gib: float = _opt(80.0, _gt(0), _finite)
     k_min: int = _opt(1, _pow2)  # smallest TP degree whose shard fits device memory
+    # The payback rule a fail-slow re-plan must pass (docs/detector.md, "Acting on a
+    # slowdown"): the gain counted over this many iterations (capped by those left)...
+    payback_horizon_iterations: int = _opt(100, _ge(1))
+    # ...against a reconfiguration's cost, this many seconds until one is measured.
+    payback_default_cost_s: float = _opt(2.0, _ge(0), _finite)
 
 
 @dataclass(frozen=True)

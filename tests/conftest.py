@@ -38,3 +38,17 @@ if _COST_FILE:
                "cpu_s": round(_cpu() - cpu, 2), "load1": round(os.getloadavg()[0], 1)}
         with open(_COST_FILE, "a", encoding="utf-8") as out:
             out.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _torch_default_dtype():
+    """A test that sets torch's default dtype (float64 runs) leaves it as it found it
+    for the next one (Megatron-Core builds tensors in the default dtype)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.get_default_dtype() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_default_dtype(before if before is not None else torch.float32)

@@ -25,6 +25,7 @@ from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
 from resihp_core.predictor.corpus import Workload
 from resihp_core.predictor.predict import ModelShape
+from resihp_core.runtime.payback import PaybackRule
 from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
@@ -201,7 +202,9 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
                           iterations=tr.iterations, workdir=work / "job", repairs=repairs(faults),
                           agents=AgentSetup(interface=cfg.runtime.interface),
                           controller_grace_s=cfg.runtime.controller_grace_s, state_dir=work, config=cfg,
-                          observers=get_plugins())
+                          observers=get_plugins(),
+                          payback=PaybackRule(horizon_iterations=cfg.scheduler.payback_horizon_iterations,
+                                              default_cost_s=cfg.scheduler.payback_default_cost_s))
     return AssembledJob(plan, topology, spec, state, planner, adapter.reference, run)
 
 

@@ -35,9 +35,16 @@ def test_clipping_sees_cuda_type_names_only_while_it_runs():
     cpu.enable()
     from megatron.core.optimizer import clip_grads, optimizer
 
-    p = torch.nn.Parameter(torch.ones(4))
-    p.grad = torch.full((4,), 2.0)
-    optimizer.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
-    assert torch.allclose(p.grad, torch.full((4,), 0.5), rtol=1e-5)
+    # float32, as Megatron's clipping wants: an earlier test of the session may have
+    # changed the default dtype (Megatron builds its clip coefficient in the default one)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), 2.0)
+        optimizer.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.allclose(p.grad, torch.full((4,), 0.5, dtype=torch.float32), rtol=1e-5)
     assert p.grad.type() == "torch.FloatTensor"  # restored once clipping returned
     assert clip_grads.clip_grad_by_total_norm_fp32 is optimizer.clip_grad_by_total_norm_fp32
