@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from resihp_core.protocols.events import only  # noqa: E402
 from resihp_core.config import DetectorConfig  # noqa: E402
 from resihp_core.protocol import (  # noqa: E402
     FailureReport,
@@ -287,7 +288,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
             posted[g] = time.time()
         threading.Thread(target=repost, daemon=True).start()
 
-    ctl = Controller(cfg, SECRET, on_report=on_report, node_devices=topology)
+    ctl = Controller(cfg, SECRET, sink=only(FailureReport, on_report), node_devices=topology)
     lt.run(ctl.start())
     host, port = ctl.address
     procs = []

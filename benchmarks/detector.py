@@ -575,7 +575,10 @@ def real_failstop(config: DetectorConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     lt = LoopThread("bench-controller").start()
     try:
-        ctl = Controller(cfg, secret, failslow=False, plugins=Plugins(autoload=False, builtins=[]))
+        from resihp_core.protocols.events import EventLog
+
+        log = EventLog()
+        ctl = Controller(cfg, secret, failslow=False, sink=log, plugins=Plugins(autoload=False, builtins=[]))
         lt.run(ctl.start())
         agent = subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.agent", "--node", "0",
                                   "--controller", ctl.address_text, "--config", _cfg_file(cfg),
@@ -603,7 +606,7 @@ def real_failstop(config: DetectorConfig) -> dict[str, Any]:
         def timed(what: str, act: Callable[[], None], match: Callable[[Any], bool], limit: float = 8.0) -> None:
             t = time.monotonic()
             act()
-            rep = ctl.wait_for_report(match, limit)
+            rep = log.wait_for_report(match, limit)
             out[what] = {"detected": rep is not None, "latency_s": time.monotonic() - t if rep else None,
                          "evidence": rep.evidence if rep else ""}
 
@@ -611,12 +614,12 @@ def real_failstop(config: DetectorConfig) -> dict[str, Any]:
         timed("sigkill_worker", lambda: workers[0].send_signal(signal.SIGKILL), stopped(0))
         timed("sigstop_worker", lambda: workers[1].send_signal(signal.SIGSTOP), stopped(1))
         t_stall = time.monotonic()
-        rep = ctl.wait_for_report(stopped(2), 15.0)
+        rep = log.wait_for_report(stopped(2), 15.0)
         out["stalled_progress"] = {"detected": rep is not None, "evidence": rep.evidence if rep else "",
                                    "waited_s": time.monotonic() - t_stall}
         timed("sigkill_agent", lambda: agent.send_signal(signal.SIGKILL), stopped(3))
         out["sigstop_reported_as_paused"] = "paused" in out["sigstop_worker"]["evidence"]
-        out["false_reports"] = sum(1 for r in ctl.reports if not (set(r.devices) <= {0, 1, 2, 3}))
+        out["false_reports"] = sum(1 for r in log.reports if not (set(r.devices) <= {0, 1, 2, 3}))
         lt.run(ctl.stop())
     finally:
         for p in procs:

@@ -117,11 +117,10 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
         for d, p in c.workers.items():
             _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
         c.go()
-        ctl = c.controller
         deadline = time.monotonic() + timeout_s
         started = False
         while time.monotonic() < deadline:
-            done = max((d.iteration for d in list(ctl.detections)), default=-1)  # type: ignore[attr-defined]
+            done = max((d.iteration for d in c.events.detections), default=-1)
             loads.append(os.getloadavg()[0])
             outside.sample()
             if case.external and not started and done >= ONSET - 2:
@@ -143,7 +142,7 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
         for t in threads:
             t.join(5)
         hogs.kill()
-        dets = list(ctl.detections)  # type: ignore[attr-defined]
+        dets = c.events.detections
         reports = [d for d in dets if d.report is not None]
     hit = next((d for d in reports if case.target is not None and case.target in d.report.devices
                 and d.iteration >= onset), None)

@@ -253,7 +253,7 @@ def run_fluctuation(seconds: float = 6.0) -> dict[str, Any]:
         while time.monotonic() < end:
             loads.append(os.getloadavg()[0])
             time.sleep(0.25)
-        reports = [r for r in c.controller.reports if r.failure == "fail-slow"]  # type: ignore[attr-defined]
+        reports = [r for r in c.events.reports if r.failure == "fail-slow"]  # type: ignore[attr-defined]
     return {"false_reports": len(reports), "detected": None, "latency": None,
             "reports": [(list(r.devices), r.cause) for r in reports],
             "load": [min(loads, default=0.0), max(loads, default=0.0)], "trace": rec.log}

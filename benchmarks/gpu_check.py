@@ -102,6 +102,7 @@ def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | N
     from dataclasses import replace
     from resihp_core.config import Config
     from resihp_core.faults import repairs
+    from resihp_core.protocols.events import observer
     from resihp_core.runtime.jobs import build_job, phases
     from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
@@ -125,7 +126,7 @@ def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | N
                                         workdir=work / "job", repairs=repairs(faults), timeout_s=600.0,
                                         agents=AgentSetup(timeout_s=300.0),
                                         hooks=RunHooks(phase_of=phases(faults), before_run=before_run,
-                                                       on_iteration=iteration)))
+                                                       observe=observer(iteration=iteration))))
     return cfg, job, run
 
 
@@ -167,7 +168,7 @@ def _ran(row: Row, run: Any) -> bool:
 def _exact(row: Row, cfg: Any, job: Any, run: Any, tol: float | None = None) -> None:
     """The losses against the adapter's fault-free reference (``tol``: instead of the
     dtype's own tolerance)."""
-    from resihp_core.runtime.jobs import _reference_check
+    from resihp_core.cli.run import _reference_check
 
     if job.reference is None:
         row.note = "adapter has no fault-free reference"

@@ -291,6 +291,7 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
     from resihp_core.config import Config
     from resihp_core.faults import Fault, repairs
     from resihp_core.runtime.jobs import build_job
+    from resihp_core.protocols.events import JobEvent, PlanPosted, observer
     from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
     faults = [Fault(e.device, e.iteration, e.kind, e.factor) for e in trace]
@@ -304,9 +305,9 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
 
     resumes: list[tuple[int, int]] = []  # (iterations committed, iteration the next generation resumes at)
 
-    def on_event(ev: dict) -> None:
-        if ev.get("kind") == "plan" and isinstance(ev.get("resume"), int):
-            resumes.append((len(run.commits), ev["resume"]))
+    def on_event(ev: JobEvent) -> None:
+        if isinstance(ev, PlanPosted) and ev.resume is not None:
+            resumes.append((len(run.commits), ev.resume))
 
     # agent_timeout (``resihp run --agent-timeout``, 60 s by default) bounds the agent's and
     # its workers' start: at load 30 on 2 cores the workers' imports alone took longer.
@@ -314,7 +315,7 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
                                         planner=aj.planner, detector=cfg.detector, iterations=iterations,
                                         workdir=work / "job", repairs=repairs(faults), timeout_s=timeout,
                                         agents=AgentSetup(timeout_s=timeout),
-                                        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event)))
+                                        hooks=RunHooks(observe=observer(iteration=on_iteration, job=on_event))))
     run.ok, run.error, run.wall_s = res.ok, res.error[:300], time.time() - t0
     # The supervisor reports each iteration once; a generation that resumes before the
     # iterations already committed (a restore) trains them again: put them in the log,

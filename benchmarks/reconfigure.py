@@ -222,6 +222,7 @@ def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelP
 
     from resihp_core.runtime.assemble import assemble_spec
     from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.protocols.events import Failure, JobEvent, PlanPosted, observer
     from resihp_core.runtime.runconfig import RunHooks
 
     base, victim, after = plans
@@ -240,7 +241,7 @@ def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelP
                                           "warmup_iterations": 1_000_000})
             t: dict[str, float] = {}
             jobs: list[LocalJob] = []
-            restores: list[dict] = []
+            restores: list[PlanPosted] = []
 
             def on_iteration(rec, point=point, t=t, jobs=jobs) -> None:
                 if rec.iteration == point - 1 and "kill" not in t:
@@ -250,16 +251,17 @@ def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelP
                 elif "kill" in t and rec.iteration >= point and "first" not in t:
                     t["first"] = time.perf_counter()
 
-            def on_event(ev: dict, t=t, restores=restores) -> None:
-                if ev["kind"] == "failure" and "kill" in t and "detect" not in t:
+            def on_event(ev: JobEvent, t=t, restores=restores) -> None:
+                if isinstance(ev, Failure) and "kill" in t and "detect" not in t:
                     t["detect"] = time.perf_counter()
-                if ev["kind"] == "plan" and ev.get("restore") is not None:
+                if isinstance(ev, PlanPosted) and ev.restore is not None:
                     t.setdefault("restored", time.perf_counter())
                     restores.append(ev)
 
             run = replace(asm.run, planner=_ScriptedRestore(after, victim), timeout_s=timeout,
                           move_before_restore=False, hooks=RunHooks(
-                on_iteration=on_iteration, on_event=on_event, before_run=lambda job, agents, jobs=jobs: jobs.append(job)))
+                observe=observer(iteration=on_iteration, job=on_event),
+                before_run=lambda job, agents, jobs=jobs: jobs.append(job)))
             res = run_resilient(run)
             if not res.ok or "first" not in t or not restores:
                 raise RuntimeError(f"no restore measured after {point} iterations ({res.error or 'no restore'}; "
@@ -267,7 +269,7 @@ def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelP
             ev = restores[0]
             rows.append(dict(kill_to_first_iteration_s=t["first"] - t["kill"], detect_s=t["detect"] - t["kill"],
                              kill_to_restore_posted_s=t["restored"] - t["kill"], killed_at=point,
-                             restored_from=ev["restore"], resumed_at=ev["resume"], redone=point - ev["resume"]))
+                             restored_from=ev.restore, resumed_at=ev.resume, redone=point - ev.resume))
             print(f"  kill after {point} iterations, run {rep + 1}: "
                   f"{rows[-1]['kill_to_first_iteration_s']:.3f} s, resumed at {rows[-1]['resumed_at']} "
                   f"({rows[-1]['redone']} redone)", flush=True)

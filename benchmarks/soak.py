@@ -155,6 +155,7 @@ class Soak:
             self.lock.notify_all()
 
     def on_event(self, ev: dict) -> None:
+        """A job event as ``events.json`` holds it (the soak's record keeps that form)."""
         if ev["kind"] in ("plan", "checkpoint", "storage", "failure"):
             extra = f" resume={ev.get('resume')}" if ev["kind"] == "plan" else ""
             print(f"      [it {ev['iteration']} gen {ev['generation']}] {ev['kind']}: {ev['text'][:140]}{extra}",
@@ -471,6 +472,7 @@ class Soak:
 
     # ------------------------------------------------------------ run
     def run(self) -> dict:
+        from resihp_core.protocols.events import event_dicts, observer
         from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 
         a = self.assembled
@@ -490,7 +492,9 @@ class Soak:
             # A hang guard, not a speed limit: torch_native commits ~1 iteration/s
             # on the shared 2-core machine at load 30 (the job took >900 s there).
             timeout_s=max(2400.0, self.failures * 120.0),
-            hooks=RunHooks(on_iteration=self.on_iteration, on_event=self.on_event, before_run=before_run)))
+            hooks=RunHooks(observe=observer(iteration=self.on_iteration,
+                                            job=lambda ev: self.on_event(event_dicts([ev])[0])),
+                           before_run=before_run)))
         wall = time.monotonic() - t0
         self.done.set()
         if driver.ident is not None:

@@ -22,7 +22,8 @@ micro-batches processed), ``generation`` (plan generation, int >= 0), ``phase`` 
 str, e.g. ``"healthy"``, ``"fail-slow (ResiHP)"``) and optionally ``time`` (seconds since
 job start at which the iteration *ended*). Extra keys are kept in ``events.json``.
 
-An *event* is a mapping with ``kind`` (str: ``"injection"``, ``"failure"``, ``"plan"``,
+An *event* is a job event (:data:`resihp_core.protocols.events.JobEvent`) or a mapping
+with ``kind`` (str: ``"injection"``, ``"failure"``, ``"plan"``,
 ...), ``text`` (str), and ``iteration`` (int) or ``time`` (seconds since job start), plus
 optionally ``generation`` and anything else. An event given by ``time`` only is placed
 on the iteration axis by interpolating over the iterations' end times: their ``time``
@@ -47,8 +48,11 @@ import json
 import math
 import numbers
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from resihp_core.protocols.events import JobEvent, event_dicts
 
 __all__ = [
     "ReportError",
@@ -162,11 +166,34 @@ def _check_iterations(iterations: object) -> list[dict[str, Any]]:
     return rows
 
 
-def _check_events(events: object) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class _Event:
+    """One checked event: what the figures and the summary read; ``record`` is what
+    ``events.json`` keeps."""
+
+    kind: str
+    text: str
+    iteration: int | None
+    time: float | None
+    generation: int | None
+    record: dict[str, Any]
+
+    def when(self) -> str:
+        parts = []
+        if self.time is not None:
+            parts.append(f"t={self.time:.2f}s")
+        if self.iteration is not None:
+            parts.append(f"it {self.iteration}")
+        return " / ".join(parts)
+
+
+def _check_events(events: object) -> list[_Event]:
     if isinstance(events, (str, bytes)) or not isinstance(events, Sequence):
         raise ReportError(f"events must be a list of dicts, got {type(events).__name__}")
-    out: list[dict[str, Any]] = []
+    out: list[_Event] = []
     for i, ev in enumerate(events):
+        if isinstance(ev, JobEvent):
+            ev = event_dicts([ev])[0]
         where = f"events[{i}]"
         if not isinstance(ev, Mapping):
             raise ReportError(f"{where}: expected a dict, got {type(ev).__name__}")
@@ -192,7 +219,7 @@ def _check_events(events: object) -> list[dict[str, Any]]:
         for key, conv in (("iteration", int), ("time", float), ("generation", int)):
             if key in clean:
                 clean[key] = conv(clean[key])
-        out.append(clean)
+        out.append(_Event(kind, text, clean.get("iteration"), clean.get("time"), clean.get("generation"), clean))
     return out
 
 
@@ -315,7 +342,7 @@ _STYLE = {  # kind -> (colour, line style, legend label)
 _OTHER = ("grey", ":", "other event")
 
 
-def _event_x(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[float]:
+def _event_x(events: list[_Event], rows: list[dict[str, Any]]) -> list[float]:
     """Each event's position on the iteration axis (see the module doc)."""
     its = [float(r["iteration"]) for r in rows]
     if all("time" in r for r in rows):
@@ -329,10 +356,10 @@ def _event_x(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[f
     starts_t = [ends[0] - float(rows[0]["seconds"])] + ends[:-1]
     xs: list[float] = []
     for ev in events:
-        if "iteration" in ev:
-            xs.append(float(ev["iteration"]))
+        if ev.iteration is not None:
+            xs.append(float(ev.iteration))
             continue
-        t = float(ev["time"])
+        t = float(ev.time or 0.0)
         if t <= starts_t[0]:
             xs.append(its[0] - 0.5)
         elif t >= ends[-1]:
@@ -357,15 +384,6 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=True)) or text
 
 
-def _event_when(ev: Mapping[str, Any]) -> str:
-    parts = []
-    if "time" in ev:
-        parts.append(f"t={float(ev['time']):.2f}s")
-    if "iteration" in ev:
-        parts.append(f"it {ev['iteration']}")
-    return " / ".join(parts)
-
-
 # ----------------------------------------------------------------- plotting
 def _figure(width: float = 8.0, height: float = 4.5) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -376,12 +394,12 @@ def _figure(width: float = 8.0, height: float = 4.5) -> Any:
     return fig
 
 
-def _mark_events(ax: Any, events: list[dict[str, Any]], xs: list[float], *, annotate: bool,
+def _mark_events(ax: Any, events: list[_Event], xs: list[float], *, annotate: bool,
                  kinds: set[str] | None = None) -> None:
     seen: set[str] = set()
-    marked = [(x, ev) for ev, x in zip(events, xs) if kinds is None or ev["kind"] in kinds]
+    marked = [(x, ev) for ev, x in zip(events, xs) if kinds is None or ev.kind in kinds]
     for x, ev in marked:
-        colour, style, label = _STYLE.get(ev["kind"], _OTHER)
+        colour, style, label = _STYLE.get(ev.kind, _OTHER)
         ax.axvline(x, color=colour, linestyle=style, linewidth=1.2, alpha=0.85,
                    label=None if label in seen else label)
         seen.add(label)
@@ -394,12 +412,12 @@ def _mark_events(ax: Any, events: list[dict[str, Any]], xs: list[float], *, anno
     width_pt = ax.figure.get_figwidth() * 72 * ax.get_position().width
     per_unit = width_pt / (hi - lo) if hi > lo else 0.0
     line_pt, last = 11.0, -math.inf
-    for x, ev in sorted(((x, ev) for x, ev in marked if ev["text"]), key=lambda t: t[0]):
-        colour = _STYLE.get(ev["kind"], _OTHER)[0]
+    for x, ev in sorted(((x, ev) for x, ev in marked if ev.text), key=lambda t: t[0]):
+        colour = _STYLE.get(ev.kind, _OTHER)[0]
         at = (x - lo) * per_unit
         pos = max(at + 2.0, last + line_pt)
         last = pos
-        ax.annotate(_short(ev["text"]), xy=(x, 1.0), xycoords=("data", "axes fraction"),
+        ax.annotate(_short(ev.text), xy=(x, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(pos - at, -4), textcoords="offset points", rotation=90,
                     va="top", ha="left", fontsize=7, color=colour,
                     bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8),
@@ -407,7 +425,7 @@ def _mark_events(ax: Any, events: list[dict[str, Any]], xs: list[float], *, anno
                                 dict(arrowstyle="-", color=colour, linewidth=0.5, alpha=0.6)))
 
 
-def _plot_loss(path: Path, rows: list[dict[str, Any]], events: list[dict[str, Any]],
+def _plot_loss(path: Path, rows: list[dict[str, Any]], events: list[_Event],
                xs: list[float], reference: list[float] | None, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
@@ -427,7 +445,7 @@ def _plot_loss(path: Path, rows: list[dict[str, Any]], events: list[dict[str, An
     fig.savefig(path, format="png")
 
 
-def _plot_iteration_time(path: Path, rows: list[dict[str, Any]], events: list[dict[str, Any]],
+def _plot_iteration_time(path: Path, rows: list[dict[str, Any]], events: list[_Event],
                          xs: list[float], title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
@@ -472,7 +490,7 @@ def _plot_throughput(path: Path, table: list[dict[str, Any]], title: str) -> Non
 
 # ----------------------------------------------------------------- markdown
 def _summary_md(title: str, table: list[dict[str, Any]], rows: list[dict[str, Any]],
-                events: list[dict[str, Any]], reference: list[float] | None) -> str:
+                events: list[_Event], reference: list[float] | None) -> str:
     out = [f"# {title}", ""]
     total = math.fsum(float(r["seconds"]) for r in rows)
     out.append(f"{len(rows)} iterations ({rows[0]['iteration']}..{rows[-1]['iteration']}), "
@@ -493,9 +511,9 @@ def _summary_md(title: str, table: list[dict[str, Any]], rows: list[dict[str, An
     if not events:
         out.append("None.")
     for ev in events:
-        gen = f" gen {ev['generation']}" if "generation" in ev else ""
-        text = " ".join(str(ev["text"]).split())
-        out.append(f"- {_event_when(ev)} **{ev['kind']}**{gen}: {text}")
+        gen = f" gen {ev.generation}" if ev.generation is not None else ""
+        text = " ".join(ev.text.split())
+        out.append(f"- {ev.when()} **{ev.kind}**{gen}: {text}")
     out += ["", "Figures: `loss.png`, `iteration_time.png`, `throughput.png`; data: `events.json`.", ""]
     return "\n".join(out)
 
@@ -505,7 +523,7 @@ def write_report(
     outdir: str | Path,
     *,
     iterations: list[dict],
-    events: list[dict],
+    events: Sequence[JobEvent | Mapping[str, Any]],
     reference_losses: list[float] | None = None,
     title: str = "ResiHP run",
 ) -> dict[str, Path]:
@@ -534,7 +552,7 @@ def write_report(
         "throughput": out / "throughput.png",
         "summary": out / "summary.md",
     }
-    record = {"title": title, "events": evs, "iterations": rows, "phases": table}
+    record = {"title": title, "events": [e.record for e in evs], "iterations": rows, "phases": table}
     paths["events"].write_text(
         json.dumps(record, indent=2, default=str, allow_nan=True) + "\n", encoding="utf-8"
     )

@@ -29,11 +29,10 @@ This module imports neither torch nor accelerate until a command runs.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from resihp_core.hookspecs import hookimpl
 
-__all__ = ["configure", "run", "framework_of", "print_iteration"]
+__all__ = ["configure", "run", "framework_of"]
 
 #: framework name -> the module whose ``run(args)`` launches it
 FRAMEWORKS = {"deepspeed": "resihp_adapters.deepspeed.launch", "torch_native": "resihp_adapters.torch_native.launch"}
@@ -98,11 +97,6 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(f"--{opt} is for FSDP configs: a DeepSpeed job reads ResiHP's settings (and faults) "
                                "from the 'resihp' section of its DeepSpeed JSON (docs/deepspeed.md)")
     return int(importlib.import_module(FRAMEWORKS[kind]).run(args))
-
-
-def print_iteration(rec: Any) -> None:
-    print(f"iteration {rec.iteration:>3}  loss {rec.loss:.10f}  {rec.seconds:.2f}s  generation {rec.generation}",
-          flush=True)
 
 
 @hookimpl(trylast=True)

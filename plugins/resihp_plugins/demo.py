@@ -9,7 +9,7 @@ A live terminal view shows iteration, throughput, plan generation and per-device
 health; the run ends with a summary table and a report folder (JSON events, loss
 against a fault-free reference, iteration-time trace with detections and plan
 changes, throughput per phase, as PNG plots). The job itself is assembled and run by
-:mod:`resihp_core.runtime.jobs`.
+:mod:`resihp_core.cli.run`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from resihp_core.config import Config
     from resihp_core.faults import fail_at
     from resihp_core.plan import ParallelPlan
-    from resihp_core.runtime.jobs import run_job
+    from resihp_core.cli.run import run_job
 
     data = {**DEMO_CONFIG, "training": {**DEMO_CONFIG["training"], "iterations": args.iterations}}
     cfg = Config.from_dict(data, source="the demo")

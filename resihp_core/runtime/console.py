@@ -14,12 +14,15 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Callable, TextIO
+
+from resihp_core.protocols.events import Event, JobEvent, PlanPosted, event_dicts
+from resihp_core.protocols.metrics import IterationMetrics
 
 if TYPE_CHECKING:
     from resihp_core.runtime.resilient import ResilientRun
 
-__all__ = ["RunLog", "WIDTH", "finish", "one_line"]
+__all__ = ["RunLog", "WIDTH", "console_observer", "finish", "one_line"]
 
 #: The longest console line an event gets.
 WIDTH = 200
@@ -60,20 +63,36 @@ class RunLog:
         print(text, file=self._stream, flush=True)
         self.write({"kind": "console", "text": text})
 
-    def event(self, ev: dict) -> None:
-        """One event: in full in the run log, one line on the console (the plan's
+    def event(self, ev: JobEvent) -> None:
+        """One job event: in full in the run log, one line on the console (a plan's
         layout on a second line, as the stages and TP groups the plan text lists)."""
-        self.write(ev)
-        print(one_line(f"[iteration {ev.get('iteration', '?')}] {ev.get('kind', '?')}: {ev.get('text', '')}",
-                       where=str(self.path)), file=self._stream, flush=True)
-        if ev.get("kind") == "plan" and isinstance(ev.get("plan"), str):
-            layout = [ln for ln in str(ev["plan"]).splitlines() if ln.startswith(("stages ", "replica "))]
-            print(one_line(f"[iteration {ev.get('iteration', '?')}] layout: {'; '.join(layout)}", where=str(self.path)),
+        self.write(event_dicts([ev])[0])
+        print(one_line(f"[iteration {ev.iteration}] {ev.kind}: {ev.text}", where=str(self.path)),
+              file=self._stream, flush=True)
+        if isinstance(ev, PlanPosted):
+            layout = [ln for ln in ev.plan.splitlines() if ln.startswith(("stages ", "replica "))]
+            print(one_line(f"[iteration {ev.iteration}] layout: {'; '.join(layout)}", where=str(self.path)),
                   file=self._stream, flush=True)
 
     def close(self, events: list[dict]) -> None:
         self.events_path.write_text(json.dumps(events, indent=1, default=str))
         self._f.close()
+
+
+def console_observer(log: RunLog, *also: Callable[[JobEvent], None]) -> Callable[[Event], None]:
+    """A run's observer for the console: one line per committed iteration, each job
+    event to ``log`` (after ``also``, e.g. the report's phases)."""
+
+    def observe(ev: Event) -> None:
+        if isinstance(ev, IterationMetrics):
+            print(f"iteration {ev.iteration:>3}  loss {ev.loss:.10f}  {ev.seconds:.2f}s  generation {ev.generation}",
+                  file=log._stream, flush=True)
+        elif isinstance(ev, JobEvent):
+            for f in also:
+                f(ev)
+            log.event(ev)
+
+    return observe
 
 
 def finish(run: ResilientRun, log: RunLog, *, what: str, iterations: int, start: int = 0) -> int:

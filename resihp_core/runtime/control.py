@@ -31,6 +31,7 @@ from resihp_core.detector.sdc import SdcMonitor
 from resihp_core.plan import ParallelPlan
 from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded
+from resihp_core.protocols import events as jev
 from resihp_core.protocols.metrics import IterationMetrics
 from resihp_core.runtime.launcher import LocalJob, NoProgress
 from resihp_core.runtime.payback import PaybackRule
@@ -165,7 +166,7 @@ class ControlLoop:
         self.ended: ScriptEnded | None = None  # the user's script returned before the end
 
     @property
-    def events(self) -> list[dict]:
+    def events(self) -> list[jev.JobEvent]:
         return self.session.events
 
     @property
@@ -181,15 +182,15 @@ class ControlLoop:
             self.set_generation(g, state.plan, dict(state.speeds))
             self.first = self.job.committed_through()
             self.job.steer()  # the held iteration commits now
-            self.session.event("attach", f"controller restarted: re-attached to generation {g} at iteration "
-                                         f"{self.first} with its live workers (no restore)",
-                               plan=state.plan.to_text(), resume=self.first)
+            self.session.publish(jev.Attached(text=f"controller restarted: re-attached to generation {g} at "
+                                                   f"iteration {self.first} with its live workers (no restore)",
+                                              plan=state.plan.to_text(), resume=self.first))
         else:
             self.job.committed = self.first
             g = self.job.post(state.plan, iterations=self.iterations, resume=self.first,
                               restore=self.restore_at_start)
             self.set_generation(g, state.plan, dict(state.speeds))
-            self.session.event("plan", f"generation {g}: initial plan", plan=state.plan.to_text())
+            self.session.publish(jev.PlanPosted(text=f"generation {g}: initial plan", plan=state.plan.to_text()))
             self.session.plan_changed(None, state.plan, "initial plan")
         self._feed(Deployed(self.job.generation, tuple(self.job.message.devices) if self.job.message else (),
                             self.job.committed))
@@ -336,7 +337,7 @@ class ControlLoop:
         if not force and now - self._polled.get("errors", 0.0) < 0.25:
             return
         self._polled["errors"] = now
-        for e in self.session.new_job_errors():
+        for e in self.session.new_job_ends():
             self._feed(e)
 
     # ------------------------------------------------------------ carrying out actions
@@ -354,7 +355,7 @@ class ControlLoop:
     def _do(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Emit):
-                self.session.event(a.kind, a.text, at=a.at, **a.fields)
+                self.session.publish(a.event, at=a.at)
             elif isinstance(a, NotifyFailure):
                 self.session.failure(a.report)
             elif isinstance(a, Kill):
@@ -386,9 +387,10 @@ class ControlLoop:
                 raise JobFailed(a.error)
             elif isinstance(a, Finish):
                 self.ended = a.ended
-                self.session.event("ended", f"the training script returned after {self.first + len(self.records)} "
-                                            f"of {self.iterations} iterations (device {a.ended.device}): "
-                                            "the job ends here", devices=[a.ended.device])
+                self.session.publish(jev.JobEnded(
+                    text=f"the training script returned after {self.first + len(self.records)} of "
+                         f"{self.iterations} iterations (device {a.ended.device}): the job ends here",
+                    devices=(a.ended.device,)))
             else:
                 raise TypeError(f"not a supervisor action: {a!r}")
 
@@ -406,9 +408,10 @@ class ControlLoop:
         restore, fresh = None, False
         if needs_restore(prev, resume, can_restore=self.checkpoints.directory is not None, layouts=layouts):
             if prev is not None and prev.restore is None and not prev.fresh:
-                self.session.event("checkpoint", f"generation {prev.generation} was superseded while its workers "
-                                                 f"moved state ({', '.join(sorted(set(layouts())))}): restoring "
-                                                 "from a checkpoint", layout=sorted(set(layouts())))
+                seen = tuple(sorted(set(layouts())))
+                self.session.publish(jev.CheckpointChosen(
+                    text=f"generation {prev.generation} was superseded while its workers moved state "
+                         f"({', '.join(seen)}): restoring from a checkpoint", layout=seen))
             restore, fresh, resume = self._from_checkpoint(resume)
         return at, resume, restore, fresh
 
@@ -430,10 +433,11 @@ class ControlLoop:
         due = (resume // every) * every - 1
         note = "; ".join(f"checkpoint of iteration {s.iteration} is not usable: {s.problem}" for s in skipped)
         if note or (-1 if it is None else it) < due:
-            self.session.event("checkpoint", (note + "; " if note else "") +
-                               (f"falling back to the checkpoint of iteration {it}" if it is not None
-                                else "no complete checkpoint: restarting from the initial state"),
-                               restore=it, skipped=[s.iteration for s in skipped])
+            self.session.publish(jev.CheckpointChosen(
+                text=(note + "; " if note else "") + (f"falling back to the checkpoint of iteration {it}"
+                                                      if it is not None else
+                                                      "no complete checkpoint: restarting from the initial state"),
+                restore=it, skipped=tuple(s.iteration for s in skipped)))
         return it
 
     def _post(self, plan: ParallelPlan, resume: int, restore: int | None, fresh: bool) -> int | None:
@@ -466,10 +470,10 @@ class ControlLoop:
         self.session.plan_changed(old, decision.plan, f"{a.what or a.kind}: {decision.reason}")
         where = (f", resumed from the checkpoint of iteration {restore} at iteration {resume}"
                  if restore is not None else ", from the initial state (no complete checkpoint)" if fresh else "")
-        extra = {"devices": list(a.devices)} if a.devices else {}
-        self.session.event("plan", f"generation {g} ({a.what or a.kind}, planned in {a.seconds * 1e3:.0f} ms"
-                                   f"{where}): {decision.reason}", at=at, plan=decision.plan.to_text(),
-                           kind_of_plan=a.kind, planning_s=a.seconds, resume=resume, restore=restore, **extra)
+        self.session.publish(jev.PlanPosted(text=f"generation {g} ({a.what or a.kind}, planned in "
+                                                 f"{a.seconds * 1e3:.0f} ms{where}): {decision.reason}",
+                                            plan=decision.plan.to_text(), kind_of_plan=a.kind, planning_s=a.seconds,
+                                            resume=resume, restore=restore, devices=tuple(a.devices or ())), at=at)
         self._feed(Deployed(g, tuple(self.job.message.devices), resume))
 
     def _retry(self, a: Retry) -> None:
@@ -482,8 +486,9 @@ class ControlLoop:
             return
         why = a.why[:300] or ("workers left the previous one with no device failing: " + "; ".join(
             f"device {d}: {t[:80]}" for d, t in sorted(a.failures.items()))[:300])
-        self.session.event("plan", f"generation {g} (retry {a.attempt} of the same plan: {why}"
-                                   + (f"; resumed from the checkpoint of iteration {restore}" if restore is not None
-                                      else "") + ")", at=at, plan=plan.to_text(), kind_of_plan="retry",
-                           planning_s=0.0, resume=resume, restore=restore)
+        self.session.publish(jev.PlanPosted(text=f"generation {g} (retry {a.attempt} of the same plan: {why}"
+                                                 + (f"; resumed from the checkpoint of iteration {restore}"
+                                                    if restore is not None else "") + ")",
+                                            plan=plan.to_text(), kind_of_plan="retry", resume=resume,
+                                            restore=restore), at=at)
         self._feed(Deployed(g, tuple(self.job.message.devices), resume))

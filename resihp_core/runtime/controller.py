@@ -16,20 +16,22 @@ A :class:`Controller` accepts one persistent, authenticated connection per node 
   :func:`~resihp_core.detector.failslow.build_failslow_detector` from the
   configuration), on a worker thread so a verification never delays heartbeat
   handling;
-* emits every :class:`~resihp_core.protocol.FailureReport` to ``on_report`` (the
-  Scheduler's entry point), to the observer plugins
-  (:meth:`~resihp_core.plugins.Plugins.notify_failure`), to :attr:`Controller.reports`
-  and to an asyncio queue, and logs it as one structured line.
+* publishes what it learns to one sink (:mod:`resihp_core.protocols.events`): every
+  :class:`~resihp_core.protocol.FailureReport` (also logged as one structured line),
+  each fail-slow :class:`~resihp_core.detector.Detection`, each agent's
+  :class:`~resihp_core.protocol.WorkerProcess` (a worker started or ended), a node lost
+  (:class:`~resihp_core.protocols.events.NodeLost`) or back
+  (:class:`~resihp_core.protocols.events.NodeBack`). Without a sink they are kept in an
+  :class:`~resihp_core.protocols.events.EventLog` (:attr:`Controller.sink`).
 
 Each device is reported fail-stopped once per plan generation; :meth:`Controller.set_generation`
 starts a new one (new series for the fail-slow detector, with the new plan).
 
 It is also the launcher's switchboard: :meth:`Controller.send` delivers a
 :class:`~resihp_core.protocol.LaunchWorkers` or
-:class:`~resihp_core.protocol.SignalWorker` to a node's agent, and each agent's
-:class:`~resihp_core.protocol.WorkerProcess` (a worker started or ended) goes to
-``on_process``; a lost node goes to ``on_node_lost``
-(:class:`~resihp_core.runtime.processes.AgentProcesses` listens to both).
+:class:`~resihp_core.protocol.SignalWorker` to a node's agent; the job routes the
+``WorkerProcess`` and ``NodeLost`` events to
+:class:`~resihp_core.runtime.processes.AgentProcesses`.
 
 The Scheduler side (what to do with a report) is not here.
 
@@ -49,10 +51,9 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from resihp_core.config import DetectorConfig
 from resihp_core.protocol import (
@@ -74,6 +75,7 @@ from resihp_core.protocol import (
     server_handshake,
     write_msg,
 )
+from resihp_core.protocols.events import ControllerEvent, EventLog, NodeBack, NodeLost, Sink
 from resihp_core.runtime.gate import MAX_PENDING_HANDSHAKES, PreAuthGate
 from resihp_core.runtime.heartbeat import ANNOUNCE, BYE
 
@@ -112,9 +114,9 @@ class Controller:
         agent timeout; the fail-slow settings build the default detector).
     :param secret: the job secret.
     :param host, port: where agents connect (loopback by default; port 0 = any).
-    :param on_report: called on the controller's loop with each report.
-    :param plugins: observers to notify (default: the process-wide plugins, loaded on
-        first report).
+    :param sink: called on the controller's loop with each event (see the module
+        docstring); None: an :class:`~resihp_core.protocols.events.EventLog`.
+    :param plugins: the plugins the default fail-slow detector is built with.
     :param failslow: the fail-slow detector (any :class:`FailSlowDetector`, e.g. from
         :func:`~resihp_core.detector.failslow.build_failslow_detector` with a plan-aware
         model and a prober); None: built from ``config``; ``False``: no fail-slow
@@ -123,15 +125,11 @@ class Controller:
         default ``max(10.0, 2 x miss_limit x interval)`` (agents send every interval).
     :param expected_ranks: ranks whose profiles make an iteration complete; default: the
         ranks the agents report alive.
-    :param on_process: called on the loop with each agent's ``WorkerProcess``.
-    :param on_node_lost: called on the loop with the node id of a lost agent.
     :param node_devices: the job's topology, node id -> its devices: an agent of another
         node is refused at the handshake, and a message about a device of another node
         is dropped and logged (``event=identity_violation``). None: any node id (tests).
     :param handshake_timeout, max_pending_handshakes: bounds on connections that have
         not authenticated yet (see :mod:`resihp_core.runtime.gate`).
-    :param on_rejoin: called on the loop with a node id and its devices when the agent of
-        a node cut off earlier is back (its stale workers fenced) and offers them again.
     :param incarnation: this controller process's id, announced to every agent as it
         connects (``Ack(what="controller:<id>")``): an agent that lost its controller
         re-attaches its live workers to a new incarnation and fences them for the same
@@ -145,7 +143,7 @@ class Controller:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        on_report: Callable[[FailureReport], None] | None = None,
+        sink: Sink | None = None,
         plugins: Plugins | None = None,
         failslow: FailSlowDetector | None | bool = None,
         generation: int = 0,
@@ -154,21 +152,14 @@ class Controller:
         handshake_timeout: float = 5.0,
         max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
         node_devices: Mapping[int, Iterable[int]] | None = None,
-        on_detection: Callable[[Detection], None] | None = None,
-        on_process: Callable[[WorkerProcess], None] | None = None,
-        on_node_lost: Callable[[int], None] | None = None,
-        on_rejoin: Callable[[int, tuple[int, ...]], None] | None = None,
-        notify_failures: bool = True,
         incarnation: str = "",
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
         self.config = config or DetectorConfig()
-        self._notify_failures = notify_failures
         self._secret = secret
         self.host, self.port = host, port
-        self.on_report, self.on_detection = on_report, on_detection
-        self.on_process, self.on_node_lost, self.on_rejoin = on_process, on_node_lost, on_rejoin
+        self.sink: Sink = EventLog() if sink is None else sink
         self._plugins = plugins
         self.generation = generation
         # A dead agent is seen at once (its connection closes); the timeout only catches a
@@ -179,21 +170,17 @@ class Controller:
         self._failslow_arg = failslow
         self.failslow: FailSlowDetector | None = None
         self.nodes: dict[int, NodeView] = {}
-        self.reports: list[FailureReport] = []
-        self.detections: list[Detection] = []
         self.messages = 0
         self._stopped: set[int] = set()  # devices reported fail-stopped, until seen alive again
         self._pending: dict[int, dict[int, IterationProfile]] = {}
         self._done_iters: set[int] = set()
         self._last_complete = -1
-        self._queue: asyncio.Queue[FailureReport] | None = None
         self._fs_queue: asyncio.Queue[tuple[int, int, dict[int, IterationProfile], dict[int, float]]] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._conns: dict[int, asyncio.StreamWriter] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._handlers: set[asyncio.Task[None]] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resihp-failslow")
-        self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.address: tuple[str, int] | None = None
         self._stopping = False
@@ -209,7 +196,6 @@ class Controller:
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
         self._loop = asyncio.get_running_loop()
-        self._queue = asyncio.Queue()
         self._fs_queue = asyncio.Queue()
         if self._failslow_arg is None or self._failslow_arg is True:
             from resihp_core.detector.failslow import build_failslow_detector
@@ -368,56 +354,18 @@ class Controller:
             self._pool.submit(fs.reset, generation, plan=plan, speeds=speeds)
 
     # ------------------------------------------------------------ reports
-    def _plugins_or_default(self) -> Plugins | None:
-        if self._plugins is None:
-            try:
-                from resihp_core.plugins import get_plugins
-
-                self._plugins = get_plugins()
-            except Exception:  # noqa: BLE001 - observers are optional; detection must go on
-                logger.exception("could not load the observer plugins")
-                return None
-        return self._plugins
+    def _publish(self, event: ControllerEvent) -> None:
+        try:
+            self.sink(event)
+        except Exception:  # noqa: BLE001 - an observer's bug must not stop detection
+            logger.exception("the controller's event sink failed on %s", type(event).__name__)
 
     def _emit(self, report: FailureReport) -> None:
         logger.info(  # the console says it once, through the job's events
             "event=failure_report generation=%d failure=%s devices=%s cause=%s evidence=%r",
             report.generation, report.failure, list(report.devices), report.cause, report.evidence,
         )
-        with self._cond:
-            self.reports.append(report)
-            self._cond.notify_all()
-        if self._queue is not None:
-            self._queue.put_nowait(report)
-        if self.on_report is not None:
-            try:
-                self.on_report(report)
-            except Exception:  # noqa: BLE001
-                logger.exception("on_report callback failed")
-        # A supervised job's observers hear each failure once, from the supervisor
-        # (which merges reports of one failure): it passes notify_failures=False.
-        plugins = self._plugins_or_default() if self._notify_failures else None
-        if plugins is not None:
-            plugins.notify_failure(report)
-
-    async def next_report(self, timeout: float | None = None) -> FailureReport:
-        """The next report not yet taken from the queue (on the loop)."""
-        assert self._queue is not None
-        return await asyncio.wait_for(self._queue.get(), timeout)
-
-    def wait_for_report(self, predicate: Callable[[FailureReport], bool] = lambda r: True,
-                        timeout: float = 10.0) -> FailureReport | None:
-        """Block (from another thread) until a report matching ``predicate`` exists."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for r in self.reports:
-                    if predicate(r):
-                        return r
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
+        self._publish(report)
 
     def _fail_stop(self, devices: list[int], evidence: str, paused: Iterable[int] = ()) -> None:
         new = sorted(d for d in devices if d not in self._stopped)
@@ -520,11 +468,7 @@ class Controller:
                     view.running.add(msg.device)
                 else:
                     view.running.discard(msg.device)
-                if self.on_process is not None:
-                    try:
-                        self.on_process(msg)
-                    except Exception:  # noqa: BLE001
-                        logger.exception("on_process callback failed")
+                self._publish(msg)
             elif isinstance(msg, LinkProbe):
                 fut = self._echoes.get((view.node, msg.seq))
                 if fut is not None and not fut.done() and msg.node == view.node:
@@ -577,11 +521,8 @@ class Controller:
         (``only``: just ``devices``, e.g. workers back from a pause)."""
         devs = tuple(sorted(set(devices) if only else set(devices) | view.devices))
         logger.warning("event=node_back node=%d devices=%s", view.node, list(devs))
-        if self.on_rejoin is not None and devs:
-            try:
-                self.on_rejoin(view.node, devs)
-            except Exception:  # noqa: BLE001
-                logger.exception("on_rejoin callback failed")
+        if devs:
+            self._publish(NodeBack(view.node, devs))
 
     def _on_state(self, view: NodeView, state: AgentState) -> None:
         if state.node != view.node:
@@ -629,11 +570,7 @@ class Controller:
         logger.error("event=node_lost node=%d reason=%r devices=%s", view.node, why, devices)
         if devices:  # reported before its workers are marked dead, so the report says why
             self._fail_stop(devices, f"node {view.node} lost: {why}")
-        if self.on_node_lost is not None:
-            try:
-                self.on_node_lost(view.node)
-            except Exception:  # noqa: BLE001
-                logger.exception("on_node_lost callback failed")
+        self._publish(NodeLost(view.node))
         self._recheck_pending()
 
     # ------------------------------------------------------------ fail-slow
@@ -689,12 +626,7 @@ class Controller:
             except Exception:  # noqa: BLE001 - a detector bug must not stop fail-stop handling
                 logger.exception("fail-slow detector failed on iteration %d", it)
                 continue
-            self.detections.append(det)
-            if len(self.detections) > 4096:
-                del self.detections[:2048]
-            if self.on_detection is not None:
-                with contextlib.suppress(Exception):
-                    self.on_detection(det)
+            self._publish(det)
             if det.report is not None and gen == self.generation:
                 self._emit(det.report)
 
@@ -738,10 +670,16 @@ async def _amain(args: argparse.Namespace) -> int:
         print(f"controller: the job secret is missing (set {args.secret_env})", file=sys.stderr)
         return 2
 
-    def show(report: FailureReport) -> None:
-        print(json.dumps(msgspec.to_builtins(report)), flush=True)
+    from resihp_core.plugins import get_plugins
 
-    ctl = Controller(config, secret, args.host, args.port, on_report=show,
+    plugins = get_plugins()
+
+    def show(event: ControllerEvent) -> None:
+        if isinstance(event, FailureReport):
+            print(json.dumps(msgspec.to_builtins(event)), flush=True)
+            plugins.notify_failure(event)
+
+    ctl = Controller(config, secret, args.host, args.port, sink=show, plugins=plugins,
                      failslow=False if args.no_failslow else None)
     await ctl.start()
     if args.address_file:

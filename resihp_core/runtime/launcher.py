@@ -25,6 +25,7 @@ from resihp_core.runtime.session import JobSession, Observers
 from resihp_core.runtime.processes import LocalProcesses, WorkerProcesses
 
 if TYPE_CHECKING:
+    from resihp_core.protocols.events import JobEvent
     from resihp_core.runtime.store import LocalStore, StoreClient
 
 __all__ = ["LocalJob", "NoProgress"]
@@ -59,7 +60,7 @@ class LocalJob:
                  processes: Callable[[Path], WorkerProcesses] = LocalProcesses,
                  secret: str = "", store: tuple[StoreClient, str] | None = None,
                  attach: PlanUpdate | None = None, observers: Observers | None = None,
-                 on_event: Callable[[dict], None] = lambda ev: None) -> None:
+                 on_event: Callable[[JobEvent], None] = lambda ev: None) -> None:
         self.devices = sorted(devices)
         self._tmp = tempfile.TemporaryDirectory(prefix="resihp-job-") if workdir is None else None
         self.workdir = Path(workdir or self._tmp.name)

@@ -20,15 +20,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping
 from resihp_core.config import DetectorConfig
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
-from resihp_core.protocol import FailureReport
 from resihp_core.runtime.payback import PaybackRule
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 
 if TYPE_CHECKING:
     from resihp_core.config import Config
-    from resihp_core.detector import Detection
-    from resihp_core.protocols.metrics import IterationMetrics
+    from resihp_core.protocols.events import Event
     from resihp_core.runtime.failover import JobState
     from resihp_core.runtime.launcher import LocalJob
     from resihp_core.runtime.session import Observers
@@ -76,22 +74,20 @@ def _ignore(*_: object) -> None:
 
 @dataclass(frozen=True)
 class RunHooks:
-    """Who hears what happens during a run (each called on the supervisor's thread
-    unless said otherwise).
+    """Who hears what happens during a run.
 
     :param phase_of: the label of an iteration in the report (fault phases).
-    :param on_report: each failure report, on the controller's loop.
-    :param on_detection: each fail-slow detection, on the controller's loop.
+    :param observe: every event of the run, one stream
+        (:data:`~resihp_core.protocols.events.Event`): what the controller learns (on its
+        loop), what the job decides and each committed iteration's metrics (on the
+        supervisor's thread).
     :param on_listening: the controller's address and the nodes it waits for.
     :param before_run: the job and its local agent processes by node, before the
         first plan is posted (chaos tests kill an agent here).
     """
 
     phase_of: Callable[[int, int], str] = _running
-    on_event: Callable[[dict], None] = _ignore
-    on_iteration: Callable[[IterationMetrics], None] = _ignore
-    on_report: Callable[[FailureReport], None] = _ignore
-    on_detection: Callable[[Detection], None] | None = None
+    observe: Callable[[Event], None] = _ignore
     on_listening: Callable[[str, list[int]], None] = _ignore
     before_run: Callable[[LocalJob, dict[int, subprocess.Popen]], None] = _ignore
 

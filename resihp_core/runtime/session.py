@@ -58,6 +58,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol
 
+import msgspec
+
+from resihp_core.protocols.events import JobEvent
 from resihp_core.protocols.store import KeyValueStore, WatchableStore
 from resihp_core.protocol import (FailureReport, IterationReport, JobError, PlanUpdate, ProtocolError, ScriptEnded,
                                   WorkerLeft, decode, encode)
@@ -450,15 +453,15 @@ def storage_faults(store: KeyValueStore, seen: int) -> list[StorageFault]:
     return out
 
 
-def put_job_error(store: KeyValueStore, error: JobError | ScriptEnded) -> None:
-    """Post the job's own error, or its script's early end (docs/errors.md), in the
-    next numbered slot."""
+def put_job_end(store: KeyValueStore, error: JobError | ScriptEnded) -> None:
+    """Post how the job ends on a worker other than by a device failure: its own error,
+    or its script's early end (docs/errors.md), in the next numbered slot."""
     n = store.add(_JOB_ERRORS, 1)
     store.set(f"joberror/{n}", encode(error))
 
 
-def job_errors(store: KeyValueStore, seen: int) -> tuple[list[JobError | ScriptEnded], int]:
-    """The job errors posted after the first ``seen`` and the new count seen (a slot
+def job_ends(store: KeyValueStore, seen: int) -> tuple[list[JobError | ScriptEnded], int]:
+    """The job errors and early ends posted after the first ``seen`` and the new count seen (a slot
     counted but not written yet ends the list: it comes next time). An entry that does
     not decode as a :class:`~resihp_core.protocol.JobError` is skipped (hostile input)."""
     n = store.add(_JOB_ERRORS, 0)
@@ -515,16 +518,16 @@ class JobSession:
     stamped here when it is posted, nowhere else), reads the commit verdicts
     (:meth:`committed_through`) and writes the abort verdicts (:meth:`abort`), reads
     what workers reported, and is the only place observers are notified and events
-    logged (:meth:`event`, :meth:`failure`, :meth:`plan_changed`, :meth:`iteration`).
+    logged (:meth:`publish`, :meth:`failure`, :meth:`plan_changed`, :meth:`iteration`).
 
     :param store: the job store as the controller sees it (every key writable).
     :param observers: the plugin facade (None: no observers).
-    :param on_event: called with each event after it is logged.
+    :param on_event: called with each event after it is kept and logged.
     :param clock: the time source events are stamped with (seconds, monotonic).
     """
 
     def __init__(self, store: KeyValueStore, *, observers: Observers | None = None,
-                 on_event: Callable[[dict], None] = lambda ev: None,
+                 on_event: Callable[[JobEvent], None] = lambda ev: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.observers = observers
@@ -537,7 +540,7 @@ class JobSession:
         self.plans: dict[int, ParallelPlan] = {}
         self.committed = 0  # iterations known committed
         self.committed_in: dict[int, int] = {}  # iteration -> generation that committed it
-        self.events: list[dict] = []
+        self.events: list[JobEvent] = []
         self._faults_seen = 0
         self._job_errors_seen = 0
 
@@ -638,9 +641,9 @@ class JobSession:
                 out[d] = r
         return out
 
-    def new_job_errors(self) -> list[JobError | ScriptEnded]:
-        """Job errors workers posted since the last call (docs/errors.md)."""
-        got, self._job_errors_seen = job_errors(self.store, self._job_errors_seen)
+    def new_job_ends(self) -> list[JobError | ScriptEnded]:
+        """Job errors and early ends workers posted since the last call (docs/errors.md)."""
+        got, self._job_errors_seen = job_ends(self.store, self._job_errors_seen)
         return got
 
     def new_storage_faults(self) -> list[StorageFault]:
@@ -668,14 +671,14 @@ class JobSession:
         self.store.set(SHUTDOWN_KEY, "1")
 
     # ------------------------------------------------------------ observers
-    def event(self, kind: str, text: str, *, at: int | None = None, **extra: object) -> dict:
-        """Log and hand on one event, labelled with the iteration the job was at
-        (``at``; default: the committed count), not the one a restore rewinds to."""
+    def publish(self, event: JobEvent, *, at: int | None = None) -> JobEvent:
+        """Stamp ``event`` with the time, the plan generation and the iteration the job
+        was at (``at``; default: the committed count, not the one a restore rewinds
+        to), keep it, log it and hand it on."""
         it = self.committed if at is None else at
-        ev = {"time": self.clock() - self._t0, "iteration": it, "kind": kind,
-              "generation": self.generation, "text": text, **extra}
+        ev = msgspec.structs.replace(event, time=self.clock() - self._t0, iteration=it, generation=self.generation)
         self.events.append(ev)
-        logger.info("event=%s generation=%d iteration=%d %s", kind, self.generation, it, text)
+        logger.info("event=%s generation=%d iteration=%d %s", ev.kind, self.generation, it, ev.text)
         self.on_event(ev)
         return ev
 

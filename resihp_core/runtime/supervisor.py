@@ -35,11 +35,13 @@ failing get the same plan again, ``max_retries`` times in a row.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Literal, Union
 
 from resihp_core.detector.sdc import Quarantine, Reexecute, SdcArbiter, SdcDetected
 from resihp_core.protocol import FailureReport, JobError, PlanUpdate, ScriptEnded, WorkerLeft
+from resihp_core.protocols import events as jev
+from resihp_core.protocols.events import JobEvent
 from resihp_core.runtime.payback import PaybackRule, ReconfigurationMeter, is_recovery, origin_candidate
 from resihp_core.runtime.session import Layout, StorageFault
 from resihp_core.scheduler.planner import PlanDecision
@@ -132,13 +134,19 @@ Event = Union[Committed, FailureReport, WorkerLeft, StorageFault, Rejoin, Ready,
 # ------------------------------------------------------------------ actions (what to do)
 @dataclass(frozen=True)
 class Emit:
-    """Log an event (kind, text, fields), labelled with iteration ``at`` (None: the
-    committed count)."""
+    """Publish a job event (:mod:`resihp_core.protocols.events`), labelled with
+    iteration ``at`` (None: the committed count)."""
 
-    kind: str
-    text: str
-    fields: dict = field(default_factory=dict)
+    event: JobEvent
     at: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.event.kind
+
+    @property
+    def text(self) -> str:
+        return self.event.text
 
 
 @dataclass(frozen=True)
@@ -313,10 +321,10 @@ class Supervisor:
             return []
         if isinstance(event, StorageFault):
             nxt = f"at iteration {event.iteration + self.checkpoint_every}" if self.checkpoint_every else "never"
-            return [Emit("storage", f"storage fault: checkpoint of iteration {event.iteration} not written by "
-                                    f"device {event.device} ({event.error}); training goes on, "
-                                    f"next checkpoint {nxt}",
-                         {"devices": [event.device], "checkpoint": event.iteration})]
+            return [Emit(jev.CheckpointFailed(text=f"storage fault: checkpoint of iteration {event.iteration} not "
+                                                  f"written by device {event.device} ({event.error}); training "
+                                                  f"goes on, next checkpoint {nxt}",
+                                             devices=(event.device,), checkpoint=event.iteration))]
         if isinstance(event, Rejoin):
             self._offered.update(event.devices)
             return []
@@ -333,9 +341,8 @@ class Supervisor:
             for d in event.devices:
                 self.joining.pop(d, None)
             self._settle()
-            return [Emit("failure", f"workers of devices {list(event.devices)} could not be started again: "
-                                    f"{event.error}",
-                         {"failure": "fail-stop", "devices": list(event.devices), "cause": "unknown"})]
+            return [Emit(jev.Failure(text=f"workers of devices {list(event.devices)} could not be started again: "
+                                         f"{event.error}", failure="fail-stop", devices=tuple(event.devices)))]
         if isinstance(event, Tick):
             return self._tick(event)
         if isinstance(event, JobError):
@@ -353,7 +360,7 @@ class Supervisor:
         and are no part of its end; they are killed, not stopped with the others."""
         out: list[Action] = []
         for d in sorted(self.paused & set(alive)):
-            out += [Emit("kill", f"device {d} was still paused at the job's end: killed", {"devices": [d]}),
+            out += [Emit(jev.Killed(text=f"device {d} was still paused at the job's end: killed", devices=(d,))),
                     Kill(d)]
         self.paused.clear()
         return out
@@ -370,7 +377,7 @@ class Supervisor:
         for it in sorted(it for it in self.repairs if it <= self.committed):
             self._offered.update(self.repairs.pop(it))  # scheduled repairs, now due
         transient = self.sdc.committed(ev.iteration)
-        return [Emit("sdc", transient, {"iteration": ev.iteration})] if transient else []
+        return [Emit(jev.SdcFound(text=transient), at=ev.iteration)] if transient else []
 
     def _sdc(self, ev: SdcDetected) -> list[Action]:
         """Silent data corruption found (docs/sdc.md): quarantine the outvoted devices
@@ -379,16 +386,19 @@ class Supervisor:
         that re-execution disagrees again."""
         f = ev.finding
         d = self.sdc.decide(f)
-        fields = {"iteration": f.iteration, "suspects": list(f.suspects), "candidates": list(f.candidates),
-                  "source": f.source}
+
+        def found(text: str) -> Emit:
+            return Emit(jev.SdcFound(text=text, suspects=tuple(f.suspects), candidates=tuple(f.candidates),
+                                    source=f.source), at=f.iteration)
+
         if isinstance(d, Quarantine):
             self._pending.append(d.report)
-            return [Emit("sdc", f"silent data corruption at iteration {f.iteration}: devices {list(f.suspects)} "
-                                f"quarantined ({f.evidence[:200]})", fields)]
+            return [found(f"silent data corruption at iteration {f.iteration}: devices {list(f.suspects)} "
+                          f"quarantined ({f.evidence[:200]})")]
         if isinstance(d, Reexecute):
             self._reexecute = d
-            return [Emit("sdc", d.text, fields)]
-        return [Emit("sdc", d.text, fields), Fail(d.text)]
+            return [found(d.text)]
+        return [found(d.text), Fail(d.text)]
 
     def _settle(self) -> None:
         """The phase the job is in now, outside a planner call: Deploying until the
@@ -447,9 +457,9 @@ class Supervisor:
             decision = PlanDecision(plan=self.state.plan, kind="restore", predicted_time=0.0, timings={},
                                     state=self.state, reason="no live copy of some state: restore from checkpoint")
             self.phase = Phase.PLANNING
-            return out + [Emit("failure", f"state cannot be moved to generation {self.generation}'s plan "
-                                          f"({next(iter(lost.values()))}): restoring it from a checkpoint",
-                               {"failure": "state-lost", "devices": sorted(lost), "cause": "state"}),
+            return out + [Emit(jev.Failure(text=f"state cannot be moved to generation {self.generation}'s plan "
+                                               f"({next(iter(lost.values()))}): restoring it from a checkpoint",
+                                          failure="state-lost", devices=tuple(sorted(lost)), cause="state")),
                           Deploy(decision, 0.0, "restore", from_checkpoint=True)]
         if self.clock() - self._last_progress > self.stall_s:
             failures = {d: left.reason for d, left in self._left.items()}
@@ -483,8 +493,8 @@ class Supervisor:
             first, seen = min(self._job_errors.values(), key=lambda x: x[1])
             if self.clock() - seen < JOB_ERROR_GRACE_S:
                 return []
-            return [Emit("job_error", first.line(), {"devices": sorted(self._job_errors), "where": first.where,
-                                                     "exception": first.exc_type, "phase": first.phase}),
+            return [Emit(jev.JobErrorEvent(text=first.line(), devices=tuple(sorted(self._job_errors)),
+                                          where=first.where, exception=first.exc_type, phase=first.phase)),
                     EndJob(first)]
         if failing:
             return None
@@ -498,8 +508,8 @@ class Supervisor:
         for d in sorted(d for d, t in self.joining.items() if d in ev.dead or now > t):
             del self.joining[d]
             self._ready.discard(d)
-            out.append(Emit("failure", f"relaunched device {d} did not get ready",
-                            {"failure": "fail-stop", "devices": [d], "cause": "unknown"}))
+            out.append(Emit(jev.Failure(text=f"relaunched device {d} did not get ready", failure="fail-stop",
+                                       devices=(d,))))
             if d not in ev.dead:
                 out.append(Kill(d))
         if out:
@@ -537,12 +547,12 @@ class Supervisor:
             report = slows[0]
             self._pending += slows[1:]
         out: list[Action] = [NotifyFailure(report),
-                             Emit("failure", f"{report.failure} of devices {list(report.devices)} "
-                                             f"({report.cause}): {report.evidence}",
-                                  {"failure": report.failure, "devices": list(report.devices), "cause": report.cause})]
+                             Emit(jev.Failure(text=f"{report.failure} of devices {list(report.devices)} "
+                                                  f"({report.cause}): {report.evidence}", failure=report.failure,
+                                             devices=tuple(report.devices), cause=report.cause))]
         if is_recovery(report):  # not a failure: the devices are back at full speed
-            out = [Emit("recovered", f"devices {list(report.devices)} healthy again: {report.evidence}",
-                        {"devices": list(report.devices)})]
+            out = [Emit(jev.Recovered(text=f"devices {list(report.devices)} healthy again: {report.evidence}",
+                                     devices=tuple(report.devices)))]
         if report.failure == "fail-stop":
             paused = {d for r in stops for d in r.paused}
             for d in report.devices:
@@ -580,8 +590,8 @@ class Supervisor:
             self.handled.update(dead_in_plan)
             self._report = FailureReport(generation=self.generation, failure="fail-stop",
                                          devices=tuple(dead_in_plan), evidence="died during recovery")
-            return [Emit("failure", f"fail-stop of devices {dead_in_plan} during recovery",
-                         {"failure": "fail-stop", "devices": dead_in_plan, "cause": "unknown"}),
+            return [Emit(jev.Failure(text=f"fail-stop of devices {dead_in_plan} during recovery", failure="fail-stop",
+                                    devices=tuple(dead_in_plan))),
                     PlanFailure(self._report, self.state)]
         if self.payback is not None and self._report is not None and self._report.failure == "fail-slow":
             return self._judged(decision, ev.seconds)
@@ -613,16 +623,14 @@ class Supervisor:
                                                 link_speeds=decision.state.link_speeds)
             self.phase = Phase.DEPLOYING  # back to where the running generation is
             self._settle()
-            return [Emit("replan", f"{what}: plan generation {self.generation} kept, the re-plan does not pay "
-                                   f"back: {verdict.text}",
-                         {"devices": devices, "pays": False, "gain_s": verdict.gain_s, "cost_s": verdict.cost_s,
-                          "horizon": verdict.horizon})]
+            return [Emit(jev.Replanned(text=f"{what}: plan generation {self.generation} kept, the re-plan does not "
+                                           f"pay back: {verdict.text}", devices=tuple(devices), pays=False,
+                                      gain_s=verdict.gain_s, cost_s=verdict.cost_s, horizon=verdict.horizon))]
         self.state = decision.state
         self._replan = True
         decision = replace(decision, reason=f"{decision.reason}; pays back: {verdict.text}")
-        return [Emit("replan", f"{what}: re-planned, it pays back: {verdict.text}",
-                     {"devices": devices, "pays": True, "gain_s": verdict.gain_s, "cost_s": verdict.cost_s,
-                      "horizon": verdict.horizon}),
+        return [Emit(jev.Replanned(text=f"{what}: re-planned, it pays back: {verdict.text}", devices=tuple(devices),
+                                  pays=True, gain_s=verdict.gain_s, cost_s=verdict.cost_s, horizon=verdict.horizon)),
                 Deploy(decision, seconds, decision.kind,
                        from_checkpoint=decision.kind == "restore" and not self.move_before_restore,
                        what="return to the better layout" if back else "")]
@@ -642,8 +650,8 @@ class Supervisor:
                                evidence="died during recovery")
         self.phase, self._planning, self._report, self._attempt = Phase.PLANNING, "failure", report, 0
         self._rejoining = ()
-        return [Emit("failure", f"fail-stop of devices {list(gone)} during recovery",
-                     {"failure": "fail-stop", "devices": list(gone), "cause": "unknown"}),
+        return [Emit(jev.Failure(text=f"fail-stop of devices {list(gone)} during recovery", failure="fail-stop",
+                                devices=tuple(gone))),
                 NotifyFailure(report), PlanFailure(report, self.state)]
 
     # ------------------------------------------------------------ repairs
@@ -660,8 +668,8 @@ class Supervisor:
             self.paused.difference_update(back)
             self.joining.update({d: self.clock() + self.join_timeout_s for d in back})
             self._settle()
-            out.append(Emit("resumed", f"paused workers of devices {back} are back and healthy; planned in "
-                                       "once ready", {"devices": back}))
+            out.append(Emit(jev.Resumed(text=f"paused workers of devices {back} are back and healthy; planned in "
+                                            "once ready", devices=tuple(back))))
         ready = tuple(sorted(d for d in offered if d in self.handled and d not in ev.alive
                              and d not in self.joining))
         self._offered = {d for d in offered if d not in self.handled and d not in ev.alive}
@@ -669,5 +677,5 @@ class Supervisor:
             return out
         self.joining.update({d: self.clock() + self.join_timeout_s for d in ready})
         self._settle()
-        return out + [Emit("relaunch", f"workers of devices {list(ready)} are started again; planned in once "
-                                       "ready", {"devices": list(ready)}), Relaunch(ready)]
+        return out + [Emit(jev.Relaunched(text=f"workers of devices {list(ready)} are started again; planned in "
+                                              "once ready", devices=tuple(ready))), Relaunch(ready)]

@@ -131,7 +131,7 @@ def end_on_job_error(exc: BaseException) -> NoReturn:
     _log("job_error", device, exception=err.exc_type, where=repr(err.where))
     try:
         store = w.store if w is not None else session.connect(env["RESIHP_STORE"], 30.0)
-        session.put_job_error(store, err)
+        session.put_job_end(store, err)
     except Exception as e:  # noqa: BLE001 - no store (run outside a launcher): the log has it
         _log("job_error_not_posted", device, reason=repr(str(e)[:200]))
     client = w.client if w is not None else None
@@ -160,7 +160,7 @@ def end_script() -> None:
 
     _log("script_ended", w.device, iteration=w.iteration)
     try:
-        session.put_job_error(w.store, ScriptEnded(device=w.device, iteration=w.iteration))
+        session.put_job_end(w.store, ScriptEnded(device=w.device, iteration=w.iteration))
     except Exception as e:  # noqa: BLE001 - the job store is gone: the job is over anyway
         _log("script_end_not_posted", w.device, reason=repr(str(e)[:200]))
     if w.client is not None:
@@ -409,10 +409,13 @@ class Worker:
             else:
                 moved = a.move_state(self.plan, plan, list(msg.devices))
         except Exception as e:  # noqa: BLE001 - a peer died during the reconfiguration itself
-            if self._is_job_error(e):
+            # A checkpoint that cannot be read is the storage's fault, not the job's: the
+            # supervisor restores again, from the newest checkpoint that verifies.
+            storage = msg.restore is not None and isinstance(e, OSError)
+            if not storage and self._is_job_error(e):
                 raise  # the adapter refused the job, or the user's code raised: the job ends
             failed = f"{type(e).__name__}: {e}"
-            lost = isinstance(e, StateLost)  # the typed signal: restore from a checkpoint
+            lost = storage or isinstance(e, StateLost)  # the typed signal: restore from a checkpoint
         if failed is not None:
             # Outside the except block (no traceback pins the groups). The state is the
             # previous generation's (move_state puts it back on failure): wait for the
@@ -525,7 +528,7 @@ class Worker:
             self.sdc.post(self.store, g, i)
         return self._report(result)
 
-    def _sdc_check(self, store: Any, generation: int, iteration: int) -> Callable[[], bool] | None:
+    def _sdc_check(self, store: KeyValueStore, generation: int, iteration: int) -> Callable[[], bool] | None:
         """The fingerprint comparison the last executor runs before its verdict."""
         if self.sdc is None:
             return None

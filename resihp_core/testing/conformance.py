@@ -283,17 +283,20 @@ def _supervised(asm: AssembledJob, base: ParallelPlan, scenario: Scenario, ckpt:
     from resihp_core.runtime.runconfig import RunHooks
 
     victims = scenario.kill(base)
-    deployed: list[dict] = []
     failed: list[ConformanceError] = []
     jobs: list[LocalJob] = []
 
-    def watch(ev: dict) -> None:
-        if ev.get("kind") != "plan" or ev.get("kind_of_plan") not in ("restore", "continue"):
+    from resihp_core.protocols.events import Event, PlanPosted
+
+    deployed: list[PlanPosted] = []
+
+    def watch(ev: Event) -> None:
+        if not isinstance(ev, PlanPosted) or ev.kind_of_plan not in ("restore", "continue"):
             return
         deployed.append(ev)
         if not scenario.restore:
             return
-        if ev.get("restore") is None:  # the job would re-train from the seed: stop it here
+        if ev.restore is None:  # the job would re-train from the seed: stop it here
             from resihp_core import checkpoints
 
             found = sorted(os.listdir(ckpt))[:8]
@@ -304,15 +307,15 @@ def _supervised(asm: AssembledJob, base: ParallelPlan, scenario: Scenario, ckpt:
                 "state: an adapter writes its files inside iter<NNNNNNNN>/ and seals them with a manifest "
                 "(resihp_core.checkpoints.seal; docs/checkpoints.md)"))
             raise failed[-1]
-        if ev.get("resume") != ev["restore"] + 1:
-            failed.append(ConformanceError(f"{scenario.name}: restored the checkpoint of iteration {ev['restore']} "
-                                           f"but resumed at iteration {ev.get('resume')}"))
+        if ev.resume != ev.restore + 1:
+            failed.append(ConformanceError(f"{scenario.name}: restored the checkpoint of iteration {ev.restore} "
+                                           f"but resumed at iteration {ev.resume}"))
             raise failed[-1]
 
     run = dataclasses.replace(
         asm.run, planner=_ScenarioPlanner(scenario.change(base), scenario, victims), timeout_s=timeout * 3,
         worker_env=dict(env or {}), move_before_restore=False,
-        hooks=RunHooks(on_event=watch, before_run=lambda job, agents: jobs.append(job)))
+        hooks=RunHooks(observe=watch, before_run=lambda job, agents: jobs.append(job)))
     out = run_resilient(run)
     if failed:
         raise failed[0]

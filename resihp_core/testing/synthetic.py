@@ -171,7 +171,7 @@ class SyntheticCluster:
 
         with SyntheticCluster(config, {0: [], 1: ["--slow-compute", "2"]}) as c:
             c.go()
-            report = c.controller.wait_for_report(lambda r: r.failure == "fail-slow", 10)
+            report = c.events.wait_for_report(lambda r: r.failure == "fail-slow", 10)
     """
 
     def __init__(self, config: object, workers: dict[int, list[str]], *, node: int = 0,
@@ -217,6 +217,7 @@ class SyntheticCluster:
         from resihp_core.config import Config
         from resihp_core.plugins import Plugins
         from resihp_core.runtime.controller import Controller
+        from resihp_core.protocols.events import EventLog
         from resihp_core.runtime.loop import LoopThread
 
         self._tmp = tempfile.TemporaryDirectory(prefix="resihp-synthetic-")
@@ -224,8 +225,9 @@ class SyntheticCluster:
         with open(cfg_path, "w") as f:
             f.write(Config(detector=self.config).to_toml())  # type: ignore[arg-type]
         self._loop = LoopThread("synthetic-controller").start()
+        self.events = EventLog()  # what the controller publishes
         self.controller = Controller(
-            self.config, self.secret,  # type: ignore[arg-type]
+            self.config, self.secret, sink=self.events,  # type: ignore[arg-type]
             plugins=self._plugins if self._plugins is not None else Plugins(autoload=False),
             failslow=self._failslow,  # type: ignore[arg-type]
         )

@@ -17,6 +17,7 @@ from resihp_core.plan import Topology
 from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
 from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
 from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
+from resihp_core.protocols.events import observer
 from resihp_core.runtime.payback import PaybackRule
 from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 from resihp_core.scheduler.planner import Planner
@@ -76,14 +77,21 @@ def _chaos(plan, faults, iterations=6, detector=DETECTOR, **run_kw):
 SHORT_JOB = PaybackRule(default_cost_s=0.0)
 
 
+def hooks_of(*, before_run=None, on_iteration=None, on_detection=None, on_event=None) -> RunHooks:
+    """The run's hooks: ``before_run`` and one observer of the iterations, the
+    detections and the job's events."""
+    observe = observer(iteration=on_iteration, detection=on_detection, job=on_event)
+    return RunHooks(observe=observe) if before_run is None else RunHooks(observe=observe, before_run=before_run)
+
+
 def run_checked(spec, plan, detector, iterations, observers=None, **hooks):
     """Run ``spec`` under the supervisor on two emulated nodes, then check every
-    survivor against the fault-free float64 reference."""
+    survivor against the fault-free float64 reference (``hooks``: :func:`hooks_of`'s)."""
     topology = Topology.uniform(2, len(plan.devices()) // 2)  # exactly the workers we start
     state, planner = _planner_state(plan, topology)
     run = run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
                                         detector=detector, iterations=iterations, workdir=Path(tmpdir()), timeout_s=240,
-                                        observers=observers, payback=SHORT_JOB, hooks=RunHooks(**hooks)))
+                                        observers=observers, payback=SHORT_JOB, hooks=hooks_of(**hooks)))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
     # Accounting comes from the job store of the supervised run; the harness checks

@@ -324,9 +324,9 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
         if rec.iteration == iterations - 1:
             pids["after"] = _worker_pids(job.path).get(1, -1)
 
-    def on_event(e: dict) -> None:
+    def on_event(e) -> None:
         events.append(e)
-        if e["kind"] == "plan" and "rejoin of devices [1]" in e["text"] and "cont_time" in at:
+        if e.kind == "plan" and "rejoin of devices [1]" in e.text and "cont_time" in at:
             at.setdefault("rejoin_after_s", time.monotonic() - at["cont_time"])
 
     spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
@@ -341,7 +341,7 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    print("events:", [(e["iteration"], e["kind"], e["text"][:100]) for e in events], at)
+    print("events:", [(e.iteration, e.kind, e.text[:100]) for e in events], at)
     print("detections:", _explain(detections), _machine(loads, outside))
     print("iteration seconds:", {i: round(s, 3) for i, s in sorted(seconds.items())})
     assert "resumed" in at and at["paused_s"] >= 5.0, at  # longer than any hang timeout of old

@@ -26,13 +26,13 @@ def test_a_worker_slowed_2x_in_compute_is_reported_with_rank_and_kind() -> None:
         c.go()
         # The report of device 2 (filtered by device: the one taken first is not assumed
         # to be the fault's; that nothing else is reported is asserted below).
-        rep = c.controller.wait_for_report(lambda r: r.failure == "fail-slow" and 2 in r.devices, 15.0)
-        assert rep is not None, [(d.iteration, d.action) for d in c.controller.detections]
+        rep = c.events.wait_for_report(lambda r: r.failure == "fail-slow" and 2 in r.devices, 15.0)
+        assert rep is not None, [(d.iteration, d.action) for d in c.events.detections]
         assert rep.cause == "compute", rep
         # About half its peers' throughput; a loaded machine adds the same scheduling
         # delays to every worker's sleeps, which pulls the ratio up (0.68 seen at load 15).
         assert 0.35 <= rep.throughput[2] <= 0.75, rep.throughput
-        det = next(d for d in c.controller.detections if d.report is rep)
+        det = next(d for d in c.events.detections if d.report is rep)
         assert det.iteration >= ONSET
         assert det.iteration - ONSET + 1 <= 3, det  # latency in iterations, onset included
         time.sleep(0.5)
@@ -40,9 +40,9 @@ def test_a_worker_slowed_2x_in_compute_is_reported_with_rank_and_kind() -> None:
         # (a (0, 2) report was seen once on the loaded 2-core machine) or reported on its
         # own is a false report, which test_workers_without_a_failure_are_not_reported
         # and benchmarks/false_reports.py measure; here it is printed, not failed on.
-        others = sorted({d for r in c.controller.reports for d in r.devices} - {2})
+        others = sorted({d for r in c.events.reports for d in r.devices} - {2})
         if others:
-            print("healthy devices reported too (false reports):", others, c.controller.reports)
+            print("healthy devices reported too (false reports):", others, c.events.reports)
         assert len(rep.devices) < len(c.workers), rep
 
 
@@ -50,9 +50,9 @@ def test_workers_without_a_failure_are_not_reported() -> None:
     with SyntheticCluster(CFG, {0: WORK, 1: WORK, 2: WORK}) as c:
         c.go()
         time.sleep(4.0)  # ~25 iterations
-        dets = c.controller.detections
+        dets = c.events.detections
         assert len(dets) >= 15
-        assert c.controller.reports == []
+        assert c.events.reports == []
         # A change on a loaded machine may open a verification window that then fades
         # (docs/design.md §3.2); it must stay rare and never become a report.
         assert c.controller.failslow.stats.verifications <= 2

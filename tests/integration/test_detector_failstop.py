@@ -32,7 +32,7 @@ def fail_stop_of(device: int):
 def settle(c: SyntheticCluster, seconds: float = 0.8) -> None:
     c.go()
     time.sleep(seconds)
-    assert c.controller.reports == [], c.controller.reports
+    assert c.events.reports == [], c.events.reports
 
 
 # How a failure was found is asserted through its evidence (a process exit, a closed
@@ -46,8 +46,8 @@ def test_sigkill_of_a_worker_is_reported_within_a_second() -> None:
         settle(c, 1.0)  # worker 2 has finished 3 iterations and said goodbye meanwhile
         assert c.workers[2].poll() == 0
         c.workers[0].send_signal(signal.SIGKILL)
-        rep = c.controller.wait_for_report(fail_stop_of(0), 5.0)
-        assert rep is not None, c.controller.reports
+        rep = c.events.wait_for_report(fail_stop_of(0), 5.0)
+        assert rep is not None, c.events.reports
         assert rep.devices == (0,) and rep.generation == 0
         # seen through the process's exit or its closed connection, at once, not
         # through missed heartbeats
@@ -55,15 +55,15 @@ def test_sigkill_of_a_worker_is_reported_within_a_second() -> None:
         assert "device 0 (rank 0) exit:" in rep.evidence or "device 0 (rank 0) disconnect:" in rep.evidence, \
             rep.evidence
         time.sleep(0.3)
-        assert [r.devices for r in c.controller.reports] == [(0,)]  # nothing about 1 or 2
+        assert [r.devices for r in c.events.reports] == [(0,)]  # nothing about 1 or 2
 
 
 def test_sigstop_of_a_worker_is_reported_as_a_pause() -> None:
     with SyntheticCluster(CFG, {0: FAST, 1: FAST}, failslow=False) as c:
         settle(c)
         c.workers[1].send_signal(signal.SIGSTOP)
-        rep = c.controller.wait_for_report(fail_stop_of(1), 5.0)
-        assert rep is not None, c.controller.reports
+        rep = c.events.wait_for_report(fail_stop_of(1), 5.0)
+        assert rep is not None, c.events.reports
         # missed beats of a process the agent sees stopped (10 of 0.1 s: within the 5 s)
         assert "paused" in rep.evidence and "stopped" in rep.evidence, rep.evidence
         assert rep.paused == (1,)  # fenced, not to be killed while it is stopped
@@ -73,19 +73,19 @@ def test_sigstop_of_a_worker_is_reported_as_a_pause() -> None:
 def test_stalled_progress_is_reported_as_a_hang() -> None:
     with SyntheticCluster(CFG, {0: FAST, 1: FAST + ["--stall-at", "6"]}, failslow=False) as c:
         c.go()
-        rep = c.controller.wait_for_report(fail_stop_of(1), 20.0)
-        assert rep is not None, c.controller.reports
+        rep = c.events.wait_for_report(fail_stop_of(1), 20.0)
+        assert rep is not None, c.events.reports
         assert "hang" in rep.evidence and "progress stuck" in rep.evidence, rep.evidence
         assert c.workers[1].poll() is None  # the process is alive: a hang, not a crash
-        assert [r.devices for r in c.controller.reports] == [(1,)]
+        assert [r.devices for r in c.events.reports] == [(1,)]
 
 
 def test_killing_the_agent_reports_its_whole_node() -> None:
     with SyntheticCluster(CFG, {3: FAST, 4: FAST, 5: FAST}, node=2, failslow=False) as c:
         settle(c)
         c.agent.send_signal(signal.SIGKILL)
-        rep = c.controller.wait_for_report(lambda r: r.failure == "fail-stop", 5.0)
-        assert rep is not None, c.controller.reports
+        rep = c.events.wait_for_report(lambda r: r.failure == "fail-stop", 5.0)
+        assert rep is not None, c.events.reports
         assert rep.devices == (3, 4, 5)
         # lost through its closed connection, at once, not through its silence
         assert "node 2 lost: agent connection closed" in rep.evidence, rep.evidence

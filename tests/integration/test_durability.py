@@ -23,14 +23,14 @@ import torch
 
 from resihp_core import checkpoints
 from resihp_core.faults import fail_at
-from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
+from resihp_core.runtime.resilient import ResilientConfig, run_resilient
 from resihp_adapters.megatron_ref.adapter import data_spec, model_config
 from resihp_adapters.megatron_ref.reference import reference_run
 from resihp_adapters.torchkit.checkpoint import load_component
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 from .proctree import alive, descendants
-from .test_chaos import DETECTOR, _planner_state
+from .test_chaos import DETECTOR, _planner_state, hooks_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -42,7 +42,7 @@ def _run(spec, plan, iterations, repair_requests=None, **hooks):
     state, planner = _planner_state(plan, topology)
     return run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
                                          detector=DETECTOR, iterations=iterations, workdir=Path(tmpdir()), timeout_s=200,
-                                         repair_requests=repair_requests, hooks=RunHooks(**hooks)))
+                                         repair_requests=repair_requests, hooks=hooks_of(**hooks)))
 
 
 def _wait_for(pred, timeout: float = 120.0) -> bool:
@@ -90,7 +90,7 @@ def test_read_only_checkpoint_folder_is_reported_and_the_job_goes_on():
     storage = threading.Event()
 
     def on_event(ev):
-        if ev["kind"] == "storage":
+        if ev.kind == "storage":
             storage.set()
 
     with _read_only(ckpt) as (on, off):
@@ -131,7 +131,7 @@ def test_corrupt_newest_checkpoint_restore_falls_back_and_the_job_is_exact():
     rejoined = threading.Event()
 
     def on_event(ev):
-        if ev["kind"] == "plan" and "rejoin" in ev["text"]:
+        if ev.kind == "plan" and "rejoin" in ev.text:
             rejoined.set()
 
     def chaos(job, agents):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from resihp_core.plan import Topology
+from resihp_core.protocols.events import observer
 from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
@@ -177,7 +178,7 @@ def test_two_hosts_and_the_controllers_own_through_a_kill_a_partition_and_its_he
     times: dict[str, float] = {}
 
     def on_event(ev):
-        if ev["kind"] == "failure" and {2, 3} <= set(ev.get("devices", ())):
+        if ev.kind == "failure" and {2, 3} <= set(ev.devices):
             lost.set()
 
     with Hosts(2) as hosts:
@@ -197,7 +198,7 @@ def test_two_hosts_and_the_controllers_own_through_a_kill_a_partition_and_its_he
                 spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=FAILSTOP,
                 iterations=iterations, workdir=work / "job", timeout_s=180,
                 agents=AgentSetup(mode="external", listen=(hosts.address, 0), secret=cluster.secret, timeout_s=60),
-                hooks=RunHooks(on_listening=cluster.on_listening, on_event=on_event,
+                hooks=RunHooks(on_listening=cluster.on_listening, observe=observer(job=on_event),
                                before_run=lambda job, _: _when(job, 5, partition))))
             assert run.ok, f"{run.error}; logs in {run.logs} and {work}"
             cluster.assert_clean_end()
@@ -236,7 +237,7 @@ def test_an_agent_killed_then_its_host_repaired_is_planned_back_in():
     lost = threading.Event()
 
     def on_event(ev):
-        if ev["kind"] == "failure" and {2, 3} <= set(ev.get("devices", ())):
+        if ev.kind == "failure" and {2, 3} <= set(ev.devices):
             lost.set()
 
     with Hosts(2) as hosts:
@@ -252,7 +253,7 @@ def test_an_agent_killed_then_its_host_repaired_is_planned_back_in():
                 spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=FAILSTOP,
                 iterations=iterations, workdir=work / "job", timeout_s=180,
                 agents=AgentSetup(mode="external", listen=(hosts.address, 0), secret=cluster.secret, timeout_s=60),
-                hooks=RunHooks(on_listening=cluster.on_listening, on_event=on_event,
+                hooks=RunHooks(on_listening=cluster.on_listening, observe=observer(job=on_event),
                                before_run=lambda job, _: _when(job, 2, kill_then_repair))))
             assert run.ok, f"{run.error}; logs in {run.logs} and {work}"
             cluster.assert_clean_end(expect_rc={(1, 0): -signal.SIGKILL})

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from resihp_core.plan import Topology
+from resihp_core.protocols.events import observer
 from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 from resihp_core.testing.outside_load import OutsideLoad
 
@@ -65,8 +66,8 @@ def test_a_hosts_link_rate_limited_by_tc_is_reported_as_communication_of_its_dev
                 spec=spec, plan=plan, topology=topology, state=state, planner=planner, detector=SLOW_DETECTOR,
                 iterations=iterations, workdir=work / "job", timeout_s=240,
                 agents=AgentSetup(mode="external", listen=(hosts.address, 0), secret=cluster.secret, timeout_s=60),
-                hooks=RunHooks(on_listening=cluster.on_listening, on_iteration=on_iteration,
-                               on_detection=detections.append,
+                hooks=RunHooks(on_listening=cluster.on_listening,
+                               observe=observer(iteration=on_iteration, detection=detections.append),
                                before_run=lambda job, _: _when(job, THROTTLE_AT, lambda: throttle(job)))))
             assert run.ok, f"{run.error}; logs in {run.logs} and {work}"
             cluster.assert_clean_end()

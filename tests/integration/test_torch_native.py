@@ -124,6 +124,7 @@ def kill_and_repartition(tmp: Path, *, shard: int, restore: bool, checkpoint: bo
     processes) run one pipeline of 3 stages to iteration 5, moving state from memory or
     restoring the last DCP checkpoint. ``checkpoint``: write one every iteration (and
     keep them all) even when moving from memory."""
+    from resihp_core import checkpoints
     from resihp_core.job import JobSpec
     from resihp_core.runtime.launcher import LocalJob
     from resihp_core.testing.conformance import _assemble
@@ -141,8 +142,11 @@ def kill_and_repartition(tmp: Path, *, shard: int, restore: bool, checkpoint: bo
         lj.kill(1)
         lj.wait(5, timeout=300, on_death="return")
         resume = lj.abort()
+        # The supervisor's rule: the newest sealed checkpoint before ``resume`` (the
+        # last one is written in the background and may not be sealed yet).
+        point = checkpoints.restore_point(tmp / "ckpt", resume, 1, grace_s=60.0)[0] if restore else None
         g = lj.post(three_stages((0, 2, 3)), iterations=5, resume=resume,
-                    restore=resume - 1 if restore else None)
+                    restore=-1 if restore and point is None else point)
         lj.wait(5, timeout=300)
         ready = {d: json.loads(lj.store.get(f"ctl{g}/ready/{d}")) for d in (0, 2, 3)}
         losses = [sum(r.loss for r in lj.report(i).values()) for i in range(5)]

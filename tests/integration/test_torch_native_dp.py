@@ -64,6 +64,7 @@ def run_job(tmp: Path, iterations: int, faults: list, *, dim: int = MODEL["dim"]
     from resihp_core.config import DetectorConfig, load_config
     from resihp_core.faults import load_scenario
     from resihp_core.runtime.jobs import build_job
+    from resihp_core.protocols.events import observer
     from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
 
     (tmp / "job.toml").write_text(config or CONFIG.replace(f"hidden = {MODEL['dim']}", f"hidden = {dim}"))
@@ -78,7 +79,7 @@ def run_job(tmp: Path, iterations: int, faults: list, *, dim: int = MODEL["dim"]
     run = run_resilient(ResilientConfig(spec=spec, plan=job.plan, topology=job.topology, state=job.state,
                                         planner=job.planner, detector=det, iterations=iterations, workdir=tmp / "work",
                                         worker_module=worker_module, timeout_s=300, payback=SHORT_JOB,
-                                        hooks=RunHooks(on_detection=on_detection)))
+                                        hooks=RunHooks(observe=observer(detection=on_detection))))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
     dumps = {int(f.name[len("device"):-3]): torch.load(f, weights_only=False)

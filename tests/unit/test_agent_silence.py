@@ -14,6 +14,8 @@ from resihp_core.config import Config, ConfigError, DetectorConfig, load_config
 from resihp_core.protocol import AgentState, WorkerSummary, client_handshake, node_credential, write_msg
 from resihp_core.runtime.controller import Controller
 from resihp_core.runtime.loop import LoopThread
+from resihp_core.protocol import FailureReport
+from resihp_core.protocols.events import EventLog, fan_out, only
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "test-secret"
@@ -37,9 +39,10 @@ def test_the_limit_is_read_from_the_configuration_and_checked(tmp_path: Path) ->
 
 def test_a_closed_agent_connection_is_a_lost_node_at_once_under_a_long_limit() -> None:
     got = []
+    log = EventLog()
     with LoopThread("test-silence") as lt:
-        ctl = Controller(DetectorConfig(agent_silence_s=600.0), SECRET, on_report=got.append, failslow=False,
-                         notify_failures=False)
+        ctl = Controller(DetectorConfig(agent_silence_s=600.0), SECRET, sink=fan_out(log, only(FailureReport, got.append)),
+                         failslow=False)
         lt.run(ctl.start())
         try:
             async def agent_then_gone() -> None:
@@ -51,7 +54,7 @@ def test_a_closed_agent_connection_is_a_lost_node_at_once_under_a_long_limit() -
 
             lt.run(agent_then_gone())
             # Far below the 600 s limit (the test's own timeout is 60 s): seen by the close.
-            rep = ctl.wait_for_report(lambda r: 70 in r.devices, 50.0)
+            rep = log.wait_for_report(lambda r: 70 in r.devices, 50.0)
             assert rep is not None and rep.failure == "fail-stop", got
             assert "closed" in rep.evidence and "silent" not in rep.evidence, rep.evidence
         finally:

@@ -30,6 +30,7 @@ from resihp_core.protocol import (
 from resihp_core.protocol.framing import MAX_FRAME_BYTES
 from resihp_core.runtime.controller import Controller
 from resihp_core.runtime.loop import LoopThread
+from resihp_core.protocols.events import only
 
 SECRET = "bad-input-test-secret"
 CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=3, hang_min_timeout_s=0.5)
@@ -80,7 +81,7 @@ def test_a_malformed_frame_is_refused_counted_and_the_controller_serves_on(bad: 
     caplog.set_level(logging.WARNING, logger="resihp.controller")
     got: list[FailureReport] = []
     with LoopThread("test-bad-input") as lt:
-        ctl = Controller(CFG, SECRET, on_report=got.append, plugins=Plugins(autoload=False, builtins=[]),
+        ctl = Controller(CFG, SECRET, sink=only(FailureReport, got.append), plugins=Plugins(autoload=False, builtins=[]),
                          failslow=False, node_devices=TOPOLOGY)
         lt.run(ctl.start())
         try:
@@ -103,7 +104,7 @@ def test_a_malformed_frame_is_refused_counted_and_the_controller_serves_on(bad: 
 def test_forged_messages_for_another_node_are_refused_and_counted(caplog) -> None:
     got: list[FailureReport] = []
     with LoopThread("test-forged") as lt:
-        ctl = Controller(CFG, SECRET, on_report=got.append, plugins=Plugins(autoload=False, builtins=[]),
+        ctl = Controller(CFG, SECRET, sink=only(FailureReport, got.append), plugins=Plugins(autoload=False, builtins=[]),
                          failslow=False, node_devices=TOPOLOGY)
         lt.run(ctl.start())
         try:

@@ -17,6 +17,7 @@ from resihp_core.config import DetectorConfig
 from resihp_core.detector import Detection, DetectorStats
 from resihp_core.hookspecs import hookimpl
 from resihp_core.plugins import Plugins
+from resihp_core.protocols.events import EventLog, fan_out, only
 from resihp_core.protocol import (
     AuthError,
     FailureReport,
@@ -80,13 +81,17 @@ def stack():
     plugins.register(obs, "observer")
     det = RecordingDetector()
     got: list[FailureReport] = []
+    log = EventLog()
     with LoopThread("test-runtime") as lt:
-        ctl = Controller(CFG, SECRET, on_report=got.append, plugins=plugins, failslow=det)
+        # as the stand-alone controller does: reports to the observer plugins too
+        ctl = Controller(CFG, SECRET, sink=fan_out(log, only(FailureReport, got.append),
+                                                   only(FailureReport, plugins.notify_failure)),
+                         plugins=plugins, failslow=det)
         lt.run(ctl.start())
         agent = NodeAgent(0, ctl.address_text, SECRET, CFG)
         lt.run(agent.start())
         try:
-            yield lt, ctl, agent, obs, det, got
+            yield lt, ctl, agent, obs, det, got, log
         finally:
             lt.run(agent.stop())
             lt.run(ctl.stop())
@@ -136,7 +141,7 @@ def test_process_state_of_this_process_and_a_gone_one() -> None:
 
 # ------------------------------------------------------------------ fail-stop
 def test_a_worker_that_says_goodbye_is_not_reported(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     w = client(agent, 0)
     assert wait_for(lambda: 0 in ctl.nodes.get(0, None).workers() if 0 in ctl.nodes else False)
     w.beat(1, 2)
@@ -148,11 +153,11 @@ def test_a_worker_that_says_goodbye_is_not_reported(stack) -> None:
 
 
 def test_a_dropped_worker_connection_is_reported_at_once(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     w = client(agent, 3, rank=1)
     assert wait_for(lambda: 0 in ctl.nodes and 3 in ctl.nodes[0].workers())
     w.close(goodbye=False)  # as if the process died: the socket closes, no goodbye
-    rep = ctl.wait_for_report(lambda r: r.failure == "fail-stop", 5.0)
+    rep = log.wait_for_report(lambda r: r.failure == "fail-stop", 5.0)
     assert rep is not None and rep.devices == (3,)
     assert "disconnect" in rep.evidence  # the closed connection, not the missed beats
     assert wait_for(lambda: obs.reports == [rep]) and got == [rep]
@@ -161,11 +166,11 @@ def test_a_dropped_worker_connection_is_reported_at_once(stack) -> None:
 def test_a_fail_stop_is_reported_once_across_generations_until_the_device_lives_again(stack) -> None:
     """A new generation does not report (or log) a dead device again; a relaunched
     worker of it that dies is a new failure."""
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     w = client(agent, 3, rank=1)
     assert wait_for(lambda: 0 in ctl.nodes and 3 in ctl.nodes[0].workers())
     w.close(goodbye=False)
-    assert ctl.wait_for_report(lambda r: r.devices == (3,), 5.0) is not None
+    assert log.wait_for_report(lambda r: r.devices == (3,), 5.0) is not None
     for g in (1, 2):
         lt.call(ctl.set_generation, g)
         time.sleep(0.3)  # several agent states, each still naming device 3 dead
@@ -178,12 +183,12 @@ def test_a_fail_stop_is_reported_once_across_generations_until_the_device_lives_
 
 
 def test_a_silent_worker_misses_beats(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     w = client(agent, 1)
     assert wait_for(lambda: 0 in ctl.nodes and 1 in ctl.nodes[0].workers())
     w.pause()  # connection open, nothing sent
     try:
-        rep = ctl.wait_for_report(lambda r: 1 in r.devices, 3.0)
+        rep = log.wait_for_report(lambda r: 1 in r.devices, 3.0)
         assert rep is not None
         # This process is alive, so silence is a hang.
         assert "hang" in rep.evidence and "no heartbeat" in rep.evidence
@@ -192,18 +197,18 @@ def test_a_silent_worker_misses_beats(stack) -> None:
 
 
 def test_stalled_progress_is_a_hang(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     w = client(agent, 2)
     for step in range(20):
         w.beat(0, step)
         time.sleep(0.05)
-    rep = ctl.wait_for_report(lambda r: 2 in r.devices, 10.0)  # beats go on, progress does not
+    rep = log.wait_for_report(lambda r: 2 in r.devices, 10.0)  # beats go on, progress does not
     w.close(goodbye=False)
     assert rep is not None and "progress stuck" in rep.evidence, rep
 
 
 def test_a_wrong_secret_is_refused_and_reports_nothing(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     assert agent.worker_address is not None
     with pytest.raises(AuthError):
         WorkerClient(agent.worker_address, "wrong", rank=9, device=9).start()
@@ -212,13 +217,13 @@ def test_a_wrong_secret_is_refused_and_reports_nothing(stack) -> None:
 
 
 def test_an_agent_connection_lost_reports_the_whole_node(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     a2 = NodeAgent(5, ctl.address_text, SECRET, CFG)
     lt.run(a2.start())
     ws = [WorkerClient(a2.worker_address, node_credential(SECRET, a2.node), rank=d, device=d, interval=0.05).start() for d in (50, 51)]
     assert wait_for(lambda: 5 in ctl.nodes and set(ctl.nodes[5].workers()) == {50, 51})
     a2._ctl_writer.transport.abort()  # type: ignore[union-attr]  # as if the agent died
-    rep = ctl.wait_for_report(lambda r: set(r.devices) == {50, 51}, 5.0)
+    rep = log.wait_for_report(lambda r: set(r.devices) == {50, 51}, 5.0)
     assert rep is not None and "node 5 lost" in rep.evidence
     assert "silent" not in rep.evidence  # its connection closed: not the agent timeout
     for w in ws:
@@ -227,7 +232,7 @@ def test_an_agent_connection_lost_reports_the_whole_node(stack) -> None:
 
 
 def test_an_agent_leaving_on_purpose_is_not_reported(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     a2 = NodeAgent(6, ctl.address_text, SECRET, CFG)
     lt.run(a2.start())
     w = WorkerClient(a2.worker_address, node_credential(SECRET, a2.node), rank=60, device=60, interval=0.05).start()
@@ -240,7 +245,7 @@ def test_an_agent_leaving_on_purpose_is_not_reported(stack) -> None:
 
 
 def test_a_silent_agent_is_lost_after_the_timeout(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
 
     async def mute_agent() -> asyncio.StreamWriter:
         reader, writer = await asyncio.open_connection(*ctl.address)
@@ -252,14 +257,14 @@ def test_a_silent_agent_is_lost_after_the_timeout(stack) -> None:
 
     t0 = time.monotonic()  # before its last message: the timeout runs from after it
     writer = lt.run(mute_agent())
-    rep = ctl.wait_for_report(lambda r: r.devices == (70,), 5.0)
+    rep = log.wait_for_report(lambda r: r.devices == (70,), 5.0)
     assert rep is not None and "silent" in rep.evidence
     assert time.monotonic() - t0 >= ctl.agent_timeout_s - 0.1  # not before its timeout (load only delays it)
     lt.call(writer.close)
 
 
 def test_duplicate_agents_and_bad_identities_are_refused(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     dup = NodeAgent(0, ctl.address_text, SECRET, CFG)
     lt.run(dup.start())  # authenticated, then told it is a duplicate and disconnected
     assert wait_for(lambda: dup.controller_lost is not False)
@@ -273,7 +278,7 @@ def test_duplicate_agents_and_bad_identities_are_refused(stack) -> None:
 
 # ------------------------------------------------------------------ fail-slow plumbing
 def test_profiles_are_gathered_per_iteration_and_handed_over(stack) -> None:
-    lt, ctl, agent, obs, det, got = stack
+    lt, ctl, agent, obs, det, got, log = stack
     ws = [client(agent, d) for d in (0, 1)]
     assert wait_for(lambda: 0 in ctl.nodes and set(ctl.nodes[0].workers()) == {0, 1})
     for it in range(3):
@@ -283,7 +288,7 @@ def test_profiles_are_gathered_per_iteration_and_handed_over(stack) -> None:
     assert det.seen == [(0, (0, 1)), (1, (0, 1)), (2, (0, 1))]
     # A dead rank no longer holds iterations back.
     ws[1].close(goodbye=False)
-    assert ctl.wait_for_report(lambda r: r.devices == (1,), 3.0) is not None
+    assert log.wait_for_report(lambda r: r.devices == (1,), 3.0) is not None
     ws[0].send_profile(profile(0, 3))
     assert wait_for(lambda: len(det.seen) == 4) and det.seen[-1] == (3, (0,))
     lt.call(ctl.set_generation, 1)

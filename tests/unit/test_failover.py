@@ -200,7 +200,7 @@ def test_a_fresh_run_is_refused_while_the_old_job_runs_without_a_controller(tmp_
     import argparse
 
     from resihp_core.cli import CliError
-    from resihp_core.runtime.jobs import _attachable
+    from resihp_core.cli.run import _attachable
     from resihp_core.runtime.store import StoreServer
 
     server = StoreServer("127.0.0.1", SECRET, presence=True)

@@ -33,6 +33,7 @@ from resihp_core.protocol import (
 from resihp_core.runtime.agent import NodeAgent
 from resihp_core.runtime.controller import Controller
 from resihp_core.runtime.loop import LoopThread
+from resihp_core.protocols.events import only
 
 SECRET = "identity-test-secret"
 CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=3, hang_min_timeout_s=0.5)
@@ -54,7 +55,7 @@ def wait_for(pred, timeout: float = 5.0) -> bool:
 def job():
     got: list[FailureReport] = []
     with LoopThread("test-identity") as lt:
-        ctl = Controller(CFG, SECRET, on_report=got.append, plugins=Plugins(autoload=False, builtins=[]),
+        ctl = Controller(CFG, SECRET, sink=only(FailureReport, got.append), plugins=Plugins(autoload=False, builtins=[]),
                          failslow=False, node_devices=TOPOLOGY)
         lt.run(ctl.start())
         try:

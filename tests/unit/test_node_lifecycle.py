@@ -23,6 +23,8 @@ from resihp_core.runtime.netif import (
     select_interface,
 )
 from resihp_core.runtime.processes import AgentProcesses
+from resihp_core.protocol import FailureReport, WorkerProcess
+from resihp_core.protocols.events import EventLog, Failure, NodeBack, NodeLost, PlanPosted, fan_out, only
 
 SECRET = "test-secret"
 CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=3, hang_min_timeout_s=5.0)
@@ -84,18 +86,21 @@ def hub(tmp_path: Path):
     with LoopThread("test-lifecycle") as lt:
         rejoined: list[tuple[int, tuple[int, ...]]] = []
         procs = AgentProcesses(None, lt.run, {0: 0, 1: 0})
-        ctl = Controller(CFG, SECRET, failslow=False, on_process=procs.process, on_node_lost=procs.node_lost,
-                         on_rejoin=lambda n, d: rejoined.append((n, d)))
+        log = EventLog()
+        ctl = Controller(CFG, SECRET, failslow=False,
+                         sink=fan_out(log, only(WorkerProcess, procs.process),
+                                      only(NodeLost, lambda e: procs.node_lost(e.node)),
+                                      only(NodeBack, lambda e: rejoined.append((e.node, e.devices)))))
         procs.controller = ctl
         lt.run(ctl.start())
         try:
-            yield lt, ctl, procs, rejoined
+            yield lt, ctl, procs, rejoined, log
         finally:
             lt.run(ctl.stop())
 
 
 def test_a_finished_job_ends_its_agents_plainly(hub, tmp_path: Path) -> None:
-    lt, ctl, procs, rejoined = hub
+    lt, ctl, procs, rejoined, log = hub
     agent = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path, rejoin_timeout=30)
     lt.run(agent.start())
     lt.run(ctl.wait_for_agents({0}, 5.0))
@@ -106,11 +111,11 @@ def test_a_finished_job_ends_its_agents_plainly(hub, tmp_path: Path) -> None:
     lt.run(agent.wait_closed(), timeout=5)
     assert agent.job_finished and agent.controller_lost is False and agent.rejoins == 0
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
-    assert ctl.nodes[0].finished and ctl.reports == []  # leaving at the end is no failure
+    assert ctl.nodes[0].finished and log.reports == []  # leaving at the end is no failure
 
 
 def test_an_agent_that_lost_the_controller_fences_its_workers_and_offers_its_devices(hub, tmp_path: Path) -> None:
-    lt, ctl, procs, rejoined = hub
+    lt, ctl, procs, rejoined, log = hub
     agent = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path, rejoin_timeout=30)
     lt.run(agent.start())
     lt.run(ctl.wait_for_agents({0}, 5.0))
@@ -133,9 +138,11 @@ def test_a_lost_nodes_report_is_queued_before_its_workers_count_as_dead(tmp_path
     seen: list[tuple[str, int]] = []
     with LoopThread("test-lost-order") as lt:
         procs = AgentProcesses(None, lt.run, {0: 0})
-        ctl = Controller(CFG, SECRET, failslow=False, on_process=procs.process,
-                         on_report=lambda r: seen.append(("report", len(procs.dead()))),
-                         on_node_lost=lambda n: (procs.node_lost(n), seen.append(("dead", len(procs.dead())))))
+        log = EventLog()
+        ctl = Controller(CFG, SECRET, failslow=False, sink=fan_out(
+            log, only(WorkerProcess, procs.process),
+            only(FailureReport, lambda r: seen.append(("report", len(procs.dead())))),
+            only(NodeLost, lambda e: (procs.node_lost(e.node), seen.append(("dead", len(procs.dead())))))))
         procs.controller = ctl
         lt.run(ctl.start())
         agent = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path, rejoin_timeout=30)
@@ -147,14 +154,14 @@ def test_a_lost_nodes_report_is_queued_before_its_workers_count_as_dead(tmp_path
             lt.call(lambda: ctl._conns[0].transport.abort())
             assert wait_for(lambda: len(seen) >= 2), seen
             assert seen[:2] == [("report", 0), ("dead", 1)], seen
-            assert "node 0 lost" in ctl.reports[0].evidence
+            assert "node 0 lost" in log.reports[0].evidence
         finally:
             lt.run(agent.stop())
             lt.run(ctl.stop())
 
 
 def test_a_refused_agent_does_not_try_again(hub, tmp_path: Path) -> None:
-    lt, ctl, procs, rejoined = hub
+    lt, ctl, procs, rejoined, log = hub
     first = NodeAgent(0, ctl.address_text, SECRET, CFG, workdir=tmp_path / "a")
     lt.run(first.start())
     lt.run(ctl.wait_for_agents({0}, 5.0))
@@ -172,12 +179,12 @@ def test_report_phases_start_at_detected_failures_as_well_as_injected_ones() -> 
 
     phase_of = phases([fail_at(3, 4, "kill")])
     assert [phase_of(i, 0) for i in range(4)] == ["1 healthy"] * 4
-    phase_of.event({"kind": "failure", "iteration": 4, "failure": "fail-stop", "devices": [3]})  # the injected one
+    phase_of.event(Failure(text="", iteration=4, failure="fail-stop", devices=(3,)))  # the injected one
     assert phase_of(4, 0) == "2 after kill on device 3"
     assert phase_of(5, 1) == "2 after kill on device 3, adapted"
-    phase_of.event({"kind": "failure", "iteration": 7, "failure": "fail-stop", "devices": [4, 5]})  # a partition
+    phase_of.event(Failure(text="", iteration=7, failure="fail-stop", devices=(4, 5)))  # a partition
     assert phase_of(6, 1) == "2 after kill on device 3, adapted"
     assert phase_of(7, 1) == "3 after detected fail-stop of devices [4, 5]"
     assert phase_of(8, 2) == "3 after detected fail-stop of devices [4, 5], adapted"
-    phase_of.event({"kind": "plan", "kind_of_plan": "rejoin", "iteration": 10, "devices": [4, 5]})
+    phase_of.event(PlanPosted(text="", plan="", kind_of_plan="rejoin", iteration=10, devices=(4, 5)))
     assert phase_of(10, 3) == "4 after rejoin of devices [4, 5]"

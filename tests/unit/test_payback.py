@@ -59,8 +59,8 @@ def test_a_re_plan_that_cannot_pay_back_in_the_iterations_left_keeps_the_plan() 
     acts = plan_report(sup, slow())
     assert not of(acts, Deploy)
     (ev,) = replan_events(acts)
-    assert "does not pay back" in ev.text and "14 left" in ev.text and ev.fields["pays"] is False
-    assert ev.fields["gain_s"] < ev.fields["cost_s"] == pytest.approx(2.0)
+    assert "does not pay back" in ev.text and "14 left" in ev.text and ev.event.pays is False
+    assert ev.event.gain_s < ev.event.cost_s == pytest.approx(2.0)
     assert sup.phase is Phase.RUNNING and sup.state.plan == PLAN
     assert dict(sup.state.speeds) == {2: 0.5}  # the speed is known; the layout stays
 
@@ -75,7 +75,7 @@ def test_a_re_plan_that_pays_back_over_the_horizon_is_deployed_and_says_why() ->
     (dep,) = of(acts, Deploy)
     assert dep.decision.plan.layer_ranges != PLAN.layer_ranges
     (ev,) = replan_events(acts)
-    assert ev.fields["pays"] is True and ev.fields["horizon"] == 100 and ev.fields["gain_s"] > 2.0
+    assert ev.event.pays is True and ev.event.horizon == 100 and ev.event.gain_s > 2.0
     assert "pays back" in dep.decision.reason and "default" in dep.decision.reason
 
 
@@ -95,8 +95,8 @@ def test_the_reconfiguration_cost_is_measured_on_the_job_and_then_decides() -> N
     # 100, under the measured cost, where the default 2 s would have let it through.
     acts = plan_report(sup, slow(0.25, generation=1))
     (ev,) = replan_events(acts)
-    assert "measured" in ev.text and ev.fields["cost_s"] == pytest.approx(4.85)
-    assert bool(of(acts, Deploy)) == (ev.fields["gain_s"] > 4.85)
+    assert "measured" in ev.text and ev.event.cost_s == pytest.approx(4.85)
+    assert bool(of(acts, Deploy)) == (ev.event.gain_s > 4.85)
 
 
 def test_the_plan_returns_to_the_original_layout_when_the_device_is_healthy_again() -> None:

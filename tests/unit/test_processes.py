@@ -19,6 +19,8 @@ from resihp_core.runtime.agent import NodeAgent
 from resihp_core.runtime.controller import Controller
 from resihp_core.runtime.loop import LoopThread
 from resihp_core.runtime.processes import AgentProcesses
+from resihp_core.protocol import FailureReport
+from resihp_core.protocols.events import NodeLost, fan_out, only
 
 SECRET = "test-secret"
 CFG = DetectorConfig(heartbeat_interval_s=0.05, heartbeat_miss_limit=3, hang_min_timeout_s=5.0)
@@ -55,8 +57,9 @@ def cluster(tmp_path: Path):
     with LoopThread("test-processes") as lt:
         procs = AgentProcesses(None, lt.run, {0: 0, 1: 0, 2: 1}, detector={"heartbeat_miss_limit": 5})
         reports = []
-        ctl = Controller(CFG, SECRET, on_report=reports.append, failslow=False,
-                         on_process=procs.process, on_node_lost=procs.node_lost)
+        ctl = Controller(CFG, SECRET, failslow=False, sink=fan_out(
+            only(FailureReport, reports.append), only(WorkerProcess, procs.process),
+            only(NodeLost, lambda e: procs.node_lost(e.node))))
         procs.controller = ctl
         lt.run(ctl.start())
         agents = [NodeAgent(n, ctl.address_text, SECRET, CFG, workdir=tmp_path / f"node{n}") for n in (0, 1)]
@@ -119,7 +122,7 @@ def test_a_worker_that_cannot_start_and_a_lost_node_are_dead(cluster) -> None:
 def test_launching_onto_a_missing_agent_names_the_node(tmp_path: Path) -> None:
     with LoopThread("test-processes") as lt:
         procs = AgentProcesses(None, lt.run, {0: 0, 1: 3})
-        ctl = Controller(CFG, SECRET, failslow=False, on_process=procs.process)
+        ctl = Controller(CFG, SECRET, failslow=False, sink=only(WorkerProcess, procs.process))
         procs.controller = ctl
         lt.run(ctl.start())
         try:

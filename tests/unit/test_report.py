@@ -11,6 +11,7 @@ import pytest
 
 from resihp_core.report import (
     ReportError,
+    _check_events,
     _event_x,
     format_table,
     summary_table,
@@ -115,10 +116,10 @@ def test_event_positions_from_time_and_iteration() -> None:
               {"kind": "x", "text": "", "time": 1.0},   # end of iteration 10
               {"kind": "x", "text": "", "iteration": 11},
               {"kind": "x", "text": "", "time": 99.0}]  # after the end
-    assert _event_x(events, rows) == pytest.approx([12.0, 10.5, 11.0, 12.5])
+    assert _event_x(_check_events(events), rows) == pytest.approx([12.0, 10.5, 11.0, 12.5])
     # With end times recorded the mapping uses them (job started 5 s before iteration 10).
     timed = [dict(r, time=t) for r, t in zip(rows, (6.0, 7.0, 9.0))]
-    assert _event_x([{"kind": "x", "text": "", "time": 8.0}], timed) == pytest.approx([12.0])
+    assert _event_x(_check_events([{"kind": "x", "text": "", "time": 8.0}]), timed) == pytest.approx([12.0])
 
 
 # ----------------------------------------------------------------- the files
@@ -216,7 +217,7 @@ def test_report_error_is_a_value_error() -> None:
 def test_event_labels_and_phase_names_do_not_overlap() -> None:
     """Events one iteration apart (injection, detection, plan change) get labels side by
     side, clear of the data; long phase names wrap instead of running into each other."""
-    from resihp_core.report import _figure, _mark_events, _wrap
+    from resihp_core.report import _check_events, _figure, _mark_events, _wrap
 
     fig = _figure()
     ax = fig.add_subplot()
@@ -224,7 +225,7 @@ def test_event_labels_and_phase_names_do_not_overlap() -> None:
     ax.set_ylim(0, 1.7)
     evs = [{"kind": k, "text": f"{k} event with a long description {j}", "iteration": it}
            for j, (k, it) in enumerate([("injection", 20), ("failure", 20), ("plan", 21), ("plan", 30)])]
-    _mark_events(ax, evs, [float(e["iteration"]) for e in evs], annotate=True)
+    _mark_events(ax, _check_events(evs), [float(e["iteration"]) for e in evs], annotate=True)
     fig.tight_layout()
     from matplotlib.text import Text
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from resihp_core.protocols.events import Killed, PlanPosted
 from resihp_core.plan import ParallelPlan, Topology
 from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
 from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
@@ -158,7 +159,7 @@ def test_state_lost_is_read_from_the_typed_flag_only() -> None:
     assert sup.handle(tick()) == []  # error text that reads like it: not acted on
     sup.handle(WorkerLeft(generation=0, device=2, reason="StateLost: shard 1/2", error="StateLost", state_lost=True))
     acts = sup.handle(tick())
-    assert of(acts, Emit)[0].fields["failure"] == "state-lost"
+    assert of(acts, Emit)[0].event.failure == "state-lost"
     (dep,) = of(acts, Deploy)
     assert dep.from_checkpoint and dep.kind == "restore" and dep.decision.plan == PLAN
 
@@ -283,8 +284,8 @@ def test_paused_workers_back_join_without_a_relaunch_and_leftovers_are_killed_at
     sup.handle(Rejoin((2,)))
     acts = sup.handle(tick())
     assert not of(acts, Relaunch) and of(acts, Emit)[0].kind == "resumed" and 2 in sup.joining
-    assert sup.finish(alive=DEVICES) == [Emit("kill", "device 3 was still paused at the job's end: killed",
-                                              {"devices": [3]}), Kill(3)]
+    assert sup.finish(alive=DEVICES) == [Emit(Killed(text="device 3 was still paused at the job's end: killed",
+                                                     devices=(3,))), Kill(3)]
 
 
 # ------------------------------------------------------------------ layouts
@@ -400,9 +401,9 @@ def test_state_lost_restores_the_newest_complete_checkpoint_through_the_control_
     ctl._feed(Tick(alive=frozenset(DEVICES), dead=frozenset()))
     msg = job.session.message
     assert job.session.generation == 1 and msg.restore == 7 and msg.resume == 8 and not msg.fresh
-    plan_ev = [e for e in ctl.events if e["kind"] == "plan"][-1]
-    assert "resumed from the checkpoint of iteration 7" in plan_ev["text"]
-    assert plan_ev["iteration"] == 10 and plan_ev["restore"] == 7  # labelled where the job was
+    plan_ev = [e for e in ctl.events if isinstance(e, PlanPosted)][-1]
+    assert "resumed from the checkpoint of iteration 7" in plan_ev.text
+    assert plan_ev.iteration == 10 and plan_ev.restore == 7  # labelled where the job was
     assert ctl.core.phase is Phase.DEPLOYING and ctl.core.committed == 8
 
 

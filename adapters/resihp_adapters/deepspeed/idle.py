@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from resihp_core.protocols.store import KeyValueStore
+
 __all__ = ["committed_loss", "held_lr"]
 
 
-def committed_loss(store: Any, generation: int, iteration: int, devices: list[int]) -> float:
+def committed_loss(store: KeyValueStore, generation: int, iteration: int, devices: list[int]) -> float:
     """The global mean loss of committed ``iteration`` of ``generation`` from its reports."""
     from resihp_core.runtime import session
 

@@ -277,20 +277,16 @@ def run(args: argparse.Namespace) -> int:
     faults = load_scenario(sec.get("faults", []))
     phase_of = phases(faults)
 
-    def on_iteration(rec: Any) -> None:
-        print(f"iteration {rec.iteration:>3}  loss {rec.loss:.6f}  {rec.seconds:.2f}s  generation {rec.generation}",
-              flush=True)
+    from resihp_core.runtime.console import console_observer
 
-    def on_event(ev: dict) -> None:
-        phase_of.event(ev)  # a detected failure starts a report phase too
-        log.event(ev)
+    observe = console_observer(log, phase_of.event)  # a detected failure starts a report phase too
 
     out = run_resilient(dataclasses.replace(
         job.run, worker_module="resihp_adapters.deepspeed.script_worker", timeout_s=args.timeout,
         # Its own agents, started here: on a loaded machine one took over the
         # core's 60 s to import and connect (a dead one is seen when it exits).
         agents=dataclasses.replace(job.run.agents, timeout_s=AGENT_CONNECT_S),
-        hooks=RunHooks(on_iteration=on_iteration, on_event=on_event, phase_of=phase_of)))
+        hooks=RunHooks(observe=observe, phase_of=phase_of)))
     report = getattr(args, "report", None)
     if report and out.records:
         write_launch_report(Path(report), out, faults, f"resihp demo --adapter deepspeed: PP{plan.pp} x DP{plan.dp}")
@@ -314,13 +310,9 @@ def write_launch_report(parent: Path, out: Any, faults: list[Any], title: str) -
                        generation=r.generation, phase=r.phase) for r in records[1:]] or \
         [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples, generation=r.generation,
               phase=r.phase) for r in records]
-    events = [*out.events,
-              *(dict(kind="injection", iteration=f.iteration, generation=0,
-                     text=f"{f.kind} on device {f.device}" + (f" x{f.factor:.2f}" if f.kind == "slow" else ""))
-                for f in faults),
-              dict(kind="start-up", iteration=0, generation=0,
-                   text=f"start-up and first iteration {records[0].seconds:.1f} s")]
-    paths = write_report(outdir, iterations=iterations, events=events, title=title)
+    from resihp_core.runtime.jobs import report_events
+
+    paths = write_report(outdir, iterations=iterations, events=report_events(out, faults), title=title)
     print()
     print(format_table(summary_table(iterations)))
     print(f"\nreport: {outdir}")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +129,11 @@ def run(args: argparse.Namespace) -> int:
     from resihp_core.cli import CliError
     from resihp_core.config import ConfigError
     from resihp_core.faults import FaultError, load_scenario
-    from resihp_core.runtime.jobs import assemble, run_controlled, work_folder
+    from resihp_core.cli.run import run_controlled, work_folder
+    from resihp_core.runtime.jobs import assemble
     from resihp_core.runtime.runconfig import RunHooks
 
-    from resihp_core.runtime.console import RunLog, finish
-
-    from resihp_adapters.launch import print_iteration
+    from resihp_core.runtime.console import RunLog, console_observer, finish
 
     script = os.path.abspath(args.training_script)
     script_args = [a for a in args.training_script_args if a != "--"] if args.training_script_args else []
@@ -164,5 +162,5 @@ def run(args: argparse.Namespace) -> int:
     # The controller's part is resihp run's: one controller per job, and --resume
     # re-attaches to live agents and workers (runtime.controller_grace_s > 0) or restores.
     out, start = run_controlled(cfg, job, work, args, worker_module="resihp_adapters.launch_worker",
-                                timeout_s=args.timeout, hooks=RunHooks(on_iteration=print_iteration, on_event=log.event))
+                                timeout_s=args.timeout, hooks=RunHooks(observe=console_observer(log)))
     return finish(out, log, what="resihp launch", iterations=cfg.training.iterations, start=start)

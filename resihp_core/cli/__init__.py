@@ -167,13 +167,13 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _configure_run(p: argparse.ArgumentParser) -> None:
-    from resihp_core.runtime.jobs import configure_run
+    from resihp_core.cli.run import configure_run
 
     configure_run(p)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from resihp_core.runtime.jobs import run_config
+    from resihp_core.cli.run import run_config
 
     return run_config(args)
 
@@ -245,11 +245,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         print(f"resihp: error: {e}", file=sys.stderr)
         return e.code
-
-
-if __name__ == "__main__":
-    # Run the importable module, not this ``__main__`` copy, so plugins raising
-    # ``resihp_core.cli.CliError`` are caught as the same class.
-    from resihp_core.cli import main as _main
-
-    sys.exit(_main())
