@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "unit"))
 import test_control_wake as T  # noqa: E402
 from resihp_core.protocol import FailureReport  # noqa: E402
-from resihp_core.runtime.control import ControlLoop, Inbox  # noqa: E402
+from resihp_core.runtime.controller.control import ControlLoop, Inbox  # noqa: E402
 from resihp_core.runtime.store import StoreServer  # noqa: E402
 from resihp_core.scheduler.planner import Planner  # noqa: E402
 

@@ -19,7 +19,7 @@ Method (one process, trace-driven from real measurements):
    gets the :class:`~resihp_core.protocol.IterationProfile` a worker would send;
 3. **detect** — the same profiles go to three detectors, built as ``resihp run``
    builds them (config ``[detector]``, the job's plan and planning predictor,
-   ``resihp_core.runtime.jobs.build_job``):
+   ``resihp_core.runtime.controller.jobs.build_job``):
    ``resihp`` (workload-aware: BOCPD on measured / predicted-healthy, the predictor
    sees every micro-batch's document lengths), ``length-blind`` (the same detector fed
    profiles whose document lengths are hidden: every micro-batch looks like one
@@ -100,7 +100,7 @@ def record(cfg: Config, iterations: int, repeats: int, clock: str = "cpu",
 
     import torch
 
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
     from resihp_adapters.megatron_ref.adapter import data_spec, model_config
     from resihp_adapters.megatron_ref.data import micro_batch
     from resihp_adapters.megatron_ref.model import build_stage

@@ -682,7 +682,7 @@ class ReferenceIteration:
         from resihp_core.config import Config
         from resihp_core.protocol import PlanUpdate
         from resihp_core.runtime import session
-        from resihp_core.runtime.jobs import build_job
+        from resihp_core.runtime.controller.jobs import build_job
         from resihp_core.runtime.worker import Worker
 
         torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """End-to-end throughput of a real resilient job (issue 7): paired, normalised ratios.
 
-Every job is built by ``resihp_core.runtime.jobs.build_job`` from a
+Every job is built by ``resihp_core.runtime.controller.jobs.build_job`` from a
 :class:`~resihp_core.config.Config` (the path ``resihp demo`` and ``resihp run`` take):
 the reference backend's LLaMA-style model (hidden 64, 4 heads, FFN 128, vocabulary
 256, float32; 4 layers, 8 where noted), 1F1B, 256-token micro-batches (4 per replica
@@ -87,10 +87,10 @@ from resihp_core.config import Config
 from resihp_core.plan import ParallelPlan
 from resihp_core.data import create_source
 from resihp_core.predictor.predict import workload_features
-from resihp_core.runtime.resilient import ResilientConfig, run_resilient
+from resihp_core.runtime.controller.resilient import ResilientConfig, run_resilient
 from resihp_core.scheduler.state import PlannerState
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES
-from resihp_core.runtime.jobs import build_job
+from resihp_core.runtime.controller.jobs import build_job
 from resihp_core.faults import fail_at, severity_factor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -61,7 +61,7 @@ if os.environ.get("RESIHP_PROFILE_DIR") and _ID is not None:
 
 # (row, file suffix, function): cumulative wall time of that function per iteration.
 PARTS = [
-    ("iteration in the worker (Worker._one_iteration, _overlapped_iteration)", "runtime/worker.py",
+    ("iteration in the worker (Worker._one_iteration, _overlapped_iteration)", "runtime/worker/__init__.py",
      "_one_iteration|_overlapped_iteration"),
     ("  adapter.run_iteration", "torch_native/adapter.py", "run_iteration"),
     ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
@@ -71,11 +71,11 @@ PARTS = [
     ("    optimizer step (AdamW on DTensors)", "optim/optimizer.py", "wrapper"),
     ("  snapshot for rollback", "torch_native/adapter.py", "snapshot"),
     ("  checkpoint: the training thread's share", "torch_native/adapter.py", "save_checkpoint"),
-    ("  checkpoint status, seal", "runtime/worker.py", "_checkpoint_reports"),
+    ("  checkpoint status, seal", "runtime/worker/__init__.py", "_checkpoint_reports"),
     ("  iteration report to the store", "runtime/session.py", "put_report"),
     ("  commit: count + verdict", "runtime/session.py", "commit"),
     ("  profile to the detector (queued)", "runtime/heartbeat.py", "send_profile"),
-    ("superseded check between iterations", "runtime/worker.py", "_superseded"),
+    ("superseded check between iterations", "runtime/worker/__init__.py", "_superseded"),
 ]
 
 
@@ -100,7 +100,7 @@ def breakdown(folder: Path) -> tuple[list[tuple[str, float, list[float]]], int]:
     for f in files:
         st = pstats.Stats(f)
         # begin_iteration: once per iteration, commit in line or overlapped
-        iterations = _cum(st, "runtime/worker.py", "begin_iteration")[1]
+        iterations = _cum(st, "runtime/worker/__init__.py", "begin_iteration")[1]
         for label, suffix, fn in PARTS:
             rows[label].append(1e3 * _cum(st, suffix, fn)[0] / max(1, iterations))
     return [(k, statistics.median(v), v) for k, v in rows.items()], iterations

@@ -103,8 +103,8 @@ def _run(data: dict, faults: list, work: Path, on_job: Callable[[Any], None] | N
     from resihp_core.config import Config
     from resihp_core.faults import repairs
     from resihp_core.protocols.events import observer
-    from resihp_core.runtime.jobs import build_job, phases
-    from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
+    from resihp_core.runtime.controller.jobs import build_job, phases
+    from resihp_core.runtime.controller.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
     cfg = Config.from_dict(data, source="gpu_check")
     job = build_job(cfg, faults, work)

@@ -266,7 +266,7 @@ def resihp_config(job: Job, iterations: int, checkpoint_dir: str, checkpoint_eve
 def job_spec_json(job: Job, iterations: int, work: Path) -> str:
     """The workers' JobSpec of ``job`` as ResiHP assembles it (model and data for the peers)."""
     from resihp_core.config import Config
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
 
     cfg = Config.from_dict(resihp_config(job, iterations, str(work / "ckpt")))
     return build_job(cfg, [], work).spec.to_json()
@@ -290,9 +290,9 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
     """The job through ResiHP's production path (what ``resihp run --faults`` runs)."""
     from resihp_core.config import Config
     from resihp_core.faults import Fault, repairs
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
     from resihp_core.protocols.events import JobEvent, PlanPosted, observer
-    from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
+    from resihp_core.runtime.controller.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
     faults = [Fault(e.device, e.iteration, e.kind, e.factor) for e in trace]
     cfg = Config.from_dict(resihp_config(job, iterations, str(work / "ckpt"), checkpoint_every))
@@ -828,7 +828,7 @@ def check_ref(root: Path, iterations: int = 3) -> float:
     from resihp_adapters.megatron_ref.reference import reference_trajectory
     from resihp_core.config import Config
     from resihp_core.job import JobSpec
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
 
     job = JOBS["tp2pp2"]
     d = resihp_config(job, iterations, str(root / "ckpt"))

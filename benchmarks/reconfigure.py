@@ -93,7 +93,7 @@ from typing import Callable
 from resihp_core.plan import ParallelPlan, Topology, ranges_from_counts
 from resihp_core.predictor.cost import CostModel, LinkModel, fit_stage, mape
 from resihp_core.predictor.predict import IterationPredictor, ModelShape
-from resihp_core.runtime.launcher import LocalJob
+from resihp_core.runtime.controller.launcher import LocalJob
 from resihp_core.scheduler.planner import PlanDecision, Planner
 from resihp_adapters.megatron_ref.data import lengths_of
 from resihp_core.job import JobSpec
@@ -220,10 +220,10 @@ def _restore_at(points: list[int], reps: int, every: int, plans: tuple[ParallelP
     own restore after a ``StateLost`` could not post it."""
     from dataclasses import replace
 
-    from resihp_core.runtime.assemble import assemble_spec
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.controller.assemble import assemble_spec
+    from resihp_core.runtime.controller.resilient import run_resilient
     from resihp_core.protocols.events import Failure, JobEvent, PlanPosted, observer
-    from resihp_core.runtime.runconfig import RunHooks
+    from resihp_core.runtime.controller.runconfig import RunHooks
 
     base, victim, after = plans
     out = {}

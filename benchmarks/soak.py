@@ -97,7 +97,7 @@ BEHIND = 8  # verified checkpoints kept behind the newest verified one (a restor
 class Soak:
     def __init__(self, failures: int, seed: int, work: Path, adapter: str = "megatron_ref") -> None:
         from resihp_core.config import Config
-        from resihp_core.runtime.jobs import build_job
+        from resihp_core.runtime.controller.jobs import build_job
 
         self.failures, self.rng, self.work, self.adapter = failures, random.Random(seed), work, adapter
         # A repaired worker takes seconds to start while training goes on: on a fast,
@@ -473,7 +473,7 @@ class Soak:
     # ------------------------------------------------------------ run
     def run(self) -> dict:
         from resihp_core.protocols.events import event_dicts, observer
-        from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
+        from resihp_core.runtime.controller.resilient import ResilientConfig, RunHooks, run_resilient
 
         a = self.assembled
         self.node_of = {d: n for n, devs in a.topology.nodes().items() for d in devs}

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # types of the contract; not needed at run time here (no torc
     from resihp_core.job import JobSpec
     from resihp_core.protocol import IterationProfile
     from resihp_core.protocols.checkpoints import CheckpointWrite
-    from resihp_core.runtime.injector import FaultInjector
+    from resihp_core.runtime.worker.injector import FaultInjector
 
 __all__ = [
     "Adapter",
@@ -219,7 +219,7 @@ class AdapterContext:
         ``job.checkpoint_dir``.
     :param store: the job store (a ``torch.distributed.Store``); rendezvous of
         generation ``g`` lives under the prefix ``gen{g}/``.
-    :param faults: the worker's :class:`~resihp_core.runtime.injector.FaultInjector`;
+    :param faults: the worker's :class:`~resihp_core.runtime.worker.injector.FaultInjector`;
         an adapter stretches compute with ``faults.stretch``, delays transfers with
         ``faults.delay_comm`` and applies injected bit flips at its optimizer step with
         ``faults.corrupt`` (docs/sdc.md).

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Callable
 from resihp_core.cli import CliError
 from resihp_core.protocol import FailureReport
 from resihp_core.protocols.events import Event, IterationMetrics, JobEvent, event_dicts
-from resihp_core.runtime.assemble import AssembledJob, assemble
-from resihp_core.runtime.jobs import check_backend_here, check_fits_here, phases, report_events
-from resihp_core.runtime.runconfig import AgentSetup, RunHooks
+from resihp_core.runtime.controller.assemble import AssembledJob, assemble
+from resihp_core.runtime.controller.jobs import check_backend_here, check_fits_here, phases, report_events
+from resihp_core.runtime.controller.runconfig import AgentSetup, RunHooks
 
 if TYPE_CHECKING:
     from resihp_core.config import Config
     from resihp_core.faults import Fault
     from resihp_core.job import JobSpec
     from resihp_core.runtime.failover import JobState
-    from resihp_core.runtime.resilient import ResilientRun
+    from resihp_core.runtime.controller.resilient import ResilientRun
 
 __all__ = ["configure_run", "run_config", "run_controlled", "run_job", "work_folder"]
 
@@ -143,7 +143,7 @@ def _attachable(args: argparse.Namespace, work: Path, secret: str) -> JobState |
 
 def _store_answers(address: str, secret: str) -> bool:
     """Whether a job store at ``address`` accepts this controller (the job secret)."""
-    from resihp_core.runtime.resilient import connect_store
+    from resihp_core.runtime.controller.resilient import connect_store
 
     try:
         connect_store(address, secret, timeout=5.0, connect_timeout=1.0).close()
@@ -186,7 +186,7 @@ def run_controlled(cfg: Config, job: AssembledJob, work: Path, args: argparse.Na
     ``job.run`` (from :func:`assemble`) with the agents of ``args``, ``hooks`` and
     ``timeout_s``; returns the run and the first iteration it trained."""
     from resihp_core.runtime.failover import ControllerLock, ControllerRunning
-    from resihp_core.runtime.resilient import AttachFailed, Resume, run_resilient
+    from resihp_core.runtime.controller.resilient import AttachFailed, Resume, run_resilient
 
     try:
         lock = ControllerLock(work).acquire()  # one controller per job, released when this process ends
@@ -235,7 +235,7 @@ def run_job(cfg: Config, faults: list[Fault], args: argparse.Namespace, title: s
     job = job or assemble(cfg, faults, work)
     health = {d: "ok" for d in job.plan.devices()}
 
-    from resihp_core.runtime.console import RunLog, finish, one_line
+    from resihp_core.runtime.controller.console import RunLog, finish, one_line
 
     view = _View(args, health)
     phase_of = phases(faults)
@@ -342,7 +342,7 @@ class _View:
                   f"gen {rec.generation}  {rec.phase}", flush=True)
 
     def event(self, ev: JobEvent) -> None:
-        from resihp_core.runtime.console import one_line
+        from resihp_core.runtime.controller.console import one_line
 
         line = one_line(f"[iteration {ev.iteration}] {ev.kind}: {ev.text}", 160)
         self.lines.append(line)

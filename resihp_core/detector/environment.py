@@ -7,7 +7,7 @@ accounts the first two per thread, ``/proc/thread-self/schedstat``)::
     wall = time on a CPU + time runnable but waiting for a CPU (run delay) + time off the CPU
 
 A slow device lengthens the first (a slower processor) or the third (waiting for a slow
-accelerator; the :class:`~resihp_core.runtime.injector.FaultInjector` sleeps); other
+accelerator; the :class:`~resihp_core.runtime.worker.injector.FaultInjector` sleeps); other
 processes competing for the cores lengthen only the second. :class:`CpuWaitMeter` sums
 the training thread's run delay over each iteration and over its compute chunks; the
 worker sends both in its :class:`~resihp_core.protocol.IterationProfile`

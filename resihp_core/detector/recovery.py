@@ -7,7 +7,7 @@ speed ``p``), the healthy-time model predicts its compute with ``p`` put back in
 full speed about ``log p``. :class:`RecoveryWatch` calls a device healthy again when its
 excess is below ``log(p) / 2`` (nearer full speed than its known speed) in ``k``
 consecutive iterations; the detector then reports it with throughput 1.0, and the
-supervisor plans back to the better layout when that pays (runtime/payback.py).
+supervisor plans back to the better layout when that pays (runtime/controller/payback.py).
 """
 
 from __future__ import annotations

@@ -327,7 +327,7 @@ class NodeRejoin(_Msg, tag="rejoin"):
 
 class LinkProbe(_Msg, tag="link_probe"):
     """Controller -> agent: echo ``payload`` back (agent -> controller, ``node`` its
-    own): the round trip times the link of that node's host (runtime/linkprobe.py)."""
+    own): the round trip times the link of that node's host (runtime/controller/linkprobe.py)."""
 
     seq: NonNeg
     node: NonNeg = 0

@@ -4,7 +4,7 @@ Two unions, one stream:
 
 - :data:`ControllerEvent`: what the controller publishes to its one sink (a callable):
   a failure report, each fail-slow detection, a worker process started or ended, a
-  node's agent lost or back. The job (:class:`resihp_core.runtime.resilient.ResilientJob`)
+  node's agent lost or back. The job (:class:`resihp_core.runtime.controller.resilient.ResilientJob`)
   routes them to the supervisor and the process host.
 - :data:`JobEvent`: what the job did about it, as the supervisor and the control loop
   decide it (a plan posted, a failure acted on, a re-plan judged, a checkpoint chosen,

@@ -1,6 +1,6 @@
 """Where a job's worker processes run, and how they are started, signalled and reaped.
 
-A :class:`~resihp_core.runtime.launcher.LocalJob` steers its workers through one of two
+A :class:`~resihp_core.runtime.controller.launcher.LocalJob` steers its workers through one of two
 *process hosts* with the same small interface (:class:`WorkerProcesses`):
 
 * :class:`LocalProcesses` starts them as children of this process (tests, benchmarks

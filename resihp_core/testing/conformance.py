@@ -3,14 +3,14 @@ and through every capability it declares, against its own fault-free run.
 
 An adapter author calls :func:`check_adapter` (or the pytest fixture in
 :mod:`resihp_core.testing.plugin`) with a job description naming the adapter and a base
-layout. Every run is the job :func:`~resihp_core.runtime.assemble.assemble_spec` makes of
+layout. Every run is the job :func:`~resihp_core.runtime.controller.assemble.assemble_spec` makes of
 them (``assemble()``, as for ``resihp run``: the adapter's own section and data, the base
 layout as the first plan) and starts real worker processes
 (``resihp_core.runtime.worker``). A scenario that kills a device (``replica_drop``,
 ``restore``) runs that job as ``resihp run`` does, through
-:func:`~resihp_core.runtime.resilient.run_resilient` (controller, node agent, the
+:func:`~resihp_core.runtime.controller.resilient.run_resilient` (controller, node agent, the
 supervisor's control loop); the others post their plans through
-:class:`~resihp_core.runtime.launcher.LocalJob`. Each trains a few iterations,
+:class:`~resihp_core.runtime.controller.launcher.LocalJob`. Each trains a few iterations,
 changes the plan the way the capability promises (with a SIGKILLed peer where that is
 the point), finishes, and compares:
 
@@ -61,8 +61,8 @@ from resihp_core.scheduler.planner import PlanDecision, Planner
 from resihp_core.scheduler.state import PlannerState
 
 if TYPE_CHECKING:
-    from resihp_core.runtime.assemble import AssembledJob
-    from resihp_core.runtime.launcher import LocalJob
+    from resihp_core.runtime.controller.assemble import AssembledJob
+    from resihp_core.runtime.controller.launcher import LocalJob
 
 __all__ = ["ConformanceError", "Outcome", "Scenario", "check_adapter", "scenarios", "run_scenario",
            "capabilities_of"]
@@ -228,13 +228,13 @@ _DETECTOR = {"heartbeat_miss_limit": 50, "slow_threshold": 1e6}
 def _kit_job(job: JobSpec, base: ParallelPlan, *, iterations: int, faults: list[Fault], timeout: float,
              work: str) -> AssembledJob:
     """The kit's job, assembled as ``resihp run`` assembles a user's
-    (:func:`~resihp_core.runtime.assemble.assemble_spec`: the adapter's own section and
+    (:func:`~resihp_core.runtime.controller.assemble.assemble_spec`: the adapter's own section and
     data, the base layout as the first plan), ``faults`` injected by the workers as a
     job's ``[[faults]]``."""
     from pathlib import Path
 
     from resihp_core.config import ConfigError
-    from resihp_core.runtime.assemble import assemble_spec
+    from resihp_core.runtime.controller.assemble import assemble_spec
 
     try:
         return assemble_spec(job, base, iterations=iterations, faults=faults, workdir=Path(work),
@@ -247,7 +247,7 @@ class _ScenarioPlanner(Planner):
     """A scenario's planner: whatever fails, its answer is the scenario's plan (as a
     restore for ``restore``, else a "continue"). Everything else, noticing the dead
     worker, aborting, choosing the checkpoint and the resume point, posting, is the
-    supervisor's own (:class:`~resihp_core.runtime.control.ControlLoop`). The Scheduler's
+    supervisor's own (:class:`~resihp_core.runtime.controller.control.ControlLoop`). The Scheduler's
     state keeps the base layout: the scenario's plan may have fewer replicas than a home
     layout allows, and nothing in the kit plans from it again."""
 
@@ -271,7 +271,7 @@ class _ScenarioPlanner(Planner):
 
 def _supervised(asm: AssembledJob, base: ParallelPlan, scenario: Scenario, ckpt: str, *, env: dict[str, str] | None,
                 timeout: float) -> LocalJob:
-    """A scenario with a fault on the production path: :func:`~resihp_core.runtime.resilient.run_resilient`
+    """A scenario with a fault on the production path: :func:`~resihp_core.runtime.controller.resilient.run_resilient`
     runs the assembled job (controller, a node agent, the supervisor's control loop), the
     victims die by the workers' own fault injector, and the supervisor deploys the
     scenario's plan. For ``restore`` it restores the checkpoint *its* rule selects
@@ -279,8 +279,8 @@ def _supervised(asm: AssembledJob, base: ParallelPlan, scenario: Scenario, ckpt:
     whose checkpoints it cannot select (the job would silently start over) fails, and so
     does one that re-trains iterations before the restored one. Returns the finished
     job (its reports stay readable)."""
-    from resihp_core.runtime.resilient import run_resilient
-    from resihp_core.runtime.runconfig import RunHooks
+    from resihp_core.runtime.controller.resilient import run_resilient
+    from resihp_core.runtime.controller.runconfig import RunHooks
 
     victims = scenario.kill(base)
     failed: list[ConformanceError] = []
@@ -331,12 +331,12 @@ def _supervised(asm: AssembledJob, base: ParallelPlan, scenario: Scenario, ckpt:
 def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *, iterations: int = 4,
                  switch_at: int = 2, env: dict[str, str] | None = None, timeout: float = 120.0) -> Outcome:
     """Run one scenario (None: the fault-free run) with real workers; return its outcome.
-    The job is the one :func:`~resihp_core.runtime.assemble.assemble` makes of ``job``
+    The job is the one :func:`~resihp_core.runtime.controller.assemble.assemble` makes of ``job``
     (:func:`_kit_job`); a scenario that kills a device runs it as ``resihp run`` does
     (:func:`_supervised`), the others post the scenario's plan themselves."""
     import torch
 
-    from resihp_core.runtime.launcher import LocalJob
+    from resihp_core.runtime.controller.launcher import LocalJob
 
     dump = tempfile.mkdtemp(prefix="resihp-conformance-")
     ckpt = tempfile.mkdtemp(prefix="resihp-conformance-ckpt-")

@@ -48,7 +48,7 @@ def test_the_synthetic_source_is_the_old_data_path(vocab: int, budget: int) -> N
 
 def test_the_default_config_trains_on_the_same_corpus_as_before(tmp_path: Path) -> None:
     from resihp_core.config import Config
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
     from resihp_plugins.demo import DEMO_CONFIG
 
     spec = build_job(Config.from_dict(DEMO_CONFIG), [], tmp_path).spec

@@ -54,7 +54,7 @@ def test_workers_and_resihp_run_refuse_nccl_on_this_cpu_machine(monkeypatch):
     assert placement_for(5, {"devices_per_node": 4}, own_transfers=False) == Placement(
         torch.device("cpu"), "gloo", "auto: no CUDA device")
     # resihp run refuses before any process starts.
-    from resihp_core.runtime.jobs import check_backend_here
+    from resihp_core.runtime.controller.jobs import check_backend_here
 
     cfg = Config.from_dict({"runtime": {"backend": "nccl"}})
     with pytest.raises(ConfigError, match="runtime.backend = 'nccl'"):

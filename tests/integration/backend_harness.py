@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from resihp_core.plan import ParallelPlan
-from resihp_core.runtime.launcher import LocalJob
+from resihp_core.runtime.controller.launcher import LocalJob
 from resihp_core.job import JobSpec
 from resihp_adapters.megatron_ref.adapter import data_spec, model_config
 from resihp_adapters.megatron_ref.model import shard_dim

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from resihp_core.plan import Topology
-from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
+from resihp_core.runtime.controller.resilient import ResilientConfig, RunHooks, run_resilient
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 from .test_chaos import DETECTOR, _planner_state

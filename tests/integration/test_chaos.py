@@ -18,8 +18,8 @@ from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
 from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
 from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
 from resihp_core.protocols.events import observer
-from resihp_core.runtime.payback import PaybackRule
-from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
+from resihp_core.runtime.controller.payback import PaybackRule
+from resihp_core.runtime.controller.resilient import ResilientConfig, RunHooks, run_resilient
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 from resihp_adapters.megatron_ref.plugin import CAPABILITIES

@@ -23,7 +23,7 @@ import torch
 
 from resihp_core import checkpoints
 from resihp_core.faults import fail_at
-from resihp_core.runtime.resilient import ResilientConfig, run_resilient
+from resihp_core.runtime.controller.resilient import ResilientConfig, run_resilient
 from resihp_adapters.megatron_ref.adapter import data_spec, model_config
 from resihp_adapters.megatron_ref.reference import reference_run
 from resihp_adapters.torchkit.checkpoint import load_component
@@ -238,7 +238,7 @@ def test_controller_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_p
     # iteration; an uninterrupted run ends with the fault-free reference's (float64).
     assert checkpoints.newest_complete(ckpt)[0] == iterations - 1
     from resihp_core.config import load_config
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
 
     spec = build_job(load_config(cfg), [], work).spec
     torch.set_num_threads(1)

@@ -199,7 +199,7 @@ def test_controller_restart_reattaches_to_the_live_workers_and_ends_exact(tmp_pa
     from resihp_adapters.torchkit.checkpoint import load_component
     from resihp_core import checkpoints
     from resihp_core.config import load_config
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
 
     ckpt = work / "checkpoints"
     assert checkpoints.newest_complete(ckpt)[0] == iterations - 1
@@ -258,7 +258,7 @@ def test_a_torch_native_resihp_launch_reattaches_too(tmp_path):
     import shutil
 
     from resihp_adapters.torch_native.launch import settings
-    from resihp_core.runtime.assemble import assemble
+    from resihp_core.runtime.controller.assemble import assemble
 
     example = Path(__file__).resolve().parents[2] / "examples" / "torch_native"
     job = tmp_path / "job"
@@ -346,9 +346,9 @@ def test_no_controller_within_the_grace_period_ends_every_process(tmp_path):
     try:
         assert out.wait_for(r"^iteration\s+\d+\s+loss", 200), out.text[-3000:]
         family = descendants(first.pid)
-        kinds = {k for p in family for k in ("runtime.worker", "runtime.agent", "runtime.storehost")
+        kinds = {k for p in family for k in ("runtime.worker", "runtime.agent", "runtime.controller.storehost")
                  if k in _cmdline(p)}
-        assert kinds == {"runtime.worker", "runtime.agent", "runtime.storehost"}, kinds
+        assert kinds == {"runtime.worker", "runtime.agent", "runtime.controller.storehost"}, kinds
         first.kill()
         first.wait(10)
         killed = time.monotonic()

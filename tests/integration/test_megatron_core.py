@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 
 from resihp_core.job import JobSpec  # noqa: E402
 from resihp_core.plan import ParallelPlan  # noqa: E402
-from resihp_core.runtime.launcher import LocalJob  # noqa: E402
+from resihp_core.runtime.controller.launcher import LocalJob  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

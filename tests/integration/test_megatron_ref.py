@@ -11,7 +11,7 @@ import pytest
 
 from resihp_core import checkpoints
 from resihp_core.plan import Migration, ranges_from_counts
-from resihp_core.runtime.launcher import LocalJob
+from resihp_core.runtime.controller.launcher import LocalJob
 
 from .backend_harness import check_against_reference, finish, job_spec, tmpdir, uniform
 

@@ -25,7 +25,7 @@ import pytest
 
 from resihp_core.plan import Topology
 from resihp_core.protocols.events import observer
-from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
+from resihp_core.runtime.controller.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 
 from .backend_harness import Finished, check_against_reference, job_spec, read_dumps, tmpdir, uniform
 from .netns import Hosts, unavailable

@@ -24,7 +24,7 @@ from resihp_core import checkpoints  # noqa: E402
 from resihp_core.faults import fail_at  # noqa: E402
 from resihp_core.job import JobSpec  # noqa: E402
 from resihp_core.plan import ParallelPlan, Topology  # noqa: E402
-from resihp_core.runtime.resilient import ResilientConfig, run_resilient  # noqa: E402
+from resihp_core.runtime.controller.resilient import ResilientConfig, run_resilient  # noqa: E402
 from resihp_core.testing.conformance import _assemble, run_scenario  # noqa: E402
 
 from .backend_harness import read_dumps, tmpdir  # noqa: E402

@@ -44,8 +44,8 @@ def _flipped(job: JobSpec, base: ParallelPlan, fault):
     planner); its outcome (as the conformance kit reads one), events and final plan."""
     import torch
 
-    from resihp_core.runtime.resilient import run_resilient
-    from resihp_core.runtime.runconfig import RunHooks
+    from resihp_core.runtime.controller.resilient import run_resilient
+    from resihp_core.runtime.controller.runconfig import RunHooks
     from resihp_core.testing.conformance import Outcome, _assemble, _assemble_full, _kit_job
 
     dump, work = tempfile.mkdtemp(prefix="resihp-sdc-"), tempfile.mkdtemp(prefix="resihp-sdc-job-")
@@ -108,7 +108,7 @@ def test_a_transient_flip_between_two_replicas_is_re_executed_and_quarantines_no
 def test_a_bad_device_between_two_replicas_stops_the_job_naming_both():
     """Two replicas that disagree again on re-execution: no majority says which one is
     wrong, and the job stops with a message naming both rather than guess."""
-    from resihp_core.runtime.resilient import run_resilient
+    from resihp_core.runtime.controller.resilient import run_resilient
     from resihp_core.testing.conformance import _kit_job
 
     job, base = _job(2, 2), _base(2, 2)

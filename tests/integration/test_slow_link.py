@@ -21,7 +21,7 @@ import pytest
 
 from resihp_core.plan import Topology
 from resihp_core.protocols.events import observer
-from resihp_core.runtime.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
+from resihp_core.runtime.controller.resilient import AgentSetup, ResilientConfig, RunHooks, run_resilient
 from resihp_core.testing.outside_load import OutsideLoad
 
 from .backend_harness import job_spec, tmpdir, uniform

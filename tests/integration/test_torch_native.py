@@ -126,7 +126,7 @@ def kill_and_repartition(tmp: Path, *, shard: int, restore: bool, checkpoint: bo
     keep them all) even when moving from memory."""
     from resihp_core import checkpoints
     from resihp_core.job import JobSpec
-    from resihp_core.runtime.launcher import LocalJob
+    from resihp_core.runtime.controller.launcher import LocalJob
     from resihp_core.testing.conformance import _assemble
 
     job = JobSpec(adapter="torch_native", adapter_config={"model": MODEL, "shard": shard}, data=DATA,

@@ -63,9 +63,9 @@ def run_job(tmp: Path, iterations: int, faults: list, *, dim: int = MODEL["dim"]
             on_detection=None, config: str | None = None, worker_module: str = "resihp_core.runtime.worker"):
     from resihp_core.config import DetectorConfig, load_config
     from resihp_core.faults import load_scenario
-    from resihp_core.runtime.jobs import build_job
+    from resihp_core.runtime.controller.jobs import build_job
     from resihp_core.protocols.events import observer
-    from resihp_core.runtime.resilient import ResilientConfig, RunHooks, run_resilient
+    from resihp_core.runtime.controller.resilient import ResilientConfig, RunHooks, run_resilient
 
     (tmp / "job.toml").write_text(config or CONFIG.replace(f"hidden = {MODEL['dim']}", f"hidden = {dim}"))
     cfg = load_config(tmp / "job.toml", env={})

@@ -9,7 +9,7 @@ from resihp_core.config import ConfigError
 from resihp_core.faults import Fault
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan
-from resihp_core.runtime.assemble import assemble_spec
+from resihp_core.runtime.controller.assemble import assemble_spec
 
 
 def test_the_adapters_section_data_plan_and_faults_reach_the_workers_as_given(tmp_path):

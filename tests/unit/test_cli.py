@@ -175,7 +175,7 @@ def test_resihp_run_assembles_its_job_once(monkeypatch: pytest.MonkeyPatch, tmp_
     """``resihp run`` checks and builds the job in one assembly, and runs that one."""
     import argparse
 
-    from resihp_core.runtime import jobs
+    from resihp_core.cli import run as jobs
 
     calls: list[object] = []
     real = jobs.assemble

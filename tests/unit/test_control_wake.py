@@ -13,7 +13,7 @@ import pytest
 
 from resihp_core.protocol import FailureReport, WorkerLeft
 from resihp_core.runtime import session as s
-from resihp_core.runtime.control import ControlLoop, Inbox
+from resihp_core.runtime.controller.control import ControlLoop, Inbox
 from resihp_core.runtime.store import StoreClient, StoreServer
 from resihp_core.scheduler.planner import Planner
 from test_supervisor import planner_state  # the same planner state over the same plan

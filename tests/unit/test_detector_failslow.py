@@ -742,7 +742,7 @@ def test_cpu_wait_meter_counts_only_the_compute_chunks() -> None:
 
 def test_adapter_steps_and_compute_ends_drive_the_workers_meter() -> None:
     from resihp_core.adapter import AdapterContext
-    from resihp_core.runtime.injector import FaultInjector
+    from resihp_core.runtime.worker.injector import FaultInjector
 
     now = [0.0]
     inj = FaultInjector(0, [{"device": 0, "iteration": 1, "kind": "slow", "factor": 1.5}])

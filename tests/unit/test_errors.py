@@ -9,7 +9,7 @@ import pytest
 from resihp_core import errors
 from resihp_core.errors import classify, register_device_error, user_frame
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded, decode, encode
-from resihp_core.runtime.supervisor import (JOB_ERROR_GRACE_S, EndJob, Emit, Finish, NotifyFailure, PlanFailure)
+from resihp_core.runtime.controller.supervisor import (JOB_ERROR_GRACE_S, EndJob, Emit, Finish, NotifyFailure, PlanFailure)
 
 from test_supervisor import Clock, running, tick  # the same job and clock
 

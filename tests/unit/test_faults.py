@@ -50,7 +50,7 @@ def test_flip_faults_load_with_their_fields_and_bad_ones_are_named() -> None:
 def test_a_flip_corrupts_one_bit_once_and_a_bad_device_every_iteration() -> None:
     import torch
 
-    from resihp_core.runtime.injector import FaultInjector
+    from resihp_core.runtime.worker.injector import FaultInjector
 
     def state() -> dict[str, torch.Tensor]:
         return {"b": torch.ones(3, dtype=torch.float64), "a": torch.full((4,), 2.0, dtype=torch.float64)}

@@ -1,7 +1,7 @@
 """A slow link every rank waits on (docs/detector.md "Slow links"): the profiles cannot
 say whose link it is, so without a prober nothing is reported (what a rate limit on one
 host's interface met); a link prober names the devices behind it. And the node link
-probe's arithmetic (runtime/linkprobe.py)."""
+probe's arithmetic (runtime/controller/linkprobe.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from resihp_core.detector import ProbeResult
 from resihp_core.detector.changepoint import BOCPD
 from resihp_core.detector.failslow import WorkloadAwareDetector
 from resihp_core.detector.verify import ProfileVerifier
-from resihp_core.runtime.linkprobe import link_result
+from resihp_core.runtime.controller.linkprobe import link_result
 from test_detector_localise import Job
 
 

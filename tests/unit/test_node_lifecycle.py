@@ -174,7 +174,7 @@ def test_a_refused_agent_does_not_try_again(hub, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ report phases
 def test_report_phases_start_at_detected_failures_as_well_as_injected_ones() -> None:
-    from resihp_core.runtime.jobs import phases
+    from resihp_core.runtime.controller.jobs import phases
     from resihp_core.faults import fail_at
 
     phase_of = phases([fail_at(3, 4, "kill")])

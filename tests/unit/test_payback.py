@@ -1,4 +1,4 @@
-"""Re-plans that pay back (runtime/payback.py), driven through the supervisor with an
+"""Re-plans that pay back (runtime/controller/payback.py), driven through the supervisor with an
 injected clock and no processes: a fail-slow re-plan is deployed only when its
 predicted gain over the horizon beats the reconfiguration cost measured on the job,
 and the plan returns to the original layout once the device is healthy again."""
@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from resihp_core.protocol import FailureReport
-from resihp_core.runtime.payback import PaybackRule, ReconfigurationMeter, origin_candidate
-from resihp_core.runtime.supervisor import Committed, Deploy, Deployed, Emit, Phase, PlanFailure, Planned, Supervisor
+from resihp_core.runtime.controller.payback import PaybackRule, ReconfigurationMeter, origin_candidate
+from resihp_core.runtime.controller.supervisor import Committed, Deploy, Deployed, Emit, Phase, PlanFailure, Planned, Supervisor
 from resihp_core.scheduler.planner import Planner
 from test_supervisor import DEVICES, PLAN, STATE, Clock, of, tick
 

@@ -12,7 +12,7 @@ from resihp_core.detector.sdc import (
 )
 from resihp_core.runtime import session
 from resihp_core.runtime.store import StoreServer
-from resihp_core.runtime.supervisor import Emit, Fail, Kill, NotifyFailure, PlanFailure, Retry
+from resihp_core.runtime.controller.supervisor import Emit, Fail, Kill, NotifyFailure, PlanFailure, Retry
 
 from test_supervisor import DEVICES, of, running, tick  # the same job and clock
 
@@ -132,7 +132,7 @@ def test_the_supervisor_quarantines_a_suspect_as_a_fail_stop_with_cause_sdc() ->
 
 
 def test_the_supervisor_reexecutes_a_tie_and_reports_a_transient_flip() -> None:
-    from resihp_core.runtime.supervisor import Committed, Deployed
+    from resihp_core.runtime.controller.supervisor import Committed, Deployed
 
     sup = running()
     sup.handle(SdcDetected(SdcFinding(0, 1, candidates=(0, 2))))

@@ -13,7 +13,7 @@ from resihp_core.predictor.cost import CostModel, LinkModel, StageCost
 from resihp_core.predictor.predict import IterationPredictor, ModelShape, workload_features
 from resihp_core.protocol import FailureReport, WorkerLeft
 from resihp_core.runtime.session import StorageFault
-from resihp_core.runtime.supervisor import (
+from resihp_core.runtime.controller.supervisor import (
     Committed, Deploy, Deployed, DeployFailed, Emit, Fail, Kill, NotifyFailure, Phase, PlanFailure, Planned,
     PlanRejoin, Ready, Rejoin, Relaunch, RelaunchFailed, Retry, Supervisor, Tick, needs_restore,
 )
@@ -384,7 +384,7 @@ def _sealed(root, *iterations: int) -> None:
 
 def test_state_lost_restores_the_newest_complete_checkpoint_through_the_control_loop(tmp_path) -> None:
     from resihp_core.runtime import session
-    from resihp_core.runtime.control import CheckpointPolicy, ControlLoop
+    from resihp_core.runtime.controller.control import CheckpointPolicy, ControlLoop
 
     _sealed(tmp_path, 3, 7)
     job = FakeJob()
@@ -408,7 +408,7 @@ def test_state_lost_restores_the_newest_complete_checkpoint_through_the_control_
 
 
 def test_the_session_notifies_observers_once_per_failure() -> None:
-    from resihp_core.runtime.control import ControlLoop
+    from resihp_core.runtime.controller.control import ControlLoop
 
     seen: list = []
     job = FakeJob()

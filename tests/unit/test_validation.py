@@ -104,7 +104,7 @@ def test_other_cross_field_checks() -> None:
 
 
 def test_resihp_run_refuses_a_model_too_big_for_this_machine() -> None:
-    from resihp_core.runtime.jobs import check_fits_here
+    from resihp_core.runtime.controller.jobs import check_fits_here
 
     big = cfg(model={"hidden": 16384, "heads": 32, "layers": 2, "ffn_hidden": 16384},
               scheduler={"device_memory_gib": 1e6})

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from resihp_core.runtime.assemble import AssembledJob
+    from resihp_core.runtime.controller.assemble import AssembledJob
 
 __all__ = ["configure", "run", "run_demo", "accelerate_env", "read_resihp_section"]
 
@@ -184,7 +184,7 @@ def probe_partition(script: str, script_args: list[str], env: dict[str, str], pp
 
 def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str, Any], workdir: Path,
                     layer_ranges: tuple[tuple[int, int], ...] | None = None) -> AssembledJob:
-    """The launch's job, assembled as every job is (:func:`~resihp_core.runtime.assemble.assemble`):
+    """The launch's job, assembled as every job is (:func:`~resihp_core.runtime.controller.assemble.assemble`):
     the DeepSpeed JSON and its ``resihp`` section read as a ResiHP configuration, the
     JSON's op timeout, the script's own data and its initial stage split
     (``layer_ranges``; None: the uniform one) as :class:`JobInputs`."""
@@ -192,7 +192,7 @@ def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str
     from resihp_core.faults import load_scenario
     from resihp_core.predictor.corpus import CorpusSpec, iteration_workload
     from resihp_core.predictor.predict import ModelShape
-    from resihp_core.runtime.assemble import JobInputs, UserData, assemble
+    from resihp_core.runtime.controller.assemble import JobInputs, UserData, assemble
 
     pp, nodes = int(sec.get("pp", 2)), int(sec.get("nodes", 1))
     if num_processes % pp or num_processes % nodes:
@@ -232,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from resihp_core.cli import CliError
-    from resihp_core.runtime.console import RunLog, finish
-    from resihp_core.runtime.resilient import RunHooks, run_resilient
+    from resihp_core.runtime.controller.console import RunLog, finish
+    from resihp_core.runtime.controller.resilient import RunHooks, run_resilient
 
     from resihp_adapters.deepspeed.spec import check_supported, load_ds_config
 
@@ -272,12 +272,12 @@ def run(args: argparse.Namespace) -> int:
             f"worker logs in {work / 'job'}")
 
     from resihp_core.faults import load_scenario
-    from resihp_core.runtime.jobs import phases
+    from resihp_core.runtime.controller.jobs import phases
 
     faults = load_scenario(sec.get("faults", []))
     phase_of = phases(faults)
 
-    from resihp_core.runtime.console import console_observer
+    from resihp_core.runtime.controller.console import console_observer
 
     observe = console_observer(log, phase_of.event)  # a detected failure starts a report phase too
 
@@ -310,7 +310,7 @@ def write_launch_report(parent: Path, out: Any, faults: list[Any], title: str) -
                        generation=r.generation, phase=r.phase) for r in records[1:]] or \
         [dict(iteration=r.iteration, loss=r.loss, seconds=r.seconds, samples=r.samples, generation=r.generation,
               phase=r.phase) for r in records]
-    from resihp_core.runtime.jobs import report_events
+    from resihp_core.runtime.controller.jobs import report_events
 
     paths = write_report(outdir, iterations=iterations, events=report_events(out, faults), title=title)
     print()

@@ -130,10 +130,10 @@ def run(args: argparse.Namespace) -> int:
     from resihp_core.config import ConfigError
     from resihp_core.faults import FaultError, load_scenario
     from resihp_core.cli.run import run_controlled, work_folder
-    from resihp_core.runtime.jobs import assemble
-    from resihp_core.runtime.runconfig import RunHooks
+    from resihp_core.runtime.controller.jobs import assemble
+    from resihp_core.runtime.controller.runconfig import RunHooks
 
-    from resihp_core.runtime.console import RunLog, console_observer, finish
+    from resihp_core.runtime.controller.console import RunLog, console_observer, finish
 
     script = os.path.abspath(args.training_script)
     script_args = [a for a in args.training_script_args if a != "--"] if args.training_script_args else []

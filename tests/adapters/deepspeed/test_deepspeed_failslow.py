@@ -47,8 +47,8 @@ def _work(plan, device) -> float:
 def test_a_slowed_rank_is_detected_and_given_less_work_and_training_stays_exact(tmp_path, monkeypatch):
     from resihp_core.config import DetectorConfig
     from resihp_core.faults import fail_at
-    from resihp_core.runtime.payback import PaybackRule
-    from resihp_core.runtime.resilient import ResilientConfig, run_resilient
+    from resihp_core.runtime.controller.payback import PaybackRule
+    from resihp_core.runtime.controller.resilient import ResilientConfig, run_resilient
     from resihp_core.testing.conformance import _assemble
 
     from resihp_adapters.deepspeed.launch import assemble_launch

@@ -20,7 +20,7 @@ from resihp_core.protocols.events import Event, JobEvent, PlanPosted, event_dict
 from resihp_core.protocols.metrics import IterationMetrics
 
 if TYPE_CHECKING:
-    from resihp_core.runtime.resilient import ResilientRun
+    from resihp_core.runtime.controller.resilient import ResilientRun
 
 __all__ = ["RunLog", "WIDTH", "console_observer", "finish", "one_line"]
 

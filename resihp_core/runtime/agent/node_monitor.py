@@ -8,7 +8,7 @@ connection loss, process exit (watched through a pidfd when the pid is known: th
 worker's identity carries it, or the launcher calls :meth:`WorkerMonitor.watch_pid` /
 :meth:`WorkerMonitor.worker_exited`), and hangs with a learned timeout. It is one half
 of :class:`~resihp_core.runtime.agent.NodeAgent`; the other is the launcher
-(:mod:`resihp_core.runtime.node_launcher`). The agent supplies ``_to_controller``
+(:mod:`resihp_core.runtime.agent.node_launcher`). The agent supplies ``_to_controller``
 (where profiles and worker reports go) and ``_poll_children`` (reap launched workers).
 """
 

@@ -12,7 +12,7 @@ their commits while it is absent. It ends when
 
 Run it (the secret in the environment, never on a command line)::
 
-    RESIHP_SECRET=... python -m resihp_core.runtime.storehost --host H [--port P] \\
+    RESIHP_SECRET=... python -m resihp_core.runtime.controller.storehost --host H [--port P] \\
         --grace S --address-file F
 """
 
@@ -70,7 +70,7 @@ def serve(host: str, port: int, secret: str, grace_s: float, address_file: str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m resihp_core.runtime.storehost",
+    ap = argparse.ArgumentParser(prog="python -m resihp_core.runtime.controller.storehost",
                                  description="ResiHP job store outliving its controller")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)

@@ -206,7 +206,7 @@ class Controller:
         if self.failslow is not None and getattr(self.failslow, "prober", False) is None:
             # Without a prober a slow link that every rank waits on cannot be localised
             # (docs/detector.md "Slow links"): time each host's link through its agent.
-            from resihp_core.runtime.linkprobe import NodeLinkProber
+            from resihp_core.runtime.controller.linkprobe import NodeLinkProber
 
             self.failslow.prober = NodeLinkProber(self)  # type: ignore[attr-defined]
         self._server = await asyncio.start_server(self._serve_agent, self.host, self.port)
@@ -707,6 +707,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"controller: {e}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,10 +3,10 @@ and the launcher of the node's workers.
 
 A :class:`NodeAgent` is made of
 
-* the **monitor** (:class:`~resihp_core.runtime.node_monitor.WorkerMonitor`): serves
+* the **monitor** (:class:`~resihp_core.runtime.agent.node_monitor.WorkerMonitor`): serves
   the node's workers and watches them (missed beats, lost connections, process exits
   through pidfds, hangs with a learned timeout);
-* the **launcher** (:class:`~resihp_core.runtime.node_launcher.WorkerLauncher`):
+* the **launcher** (:class:`~resihp_core.runtime.agent.node_launcher.WorkerLauncher`):
   starts one worker per device on the controller's
   :class:`~resihp_core.protocol.LaunchWorkers`, with their collectives bound to the
   interface the agent reaches the controller on, signals and fences them;
@@ -79,8 +79,8 @@ from resihp_core.protocol import (
 )
 from resihp_core.runtime.gate import PreAuthGate
 from resihp_core.runtime.heartbeat import ANNOUNCE, BYE, format_address, parse_address
-from resihp_core.runtime.node_launcher import WorkerLauncher
-from resihp_core.runtime.node_monitor import WorkerMonitor, nodelay as _nodelay, process_state
+from resihp_core.runtime.agent.node_launcher import WorkerLauncher
+from resihp_core.runtime.agent.node_monitor import WorkerMonitor, nodelay as _nodelay, process_state
 
 __all__ = ["NodeAgent", "configure", "main", "process_state", "run"]
 
@@ -703,6 +703,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"agent: {e}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

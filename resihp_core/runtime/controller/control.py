@@ -6,7 +6,7 @@ What happens comes from four places: the job session (commits, workers that left
 generation, storage faults), the workers' processes (alive or dead), the controller
 (failure reports, on :attr:`ControlLoop.reports`) and repaired devices offered from
 any thread (:attr:`ControlLoop.repaired`). The decisions are all the pure
-:class:`~resihp_core.runtime.supervisor.Supervisor`'s; this module does the effects:
+:class:`~resihp_core.runtime.controller.supervisor.Supervisor`'s; this module does the effects:
 it calls the planner, posts generations through the session, kills and relaunches
 workers, and records each committed iteration (observers hear it through the session).
 
@@ -33,10 +33,10 @@ from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded
 from resihp_core.protocols import events as jev
 from resihp_core.protocols.metrics import IterationMetrics
-from resihp_core.runtime.launcher import LocalJob, NoProgress
-from resihp_core.runtime.payback import PaybackRule
+from resihp_core.runtime.controller.launcher import LocalJob, NoProgress
+from resihp_core.runtime.controller.payback import PaybackRule
 from resihp_core.runtime.session import JobSession, WatchableStore, wait_news
-from resihp_core.runtime.supervisor import (
+from resihp_core.runtime.controller.supervisor import (
     Action, Committed, Deploy, Deployed, DeployFailed, Emit, EndJob, Event, Fail, Finish, Kill, NotifyFailure,
     PlanFailure, Planned,
     PlanRejoin, Ready, Rejoin, Relaunch, RelaunchFailed, Retry, Supervisor, Tick, needs_restore,
@@ -102,7 +102,7 @@ class ControlLoop:
         if it lives in this process; a client connection must be one of its own, since
         a blocking wait holds it).
     :param payback: the rule a fail-slow re-plan must pass before it is deployed
-        (``runtime/payback.py``; None: every re-plan is deployed).
+        (``runtime/controller/payback.py``; None: every re-plan is deployed).
     :param idle_s: the longest the loop sleeps with nothing waking it (timers, storage
         faults, repairs). The loop sleeps on what wakes it only when ``reports`` is an
         :class:`Inbox` and it has a store to watch; otherwise it polls every 5 ms.

@@ -38,7 +38,7 @@ from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate,
 from resihp_core.runtime import session
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.protocols.store import KeyValueStore
-from resihp_core.runtime.injector import FaultInjector
+from resihp_core.runtime.worker.injector import FaultInjector
 
 if TYPE_CHECKING:
     from resihp_core.program import Program
@@ -613,6 +613,3 @@ def main() -> int:
         end_on_job_error(e)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 :class:`WorkerLauncher` is the other half of
 :class:`~resihp_core.runtime.agent.NodeAgent` (the first is the monitor,
-:mod:`resihp_core.runtime.node_monitor`). On the controller's
+:mod:`resihp_core.runtime.agent.node_monitor`). On the controller's
 :class:`~resihp_core.protocol.LaunchWorkers` it starts one worker process per device
 (:func:`~resihp_core.runtime.processes.spawn_worker`: they die with the agent),
 watches them, sends a :class:`~resihp_core.protocol.WorkerProcess` when each starts
@@ -29,7 +29,7 @@ from pathlib import Path
 from resihp_core.detector.failstop import FailStopMonitor
 from resihp_core.protocol import LaunchWorkers, WorkerProcess
 from resihp_core.runtime.netif import INTERFACE_ENV, Interface, collective_env, select_interface
-from resihp_core.runtime.node_monitor import process_state
+from resihp_core.runtime.agent.node_monitor import process_state
 
 __all__ = ["WorkerLauncher"]
 

@@ -1,7 +1,7 @@
 """What one resilient run is given: :class:`ResilientConfig`, the one argument of
-:func:`~resihp_core.runtime.resilient.run_resilient` (docs/design.md §2).
+:func:`~resihp_core.runtime.controller.resilient.run_resilient` (docs/design.md §2).
 
-:func:`~resihp_core.runtime.assemble.assemble` builds it from a job's configuration
+:func:`~resihp_core.runtime.controller.assemble.assemble` builds it from a job's configuration
 (``AssembledJob.run``); tests and benchmarks that assemble a job by hand build it
 directly. It groups what a reader looks for together: the job (spec, first plan,
 topology, the Scheduler's state and planner), how the controller meets its agents
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping
 from resihp_core.config import DetectorConfig
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
-from resihp_core.runtime.payback import PaybackRule
+from resihp_core.runtime.controller.payback import PaybackRule
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from resihp_core.config import Config
     from resihp_core.protocols.events import Event
     from resihp_core.runtime.failover import JobState
-    from resihp_core.runtime.launcher import LocalJob
+    from resihp_core.runtime.controller.launcher import LocalJob
     from resihp_core.runtime.session import Observers
 
 __all__ = ["AgentSetup", "Resume", "RunHooks", "ResilientConfig"]

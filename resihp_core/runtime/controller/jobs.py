@@ -1,7 +1,7 @@
 """What the runtime knows of a job beyond its assembly: the report's phases and events,
 and the checks that a job fits this machine.
 
-:func:`~resihp_core.runtime.assemble.assemble` turns the configuration (and a fault
+:func:`~resihp_core.runtime.controller.assemble.assemble` turns the configuration (and a fault
 scenario) into the job, once per run; ``resihp run`` is :mod:`resihp_core.cli.run`.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from resihp_core.protocols.events import Failure, Injected, JobEvent, PlanPosted, StartUp
-from resihp_core.runtime.assemble import AssembledJob, assemble
+from resihp_core.runtime.controller.assemble import AssembledJob, assemble
 
 if TYPE_CHECKING:
     from resihp_core.config import Config
     from resihp_core.faults import Fault
-    from resihp_core.runtime.resilient import ResilientRun
+    from resihp_core.runtime.controller.resilient import ResilientRun
 
 __all__ = ["AssembledJob", "Phases", "assemble", "build_job", "check_backend_here", "check_fits_here", "phases",
            "report_events"]

@@ -6,7 +6,7 @@ plan, the topology, the workers' :class:`~resihp_core.job.JobSpec`, the Schedule
 state and planner. The adapter named by ``runtime.adapter`` builds its own job section
 (its registered ``job_config`` function, else the ``[adapter]`` table as it is) and, if
 it registered a ``reference``, the fault-free losses a run is checked against. The
-result carries the run's :class:`~resihp_core.runtime.runconfig.ResilientConfig` too
+result carries the run's :class:`~resihp_core.runtime.controller.runconfig.ResilientConfig` too
 (the detector, iterations, repairs, interface, controller grace and observers of ``cfg``).
 
 What a launcher takes from elsewhere than the configuration (a DeepSpeed JSON's op
@@ -25,8 +25,8 @@ from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan, Topology
 from resihp_core.predictor.corpus import Workload
 from resihp_core.predictor.predict import ModelShape
-from resihp_core.runtime.payback import PaybackRule
-from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig
+from resihp_core.runtime.controller.payback import PaybackRule
+from resihp_core.runtime.controller.runconfig import AgentSetup, ResilientConfig
 from resihp_core.scheduler.planner import Planner
 from resihp_core.scheduler.state import PlannerState
 
@@ -116,7 +116,7 @@ def _adapter(cfg: Config) -> _Adapter:
 
 
 class AssembledJob(NamedTuple):
-    """A job ready to run: ``run`` is what :func:`~resihp_core.runtime.resilient.run_resilient`
+    """A job ready to run: ``run`` is what :func:`~resihp_core.runtime.controller.resilient.run_resilient`
     takes (its job parts are the fields before it; callers add their hooks, agents and
     resume point with :func:`dataclasses.replace`)."""
 

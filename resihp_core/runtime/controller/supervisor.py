@@ -3,7 +3,7 @@ an explicit state machine (docs/design.md, "The supervisor's state machine").
 
 A pure core: :meth:`Supervisor.handle` takes one typed event and returns the actions
 to take; it reads no store, starts no process and calls no planner, and its only sense
-of time is the injected ``clock``. :class:`~resihp_core.runtime.control.ControlLoop`
+of time is the injected ``clock``. :class:`~resihp_core.runtime.controller.control.ControlLoop`
 turns the job's session, processes and the controller's reports into events, carries
 the actions out and feeds their outcome back (``Planned``, ``Deployed``, ...). Unit
 tests drive the core without processes (tests/unit/test_supervisor.py).
@@ -42,7 +42,7 @@ from resihp_core.detector.sdc import Quarantine, Reexecute, SdcArbiter, SdcDetec
 from resihp_core.protocol import FailureReport, JobError, PlanUpdate, ScriptEnded, WorkerLeft
 from resihp_core.protocols import events as jev
 from resihp_core.protocols.events import JobEvent
-from resihp_core.runtime.payback import PaybackRule, ReconfigurationMeter, is_recovery, origin_candidate
+from resihp_core.runtime.controller.payback import PaybackRule, ReconfigurationMeter, is_recovery, origin_candidate
 from resihp_core.runtime.session import Layout, StorageFault
 from resihp_core.scheduler.planner import PlanDecision
 from resihp_core.scheduler.state import PlannerState
@@ -605,7 +605,7 @@ class Supervisor:
 
     def _judged(self, decision: PlanDecision, seconds: float) -> list[Action]:
         """A fail-slow re-plan (or the return after a device is healthy again) is deployed
-        only when it pays back its reconfiguration (runtime/payback.py); otherwise the job
+        only when it pays back its reconfiguration (runtime/controller/payback.py); otherwise the job
         runs on with its plan, the new speeds noted. The event says which and why."""
         assert self.payback is not None and self._report is not None
         report = self._report

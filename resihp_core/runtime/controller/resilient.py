@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 from resihp_core.plan import ParallelPlan
 from resihp_core.runtime.failover import JobState, remove_state, write_state
 from resihp_core.runtime.session import JobSession
-from resihp_core.runtime.launcher import LocalJob
+from resihp_core.runtime.controller.launcher import LocalJob
 from resihp_core.protocol import FailureReport, JobError, ScriptEnded, WorkerProcess
 from resihp_core.protocols.events import (Attached, ControllerEvent, JobEvent, NodeBack, NodeLost, PlanPosted,
                                           event_dicts)
 from resihp_core.protocols.metrics import IterationMetrics
-from resihp_core.runtime.control import CheckpointPolicy, ControlLoop, Inbox, JobFailed
-from resihp_core.runtime.runconfig import AgentSetup, ResilientConfig, Resume, RunHooks
+from resihp_core.runtime.controller.control import CheckpointPolicy, ControlLoop, Inbox, JobFailed
+from resihp_core.runtime.controller.runconfig import AgentSetup, ResilientConfig, Resume, RunHooks
 
 if TYPE_CHECKING:
     from resihp_core.protocol import PlanUpdate
@@ -86,7 +86,7 @@ def start_store_host(workdir: Path, host: str, secret: str, grace_s: float,
     addr.unlink(missing_ok=True)
     env = dict(os.environ, RESIHP_SECRET=secret)
     with open(workdir / "storehost.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.storehost", "--host", host,
+        proc = subprocess.Popen([sys.executable, "-m", "resihp_core.runtime.controller.storehost", "--host", host,
                                  "--grace", f"{grace_s:g}", "--address-file", str(addr)], env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
@@ -386,7 +386,7 @@ def _reap(procs: Iterable[subprocess.Popen]) -> None:
 
 def run_resilient(run: ResilientConfig) -> ResilientRun:
     """Run the job of ``run`` to ``run.iterations`` iterations, adapting to failures
-    (each setting is described on :class:`~resihp_core.runtime.runconfig.ResilientConfig`).
+    (each setting is described on :class:`~resihp_core.runtime.controller.runconfig.ResilientConfig`).
     A job that could not start is a failed run; :class:`AttachFailed` is raised (nothing
     was started or changed: the caller restores from a checkpoint instead)."""
     try:

@@ -23,7 +23,7 @@ predictor's absolute scale does not matter::
     gain   = measured s/it x (1 - after / before) x min(horizon_iterations, iterations left)
     act    when gain > cost
 
-Pure: no processes, no store; the supervisor calls it (runtime/supervisor.py).
+Pure: no processes, no store; the supervisor calls it (runtime/controller/supervisor.py).
 """
 
 from __future__ import annotations
