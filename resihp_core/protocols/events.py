@@ -23,15 +23,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeVar, Union
+from typing import Callable, TypeVar, Union
 
 import msgspec
 
+from resihp_core.detector import Detection
 from resihp_core.protocol import FailureReport, WorkerProcess
 from resihp_core.protocols.metrics import IterationMetrics
-
-if TYPE_CHECKING:
-    from resihp_core.detector import Detection
 
 __all__ = ["Attached", "CheckpointChosen", "ControllerEvent", "Event", "EventLog", "Failure", "Injected", "IterationMetrics", "JobEnded",
            "JobErrorEvent", "JobEvent", "Killed", "NodeBack", "NodeLost", "PlanPosted", "Recovered", "Relaunched",
@@ -58,7 +56,7 @@ class NodeBack:
     devices: tuple[int, ...]
 
 
-ControllerEvent = Union[FailureReport, "Detection", WorkerProcess, NodeLost, NodeBack]
+ControllerEvent = Union[FailureReport, Detection, WorkerProcess, NodeLost, NodeBack]
 Sink = Callable[[ControllerEvent], None]
 E = TypeVar("E")
 
@@ -112,8 +110,6 @@ class EventLog:
 
     @property
     def detections(self) -> list[Detection]:
-        from resihp_core.detector import Detection
-
         return self.of(Detection)
 
     def wait_for(self, kind: type[E], predicate: Callable[[E], bool] = lambda e: True,
@@ -264,8 +260,6 @@ def observer(*, job: Callable[[JobEvent], None] | None = None,
     """A run's observer made of one function per kind of event it cares about (the
     others are ignored): job events, committed iterations, failure reports, fail-slow
     detections."""
-    from resihp_core.detector import Detection
-
     routes: list[tuple[type | object, Callable]] = [
         (k, f) for k, f in ((JobEvent, job), (IterationMetrics, iteration), (FailureReport, report),
                             (Detection, detection)) if f is not None]
