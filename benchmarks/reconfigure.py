@@ -68,7 +68,7 @@ time of the resilient path against the stock one (``hf_fault_free``).
 Usage: python benchmarks/reconfigure.py [--adapter megatron_ref|deepspeed|torch_native] [--model llama|hf_llama]
        [--tp 1|2]
        [--controller-restart] [--fault-free-only] [--fault-free-phases] [--fault-free-rounds N]
-       [--restore-at 30,300]
+       [--restore-at 30,300] [--kills N] [--kill-only]
        [--quick] [--json PATH]
 """
 
@@ -909,7 +909,7 @@ def ds_engine_overhead(iters: int, blocks: int) -> dict:
 
 
 def main_deepspeed(args) -> int:
-    reps = 1 if args.quick else 5
+    reps = args.kills or (1 if args.quick else 5)
     load = open("/proc/loadavg").read().split()[:3]
     # The job's op timeout: a peer that waited it out would show as a >= 10 s outlier
     # (3 s made the first iteration's receives time out on a machine at load 27).
@@ -1237,6 +1237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--restore-at", metavar="I,J",
                     help="torch_native FSDP2 (or --adapter deepspeed: ZeRO 1): kill -> recommit on the restore path "
                          "after I and after J iterations")
+    ap.add_argument("--kills", type=int, default=0,
+                    help="deepspeed: how many kill repetitions (default 5, 1 with --quick)")
     ap.add_argument("--kill-only", action="store_true",
                     help="deepspeed: only the kill measurement (no fault-free engine comparison)")
     ap.add_argument("--fault-free-only", action="store_true",

@@ -78,6 +78,8 @@ __all__ = [
     "PartialGrid",
     "plan_topology",
     "IterationAborted",
+    "retire_groups",
+    "reap_retired",
 ]
 
 
@@ -136,6 +138,24 @@ def p2p_wait(work: Any) -> None:
             raise GenerationAborted("the plan generation was superseded while waiting on a peer")
     if error:
         raise error[0]
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """``torch.distributed.all_gather_object`` whose waits give up once the generation
+    is superseded (:func:`p2p_wait`): torch's own blocks until the op timeout when a
+    peer left the generation instead of joining the gather."""
+    from resihp_adapters.deepspeed.state import pack, unpack
+
+    payload = pack(obj)
+    n = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(n) for _ in range(tdist.get_world_size(group=group))]
+    p2p_wait(tdist.all_gather(sizes, n, group=group, async_op=True))
+    width = max(int(x) for x in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    out = [torch.empty(width, dtype=torch.uint8) for _ in sizes]
+    p2p_wait(tdist.all_gather(out, padded, group=group, async_op=True))
+    return [unpack(t[: int(k)]) for t, k in zip(out, sizes)]
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> None:
@@ -211,6 +231,31 @@ def join_abandoned() -> None:
     ("terminate called without an active exception")."""
     while ABANDONED:
         ABANDONED.pop().join(timeout=P2P_TIMEOUT_S + 5.0)
+    reap_retired()
+
+
+#: Process groups of ended generations kept alive while a wait abandoned in them
+#: (:func:`p2p_wait`) may still run: (groups, the abandoned waits of that moment).
+RETIRED: list[tuple[list[Any], list[Any]]] = []
+
+
+def retire_groups(groups: list[Any]) -> None:
+    """Keep ``groups`` (an ending generation's) referenced while any abandoned wait
+    runs. Dropping the last reference to a gloo group runs its destructor, which joins
+    the group's worker threads with the GIL held: a collective still blocked there on
+    a peer that left (an abandoned DP or tied reduction) held the whole process, the
+    next generation's join included, for the rest of the op timeout (~10 s after one
+    kill in eight). Released by :func:`reap_retired` once those waits have ended."""
+    pending = [t for t in ABANDONED if t.is_alive()]
+    if pending:
+        RETIRED.append((list(groups), pending))
+
+
+def reap_retired() -> None:
+    """Drop the retired groups whose abandoned waits have all ended (their worker
+    threads are idle again, so the destructors return at once)."""
+    RETIRED[:] = [(g, w) for g, w in RETIRED if any(t.is_alive() for t in w)]
+    ABANDONED[:] = [t for t in ABANDONED if t.is_alive()]
 
 class ResiPipelineModule(PipelineModule):
     """A :class:`PipelineModule` cut at explicit layer boundaries.
@@ -748,7 +793,9 @@ class ResiPipelineEngine(PipelineEngine):
             raise ValueError(f"activation metadata of {len(meta)} ints exceeds {_META_LEN}")
         buf = torch.zeros(_META_LEN, dtype=torch.int64)
         buf[: len(meta)] = torch.tensor(meta, dtype=torch.int64)
-        tdist.send(buf, dst=peer)
+        # Not gloo's blocking send: it waits for the peer's matching receive, and a peer
+        # that left the generation never posts one (the op timeout, ~10 s, after a kill).
+        p2p_wait(tdist.isend(buf, dst=peer))
 
     def _recv_meta(self, peer: int) -> list[tuple[torch.Size, torch.dtype]]:
         buf = torch.zeros(_META_LEN, dtype=torch.int64)
@@ -960,8 +1007,7 @@ class ResiPipelineEngine(PipelineEngine):
         # A partial-replica plan: this replica may miss a stage, so gather from the whole
         # world (every copy of a parameter holds the same reduced gradient).
         group = None if self.partial else self.mpu.get_model_parallel_group()
-        gathered: list[Any] = [None] * tdist.get_world_size(group=group)
-        tdist.all_gather_object(gathered, mine, group=group)
+        gathered = gather_objects(mine, group)
         seen: dict[str, tuple[tuple[int, int], int, torch.Tensor]] = {}
         for part in gathered:
             for n, o, i, v in part:

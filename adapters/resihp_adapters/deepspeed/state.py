@@ -364,12 +364,19 @@ def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
     bf = _bf16(engine)
     slots = _master_slots(bf) if bf is not None else {}
     zero = _zero(engine)
+    # FusedAdam: one step count per group, written into the copy (the group's and every
+    # parameter's), so the state is the same whichever parameter advanced it.
+    steps = _group_steps(opt) if _shares_group_step(opt) else None
+    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     out: dict[Unit, dict[str, Any]] = {}
     for key in unit_keys(engine):
         if key == GLOBAL:
             sched = getattr(engine, "lr_scheduler", None)
+            groups = [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            for g, n in zip(groups, steps or ()):
+                g["step"] = n
             out[key] = {
-                "groups": [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                "groups": groups,
                 "lr_scheduler": _sched_state(sched),
                 "counters": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                              "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
@@ -396,8 +403,48 @@ def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
                 st = opt.state.get(p)
                 if st:
                     ostate[name] = {k: _clone(v) for k, v in st.items()}
+                    if steps is not None and "step" in st:
+                        ostate[name]["step"] = steps[group_of[id(p)]]
         out[key] = {"params": params, "opt": ostate, **({"master": master} if bf is not None else {})}
     return out
+
+
+def _shares_group_step(opt: Any) -> bool:
+    """True for DeepSpeed's ``FusedAdam``: its ``step()`` increments and uses the step
+    count of the *last* parameter of a group that has a gradient, for the whole group
+    (the other parameters' counts stay where they started), so which parameter counts
+    depends on the layout. Carried as one count per group (:func:`_group_steps`)."""
+    try:
+        from deepspeed.ops.adam import FusedAdam
+    except ImportError:  # pragma: no cover - DeepSpeed without its ops package
+        return False
+    return isinstance(opt, FusedAdam)
+
+
+def _group_steps(opt: Any) -> list[int]:
+    """Steps each parameter group of a ``FusedAdam`` has taken: the largest count among
+    the group and its parameters' states (the one ``step()`` advanced)."""
+    out = []
+    for g in opt.param_groups:
+        n = int(g.get("step", 0))
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if st and "step" in st:
+                n = max(n, int(st["step"]))
+        out.append(n)
+    return out
+
+
+def _set_group_steps(opt: Any, steps: list[int]) -> None:
+    """Give every parameter of each group (and the group, from which ``FusedAdam``
+    starts a new parameter's count) the group's step count, so the next step's bias
+    correction is the fault-free run's whichever parameter is now the group's last."""
+    for g, n in zip(opt.param_groups, steps):
+        g["step"] = n
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if st and "step" in st:
+                st["step"] = n
 
 
 def _sched_state(sched: Any) -> dict[str, Any] | None:
@@ -450,6 +497,8 @@ def apply_units(engine: Any, units: dict[Unit, dict[str, Any]]) -> None:
                     opt.state[p] = {k: _clone(v) for k, v in st["opt"][name].items()}
                 else:
                     opt.state.pop(p, None)
+    if _shares_group_step(opt):
+        _set_group_steps(opt, _group_steps(opt))
 
 
 def _apply_global(engine: Any, st: dict[str, Any]) -> None:

@@ -130,7 +130,13 @@ def teardown_world(placement: Placement | None = None) -> None:
         ds_engine._ENGINE_BACKWARD_GRAPH_CONTEXT.set(())
     if placement is not None:
         abort_if_nccl(placement)
+    from resihp_adapters.deepspeed.engine import reap_retired, retire_groups
+
+    reap_retired()
     if tdist.is_initialized():
+        from torch.distributed import distributed_c10d as c10d
+
+        retire_groups(list(c10d._world.pg_map))  # not destroyed under a still-running wait
         try:
             tdist.destroy_process_group()
         except Exception:  # a group with a dead peer may fail to shut down; drop it anyway

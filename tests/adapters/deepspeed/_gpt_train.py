@@ -1,10 +1,17 @@
 """A user's GPT-style DeepSpeed pipeline script (run by ``resihp launch``): the token
 embedding and the LM head are one tied group (``TiedLayerSpec``), transformer blocks
 from ``torch.nn`` with dropout, ``gradient_clipping`` in the JSON. Two variants cover
-every value of each factor the complete-state test checks:
+every value of each factor the complete-state test checks, and a third is the opt-in
+FusedAdam job:
 
-- ``json``: float64, the JSON's ``Adam`` optimizer and ``WarmupLR`` scheduler;
-- ``torch``: bf16, a torch ``AdamW`` factory and a user ``LambdaLR`` factory.
+- ``json``: float64, the JSON's ``Adam`` optimizer and ``WarmupLR`` scheduler, stages
+  split by ``partition_method="parameters"``;
+- ``torch``: bf16, a torch ``AdamW`` factory and a user ``LambdaLR`` factory;
+- ``fused``: ``json`` in float32, the JSON naming DeepSpeed's ``FusedAdam``
+  (``torch_adam: false``; FusedAdam takes no float64).
+
+Every variant reads its data through the user's own loader, DeepSpeed's
+``RepeatingLoader(engine.deepspeed_io(dataset))`` given to ``train_batch``.
 
 Each rank writes ``rank<R>.pt`` under ``--out``: per committed iteration its loss and
 learning rate, and ``engine.full_state()`` after the last one.
@@ -17,6 +24,7 @@ import os
 
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.utils import RepeatingLoader
 from torch import nn
 
 from resihp_adapters.deepspeed import initialize
@@ -62,7 +70,7 @@ def xent(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", choices=["json", "torch"], required=True)
+    ap.add_argument("--variant", choices=["json", "torch", "fused"], required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -73,11 +81,15 @@ def main() -> None:
     if a.variant == "torch":
         kw = dict(optimizer=lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.01),
                   lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 15)))
+    else:
+        kw = dict(partition_method="parameters")
+    data = Tokens()
     # Dropout: seeded per layer and micro-batch, so a recovery draws the same masks.
-    engine = initialize(layers, loss_fn=xent, training_data=Tokens(), base_seed=11, seed_layers=True, **kw)
+    engine = initialize(layers, loss_fn=xent, training_data=data, base_seed=11, seed_layers=True, **kw)
+    batches = RepeatingLoader(engine.deepspeed_io(data))  # the user's own loader (a shuffling sampler)
     log, full = [], {}
     while True:
-        loss = engine.train_batch()
+        loss = engine.train_batch(batches)
         if loss is None:
             break
         log.append({"iteration": engine.iteration, "loss": float(loss) if engine.is_last_stage() else None,

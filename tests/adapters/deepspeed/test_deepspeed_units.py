@@ -392,3 +392,33 @@ def test_an_idle_rank_gets_the_lr_of_the_jobs_step_from_its_held_state(kind):
     assert held_lr(held, 7, spec, config) == want
     if sched is not None:
         assert held_lr(held, 4, spec, config) != want  # the step count matters
+
+
+def test_groups_of_an_ended_generation_outlive_the_waits_abandoned_in_them():
+    """A gloo group's destructor joins its worker threads with the GIL held, so a group
+    dropped while an abandoned collective still runs in it would stall the process: the
+    groups stay referenced until every wait abandoned at teardown has ended."""
+    import threading
+
+    from resihp_adapters.deepspeed import engine
+
+    release = threading.Event()
+    waiter = threading.Thread(target=release.wait, daemon=True)
+    waiter.start()
+    group, other = object(), object()
+    engine.ABANDONED.append(waiter)
+    try:
+        engine.retire_groups([group])
+        engine.reap_retired()
+        assert any(group in g for g, _ in engine.RETIRED)  # the wait still runs: kept
+        release.set()
+        waiter.join(5)
+        engine.reap_retired()
+        assert not any(group in g for g, _ in engine.RETIRED) and waiter not in engine.ABANDONED
+        engine.retire_groups([other])  # nothing abandoned: dropped at once, as before
+        assert not any(other in g for g, _ in engine.RETIRED)
+    finally:
+        release.set()
+        engine.RETIRED.clear()
+        if waiter in engine.ABANDONED:
+            engine.ABANDONED.remove(waiter)
