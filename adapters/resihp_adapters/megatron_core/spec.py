@@ -94,7 +94,7 @@ def load_job(section: Mapping[str, Any]) -> MegatronJob:
     from resihp_adapters.megatron_core.gpt import gpt_job
 
     known = {"vocab_size", "hidden", "num_heads", "ffn_hidden", "num_layers", "seq_length", "micro_batch_size",
-             "lr", "seed", "clip_grad", "backend", "devices_per_node", "dtype"}
+             "lr", "seed", "clip_grad", "backend", "devices_per_node", "dtype", "distributed_optimizer"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"adapter: unknown field(s) {unknown} for megatron_core (known: {sorted(known)}, or "
@@ -132,10 +132,12 @@ def check_supported(job: MegatronJob, *, cuda: bool) -> None:
     if t.get("mtp_num_layers"):
         refuse("multi-token prediction (mtp_num_layers)", "transformer.mtp_num_layers", t["mtp_num_layers"],
                "its layers are not placed by the plan")
-    if o.get("use_distributed_optimizer") or d.get("use_distributed_optimizer"):
-        refuse("the distributed optimizer (use_distributed_optimizer)", "optimizer.use_distributed_optimizer", True,
-               "its sharded main parameters and Adam moments are not carried exactly (Megatron-Core 0.16's own "
-               "dist_checkpointing resume of it comes back with wrong Adam state); use the plain Megatron optimizer")
+    if (o.get("use_distributed_optimizer") or d.get("use_distributed_optimizer")) \
+            and t.get("params_dtype") not in (None, torch.float32):
+        refuse(f"the distributed optimizer with params_dtype {t.get('params_dtype')}",
+               "optimizer.use_distributed_optimizer", True,
+               "Megatron-Core's distributed optimizer takes float32 parameters (or fp16 / bf16 with float32 main "
+               "parameters): it casts each main gradient shard to float32")
     if o.get("optimizer", "adam") != "adam":
         refuse(f"optimizer {o['optimizer']!r}", "optimizer.optimizer", o["optimizer"],
                "only Adam's state (exp_avg, exp_avg_sq, step) is moved")

@@ -20,8 +20,6 @@ from resihp_adapters.megatron_core.spec import UnsupportedFeature, check_support
     ("transformer", "expert_model_parallel_size", 2, "MoE / expert parallelism"),
     ("transformer", "context_parallel_size", 2, "context parallelism"),
     ("transformer", "sequence_parallel", True, "sequence_parallel"),
-    ("optimizer", "use_distributed_optimizer", True, "the distributed optimizer"),
-    ("ddp", "use_distributed_optimizer", True, "the distributed optimizer"),
     ("optimizer", "bf16", True, "mixed precision"),
     ("ddp", "overlap_grad_reduce", True, "overlapped gradient reduction"),
     ("transformer", "hidden_dropout", 0.1, "dropout without CUDA"),
@@ -33,6 +31,17 @@ def test_unsupported_features_are_refused_by_name(where, key, value, named):
     with pytest.raises(UnsupportedFeature, match="megatron_core adapter") as e:
         check_supported(job, cuda=False)
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "ddp"])
+def test_the_distributed_optimizer_is_accepted_in_float32_only(where):
+    job = gpt_job()
+    getattr(job, where)["use_distributed_optimizer"] = True
+    check_supported(job, cuda=False)
+    job = gpt_job(dtype="float64")
+    getattr(job, where)["use_distributed_optimizer"] = True
+    with pytest.raises(UnsupportedFeature, match="distributed optimizer with params_dtype torch.float64"):
+        check_supported(job, cuda=False)
 
 
 def test_the_builtin_job_is_accepted_and_dropout_only_refused_without_cuda():
