@@ -143,7 +143,9 @@ def check_supported(job: MegatronJob, *, cuda: bool) -> None:
                "only Adam's state (exp_avg, exp_avg_sq, step) is moved")
     if t.get("fp16") or o.get("fp16") or t.get("bf16") or o.get("bf16"):
         refuse("mixed precision (fp16 / bf16)", "optimizer.bf16", True,
-               "the fp32 main parameters of Megatron's Float16Optimizer are not moved yet; train in float32")
+               "Megatron's mixed-precision optimizers keep float32 main parameters apart from the fp16 / bf16 "
+               "model parameters, and the adapter's state moves one tensor per parameter in the model's dtype: the "
+               "main parameters would come back rounded to fp16 / bf16 at every reconfiguration; train in float32")
     if float(o.get("clip_grad", 1.0)) > 0 and t.get("params_dtype") not in (None, torch.float32):
         refuse(f"gradient clipping with params_dtype {t.get('params_dtype')}", "optimizer.clip_grad", o.get("clip_grad", 1.0),
                "Megatron-Core's clipping accepts float32 gradients only; set clip_grad to 0.0 or train in float32")
