@@ -58,7 +58,7 @@ def test_megatron_core_tp2_regeneration_and_tp_resize():
 
 
 @pytest.mark.skipif(os.environ.get("RESIHP_MEGATRON_CORE_DISTOPT") != "1",
-                    reason="7 kit runs of 4 workers (about 8 min on 2 loaded cores): set RESIHP_MEGATRON_CORE_DISTOPT=1")
+                    reason="7 kit runs of 4 workers (about 9 min on 2 loaded cores): set RESIHP_MEGATRON_CORE_DISTOPT=1")
 def test_megatron_core_distributed_optimizer_pp2_dp2():
     """PP2 x DP2 with Megatron's distributed optimizer (float32: it casts main gradients
     to float32), every scenario the adapter declares. The kit also checks that the
