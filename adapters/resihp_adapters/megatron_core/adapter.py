@@ -13,8 +13,10 @@
   (``get_forward_backward_func``) over the micro-batches the program lists, then the
   Megatron optimizer steps and the scheduler advances by the global batch.
 - **state**: parameters, Adam moments and step, and the scheduler's position move by
-  global name from survivors (any TP degree, any layer split); checkpoints are
-  layout-independent per-component files (``docs/megatron_core.md``).
+  global name from survivors (any TP degree, any layer split); with the distributed
+  optimizer each DP rank's Adam shards are gathered into whole moments after every step,
+  so one survivor per stage holds them all; checkpoints are layout-independent
+  per-component files (``docs/megatron_core.md``).
 
 Loss scaling follows the contract's global batch: each micro-batch's loss is multiplied
 by ``m * replicas / G`` (Megatron's schedule divides by the replica's micro-batch count
