@@ -11,6 +11,10 @@ Scheduler, supervisor), with ``runtime.backend = "auto"``:
   losses against the CPU reference); not run without a GPU;
 * torch_native TP shrink: a pointer to ``reconfigure.py --adapter torch_native --tp 2``,
   which runs it on the user's HF LLaMA (the built-in model here has no TP plan);
+* megatron_core with a GPU per worker over NCCL (the built-in ``pretrain_gpt``-shaped
+  job, Megatron's distributed optimizer, DP = the host's GPUs up to 4, PP1, fault-free):
+  losses against the same job on CPU workers over gloo (float32: Megatron's distributed
+  optimizer takes float32 only, so held to 1e-4); not run without a GPU;
 * the reference backend's demo job (``resihp demo``'s configuration, TP2 x PP2 x DP2;
   with ``--quick`` TP2 x PP2 x DP1): one TP member SIGKILLed (a TP shrink), plus the
   predictor's iteration-time MAPE: per-stage costs fitted on warm-up iterations'
@@ -260,6 +264,49 @@ def torch_native_gpus(work: Path, hf: bool = False, backend: str = "nccl") -> Ro
     return row
 
 
+def megatron_core_gpus(work: Path) -> Row:
+    """The megatron_core adapter on this host's GPUs (NCCL, Megatron-Core unmodified: no
+    CPU bypass is applied where torch has CUDA), fault-free, against the same job on the
+    CPU over gloo (the adapter's bypasses)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = min(gpus, 4)
+    row = Row("megatron_core on GPUs, NCCL", "megatron_core", workers=n)
+    if n == 0:
+        row.note = "not run: no GPU here"
+        return row
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        row.note = "not run: pip install 'resihp[megatron-core]'"
+        return row
+
+    def data(backend: str) -> dict:
+        return {"parallel": {"tp": 1, "pp": 1, "dp": n},
+                "model": {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "ffn_hidden": 64},
+                "training": {"microbatches": 2, "iterations": 6, "lr": 1e-3, "checkpoint_every": 0},
+                "runtime": {"nodes": 1, "devices_per_node": n, "adapter": "megatron_core", "backend": backend},
+                "adapter": {"distributed_optimizer": True}, "detector": DETECTOR}
+
+    row.device, row.backend, row.fault = "cuda", "nccl", "none"
+    t0 = time.perf_counter()
+    _, _, run = _run(data("nccl"), [], work / "gpu")
+    row.seconds = time.perf_counter() - t0
+    if not _ran(row, run):
+        return row
+    _, _, ref = _run(data("gloo"), [], work / "cpu")
+    if not ref.ok or not ref.records:
+        row.note = f"CPU reference failed: {ref.error[:200]}"
+        return row
+    got = {r.iteration: r.loss for r in run.records}
+    want = {r.iteration: r.loss for r in ref.records}
+    row.worst_rel_diff = max(abs(got[i] - want[i]) / abs(want[i]) for i in want)
+    row.exact = set(got) == set(want) and row.worst_rel_diff <= 1e-4
+    row.note = f"DP{n}, distributed optimizer, fault-free, against the CPU run (float32)"
+    return row
+
+
 def torch_native_tp(quick: bool, work: Path) -> Row:
     """A TP group of torch_native shrinking around a killed member. Tensor parallelism
     takes its plan from the model (Hugging Face ``base_model_tp_plan``) or the user; the
@@ -398,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         steps.append(("tn_slow", lambda w: torch_native("slow", args.quick, w)))
     steps += [("tn_gpu", torch_native_gpus), ("hf_gpu", lambda w: torch_native_gpus(w, hf=True)),
-              ("tn_tp", lambda w: torch_native_tp(args.quick, w)),
+              ("tn_tp", lambda w: torch_native_tp(args.quick, w)), ("mc_gpu", megatron_core_gpus),
               ("ref_demo", lambda w: reference_demo(args.quick, w))]
     for name, step in steps:
         work = base / name

@@ -1187,13 +1187,17 @@ def _main_megatron_core(args) -> int:
     its scheduler) -> first committed iteration. Megatron-Core's parallel state has one TP
     size, so the lost member's replica drops out and its micro-batches run whole on the
     other replica (``uneven_dp``), the state coming from that replica in memory (``--quick``:
-    one repetition instead of 3)."""
+    one repetition instead of 3). ``--distributed-optimizer``: Megatron's distributed
+    optimizer, whose Adam shards the adapter gathers after every step, so the surviving
+    replica holds the dropped one's moments."""
     from resihp_core.testing.conformance import _drop_replica
 
     tp, reps = 2, 1 if args.quick else 3
+    dopt = bool(args.distributed_optimizer)
     rows = []
     for _ in range(reps):
-        js = JobSpec(adapter="megatron_core", adapter_config={}, data={"source": "synthetic"}, dp=2,
+        js = JobSpec(adapter="megatron_core", adapter_config={"distributed_optimizer": dopt} if dopt else {},
+                     data={"source": "synthetic"}, dp=2,
                      num_microbatches=4, timeout_s=10.0)
         plan = ParallelPlan.uniform(tp=tp, pp=2, dp=2, num_layers=4, num_microbatches=4)
         victim = plan.group(1, 1)[-1]
@@ -1202,7 +1206,8 @@ def _main_megatron_core(args) -> int:
             rows.append(timed_kill(job, plan, victim, after, timeout=600))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"megatron_core: SIGKILL of device {victim} (TP{tp} x PP2 x DP2, {len(plan.devices())} CPU workers), "
-          f"replica 1 dropped, state from replica 0 in memory (median of {reps})")
+          f"replica 1 dropped, state from replica 0 in memory{', distributed optimizer' if dopt else ''} "
+          f"(median of {reps})")
     for k, v in med.items():
         print(f"  {k:28s} {v:10.3f}" if isinstance(v, float) else f"  {k:28s} {v!s:>10}")
     load = os.getloadavg()
@@ -1210,7 +1215,8 @@ def _main_megatron_core(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"kill": med, "rows": rows, "loadavg": load, "config": {"adapter": "megatron_core", "tp": tp,
-                                                                             "quick": args.quick}}, f, indent=2)
+                                                                             "quick": args.quick,
+                                                                             "distributed_optimizer": dopt}}, f, indent=2)
     return 0
 
 
@@ -1239,6 +1245,8 @@ def main(argv=None) -> int:
                          "after I and after J iterations")
     ap.add_argument("--kills", type=int, default=0,
                     help="deepspeed: how many kill repetitions (default 5, 1 with --quick)")
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="megatron_core: Megatron's distributed optimizer (its Adam shards gathered after each step)")
     ap.add_argument("--kill-only", action="store_true",
                     help="deepspeed: only the kill measurement (no fault-free engine comparison)")
     ap.add_argument("--fault-free-only", action="store_true",

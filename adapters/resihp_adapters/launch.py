@@ -1,6 +1,8 @@
 """``resihp launch --config_file accelerate.yaml train.py [args]``: an ``accelerate
 launch`` that survives dead and slow devices, for whichever framework the accelerate
-config names.
+config names; ``resihp launch --resihp_config resihp.toml pretrain.py [args]`` (no
+accelerate config): the ``torchrun`` of a Megatron-Core script
+(:mod:`resihp_adapters.megatron_core.launch`).
 
 The adapter follows from the accelerate config, read with accelerate's own loader:
 
@@ -35,18 +37,20 @@ from resihp_core.hookspecs import hookimpl
 __all__ = ["configure", "run", "framework_of"]
 
 #: framework name -> the module whose ``run(args)`` launches it
-FRAMEWORKS = {"deepspeed": "resihp_adapters.deepspeed.launch", "torch_native": "resihp_adapters.torch_native.launch"}
+FRAMEWORKS = {"deepspeed": "resihp_adapters.deepspeed.launch", "torch_native": "resihp_adapters.torch_native.launch",
+              "megatron_core": "resihp_adapters.megatron_core.launch"}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config_file", required=True,
+    p.add_argument("--config_file", default=None,
                    help="accelerate config (YAML): DEEPSPEED naming a deepspeed_config_file, or FSDP with "
-                        "fsdp_config.fsdp_version 2")
+                        "fsdp_config.fsdp_version 2; none for a Megatron-Core script (--resihp_config names "
+                        "its configuration)")
     p.add_argument("--resihp_config", default=None,
-                   help="FSDP only: the ResiHP configuration (TOML/YAML, the 'resihp run' schema); "
-                        "default: resihp.toml beside the accelerate config")
+                   help="FSDP and Megatron-Core: the ResiHP configuration (TOML/YAML, the 'resihp run' schema); "
+                        "FSDP default: resihp.toml beside the accelerate config")
     p.add_argument("--faults", default=None,
-                   help="FSDP only: inject faults from this JSON scenario (as 'resihp run --faults'); "
+                   help="FSDP and Megatron-Core: inject faults from this JSON scenario (as 'resihp run --faults'); "
                         "DeepSpeed jobs list them in the JSON's resihp.faults")
     p.add_argument("--workdir", help="folder for logs and checkpoints (default: a fresh temporary folder)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
@@ -84,6 +88,14 @@ def run(args: argparse.Namespace) -> int:
 
     from resihp_core.cli import CliError
 
+    if args.config_file is None:
+        if not getattr(args, "resihp_config", None):
+            raise CliError("resihp launch: give --config_file (accelerate: DeepSpeed or FSDP2) or, for a "
+                           "Megatron-Core script, --resihp_config naming its ResiHP configuration")
+        if getattr(args, "resume", False):
+            raise CliError("--resume is for FSDP configs for now: run the Megatron-Core job again, or use "
+                           "'resihp run' with runtime.controller_grace_s")
+        return int(importlib.import_module(FRAMEWORKS["megatron_core"]).run(args))
     try:
         kind = framework_of(args.config_file)
     except (ValueError, OSError) as e:
@@ -102,5 +114,6 @@ def run(args: argparse.Namespace) -> int:
 @hookimpl(trylast=True)
 def resihp_register_commands(registry) -> None:  # noqa: ANN001 - CommandRegistry
     """``resihp launch --config_file accelerate.yaml train.py [args]``."""
-    registry.register("launch", "accelerate launch, resilient: run a DeepSpeed or FSDP2 script under ResiHP",
+    registry.register("launch", "accelerate launch / torchrun, resilient: run a DeepSpeed, FSDP2 or Megatron-Core "
+                      "script under ResiHP",
                       configure, run)

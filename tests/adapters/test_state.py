@@ -3,7 +3,6 @@ old/new TP degrees and layer partitions (executed in-process, no communication).
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

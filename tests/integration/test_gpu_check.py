@@ -48,3 +48,5 @@ def test_gpu_check_quick_prints_its_table_and_writes_json(tmp_path):
 
     assert tp["note"].startswith("not run here" if CAPABILITIES.tp_resize else "not available")
     assert rows["torch_native slow"]["note"] == "not run with --quick"
+    if not torch.cuda.is_available():
+        assert rows["megatron_core on GPUs, NCCL"]["note"] == "not run: no GPU here"

@@ -1,14 +1,18 @@
-"""A fault-free megatron_core job equals the same job run stock: plain Megatron-Core
-under torchrun (``resihp_adapters.megatron_core.stock``, pretrain_gpt's loop, no ResiHP),
-the same model, data, optimizer and scheduler, step for step."""
+"""A user's pretrain_gpt-shaped script under ``resihp launch`` equals the same script
+under torchrun (plain Megatron-Core, no ResiHP: :class:`~resihp_adapters.megatron_core.stock.StockRun`),
+the same model, data, optimizer and scheduler, step for step; and (opt-in) a TP2 x PP2 x
+DP2 job survives a killed TP member."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,11 +20,11 @@ pytest.importorskip("megatron.core")
 
 from resihp_core.job import JobSpec  # noqa: E402
 from resihp_core.plan import ParallelPlan  # noqa: E402
-from resihp_core.runtime.controller.launcher import LocalJob  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ITERATIONS = 3
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_core"
 
 
 def _port() -> int:
@@ -29,28 +33,53 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_fault_free_run_equals_stock_torchrun_step_for_step():
-    """PP2 x DP2 in float64: every iteration's global mean loss of the ResiHP run equals
-    the stock torchrun run's (the loss scale m x replicas / G is exactly 1 here)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    stock = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-         "--master-port", str(_port()), "-m", "resihp_adapters.megatron_core.stock", "--tp", "1", "--pp", "2",
-         "--microbatches", "2", "--iterations", str(ITERATIONS), "--seed", "5", "--dtype", "float64"],
-        env=env, capture_output=True, text=True, timeout=500)
-    assert stock.returncode == 0, stock.stderr[-3000:]
-    want = [json.loads(line)["loss"] for line in stock.stdout.splitlines() if line.startswith("{")]
-    assert len(want) == ITERATIONS
+def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
+    """Run ``cmd`` in its own process group; on timeout kill that group (only what this
+    test started) and fail with the output so far."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RESIHP_CONFIG", None)
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{cmd[:3]} timed out:\n{out[-3000:]}")
+    assert p.returncode == 0, out[-3000:]
+    return out
 
-    spec = JobSpec(adapter="megatron_core", adapter_config={"dtype": "float64"}, data={"source": "synthetic"},
-                   dp=2, num_microbatches=2, seed=5, timeout_s=20.0)
-    plan = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
-    with LocalJob(spec.to_json(), plan.devices()) as job:
-        job.post(plan, iterations=ITERATIONS)
-        job.wait(ITERATIONS, timeout=500)
-        got = [sum(r.loss for r in job.report(i).values()) for i in range(ITERATIONS)]
+
+def _losses(folder: Path) -> list[float]:
+    """Each iteration's global mean loss: the sum of the ranks' shares."""
+    total: dict[int, float] = {}
+    for f in folder.glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            total[rec["iteration"]] = total.get(rec["iteration"], 0.0) + rec["loss"]
+    return [total[i] for i in sorted(total)]
+
+
+def test_user_script_under_resihp_launch_equals_torchrun_step_for_step(tmp_path):
+    """examples/megatron_core/pretrain_gpt.py, the user's own script (its job from
+    my_gpt.py: float32, clipping, scheduler), PP2 x DP2: under ``resihp launch`` (the
+    controller's plan, the adapter's 1F1B, rollback snapshots, loss scale m x replicas
+    / G = 1) every iteration's global loss equals the same script's under torchrun
+    (stock Megatron-Core)."""
+    cfg = tmp_path / "resihp.toml"
+    cfg.write_text(re.sub(r"iterations = \d+", f"iterations = {ITERATIONS}", (EXAMPLE / "resihp_pp2.toml").read_text()))
+    stock, resilient = tmp_path / "stock", tmp_path / "resihp"
+    stock.mkdir()
+    resilient.mkdir()
+    script = str(EXAMPLE / "pretrain_gpt.py")
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+          "--master-port", str(_port()), script, "--config", str(cfg), "--losses", str(stock)], EXAMPLE, 400)
+    out = _run([str(Path(sys.executable).parent / "resihp"), "launch", "--resihp_config", str(cfg), "--workdir",
+                str(tmp_path / "work"), "--timeout", "400", script, "--losses", str(resilient)], EXAMPLE, 450)
+    want, got = _losses(stock), _losses(resilient)
+    assert len(want) == ITERATIONS and len(got) == ITERATIONS, out[-2000:]
     for i, (a, b) in enumerate(zip(got, want)):
-        assert a == pytest.approx(b, rel=1e-12, abs=0), f"iteration {i}: resihp {a!r} vs stock {b!r}"
+        assert a == pytest.approx(b, rel=1e-12, abs=0), f"iteration {i}: resihp launch {a!r} vs torchrun {b!r}"
     assert len(set(got)) == ITERATIONS  # the job trains: every iteration's loss differs
 
 

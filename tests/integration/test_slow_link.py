@@ -14,7 +14,6 @@ printed either way."""
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest

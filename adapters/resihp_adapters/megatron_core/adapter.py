@@ -13,8 +13,10 @@
   (``get_forward_backward_func``) over the micro-batches the program lists, then the
   Megatron optimizer steps and the scheduler advances by the global batch.
 - **state**: parameters, Adam moments and step, and the scheduler's position move by
-  global name from survivors (any TP degree, any layer split); checkpoints are
-  layout-independent per-component files (``docs/megatron_core.md``).
+  global name from survivors (any TP degree, any layer split); with the distributed
+  optimizer each DP rank's Adam shards are gathered into whole moments after every step,
+  so one survivor per stage holds them all; checkpoints are layout-independent
+  per-component files (``docs/megatron_core.md``).
 
 Loss scaling follows the contract's global batch: each micro-batch's loss is multiplied
 by ``m * replicas / G`` (Megatron's schedule divides by the replica's micro-batch count
@@ -141,6 +143,11 @@ class MegatronCoreAdapter(Adapter):
         self._premoved_bytes = 0
         self._published: set[str] = set()
         self._meta_cache: dict[str, dict[str, list[Any]]] = {}
+        self.dist_opt = bool(self.job.optimizer.get("use_distributed_optimizer")
+                             or self.job.ddp.get("use_distributed_optimizer"))
+        # With the distributed optimizer: every parameter's whole Adam moments (this TP
+        # shard's), gathered from the DP ranks after each step, by id of the parameter.
+        self._moments: dict[int, tuple[Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------ where
     @property
@@ -153,6 +160,10 @@ class MegatronCoreAdapter(Adapter):
         return [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]
 
     def _adam_state(self) -> dict[int, dict[str, Any]]:
+        """Adam's moments by id of the model parameter, whole (the distributed
+        optimizer's shards gathered by :meth:`_gather_moments`)."""
+        if self.dist_opt:
+            return {k: {"exp_avg": m, "exp_avg_sq": v} for k, (m, v) in self._moments.items()}
         out: dict[int, dict[str, Any]] = {}
         for o in self._torch_optimizers():
             for group in o.param_groups:
@@ -185,10 +196,58 @@ class MegatronCoreAdapter(Adapter):
                                  or gated and name.endswith("mlp.linear_fc1.bias"))
         return out
 
+    def _shards(self) -> Iterator[tuple[torch.optim.Optimizer, Tensor, Tensor, int, int]]:
+        """Every main-parameter shard the distributed optimizer updates on this DP rank:
+        (its torch optimizer, the model parameter, the shard, the shard's range in the
+        flattened parameter). Float32 parameters only (the spec refuses others), so the
+        shard is a view of the model parameter."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for d in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not isinstance(d, DistributedOptimizer):
+                continue
+            for model_group, shard_group in zip(d.model_fp32_groups, d.shard_fp32_groups):
+                for mp, sp in zip(model_group, shard_group):
+                    r = d._get_model_param_range_map(mp)["param"]
+                    yield d.optimizer, mp, sp, r.start, r.end
+
+    def _gather_moments(self) -> None:
+        """After a step of the distributed optimizer: each DP rank's Adam shards summed
+        into whole moments (zeros elsewhere, so the sum is exact) on every DP rank of the
+        stage, so that any one survivor holds the whole state of its TP shard."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for _, p in self.model.named_parameters()]
+        offsets, total = {}, 0
+        for p in params:
+            offsets[id(p)] = total
+            total += p.numel()
+        ref = params[0].data
+        buf = torch.zeros(2 * total, dtype=ref.dtype, device=ref.device)
+        for opt, mp, sp, a, b in self._shards():
+            state = opt.state.get(sp, {})
+            if "exp_avg" not in state:
+                continue
+            at = offsets[id(mp)]
+            buf[at + a:at + b].copy_(state["exp_avg"].reshape(-1))
+            buf[total + at + a:total + at + b].copy_(state["exp_avg_sq"].reshape(-1))
+        dist.all_reduce(buf, group=ps.get_data_parallel_group(with_context_parallel=True))
+        self._moments = {id(p): (buf[offsets[id(p)]:offsets[id(p)] + p.numel()].view_as(p.data),
+                                 buf[total + offsets[id(p)]:total + offsets[id(p)] + p.numel()].view_as(p.data))
+                         for p in params}
+
     def _install(self, entries: Held) -> None:
         """Put ``entries`` (already written in place) into the optimizer's state with the
-        job's step count, and the scheduler at its position."""
-        if self.steps > 0:
+        job's step count, and the scheduler at its position. The distributed optimizer
+        gets each DP rank's range of the whole moments."""
+        if self.dist_opt:
+            self._moments = {k: (e.tensors[1], e.tensors[2]) for k, e in self._entry_of_param.items()}
+            if self.steps > 0:
+                for opt, mp, sp, a, b in self._shards():
+                    m, v = self._moments[id(mp)]
+                    opt.state[sp] = {"step": torch.tensor(float(self.steps)), "exp_avg": m.reshape(-1)[a:b].clone(),
+                                     "exp_avg_sq": v.reshape(-1)[a:b].clone()}
+        elif self.steps > 0:
             for o in self._torch_optimizers():
                 for group in o.param_groups:
                     for p in group["params"]:
@@ -257,6 +316,7 @@ class MegatronCoreAdapter(Adapter):
                 d.clear()
         self.model = self.ddp = self.optimizer = self.scheduler = None
         self._entry_of_param = {}
+        self._moments = {}
 
     def release(self) -> None:
         from megatron.core import parallel_state as ps
@@ -601,6 +661,8 @@ class MegatronCoreAdapter(Adapter):
                                     micro_batch_size=self.job.micro_batch_size, forward_only=False)
         self.ctx.step(iteration, len(mbs) + 1)
         self.optimizer.step()
+        if self.dist_opt:
+            self._gather_moments()
         self.steps = iteration + 1
         if self.scheduler is not None:
             self.sched_steps += self.global_mbs * self.job.micro_batch_size

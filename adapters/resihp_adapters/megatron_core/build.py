@@ -70,8 +70,12 @@ def build_training(job: MegatronJob, config: Any, *, seed: int, device: torch.de
     model = job.model_provider(config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     if device is not None:
         model = model.to(device)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**job.ddp), model)
-    opt_kw = dict(job.optimizer)
+    ddp_kw, opt_kw = dict(job.ddp), dict(job.optimizer)
+    # pretrain_gpt sets both from one flag: the DDP buffers are laid out for the
+    # optimizer's shards.
+    dist_opt = bool(ddp_kw.get("use_distributed_optimizer") or opt_kw.get("use_distributed_optimizer"))
+    ddp_kw["use_distributed_optimizer"] = opt_kw["use_distributed_optimizer"] = dist_opt
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kw), model)
     opt_kw.setdefault("params_dtype", config.params_dtype)
     optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [ddp])
     scheduler = OptimizerParamScheduler(optimizer, **job.scheduler) if job.scheduler else None

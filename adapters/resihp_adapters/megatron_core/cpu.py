@@ -11,7 +11,8 @@ tracker. :func:`enable` gives each of those Megatron modules a
 view of ``torch`` in which CUDA placement means the CPU; torch itself and every other
 module are left untouched, except ``Tensor.cuda()``, which returns the tensor itself (it could
 only raise here), and ``Tensor.type()``, which names float32 CPU tensors as CUDA ones
-only while Megatron's gradient clipping runs (it asserts ``torch.cuda.FloatTensor``). It
+only while Megatron's gradient clipping runs (it asserts ``torch.cuda.FloatTensor``) and
+while the distributed optimizer sorts its parameters into main-parameter groups. It
 is applied only when ``torch.cuda.is_available()`` is
 false: on a GPU the adapter runs Megatron-Core unmodified.
 """
@@ -199,6 +200,12 @@ def enable() -> bool:
         for mod in (clip_grads, optimizer):
             if hasattr(mod, name):
                 setattr(mod, name, wrapped)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    # The distributed optimizer sorts its parameters by ``Tensor.type()``: float32 ones
+    # are main parameters only under their CUDA name.
+    build = DistributedOptimizer._build_model_and_main_param_groups.__func__
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(build))
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

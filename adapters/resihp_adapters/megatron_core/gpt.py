@@ -72,10 +72,11 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
 
 def gpt_job(vocab_size: int = 64, hidden: int = 32, num_heads: int = 4, ffn_hidden: int = 64, num_layers: int = 4,
             seq_length: int = 16, micro_batch_size: int = 2, lr: float = 1e-3, clip_grad: float | None = None,
-            dtype: str = "float32") -> MegatronJob:
+            dtype: str = "float32", distributed_optimizer: bool = False) -> MegatronJob:
     """The built-in job; keyword arguments are the ``[adapter]`` fields. ``float64``
     trains without clipping (Megatron's clipping takes float32 gradients only); it is how
-    the tests hold moved, migrated and restored runs to 1e-9 of the fault-free one."""
+    the tests hold moved, migrated and restored runs to 1e-9 of the fault-free one.
+    ``distributed_optimizer``: Megatron's distributed optimizer (float32 only)."""
     if dtype not in ("float32", "float64"):
         raise ValueError(f"adapter.dtype {dtype!r}: the built-in job trains in float32 or float64")
     if clip_grad is None:
@@ -87,7 +88,8 @@ def gpt_job(vocab_size: int = 64, hidden: int = 32, num_heads: int = 4, ffn_hidd
     return MegatronJob(
         transformer=transformer, model_provider=partial(model_provider, vocab_size, seq_length),
         forward_step=forward_step, dataset=TokenDataset(vocab_size, seq_length), micro_batch_size=micro_batch_size,
-        seq_length=seq_length, optimizer=dict(lr=lr, min_lr=lr / 10, weight_decay=0.01, clip_grad=clip_grad),
+        seq_length=seq_length, optimizer=dict(lr=lr, min_lr=lr / 10, weight_decay=0.01, clip_grad=clip_grad,
+                                                 use_distributed_optimizer=distributed_optimizer),
         scheduler=dict(init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=2 * micro_batch_size * 4,
                        lr_decay_steps=100 * micro_batch_size * 4, lr_decay_style="cosine", start_wd=0.01,
                        end_wd=0.01, wd_incr_steps=1, wd_incr_style="constant"),

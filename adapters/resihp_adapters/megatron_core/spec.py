@@ -94,7 +94,7 @@ def load_job(section: Mapping[str, Any]) -> MegatronJob:
     from resihp_adapters.megatron_core.gpt import gpt_job
 
     known = {"vocab_size", "hidden", "num_heads", "ffn_hidden", "num_layers", "seq_length", "micro_batch_size",
-             "lr", "seed", "clip_grad", "backend", "devices_per_node", "dtype"}
+             "lr", "seed", "clip_grad", "backend", "devices_per_node", "dtype", "distributed_optimizer"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"adapter: unknown field(s) {unknown} for megatron_core (known: {sorted(known)}, or "
@@ -132,16 +132,20 @@ def check_supported(job: MegatronJob, *, cuda: bool) -> None:
     if t.get("mtp_num_layers"):
         refuse("multi-token prediction (mtp_num_layers)", "transformer.mtp_num_layers", t["mtp_num_layers"],
                "its layers are not placed by the plan")
-    if o.get("use_distributed_optimizer") or d.get("use_distributed_optimizer"):
-        refuse("the distributed optimizer (use_distributed_optimizer)", "optimizer.use_distributed_optimizer", True,
-               "its sharded main parameters and Adam moments are not carried exactly (Megatron-Core 0.16's own "
-               "dist_checkpointing resume of it comes back with wrong Adam state); use the plain Megatron optimizer")
+    if (o.get("use_distributed_optimizer") or d.get("use_distributed_optimizer")) \
+            and t.get("params_dtype") not in (None, torch.float32):
+        refuse(f"the distributed optimizer with params_dtype {t.get('params_dtype')}",
+               "optimizer.use_distributed_optimizer", True,
+               "Megatron-Core's distributed optimizer takes float32 parameters (or fp16 / bf16 with float32 main "
+               "parameters): it casts each main gradient shard to float32")
     if o.get("optimizer", "adam") != "adam":
         refuse(f"optimizer {o['optimizer']!r}", "optimizer.optimizer", o["optimizer"],
                "only Adam's state (exp_avg, exp_avg_sq, step) is moved")
     if t.get("fp16") or o.get("fp16") or t.get("bf16") or o.get("bf16"):
         refuse("mixed precision (fp16 / bf16)", "optimizer.bf16", True,
-               "the fp32 main parameters of Megatron's Float16Optimizer are not moved yet; train in float32")
+               "Megatron's mixed-precision optimizers keep float32 main parameters apart from the fp16 / bf16 "
+               "model parameters, and the adapter's state moves one tensor per parameter in the model's dtype: the "
+               "main parameters would come back rounded to fp16 / bf16 at every reconfiguration; train in float32")
     if float(o.get("clip_grad", 1.0)) > 0 and t.get("params_dtype") not in (None, torch.float32):
         refuse(f"gradient clipping with params_dtype {t.get('params_dtype')}", "optimizer.clip_grad", o.get("clip_grad", 1.0),
                "Megatron-Core's clipping accepts float32 gradients only; set clip_grad to 0.0 or train in float32")

@@ -9,7 +9,7 @@ pytest.importorskip("megatron.core")
 
 from resihp_core.plan import ParallelPlan  # noqa: E402
 from resihp_adapters.megatron_core import state as st  # noqa: E402
-from resihp_adapters.megatron_core.adapter import live_replicas, megatron_rank  # noqa: E402
+from resihp_adapters.megatron_core.adapter import megatron_rank  # noqa: E402
 from resihp_adapters.megatron_core.gpt import gpt_job  # noqa: E402
 from resihp_adapters.megatron_core.spec import UnsupportedFeature, check_supported, load_job  # noqa: E402
 
@@ -20,8 +20,6 @@ from resihp_adapters.megatron_core.spec import UnsupportedFeature, check_support
     ("transformer", "expert_model_parallel_size", 2, "MoE / expert parallelism"),
     ("transformer", "context_parallel_size", 2, "context parallelism"),
     ("transformer", "sequence_parallel", True, "sequence_parallel"),
-    ("optimizer", "use_distributed_optimizer", True, "the distributed optimizer"),
-    ("ddp", "use_distributed_optimizer", True, "the distributed optimizer"),
     ("optimizer", "bf16", True, "mixed precision"),
     ("ddp", "overlap_grad_reduce", True, "overlapped gradient reduction"),
     ("transformer", "hidden_dropout", 0.1, "dropout without CUDA"),
@@ -33,6 +31,17 @@ def test_unsupported_features_are_refused_by_name(where, key, value, named):
     with pytest.raises(UnsupportedFeature, match="megatron_core adapter") as e:
         check_supported(job, cuda=False)
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "ddp"])
+def test_the_distributed_optimizer_is_accepted_in_float32_only(where):
+    job = gpt_job()
+    getattr(job, where)["use_distributed_optimizer"] = True
+    check_supported(job, cuda=False)
+    job = gpt_job(dtype="float64")
+    getattr(job, where)["use_distributed_optimizer"] = True
+    with pytest.raises(UnsupportedFeature, match="distributed optimizer with params_dtype torch.float64"):
+        check_supported(job, cuda=False)
 
 
 def test_the_builtin_job_is_accepted_and_dropout_only_refused_without_cuda():
@@ -87,3 +96,30 @@ def test_layer_names_are_global_and_the_tied_copy_is_the_embedding():
     plan = ParallelPlan.uniform(tp=1, pp=2, dp=1, num_layers=4, num_microbatches=2)
     assert of(plan, 0) == ["embed.pos", "embed.word", "layers.0", "layers.1"]
     assert of(plan, 1) == ["embed.word", "head", "layers.2", "layers.3"]
+
+
+def test_initialize_refuses_before_any_process_group(tmp_path, monkeypatch):
+    """The script API's refusals come before torch.distributed starts: a job that is not
+    a MegatronJob, torchrun without a ResiHP configuration, and a world that is not
+    tp x pp x dp; ``resihp launch`` with neither an accelerate nor a ResiHP configuration."""
+    import argparse
+
+    from resihp_core.cli import CliError
+    from resihp_core.config import ConfigError
+    from resihp_adapters import launch
+    from resihp_adapters.megatron_core import initialize
+
+    for var in ("RESIHP_STORE", "RESIHP_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(TypeError, match="not a MegatronJob"):
+        initialize({"transformer": {}})
+    with pytest.raises(ConfigError, match="RESIHP_CONFIG"):
+        initialize(gpt_job())
+    cfg = tmp_path / "resihp.toml"
+    cfg.write_text("[parallel]\ntp = 1\npp = 2\ndp = 2\n[runtime]\nadapter = \"megatron_core\"\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="WORLD_SIZE = 2 processes, the configuration's tp x pp x dp = 4"):
+        initialize(gpt_job(), config=cfg)
+    args = argparse.Namespace(config_file=None, resihp_config=None, resume=False)
+    with pytest.raises(CliError, match="--resihp_config"):
+        launch.run(args)
