@@ -23,7 +23,9 @@ Escalation:
   simulator says that is faster (many replicas to absorb the work);
 - every replica of some stage lost (or a lost group on an adapter that cannot migrate
   work): a **restore** decision — a fresh layout on the surviving devices, started from
-  the last checkpoint (:func:`restore_layout`), with the same global batch;
+  the last checkpoint (:func:`restore_layout`), with the same global batch; an adapter
+  that declares ``restage`` may get whole replicas of another stage count instead when
+  the simulator predicts them faster (:func:`~.candidates.restage`);
 - a repaired or rejoining device (:meth:`Planner.rejoin`): it becomes a standby on its
   node and the stages grow groups back; when the job had been restored onto fewer
   replicas and the original layout is whole again, the planner proposes restoring
@@ -395,7 +397,9 @@ class Planner:
 
     def _best_of(self, before: PlannerState, after: PlannerState, timings: dict[str, float]) -> PlannerState:
         """``after`` (the stages' result), or the peer move (:mod:`.candidates`) that the
-        evaluator predicts faster; candidates that fail the planner's checks are skipped."""
+        evaluator predicts faster; candidates that fail the planner's checks are skipped.
+        A re-staged layout (another replica shape) is timed on its own workload features
+        and, when chosen, becomes the state's home."""
         if not self.peer_moves:
             return after
         t0 = time.perf_counter()

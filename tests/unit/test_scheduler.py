@@ -422,3 +422,8 @@ def test_an_adapter_that_restages_keeps_every_survivor_busy_in_whole_replicas() 
             # the next kill plans on the re-staged layout (two survivors: PP2, or PP1 x DP2)
             d2 = planner().plan(d.state, stop(d.plan.group(0, 2)[0]))
             assert len(set(d2.plan.devices())) == 2 and d2.plan.dp * d2.plan.num_microbatches == 8
+    # A re-stage onto every device is judged too when the stages leave one idle, and
+    # loses to dropping a device at 5% speed (PP1 x DP4: it would gate every stage).
+    st = tiny(pp=1, dp=4, m=4, layers=6, devices_per_node=4, capabilities=caps)
+    d = planner().plan(st, slow(3, 0.05))
+    assert d.plan.pp == 1 and d.plan.standbys == (3,) and "restage" not in d.reason, d.reason
