@@ -189,7 +189,8 @@ def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
     return layout_on(state, pp, best)
 
 
-def layout_on(state: PlannerState, pp: int, best: tuple[int, int, list[tuple[int, ...]]]) -> tuple[ParallelPlan, Features]:
+def layout_on(state: PlannerState, pp: int,
+              best: tuple[int, int, list[tuple[int, ...]]]) -> tuple[ParallelPlan, Features]:
     """The uniform plan of ``pp`` stages (layers split evenly) on ``best`` = (replicas, TP
     degree, groups) from :func:`_restore_groups`, each stage on the groups holding most
     of its layers now, the same global batch re-split over the replicas; the other
@@ -410,7 +411,8 @@ class Planner:
         # (time, order, name, plan, features: None = the job's own shape)
         timed: list[tuple[float, int, str, ParallelPlan, Features | None]] = [
             (ev.time(c), i, n, c, None) for i, (n, c) in enumerate(peer_candidates(before, after))]
-        for n, c, f in restage(before, len(set(after.plan.devices()))):  # another replica shape: judged on its own features
+        # Re-staged layouts have another replica shape: each is judged on its own features.
+        for n, c, f in restage(before, len(set(after.plan.devices()))):
             own = Evaluator(ev.predictor, f, after.speeds, after.link_speeds)
             timed.append((own.time(c), len(timed), n, c, f))
         timed.sort(key=lambda x: (x[0], x[1]))
@@ -460,11 +462,12 @@ class Planner:
         for name, cand, f in restage(state, len(set(plan.devices()))):
             t = Evaluator(state.predictor, f, state.speeds, state.link_speeds).time(cand)
             if t < best_t * (1 - 1e-9) and not state.memory_violations(cand):
-                plan, feats, best_t, restaged = cand, f, t, f" ({name}: every survivor busy)"
+                plan, feats, best_t, restaged = cand, f, t, f" ({name}: {len(set(cand.devices()))} placed)"
         state = _rebase(state, plan, feats)
         degree = max(len(g) for rep in plan.tp_groups for g in rep)
         state = state.with_plan(plan, f"restore: {why}; fresh layout dp={plan.dp} pp={plan.pp} "
-                                      f"tp={degree} m={plan.num_microbatches}{restaged} (state moved from the survivors; "
+                                      f"tp={degree} m={plan.num_microbatches}{restaged} "
+                                      "(state moved from the survivors; "
                                       "from a checkpoint where none holds it)")
         timings["restore"] = time.perf_counter() - t0
         try:
