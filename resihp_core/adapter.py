@@ -76,6 +76,11 @@ class Capabilities:
         reduction does not span replicas of different TP layouts).
     :param sdc_fingerprint: implements :meth:`Adapter.fingerprint`: replicas that must
         hold bit-identical state compare it before each iteration commits (docs/sdc.md).
+    :param restage: can move from one whole-replica layout to another with a different
+        stage count and replica count (state moved in memory by global layer index, the
+        same global batch in more or fewer micro-batches per replica). Lets the
+        Scheduler re-stage the survivors into whole replicas when the adapter cannot keep
+        a partial replica busy (:func:`~resihp_core.scheduler.candidates.restage`).
     """
 
     tp_resize: bool = False
@@ -87,6 +92,7 @@ class Capabilities:
     uneven_dp: bool = False
     tp_with_dp: bool = True
     sdc_fingerprint: bool = False
+    restage: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.schedules, str):
@@ -136,6 +142,7 @@ class Capabilities:
             "uneven_dp": self.uneven_dp,
             "tp_with_dp": self.tp_with_dp,
             "sdc_fingerprint": self.sdc_fingerprint,
+            "restage": self.restage,
         }
 
     def violations(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:

@@ -26,6 +26,13 @@ by its own simulator, than any of these moves:
 - ``dp-only`` / ``pp-only``: micro-batch migration alone or layer repartition alone
   (Greyhound's first two levels), lost groups dropped as above.
 
+- ``restage-pp{P}``: whole replicas of ``P`` stages over the survivors, layers split
+  evenly, the same global batch re-split (more micro-batches per replica when there
+  are fewer replicas), for adapters that declare ``restage`` and cannot keep a partial
+  replica busy: after a kill on PP2 x DP2 the stages drop the hit replica and leave its
+  survivor on standby, while PP3 x DP1 keeps all three busy (:func:`restage`). Judged
+  on its own workload features (the same micro-batches in the new replica shape).
+
 Restores (a fresh layout from a checkpoint) are not candidates here: they lose work,
 which an iteration-time comparison cannot weigh.
 """
@@ -36,9 +43,10 @@ from dataclasses import replace
 from typing import Callable
 
 from resihp_core.plan import Migration, ParallelPlan, PlanError
+from resihp_core.scheduler.evaluate import Features
 from resihp_core.scheduler.state import PlannerError, PlannerState, RestoreRequired
 
-__all__ = ["SHED_FRACTIONS", "drop_replicas", "peer_candidates", "shed_replicas"]
+__all__ = ["SHED_FRACTIONS", "drop_replicas", "peer_candidates", "restage", "shed_replicas"]
 
 #: Fractions of its micro-batches a hit replica keeps in the ``shed-k`` candidates.
 SHED_FRACTIONS = (0.5,)
@@ -134,4 +142,39 @@ def peer_candidates(before: PlannerState, after: PlannerState) -> list[tuple[str
         base = replace(before, notes=())
         add("dp-only", lambda: dp_only(base))
         add("pp-only", lambda: pp_only(base))
+    return out
+
+
+def restage(state: PlannerState, busy: int) -> list[tuple[str, ParallelPlan, Features]]:
+    """Whole-replica layouts with another stage count than ``state.plan``'s that place
+    more than ``busy`` devices (what the plan they compete with places), each with its
+    workload features (its replica count differs): empty unless the adapter declares
+    ``restage`` and ``layer_repartition`` and ``busy`` leaves a survivor idle.
+    ``state`` holds the plan before the report, failures folded in: each new stage goes
+    to the devices holding most of its layers, so the state moves from the survivors.
+    Stage counts run from 1 to the layer count (or the survivors); each must fit in
+    memory (as a restore layout)."""
+    from resihp_core.scheduler.planner import _restore_groups, layout_on
+
+    caps = state.capabilities
+    if not (caps.restage and caps.layer_repartition):
+        return []
+    alive = state.topology.ids - state.failed
+    if busy >= len(alive):
+        return []
+    cur = state.plan
+    total = cur.dp * cur.num_microbatches
+    degree = max((len(g) for rep in state.home.tp_groups for g in rep), default=1)
+    out: list[tuple[str, ParallelPlan, Features]] = []
+    for pp in range(1, min(cur.num_layers, len(alive)) + 1):
+        if pp == cur.pp:
+            continue
+        best = _restore_groups(state, cur, pp, total, [degree])
+        if best is None or best[0] * pp * best[1] <= busy:
+            continue
+        try:
+            plan, feats = layout_on(state, pp, best)
+        except (PlannerError, PlanError):
+            continue
+        out.append((f"restage-pp{pp}", plan, feats))
     return out

@@ -23,7 +23,9 @@ Escalation:
   simulator says that is faster (many replicas to absorb the work);
 - every replica of some stage lost (or a lost group on an adapter that cannot migrate
   work): a **restore** decision — a fresh layout on the surviving devices, started from
-  the last checkpoint (:func:`restore_layout`), with the same global batch;
+  the last checkpoint (:func:`restore_layout`), with the same global batch; an adapter
+  that declares ``restage`` may get whole replicas of another stage count instead when
+  the simulator predicts them faster (:func:`~.candidates.restage`);
 - a repaired or rejoining device (:meth:`Planner.rejoin`): it becomes a standby on its
   node and the stages grow groups back; when the job had been restored onto fewer
   replicas and the original layout is whole again, the planner proposes restoring
@@ -46,7 +48,7 @@ from resihp_core.plugins import AdaptationStage, Plugins, get_plugins
 from resihp_core.predictor.schedules import emit_programs
 from resihp_core.program import Program
 from resihp_core.protocol import FailureReport
-from resihp_core.scheduler.candidates import peer_candidates
+from resihp_core.scheduler.candidates import peer_candidates, restage
 from resihp_core.scheduler.dp import dp_stage
 from resihp_core.scheduler.evaluate import Evaluator, Features
 from resihp_core.scheduler.pp import pp_stage
@@ -184,8 +186,19 @@ def restore_layout(state: PlannerState) -> tuple[ParallelPlan, Features]:
             f"cannot restore: {len(state.topology.ids - state.failed)} surviving devices "
             f"cannot hold {cur.pp}{fewer} stages at any allowed TP degree {degrees} within memory"
         )
+    return layout_on(state, pp, best)
+
+
+def layout_on(state: PlannerState, pp: int,
+              best: tuple[int, int, list[tuple[int, ...]]]) -> tuple[ParallelPlan, Features]:
+    """The uniform plan of ``pp`` stages (layers split evenly) on ``best`` = (replicas, TP
+    degree, groups) from :func:`_restore_groups`, each stage on the groups holding most
+    of its layers now, the same global batch re-split over the replicas; the other
+    survivors are standbys. Returns it with its workload features."""
+    cur = state.plan
+    total = cur.dp * cur.num_microbatches
     ranges = even_layer_ranges(cur.num_layers, pp)
-    dp_new, t, groups = best
+    dp_new, _, groups = best
     slots = _place_by_state(cur, groups, ranges, dp_new)
     tp_groups = tuple(tuple(slots[s][r] for s in range(pp)) for r in range(dp_new))
     in_use = {d for stage in slots for g in stage for d in g}
@@ -385,30 +398,40 @@ class Planner:
 
     def _best_of(self, before: PlannerState, after: PlannerState, timings: dict[str, float]) -> PlannerState:
         """``after`` (the stages' result), or the peer move (:mod:`.candidates`) that the
-        evaluator predicts faster; candidates that fail the planner's checks are skipped."""
+        evaluator predicts faster; candidates that fail the planner's checks are skipped.
+        A re-staged layout (another replica shape) is timed on its own workload features
+        and, when chosen, becomes the state's home."""
         if not self.peer_moves:
             return after
         t0 = time.perf_counter()
         ev = after.evaluator
         best_t = ev.time(after.plan)
         t_stages = best_t
-        best: tuple[str, ParallelPlan] | None = None
-        timed = sorted(((ev.time(c), i, n, c) for i, (n, c) in enumerate(peer_candidates(before, after))),
-                       key=lambda x: (x[0], x[1]))
-        for t, _, name, cand in timed:  # checks cost O(devices): only until one passes
+        best: tuple[str, PlannerState] | None = None
+        # (time, order, name, plan, features: None = the job's own shape)
+        timed: list[tuple[float, int, str, ParallelPlan, Features | None]] = [
+            (ev.time(c), i, n, c, None) for i, (n, c) in enumerate(peer_candidates(before, after))]
+        # Re-staged layouts have another replica shape: each is judged on its own features.
+        for n, c, f in restage(before, len(set(after.plan.devices()))):
+            own = Evaluator(ev.predictor, f, after.speeds, after.link_speeds)
+            timed.append((own.time(c), len(timed), n, c, f))
+        timed.sort(key=lambda x: (x[0], x[1]))
+        for t, _, name, cand, feats in timed:  # checks cost O(devices): only until one passes
             if not t < best_t * (1 - 1e-9):
                 break
+            cand_state = replace(after, plan=cand) if feats is None else _rebase(after, cand, feats)
             try:
-                self._check(name, replace(after, plan=cand), before.previous)
+                self._check(name, cand_state, before.previous)
             except PlannerError:
                 continue
-            best, best_t = (name, cand), t
+            best, best_t = (name, cand_state), t
             break
         timings["peers"] = time.perf_counter() - t0
         if best is None:
             return after
-        return after.with_plan(best[1], f"peers: {best[0]} beats the stages' plan "
-                                        f"({t_stages:.4g}s -> {best_t:.4g}s)")
+        name, chosen = best  # a re-staged plan comes with its own home and evaluator
+        return chosen.with_plan(chosen.plan, f"peers: {name} beats the stages' plan "
+                                             f"({t_stages:.4g}s -> {best_t:.4g}s)")
 
     @staticmethod
     def _check(name: str, state: PlannerState, previous: ParallelPlan | None) -> None:
@@ -432,10 +455,19 @@ class Planner:
             raise PlannerError(f"{why}, and the adapter cannot restore from a checkpoint")
         t0 = time.perf_counter()
         plan, feats = restore_layout(state)
+        # An adapter that re-stages (candidates.restage): a layout with another stage
+        # count may place more survivors; the simulator picks, the restore layout on ties.
+        best_t = Evaluator(state.predictor, feats, state.speeds, state.link_speeds).time(plan)
+        restaged = ""
+        for name, cand, f in restage(state, len(set(plan.devices()))):
+            t = Evaluator(state.predictor, f, state.speeds, state.link_speeds).time(cand)
+            if t < best_t * (1 - 1e-9) and not state.memory_violations(cand):
+                plan, feats, best_t, restaged = cand, f, t, f" ({name}: {len(set(cand.devices()))} placed)"
         state = _rebase(state, plan, feats)
         degree = max(len(g) for rep in plan.tp_groups for g in rep)
         state = state.with_plan(plan, f"restore: {why}; fresh layout dp={plan.dp} pp={plan.pp} "
-                                      f"tp={degree} m={plan.num_microbatches} (state moved from the survivors; "
+                                      f"tp={degree} m={plan.num_microbatches}{restaged} "
+                                      "(state moved from the survivors; "
                                       "from a checkpoint where none holds it)")
         timings["restore"] = time.perf_counter() - t0
         try:

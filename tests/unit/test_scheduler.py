@@ -396,3 +396,34 @@ def test_restore_puts_each_stage_on_the_survivors_that_hold_it() -> None:
     d = planner().plan(st, stop(3))
     assert d.kind == "restore" and d.plan.dp == 1 and d.plan.num_microbatches == 8
     assert d.plan.tp_groups == (((0,), (2,)),) and d.plan.standbys == (1,), d.plan.to_text()
+
+
+def test_an_adapter_that_restages_keeps_every_survivor_busy_in_whole_replicas() -> None:
+    """PP2 x DP2 (6 layers, 4 micro-batches), an adapter that cannot keep a partial
+    replica busy: a kill leaves 3 survivors. Without ``restage`` the one-replica PP2
+    layout leaves one on standby; with it the simulator prefers PP3 x DP1 (2 layers a
+    stage, the same 8 micro-batches in one replica), every survivor placed."""
+    from resihp_core.plan import even_layer_ranges
+
+    caps = replace(UNEVEN_DP, restage=True)
+    for c, want_pp in ((UNEVEN_DP, 2), (caps, 3)):
+        st = tiny(pp=2, dp=2, m=4, layers=6, devices_per_node=4, capabilities=c)
+        dead = st.plan.group(1, 1)[0]
+        d = planner().plan(st, stop(dead))
+        assert d.kind == "restore" and d.plan.dp == 1 and d.plan.num_microbatches == 8, d.reason
+        assert d.plan.pp == want_pp, d.plan.to_text()
+        placed = sorted(d.plan.devices())
+        assert (len(placed), len(d.plan.standbys)) == ((2, 1) if want_pp == 2 else (3, 0)), d.plan.to_text()
+        assert dead not in placed and not d.plan.migrations
+        if c is caps:
+            assert "restage-pp3" in d.reason and d.plan.layer_ranges == tuple(even_layer_ranges(6, 3))
+            assert d.state.home.tp_groups == d.plan.tp_groups  # the new layout is the Scheduler's home
+            assert not caps.violations(d.plan, st.plan)
+            # the next kill plans on the re-staged layout (two survivors: PP2, or PP1 x DP2)
+            d2 = planner().plan(d.state, stop(d.plan.group(0, 2)[0]))
+            assert len(set(d2.plan.devices())) == 2 and d2.plan.dp * d2.plan.num_microbatches == 8
+    # A re-stage onto every device is judged too when the stages leave one idle, and
+    # loses to dropping a device at 5% speed (PP1 x DP4: it would gate every stage).
+    st = tiny(pp=1, dp=4, m=4, layers=6, devices_per_node=4, capabilities=caps)
+    d = planner().plan(st, slow(3, 0.05))
+    assert d.plan.pp == 1 and d.plan.standbys == (3,) and "restage" not in d.reason, d.reason

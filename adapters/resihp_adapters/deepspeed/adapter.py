@@ -14,10 +14,12 @@ DeepSpeed ``PipelineEngine``.
 A plan that keeps only part of a replica (a dead rank's stage work migrated to another
 replica) runs as it is with ZeRO 0 in fp32/fp64: DeepSpeed's grid gets holes
 (:class:`~.engine.PartialTopology`) and every survivor keeps working. With ZeRO 1 or bf16
-it runs as its whole-replica equivalent (:func:`~.engine.whole_replicas`): that
-replica's remaining work migrates to a whole replica and its devices idle (they still
-report and commit, with no work). Either way the same pieces run on the same data, so
-the result is unchanged (``docs/deepspeed.md``, partial replicas).
+``resihp launch`` plans whole replicas only and re-stages the survivors
+(:func:`~.plugin.capabilities_for`); a partial-replica plan from elsewhere runs as its
+whole-replica equivalent (:func:`~.engine.whole_replicas`): that replica's remaining
+work migrates to a whole replica and its devices idle (they still report and commit,
+with no work). Either way the same pieces run on the same data, so the result is
+unchanged (``docs/deepspeed.md``, partial replicas).
 
 Loss scaling follows the contract's global batch: each micro-batch loss is divided by
 ``job.dp * job.num_microbatches / live replicas`` and DeepSpeed averages over its live

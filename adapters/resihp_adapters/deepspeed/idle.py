@@ -1,8 +1,9 @@
 """What a rank without an engine answers for ``train_batch()`` and ``get_lr()`` (and
 what a rank off the last stage returns from ``train_batch()``).
 
-Under ZeRO 1 or bf16 a plan that keeps only part of a replica runs as its whole-replica
-equivalent and the partial replica's ranks idle (docs/deepspeed.md, partial replicas):
+Under ZeRO 1 or bf16 a plan that keeps only part of a replica (one not planned by
+``resihp launch``, which re-stages such a job into whole replicas) runs as its
+whole-replica equivalent and the partial replica's ranks idle (docs/deepspeed.md, partial replicas):
 they build no DeepSpeed engine in that generation, yet the user's loop on them goes on
 calling ``train_batch()`` and ``engine.get_lr()[0]``. They answer what DeepSpeed's engine
 answers on every rank:

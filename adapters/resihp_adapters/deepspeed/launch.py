@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from resihp_core.adapter import Capabilities
     from resihp_core.runtime.controller.assemble import AssembledJob
 
 __all__ = ["configure", "run", "run_demo", "accelerate_env", "read_resihp_section"]
@@ -194,6 +195,8 @@ def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str
     from resihp_core.predictor.predict import ModelShape
     from resihp_core.runtime.controller.assemble import JobInputs, UserData, assemble
 
+    from resihp_adapters.deepspeed.plugin import capabilities_for
+
     pp, nodes = int(sec.get("pp", 2)), int(sec.get("nodes", 1))
     if num_processes % pp or num_processes % nodes:
         raise ValueError(f"num_processes={num_processes} must be a multiple of resihp.pp={pp} and resihp.nodes={nodes}")
@@ -220,7 +223,25 @@ def assemble_launch(num_processes: int, ds_config: dict[str, Any], sec: dict[str
     user = UserData(workload=iteration_workload(corpus, 0, dp, m),
                     shape=ModelShape(tokens=64, hidden=64, params_per_layer=64 * 64, dtype_bytes=4))
     inputs = JobInputs(op_timeout_s=float(sec.get("timeout_s", 10.0)), user_data=user, layer_ranges=layer_ranges)
-    return assemble(cfg, load_scenario(sec.get("faults", [])), workdir, inputs)
+    job = assemble(cfg, load_scenario(sec.get("faults", [])), workdir, inputs)
+    return with_capabilities(job, capabilities_for(ds_config))
+
+
+def with_capabilities(job: AssembledJob, caps: Capabilities) -> AssembledJob:
+    """``job`` with the Scheduler told ``caps`` (what this configuration runs, which the
+    registered adapter's capabilities cannot know: :func:`~.plugin.capabilities_for`)."""
+    import dataclasses
+
+    from resihp_core.scheduler import Planner
+
+    if caps == job.state.capabilities:
+        return job
+    why = caps.violations(job.plan)
+    if why:
+        raise ValueError(f"the DeepSpeed configuration cannot run the first plan: {'; '.join(why)}")
+    state = dataclasses.replace(job.state, capabilities=caps)
+    planner = Planner(capabilities=caps)
+    return job._replace(state=state, planner=planner, run=dataclasses.replace(job.run, state=state, planner=planner))
 
 
 #: How long ``resihp launch`` waits for the node agents it starts to connect.

@@ -16,6 +16,9 @@ job: no TP resize, no heterogeneous TP. The engine runs 1F1B programs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any, Mapping
+
 from resihp_core.adapter import AdapterRegistry, Capabilities
 from resihp_core.hookspecs import hookimpl
 from resihp_core.plan import ScheduleKind
@@ -30,6 +33,23 @@ CAPABILITIES = Capabilities(
     schedules=frozenset({ScheduleKind.ONE_F_ONE_B}),
     checkpoint=True,
 )
+
+#: What a job with ZeRO stage 1 or bf16 can run: no partial replica (ZeRO 1 and
+#: DeepSpeed's ``BF16_Optimizer`` reduce and partition over DeepSpeed's data-parallel
+#: group with their own averaging, which a replica missing a stage would skew), whole
+#: micro-batches on another whole replica, and a re-stage onto whole replicas of another
+#: stage count (state moved, or restored, by global layer index), so that every survivor
+#: stays busy (docs/deepspeed.md, partial replicas).
+WHOLE_REPLICA_CAPABILITIES = replace(CAPABILITIES, cross_replica_migration=False, uneven_dp=True, restage=True)
+
+
+def capabilities_for(ds_config: Mapping[str, Any]) -> Capabilities:
+    """The capabilities of a job with DeepSpeed configuration ``ds_config``: ZeRO 0 in
+    fp32/fp64 runs partial replicas as they are (:data:`CAPABILITIES`); ZeRO 1 or bf16
+    runs whole replicas only (:data:`WHOLE_REPLICA_CAPABILITIES`)."""
+    zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
+    return WHOLE_REPLICA_CAPABILITIES if zero >= 1 or bf16 else CAPABILITIES
 
 
 @hookimpl(trylast=True)

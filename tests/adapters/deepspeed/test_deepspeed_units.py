@@ -251,6 +251,32 @@ def test_a_partial_replica_runs_as_its_whole_replica_equivalent():
     assert whole_replicas(base) is base
 
 
+def test_zero1_and_bf16_launches_restage_the_survivors_into_whole_replicas(tmp_path):
+    """``resihp launch`` tells the Scheduler what the configuration runs: ZeRO 0 fp32
+    keeps the partial replica (device 1 busy on its stage, migrations); ZeRO 1 or bf16
+    runs whole replicas only, and a kill on PP2 x DP2 re-stages the 3 survivors as
+    PP3 x DP1 (the same 8 micro-batches) instead of leaving one on standby."""
+    from resihp_core.protocol import FailureReport
+
+    from resihp_adapters.deepspeed.launch import assemble_launch
+    from resihp_adapters.deepspeed.plugin import CAPABILITIES, capabilities_for
+
+    kill = FailureReport(generation=0, failure="fail-stop", devices=(3,))
+    sec = {"pp": 2, "num_layers": 6, "iterations": 4}
+    for extra in ({}, {"bf16": {"enabled": True}}, {"zero_optimization": {"stage": 1}}):
+        ds = {"gradient_accumulation_steps": 4, **extra}
+        job = assemble_launch(4, ds, sec, tmp_path)
+        caps = job.run.planner.capabilities
+        assert caps == job.run.state.capabilities == capabilities_for(ds)
+        d = job.run.planner.plan(job.run.state, kill)
+        assert sorted(d.plan.devices()) == [0, 1, 2] and not d.plan.standbys, d.plan.to_text()
+        if not extra:
+            assert caps == CAPABILITIES and d.plan.pp == 2 and d.plan.migrations
+        else:
+            assert not caps.cross_replica_migration and caps.restage
+            assert (d.plan.pp, d.plan.dp, d.plan.num_microbatches) == (3, 1, 8) and "restage-pp3" in d.reason
+
+
 def test_resihp_launch_stops_on_configuration_errors_with_the_reason(tmp_path, capsys):
     """ZeRO 2/3 (fp16), ZeRO 1 without checkpoints, a partition_method DeepSpeed does not
     implement and a script that never calls initialize() stop the launch
