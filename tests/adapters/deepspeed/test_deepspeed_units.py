@@ -365,13 +365,14 @@ def test_the_deepspeed_demo_writes_the_default_demos_report(tmp_path):
     from resihp_adapters.deepspeed.launch import write_launch_report
     from resihp_core.faults import load_scenario
     from resihp_core.protocols import IterationMetrics
+    from resihp_core.protocols.events import PlanPosted
 
     faults = load_scenario([{"device": 3, "iteration": 3, "kind": "kill"}])
     recs = [IterationMetrics(iteration=i, loss=1.0 - 0.1 * i, seconds=9.0 if i == 0 else 0.1, samples=32,
                             generation=int(i >= 3), phase="after kill on device 3" if i >= 3 else "healthy")
             for i in range(6)]
-    plan_ev = {"kind": "plan", "iteration": 3, "generation": 1, "text": "generation 1"}
-    out = write_launch_report(tmp_path, SimpleNamespace(records=recs, events=[plan_ev]), faults, "ds demo")
+    plan_ev = PlanPosted(text="generation 1", plan="", kind_of_plan="dp", iteration=3, generation=1)
+    out = write_launch_report(tmp_path, SimpleNamespace(records=recs, job_events=[plan_ev]), faults, "ds demo")
     assert out.parent == tmp_path and out.name.startswith("demo-deepspeed-")
     assert sorted(p.name for p in out.iterdir()) == ["events.json", "iteration_time.png", "loss.png",
                                                       "summary.md", "throughput.png"]
