@@ -383,8 +383,9 @@ class Supervisor:
                   "source": f.source}
         if isinstance(d, Quarantine):
             self._pending.append(d.report)
-            return [Emit("sdc", f"silent data corruption at iteration {f.iteration}: devices {list(f.suspects)} "
-                                f"quarantined ({f.evidence[:200]})", fields)]
+            fields["suspects"] = list(d.report.devices)  # a range finding's are decided on re-execution
+            return [Emit("sdc", f"silent data corruption at iteration {f.iteration}: devices "
+                                f"{list(d.report.devices)} quarantined ({f.evidence[:200]})", fields)]
         if isinstance(d, Reexecute):
             self._reexecute = d
             return [Emit("sdc", d.text, fields)]
