@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from resihp_core.plan import ParallelPlan
     from resihp_core.runtime.session import JobSession, KeyValueStore
 
-__all__ = ["ENV_SDC", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
+__all__ = ["ENV_SDC", "ENV_COVERAGE", "coverage", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
            "Quarantine", "Reexecute", "Refuse", "SdcDecision", "SdcArbiter", "SdcMonitor", "SdcGuard",
            "tensor_digest", "grad_norm", "compare", "commit_check", "enabled", "RangeWatch"]
 
@@ -100,44 +100,87 @@ class Fingerprint:
                    str(d.get("anomaly", "")))
 
 
-def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+#: ``RESIHP_SDC_COVERAGE=c`` (0 < c <= 1, default 1): each fingerprint reads a rotating
+#: share ``c`` of every tensor instead of all of it (docs/sdc.md, "Cost").
+ENV_COVERAGE = "RESIHP_SDC_COVERAGE"
+
+
+def coverage(env: Mapping[str, str] | None = None) -> float:
+    """The share of each tensor a fingerprint reads (``RESIHP_SDC_COVERAGE``); refused
+    with a message naming the variable when it is not a number in (0, 1]."""
+    env = os.environ if env is None else env
+    text = env.get(ENV_COVERAGE, "1")
+    try:
+        c = float(text)
+    except ValueError:
+        c = float("nan")
+    if not 0.0 < c <= 1.0:
+        raise ValueError(f"{ENV_COVERAGE}={text!r}: expected a number in (0, 1] (the share of each tensor a "
+                         "fingerprint reads)")
+    return c
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1.0, turn: int = 0) -> str:
     """A checksum of the exact bits of ``named`` tensors, in the order given.
 
-    Each tensor's elements are read as integers of their own width and summed in 64-bit
-    wrapping arithmetic: the sum does not depend on the order of the reduction, so it is
-    the same on every device holding the same bits, and a single flipped bit changes it
-    (by 2**b). One device-to-host copy for all tensors; the per-tensor sums, sizes and
-    names are hashed."""
+    Each tensor's elements are read as 64-bit words (consecutive elements by index, so
+    the words do not depend on where the tensor sits in memory; the few elements after
+    the last whole word one by one) and summed in wrapping arithmetic: the sum does not
+    depend on the order of the reduction, so it is the same on every device holding the
+    same bits, and a single flipped bit changes it (by 2**b). One device-to-host copy
+    for all tensors; the per-tensor sums, sizes and names are hashed.
+
+    With ``share`` below 1 each tensor contributes only the contiguous window of that
+    share of its words that ``turn`` (the iteration) selects; consecutive turns cover
+    the whole tensor every ``ceil(1 / share)`` turns. Replicas passing the same
+    ``turn`` read the same window."""
     import torch
 
     names: list[str] = []
     sums: list[torch.Tensor] = []
     for name, t in named:
         names.append(f"{name}:{t.numel()}")
-        sums.append(_bit_sum(t.detach().contiguous().view(-1)))
+        flat = t.detach().reshape(-1)
+        if share < 1.0 and flat.numel():
+            k = math.ceil(1.0 / share)
+            size = -(-flat.numel() // k)
+            part = turn % k
+            flat = flat[part * size:(part + 1) * size]
+        sums.append(_bit_sum(flat))
     h = hashlib.blake2b(digest_size=16)
     h.update("|".join(names).encode())
+    if share < 1.0:
+        h.update(f"share={share} turn={turn}".encode())
     if sums:
         h.update(repr(torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist()).encode())
     return h.hexdigest()
 
 
 def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
-    """The wrapping 64-bit sum of ``flat``'s bits read as integers: 8 bytes at a time
-    when its size allows (no widening copy: a flipped bit still moves the sum by
-    2**b), else element by element."""
+    """The wrapping 64-bit sum of ``flat``'s bits: its whole 64-bit words of consecutive
+    elements read as int64 (no widening copy: a flipped bit still moves the sum by
+    2**b), plus the remaining elements as integers of their own width. A tensor whose
+    memory does not start on an 8-byte boundary is copied first (the words are the
+    same; the narrow-integer sum torch runs otherwise is some hundred times slower)."""
     import torch
 
     if not flat.numel():
         return torch.zeros((), dtype=torch.int64, device=flat.device)
-    if flat.element_size() < 8 and (flat.numel() * flat.element_size()) % 8 == 0:
-        try:
-            return flat.view(torch.int64).sum()
-        except RuntimeError:  # a storage offset the wider view cannot start at
-            pass
-    if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
-        flat = flat.view(getattr(torch, _INT_OF_SIZE[flat.element_size()]))
-    return flat.sum(dtype=torch.int64)
+    es = flat.element_size()
+    per = 8 // es if es < 8 else 1
+    whole = (flat.numel() // per) * per
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    if whole:
+        body = flat[:whole]
+        if not body.is_contiguous() or (body.storage_offset() * es) % 8:
+            body = body.contiguous() if not body.is_contiguous() else body.clone()
+        total = body.view(torch.int64).sum()
+    rest = flat[whole:]
+    if rest.numel():
+        if rest.dtype.is_floating_point or rest.dtype.is_complex or rest.dtype == torch.bool:
+            rest = rest.view(getattr(torch, _INT_OF_SIZE[es]))
+        total = total + rest.to(torch.int64).sum()
+    return total
 
 
 def grad_norm(grads: Iterable[torch.Tensor | None]) -> float:

@@ -36,6 +36,27 @@ def test_one_flipped_bit_changes_the_digest_and_equal_bits_agree(name: str, bit:
 def test_the_digest_does_not_depend_on_how_a_tensor_is_laid_out() -> None:
     w = _state()[0][1]
     assert tensor_digest([("w", w)]) == tensor_digest([("w", w.t().contiguous().t())])
+    # The same float32 values at an offset that is not a whole 64-bit word (an odd
+    # count: a whole-word body and an element after it).
+    x = torch.randn(9, dtype=torch.float32)
+    buf = torch.zeros(10, dtype=torch.float32)
+    buf[1:].copy_(x)
+    assert tensor_digest([("x", x)]) == tensor_digest([("x", buf[1:])])
+    buf[1:2].view(torch.int32).bitwise_xor_(1)
+    assert tensor_digest([("x", x)]) != tensor_digest([("x", buf[1:])])
+
+
+def test_a_partial_fingerprint_reads_a_rotating_window_the_replicas_share() -> None:
+    from resihp_core.detector.sdc import coverage
+
+    a, b = _state(), _state()
+    dict(b)["w"].view(-1)[30:31].view(torch.int64).bitwise_xor_(1 << 40)  # element 30 of 35
+    turns = [tensor_digest(a, share=0.25, turn=t) != tensor_digest(b, share=0.25, turn=t) for t in range(4)]
+    assert turns == [False, False, False, True]  # windows of 9 elements: the last holds element 30
+    assert tensor_digest(a, share=0.25, turn=1) == tensor_digest(_state(), share=0.25, turn=1)
+    assert coverage({}) == 1.0 and coverage({"RESIHP_SDC_COVERAGE": "0.1"}) == 0.1
+    with pytest.raises(ValueError, match="RESIHP_SDC_COVERAGE='0'"):
+        coverage({"RESIHP_SDC_COVERAGE": "0"})
 
 
 def _fps(digests: dict[int, str], group: str = "stage0") -> dict[int, Fingerprint]:

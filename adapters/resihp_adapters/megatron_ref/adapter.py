@@ -106,6 +106,7 @@ class MegatronRefAdapter(Adapter):
         self._ckpt_writer: CheckpointWriter | None = None
         self.steps = 0  # optimizer updates the held state has had (AdamW's step count)
         self._watch_grads = sdc.enabled(True)
+        self._coverage = sdc.coverage()  # the share of each tensor a fingerprint reads
         self._grad_norm: float | None = None
         self._snapshot_steps = 0
 
@@ -142,7 +143,7 @@ class MegatronRefAdapter(Adapter):
         named = [(f"{kind}.{name}", x) for name, ts in sorted(self.tensors().items())
                  for kind, x in zip(("p", "m", "v"), ts)]
         return Fingerprint(f"stage{s}/layers{a}-{b}/tp{t}of{self.plan.degree(r, s)}/step{self.steps}",
-                           tensor_digest(named))
+                           tensor_digest(named, share=self._coverage, turn=self.steps))
 
     def sdc_signals(self) -> dict[str, float]:
         """The L2 norm of this device's reduced gradient shards at its last step."""
