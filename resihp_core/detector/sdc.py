@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ENV_SDC", "ENV_COVERAGE", "coverage", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
            "Quarantine", "Reexecute", "Refuse", "SdcDecision", "SdcArbiter", "SdcMonitor", "SdcGuard",
-           "tensor_digest", "grad_norm", "compare", "commit_check", "enabled", "RangeWatch"]
+           "tensor_digest", "grad_norm", "same_layout_replicas", "compare", "commit_check", "enabled", "RangeWatch"]
 
 logger = logging.getLogger("resihp.sdc")
 
@@ -181,6 +181,13 @@ def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
             rest = rest.view(getattr(torch, _INT_OF_SIZE[es]))
         total = total + rest.to(torch.int64).sum()
     return total
+
+
+def same_layout_replicas(plan: ParallelPlan, replica: int, stage: int) -> int:
+    """How many replicas hold ``stage`` with the TP degree ``replica`` has there (this
+    one included): the devices a fingerprint can be compared with, plus one."""
+    k = plan.degree(replica, stage)
+    return sum(1 for q in range(plan.dp) if plan.group(q, stage) and plan.degree(q, stage) == k)
 
 
 def grad_norm(grads: Iterable[torch.Tensor | None]) -> float:
