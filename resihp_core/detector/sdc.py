@@ -169,18 +169,19 @@ def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
     es = flat.element_size()
     per = 8 // es if es < 8 else 1
     whole = (flat.numel() // per) * per
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    total: torch.Tensor | None = None
     if whole:
-        body = flat[:whole]
+        body = flat[:whole] if whole < flat.numel() else flat
         if not body.is_contiguous() or (body.storage_offset() * es) % 8:
             body = body.contiguous() if not body.is_contiguous() else body.clone()
         total = body.view(torch.int64).sum()
+    if whole == flat.numel():
+        return total
     rest = flat[whole:]
-    if rest.numel():
-        if rest.dtype.is_floating_point or rest.dtype.is_complex or rest.dtype == torch.bool:
-            rest = rest.view(getattr(torch, _INT_OF_SIZE[es]))
-        total = total + rest.to(torch.int64).sum()
-    return total
+    if rest.dtype.is_floating_point or rest.dtype.is_complex or rest.dtype == torch.bool:
+        rest = rest.view(getattr(torch, _INT_OF_SIZE[es]))
+    tail = rest.to(torch.int64).sum()
+    return tail if total is None else total + tail
 
 
 def same_layout_replicas(plan: ParallelPlan, replica: int, stage: int) -> int:

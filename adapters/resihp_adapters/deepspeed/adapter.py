@@ -194,6 +194,8 @@ class DeepSpeedAdapter(Adapter):
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
         engine.sdc_step = self._sdc
+        if self._sdc is not None:
+            self._sdc.build(engine, plan, self.ctx.device)
         bound_op_timeouts(self.ctx.timeout_s, self.ctx.superseded)
         self.engine = engine
         self._current = False

@@ -69,11 +69,18 @@ class SdcStep:
     def __init__(self, faults: FaultInjector, watch_grads: bool) -> None:
         self.faults, self.watch_grads = faults, watch_grads
         self.grad_norm: float | None = None
+        self.compared = False  # replicas compare this state: no range signal needed
+
+    def build(self, engine: Any, plan: ParallelPlan, device: int) -> None:
+        """A new engine for ``plan``: whether replicas compare its state from now on."""
+        loc = plan.location(device)
+        self.compared = loc is not None and comparable(engine) and same_layout_replicas(plan, loc[0], loc[1]) >= 2
+        self.grad_norm = None
 
     def __call__(self, engine: Any, step: Callable[[], None]) -> None:
         named = dict(engine.module.named_parameters())
         self.faults.corrupt("grad", {n: p.grad for n, p in named.items() if p.grad is not None})
-        if self.watch_grads:
+        if self.watch_grads and not self.compared:
             self.grad_norm = grad_norm(p.grad for p in named.values())
         step()
         self.faults.corrupt("param", {n: p.data for n, p in named.items()})

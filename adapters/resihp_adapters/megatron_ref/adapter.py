@@ -491,7 +491,9 @@ class MegatronRefAdapter(Adapter):
                 self.steps = self._step_number(iteration)
                 named = self._params()
                 self.ctx.faults.corrupt("grad", {n: p.grad for n, p in named.items()})  # injected SDC only
-                if self._watch_grads:  # the range signal where no replica compares (docs/sdc.md)
+                self._grad_norm = None
+                if self._watch_grads and sdc.same_layout_replicas(plan, r, s) < 2:
+                    # the range signal, where no replica compares this state (docs/sdc.md)
                     self._grad_norm = sdc.grad_norm(p.grad for p in named.values())
                 self.optimizer.step(named, self.steps)
                 self.ctx.faults.corrupt("param", {n: p.data for n, p in named.items()})

@@ -939,7 +939,12 @@ class TorchNativeEngine:
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
         if self.flip_due(target):
             self._flip(target, local)
-        if target == "grad" and self.watch_grads:  # the range signal where no replica compares
+        if target != "grad":
+            return
+        self.grad_norm = None
+        if (self.watch_grads and self.plan is not None and self.place is not None
+                and len(live_replicas(self.plan)) // self.place.shard_degree < 2):
+            # the range signal, where no replica compares this shard (docs/sdc.md)
             from resihp_core.detector.sdc import grad_norm
 
             self.grad_norm = grad_norm(local(p.grad) for p in self.module.parameters() if p.grad is not None)
