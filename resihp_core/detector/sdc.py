@@ -143,7 +143,8 @@ def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1
         flat = t.detach().reshape(-1)
         if share < 1.0 and flat.numel():
             k = math.ceil(1.0 / share)
-            size = -(-flat.numel() // k)
+            per = max(1, 8 // flat.element_size())  # whole 64-bit words: no window starts mid-word
+            size = -(-flat.numel() // (k * per)) * per
             part = turn % k
             flat = flat[part * size:(part + 1) * size]
         sums.append(_bit_sum(flat))
