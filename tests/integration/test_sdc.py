@@ -185,3 +185,32 @@ the fault-free run's."""
     assert max_rel_err(as_triples(_assemble(dumps)), ref) <= TOL
     for i, (rec, want) in enumerate(zip(run.records, losses)):
         assert abs(rec.loss - want) <= TOL * abs(want), (i, rec.generation, rec.loss, want)
+
+
+@pytest.mark.skipif(os.environ.get("RESIHP_TORCH_NATIVE_SDC_RANGE") != "1",
+                    reason="about a minute: opt in with RESIHP_TORCH_NATIVE_SDC_RANGE=1")
+def test_torch_native_plain_fsdp2_quarantines_a_device_out_of_range_and_trains_exactly(tmp_path):
+    """torch_native with plain FSDP2 on three replicas (``shard = 0``: no two devices
+    hold the same shard, so no fingerprints): a device flipping an exponent bit of its
+    reduced gradient every iteration from 5 is out of range, out of range again on
+    re-execution, and quarantined; its shard is restored from the checkpoint, and the
+    final state and every loss equal one process training the fault-free global batch."""
+    from resihp_core.testing.conformance import _assemble
+
+    from .test_torch_native import MODEL, TOL, as_triples, max_rel_err, reference
+    from .test_torch_native_dp import CONFIG, M, run_job
+
+    victim, at, iterations = 1, 5, 7
+    config = CONFIG.replace("dp = 4", "dp = 3").replace("devices_per_node = 4", "devices_per_node = 3")
+    run, dumps = run_job(tmp_path, iterations, [{"device": victim, "iteration": at, "kind": "flip", "bit": 62,
+                                                 "repeat": True}], checkpoint_every=1, config=config)
+    sdc = [e for e in run.events if e["kind"] == "sdc"]
+    assert [(e["iteration"], e["source"]) for e in sdc] == [(at, "range"), (at, "range")], sdc
+    assert sdc[0]["candidates"] == [victim] and sdc[1]["suspects"] == [victim], sdc
+    failures = [e for e in run.events if e["kind"] == "failure"]
+    assert failures[0]["cause"] == "sdc" and failures[0]["devices"] == [victim], failures
+    assert victim not in run.final_plan.devices() and victim not in dumps
+    ref, losses = reference(iterations, dp=3, m=M, model=MODEL)
+    assert max_rel_err(as_triples(_assemble(dumps)), ref) <= TOL
+    for i, (rec, want) in enumerate(zip(run.records, losses)):
+        assert abs(rec.loss - want) <= TOL * abs(want), (i, rec.generation, rec.loss, want)
