@@ -428,9 +428,9 @@ SOURCES = [
     Source("false-reports-nofault", "false-reports-nofault.json", "false_reports.py",
            ("--cases", "no-load,steady-load,cpu-burst", "--runs", "1"),
            "No-fault runs of the reference backend's TP1 x PP2 x DP2 job: fail-slow and SDC false reports"),
-    Source("sdc-cost", "sdc-cost.json", "sdc_cost.py", (),
-           "SDC fingerprints: a shard's checksum next to an AdamW step of it, and the last executor's "
-           "comparison, as shares of a 0.5 s iteration", quick=True),
+    Source("sdc-cost", "sdc-cost.json", "sdc_cost.py", ("--coverage", "1,0.25,0.1"),
+           "SDC checks: a shard's fingerprint (whole and partial coverage) and its gradient norm next to an AdamW "
+           "step of it, and the last executor's comparison, as shares of a 0.5 s iteration", quick=True),
     Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
            "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
            "without checkpoints", quick=True),

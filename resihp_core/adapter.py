@@ -389,6 +389,14 @@ class Adapter(abc.ABC):
         (docs/sdc.md)."""
         raise NotImplementedError(f"adapter {self.name!r} does not fingerprint its state")
 
+    def sdc_signals(self) -> dict[str, float]:
+        """This device's range signals of the iteration just run, for the check where no
+        replica shares its state (docs/sdc.md): ``grad_norm``, the L2 norm of its local
+        reduced gradient as the optimizer step read it
+        (:func:`~resihp_core.detector.sdc.grad_norm`). Called with :meth:`fingerprint`;
+        default: none."""
+        return {}
+
     def save_checkpoint(self, iteration: int) -> None:
         """Persist the state after ``iteration`` under ``ctx.job.checkpoint_dir``, before
         the iteration commits (collective among the executors; the adapter decides who

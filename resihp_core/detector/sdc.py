@@ -21,6 +21,14 @@ register with ``resihp_register_sdc_detectors``) and hands them to the superviso
   it disagrees again the arbiter refuses to guess and the job stops, naming the
   devices.
 
+Where no replica shares a device's state (DP = 1, plain FSDP2 shards), the same post
+carries the device's *range signals*: the L2 norm of its local reduced gradient at the
+step and its loss. :class:`RangeWatch` judges each against the device's own recent
+committed values; a value far outside them (or not finite) on a minority of the devices
+aborts the iteration with a ``range`` finding. The arbiter re-executes it once: a
+re-execution within range was a transient fault (nothing quarantined); a device out of
+range again is quarantined.
+
 This module imports no framework: fingerprints of tensors are computed by
 :func:`tensor_digest`, which imports torch only when called.
 """
@@ -30,9 +38,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
@@ -45,9 +55,9 @@ if TYPE_CHECKING:
     from resihp_core.plan import ParallelPlan
     from resihp_core.runtime.session import JobSession, KeyValueStore
 
-__all__ = ["ENV_SDC", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
+__all__ = ["ENV_SDC", "ENV_COVERAGE", "coverage", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
            "Quarantine", "Reexecute", "Refuse", "SdcDecision", "SdcArbiter", "SdcMonitor", "SdcGuard",
-           "tensor_digest", "compare", "commit_check", "enabled"]
+           "tensor_digest", "grad_norm", "same_layout_replicas", "compare", "commit_check", "enabled", "RangeWatch"]
 
 logger = logging.getLogger("resihp.sdc")
 
@@ -65,58 +75,179 @@ class Fingerprint:
     :param group: devices posting the same ``group`` must hold bit-identical state (the
         adapter names it: stage, TP degree and rank, layer range).
     :param digest: the state's checksum (:func:`tensor_digest`).
+    :param signals: the device's range signals this iteration (``grad_norm``,
+        ``loss``); empty if its adapter reports none.
+    :param anomaly: why :class:`RangeWatch` finds a signal out of range ("" if none).
+
+    A device that shares its state with no replica posts ``group`` "" (its digest is not
+    compared) with its signals only.
     """
 
     group: str
     digest: str
+    signals: dict[str, float] = field(default_factory=dict)
+    anomaly: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"group": self.group, "digest": self.digest})
+        # json writes a non-finite float as NaN / Infinity and reads it back
+        return json.dumps({"group": self.group, "digest": self.digest, "signals": self.signals,
+                           "anomaly": self.anomaly})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Fingerprint:
         d = json.loads(text)
-        return cls(str(d["group"]), str(d["digest"]))
+        return cls(str(d["group"]), str(d["digest"]), {str(k): float(v) for k, v in d.get("signals", {}).items()},
+                   str(d.get("anomaly", "")))
 
 
-def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+#: ``RESIHP_SDC_COVERAGE=c`` (0 < c <= 1, default 1): each fingerprint reads a rotating
+#: share ``c`` of every tensor instead of all of it (docs/sdc.md, "Cost").
+ENV_COVERAGE = "RESIHP_SDC_COVERAGE"
+
+
+def coverage(env: Mapping[str, str] | None = None) -> float:
+    """The share of each tensor a fingerprint reads (``RESIHP_SDC_COVERAGE``); refused
+    with a message naming the variable when it is not a number in (0, 1]."""
+    env = os.environ if env is None else env
+    text = env.get(ENV_COVERAGE, "1")
+    try:
+        c = float(text)
+    except ValueError:
+        c = float("nan")
+    if not 0.0 < c <= 1.0:
+        raise ValueError(f"{ENV_COVERAGE}={text!r}: expected a number in (0, 1] (the share of each tensor a "
+                         "fingerprint reads)")
+    return c
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1.0, turn: int = 0) -> str:
     """A checksum of the exact bits of ``named`` tensors, in the order given.
 
-    Each tensor's elements are read as integers of their own width and summed in 64-bit
-    wrapping arithmetic: the sum does not depend on the order of the reduction, so it is
-    the same on every device holding the same bits, and a single flipped bit changes it
-    (by 2**b). One device-to-host copy for all tensors; the per-tensor sums, sizes and
-    names are hashed."""
+    Each tensor's elements are read as 64-bit words (consecutive elements by index, so
+    the words do not depend on where the tensor sits in memory; the few elements after
+    the last whole word one by one) and summed in wrapping arithmetic: the sum does not
+    depend on the order of the reduction, so it is the same on every device holding the
+    same bits, and a single flipped bit changes it (by 2**b). One device-to-host copy
+    for all tensors; the per-tensor sums, sizes and names are hashed.
+
+    With ``share`` below 1 each tensor contributes only the contiguous window of that
+    share of its words that ``turn`` (the iteration) selects; consecutive turns cover
+    the whole tensor every ``ceil(1 / share)`` turns. Replicas passing the same
+    ``turn`` read the same window."""
     import torch
 
     names: list[str] = []
     sums: list[torch.Tensor] = []
     for name, t in named:
         names.append(f"{name}:{t.numel()}")
-        sums.append(_bit_sum(t.detach().contiguous().view(-1)))
+        flat = t.detach().reshape(-1)
+        if share < 1.0 and flat.numel():
+            k = math.ceil(1.0 / share)
+            per = max(1, 8 // flat.element_size())  # whole 64-bit words: no window starts mid-word
+            size = -(-flat.numel() // (k * per)) * per
+            part = turn % k
+            flat = flat[part * size:(part + 1) * size]
+        sums.append(_bit_sum(flat))
     h = hashlib.blake2b(digest_size=16)
     h.update("|".join(names).encode())
+    if share < 1.0:
+        h.update(f"share={share} turn={turn}".encode())
     if sums:
         h.update(repr(torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist()).encode())
     return h.hexdigest()
 
 
 def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
-    """The wrapping 64-bit sum of ``flat``'s bits read as integers: 8 bytes at a time
-    when its size allows (no widening copy: a flipped bit still moves the sum by
-    2**b), else element by element."""
+    """The wrapping 64-bit sum of ``flat``'s bits: its whole 64-bit words of consecutive
+    elements read as int64 (no widening copy: a flipped bit still moves the sum by
+    2**b), plus the remaining elements as integers of their own width. A tensor whose
+    memory does not start on an 8-byte boundary is copied first (the words are the
+    same; the narrow-integer sum torch runs otherwise is some hundred times slower)."""
     import torch
 
     if not flat.numel():
         return torch.zeros((), dtype=torch.int64, device=flat.device)
-    if flat.element_size() < 8 and (flat.numel() * flat.element_size()) % 8 == 0:
-        try:
-            return flat.view(torch.int64).sum()
-        except RuntimeError:  # a storage offset the wider view cannot start at
-            pass
-    if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
-        flat = flat.view(getattr(torch, _INT_OF_SIZE[flat.element_size()]))
-    return flat.sum(dtype=torch.int64)
+    es = flat.element_size()
+    per = 8 // es if es < 8 else 1
+    whole = (flat.numel() // per) * per
+    total: torch.Tensor | None = None
+    if whole:
+        body = flat[:whole] if whole < flat.numel() else flat
+        if not body.is_contiguous() or (body.storage_offset() * es) % 8:
+            body = body.contiguous() if not body.is_contiguous() else body.clone()
+        total = body.view(torch.int64).sum()
+    if whole == flat.numel():
+        return total
+    rest = flat[whole:]
+    if rest.dtype.is_floating_point or rest.dtype.is_complex or rest.dtype == torch.bool:
+        rest = rest.view(getattr(torch, _INT_OF_SIZE[es]))
+    tail = rest.to(torch.int64).sum()
+    return tail if total is None else total + tail
+
+
+def same_layout_replicas(plan: ParallelPlan, replica: int, stage: int) -> int:
+    """How many replicas hold ``stage`` with the TP degree ``replica`` has there (this
+    one included): the devices a fingerprint can be compared with, plus one."""
+    k = plan.degree(replica, stage)
+    return sum(1 for q in range(plan.dp) if plan.group(q, stage) and plan.degree(q, stage) == k)
+
+
+def grad_norm(grads: Iterable[torch.Tensor | None]) -> float:
+    """The L2 norm of ``grads`` (None entries skipped), in float64 on the host: a
+    device's range signal for its local reduced gradient (:class:`RangeWatch`). One
+    foreach norm over the tensors, one device-to-host copy."""
+    import torch
+
+    gs = [g.detach() for g in grads if g is not None and g.numel()]
+    if not gs:
+        return 0.0
+    norms = torch._foreach_norm(gs)
+    return float(torch.linalg.vector_norm(torch.stack([n.to(torch.float64) for n in norms])))
+
+
+class RangeWatch:
+    """A device's recent committed range signals, and the judgement of a new one.
+
+    A value is out of range when it is not finite, or when it is more than ``factor``
+    times the largest of the last ``window`` committed values *and* more than
+    ``sigmas`` robust standard deviations (1.4826 x the median absolute deviation) above
+    their median, both on a log scale, once ``warmup`` values are known. Only increases
+    count: the corruption this finds is a flipped exponent bit, which multiplies an
+    element by 2**(2**k); a quantity that shrinks (a loss going down) is training. A
+    signal at or below zero is judged for finiteness only."""
+
+    def __init__(self, *, window: int = 64, warmup: int = 4, factor: float = 100.0, sigmas: float = 8.0) -> None:
+        if warmup < 2 or window < warmup or factor <= 1.0 or sigmas <= 0.0:
+            raise ValueError(f"RangeWatch: need 2 <= warmup <= window, factor > 1, sigmas > 0 (got window={window}, "
+                             f"warmup={warmup}, factor={factor}, sigmas={sigmas})")
+        self.window, self.warmup, self.factor, self.sigmas = window, warmup, factor, sigmas
+        self._seen: dict[str, deque[float]] = {}
+
+    def judge(self, signals: Mapping[str, float]) -> str:
+        """Why one of ``signals`` is out of range ("" if none is)."""
+        out = []
+        for name, x in sorted(signals.items()):
+            if not math.isfinite(x):
+                out.append(f"{name} {x} is not finite")
+                continue
+            seen = self._seen.get(name)
+            if x <= 0.0 or seen is None or len(seen) < self.warmup:
+                continue
+            logs = [math.log(v) for v in seen]
+            med = statistics.median(logs)
+            sigma = 1.4826 * statistics.median(abs(v - med) for v in logs)
+            lx = math.log(x)
+            if lx > max(logs) + math.log(self.factor) and lx > med + self.sigmas * sigma:
+                out.append(f"{name} {x:.4g} is {x / max(seen):.3g}x the largest of the last {len(seen)} committed "
+                           f"(median {math.exp(med):.4g})")
+        return "; ".join(out)
+
+    def commit(self, signals: Mapping[str, float]) -> None:
+        """Take the signals of a committed iteration into the history (finite, positive
+        ones only)."""
+        for name, x in signals.items():
+            if math.isfinite(x) and x > 0.0:
+                self._seen.setdefault(name, deque(maxlen=self.window)).append(x)
 
 
 def enabled(capable: bool, env: Mapping[str, str] | None = None) -> bool:
@@ -168,7 +299,8 @@ def compare(fingerprints: Mapping[int, Fingerprint], *, generation: int, iterati
     yields candidates only."""
     groups: dict[str, dict[int, str]] = {}
     for d, fp in fingerprints.items():
-        groups.setdefault(fp.group, {})[d] = fp.digest
+        if fp.group:  # "": a device no replica shares state with (signals only)
+            groups.setdefault(fp.group, {})[d] = fp.digest
     suspects: set[int] = set()
     candidates: set[int] = set()
     bad: dict[str, dict[int, str]] = {}
@@ -185,11 +317,29 @@ def compare(fingerprints: Mapping[int, Fingerprint], *, generation: int, iterati
         else:
             candidates.update(members)
             notes.append(f"{g}: replicas {sorted(members)} disagree with no majority")
-    if not bad:
+    if bad:
+        return SdcFinding(generation, iteration, tuple(sorted(suspects)), tuple(sorted(candidates - suspects)), bad,
+                          "fingerprint", f"iteration {iteration}: state fingerprints after the optimizer step "
+                                         f"disagree: {'; '.join(notes)}")
+    return out_of_range(fingerprints, generation=generation, iteration=iteration)
+
+
+def out_of_range(fingerprints: Mapping[int, Fingerprint], *, generation: int, iteration: int) -> SdcFinding | None:
+    """A ``range`` finding when the devices whose signals are out of range are one
+    device or fewer than half of those reporting signals: a fault of their own. When
+    more are out of range together the cause is shared (the data, or corruption before
+    the reduction that reached every device alike): it is logged, not a finding."""
+    reporting = [d for d, fp in fingerprints.items() if fp.signals]
+    flagged = sorted(d for d, fp in fingerprints.items() if fp.anomaly)
+    if not flagged:
         return None
-    return SdcFinding(generation, iteration, tuple(sorted(suspects)), tuple(sorted(candidates - suspects)), bad,
-                      "fingerprint", f"iteration {iteration}: state fingerprints after the optimizer step "
-                                     f"disagree: {'; '.join(notes)}")
+    if len(flagged) > 1 and 2 * len(flagged) >= len(reporting):
+        print(f"time={time.time():.3f} event=sdc_range_shared generation={generation} iteration={iteration} "
+              f"devices={flagged} of={len(reporting)}", flush=True)
+        return None
+    notes = "; ".join(f"device {d}: {fingerprints[d].anomaly}" for d in flagged)
+    return SdcFinding(generation, iteration, (), tuple(flagged), {}, "range",
+                      f"iteration {iteration}: out of range against the device's recent iterations: {notes}")
 
 
 def commit_check(store: KeyValueStore, generation: int, iteration: int, devices: Sequence[int]) -> Callable[[], bool]:
@@ -227,8 +377,12 @@ class SdcGuard:
     commit its check. Built by :meth:`for_adapter` (None when the adapter does not
     declare ``sdc_fingerprint`` or ``RESIHP_SDC=0``)."""
 
-    def __init__(self, adapter: _Fingerprinting, device: int) -> None:
+    def __init__(self, adapter: _Fingerprinting, device: int, watch: RangeWatch | None = None) -> None:
         self.adapter, self.device = adapter, device
+        self.watch = watch or RangeWatch()
+        self._pending: tuple[int, dict[str, float]] | None = None  # signals posted, verdict unknown
+        self._plan: ParallelPlan | None = None
+        self._layout = ""
 
     @classmethod
     def for_adapter(cls, adapter: object, device: int, env: Mapping[str, str] | None = None) -> SdcGuard | None:
@@ -240,10 +394,32 @@ class SdcGuard:
                             "but has no fingerprint() method")
         return cls(adapter, device)
 
-    def post(self, store: KeyValueStore, generation: int, iteration: int) -> None:
+    def post(self, store: KeyValueStore, generation: int, iteration: int, loss: float = 0.0,
+             plan: ParallelPlan | None = None) -> None:
+        """Post this device's fingerprint and range signals of ``iteration`` (before its
+        commit). The signals of the iteration posted before are taken as committed once
+        a later iteration runs (an aborted one is run again under the same number). A
+        new layout (``plan`` other than the last one's, the generation aside) restarts
+        the history: what a device holds, and so its gradient's norm, changed with it."""
+        if self._pending is not None and self._pending[0] < iteration:
+            self.watch.commit(self._pending[1])
+        if plan is not None and plan is not self._plan:
+            self._plan = plan
+            layout = plan.to_text().split("\n", 2)[2]  # all but the header and the generation
+            if layout != self._layout:
+                self._layout, self.watch = layout, RangeWatch(window=self.watch.window, warmup=self.watch.warmup,
+                                                              factor=self.watch.factor, sigmas=self.watch.sigmas)
+                self._pending = None
+        signals = dict(getattr(self.adapter, "sdc_signals", dict)())
+        if loss:  # the last stage's share of the loss (0: a stage that computes none)
+            signals["loss"] = float(loss)
+        self._pending = (iteration, signals)
         fp = self.adapter.fingerprint()
-        if fp is not None:  # a device holding nothing a replica shares
-            session.put_fingerprint(store, generation, iteration, self.device, fp.to_json())
+        if fp is None and not signals:  # a device holding nothing a replica shares
+            return
+        anomaly = self.watch.judge(signals)
+        fp = Fingerprint(fp.group if fp else "", fp.digest if fp else "", signals, anomaly)
+        session.put_fingerprint(store, generation, iteration, self.device, fp.to_json())
 
     def check(self, store: KeyValueStore, generation: int, iteration: int,
               devices: Sequence[int]) -> Callable[[], bool]:
@@ -309,7 +485,8 @@ SdcDecision = Union[Quarantine, Reexecute, Refuse]
 class SdcArbiter:
     """Decides what a finding means (pure; the supervisor owns it). An iteration with
     candidates but no suspects is re-executed once; a second finding for the same
-    iteration is persistent corruption the arbiter cannot localise."""
+    iteration is persistent corruption the arbiter cannot localise, except for a
+    ``range`` finding: a device out of range in both runs is quarantined."""
 
     def __init__(self) -> None:
         self._reexecuted: dict[int, SdcFinding] = {}
@@ -322,10 +499,17 @@ class SdcArbiter:
         before = self._reexecuted.get(f.iteration)
         if before is None:
             self._reexecuted[f.iteration] = f
+            why = (f"devices {list(f.candidates)} out of range" if f.source == "range"
+                   else f"no majority among devices {list(f.candidates)}")
             return Reexecute(f.candidates, f"silent data corruption suspected at iteration {f.iteration} "
-                                           f"({f.evidence[:200]}); no majority among devices "
-                                           f"{list(f.candidates)}: re-executing the iteration to tell a "
+                                           f"({f.evidence[:200]}); {why}: re-executing the iteration to tell a "
                                            "transient fault from a persistent one")
+        again = sorted(set(before.candidates) & set(f.candidates))
+        if f.source == before.source == "range" and again:
+            del self._reexecuted[f.iteration]  # decided: its commit on the survivors is no transient
+            return Quarantine(FailureReport(
+                generation=f.generation, failure="fail-stop", devices=tuple(again), cause="sdc",
+                evidence=f"silent data corruption (range): out of range again on re-execution: {f.evidence}"[:500]))
         both = sorted(set(before.candidates) | set(f.candidates))
         return Refuse(f"silent data corruption at iteration {f.iteration} persisted on re-execution among "
                       f"devices {both} ({f.evidence[:200]}); with no majority of replicas ResiHP cannot tell "

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from resihp_core.detector.sdc import (
-    Fingerprint, Quarantine, Reexecute, Refuse, SdcArbiter, SdcDetected, SdcFinding, SdcGuard, SdcMonitor, SdcSuspect,
-    SdcView, commit_check, compare, tensor_digest,
+    Fingerprint, Quarantine, RangeWatch, Reexecute, Refuse, SdcArbiter, SdcDetected, SdcFinding, SdcGuard, SdcMonitor, SdcSuspect,
+    SdcView, commit_check, compare, grad_norm, tensor_digest,
 )
 from resihp_core.runtime import session
 from resihp_core.runtime.store import StoreServer
@@ -36,6 +36,27 @@ def test_one_flipped_bit_changes_the_digest_and_equal_bits_agree(name: str, bit:
 def test_the_digest_does_not_depend_on_how_a_tensor_is_laid_out() -> None:
     w = _state()[0][1]
     assert tensor_digest([("w", w)]) == tensor_digest([("w", w.t().contiguous().t())])
+    # The same float32 values at an offset that is not a whole 64-bit word (an odd
+    # count: a whole-word body and an element after it).
+    x = torch.randn(9, dtype=torch.float32)
+    buf = torch.zeros(10, dtype=torch.float32)
+    buf[1:].copy_(x)
+    assert tensor_digest([("x", x)]) == tensor_digest([("x", buf[1:])])
+    buf[1:2].view(torch.int32).bitwise_xor_(1)
+    assert tensor_digest([("x", x)]) != tensor_digest([("x", buf[1:])])
+
+
+def test_a_partial_fingerprint_reads_a_rotating_window_the_replicas_share() -> None:
+    from resihp_core.detector.sdc import coverage
+
+    a, b = _state(), _state()
+    dict(b)["w"].view(-1)[30:31].view(torch.int64).bitwise_xor_(1 << 40)  # element 30 of 35
+    turns = [tensor_digest(a, share=0.25, turn=t) != tensor_digest(b, share=0.25, turn=t) for t in range(4)]
+    assert turns == [False, False, False, True]  # windows of 9 elements: the last holds element 30
+    assert tensor_digest(a, share=0.25, turn=1) == tensor_digest(_state(), share=0.25, turn=1)
+    assert coverage({}) == 1.0 and coverage({"RESIHP_SDC_COVERAGE": "0.1"}) == 0.1
+    with pytest.raises(ValueError, match="RESIHP_SDC_COVERAGE='0'"):
+        coverage({"RESIHP_SDC_COVERAGE": "0"})
 
 
 def _fps(digests: dict[int, str], group: str = "stage0") -> dict[int, Fingerprint]:
@@ -191,3 +212,92 @@ def test_a_plugin_registers_an_sdc_detector_the_monitor_runs(monkeypatch) -> Non
     monkeypatch.setattr("resihp_core.plugins.Plugins", lambda: plugins)
     mon = SdcMonitor.from_plugins()
     assert isinstance(mon.detectors["vendor-health"], Health)
+
+
+def test_the_range_watch_flags_a_jump_far_outside_recent_values_and_not_training_noise() -> None:
+    w = RangeWatch(window=8, warmup=4, factor=100.0, sigmas=8.0)
+    assert w.judge({"grad_norm": 1e30}) == ""  # no history yet: nothing to judge against
+    assert "not finite" in w.judge({"grad_norm": float("inf")})  # judged from the first iteration
+    for x in (1.0, 0.6, 1.4, 0.9, 1.1):
+        w.commit({"grad_norm": x})
+    assert w.judge({"grad_norm": 20.0}) == "" and w.judge({"grad_norm": 1e-6}) == ""  # noise, a drop
+    why = w.judge({"grad_norm": 1e6, "loss": 2.0})
+    assert why.startswith("grad_norm 1e+06 is") and "loss" not in why
+    w.commit({"grad_norm": float("nan")})  # never taken into the history
+    assert "not finite" in w.judge({"grad_norm": float("nan")})
+    with pytest.raises(ValueError, match="warmup"):
+        RangeWatch(warmup=1)
+
+
+def test_grad_norm_matches_the_norm_of_the_concatenated_gradients() -> None:
+    gs = [torch.randn(5, dtype=torch.float64), None, torch.randn(3, 2, dtype=torch.float64)]
+    want = float(torch.cat([gs[0], gs[2].view(-1)]).norm())
+    assert abs(grad_norm(gs) - want) <= 1e-12 * want and grad_norm([]) == 0.0
+
+
+def _signals(anomalies: dict[int, str]) -> dict[int, Fingerprint]:
+    return {d: Fingerprint("", "", {"grad_norm": 1.0}, why) for d, why in anomalies.items()}
+
+
+def test_a_device_alone_out_of_range_is_a_finding_and_a_shared_jump_is_not(store) -> None:
+    f = compare(_signals({0: "", 1: "grad_norm 1e30", 2: ""}), generation=0, iteration=3)
+    assert f is not None and f.source == "range" and f.candidates == (1,) and f.suspects == ()
+    assert compare(_signals({0: "x"}), generation=0, iteration=3).candidates == (0,)  # one device (DP = 1)
+    assert compare(_signals({0: "x", 1: "y"}), generation=0, iteration=3) is None  # the data, not a device
+    assert compare(_signals({0: "x", 1: "y", 2: ""}), generation=0, iteration=3) is None
+    # A replica disagreement wins over the range signals (it names a suspect at once).
+    fps = {**_signals({0: "", 1: "x", 2: ""}), **_fps({3: "a", 4: "a", 5: "b"})}
+    assert compare(fps, generation=0, iteration=3).suspects == (5,)
+    # Through the commit: the iteration aborts, the finding names the device.
+    for d, fp in _signals({0: "", 1: "grad_norm 1e30", 2: "", 3: ""}).items():
+        session.put_fingerprint(store, 1, 2, d, fp.to_json())
+    assert session.commit(store, 1, 2, 1, check=commit_check(store, 1, 2, [0, 1, 2, 3])) == "abort"
+    assert SdcFinding.from_json(session.get_sdc_finding(store, 1, 2)).candidates == (1,)
+
+
+def test_the_guard_posts_signals_without_a_replica_and_learns_only_committed_iterations(store) -> None:
+    from resihp_core.adapter import Capabilities
+
+    class Solo:  # no replica shares its state: fingerprint() is None
+        capabilities = Capabilities(sdc_fingerprint=True)
+        norm = 1.0
+
+        def fingerprint(self) -> None:
+            return None
+
+        def sdc_signals(self) -> dict[str, float]:
+            return {"grad_norm": self.norm}
+
+    a = Solo()
+    guard = SdcGuard.for_adapter(a, 7)
+    for i in range(5):
+        guard.post(store, 0, i, loss=2.0)
+    a.norm = 1e9
+    guard.post(store, 0, 5)
+    got = Fingerprint.from_json(session.get_fingerprints(store, 0, 5, [7])[7])
+    assert got.group == "" and got.signals == {"grad_norm": 1e9} and got.anomaly.startswith("grad_norm 1e+09")
+    guard.post(store, 0, 5)  # the re-execution: the aborted value was not learnt
+    assert Fingerprint.from_json(session.get_fingerprints(store, 0, 5, [7])[7]).anomaly
+    # A new layout restarts the history (a retry of the same layout keeps it).
+    from resihp_core.plan import ParallelPlan
+
+    one = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=2, num_microbatches=2, num_heads=4)
+    guard.post(store, 1, 5, plan=one)
+    assert Fingerprint.from_json(session.get_fingerprints(store, 1, 5, [7])[7]).anomaly == ""
+    a.norm = 1.0
+    for i in range(5, 10):
+        guard.post(store, 1, i, plan=one)
+    a.norm = 1e9
+    guard.post(store, 2, 10, plan=one.with_(generation=1))
+    assert Fingerprint.from_json(session.get_fingerprints(store, 2, 10, [7])[7]).anomaly
+
+
+def test_the_arbiter_quarantines_a_device_out_of_range_again_on_re_execution() -> None:
+    arb = SdcArbiter()
+    r = arb.decide(SdcFinding(0, 4, candidates=(1,), source="range", evidence="grad_norm"))
+    assert isinstance(r, Reexecute) and "out of range" in r.text
+    q = arb.decide(SdcFinding(1, 4, candidates=(1,), source="range"))
+    assert isinstance(q, Quarantine) and q.report.devices == (1,) and q.report.cause == "sdc"
+    assert arb.committed(4) is None  # iteration 4 committing on the survivors is no transient
+    assert isinstance(arb.decide(SdcFinding(2, 6, candidates=(1,), source="range")), Reexecute)
+    assert "transient" in (arb.committed(6) or "")  # the re-execution within range commits

@@ -43,6 +43,9 @@ from typing import Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.config import ConfigError
+from resihp_core.detector.sdc import Fingerprint
+from resihp_core.detector.sdc import coverage as sdc_coverage
+from resihp_core.detector.sdc import enabled as sdc_enabled
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
@@ -76,6 +79,7 @@ class DeepSpeedAdapter(Adapter):
         elif torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self._watch: Any = None
+        self._sdc = _sdc_step(ctx)  # injected flips and the range signal at the step (deepspeed/sdc.py)
         self.spec = spec if spec is not None else spec_from_adapter_config(ctx.job.adapter_config, ctx.job)
         check_supported(self.spec.config)
         self.zero_stage = int((self.spec.config.get("zero_optimization") or {}).get("stage", 0))
@@ -191,6 +195,9 @@ class DeepSpeedAdapter(Adapter):
         engine.clip_norm_layers = range(*self.initial_ranges(plan.pp)[0])
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
+        engine.sdc_step = self._sdc
+        if self._sdc is not None:
+            self._sdc.build(engine, plan, self.ctx.device)
         bound_op_timeouts(self.ctx.timeout_s, self.ctx.superseded)
         self.engine = engine
         self._current = False
@@ -361,6 +368,21 @@ class DeepSpeedAdapter(Adapter):
             total = e.total_loss if isinstance(e.total_loss, torch.Tensor) else e.total_loss[0]
             res.loss = float(total) / (job.dp * job.num_microbatches)
         return res
+
+    def fingerprint(self) -> Fingerprint | None:
+        """This device's parameters and optimizer state after its last step (ZeRO 0,
+        no bf16; deepspeed/sdc.py); None where replicas do not hold the same state."""
+        from resihp_adapters.deepspeed import sdc as ds_sdc
+
+        if self.idle or self._last is None or self.plan is None:
+            return None
+        return ds_sdc.fingerprint(self.engine, self.plan, self.ctx.device, self._last.iteration + 1,
+                                  sdc_coverage())
+
+    def sdc_signals(self) -> dict[str, float]:
+        """The L2 norm of this device's reduced gradients at its last step."""
+        g = self._sdc.grad_norm if self._sdc is not None else None
+        return {} if g is None else {"grad_norm": g}
 
     def profile(self):
         """Per micro-batch forward/backward times of the last iteration, for the Detector.
@@ -577,6 +599,14 @@ def initial_stage0_layers(layers: list[Any], pp: int, method: str = "uniform") -
     from resihp_adapters.deepspeed.partition import deepspeed_parts
 
     return range(0, deepspeed_parts(layers, pp, method)[1])
+
+
+def _sdc_step(ctx: AdapterContext) -> Any:
+    """The optimizer-step wrapper for injected flips and the range signal (None with a
+    stand-in fault injector that cannot flip)."""
+    from resihp_adapters.deepspeed.sdc import SdcStep
+
+    return SdcStep(ctx.faults, sdc_enabled(True)) if hasattr(ctx.faults, "corrupt") else None
 
 
 def _live(plan: ParallelPlan) -> list[int]:

@@ -966,6 +966,10 @@ class ResiPipelineEngine(PipelineEngine):
     def _exec_guarded_step(self, lr_kwargs: Any = None) -> None:
         if getattr(self, "_aborted", False):
             return
+        hook = getattr(self, "sdc_step", None)  # injected flips, the range signal (deepspeed/sdc.py)
+        if hook is not None:
+            hook(self, lambda: super(ResiPipelineEngine, self)._exec_optimizer_step(lr_kwargs))
+            return
         super()._exec_optimizer_step(lr_kwargs)
 
     def clip_fp32_gradients(self) -> None:

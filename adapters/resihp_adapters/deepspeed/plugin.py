@@ -32,6 +32,7 @@ CAPABILITIES = Capabilities(
     cross_replica_migration=True,
     schedules=frozenset({ScheduleKind.ONE_F_ONE_B}),
     checkpoint=True,
+    sdc_fingerprint=True,  # ZeRO 0 without bf16: replicas compare their state (deepspeed/sdc.py, docs/sdc.md)
 )
 
 #: What a job with ZeRO stage 1 or bf16 can run: no partial replica (ZeRO 1 and

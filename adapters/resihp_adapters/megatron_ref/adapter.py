@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from resihp_core.adapter import Adapter, AdapterContext, Capabilities, IterationResult, Shard
+from resihp_core.detector import sdc
 from resihp_core.detector.sdc import Fingerprint, tensor_digest
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
@@ -104,6 +105,9 @@ class MegatronRefAdapter(Adapter):
         self._last: IterationResult | None = None
         self._ckpt_writer: CheckpointWriter | None = None
         self.steps = 0  # optimizer updates the held state has had (AdamW's step count)
+        self._watch_grads = sdc.enabled(True)
+        self._coverage = sdc.coverage()  # the share of each tensor a fingerprint reads
+        self._grad_norm: float | None = None
         self._snapshot_steps = 0
 
     @property
@@ -135,11 +139,18 @@ class MegatronRefAdapter(Adapter):
         if self.module is None or self._where is None:
             return None
         r, s, t = self._where
+        k = self.plan.degree(r, s)
+        if sdc.same_layout_replicas(self.plan, r, s) < 2:
+            return None  # no replica holds this shard: nothing to compare (the range signals still run)
         a, b = self.plan.layer_ranges[s]
         named = [(f"{kind}.{name}", x) for name, ts in sorted(self.tensors().items())
                  for kind, x in zip(("p", "m", "v"), ts)]
-        return Fingerprint(f"stage{s}/layers{a}-{b}/tp{t}of{self.plan.degree(r, s)}/step{self.steps}",
-                           tensor_digest(named))
+        return Fingerprint(f"stage{s}/layers{a}-{b}/tp{t}of{k}/step{self.steps}",
+                           tensor_digest(named, share=self._coverage, turn=self.steps))
+
+    def sdc_signals(self) -> dict[str, float]:
+        """The L2 norm of this device's reduced gradient shards at its last step."""
+        return {} if self._grad_norm is None else {"grad_norm": self._grad_norm}
 
     def full_state(self) -> dict[str, Any]:
         """Everything this framework's training state is, by layout-independent name:
@@ -480,6 +491,10 @@ class MegatronRefAdapter(Adapter):
                 self.steps = self._step_number(iteration)
                 named = self._params()
                 self.ctx.faults.corrupt("grad", {n: p.grad for n, p in named.items()})  # injected SDC only
+                self._grad_norm = None
+                if self._watch_grads and sdc.same_layout_replicas(plan, r, s) < 2:
+                    # the range signal, where no replica compares this state (docs/sdc.md)
+                    self._grad_norm = sdc.grad_norm(p.grad for p in named.values())
                 self.optimizer.step(named, self.steps)
                 self.ctx.faults.corrupt("param", {n: p.data for n, p in named.items()})
                 self.ctx.faults.corrupt("optimizer", {n: self.optimizer.ensure(n, p)[0] for n, p in named.items()})

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.detector.sdc import Fingerprint, tensor_digest
+from resihp_core.detector.sdc import coverage as sdc_coverage
+from resihp_core.detector.sdc import enabled as sdc_enabled
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
@@ -123,6 +125,8 @@ class TorchNativeAdapter(Adapter):
         self.engine.delay_comm = ctx.faults.delay_comm
         if hasattr(ctx.faults, "flip_due"):  # the runtime's injector (tests may lend a stand-in)
             self.engine.flip_due, self.engine.corrupt = ctx.faults.flip_due, ctx.faults.corrupt
+        self.engine.watch_grads = sdc_enabled(True)
+        self._coverage = sdc_coverage()  # the share of each tensor a fingerprint reads
         self._progress = (0, 0)
         # checkpoints written and sealed in the background (.async_checkpoint)
         self._writer = AsyncDcpWriter(generation=lambda: self.engine.generation)
@@ -244,7 +248,13 @@ class TorchNativeAdapter(Adapter):
             named += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
         a, b = eng._layers(eng.plan, pl.stage)
         return Fingerprint(f"stage{pl.stage}/layers{a}-{b}/shard{pl.shard_index}of{pl.shard_degree}/"
-                           f"tp{pl.tp_index}of{pl.tp_degree}/step{eng.iteration}", tensor_digest(named))
+                           f"tp{pl.tp_index}of{pl.tp_degree}/step{eng.iteration}",
+                           tensor_digest(named, share=self._coverage, turn=eng.iteration))
+
+    def sdc_signals(self) -> dict[str, float]:
+        """The L2 norm of this rank's local reduced-gradient shards at its last step."""
+        g = self.engine.grad_norm
+        return {} if g is None else {"grad_norm": g}
 
     def full_state(self) -> dict[str, Any]:
         """This rank's share of the complete state by layout-independent names

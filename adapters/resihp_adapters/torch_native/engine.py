@@ -342,6 +342,8 @@ class TorchNativeEngine:
         self.delay_comm: Callable[[], None] = lambda: None  # fault injection
         self.flip_due: Callable[[str], bool] = lambda target: False  # injected SDC (docs/sdc.md)
         self.corrupt: Callable[[str, dict[str, Tensor]], None] = lambda target, named: None
+        self.watch_grads = False  # compute grad_norm at each step (docs/sdc.md, range signals)
+        self.grad_norm: float | None = None
         self.before_action: Callable[[], None] = lambda: None  # abort checks, heartbeats
         self.last: IterationResult | None = None
         self._kept: tuple[ParallelPlan | None, dict[str, Held]] = (None, {})
@@ -932,11 +934,22 @@ class TorchNativeEngine:
         """Injected silent data corruption (docs/sdc.md), when a flip is due: this
         rank's local shards of the reduced gradients (before the step), the parameters
         or the first optimizer-state tensor of each (after it)."""
-        if not self.flip_due(target):
-            return
         from torch.distributed.tensor import DTensor
 
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        if self.flip_due(target):
+            self._flip(target, local)
+        if target != "grad":
+            return
+        self.grad_norm = None
+        if (self.watch_grads and self.plan is not None and self.place is not None
+                and len(live_replicas(self.plan)) // self.place.shard_degree < 2):
+            # the range signal, where no replica compares this shard (docs/sdc.md)
+            from resihp_core.detector.sdc import grad_norm
+
+            self.grad_norm = grad_norm(local(p.grad) for p in self.module.parameters() if p.grad is not None)
+
+    def _flip(self, target: str, local: Callable[[Tensor], Tensor]) -> None:
         named: dict[str, Tensor] = {}
         for name, p in self.module.named_parameters():
             if target == "grad":

@@ -387,14 +387,15 @@ class Supervisor:
         f = ev.finding
         d = self.sdc.decide(f)
 
-        def found(text: str) -> Emit:
-            return Emit(jev.SdcFound(text=text, suspects=tuple(f.suspects), candidates=tuple(f.candidates),
+        def found(text: str, suspects: tuple[int, ...] = tuple(f.suspects)) -> Emit:
+            return Emit(jev.SdcFound(text=text, suspects=suspects, candidates=tuple(f.candidates),
                                     source=f.source), at=f.iteration)
 
         if isinstance(d, Quarantine):
             self._pending.append(d.report)
-            return [found(f"silent data corruption at iteration {f.iteration}: devices {list(f.suspects)} "
-                          f"quarantined ({f.evidence[:200]})")]
+            # a range finding's suspects are decided on re-execution: the report names them
+            return [found(f"silent data corruption at iteration {f.iteration}: devices {list(d.report.devices)} "
+                          f"quarantined ({f.evidence[:200]})", tuple(d.report.devices))]
         if isinstance(d, Reexecute):
             self._reexecute = d
             return [found(d.text)]

@@ -525,7 +525,7 @@ class Worker:
                 return None
         self._checkpoint_reports()
         if self.sdc is not None:
-            self.sdc.post(self.store, g, i)
+            self.sdc.post(self.store, g, i, loss=result.loss, plan=self.plan)
         return self._report(result)
 
     def _sdc_check(self, store: KeyValueStore, generation: int, iteration: int) -> Callable[[], bool] | None:
