@@ -245,7 +245,8 @@ class ResilientJob:
                             attach=self.attached, observers=run.observers, on_event=self._on_job_event)
         if run.config is not None:
             self.job.session.job_started(run.config, str(self.state_dir))
-        state, start, handled = run.state, run.resume.start, set[int]()
+        state, start = run.state, run.resume.start
+        handled: set[int] = set()
         if self.attached is not None:
             handled = set(attach.handled)  # members not re-attached are reported dead, then planned
             state = state.with_plan(self.job.plan).with_health(failed=frozenset(handled))
