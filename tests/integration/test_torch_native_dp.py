@@ -189,6 +189,31 @@ def test_your_loop_a_killed_worker_leaves_three_replicas_then_a_slowed_one_sheds
 
 
 @pytest.mark.timeout(420)
+def test_a_killed_pipeline_rank_restages_every_survivor_from_the_checkpoint_exact(tmp_path):
+    """PP2 x DP2 under FSDP2 (each replica half of each stage), device 1 (replica 1,
+    stage 0) SIGKILLed at iteration 2 on the supervisor's production path: half of stage
+    0 is gone with it, so the Scheduler restores; the adapter re-stages, so the 3
+    survivors run one pipeline of 3 stages (none on standby) from the last sealed DCP
+    checkpoint. Losses and the complete state equal one process training the fault-free
+    global batch."""
+    from resihp_core.testing.conformance import _assemble
+
+    iterations = 5
+    config = CONFIG.replace("pp = 1\ndp = 4", "pp = 2\ndp = 2").replace(f"microbatches = {M}", "microbatches = 4")
+    run, dumps = run_job(tmp_path, iterations, [{"device": 1, "iteration": 2, "kind": "kill"}], config=config)
+    after = [parse_plan(e["plan"]) for e in run.events if e["kind"] == "plan" and 1 in parse_plan(e["plan"]).excluded]
+    assert after, [e["text"] for e in run.events]
+    assert after[0].pp == 3 and sorted(after[0].devices()) == [0, 2, 3] and after[0].standbys == (), \
+        after[0].to_text()
+    torch.set_num_threads(1)
+    ref, losses = reference(iterations, dp=2, m=4)
+    assert sorted(dumps) == [0, 2, 3] and all(d["iteration"] == iterations for d in dumps.values())
+    assert max_rel_err(as_triples(_assemble(dumps)), ref) <= TOL
+    for i, (rec, want) in enumerate(zip(run.records, losses)):
+        assert abs(rec.loss - want) <= TOL * abs(want), (i, rec.generation, rec.loss, want)
+
+
+@pytest.mark.timeout(420)
 def test_a_slowed_worker_is_found_within_3_iterations_and_runs_fewer_micro_batches_exact(tmp_path):
     onset, iterations, slow = 6, 11, 2
     seen: list = []

@@ -35,6 +35,7 @@ CAPABILITIES = Capabilities(
     checkpoint=True,
     tp_with_dp=False,  # TP with one replica: no DP reduction across TP layouts (tp.py)
     sdc_fingerprint=True,  # HSDP replicate groups compare their shards (docs/sdc.md)
+    restage=True,  # whole replicas of another depth: every stage rebuilt, state moved or restored
 )
 
 
