@@ -368,8 +368,10 @@ class WorkloadAwareDetector(_Base):
                 # ... and give each device's peer excess its first healthy values.
                 try:
                     for it, _, ps in self._hist:
-                        self.local.update(it, peer_excess(ps, self.model.rank_compute))
-                        self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of))
+                        self.local.update(it, peer_excess(ps, self.model.rank_compute,
+                                                          unreliable=self._known_slow()))
+                        self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of,
+                                                        self._known_slow()))
                 except ModelNotReady:
                     pass
             return Detection(iteration, measured, "warmup")
@@ -384,6 +386,11 @@ class WorkloadAwareDetector(_Base):
                 return back
         return det
 
+    def _known_slow(self) -> set[int]:
+        """Devices the model knows slow (a report, or the plan's speeds) and the recovery
+        watch follows."""
+        return {d for d, p in self.model.speeds.items() if p < self.recovery.slowest}
+
     def _healthy_again(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection | None:
         """Known-slow devices back at full speed for ``healthy_iterations``: reported with
         throughput 1.0, their known speed dropped (docs/detector.md "Acting on a slowdown")."""
@@ -393,7 +400,7 @@ class WorkloadAwareDetector(_Base):
         if not speeds:
             return None
         try:
-            excess = peer_excess(profiles, self.model.rank_compute)
+            excess = peer_excess(profiles, self.model.rank_compute, unreliable=self._known_slow())
         except ModelNotReady:
             return None
         back = self.recovery.update(speeds, excess)
@@ -447,8 +454,12 @@ class WorkloadAwareDetector(_Base):
         to its peers', stays above its own healthy noise for ``verify_window``
         iterations is verified at once, however little the iteration time moved."""
         try:
-            excess = peer_excess(profiles, self.model.rank_compute)
-            own = peer_excess(profiles, self.model.rank_compute, own_compute_of)
+            # Known-slow devices are no reference for their peers: a speed estimate a
+            # little off, or a device back at full speed, makes every peer look slow
+            # (the CI run of the duty cycle that ends reported its healthy peer).
+            slow = self._known_slow()
+            excess = peer_excess(profiles, self.model.rank_compute, unreliable=slow)
+            own = peer_excess(profiles, self.model.rank_compute, own_compute_of, slow)
         except ModelNotReady:
             return None
         noise, own_noise = self.local.noise(), self.own.noise()
@@ -696,3 +707,4 @@ def build_baseline_detector(
     cpd = plugins.changepoint_detectors().create("greyhound", hazard=config.changepoint_hazard)
     verifier = plugins.verification_strategies().create("greyhound")
     return ChangePointOnlyDetector(cpd, verifier, prober=prober, generation=generation)
+

@@ -97,10 +97,16 @@ def robust_sigma(xs: list[float]) -> float:
 
 
 def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], float],
-                measure: Callable[[IterationProfile], float] = compute_of) -> dict[int, float]:
+                measure: Callable[[IterationProfile], float] = compute_of,
+                unreliable: Iterable[int] = ()) -> dict[int, float]:
     """Per device: log(measured / healthy compute) minus the median of that over the ranks
     of the other executors. Empty when fewer than two executors computed anything.
-    ``measure``: the compute taken (:func:`compute_of`, or :func:`own_compute_of`)."""
+    ``measure``: the compute taken (:func:`compute_of`, or :func:`own_compute_of`).
+    ``unreliable``: devices that are no reference for the others (known slow: their
+    healthy compute has an estimated speed put in, and one a little off, or a device
+    back at full speed, makes every peer look slow); their own excess is still given,
+    and a device with no other peer gets none."""
+    skip = set(unreliable)
     logs: dict[int, float] = {}
     ex: dict[int, tuple[int, int]] = {}
     for p in profiles.values():
@@ -116,8 +122,11 @@ def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], floa
         return {}
     out = {}
     for d, x in logs.items():
-        peers = [y for e, y in logs.items() if ex[e] != ex[d]]
-        out[d] = x - statistics.median(peers)
+        others = [e for e in logs if ex[e] != ex[d]]
+        reliable = [e for e in others if e not in skip]
+        peers = [logs[e] for e in (reliable if reliable or d not in skip else others)]
+        if peers:
+            out[d] = x - statistics.median(peers)
     return out
 
 
