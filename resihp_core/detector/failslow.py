@@ -63,7 +63,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, own_cores, peer_excess, peers_waiting
+from resihp_core.detector.localise import PeerExcessWatch, confined, own_compute_of, peer_excess, peers_waiting
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 from resihp_core.detector.recovery import RecoveryWatch
 
@@ -526,7 +526,7 @@ class WorkloadAwareDetector(_Base):
             if device in own_found or self.own.flagged(device) >= len(iterations):
                 return self.verify_window
             byit = {it: ps for it, _, ps in self._hist}
-            if not own_cores([byit[it] for it in iterations if it in byit], [device]):
+            if not confined([byit[it] for it in iterations if it in byit], [device]):
                 return self.unpinned_window
             shares = [peers_waiting(byit[it], device) for it in iterations if it in byit]
             if shares and statistics.median(shares) >= self.loaded_share:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "own_compute_of", "own_cores", "peer_excess", "peers_waiting",
+__all__ = ["PeerExcessWatch", "compute_of", "confined", "own_compute_of", "own_cores", "peer_excess", "peers_waiting",
            "robust_sigma"]
 
 
@@ -86,6 +86,28 @@ def own_cores(iterations: Iterable[ProfileSet], devices: Iterable[int]) -> bool:
                     return False
                 theirs.update(p.cpus)
     return seen and not (mine & theirs)
+
+
+def confined(iterations: Iterable[ProfileSet], devices: Iterable[int]) -> bool:
+    """Whether ``devices`` were held to CPUs their peers are not held to: cores of their
+    own (:func:`own_cores`), or a subset of cores while the ranks of the other executors
+    may also run elsewhere (a worker pinned to a core it shares with a noisy neighbour,
+    its peers unpinned). Either way a load on its cores stays on it while the scheduler
+    moves its peers away from it: its waiting is its host's, not the scheduler's luck
+    (docs/detector.md "Pinned or unpinned"). Unknown CPUs count as shared."""
+    rows = [list(ps.values()) for ps in iterations]
+    want = set(devices)
+    executors = {(p.replica, p.stage) for row in rows for p in row if p.device in want}
+    mine: set[int] = set()
+    theirs: set[int] = set()
+    for row in rows:
+        for p in row:
+            if p.device not in want and (p.replica, p.stage) in executors:
+                continue
+            if not p.cpus:
+                return False
+            (mine if p.device in want else theirs).update(p.cpus)
+    return bool(mine) and bool(theirs) and (not (mine & theirs) or bool(theirs - mine))
 
 
 def robust_sigma(xs: list[float]) -> float:

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
 from resihp_core.detector.environment import wait_shares
-from resihp_core.detector.localise import compute_of, own_compute_of, own_cores
+from resihp_core.detector.localise import compute_of, confined, own_compute_of
 
 if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
@@ -417,7 +417,7 @@ class ProfileVerifier:
     def _rule_waiting_not_persistent(self, c: _Case) -> Verdict | None:
         """A localised suspect slowed only by waiting for a CPU (its own compute is not
         above its peers) on a loaded machine (its peers waited ``loaded_share`` of their
-        compute or more) or that shares its CPUs with its peers (``own_cores``: an
+        compute or more) or that shares its CPUs with its peers (not ``confined``: an
         unpinned worker, or CPUs unknown) is the scheduler's luck unless it stays above
         its peers in ``loaded_iterations`` iterations, all but one — and, sharing its
         CPUs, by ``unpinned_ratio`` or more over them (docs/detector.md "Pinned or
@@ -431,7 +431,7 @@ class ProfileVerifier:
         for ex in c.local - set(c.dismissed):
             if not self._by_waiting_only(c, ex):
                 continue
-            pinned = own_cores(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
+            pinned = confined(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
             busy = self._peers_waiting(c, ex) >= self.loaded_share
             if not busy and pinned:
                 continue
