@@ -10,6 +10,8 @@ are more replicas than cores). Cases:
 
 * **pinned CPU hog** — three busy processes pinned to worker 0's core from the onset
   (started and held before the job, released at the onset: :class:`~resihp_core.testing.hogs.CpuHogs`);
+* **noisy neighbour** — the same hog, but only worker 0 is pinned (to that core): its
+  peer runs unpinned, free to move off the busy core (issue #33's neighbour);
 * **duty-cycled SIGSTOP** — worker 1 stopped half of every cycle from the onset, the
   cycle a quarter of its healthy compute (20 ms at least), so every iteration is stopped
   about half of its time;
@@ -33,7 +35,7 @@ iterations (from the onset to the report, the onset included; for the external c
 the onset is the second iteration after the controller saw the one before it complete:
 the replicas are already computing the next one when the slowdown starts).
 
-    python benchmarks/detector_external.py [--quick] [--outside-load 0,1,2] [--json PATH]
+    python benchmarks/detector_external.py [--quick] [--outside-load 0,1,2] [--cases NAME,..] [--json PATH]
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Case:
 
 CASES = (
     Case("pinned CPU hog, one worker's core", 2, 0.15, external="hog", target=0),
+    Case("noisy neighbour, its peer unpinned", 2, 0.15, external="neighbour", target=0),
     Case("duty-cycled SIGSTOP 50 %", 2, 0.15, external="duty", target=1),
     Case("whole-machine load, every core", 2, 0.15, external="hog-all"),
     Case("small model, 1.5x (injected)", 2, 0.05, inject=1.5, target=1),
@@ -99,6 +102,18 @@ def _pin(pid: int, core: int) -> None:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(tid), {core})
+
+
+def _place(pid: int, device: int, case: Case, cores: list[int]) -> None:
+    """Pin ``device``'s worker to its core; in the noisy-neighbour case only the target
+    is pinned, the others may run on every core."""
+    if case.external == "neighbour" and device != case.target:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), set(cores))
+        return
+    _pin(pid, cores[device % len(cores)])
 
 
 def run_case(case: Case, timeout_s: float = 300.0, outside_per_core: int = 0) -> dict[str, Any]:
@@ -126,7 +141,7 @@ def _run_case(case: Case, timeout_s: float, cores: list[int]) -> dict[str, Any]:
         workers[d] = args
     # The hogs are started (and held) before the job: each busy process takes seconds to
     # start on a loaded machine, and they must begin at the onset, on every core at once.
-    hog_cores = ([cores[case.target % len(cores)]] if case.external == "hog"  # type: ignore[operator]
+    hog_cores = ([cores[case.target % len(cores)]] if case.external in ("hog", "neighbour")  # type: ignore[operator]
                  else sorted({cores[d % len(cores)] for d in workers}) if case.external == "hog-all" else [])
     hogs = CpuHogs(hog_cores)
     stop = threading.Event()
@@ -136,7 +151,7 @@ def _run_case(case: Case, timeout_s: float, cores: list[int]) -> dict[str, Any]:
     outside = OutsideLoad()  # CPU other processes (not this benchmark's tree) took
     with hogs if hog_cores else contextlib.nullcontext(), SyntheticCluster(CONFIG, workers) as c:
         for d, p in c.workers.items():
-            _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
+            _place(p.pid, d, case, cores)  # type: ignore[attr-defined]
         c.go()
         ctl = c.controller
         deadline = time.monotonic() + timeout_s
@@ -148,7 +163,7 @@ def _run_case(case: Case, timeout_s: float, cores: list[int]) -> dict[str, Any]:
             if case.external and not started and done >= ONSET - 2:
                 onset, started = done + 2, True
                 for d, p in c.workers.items():  # threads started since (the beat thread) too
-                    _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
+                    _place(p.pid, d, case, cores)  # type: ignore[attr-defined]
                 if hog_cores:
                     hogs.release()
                 elif case.external == "duty":
@@ -199,13 +214,16 @@ def _precision_recall(cases: dict[str, Any]) -> dict[str, Any]:
             "reports": reports, "slowdowns": made}
 
 
-def run(quick: bool, runs: int | None = None, outside: tuple[int, ...] = (0,)) -> dict[str, Any]:
+def run(quick: bool, runs: int | None = None, outside: tuple[int, ...] = (0,),
+        only: tuple[str, ...] = ()) -> dict[str, Any]:
     n = runs or (1 if quick else 3)
     out: dict[str, Any] = {"runs": n, "cases": {}, "outside_load": list(outside), "by_load": {}}
     t0 = time.perf_counter()
     for k in outside:
         level: dict[str, Any] = {}
         for case in CASES:
+            if only and not any(o in case.name for o in only):
+                continue
             name = case.name if outside == (0,) else f"{case.name} @ {k}x"
             level[name] = _case_summary(case, [run_case(case, outside_per_core=k) for _ in range(n)], n)
             level[name]["outside_per_core"] = k
@@ -276,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--outside-load", type=parse_loads, default=(0,),
                     help="busy processes per core added through each run, e.g. 0,1,2 (default 0)")
+    ap.add_argument("--cases", default="", help="comma-separated parts of case names to run (default: all)")
     a = ap.parse_args(argv)
-    r = run(a.quick, a.runs, a.outside_load)
+    r = run(a.quick, a.runs, a.outside_load, tuple(x for x in a.cases.split(",") if x))
     print(table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=2, default=float) + "\n")
