@@ -49,7 +49,7 @@ in one run, and reports the median relative difference with a bootstrap 95 % int
 The iterations are the real reference backend's (:class:`ReferenceIteration`: the
 demo's job through the real worker loop, one device).
 
-    python benchmarks/detector.py [--quick] [--json PATH]
+    python benchmarks/detector.py [--quick] [--outside-load 0,1,2] [--json PATH]
 
 Exits 1 if it could not measure; the targets are reported, not enforced.
 """
@@ -853,6 +853,12 @@ def measure_overhead(iteration: Callable[[Callable[[int, int], None], int], Iter
 
 
 # ===================================================================== the benchmark
+def _outside_loads(text: str) -> tuple[int, ...]:
+    import detector_external
+
+    return detector_external.parse_loads(text)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run (< 60 s)")
@@ -865,6 +871,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-processes", action="store_true",
                     help="skip the real-process parts (fail-stop, externally made slowdowns, overhead)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--outside-load", type=_outside_loads, default=(0,),
+                    help="externally made slowdowns at these outside loads: busy processes per core, "
+                         "e.g. 0,1,2 (benchmarks/detector_external.py)")
     return ap.parse_args(argv)
 
 
@@ -1010,7 +1019,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         result["fail_stop_real"] = real_failstop(config)
         import detector_external
 
-        result["external"] = detector_external.run(args.quick)
+        result["external"] = detector_external.run(args.quick, outside=args.outside_load)
         ref = ReferenceIteration()
         try:
             result["overhead"] = measure_overhead(ref, pairs=40 if args.quick else 150)

@@ -10,6 +10,8 @@ are more replicas than cores). Cases:
 
 * **pinned CPU hog** — three busy processes pinned to worker 0's core from the onset
   (started and held before the job, released at the onset: :class:`~resihp_core.testing.hogs.CpuHogs`);
+* **noisy neighbour** — the same hog, but only worker 0 is pinned (to that core): its
+  peer runs unpinned, free to move off the busy core (issue #33's neighbour);
 * **duty-cycled SIGSTOP** — worker 1 stopped half of every cycle from the onset, the
   cycle a quarter of its healthy compute (20 ms at least), so every iteration is stopped
   about half of its time;
@@ -17,7 +19,15 @@ are more replicas than cores). Cases:
   on every core at once: every replica slowed alike, which must not be reported;
 * **small / large model** — the injector's way (``--slow-compute 1.5``): 1.5x slower
   compute of worker 1, iterations of ~0.05 s and ~0.5 s of compute;
-* **DP-only** — four replicas, one 3x slower (injected).
+* **DP-only** — four replicas, one 3x slower (injected);
+* **no fault** — nothing slowed: any report is false.
+
+``--outside-load 0,1,2`` runs every case at each outside load, given as busy processes
+per core (not pinned: the scheduler places them, as other users' jobs on a shared
+host), started before the job and running through it, its warm-up included: 1 is one
+busy process per core, 2 twice the cores. Precision (reports naming the slowed device
+over all reports) and recall (slowdowns reported over slowdowns made) are counted per
+load and over all runs.
 
 Per case: runs, misses (no report naming the slowed device), false reports (reports
 naming any other device, or any report where nothing must be reported) and latency in
@@ -25,7 +35,7 @@ iterations (from the onset to the report, the onset included; for the external c
 the onset is the second iteration after the controller saw the one before it complete:
 the replicas are already computing the next one when the slowdown starts).
 
-    python benchmarks/detector_external.py [--quick] [--json PATH]
+    python benchmarks/detector_external.py [--quick] [--outside-load 0,1,2] [--cases NAME,..] [--json PATH]
 """
 
 from __future__ import annotations
@@ -73,11 +83,13 @@ class Case:
 
 CASES = (
     Case("pinned CPU hog, one worker's core", 2, 0.15, external="hog", target=0),
+    Case("noisy neighbour, its peer unpinned", 2, 0.15, external="neighbour", target=0),
     Case("duty-cycled SIGSTOP 50 %", 2, 0.15, external="duty", target=1),
     Case("whole-machine load, every core", 2, 0.15, external="hog-all"),
     Case("small model, 1.5x (injected)", 2, 0.05, inject=1.5, target=1),
     Case("large model, 1.5x (injected)", 2, 0.5, inject=1.5, target=1),
     Case("DP-only 4 replicas, one 3x (inj.)", 4, 0.15, inject=3.0, target=3),
+    Case("no fault", 2, 0.15),
 )
 
 
@@ -92,9 +104,33 @@ def _pin(pid: int, core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
-def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
-    """One run of ``case``; returns what the controller reported and when."""
+def _place(pid: int, device: int, case: Case, cores: list[int]) -> None:
+    """Pin ``device``'s worker to its core; in the noisy-neighbour case only the target
+    is pinned, the others may run on every core."""
+    if case.external == "neighbour" and device != case.target:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), set(cores))
+        return
+    _pin(pid, cores[device % len(cores)])
+
+
+def run_case(case: Case, timeout_s: float = 300.0, outside_per_core: int = 0) -> dict[str, Any]:
+    """One run of ``case``; returns what the controller reported and when.
+    ``outside_per_core``: unpinned busy processes per core running through the run."""
     cores = _cores()
+    busy = CpuHogs(None, per_core=outside_per_core * len(cores)) if outside_per_core > 0 else None
+    if busy is not None:
+        busy.start().release()
+    try:
+        return _run_case(case, timeout_s, cores)
+    finally:
+        if busy is not None:
+            busy.kill()
+
+
+def _run_case(case: Case, timeout_s: float, cores: list[int]) -> dict[str, Any]:
     alpha = case.compute_s / (12 * 1024)  # 4 micro-batches x (forward + 2 x backward) x ~N tokens
     workers = {}
     for d in range(case.replicas):
@@ -105,7 +141,7 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
         workers[d] = args
     # The hogs are started (and held) before the job: each busy process takes seconds to
     # start on a loaded machine, and they must begin at the onset, on every core at once.
-    hog_cores = ([cores[case.target % len(cores)]] if case.external == "hog"  # type: ignore[operator]
+    hog_cores = ([cores[case.target % len(cores)]] if case.external in ("hog", "neighbour")  # type: ignore[operator]
                  else sorted({cores[d % len(cores)] for d in workers}) if case.external == "hog-all" else [])
     hogs = CpuHogs(hog_cores)
     stop = threading.Event()
@@ -115,7 +151,7 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
     outside = OutsideLoad()  # CPU other processes (not this benchmark's tree) took
     with hogs if hog_cores else contextlib.nullcontext(), SyntheticCluster(CONFIG, workers) as c:
         for d, p in c.workers.items():
-            _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
+            _place(p.pid, d, case, cores)  # type: ignore[attr-defined]
         c.go()
         deadline = time.monotonic() + timeout_s
         started = False
@@ -126,7 +162,7 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
             if case.external and not started and done >= ONSET - 2:
                 onset, started = done + 2, True
                 for d, p in c.workers.items():  # threads started since (the beat thread) too
-                    _pin(p.pid, cores[d % len(cores)])  # type: ignore[attr-defined]
+                    _place(p.pid, d, case, cores)  # type: ignore[attr-defined]
                 if hog_cores:
                     hogs.release()
                 elif case.external == "duty":
@@ -161,27 +197,56 @@ def run_case(case: Case, timeout_s: float = 300.0) -> dict[str, Any]:
     }
 
 
-def run(quick: bool, runs: int | None = None) -> dict[str, Any]:
+def _precision_recall(cases: dict[str, Any]) -> dict[str, Any]:
+    """Over every run of ``cases``: reports naming the slowed device (after its onset)
+    over all reports, and slowdowns reported over slowdowns made."""
+    true = made = found = reports = 0
+    for v in cases.values():
+        for r in v["details"]:
+            hit = 1 if r["detected"] else 0
+            reports += hit + r["false_reports"]
+            true += hit
+            if r["detected"] is not None:
+                made += 1
+                found += hit
+    return {"precision": true / reports if reports else None, "recall": found / made if made else None,
+            "reports": reports, "slowdowns": made}
+
+
+def run(quick: bool, runs: int | None = None, outside: tuple[int, ...] = (0,),
+        only: tuple[str, ...] = ()) -> dict[str, Any]:
     n = runs or (1 if quick else 3)
-    out: dict[str, Any] = {"runs": n, "cases": {}}
+    out: dict[str, Any] = {"runs": n, "cases": {}, "outside_load": list(outside), "by_load": {}}
     t0 = time.perf_counter()
-    for case in CASES:
-        rs = [run_case(case) for _ in range(n)]
-        lats = [r["latency"] for r in rs if r["latency"] is not None]
-        out["cases"][case.name] = {
-            "runs": n,
-            "expect": "report" if case.target is not None else "nothing",
-            "misses": sum(1 for r in rs if r["detected"] is False),
-            "false_reports": sum(r["false_reports"] for r in rs),
-            "latency_max": max(lats) if lats else None,
-            "latency_mean": statistics.fmean(lats) if lats else None,
-            "causes": sorted({r["cause"] for r in rs if r["cause"]}),
-            "load": [min(r["load"][0] for r in rs), max(r["load"][1] for r in rs)],
-            "outside_cores": max(r["outside_cores"] for r in rs),
-            "details": rs,
-        }
+    for k in outside:
+        level: dict[str, Any] = {}
+        for case in CASES:
+            if only and not any(o in case.name for o in only):
+                continue
+            name = case.name if outside == (0,) else f"{case.name} @ {k}x"
+            level[name] = _case_summary(case, [run_case(case, outside_per_core=k) for _ in range(n)], n)
+            level[name]["outside_per_core"] = k
+        out["cases"].update(level)
+        out["by_load"][str(k)] = _precision_recall(level)
+    out.update(_precision_recall(out["cases"]))
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def _case_summary(case: Case, rs: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    lats = [r["latency"] for r in rs if r["latency"] is not None]
+    return {
+        "runs": n,
+        "expect": "report" if case.target is not None else "nothing",
+        "misses": sum(1 for r in rs if r["detected"] is False),
+        "false_reports": sum(r["false_reports"] for r in rs),
+        "latency_max": max(lats) if lats else None,
+        "latency_mean": statistics.fmean(lats) if lats else None,
+        "causes": sorted({r["cause"] for r in rs if r["cause"]}),
+        "load": [min(r["load"][0] for r in rs), max(r["load"][1] for r in rs)],
+        "outside_cores": max(r["outside_cores"] for r in rs),
+        "details": rs,
+    }
 
 
 def _span(load: list[float]) -> str:
@@ -197,8 +262,28 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"  {name:<36} {v['expect']:<8} {v['misses']:>6} {v['false_reports']:>13} {lat:>11}  "
                      f"{','.join(v['causes']) or '-':<13} {_span(v['load']):<10} {v.get('outside_cores', 0.0):.2f}")
     lines.append("  (outside: cores' time other processes than this benchmark's took, worst run; "
-                 f"{len(_cores())} cores)")
+                 f"{len(_cores())} cores; '@ kx': k unpinned busy processes per core added through the run)")
+    for k, pr in r.get("by_load", {}).items():
+        lines.append(f"  outside load {k}x the cores: precision {_pct(pr['precision'])} over {pr['reports']} reports, "
+                     f"recall {_pct(pr['recall'])} over {pr['slowdowns']} slowdowns")
+    if "precision" in r:
+        lines.append(f"  all runs: precision {_pct(r['precision'])}, recall {_pct(r['recall'])}")
     return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def parse_loads(text: str) -> tuple[int, ...]:
+    """``"0,1,2"`` -> (0, 1, 2): busy processes per core; refuses anything else by name."""
+    try:
+        loads = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--outside-load takes integers per core like 0,1,2, got {text!r}") from None
+    if not loads or min(loads) < 0:
+        raise argparse.ArgumentTypeError(f"--outside-load takes integers >= 0, got {text!r}")
+    return loads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--runs", type=int)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--outside-load", type=parse_loads, default=(0,),
+                    help="busy processes per core added through each run, e.g. 0,1,2 (default 0)")
+    ap.add_argument("--cases", default="", help="comma-separated parts of case names to run (default: all)")
     a = ap.parse_args(argv)
-    r = run(a.quick, a.runs)
+    r = run(a.quick, a.runs, a.outside_load, tuple(x for x in a.cases.split(",") if x))
     print(table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=2, default=float) + "\n")

@@ -372,6 +372,10 @@ SOURCES = [
     Source("detector-quick", "detector-quick.json", "detector.py", ("--quick",),
            "Detector: false alarms, accuracy and latency on traces, overhead, slowdowns made outside the "
            "injector", quick=True),
+    Source("detector-external-load", "detector-external-load.json", "detector_external.py",
+           ("--quick", "--outside-load", "0,1,2"),
+           "Fail-slow detector on slowdowns made outside the job at outside load 0, 1x and 2x the cores: "
+           "misses, false reports, latency, precision and recall"),
     Source("peers-quick", "peers-quick.json", "peers.py", ("--quick",),
            "ResiHP next to torchft and checkpoint-restart, CI-sized (DP4, fault-free and kill-every-n)", quick=True),
     Source("peers-full", "peers-full.json", "peers.py",

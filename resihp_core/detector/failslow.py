@@ -63,7 +63,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import PeerExcessWatch, own_compute_of, own_cores, peer_excess, peers_waiting
+from resihp_core.detector.localise import PeerExcessWatch, confined, own_compute_of, peer_excess, peers_waiting
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 from resihp_core.detector.recovery import RecoveryWatch
 
@@ -368,8 +368,10 @@ class WorkloadAwareDetector(_Base):
                 # ... and give each device's peer excess its first healthy values.
                 try:
                     for it, _, ps in self._hist:
-                        self.local.update(it, peer_excess(ps, self.model.rank_compute))
-                        self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of))
+                        self.local.update(it, peer_excess(ps, self.model.rank_compute,
+                                                          unreliable=self._known_slow()))
+                        self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of,
+                                                        self._known_slow()))
                 except ModelNotReady:
                     pass
             return Detection(iteration, measured, "warmup")
@@ -384,6 +386,11 @@ class WorkloadAwareDetector(_Base):
                 return back
         return det
 
+    def _known_slow(self) -> set[int]:
+        """Devices the model knows slow (a report, or the plan's speeds) and the recovery
+        watch follows."""
+        return {d for d, p in self.model.speeds.items() if p < self.recovery.slowest}
+
     def _healthy_again(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection | None:
         """Known-slow devices back at full speed for ``healthy_iterations``: reported with
         throughput 1.0, their known speed dropped (docs/detector.md "Acting on a slowdown")."""
@@ -393,7 +400,7 @@ class WorkloadAwareDetector(_Base):
         if not speeds:
             return None
         try:
-            excess = peer_excess(profiles, self.model.rank_compute)
+            excess = peer_excess(profiles, self.model.rank_compute, unreliable=self._known_slow())
         except ModelNotReady:
             return None
         back = self.recovery.update(speeds, excess)
@@ -447,8 +454,12 @@ class WorkloadAwareDetector(_Base):
         to its peers', stays above its own healthy noise for ``verify_window``
         iterations is verified at once, however little the iteration time moved."""
         try:
-            excess = peer_excess(profiles, self.model.rank_compute)
-            own = peer_excess(profiles, self.model.rank_compute, own_compute_of)
+            # Known-slow devices are no reference for their peers: a speed estimate a
+            # little off, or a device back at full speed, makes every peer look slow
+            # (the CI run of the duty cycle that ends reported its healthy peer).
+            slow = self._known_slow()
+            excess = peer_excess(profiles, self.model.rank_compute, unreliable=slow)
+            own = peer_excess(profiles, self.model.rank_compute, own_compute_of, slow)
         except ModelNotReady:
             return None
         noise, own_noise = self.local.noise(), self.own.noise()
@@ -515,7 +526,7 @@ class WorkloadAwareDetector(_Base):
             if device in own_found or self.own.flagged(device) >= len(iterations):
                 return self.verify_window
             byit = {it: ps for it, _, ps in self._hist}
-            if not own_cores([byit[it] for it in iterations if it in byit], [device]):
+            if not confined([byit[it] for it in iterations if it in byit], [device]):
                 return self.unpinned_window
             shares = [peers_waiting(byit[it], device) for it in iterations if it in byit]
             if shares and statistics.median(shares) >= self.loaded_share:
@@ -696,3 +707,4 @@ def build_baseline_detector(
     cpd = plugins.changepoint_detectors().create("greyhound", hazard=config.changepoint_hazard)
     verifier = plugins.verification_strategies().create("greyhound")
     return ChangePointOnlyDetector(cpd, verifier, prober=prober, generation=generation)
+

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "own_compute_of", "own_cores", "peer_excess", "peers_waiting",
+__all__ = ["PeerExcessWatch", "compute_of", "confined", "own_compute_of", "own_cores", "peer_excess", "peers_waiting",
            "robust_sigma"]
 
 
@@ -88,6 +88,28 @@ def own_cores(iterations: Iterable[ProfileSet], devices: Iterable[int]) -> bool:
     return seen and not (mine & theirs)
 
 
+def confined(iterations: Iterable[ProfileSet], devices: Iterable[int]) -> bool:
+    """Whether ``devices`` were held to CPUs their peers are not held to: cores of their
+    own (:func:`own_cores`), or a subset of cores while the ranks of the other executors
+    may also run elsewhere (a worker pinned to a core it shares with a noisy neighbour,
+    its peers unpinned). Either way a load on its cores stays on it while the scheduler
+    moves its peers away from it: its waiting is its host's, not the scheduler's luck
+    (docs/detector.md "Pinned or unpinned"). Unknown CPUs count as shared."""
+    rows = [list(ps.values()) for ps in iterations]
+    want = set(devices)
+    executors = {(p.replica, p.stage) for row in rows for p in row if p.device in want}
+    mine: set[int] = set()
+    theirs: set[int] = set()
+    for row in rows:
+        for p in row:
+            if p.device not in want and (p.replica, p.stage) in executors:
+                continue
+            if not p.cpus:
+                return False
+            (mine if p.device in want else theirs).update(p.cpus)
+    return bool(mine) and bool(theirs) and (not (mine & theirs) or bool(theirs - mine))
+
+
 def robust_sigma(xs: list[float]) -> float:
     """Robust standard deviation (1.4826 x median absolute deviation); 0 for < 2 values."""
     if len(xs) < 2:
@@ -97,10 +119,16 @@ def robust_sigma(xs: list[float]) -> float:
 
 
 def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], float],
-                measure: Callable[[IterationProfile], float] = compute_of) -> dict[int, float]:
+                measure: Callable[[IterationProfile], float] = compute_of,
+                unreliable: Iterable[int] = ()) -> dict[int, float]:
     """Per device: log(measured / healthy compute) minus the median of that over the ranks
     of the other executors. Empty when fewer than two executors computed anything.
-    ``measure``: the compute taken (:func:`compute_of`, or :func:`own_compute_of`)."""
+    ``measure``: the compute taken (:func:`compute_of`, or :func:`own_compute_of`).
+    ``unreliable``: devices that are no reference for the others (known slow: their
+    healthy compute has an estimated speed put in, and one a little off, or a device
+    back at full speed, makes every peer look slow); their own excess is still given,
+    and a device with no other peer gets none."""
+    skip = set(unreliable)
     logs: dict[int, float] = {}
     ex: dict[int, tuple[int, int]] = {}
     for p in profiles.values():
@@ -116,8 +144,11 @@ def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], floa
         return {}
     out = {}
     for d, x in logs.items():
-        peers = [y for e, y in logs.items() if ex[e] != ex[d]]
-        out[d] = x - statistics.median(peers)
+        others = [e for e in logs if ex[e] != ex[d]]
+        reliable = [e for e in others if e not in skip]
+        peers = [logs[e] for e in (reliable if reliable or d not in skip else others)]
+        if peers:
+            out[d] = x - statistics.median(peers)
     return out
 
 

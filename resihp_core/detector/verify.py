@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
 from resihp_core.detector.environment import wait_shares
-from resihp_core.detector.localise import compute_of, own_compute_of, own_cores
+from resihp_core.detector.localise import compute_of, confined, own_compute_of
 
 if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
@@ -371,9 +371,27 @@ class ProfileVerifier:
             c.suspects, c.local, c.probe_only = {}, set(), True
             return None
         if (c.suspects or everyone) and not c.local:
-            return Verdict({}, "unknown", "every executor slowed alike in compute ("
-                           + ", ".join(f"replica {r} stage {s}: {c.raw[(r, s)]:.2f}x" for r, s in sorted(c.groups))
-                           + "): a machine-wide slowdown, no device to plan around")
+            n = len(c.ctx.iterations)
+            ahead = {ex: self._over_peers(c, ex) for ex in c.suspects}
+            thin = {ex: x for ex, x in ahead.items() if x > 1 + self.compute_margin}
+            desc = ", ".join(f"replica {r} stage {s}: {c.raw[(r, s)]:.2f}x" for r, s in sorted(c.groups))
+            if thin and n < self.loaded_iterations:
+                # Above its peers by the base margin, yet not by its noise margin (wide
+                # over few iterations) or not in most of them: too little evidence to
+                # call either way. Verify again with one more iteration, up to
+                # ``loaded_iterations``, rather than declare the machine.
+                return Verdict({}, "unknown", "compute above the other executors' (" + ", ".join(
+                    f"replica {r} stage {s}: {x:.2f}x its peers, margin {c.margin[(r, s)]:.2f}"
+                    for (r, s), x in sorted(thin.items())) + f"; {desc}), but {n} iteration(s) are too few "
+                    "to tell it from its noise: verified again with one more", more=n + 1,
+                    rule="machine-wide-too-few")
+            if everyone and not thin:
+                return Verdict({}, "unknown", f"every executor slowed alike in compute ({desc}): a machine-wide "
+                               "slowdown, no device to plan around")
+            return Verdict({}, "unknown", f"no executor is slower in compute than the others by its margin over "
+                           f"the {n} iteration(s) verified, together and in most of them ({desc}; margins "
+                           + ", ".join(f"replica {r} stage {s}: {c.margin[(r, s)]:.2f}" for r, s in sorted(c.suspects))
+                           + "): not localised to a device, nothing to plan around")
         return None
 
     def _elsewhere(self, c: _Case) -> bool:
@@ -399,7 +417,7 @@ class ProfileVerifier:
     def _rule_waiting_not_persistent(self, c: _Case) -> Verdict | None:
         """A localised suspect slowed only by waiting for a CPU (its own compute is not
         above its peers) on a loaded machine (its peers waited ``loaded_share`` of their
-        compute or more) or that shares its CPUs with its peers (``own_cores``: an
+        compute or more) or that shares its CPUs with its peers (not ``confined``: an
         unpinned worker, or CPUs unknown) is the scheduler's luck unless it stays above
         its peers in ``loaded_iterations`` iterations, all but one — and, sharing its
         CPUs, by ``unpinned_ratio`` or more over them (docs/detector.md "Pinned or
@@ -413,7 +431,7 @@ class ProfileVerifier:
         for ex in c.local - set(c.dismissed):
             if not self._by_waiting_only(c, ex):
                 continue
-            pinned = own_cores(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
+            pinned = confined(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
             busy = self._peers_waiting(c, ex) >= self.loaded_share
             if not busy and pinned:
                 continue
@@ -518,7 +536,7 @@ class ProfileVerifier:
         CPU there taken out) against the healthy expectation, over the iterations and
         one by one, and probes links where the profiles cannot localise
         (:meth:`_communication`; ``Verdict.rule`` names which of its cases decided)."""
-        return self._communication(c.ctx, c.t, c.probe_only)
+        return self._communication(c.ctx, c.t, c.probe_only, set(c.dismissed))
 
     RULES: tuple[tuple[str, Callable[[ProfileVerifier, _Case], Verdict | None]], ...] = (
         ("machine-wide", _rule_machine_wide),
@@ -560,8 +578,11 @@ class ProfileVerifier:
         return max(self.compute_margin, min(self.max_margin, math.expm1(self.noise_k * sig / math.sqrt(n))))
 
     def _contended(self, t: _Totals, rank: int) -> bool:
-        """Most of what ``rank`` lost in compute is time it waited for a CPU."""
-        return t.waited(rank) >= self.waiting * (t.measured[rank] - t.predicted[rank])
+        """Most of what ``rank`` lost in compute is time it waited for a CPU (it lost
+        some: a rank at or under its prediction, found by its own compute, did not wait
+        its way there)."""
+        lost = t.measured[rank] - t.predicted[rank]
+        return lost > 0 and t.waited(rank) >= self.waiting * lost
 
     def _peer_wait(self, c: _Case, ex: tuple[int, int]) -> float:
         """How much of their healthy compute the other executors lost waiting for a CPU
@@ -687,6 +708,8 @@ class ProfileVerifier:
                 else:
                     notes.append(f"{where}: compute {qs[r]:.2f}x healthy on its only rank {r}"
                                  + (f" without the {w:.3f} s it waited for a CPU" if w > 0 else "")
+                                 + (f" (its own compute, all waiting for a CPU taken out, {t.qo(r):.2f}x)"
+                                    if t.qo(r) > qs[r] * (1 + self.compute_margin) else "")
                                  + (f" (its node's CPU contention {env:.2f}x)" if env is not None else ""))
                 continue
             lo = min(qs.values())
@@ -727,7 +750,24 @@ class ProfileVerifier:
         return Verdict(slow, cause, ev, rounds, probe_s)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ communication
-    def _communication(self, ctx: VerificationContext, t: _Totals, probe_only: bool = False) -> Verdict:
+    def _waited_for(self, t: _Totals, heavy: list[int], excess: Mapping[int, float]) -> dict[int, float]:
+        """The other ranks whose compute kept ``heavy`` waiting: rank -> seconds its
+        compute exceeded its prediction beyond the heavy ranks' own excess, where that
+        is at least half of every heavy rank's excess outside compute. A rank idle at a
+        collective (the DP all-reduce, a pipeline receive) while a peer computes longer
+        has exactly that excess outside compute: it is the waiting one, not the slow one."""
+        lost = {r: t.measured[r] - t.predicted.get(r, 0.0) for r in t.measured}
+        found: dict[int, float] = {}
+        for o in t.measured:
+            if o in heavy:
+                continue
+            lead = min(lost[o] - lost[h] for h in heavy)
+            if all(excess[h] > 0 for h in heavy) and lead >= 0.5 * max(excess[h] for h in heavy):
+                found[o] = lead
+        return found
+
+    def _communication(self, ctx: VerificationContext, t: _Totals, probe_only: bool = False,
+                       dismissed: set[tuple[int, int]] | None = None) -> Verdict:
         outside = {r: t.device_outside(r) for r in t.outside}
         excess = {r: outside[r] - t.expected_outside.get(r, 0.0) for r in outside}
         top = 0.0 if probe_only else max(excess.values(), default=0.0)
@@ -756,6 +796,28 @@ class ProfileVerifier:
                 if ctx.prober is None:
                     return Verdict({}, "unknown", unsteady, rule="communication-not-steady")
                 concentrated = False  # a link probe decides
+            waited_for = self._waited_for(t, heavy, excess) if concentrated else {}
+            if waited_for:
+                # The heavy ranks waited for a peer's compute: never blame them. A peer
+                # measurably slower in its own compute (the waiting for a CPU taken out)
+                # than the ranks that waited for it is the slow device; one slower only
+                # by waiting for a CPU that a rule above put down to the machine is not.
+                slower = {o for o in waited_for if t.executor[o] not in (dismissed or set())
+                          and min(max(t.qd(o), t.qo(o)) / max(1e-9, max(t.qd(h), t.qo(h)))
+                                  for h in heavy) > 1 + self.compute_margin}
+                lines = ", ".join(f"rank {o} computed {waited_for[o]:.3f} s longer" for o in sorted(waited_for))
+                if not slower:
+                    return Verdict({}, "unknown", f"time outside compute exceeds the expected on ranks {sorted(heavy)}, "
+                                   f"which waited for their peers' compute ({lines}), and no peer is slower in its own "
+                                   "compute by the margin: not a link, not a device", rule="communication-waited-for-peer")
+                groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+                for o in sorted(slower):
+                    groups[t.executor[o]].append(o)
+                v = self._compute(ctx, t, dict(groups))
+                if v.confirmed:
+                    return replace(v, evidence=f"ranks {sorted(heavy)} waited outside compute for slower peers "
+                                                  f"({lines}); {v.evidence}", rule="compute-waited-for")
+                return replace(v, rule="communication-waited-for-peer")
             if concentrated:
                 slow = {}
                 for r in heavy:

@@ -350,3 +350,11 @@ def test_own_cores_reads_each_workers_cpus() -> None:
     assert not own_cores(mixed, [1]) and own_cores(mixed, [2])
     unknown = [{**ps, 2: replace(ps[2], cpus=())} for ps in its]
     assert not own_cores(unknown, [1]) and not own_cores(unknown, [2])
+    # Held to a core its peers may leave (they are free to run on every core): confined,
+    # though not its own; free to run wherever they run: not.
+    from resihp_core.detector.localise import confined
+
+    neighbour = [{r: replace(p, cpus=(1,) if r == 1 else (0, 1, 2)) for r, p in ps.items()} for ps in its]
+    assert confined(neighbour, [1]) and not own_cores(neighbour, [1])
+    assert not confined(neighbour, [0]) and not confined(shared, [1]) and confined(its, [1])
+    assert not confined(unknown, [1])

@@ -51,3 +51,21 @@ def test_the_watch_needs_k_in_a_row() -> None:
     assert [w.update({0: 0.5}, near) for _ in range(3)] == [[], [], [0]]
     with pytest.raises(ValueError, match="RecoveryWatch.k"):
         RecoveryWatch(k=0)
+
+
+def test_a_known_slow_device_back_at_full_speed_is_no_reference_for_its_peers() -> None:
+    """DP 2, device 1 known at half speed and so (a duty-cycled worker), then back at
+    full speed while the machine's load slows both 1.3x: device 1 reads faster than
+    known, and against it device 0 looked 2x slow, found in 3 iterations, before device
+    1's k = 5 at full speed: CI reported the healthy device instead of planning back
+    (test_detector_external)."""
+    job = Job(ranks=2, scale=0.3, seed=7)
+    det = detector()
+    det.reset(1, speeds={1: 0.5})
+    job.slow = {1: 2.0}
+    dets = [det.observe(it, job.iteration(it)) for it in range(20)]
+    job.slow = {0: 1.3, 1: 1.3}
+    dets += [det.observe(it, job.iteration(it)) for it in range(20, 40)]
+    assert not [d.report for d in dets if d.report is not None and 0 in d.report.devices]
+    back = [d for d in dets if d.action == "recovered"]
+    assert [d.iteration for d in back] == [20 + det.recovery.k - 1], [(d.iteration, d.action) for d in dets]
