@@ -31,10 +31,10 @@ from resihp_core.detector import Detection
 from resihp_core.protocol import FailureReport, WorkerProcess
 from resihp_core.protocols.metrics import IterationMetrics
 
-__all__ = ["Attached", "CheckpointChosen", "ControllerEvent", "Event", "EventLog", "Failure", "Injected", "IterationMetrics", "JobEnded",
-           "JobErrorEvent", "JobEvent", "Killed", "NodeBack", "NodeLost", "PlanPosted", "Recovered", "Relaunched",
-           "Replanned", "Resumed", "SdcFound", "Sink", "StartUp", "CheckpointFailed", "decode_events", "encode_events",
-           "event_dicts", "fan_out", "observer", "only"]
+__all__ = ["Attached", "CheckpointChosen", "CheckpointFailed", "ControllerEvent", "Event", "EventLog",
+           "Failure", "Injected", "IterationMetrics", "JobEnded", "JobErrorEvent", "JobEvent", "Killed",
+           "NodeBack", "NodeLost", "PlanPosted", "Recovered", "Relaunched", "Replanned", "Resumed", "SdcFound",
+           "Sink", "StartUp", "decode_events", "encode_events", "event_dicts", "fan_out", "observer", "only"]
 
 logger = logging.getLogger(__name__)
 
