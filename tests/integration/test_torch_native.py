@@ -142,11 +142,15 @@ def kill_and_repartition(tmp: Path, *, shard: int, restore: bool, checkpoint: bo
         lj.kill(1)
         lj.wait(5, timeout=300, on_death="return")
         resume = lj.abort()
-        # The supervisor's rule: the newest sealed checkpoint before ``resume`` (the
-        # last one is written in the background and may not be sealed yet).
-        point = checkpoints.restore_point(tmp / "ckpt", resume, 1, grace_s=60.0)[0] if restore else None
+        point = None
+        if restore:
+            # The supervisor's rule: the newest sealed checkpoint before ``resume`` (the
+            # last one is written in the background and may not be sealed yet), and the
+            # iterations after it trained again.
+            point = checkpoints.restore_point(tmp / "ckpt", resume, 1)[0]
+            resume = lj.committed = 0 if point is None else point + 1
         g = lj.post(three_stages((0, 2, 3)), iterations=5, resume=resume,
-                    restore=-1 if restore and point is None else point)
+                    restore=(-1 if point is None else point) if restore else None)
         lj.wait(5, timeout=300)
         ready = {d: json.loads(lj.store.get(f"ctl{g}/ready/{d}")) for d in (0, 2, 3)}
         losses = [sum(r.loss for r in lj.report(i).values()) for i in range(5)]
