@@ -88,6 +88,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="heartbeat interval of ranks and agents (default 1 s: at the shipped 0.1 s the "
                          "emulators' thousands of threads on a shared 2-core machine miss beats, and every "
                          "missed beat is a false fail-stop)")
+    ap.add_argument("--commit", choices=("agent", "direct", "both"), default="agent",
+                    help="agent: each rank commits through its node agent (the shipped path: one store "
+                         "request per node); direct: each rank posts its report, adds and waits itself and "
+                         "polls the latest generation every iteration (the design before); both: one run each")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--emulate", help=argparse.SUPPRESS)  # internal: an emulator process's spec (JSON)
     return ap.parse_args(argv)
@@ -114,8 +118,10 @@ def _emulate(spec: dict[str, Any]) -> int:
 
         sent = 0
         received = 0
+        requests = 0
 
         def _call(self, op: str, *args: Any) -> Any:
+            self.requests += 1
             value = super()._call(op, *args)
             self.sent += 4 + len(_ENC.encode([op, *args]))
             self.received += 4 + len(_ENC.encode([True, value]))
@@ -156,20 +162,31 @@ def _emulate(spec: dict[str, Any]) -> int:
                     raise
                 time.sleep(0.05 + 0.2 * (device % 7) / 7)
 
+    via_agent = spec["commit"] == "agent"
+    if via_agent:
+        for a in agents.values():
+            a.commits.use_store(spec["store"])
+
     def rank_main(node: int, device: int) -> None:
+        from resihp_core.runtime.worker import GenerationWatch
+        from resihp_core.runtime.worker.node_commit import NodeCommit
+
         cred = node_credential(SECRET, node)
         client = WorkerClient(agents[node].worker_address, cred, rank=device, device=device,
                               interval=spec["heartbeat_s"])
         client.identity = f"worker:{device}:{device}:"  # no pid: watched by heartbeat only
         client.start()
-        calls = 0
         rows: list[list[float]] = []
-        store = None
+        store = watch_store = None
+        relay = NodeCommit(agents[node].worker_address, cred, device, device) if via_agent else None
         try:
             store = connect_store(node, device, cred)
             g = session.wait_generation(store, -1, 60)
             msg = session.read_plan(store, g)
-            calls += 3
+            watch = None
+            if via_agent:  # the worker's generation watch: a blocked wait, no request per iteration
+                watch_store = connect_store(node, device, cred)
+                watch = GenerationWatch(watch_store)
             executors = len(msg.devices)
             i = msg.resume
             while i < iters and not stop.is_set():
@@ -186,18 +203,21 @@ def _emulate(spec: dict[str, Any]) -> int:
                 client.send_profile(IterationProfile(
                     rank=device, device=device, generation=g, iteration=i, stage=0, replica=device,
                     microbatches=(MicroBatchProfile(0, 0, it_s / 3, 2 * it_s / 3),), comm_s=0.0, iteration_s=it_s))
-                session.put_report(store, IterationReport(generation=g, iteration=i, device=device, replica=device,
-                                                          stage=0, iteration_s=it_s))
+                report = IterationReport(generation=g, iteration=i, device=device, replica=device, stage=0,
+                                         iteration_s=it_s)
                 t_add = time.time()
-                verdict = session.commit(store, g, i, executors, timeout_s=120)
-                t_verdict = time.time()
-                calls += 3
-                latest = session.latest_generation(store)
-                calls += 2
+                if relay is not None:
+                    verdict = relay.commit(store, report, executors, timeout_s=120)
+                    t_verdict = time.time()
+                    latest = watch.latest if watch is not None else g
+                else:
+                    session.put_report(store, report)
+                    verdict = session.commit(store, g, i, executors, timeout_s=120)
+                    t_verdict = time.time()
+                    latest = session.latest_generation(store)
                 t_read = 0.0
                 if latest > g:
                     msg = session.read_plan(store, latest)
-                    calls += 1
                     t_read = time.time()
                     g, executors = latest, len(msg.devices)
                 rows.append([g, i, t_add, t_verdict, 1.0 if verdict == "commit" else 0.0, t_read])
@@ -207,7 +227,6 @@ def _emulate(spec: dict[str, Any]) -> int:
                     if t_read == 0.0:
                         g2 = session.wait_generation(store, g, 60)
                         msg = session.read_plan(store, g2)
-                        calls += 3
                         rows[-1][5] = time.time()
                         g, executors = g2, len(msg.devices)
                     i = msg.resume
@@ -217,12 +236,18 @@ def _emulate(spec: dict[str, Any]) -> int:
         finally:
             with lock:
                 out["ranks"][device] = rows
-                out["store_requests"] += calls
-                if store is not None:
-                    out["store_bytes"] += store.sent + store.received
+                for st in (store, watch_store):
+                    if st is not None:
+                        out["store_requests"] += st.requests
+                        out["store_bytes"] += st.sent + st.received
+                if relay is not None:
+                    out["direct_commits"] = out.get("direct_commits", 0) + relay.direct
             client.close(goodbye=node != lose)
-            if store is not None:
-                store.close()
+            if relay is not None:
+                relay.close()
+            for st in (store, watch_store):
+                if st is not None:
+                    st.close()
 
     threads = [threading.Thread(target=rank_main, args=(n, n * RANKS_PER_NODE + k), daemon=True)
                for n in nodes for k in range(RANKS_PER_NODE)]
@@ -233,6 +258,9 @@ def _emulate(spec: dict[str, Any]) -> int:
     for t in threads:
         t.join(timeout=max(1.0, t_end - time.time()))
     stop.set()
+    out["agent_store_requests"] = sum(a.commits.stats.batches + a.commits.stats.verdict_waits
+                                      for a in agents.values())
+    out["agent_commit_refused"] = sum(a.commits.stats.refused for a in agents.values())
     for n, a in agents.items():
         try:
             lt.run(a.stop(), timeout=10)
@@ -249,7 +277,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[str, Any]:
+def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: str) -> dict[str, Any]:
     from resihp_core.plan import ParallelPlan
     from resihp_core.runtime import session
     from resihp_core.runtime.controller import Controller
@@ -301,19 +329,20 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
             continue
         spec = {"nodes": nodes, "controller": f"{host}:{port}", "store": store_addr, "iterations": iters,
                 "iteration_s": a.iteration_s, "fault_at": fault_at, "lose_node": lose,
-                "heartbeat_s": a.heartbeat_s, "out": str(tmp / f"emu{n_ranks}_{k}.json")}
+                "heartbeat_s": a.heartbeat_s, "commit": mode, "out": str(tmp / f"emu{n_ranks}_{k}_{mode}.json")}
         procs.append(subprocess.Popen([sys.executable, __file__, "--emulate", json.dumps(spec)],
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    print(f"  {n_ranks} ranks ({n_nodes} nodes, {len(procs)} emulator processes): running "
+    print(f"  {n_ranks} ranks ({n_nodes} nodes, {len(procs)} emulator processes, commits {mode}): running "
           f"{iters} iterations of {a.iteration_s:g} s, node {lose} lost at iteration {fault_at}", flush=True)
     deadline = time.time() + iters * a.iteration_s * 3 + 240
     last = -1
-    samples: dict[int, tuple[float, float, int]] = {}  # committed -> (t, cpu, controller messages)
+    served = store.server  # type: ignore[attr-defined]
+    samples: dict[int, tuple[float, float, int, int]] = {}  # committed -> (t, cpu, controller messages, store requests)
     while any(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(0.02)
         done = js.committed_through()
         if done != last:
-            samples.setdefault(done, (time.time(), time.process_time(), ctl.messages))
+            samples.setdefault(done, (time.time(), time.process_time(), ctl.messages, served.served))
             print(f"    committed through iteration {done}; controller messages {ctl.messages - msgs0}; "
                   f"CPU {time.process_time() - cpu0:.1f} s", flush=True)
             last = done
@@ -329,17 +358,19 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
     lt.stop()
     store.server.close()  # type: ignore[attr-defined]
     ranks: dict[int, list[list[float]]] = {}
-    store_requests = store_bytes = agent_msgs = agent_bytes = retries = 0
+    store_requests = store_bytes = agent_msgs = agent_bytes = retries = refused = direct = 0
     errors: list[str] = []
     t_loss = None
     for k in range(len(procs)):
-        f = tmp / f"emu{n_ranks}_{k}.json"
+        f = tmp / f"emu{n_ranks}_{k}_{mode}.json"
         if not f.exists():
             errors.append(f"emulator {k} wrote no results")
             continue
         d = json.loads(f.read_text())
         ranks.update({int(x): v for x, v in d["ranks"].items()})
-        store_requests += d["store_requests"]
+        store_requests += d["store_requests"] + d.get("agent_store_requests", 0)
+        refused += d.get("agent_commit_refused", 0)
+        direct += d.get("direct_commits", 0)
         store_bytes += d["store_bytes"]
         retries += d.get("store_connect_retries", 0)
         agent_msgs += d["controller_messages"]
@@ -364,13 +395,14 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
     lo, hi = 1, fault_at
     steady = None
     if lo in samples and hi in samples and hi > lo:
-        (ta, ca, ma), (tb, cb, mb) = samples[lo], samples[hi]
+        (ta, ca, ma, sa), (tb, cb, mb, sb) = samples[lo], samples[hi]
         k = hi - lo
         steady = {"iterations": k, "seconds": round(tb - ta, 3), "cpu_s_per_iteration": round((cb - ca) / k, 4),
                   "cores": round((cb - ca) / (tb - ta), 3),
-                  "controller_messages_per_iteration": round((mb - ma) / k, 1)}
+                  "controller_messages_per_iteration": round((mb - ma) / k, 1),
+                  "store_requests_per_iteration": round((sb - sa) / k, 1)}
     row: dict[str, Any] = {
-        "ranks": n_ranks, "nodes": n_nodes, "iteration_s": a.iteration_s, "iterations": iters,
+        "ranks": n_ranks, "nodes": n_nodes, "commit": mode, "iteration_s": a.iteration_s, "iterations": iters,
         "heartbeat_s": a.heartbeat_s, "wall_s": round(wall, 1),
         "commit_ms_p50": round(1e3 * statistics.median(lat), 2) if lat else None,
         "commit_ms_p99": round(1e3 * _pct(lat, 0.99), 2) if lat else None,
@@ -379,6 +411,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
         "main_cpu_s_per_iteration": steady["cpu_s_per_iteration"] if steady else None,
         "main_cores": steady["cores"] if steady else None,
         "controller_messages_per_iteration": steady["controller_messages_per_iteration"] if steady else None,
+        "store_requests_per_iteration_steady": steady["store_requests_per_iteration"] if steady else None,
         "whole_run": {"cpu_s": round(cpu, 2), "wall_s": round(wall, 1), "controller_messages": msgs},
         "main_peak_rss_mib": round(rss_mib, 1),
         "store_requests_per_iteration": round(store_requests / max(1, iters), 1),
@@ -386,6 +419,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path) -> dict[
         "agent_messages_per_iteration": round(agent_msgs / max(1, iters), 1),
         "agent_bytes_per_iteration": round(agent_bytes / max(1, iters)),
         "false_failure_reports": spurious,
+        "commits_refused_by_agents": refused, "commits_made_directly": direct,
         "store_connect_retries": retries,
         "loss_to_report_s": None if t_loss is None or t_report is None else round(t_report - t_loss, 3),
         "report_to_posted_s": None if t_report is None or t_posted is None else round(t_posted - t_report, 3),
@@ -415,16 +449,19 @@ def main(argv: list[str] | None = None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    out: dict[str, Any] = {"config": {"ranks": ranks, "iterations": iters, "iteration_s": a.iteration_s,
+    out: dict[str, Any] = {"config": {"ranks": ranks, "commit": a.commit, "iterations": iters,
+                                      "iteration_s": a.iteration_s,
                                       "procs": a.procs, "heartbeat_s": a.heartbeat_s,
                                       "load_average_start": os.getloadavg()}, "runs": []}
     print(f"Control plane at scale: the real controller and job store, emulated nodes of {RANKS_PER_NODE} "
           "ranks over loopback")
+    modes = ["direct", "agent"] if a.commit == "both" else [a.commit]
     for n in ranks:
-        out["runs"].append(run_one(n, a, iters, tmp))
-    cols = [("ranks", "ranks"), ("commit_ms_p50", "commit p50 ms"), ("commit_ms_p99", "p99 ms"),
+        for mode in modes:
+            out["runs"].append(run_one(n, a, iters, tmp, mode))
+    cols = [("ranks", "ranks"), ("commit", "commits"), ("commit_ms_p50", "commit p50 ms"), ("commit_ms_p99", "p99 ms"),
             ("main_cores", "ctl+store cores"), ("main_cpu_s_per_iteration", "CPU s/it"),
-            ("controller_messages_per_iteration", "ctl msgs/it"), ("store_requests_per_iteration", "store req/it"),
+            ("controller_messages_per_iteration", "ctl msgs/it"), ("store_requests_per_iteration_steady", "store req/it"),
             ("store_bytes_per_iteration", "store B/it"), ("agent_bytes_per_iteration", "agent->ctl B/it"), ("loss_to_report_s", "loss->report s"),
             ("report_to_posted_s", "report->plan s"), ("posted_to_read_by_all_s", "plan->all read s"),
             ("main_peak_rss_mib", "RSS MiB")]
@@ -434,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nGoals (issue 34, 16,384 ranks, 1 s iterations):")
     for r in out["runs"]:
         p99, cores, loss = r["commit_ms_p99"], r["main_cores"], r.get("loss_to_read_by_all_s")
-        print(f"  {r['ranks']} ranks: commit p99 <= {GOAL_COMMIT_P99_MS} ms: "
+        print(f"  {r['ranks']} ranks, commits {r['commit']}: commit p99 <= {GOAL_COMMIT_P99_MS} ms: "
               f"{'yes' if p99 is not None and p99 <= GOAL_COMMIT_P99_MS else 'NO'} ({p99}); "
               f"controller+store <= {GOAL_CORES} core: {'yes' if cores is not None and cores <= GOAL_CORES else 'NO'}"
               f" ({cores}); node loss -> plan read by all <= {GOAL_LOSS_TO_READ_S} s: "

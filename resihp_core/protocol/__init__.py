@@ -83,6 +83,8 @@ __all__ = [
     "WorkerLeft",
     "JobError",
     "ScriptEnded",
+    "CommitRequest",
+    "CommitVerdict",
     "Message",
     "MESSAGE_TYPES",
     "encode",

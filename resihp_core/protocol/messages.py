@@ -20,11 +20,13 @@ __all__ = [
     "PROTOCOL_VERSION", "Hello", "Challenge", "AuthResponse", "AuthResult", "Heartbeat",
     "MicroBatchProfile", "IterationProfile", "FailureReport", "PlanUpdate", "IterationReport", "WorkerSummary",
     "AgentState", "Ack", "Error", "LaunchWorkers", "SignalWorker", "WorkerProcess",
-    "NodeRejoin", "LinkProbe", "WorkerLeft", "JobError", "ScriptEnded",
+    "NodeRejoin", "LinkProbe", "WorkerLeft", "JobError", "ScriptEnded", "CommitRequest", "CommitVerdict",
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
-PROTOCOL_VERSION = 4  # 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof); 4: LinkProbe (a tag older agents reject)
+# 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof);
+# 4: LinkProbe (a tag older agents reject); 5: CommitRequest / CommitVerdict (node commits)
+PROTOCOL_VERSION = 5
 
 # ------------------------------------------------------------------- field types
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -205,6 +207,31 @@ class IterationReport(_Msg, tag="iteration_report"):
     microbatches: tuple[MicroBatchProfile, ...] = ()
 
 
+class CommitRequest(_Msg, tag="commit"):
+    """Worker -> its node agent: commit ``report``'s iteration. The agent posts the
+    reports of the node's executors that asked together and adds them to the
+    iteration's commit counter in one store round trip, then answers each with a
+    :class:`CommitVerdict` (docs/worker-protocol.md). ``check``: this executor must run
+    its cross-replica check before a commit is decided (docs/sdc.md); ``hold_s``: hold
+    the iteration up to that long while no controller steers the job; ``wait_s``: how
+    long to wait for the verdict before aborting the iteration."""
+
+    report: IterationReport
+    executors: Annotated[int, msgspec.Meta(ge=1)]
+    check: bool = False
+    hold_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 0.0
+    wait_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 600.0  # then the iteration is aborted
+
+
+class CommitVerdict(_Msg, tag="verdict"):
+    """Agent -> worker: the verdict of ``iteration`` in ``generation``; ``decide``: this
+    executor's counter add completed the count, so it runs its check and decides."""
+
+    generation: NonNeg
+    iteration: NonNeg
+    verdict: Literal["commit", "abort", "decide"]
+
+
 class WorkerLeft(_Msg, tag="worker_left"):
     """Why a worker left a generation (a peer died, a state move failed), as the
     supervisor reads it from the job store. ``state_lost`` is the typed signal that the
@@ -369,6 +396,8 @@ Message = Union[
     WorkerLeft,
     JobError,
     ScriptEnded,
+    CommitRequest,
+    CommitVerdict,
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 

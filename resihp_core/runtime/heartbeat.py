@@ -50,6 +50,7 @@ from resihp_core.protocol import (
 
 __all__ = [
     "BYE",
+    "COMMITS",
     "ENV_AGENT_ADDR",
     "ClientStats",
     "WorkerClient",
@@ -91,6 +92,10 @@ def format_address(address: tuple[str, int] | str) -> str:
 
 def worker_identity(device: int, rank: int, pid: int) -> str:
     return f"worker:{device}:{rank}:{pid}"
+
+
+#: identity prefix of a worker's commit connection to its agent (``commit:<device>:<rank>:<pid>``)
+COMMITS = "commit:"
 
 
 def parse_worker_identity(identity: str) -> tuple[int, int, int | None]:

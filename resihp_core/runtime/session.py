@@ -56,7 +56,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol, Sequence
 
 import msgspec
 
@@ -217,6 +217,16 @@ def wait_generation(store: KeyValueStore, after: int, timeout_s: float) -> int:
     return max(after + 1, latest_generation(store))
 
 
+def wait_posted(store: KeyValueStore, generation: int, timeout_s: float) -> bool:
+    """Block up to ``timeout_s`` in the store until ``generation``'s plan is posted (one
+    request however long it waits); False if it was not."""
+    try:
+        store.wait([_plan(generation)], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - torch's stores raise DistStoreError on time-out
+        return bool(store.check([_plan(generation)]))
+    return True
+
+
 def read_plan(store: KeyValueStore, generation: int) -> PlanUpdate:
     """Generation ``generation``'s plan message; ``ValueError`` if it is malformed."""
     try:
@@ -285,8 +295,34 @@ def commit(store: KeyValueStore, generation: int, iteration: int, executors: int
     if hold_s > 0 and not wait_controller(store, hold_s):
         return _decide(store, generation, iteration, CommitResult.ABORTED)
     if store.add(_done(generation, iteration), 1) == executors:
-        ok = check is None or check()
-        return _decide(store, generation, iteration, CommitResult.COMMITTED if ok else CommitResult.ABORTED)
+        return decide(store, generation, iteration, check)
+    return await_verdict(store, generation, iteration, timeout_s)
+
+
+def add_commits(store: KeyValueStore, generation: int, iteration: int, reports: Sequence[IterationReport]) -> int:
+    """Post ``reports`` (executors of one node) and add them to the iteration's commit
+    counter, in one store round trip where the store can; the count after the add. The
+    counter sums, so a node's executors may arrive in one batch or several."""
+    keys = [_report(r.generation, r.iteration, r.device) for r in reports]
+    values = [encode(r) for r in reports]
+    set_and_add = getattr(store, "set_and_add", None)  # ResiHP's store: one request
+    if set_and_add is not None:
+        return int(set_and_add(keys, values, _done(generation, iteration), len(reports)))
+    for k, v in zip(keys, values):
+        store.set(k, v)
+    return int(store.add(_done(generation, iteration), len(reports)))
+
+
+def decide(store: KeyValueStore, generation: int, iteration: int, check: Callable[[], bool] | None = None) -> str:
+    """The executor whose add completed the count: commit, unless ``check`` says no (or
+    the controller aborted first: the first verdict stands)."""
+    ok = check is None or check()
+    return _decide(store, generation, iteration, CommitResult.COMMITTED if ok else CommitResult.ABORTED)
+
+
+def await_verdict(store: KeyValueStore, generation: int, iteration: int, timeout_s: float) -> str:
+    """Block in the store until the iteration's verdict exists and return it; abort it
+    after ``timeout_s`` (the first verdict stands, so a late commit is read back)."""
     key = _verdict_key(generation, iteration)
     get_within = getattr(store, "get_within", None)  # ResiHP's store: wait and read in one round trip
     try:

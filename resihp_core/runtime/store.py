@@ -22,20 +22,16 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
-import msgspec
 import torch.distributed as dist
 
 from resihp_core.protocol import (
-    MAX_FRAME_BYTES,
     AuthError,
     Hello,
     ProtocolError,
-    client_handshake_sync,
     node_credential,
     server_handshake_sync,
 )
@@ -44,15 +40,20 @@ __all__ = ["StoreServer", "StoreClient", "LocalStore", "StoreError", "worker_sto
 
 logger = logging.getLogger("resihp.store")
 
-_HEADER = struct.Struct(">I")
-_ENC = msgspec.msgpack.Encoder()
-_DEC = msgspec.msgpack.Decoder()
 MAX_KEY_CHARS = 1024
 MAX_PENDING_HANDSHAKES = 64
 # Keys only the controller writes (plans; presence and shutdown, docs/failover.md), and
 # the presence key a store host drops with the controller's connection (presence=True):
 # spelled once, in the job session.
 from resihp_core.runtime.session import CONTROLLER_PREFIX, PLAN_PREFIX, PRESENT_KEY  # noqa: E402
+from resihp_core.runtime.store_wire import (  # noqa: E402
+    StoreOps,
+    WireError,
+    WireStore,
+    _recv,
+    _send,
+    _seconds,
+)
 
 
 class StoreError(dist.DistStoreError):
@@ -61,17 +62,6 @@ class StoreError(dist.DistStoreError):
 
 def worker_store_identity(node: int, device: int) -> str:
     return f"worker:{node}:{device}"
-
-
-def _b(v: str | bytes | bytearray) -> bytes:
-    return v.encode() if isinstance(v, str) else bytes(v)
-
-
-def _seconds(timeout: datetime.timedelta | float | None, default: float) -> float:
-    if timeout is None:
-        return default
-    s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    return default if s <= 0 else s
 
 
 # ------------------------------------------------------------------ the table
@@ -163,7 +153,7 @@ class _Table:
             return len(self.data)
 
 
-_WRITES = {"set", "add", "cas", "append", "del", "mset"}
+_WRITES = {"set", "add", "cas", "append", "del", "mset", "madd"}
 
 
 def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
@@ -177,6 +167,10 @@ def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
         for k, v in zip(args[0], args[1]):
             table.set(k, v)
         return None
+    if op == "madd":  # a node's reports and its executors' commit-counter add, one request
+        for k, v in zip(args[0], args[1]):
+            table.set(k, v)
+        return table.add(args[2], args[3])
     if op == "wait":
         return table.wait(args[0], args[1])
     if op == "any":
@@ -199,6 +193,8 @@ def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
 def _keys_of(op: str, args: list[Any]) -> list[str]:
     if op in ("mget", "mset", "wait", "any", "check"):
         return list(args[0])
+    if op == "madd":
+        return [*args[0], args[2]]
     return [args[0]] if op != "num" else []
 
 
@@ -206,12 +202,17 @@ def _check_request(req: Any) -> tuple[str, list[Any]]:
     if not isinstance(req, list) or not req or not isinstance(req[0], str):
         raise ProtocolError("a store request is a list [op, args...]")
     op, args = req[0], req[1:]
-    keys = _keys_of(op, args) if args or op == "num" else None
+    try:
+        keys = _keys_of(op, args) if args or op == "num" else None
+    except (TypeError, IndexError):  # an argument of the wrong shape where keys belong
+        keys = None
     if keys is None or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY_CHARS for k in keys):
         raise ProtocolError(f"store request {op!r}: bad keys")
     want = _ARG_TYPES.get(op)
     if want is None or len(args) != len(want) or not all(t(a) for t, a in zip(want, args)):
         raise ProtocolError(f"store request {op!r}: bad arguments")
+    if op in ("mset", "madd") and len(args[0]) != len(args[1]):
+        raise ProtocolError(f"store request {op!r}: {len(args[0])} keys but {len(args[1])} values")
     return op, args
 
 
@@ -227,6 +228,10 @@ def _is_bytes(a: Any) -> bool:
     return isinstance(a, bytes)
 
 
+def _is_values(a: Any) -> bool:
+    return isinstance(a, list) and all(isinstance(v, bytes) for v in a)
+
+
 def _is_int(a: Any) -> bool:
     return isinstance(a, int) and not isinstance(a, bool)
 
@@ -237,47 +242,12 @@ def _is_seconds(a: Any) -> bool:
 
 _ARG_TYPES = {
     "set": (_is_key, _is_bytes), "get": (_is_key, _is_seconds), "mget": (_is_keys, _is_seconds),
-    "mset": (_is_keys, lambda a: isinstance(a, list) and all(isinstance(v, bytes) for v in a)),
+    "mset": (_is_keys, _is_values),
+    "madd": (_is_keys, _is_values, _is_key, _is_int),
     "wait": (_is_keys, _is_seconds), "any": (_is_keys, _is_seconds), "add": (_is_key, _is_int),
     "cas": (_is_key, _is_bytes, _is_bytes),
     "append": (_is_key, _is_bytes), "check": (_is_keys,), "del": (_is_key,), "num": (),
 }
-
-
-# ------------------------------------------------------------------ framing
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            if buf:
-                raise ProtocolError(f"connection closed inside a frame ({len(buf)} of {n} bytes)")
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv(sock: socket.socket) -> Any:
-    header = _recv_exactly(sock, _HEADER.size)
-    if header is None:
-        return None
-    (n,) = _HEADER.unpack(header)
-    if n > MAX_FRAME_BYTES:
-        raise ProtocolError(f"store frame of {n} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    body = _recv_exactly(sock, n)
-    if body is None:
-        raise ProtocolError("connection closed inside a frame")
-    try:
-        return _DEC.decode(body)
-    except msgspec.MsgspecError as e:
-        raise ProtocolError(f"bad store frame: {e}") from None
-
-
-def _send(sock: socket.socket, obj: Any) -> None:
-    payload = _ENC.encode(obj)
-    if len(payload) > MAX_FRAME_BYTES:
-        raise StoreError(f"store frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
 # ------------------------------------------------------------------ server
@@ -303,6 +273,7 @@ class StoreServer:
         self.handshake_timeout = handshake_timeout
         self.table = _Table()
         self.refused = 0
+        self.served = 0  # requests served over the network (a counter for benchmarks)
         self._sock = socket.create_server((host, port), backlog=128)
         self.host, self.port = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
@@ -345,9 +316,12 @@ class StoreServer:
         role, _, rest = hello.identity.partition(":")
         if hello.identity == "controller":
             return self._secret
+        if role == "agent" and rest.isdigit() and len(rest) <= 9:  # a node agent's commits
+            rest += ":0"
+            role = "worker"
         node_s, _, device_s = rest.partition(":")
         if role != "worker" or not node_s.isdigit() or not device_s.isdigit() or len(node_s) > 9:
-            raise AuthError(f"bad store identity {hello.identity!r}: expected worker:<node>:<device>")
+            raise AuthError(f"bad store identity {hello.identity!r}: expected worker:<node>:<device> or agent:<node>")
         node = int(node_s)
         if self.nodes is not None and node not in self.nodes:
             raise AuthError(f"node {node} is not in the job")
@@ -405,6 +379,7 @@ class StoreServer:
             if req is None:
                 return
             op, args = _check_request(req)
+            self.served += 1
             if op in _WRITES and not may_plan and any(k.startswith((PLAN_PREFIX, CONTROLLER_PREFIX))
                                                       for k in _keys_of(op, args)):
                 self.refused += 1
@@ -414,7 +389,7 @@ class StoreServer:
                 continue
             try:
                 _send(conn, [True, _run_op(self.table, op, args)])
-            except (StoreError, IndexError, TypeError, ValueError) as e:
+            except (StoreError, WireError, IndexError, TypeError, ValueError) as e:
                 _send(conn, [False, str(e)])
 
     def close(self) -> None:
@@ -437,7 +412,7 @@ class StoreServer:
 
 
 # ------------------------------------------------------------------ the two Store faces
-class _StoreAPI(dist.Store):
+class _StoreAPI(StoreOps, dist.Store):
     """torch.distributed.Store's methods on top of ``_call(op, *args)``."""
 
     def __init__(self, timeout_s: float) -> None:
@@ -454,49 +429,6 @@ class _StoreAPI(dist.Store):
     def timeout(self) -> datetime.timedelta:  # type: ignore[override]
         return datetime.timedelta(seconds=self._timeout_s)
 
-    def set(self, key: str, value: str | bytes) -> None:
-        self._call("set", key, _b(value))
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key, self._timeout_s)
-
-    def get_within(self, key: str, timeout_s: float) -> bytes:
-        """``get`` waiting up to ``timeout_s`` for the key (not the store's timeout): a
-        wait and a read in one round trip (the worker's commit verdict)."""
-        return self._call("get", key, float(timeout_s))
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._call("mget", list(keys), self._timeout_s)
-
-    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._call("mset", list(keys), [_b(v) for v in values])
-
-    def add(self, key: str, value: int) -> int:
-        return int(self._call("add", key, int(value)))
-
-    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        return self._call("cas", key, _b(expected_value), _b(desired_value))
-
-    def append(self, key: str, value: str | bytes) -> None:
-        self._call("append", key, _b(value))
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._call("wait", list(keys), _seconds(timeout, self._timeout_s))
-
-    def wait_any(self, keys: list[str], timeout_s: float) -> int:
-        """Block up to ``timeout_s`` until one of ``keys`` exists; its index, -1 if none
-        came (ResiHP's own operation: the controller sleeps on what wakes it)."""
-        return int(self._call("any", list(keys), float(timeout_s)))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._call("check", list(keys)))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._call("del", key))
-
-    def num_keys(self) -> int:
-        return int(self._call("num"))
-
 
 class LocalStore(_StoreAPI):
     """The server's table as a ``dist.Store`` in the server's own process."""
@@ -510,7 +442,9 @@ class LocalStore(_StoreAPI):
 
 
 class StoreClient(_StoreAPI):
-    """A connection to a :class:`StoreServer` (one request at a time; thread-safe).
+    """A connection to a :class:`StoreServer` as a ``torch.distributed.Store`` (one
+    request at a time; thread-safe): :class:`~resihp_core.runtime.store_wire.WireStore`
+    behind torch's face.
 
     :param key: the node credential (or the job secret for ``identity="controller"``).
     """
@@ -518,46 +452,17 @@ class StoreClient(_StoreAPI):
     def __init__(self, address: str, key: str, identity: str, *, timeout_s: float = 300.0,
                  connect_timeout_s: float | None = None) -> None:
         super().__init__(timeout_s)
-        host, _, port = address.rpartition(":")
-        host = host.strip("[]")
-        deadline = time.monotonic() + (connect_timeout_s if connect_timeout_s is not None else timeout_s)
-        delay = 0.05
-        while True:
-            try:
-                self._sock = socket.create_connection((host, int(port)), timeout=10)
-                break
-            except OSError as e:
-                if time.monotonic() + delay > deadline:
-                    raise StoreError(f"cannot reach the job store at {address}: {e}") from None
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
         try:
-            client_handshake_sync(self._sock, key, identity, role="worker", timeout=min(30.0, timeout_s))
-        except AuthError as e:
-            self._sock.close()
-            raise StoreError(f"job store at {address} refused {identity}: {e}") from None
-        self._sock.settimeout(None)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._lock = threading.Lock()
+            self._wire = WireStore(address, key, identity, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        except WireError as e:
+            raise StoreError(str(e)) from None
         self.address, self.identity = address, identity
 
     def _call(self, op: str, *args: Any) -> Any:
-        with self._lock:
-            try:
-                _send(self._sock, [op, *args])
-                reply = _recv(self._sock)
-            except (OSError, ProtocolError) as e:
-                raise StoreError(f"job store connection lost: {e}") from None
-        if reply is None:
-            raise StoreError("the job store closed the connection")
-        ok, value = reply
-        if not ok:
-            raise StoreError(str(value))
-        return value
+        try:
+            return self._wire.call(op, *args)
+        except WireError as e:
+            raise StoreError(str(e)) from None
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
+        self._wire.close()

@@ -129,6 +129,10 @@ messages = st.one_of(
     st.builds(P.WorkerLeft, ids, ids, text, text, st.booleans()),
     st.builds(P.JobError, ids, text, text, text, text, st.sampled_from(["setup", "training"]), ids, small),
     st.builds(P.ScriptEnded, ids, ids),
+    st.builds(P.CommitRequest,
+              st.builds(P.IterationReport, ids, ids, ids, ids, ids, st.floats(allow_nan=False, allow_infinity=False)),
+              st.integers(1, 1 << 20), st.booleans(), st.floats(0, 86400), st.floats(0.001, 86400)),
+    st.builds(P.CommitVerdict, ids, ids, st.sampled_from(["commit", "abort", "decide"])),
 )
 
 
@@ -140,7 +144,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 20
+    assert len(P.MESSAGE_TYPES) == 22
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])

@@ -79,6 +79,7 @@ from resihp_core.protocol import (
 )
 from resihp_core.runtime.gate import PreAuthGate
 from resihp_core.runtime.heartbeat import ANNOUNCE, BYE, format_address, parse_address
+from resihp_core.runtime.agent.node_commits import NodeCommits
 from resihp_core.runtime.agent.node_launcher import WorkerLauncher
 from resihp_core.runtime.agent.node_monitor import WorkerMonitor, nodelay as _nodelay, process_state
 
@@ -181,6 +182,8 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         self.incarnation = ""  # the connected controller's, from its announcement
         self.reattaches = 0
         self._launch_interface = ""
+        cred = self._secret.decode() if isinstance(self._secret, bytes) else self._secret
+        self.commits = NodeCommits(node, cred)  # the node's executors' commits (node_commits.py)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -261,6 +264,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
                 await asyncio.wait_for(w.wait_closed(), 1.0)
         for cw in list(self._conns.values()):
             cw.close()
+        self.commits.close()
         self._reap_children()
         if self._server is not None:
             with contextlib.suppress(Exception):

@@ -32,7 +32,7 @@ from resihp_core.protocol import (
     read_msg,
     server_handshake,
 )
-from resihp_core.runtime.heartbeat import BYE, parse_worker_identity
+from resihp_core.runtime.heartbeat import BYE, COMMITS, parse_worker_identity
 
 __all__ = ["WorkerMonitor", "process_state", "nodelay"]
 
@@ -186,6 +186,11 @@ class WorkerMonitor:
                     hello = await server_handshake(reader, writer, self._secret, timeout=self.handshake_timeout)
                 finally:
                     self._gate.done(writer)
+                if hello.identity.startswith(COMMITS):  # the worker's commit connection
+                    device = parse_worker_identity("worker:" + hello.identity[len(COMMITS):])[0]
+                    nodelay(writer)
+                    await self.commits.serve(device, reader, writer)
+                    return
                 device, rank, pid = parse_worker_identity(hello.identity)
             except (AuthError, ValueError) as e:
                 if not self._gate.closing:

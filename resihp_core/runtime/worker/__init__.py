@@ -39,6 +39,7 @@ from resihp_core.runtime import session
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.protocols.store import KeyValueStore
 from resihp_core.runtime.worker.injector import FaultInjector
+from resihp_core.runtime.worker.node_commit import NodeCommit, direct_commit
 
 if TYPE_CHECKING:
     from resihp_core.program import Program
@@ -86,18 +87,20 @@ class GenerationWatch:
     plan key rather than polling, so it costs the controller nothing while nothing
     changes."""
 
-    def __init__(self, store: KeyValueStore, wait_s: float = 2.0) -> None:
+    def __init__(self, store: KeyValueStore, wait_s: float = 30.0) -> None:
         self.latest = -1
         self._store = store
-        self._wait_s = wait_s
+        self._wait_s = wait_s  # one store request per wait_s while nothing changes
         threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch").start()
 
     def _run(self) -> None:
-        while True:
-            try:
-                self.latest = session.wait_generation(self._store, self.latest, self._wait_s)
-            except Exception:  # noqa: BLE001 - the job store went away: the job is over
-                return
+        try:
+            self.latest = session.latest_generation(self._store)
+            while True:
+                if session.wait_posted(self._store, self.latest + 1, self._wait_s):
+                    self.latest = max(self.latest + 1, session.latest_generation(self._store))
+        except Exception:  # noqa: BLE001 - the job store went away: the job is over
+            return
 
 
 #: This process's worker, once built: the job-error handler posts through its store and
@@ -220,6 +223,7 @@ class Worker:
         self._pending: _Pending | None = None  # process mode: the commit in flight
         self._commit_store: KeyValueStore | None = None  # its own store connection (overlap_commits)
         self._committer: ThreadPoolExecutor | None = None
+        self.node_commit: NodeCommit | None = None  # commits through the node agent (from_env)
         # A store hosted outside the controller: hold each commit while it is away
         # (docs/failover.md); the agent ends this worker when its grace period is over.
         grace = float(os.environ.get(session.ENV_GRACE, "0") or 0)
@@ -250,6 +254,7 @@ class Worker:
         store = session.connect(env["RESIHP_STORE"], timeout)
         watch = GenerationWatch(session.connect(env["RESIHP_STORE"], timeout))
         worker = cls(device, store, job, factory=factory, watch=watch)
+        worker.node_commit = NodeCommit.from_env(env, device)
         if env.get(ENV_COMMIT_OVERLAP, "1") != "0":
             worker.overlap_commits(session.connect(env["RESIHP_STORE"], timeout))
         if env.get("RESIHP_AGENT_ADDR"):
@@ -335,10 +340,16 @@ class Worker:
 
     def _commit_in_background(self, report: IterationReport, generation: int, iteration: int,
                               executors: int) -> str:
-        session.put_report(self._commit_store, report)
-        return session.commit(self._commit_store, generation, iteration, executors,
-                              timeout_s=self.job.timeout_s * 6, hold_s=self.hold_s,
-                              check=self._sdc_check(self._commit_store, generation, iteration))
+        return self._commit(self._commit_store, report, executors)
+
+    def _commit(self, store: KeyValueStore, report: IterationReport, executors: int) -> str:
+        """Post the report and commit (through the node agent where it takes commits)."""
+        check = self._sdc_check(store, report.generation, report.iteration)
+        timeout_s = self.job.timeout_s * 6
+        if self.node_commit is not None:
+            return self.node_commit.commit(store, report, executors, timeout_s=timeout_s, hold_s=self.hold_s,
+                                           check=check)
+        return direct_commit(store, report, executors, timeout_s=timeout_s, hold_s=self.hold_s, check=check)
 
     def _overlapped_iteration(self) -> None:
         """One iteration whose report and commit leave on the committer thread; the one
@@ -481,14 +492,11 @@ class Worker:
     def end_iteration(self, result: IterationResult) -> IterationResult | None:
         """Profile, checkpoint, report and commit an iteration whose optimizer step this
         device applied; its result once committed everywhere, else None (rolled back)."""
-        a, g, i = self.adapter, self.msg.generation, self.iteration
+        a, i = self.adapter, self.iteration
         report = self._before_commit(result, i)
         if report is None:
             return None
-        session.put_report(self.store, report)
-        executors = len(self.plan.devices())
-        verdict = session.commit(self.store, g, i, executors, timeout_s=self.job.timeout_s * 6,
-                                  hold_s=self.hold_s, check=self._sdc_check(self.store, g, i))
+        verdict = self._commit(self.store, report, len(self.plan.devices()))
         if verdict != session.CommitResult.COMMITTED:
             a.rollback()
             a.release()
@@ -585,6 +593,9 @@ class Worker:
         self.finished = True
         if self.client is not None:
             self.client.close()
+        if self.node_commit is not None:
+            _log("commits", self.device, through_agent=self.node_commit.through_agent, direct=self.node_commit.direct)
+            self.node_commit.close()
         if self.job.dump_dir and self.adapter.where is not None and self.plan is not None:
             import torch
 

@@ -1,0 +1,137 @@
+"""Commits through the node agent: a node's executors reach the job store in one request,
+the verdict is the commit protocol's (everywhere or nowhere, first verdict stands), and
+hostile requests are refused and counted without stopping the agent."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import pytest
+
+from resihp_core.config import DetectorConfig
+from resihp_core.protocol import (
+    CommitRequest,
+    IterationReport,
+    client_handshake_sync,
+    node_credential,
+    recv_msg,
+    send_msg,
+)
+from resihp_core.runtime import session
+from resihp_core.runtime.agent import NodeAgent
+from resihp_core.runtime.heartbeat import parse_address
+from resihp_core.runtime.loop import LoopThread
+from resihp_core.runtime.store import StoreServer
+from resihp_core.runtime.worker.node_commit import NodeCommit, direct_commit
+
+SECRET = "node-commit-test-secret"
+NODE = 1
+CRED = node_credential(SECRET, NODE)
+CFG = DetectorConfig(heartbeat_interval_s=0.05)
+
+
+@pytest.fixture
+def node() -> Iterator[tuple[NodeAgent, StoreServer, LoopThread]]:
+    server = StoreServer("127.0.0.1", SECRET)
+    with LoopThread("test-node-commits") as lt:
+        agent = NodeAgent(NODE, None, "", CFG, credential=CRED)
+        lt.run(agent.start())
+        try:
+            yield agent, server, lt
+        finally:
+            lt.run(agent.stop(goodbye=False))
+            server.close()
+
+
+def _report(g: int, i: int, d: int) -> IterationReport:
+    return IterationReport(generation=g, iteration=i, device=d, replica=d, stage=0, loss=float(d))
+
+
+def _commit_all(agent: NodeAgent, store: session.KeyValueStore, devices: list[int], executors: int,
+                g: int = 0, i: int = 0, check: dict[int, Callable[[], bool]] | None = None) -> dict[int, str]:
+    clients = {d: NodeCommit(agent.worker_address or "", CRED, d, d) for d in devices}
+    check = check or {}
+    with ThreadPoolExecutor(len(devices)) as pool:
+        futs = {d: pool.submit(c.commit, store, _report(g, i, d), executors, timeout_s=20.0, check=check.get(d))
+                for d, c in clients.items()}
+        out = {d: f.result(timeout=30) for d, f in futs.items()}
+    for c in clients.values():
+        assert c.through_agent == 1 and c.direct == 0
+        c.close()
+    return out
+
+
+def test_a_nodes_executors_commit_in_one_store_request_with_a_direct_one(node) -> None:
+    agent, server, _ = node
+    agent.commits.use_store(server.address)
+    store = server.local()
+    # Device 9 (another node) commits directly; the three of this node through the agent.
+    other = ThreadPoolExecutor(1).submit(direct_commit, store, _report(0, 0, 9), 4, timeout_s=20.0, hold_s=0.0,
+                                         check=None)
+    got = _commit_all(agent, store, [0, 1, 2], executors=4)
+    assert got == {0: "commit", 1: "commit", 2: "commit"} and other.result(timeout=30) == "commit"
+    assert int(store.get(session._done(0, 0))) == 4
+    assert {d: r.loss for d, r in ((d, session.get_report(store, 0, 0, d)) for d in (0, 1, 2, 9))} == \
+        {0: 0.0, 1: 1.0, 2: 2.0, 9: 9.0}
+    assert agent.commits.stats.requests == 3 and 1 <= agent.commits.stats.batches <= 3
+
+
+def test_an_abort_from_the_controller_reaches_every_waiting_executor(node) -> None:
+    agent, server, _ = node
+    agent.commits.use_store(server.address)
+    store = server.local()
+    # 3 executors, only 2 come: the controller aborts the generation (a peer died).
+    t = threading.Timer(0.3, session.abort_generation, (store, 0, 0))
+    t.start()
+    assert _commit_all(agent, store, [0, 1], executors=3) == {0: "abort", 1: "abort"}
+    t.join()
+
+
+def test_the_executor_with_a_check_decides_and_a_failed_check_aborts_everywhere(node) -> None:
+    agent, server, _ = node
+    agent.commits.use_store(server.address)
+    store = server.local()
+    calls: list[int] = []
+
+    def bad() -> bool:
+        calls.append(1)
+        return False
+
+    assert _commit_all(agent, store, [0, 1], executors=2, check={1: bad}) == {0: "abort", 1: "abort"}
+    assert calls == [1]  # the check ran once, in the executor that completed the count
+
+
+def test_a_forged_or_malformed_commit_is_refused_and_the_agent_serves_on(node) -> None:
+    agent, server, _ = node
+    agent.commits.use_store(server.address)
+    store = server.local()
+    addr = parse_address(agent.worker_address or "")
+    assert isinstance(addr, tuple)
+    # A commit connection of device 0 asking for device 5's iteration: refused, closed.
+    s = socket.create_connection(addr, timeout=5)
+    client_handshake_sync(s, CRED, "commit:0:0:1", role="worker")
+    send_msg(s, CommitRequest(_report(0, 0, 5), 1))
+    assert recv_msg(s, timeout=5) is None  # closed without a verdict
+    s.close()
+    # Garbage after the handshake: the connection is dropped.
+    s = socket.create_connection(addr, timeout=5)
+    client_handshake_sync(s, CRED, "commit:0:0:1", role="worker")
+    s.sendall(b"\x00\x00\x00\x04junk")
+    assert recv_msg(s, timeout=5) is None
+    s.close()
+    assert agent.commits.stats.refused == 1
+    assert not store.check([session._done(0, 0)])  # nothing was added
+    assert _commit_all(agent, store, [0], executors=1) == {0: "commit"}
+
+
+def test_an_agent_without_a_store_lets_its_workers_commit_directly(node) -> None:
+    agent, server, _ = node
+    store = server.local()
+    c = NodeCommit(agent.worker_address or "", CRED, 0, 0)
+    assert c.commit(store, _report(0, 0, 0), 1, timeout_s=10.0) == "commit"
+    assert (c.through_agent, c.direct, c.available) == (0, 1, False)
+    assert c.commit(store, _report(0, 1, 0), 1, timeout_s=10.0) == "commit"  # no second try
+    assert c.direct == 2
