@@ -66,90 +66,121 @@ def worker_store_identity(node: int, device: int) -> str:
 
 # ------------------------------------------------------------------ the table
 class _Table:
-    """The keys and values, with the operations both the server and LocalStore run."""
+    """The keys and values, with the operations both the server and LocalStore run.
+
+    A request that waits for keys sleeps on an event registered under each missing key;
+    a write wakes only the waiters of the key it wrote. (One condition for every key
+    woke every waiter on every write: at a thousand ranks, each blocked on its next plan
+    key, each report or counter add woke a thousand threads.)"""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self._waiters: dict[str, list[threading.Event]] = {}
+
+    def _wrote(self, key: str) -> None:  # under the lock
+        for ev in self._waiters.pop(key, ()):
+            ev.set()
+
+    def _sleep(self, keys: list[str], deadline: float) -> bool:
+        """Under the lock: sleep until one of ``keys`` is written or ``deadline``;
+        False once the deadline has passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        ev = threading.Event()
+        for k in keys:
+            self._waiters.setdefault(k, []).append(ev)
+        self.lock.release()
+        try:
+            ev.wait(left)
+        finally:
+            self.lock.acquire()
+        if len(keys) > 1 or not ev.is_set():  # unregister where no write popped it
+            for k in keys:
+                waiting = self._waiters.get(k)
+                if waiting is not None and ev in waiting:
+                    waiting.remove(ev)
+                    if not waiting:
+                        del self._waiters[k]
+        return True
 
     def set(self, key: str, value: bytes) -> None:
-        with self.cond:
+        with self.lock:
             self.data[key] = value
-            self.cond.notify_all()
+            self._wrote(key)
 
     def _wait(self, keys: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while not all(k in self.data for k in keys):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [k for k in keys if k not in self.data]
+        while True:
+            missing = [k for k in keys if k not in self.data]
+            if not missing:
+                return
+            if not self._sleep(missing, deadline):
                 raise StoreError(f"timed out after {timeout_s:.1f} s waiting for keys {missing[:4]}")
-            self.cond.wait(min(left, 1.0))
 
     def get(self, key: str, timeout_s: float) -> bytes:
-        with self.cond:
+        with self.lock:
             self._wait([key], timeout_s)
             return self.data[key]
 
     def multi_get(self, keys: list[str], timeout_s: float) -> list[bytes]:
-        with self.cond:
+        with self.lock:
             self._wait(keys, timeout_s)
             return [self.data[k] for k in keys]
 
     def wait(self, keys: list[str], timeout_s: float) -> None:
-        with self.cond:
+        with self.lock:
             self._wait(keys, timeout_s)
 
     def wait_any(self, keys: list[str], timeout_s: float) -> int:
         """Block until one of ``keys`` exists; its index, -1 if none came in ``timeout_s``
         (no error: the caller waits again, as a poll would have looked again)."""
         deadline = time.monotonic() + timeout_s
-        with self.cond:
+        with self.lock:
             while True:
                 for n, k in enumerate(keys):
                     if k in self.data:
                         return n
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if not self._sleep(keys, deadline):
                     return -1
-                self.cond.wait(min(left, 1.0))
 
     def add(self, key: str, amount: int) -> int:
-        with self.cond:
+        with self.lock:
             try:
                 value = int(self.data.get(key, b"0")) + amount
             except ValueError:
                 raise StoreError(f"key {key!r} does not hold an integer") from None
             self.data[key] = str(value).encode()
-            self.cond.notify_all()
+            self._wrote(key)
             return value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """torch's semantics: set if the value equals ``expected`` (absent counts as
         ``b""``) and return the new value, else return the current one."""
-        with self.cond:
+        with self.lock:
             cur = self.data.get(key)
             if (cur is None and expected == b"") or cur == expected:
                 self.data[key] = desired
-                self.cond.notify_all()
+                self._wrote(key)
                 return desired
             return expected if cur is None else cur
 
     def append(self, key: str, value: bytes) -> None:
-        with self.cond:
+        with self.lock:
             self.data[key] = self.data.get(key, b"") + value
-            self.cond.notify_all()
+            self._wrote(key)
 
     def check(self, keys: list[str]) -> bool:
-        with self.cond:
+        with self.lock:
             return all(k in self.data for k in keys)
 
     def delete(self, key: str) -> bool:
-        with self.cond:
+        with self.lock:
             return self.data.pop(key, None) is not None
 
     def num_keys(self) -> int:
-        with self.cond:
+        with self.lock:
             return len(self.data)
 
 

@@ -172,6 +172,7 @@ class Controller:
         self.nodes: dict[int, NodeView] = {}
         self.messages = 0
         self._stopped: set[int] = set()  # devices reported fail-stopped, until seen alive again
+        self._alive: set[int] | None = None  # _alive_ranks, until what it reads changes
         self._pending: dict[int, dict[int, IterationProfile]] = {}
         self._done_iters: set[int] = set()
         self._last_complete = -1
@@ -349,6 +350,7 @@ class Controller:
         self._last_complete = -1
         if expected_ranks is not None:
             self.expected_ranks = set(expected_ranks)
+            self._alive = None
         if self.failslow is not None:
             fs = self.failslow
             self._pool.submit(fs.reset, generation, plan=plan, speeds=speeds)
@@ -372,6 +374,7 @@ class Controller:
         if not new:
             return
         self._stopped.update(new)
+        self._alive = None
         self._emit(FailureReport(
             generation=self.generation, failure="fail-stop", devices=tuple(new),
             evidence=evidence[:4000], time=max(0.0, time.time()),
@@ -406,6 +409,7 @@ class Controller:
             back = view is not None and not view.connected and not view.finished
             self.nodes[node] = view = view or NodeView(node)
             view.connected, view.finished, view.last_seen = True, False, time.monotonic()
+            self._alive = None
             self._conns[node] = writer
             logger.info("event=agent_connected node=%d", node)
             if self.incarnation:
@@ -430,6 +434,7 @@ class Controller:
                 del self._conns[node]
                 view = self.nodes[node]
                 view.connected = False
+                self._alive = None
                 if why and not view.finished and not self._stopping:
                     self._node_lost(view, why)
 
@@ -529,6 +534,8 @@ class Controller:
             logger.warning("controller: agent of node %d sent a state for node %d", view.node, state.node)
             self.rejected += 1
             return
+        if view.state is None or _liveness(view.state) != _liveness(state):
+            self._alive = None
         view.state = state
         view.environment = state.environment
         dead = []
@@ -536,8 +543,9 @@ class Controller:
             view.devices.add(w.device)
             if not w.alive:
                 dead.append(w)
-            elif w.reason != "finished":
+            elif w.reason != "finished" and w.device in self._stopped:
                 self._stopped.discard(w.device)  # a new life of the device: its next failure is news
+                self._alive = None
         for w in dead:
             self._fail_stop([w.device], f"node {view.node}: device {w.device} (rank {w.rank}) {w.reason}; "
                                         f"last progress iteration {w.iteration} step {w.step}",
@@ -576,7 +584,14 @@ class Controller:
     # ------------------------------------------------------------ fail-slow
     def _alive_ranks(self) -> set[int]:
         """Ranks whose profiles complete an iteration: ``expected_ranks`` (or every rank
-        an agent reports) minus the ranks of devices that failed or left."""
+        an agent reports) minus the ranks of devices that failed or left. Kept until an
+        agent's workers, a connection or the stopped devices change: with a profile per
+        rank and iteration, recomputing it per profile costs ranks squared per iteration."""
+        if self._alive is None:
+            self._alive = self._compute_alive_ranks()
+        return self._alive
+
+    def _compute_alive_ranks(self) -> set[int]:
         reported: set[int] = set()
         gone: set[int] = set()
         for v in self.nodes.values():
@@ -593,8 +608,10 @@ class Controller:
             return
         if p.iteration in self._done_iters or p.iteration <= self._last_complete - 8:
             return
-        self._pending.setdefault(p.iteration, {})[p.rank] = p
-        self._recheck_pending()
+        got = self._pending.setdefault(p.iteration, {})
+        got[p.rank] = p
+        if len(got) >= len(self._alive_ranks()):  # else it cannot be complete yet
+            self._recheck_pending()
 
     def _recheck_pending(self) -> None:
         if not self._pending or self._fs_queue is None:
@@ -629,6 +646,11 @@ class Controller:
             self._publish(det)
             if det.report is not None and gen == self.generation:
                 self._emit(det.report)
+
+
+def _liveness(state: AgentState) -> tuple[tuple[int, int, bool, bool], ...]:
+    """What of an agent's state decides which ranks are alive."""
+    return tuple((w.device, w.rank, w.alive, w.reason == "finished") for w in state.workers)
 
 
 def _is_paused(w: WorkerSummary) -> bool:
