@@ -272,21 +272,6 @@ def _emulate(spec: dict[str, Any]) -> int:
 
 
 # ------------------------------------------------------------------ main process
-def _cpu_by_thread() -> dict[str, float]:
-    """CPU seconds of this process's threads, summed by thread name (Linux /proc)."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        name = name.rstrip("0123456789_-") or name
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -337,7 +322,6 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
     procs = []
     chunks = [list(range(n_nodes))[k::a.procs] for k in range(a.procs)]
     cpu0 = time.process_time()
-    threads0 = _cpu_by_thread()
     msgs0 = ctl.messages
     t_start = time.time()
     for k, nodes in enumerate(chunks):
@@ -368,9 +352,6 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         p.wait()
     wall = time.time() - t_start
     cpu = time.process_time() - cpu0
-    threads1 = _cpu_by_thread()
-    by_thread = {k: round(v - threads0.get(k, 0.0), 2) for k, v in sorted(threads1.items(), key=lambda kv: -kv[1])
-                 if v - threads0.get(k, 0.0) >= 0.05}
     msgs = ctl.messages - msgs0
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     lt.run(ctl.stop())
@@ -431,8 +412,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         "main_cores": steady["cores"] if steady else None,
         "controller_messages_per_iteration": steady["controller_messages_per_iteration"] if steady else None,
         "store_requests_per_iteration_steady": steady["store_requests_per_iteration"] if steady else None,
-        "whole_run": {"cpu_s": round(cpu, 2), "wall_s": round(wall, 1), "controller_messages": msgs,
-                      "cpu_s_by_thread": by_thread},
+        "whole_run": {"cpu_s": round(cpu, 2), "wall_s": round(wall, 1), "controller_messages": msgs},
         "main_peak_rss_mib": round(rss_mib, 1),
         "store_requests_per_iteration": round(store_requests / max(1, iters), 1),
         "store_bytes_per_iteration": round(store_bytes / max(1, iters)),

@@ -85,6 +85,7 @@ __all__ = [
     "ScriptEnded",
     "CommitRequest",
     "CommitVerdict",
+    "ProfileBatch",
     "Message",
     "MESSAGE_TYPES",
     "encode",

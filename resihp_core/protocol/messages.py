@@ -21,11 +21,13 @@ __all__ = [
     "MicroBatchProfile", "IterationProfile", "FailureReport", "PlanUpdate", "IterationReport", "WorkerSummary",
     "AgentState", "Ack", "Error", "LaunchWorkers", "SignalWorker", "WorkerProcess",
     "NodeRejoin", "LinkProbe", "WorkerLeft", "JobError", "ScriptEnded", "CommitRequest", "CommitVerdict",
+    "ProfileBatch",
     "Message", "MESSAGE_TYPES", "encode", "decode", "FailureClass", "Cause",
 ]
 
 # 2: agents launch workers; 3: mutual authentication (Hello.nonce, Challenge.proof);
-# 4: LinkProbe (a tag older agents reject); 5: CommitRequest / CommitVerdict (node commits)
+# 4: LinkProbe (a tag older agents reject); 5: CommitRequest / CommitVerdict (node commits),
+# ProfileBatch (a node's profiles of one iteration)
 PROTOCOL_VERSION = 5
 
 # ------------------------------------------------------------------- field types
@@ -114,6 +116,13 @@ class IterationProfile(_Msg, tag="profile"):
     # A worker that shares its CPUs with its peers has no cores of its own for another
     # process to contend (docs/detector.md "Pinned or unpinned").
     cpus: tuple[NonNeg, ...] = ()
+
+
+class ProfileBatch(_Msg, tag="profiles"):
+    """Agent -> controller: its workers' profiles of one iteration in one message (the
+    controller's cost per iteration grows with nodes, not ranks)."""
+
+    profiles: Annotated[tuple[IterationProfile, ...], msgspec.Meta(min_length=1, max_length=4096)]
 
 
 class FailureReport(_Msg, tag="failure"):
@@ -398,6 +407,7 @@ Message = Union[
     ScriptEnded,
     CommitRequest,
     CommitVerdict,
+    ProfileBatch,
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 

@@ -20,7 +20,9 @@ from resihp_core.plugins import Plugins
 from resihp_core.protocol import (
     AgentState,
     FailureReport,
+    IterationProfile,
     NodeRejoin,
+    ProfileBatch,
     WorkerSummary,
     client_handshake,
     encode,
@@ -101,6 +103,11 @@ def test_a_malformed_frame_is_refused_counted_and_the_controller_serves_on(bad: 
             lt.run(ctl.stop())
 
 
+def _profile(device: int) -> IterationProfile:
+    return IterationProfile(rank=device, device=device, generation=0, iteration=1, stage=0, replica=0,
+                            microbatches=(), comm_s=0.0, iteration_s=1.0)
+
+
 def test_forged_messages_for_another_node_are_refused_and_counted(caplog) -> None:
     got: list[FailureReport] = []
     with LoopThread("test-forged") as lt:
@@ -114,6 +121,8 @@ def test_forged_messages_for_another_node_are_refused_and_counted(caplog) -> Non
                 AgentState(node=1, time=1.0, workers=(WorkerSummary(device=4, rank=4, alive=False, reason="x"),)),
                 NodeRejoin(node=2, devices=(4, 5)),
                 FailureReport(generation=0, failure="fail-stop", devices=(5,)),
+                # a node's profile batch that smuggles in another node's device
+                ProfileBatch((_profile(2), _profile(4))),
             ]
 
             async def send() -> None:

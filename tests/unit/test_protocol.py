@@ -133,6 +133,9 @@ messages = st.one_of(
               st.builds(P.IterationReport, ids, ids, ids, ids, ids, st.floats(allow_nan=False, allow_infinity=False)),
               st.integers(1, 1 << 20), st.booleans(), st.floats(0, 86400), st.floats(0.001, 86400)),
     st.builds(P.CommitVerdict, ids, ids, st.sampled_from(["commit", "abort", "decide"])),
+    st.builds(P.ProfileBatch, st.lists(st.builds(P.IterationProfile, ids, ids, ids, ids, small, small,
+                                                 st.lists(mb_profiles, max_size=2).map(tuple), secs, secs),
+                                       min_size=1, max_size=4).map(tuple)),
 )
 
 
@@ -144,7 +147,7 @@ def frame_of(obj: object) -> bytes:
 
 # ------------------------------------------------------------------ round trips
 def test_every_message_type_is_covered_by_the_strategy() -> None:
-    assert len(P.MESSAGE_TYPES) == 22
+    assert len(P.MESSAGE_TYPES) == 23
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])

@@ -67,8 +67,10 @@ from resihp_core.protocol import (
     Error,
     HandshakeBroken,
     LaunchWorkers,
+    IterationProfile,
     Message,
     NodeRejoin,
+    ProfileBatch,
     ProtocolError,
     SignalWorker,
     WorkerProcess,
@@ -153,6 +155,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         self.monitor = FailStopMonitor.from_config(self.config, process_state=process_state)
         self.failures: list[WorkerFailure] = []
         self.profiles_forwarded = 0
+        self._profiles: dict[tuple[int, int], list[IterationProfile]] = {}  # (generation, iteration) -> held
         self.states_sent = 0
         self._server: asyncio.AbstractServer | None = None
         self._ctl_writer: asyncio.StreamWriter | None = None
@@ -309,6 +312,23 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
             asyncio.create_task(self._controller_reader(), name=f"agent{self.node}-read"),
         ]
         self._tasks += self._ctl_tasks
+
+    def _hold_profile(self, p: IterationProfile) -> None:
+        """Send a worker's profile with its node's others of the same iteration: at once
+        when every connected worker's came, else one heartbeat interval after the first
+        (standby workers send none)."""
+        key = (p.generation, p.iteration)
+        held = self._profiles.setdefault(key, [])
+        held.append(p)
+        if len(held) >= len(self._conns):
+            self._send_profiles(key)
+        elif len(held) == 1:
+            asyncio.get_running_loop().call_later(self.config.heartbeat_interval_s, self._send_profiles, key)
+
+    def _send_profiles(self, key: tuple[int, int]) -> None:
+        held = self._profiles.pop(key, None)
+        if held:
+            self._to_controller(held[0] if len(held) == 1 else ProfileBatch(tuple(held)))
 
     def _to_controller(self, msg: Message) -> None:
         if self._ctl_queue is not None and self.controller is not None:

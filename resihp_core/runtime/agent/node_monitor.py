@@ -233,7 +233,7 @@ class WorkerMonitor:
                 if device in self.monitor.workers:
                     w = self.monitor.workers[device]
                     self.monitor.beat(device, self.clock(), w.iteration, w.step, w.generation)
-                self._to_controller(msg)
+                self._hold_profile(msg)
                 self.profiles_forwarded += 1
             elif isinstance(msg, Ack) and msg.what == BYE:
                 self.monitor.finished(device)

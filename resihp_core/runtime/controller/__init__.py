@@ -65,6 +65,7 @@ from resihp_core.protocol import (
     FailureReport,
     Hello,
     IterationProfile,
+    ProfileBatch,
     Message,
     NodeRejoin,
     ProtocolError,
@@ -456,6 +457,11 @@ class Controller:
                 if self._foreign(view, msg, [msg.device]):
                     continue
                 self._on_profile(msg)
+            elif isinstance(msg, ProfileBatch):
+                if self._foreign(view, msg, [p.device for p in msg.profiles]):
+                    continue
+                for p in msg.profiles:
+                    self._on_profile(p)
             elif isinstance(msg, FailureReport):
                 if self._foreign(view, msg, list(msg.devices) + list(msg.throughput)):
                     continue
