@@ -435,6 +435,9 @@ SOURCES = [
     Source("sdc-cost", "sdc-cost.json", "sdc_cost.py", ("--coverage", "1,0.25,0.1"),
            "SDC checks: a shard's fingerprint (whole and partial coverage) and its gradient norm next to an AdamW "
            "step of it, and the last executor's comparison, as shares of a 0.5 s iteration", quick=True),
+    Source("control-scale", "control-scale.json", "control_scale.py", ("--ranks", "256,1024", "--commit", "both"),
+           "Control plane with the real controller and job store, emulated nodes of 8 ranks over loopback: "
+           "commits through the node agent vs each rank to the store itself"),
     Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
            "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
            "without checkpoints", quick=True),
