@@ -16,25 +16,29 @@ What is real and what is emulated:
 - a few emulator processes each run real :class:`~resihp_core.runtime.agent.NodeAgent`
   s (one per node of 8 ranks, each with its authenticated connection to the
   controller) and, per rank, a real :class:`~resihp_core.runtime.heartbeat.WorkerClient`
-  (heartbeats and profiles to its agent) and a real store client, driven by a thread
-  that runs the worker's per-iteration control logic around a sleep standing for the
-  compute: beat, profile, ``put_report``, ``commit`` (the counter ``add`` and the
-  blocking verdict read), then the plan check (``latest_generation``, and
-  ``read_plan`` when a new generation is posted). The emulated ranks' identities carry
-  no pid, so the agents watch them by heartbeat only.
+  (heartbeats and profiles to its agent), a real
+  :class:`~resihp_core.runtime.worker.GenerationWatch` and a real store client, driven
+  by a thread that runs the worker's per-iteration control logic around a sleep
+  standing for the compute: beat, profile, then the commit, ``--commit agent`` through
+  :class:`~resihp_core.runtime.worker.node_commit.NodeCommit` to its agent (what
+  workers do), ``--commit direct`` to the store itself (``put_report``, the counter
+  ``add``, the blocking verdict read, and ``latest_generation`` every iteration: the
+  design before). The emulated ranks' identities carry no pid, so the agents watch them
+  by heartbeat only.
 
-Measured per N (JSON and a table): commit latency p50 / p99 (the last rank's counter
-``add`` to the verdict seen by every rank, per iteration); the main process's CPU
-(controller + store, all threads) per iteration and its peak memory; messages the
-controller received and store requests served per iteration, and the bytes of both
-(counted on the emulated side: each agent's messages to the controller, each rank's
-store requests and replies); and for a node lost at iteration ``--fault-at`` (its agent's connection aborted): node loss to
-failure report, report to plan posted, and plan posted to plan read by every surviving
-rank. Not measured here (reported as such): a silent node (partition), one slow rank's
-profiles, a controller restart.
+Measured per N and commit path (JSON and a table): commit latency p50 / p99 (the last
+rank's request to the verdict seen by every rank, per iteration); the main process's
+CPU (controller + store, all threads) per iteration and its peak memory; controller
+messages and store requests per iteration (counted by the controller and the store
+server between the first committed iteration and the fault) and the bytes the
+emulated side sent; and per fault at iteration ``--fault-at`` (``--faults``: ``loss``,
+the node's agent connection aborted; ``silent``, its agent mute with the connection
+open, a partition): fault to failure report, report to plan posted, and plan posted to
+plan read by every surviving rank. Not measured here (reported as such): one slow
+rank's profiles, a controller restart.
 
     python benchmarks/control_scale.py [--quick] [--ranks 1024,4096,16384] [--iteration-s 1.0]
-        [--iterations N] [--procs P] [--json PATH]
+        [--iterations N] [--procs P] [--commit agent|direct|both] [--faults loss,silent] [--json PATH]
 
 ``--quick`` runs 1,024 ranks for a few iterations. Goals (issue 34, at 16,384 ranks with
 1 s iterations): commit overhead p99 <= 5 ms, controller + store <= 1 core, node loss
@@ -59,7 +63,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from resihp_core.protocols.events import only  # noqa: E402
 from resihp_core.config import DetectorConfig  # noqa: E402
 from resihp_core.protocol import (  # noqa: E402
     FailureReport,
@@ -92,6 +95,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="agent: each rank commits through its node agent (the shipped path: one store "
                          "request per node); direct: each rank posts its report, adds and waits itself and "
                          "polls the latest generation every iteration (the design before); both: one run each")
+    ap.add_argument("--faults", default="loss",
+                    help="comma-separated, one run each: loss (a node's agent connection aborted), silent (a "
+                         "node's agent goes mute, its connection left open: a partition)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--emulate", help=argparse.SUPPRESS)  # internal: an emulator process's spec (JSON)
     return ap.parse_args(argv)
@@ -109,6 +115,8 @@ def _emulate(spec: dict[str, Any]) -> int:
     cfg = DetectorConfig(heartbeat_interval_s=spec["heartbeat_s"])
     nodes: list[int] = spec["nodes"]
     iters, it_s, fault_at, lose = spec["iterations"], spec["iteration_s"], spec["fault_at"], spec["lose_node"]
+    fault = spec["fault"]
+    muted: set[int] = set()  # nodes whose agents went silent
     out: dict[str, Any] = {"ranks": {}, "store_requests": 0, "store_bytes": 0, "controller_messages": 0,
                            "controller_bytes": 0, "errors": []}
     from resihp_core.protocol import encode
@@ -141,7 +149,9 @@ def _emulate(spec: dict[str, Any]) -> int:
         agents[n] = agent
         plain = agent._to_controller
 
-        def counted(msg: Any, plain: Any = plain) -> None:  # what this agent sends the controller
+        def counted(msg: Any, plain: Any = plain, node: int = n) -> None:  # what this agent sends the controller
+            if node in muted:
+                return  # partitioned: nothing reaches the controller, the connection stays open
             out["controller_messages"] += 1
             out["controller_bytes"] += 4 + len(encode(msg))
             plain(msg)
@@ -190,19 +200,25 @@ def _emulate(spec: dict[str, Any]) -> int:
             executors = len(msg.devices)
             i = msg.resume
             while i < iters and not stop.is_set():
-                time.sleep(it_s)  # the compute
+                compute = it_s
+                time.sleep(compute)  # the compute
                 if node == lose and i == fault_at:
-                    # This node is lost: its agent's connection is aborted, its ranks stop.
+                    # This node is lost (its agent's connection aborted) or silent (its agent
+                    # sends nothing, connection open); its ranks stop.
                     with lock:
                         if "t_loss" not in out:
                             out["t_loss"] = time.time()
                             a = agents[lose]
-                            lt.call(lambda: a._ctl_writer.transport.abort() if a._ctl_writer else None)
+                            if fault == "silent":
+                                muted.add(lose)
+                            else:
+                                lt.call(lambda: a._ctl_writer.transport.abort() if a._ctl_writer else None)
                     return
                 client.beat(i)
                 client.send_profile(IterationProfile(
                     rank=device, device=device, generation=g, iteration=i, stage=0, replica=device,
-                    microbatches=(MicroBatchProfile(0, 0, it_s / 3, 2 * it_s / 3),), comm_s=0.0, iteration_s=it_s))
+                    microbatches=(MicroBatchProfile(0, 0, compute / 3, 2 * compute / 3),), comm_s=0.0,
+                    iteration_s=compute))
                 report = IterationReport(generation=g, iteration=i, device=device, replica=device, stage=0,
                                          iteration_s=it_s)
                 t_add = time.time()
@@ -277,7 +293,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: str) -> dict[str, Any]:
+def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: str, fault: str) -> dict[str, Any]:
     from resihp_core.plan import ParallelPlan
     from resihp_core.runtime import session
     from resihp_core.runtime.controller import Controller
@@ -314,10 +330,16 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
                                        devices=[d for r in keep for d in topology[r]])
             g = js.post(new, devices=tuple(d for r in keep for d in topology[r]), iterations=iters, resume=resume)
             posted[g] = time.time()
+            lt.call(lambda: ctl.set_generation(g, plan=new, expected_ranks=set(new.devices())))
         threading.Thread(target=repost, daemon=True).start()
 
-    ctl = Controller(cfg, SECRET, sink=only(FailureReport, on_report), node_devices=topology)
+    def sink(ev: object) -> None:
+        if isinstance(ev, FailureReport):
+            on_report(ev)
+
+    ctl = Controller(cfg, SECRET, sink=sink, node_devices=topology)
     lt.run(ctl.start())
+    lt.call(lambda: ctl.set_generation(0, plan=plan, expected_ranks=set(range(n_ranks))))
     host, port = ctl.address
     procs = []
     chunks = [list(range(n_nodes))[k::a.procs] for k in range(a.procs)]
@@ -329,11 +351,12 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
             continue
         spec = {"nodes": nodes, "controller": f"{host}:{port}", "store": store_addr, "iterations": iters,
                 "iteration_s": a.iteration_s, "fault_at": fault_at, "lose_node": lose,
-                "heartbeat_s": a.heartbeat_s, "commit": mode, "out": str(tmp / f"emu{n_ranks}_{k}_{mode}.json")}
+                "heartbeat_s": a.heartbeat_s, "commit": mode, "fault": fault,
+                "out": str(tmp / f"emu{n_ranks}_{k}_{mode}_{fault}.json")}
         procs.append(subprocess.Popen([sys.executable, __file__, "--emulate", json.dumps(spec)],
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
     print(f"  {n_ranks} ranks ({n_nodes} nodes, {len(procs)} emulator processes, commits {mode}): running "
-          f"{iters} iterations of {a.iteration_s:g} s, node {lose} lost at iteration {fault_at}", flush=True)
+          f"{iters} iterations of {a.iteration_s:g} s, fault {fault} at iteration {fault_at}", flush=True)
     deadline = time.time() + iters * a.iteration_s * 3 + 240
     last = -1
     served = store.server  # type: ignore[attr-defined]
@@ -362,7 +385,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
     errors: list[str] = []
     t_loss = None
     for k in range(len(procs)):
-        f = tmp / f"emu{n_ranks}_{k}_{mode}.json"
+        f = tmp / f"emu{n_ranks}_{k}_{mode}_{fault}.json"
         if not f.exists():
             errors.append(f"emulator {k} wrote no results")
             continue
@@ -402,7 +425,8 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
                   "controller_messages_per_iteration": round((mb - ma) / k, 1),
                   "store_requests_per_iteration": round((sb - sa) / k, 1)}
     row: dict[str, Any] = {
-        "ranks": n_ranks, "nodes": n_nodes, "commit": mode, "iteration_s": a.iteration_s, "iterations": iters,
+        "ranks": n_ranks, "nodes": n_nodes, "commit": mode, "fault": fault, "fault_at": fault_at,
+        "iteration_s": a.iteration_s, "iterations": iters,
         "heartbeat_s": a.heartbeat_s, "wall_s": round(wall, 1),
         "commit_ms_p50": round(1e3 * statistics.median(lat), 2) if lat else None,
         "commit_ms_p99": round(1e3 * _pct(lat, 0.99), 2) if lat else None,
@@ -425,7 +449,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         "report_to_posted_s": None if t_report is None or t_posted is None else round(t_posted - t_report, 3),
         "posted_to_read_by_all_s": (None if t_posted is None or not read_new
                                     else round(max(read_new) - t_posted, 3)),
-        "silent_node": "not measured", "slow_rank": "not measured", "controller_restart": "not measured",
+        "slow_rank": "not measured", "controller_restart": "not measured",
         "errors": errors[:10], "load_average": os.getloadavg(),
     }
     if row["loss_to_report_s"] is not None and row["posted_to_read_by_all_s"] is not None:
@@ -456,13 +480,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Control plane at scale: the real controller and job store, emulated nodes of {RANKS_PER_NODE} "
           "ranks over loopback")
     modes = ["direct", "agent"] if a.commit == "both" else [a.commit]
+    faults = [f.strip() for f in a.faults.split(",") if f.strip()]
+    bad_faults = [f for f in faults if f not in ("loss", "silent")]
+    if bad_faults:
+        print(f"--faults: unknown {bad_faults} (loss, silent)", file=sys.stderr)
+        return 2
     for n in ranks:
-        for mode in modes:
-            out["runs"].append(run_one(n, a, iters, tmp, mode))
-    cols = [("ranks", "ranks"), ("commit", "commits"), ("commit_ms_p50", "commit p50 ms"), ("commit_ms_p99", "p99 ms"),
+        for fault in faults:
+            for mode in modes:
+                out["runs"].append(run_one(n, a, iters, tmp, mode, fault))
+    cols = [("ranks", "ranks"), ("commit", "commits"), ("fault", "fault"), ("commit_ms_p50", "commit p50 ms"), ("commit_ms_p99", "p99 ms"),
             ("main_cores", "ctl+store cores"), ("main_cpu_s_per_iteration", "CPU s/it"),
             ("controller_messages_per_iteration", "ctl msgs/it"), ("store_requests_per_iteration_steady", "store req/it"),
-            ("store_bytes_per_iteration", "store B/it"), ("agent_bytes_per_iteration", "agent->ctl B/it"), ("loss_to_report_s", "loss->report s"),
+            ("store_bytes_per_iteration", "store B/it"), ("agent_bytes_per_iteration", "agent->ctl B/it"), ("loss_to_report_s", "fault->report s"),
             ("report_to_posted_s", "report->plan s"), ("posted_to_read_by_all_s", "plan->all read s"),
             ("main_peak_rss_mib", "RSS MiB")]
     print("\n" + " | ".join(h for _, h in cols))
@@ -471,12 +501,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\nGoals (issue 34, 16,384 ranks, 1 s iterations):")
     for r in out["runs"]:
         p99, cores, loss = r["commit_ms_p99"], r["main_cores"], r.get("loss_to_read_by_all_s")
+        fault = (f"node {'silent' if r['fault'] == 'silent' else 'lost'} -> plan read by all <= "
+                 f"{GOAL_LOSS_TO_READ_S} s: {'yes' if loss is not None and loss <= GOAL_LOSS_TO_READ_S else 'NO'}"
+                 f" ({loss})")
         print(f"  {r['ranks']} ranks, commits {r['commit']}: commit p99 <= {GOAL_COMMIT_P99_MS} ms: "
               f"{'yes' if p99 is not None and p99 <= GOAL_COMMIT_P99_MS else 'NO'} ({p99}); "
               f"controller+store <= {GOAL_CORES} core: {'yes' if cores is not None and cores <= GOAL_CORES else 'NO'}"
-              f" ({cores}); node loss -> plan read by all <= {GOAL_LOSS_TO_READ_S} s: "
-              f"{'yes' if loss is not None and loss <= GOAL_LOSS_TO_READ_S else 'NO'} ({loss}); "
-              f"controller restart: not measured; errors: {len(r['errors'])}")
+              f" ({cores}); {fault}; controller restart: not measured; errors: {len(r['errors'])}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=2, default=str))

@@ -127,6 +127,7 @@ class WorkerStatus:
     hang: HangTimeout | None = field(default=None, repr=False)
     resumed_at: float | None = None  # a paused worker's first beat since the pause
     running_since: float | None = None  # a paused worker's process first seen running again
+    committing: bool = False  # waiting for its iteration's commit verdict (its agent says so)
 
     @property
     def paused(self) -> bool:
@@ -193,6 +194,19 @@ class FailStopMonitor:
         w = WorkerStatus(device, rank, pid, now, now, hang=HangTimeout(self.hang_factor, self.hang_min_timeout))
         self.workers[device] = w
         return w
+
+    def commit_wait(self, device: int, now: float, waiting: bool) -> None:
+        """The worker waits for its iteration's commit verdict through this node's agent:
+        not a hang (the job decides the verdict, and the wait has a time-out of its own),
+        so stalled progress is not held against it; its progress clock restarts when the
+        verdict comes. Without this, every survivor of a silent peer looks hung while the
+        controller waits out the silent node's agent."""
+        w = self.workers.get(device)
+        if w is None:
+            return
+        w.committing = waiting
+        if not waiting and w.last_progress is not None:
+            w.last_progress = now
 
     def set_pid(self, device: int, pid: int) -> None:
         self.workers[device].pid = pid
@@ -334,7 +348,7 @@ class FailStopMonitor:
                 if f:
                     out.append(f)
                 continue
-            if w.last_progress is not None and w.hang is not None and w.hang.samples:
+            if w.last_progress is not None and w.hang is not None and w.hang.samples and not w.committing:
                 stalled = now - w.last_progress
                 limit = w.hang.timeout()
                 if stalled > limit:
@@ -355,7 +369,7 @@ class FailStopMonitor:
             if not w.alive:
                 continue
             t = min(t, w.last_beat + self.silence_limit)
-            if w.last_progress is not None and w.hang is not None and w.hang.samples:
+            if w.last_progress is not None and w.hang is not None and w.hang.samples and not w.committing:
                 t = min(t, w.last_progress + w.hang.timeout())
         return max(t, now)
 

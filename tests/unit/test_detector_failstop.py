@@ -96,6 +96,30 @@ def test_stalled_progress_is_a_hang_after_the_learned_timeout() -> None:
     assert "progress stuck" in failed[0].reason
 
 
+def test_a_worker_waiting_for_its_commit_verdict_is_not_hung() -> None:
+    """Its agent says it waits for the job's verdict (a silent peer holds the count):
+    stalled progress is no hang then, and its clock restarts with the verdict."""
+    m = monitor(hang_min_timeout=0.5)
+    m.add(0, 0, 0.0)
+    t = beat_until(m, 0, 0.0, 3.0, step_every=0.2)
+    w = m.workers[0]
+    timeout = w.hang.timeout()  # type: ignore[union-attr]
+    m.commit_wait(0, t, True)
+    end = t + 3 * timeout
+    while t < end:  # beats go on, progress does not: waiting, not hung
+        m.beat(0, t, w.iteration, w.step)
+        assert m.check(t) == []
+        t += 0.1
+    m.commit_wait(0, t, False)
+    verdict_at = t
+    while t < verdict_at + timeout - 0.05:  # the clock restarted with the verdict
+        m.beat(0, t, w.iteration, w.step)
+        assert m.check(t) == []
+        t += 0.1
+    m.beat(0, verdict_at + timeout + 0.05, w.iteration, w.step)
+    assert [f.kind for f in m.check(verdict_at + timeout + 0.05)] == [FailureKind.HANG]  # stalled after it
+
+
 def test_a_gap_seen_before_does_not_trigger() -> None:
     ht = HangTimeout(factor=10, min_timeout=0.1)
     for _ in range(50):

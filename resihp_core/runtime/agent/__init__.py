@@ -186,7 +186,9 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         self.reattaches = 0
         self._launch_interface = ""
         cred = self._secret.decode() if isinstance(self._secret, bytes) else self._secret
-        self.commits = NodeCommits(node, cred)  # the node's executors' commits (node_commits.py)
+        # The node's executors' commits (node_commits.py); one waiting for its verdict is not hung.
+        self.commits = NodeCommits(node, cred,
+                                   on_wait=lambda d, waiting: self.monitor.commit_wait(d, self.clock(), waiting))
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:

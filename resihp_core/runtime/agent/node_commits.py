@@ -73,8 +73,10 @@ class NodeCommits:
     :param credential: this node's credential (the store accepts it for this node).
     """
 
-    def __init__(self, node: int, credential: str, *, linger_s: float = LINGER_S) -> None:
+    def __init__(self, node: int, credential: str, *, linger_s: float = LINGER_S,
+                 on_wait: Callable[[int, bool], None] | None = None) -> None:
         self.node, self._credential, self.linger_s = node, credential, linger_s
+        self.on_wait = on_wait  # (device, waiting): a device's wait for a verdict began / ended
         self.store_address: str | None = None
         self.stats = CommitStats()
         self._free: list[WireStore] = []
@@ -127,7 +129,13 @@ class NodeCommits:
                                    f"{getattr(getattr(msg, 'report', None), 'device', '?')}")
                     return
                 try:
-                    verdict = await self._commit(msg)
+                    if self.on_wait is not None:
+                        self.on_wait(device, True)
+                    try:
+                        verdict = await self._commit(msg)
+                    finally:
+                        if self.on_wait is not None:
+                            self.on_wait(device, False)
                 except ValueError as e:  # disagreeing executor counts
                     self.stats.refused += 1
                     logger.warning("event=commit_refused node=%d device=%d reason=%r", self.node, device, str(e))
