@@ -438,6 +438,10 @@ SOURCES = [
     Source("control-scale", "control-scale.json", "control_scale.py", ("--ranks", "256,1024", "--commit", "both"),
            "Control plane with the real controller and job store, emulated nodes of 8 ranks over loopback: "
            "commits through the node agent vs each rank to the store itself"),
+    Source("control-scale-faults", "control-scale-faults.json", "control_scale.py",
+           ("--ranks", "256", "--iterations", "16", "--commit", "agent", "--faults", "loss,silent,slow"),
+           "Control plane at 256 ranks, commits through the node agent: a node lost, a node silent (partition), "
+           "one rank computing 1.5x: fault -> report -> plan read by every rank, false reports"),
     Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
            "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
            "without checkpoints", quick=True),
