@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol, Sequence
@@ -190,6 +191,25 @@ def connect(address: str, timeout_s: float = 30.0) -> StoreClient:
 
 
 # ------------------------------------------------------------------ plans
+class LazyConnection:
+    """A store connection opened at its first use: a worker that commits through its
+    node agent touches its commit thread's own connection only when it must commit to
+    the store itself, so most workers never open it (one store thread fewer each)."""
+
+    def __init__(self, connect: Callable[[], KeyValueStore]) -> None:
+        self._connect = connect
+        self._store: KeyValueStore | None = None
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        with self._lock:
+            if self._store is None:
+                self._store = self._connect()
+        return getattr(self._store, name)
+
+
 def post_plan(store: KeyValueStore, msg: PlanUpdate) -> None:
     store.set(_plan(msg.generation), encode(msg))
     store.set(PLAN_LATEST, str(msg.generation))

@@ -256,7 +256,11 @@ class Worker:
         worker = cls(device, store, job, factory=factory, watch=watch)
         worker.node_commit = NodeCommit.from_env(env, device)
         if env.get(ENV_COMMIT_OVERLAP, "1") != "0":
-            worker.overlap_commits(session.connect(env["RESIHP_STORE"], timeout))
+            def own() -> KeyValueStore:
+                return session.connect(env["RESIHP_STORE"], timeout)
+
+            # Through the agent the commit thread needs a store of its own only as a fallback.
+            worker.overlap_commits(session.LazyConnection(own) if worker.node_commit is not None else own())
         if env.get("RESIHP_AGENT_ADDR"):
             # Heartbeats start only now: creating the adapter imports its framework, which
             # holds the GIL for seconds and would starve the beat thread into a "hang".
