@@ -9,7 +9,14 @@ is peers.py's plain script. Their difference reproduces the dp4 workers' per-wor
 gap of ``reconfigure.py --fault-free-job dp4`` in one process. Run it with another
 checkout first on PYTHONPATH for an A/B of engine changes at the same load.
 
-Usage: python benchmarks/engine_cpu.py [--iterations N] [--rounds R] [--json PATH]
+``--size`` takes overhead.py's model sizes (default ``xs``, the peers' dp4 model). Each
+round also splits the engine's iteration into parts (rollback snapshot, forward,
+backward, FSDP's gradient reduction, optimizer step, and the SDC fingerprint the
+adapter computes after it for HSDP replicas), each with its CPU milliseconds and the
+minor page faults it took: on the host, memory allocated afresh every iteration shows
+up as page faults (docs/benchmarks.md, "Where a fault-free iteration goes").
+
+Usage: python benchmarks/engine_cpu.py [--size xs|s|m|l] [--iterations N] [--rounds R] [--json PATH]
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -26,8 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--size", default="xs", help="overhead.py's model size: xs, s, m or l (default xs)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    from overhead import SIZES
+
+    if args.size not in SIZES:
+        ap.error(f"--size: unknown {args.size!r} (known: {', '.join(SIZES)})")
+    size = SIZES[args.size]
 
     import torch
     import torch.distributed as dist
@@ -43,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     m = 3  # the dp4 job's micro-batches per replica (peers.JOBS["dp4"])
-    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_dim=128, dtype="float64")
+    cfg = LlamaConfig(vocab_size=size["vocab"], dim=size["hidden"], n_layers=size["layers"], n_heads=size["heads"],
+                      ffn_dim=size["ffn_hidden"], dtype="float64")
     job = JobSpec(adapter="torch_native", adapter_config={}, data={"source": "synthetic", "token_budget": 64},
                   dp=1, num_microbatches=m)
     data = Batches(job_source(job, 256), torch.float64)
@@ -83,20 +98,71 @@ def main(argv: list[str] | None = None) -> int:
             fn()
         return 1e3 * (time.process_time() - t0) / args.iterations
 
+    parts: dict[str, list[float]] = {}
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    def timed(label: str, fn):
+        def run(*a, **k):
+            f0, t0 = faults(), time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                book = parts.setdefault(label, [0.0, 0.0])
+                book[0] += 1e3 * (time.process_time() - t0)
+                book[1] += faults() - f0
+        return run
+
+    def fingerprint() -> None:  # what the adapter reads for HSDP replicas (adapter.fingerprint)
+        from torch.distributed.tensor import DTensor
+
+        from resihp_core.detector.sdc import tensor_digest
+
+        local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+        named = []
+        for name, p in eng.module.named_parameters():
+            named.append((name, local(p)))
+            st = eng.optimizer.state.get(p, {})
+            named += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+        tensor_digest(named)
+
+    def split_ms() -> dict[str, list[float]]:
+        """The engine's iteration by part: CPU ms and page faults per iteration."""
+        parts.clear()
+        n = max(3, args.iterations // 4)
+        for _ in range(n):
+            timed("snapshot", eng.snapshot)()
+            eng.run(prog, it[0])
+            it[0] += 1
+            timed("fingerprint (HSDP replicas)", fingerprint)()
+        return {k: [v[0] / n, v[1] / n] for k, v in parts.items()}
+
+    st = eng.stage
+    st.forward_one_chunk = timed("forward", st.forward_one_chunk)
+    st.backward_one_chunk = timed("backward", st.backward_one_chunk)
+    st.perform_reduce_grad = timed("gradient reduction (FSDP)", st.perform_reduce_grad)
+    eng.step_optimizer = timed("optimizer step", eng.step_optimizer)
     rounds = []
     for r in range(args.rounds):
         a, b = cpu_ms(engine), cpu_ms(plain)
-        rounds.append({"engine_ms": a, "ddp_ms": b, "load": os.getloadavg()[0]})
+        rounds.append({"engine_ms": a, "ddp_ms": b, "load": os.getloadavg()[0], "parts": split_ms()})
         print(f"round {r + 1}: engine {a:.2f} ms CPU/it, plain DDP {b:.2f}, difference {a - b:+.2f}; "
               f"load {os.getloadavg()[0]:.1f}")
     med = {k: statistics.median(x[k] for x in rounds) for k in ("engine_ms", "ddp_ms")}
+    names = list(rounds[0]["parts"])
+    split = {k: [statistics.median(x["parts"][k][i] for x in rounds) for i in (0, 1)] for k in names}
     print(f"median: engine {med['engine_ms']:.2f}, plain DDP {med['ddp_ms']:.2f} ms CPU/it "
-          f"({os.path.dirname(resihp_adapters.__file__)})")
+          f"({os.path.dirname(resihp_adapters.__file__)}; size {args.size}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
+    print("| part of the engine's iteration | CPU ms | page faults |\n| --- | --- | --- |")
+    for k, (ms, fl) in split.items():
+        print(f"| {k} | {ms:.1f} | {fl:.0f} |")
     eng.release()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": rounds, "median": med, "tree": os.path.dirname(resihp_adapters.__file__)}, f,
-                      indent=2)
+            json.dump({"size": args.size, "rounds": rounds, "median": med, "parts_median": split,
+                       "tree": os.path.dirname(resihp_adapters.__file__)}, f, indent=2)
     return 0
 
 

@@ -697,8 +697,8 @@ def _demote(md: str) -> str:
 def section(path: Path, d: Any, sources: dict[str, Source]) -> list[str]:
     s = sources.get(path.name)
     out = [f"## `{path.name}`", ""]
-    if s or _repeated(path.name):
-        out += [(s.title if s else REPEATED_TITLE) + ".", ""]
+    if s or _repeated(path.name) or _own_title(d):
+        out += [(s.title if s else REPEATED_TITLE if _repeated(path.name) else _own_title(d)) + ".", ""]
     if isinstance(d, str):  # the parse error
         return out + [d, ""]
     if not isinstance(d, dict):
@@ -731,6 +731,12 @@ def section(path: Path, d: Any, sources: dict[str, Source]) -> list[str]:
     return out + [""]
 
 
+def _own_title(d: Any) -> str:
+    """The title a one-off JSON (an A/B kept beside the registered ones, not re-run by
+    ``--run``) gives itself in its ``title`` field; "" if none."""
+    return d["title"] if isinstance(d, dict) and isinstance(d.get("title"), str) else ""
+
+
 def _repeated(name: str) -> bool:
     return name in ("measured.json", "measured-quick.json")
 
@@ -757,7 +763,7 @@ def generate(results: Path = RESULTS, sources: list[Source] | None = None) -> st
             d = f"unreadable JSON: {e}"
         parsed.append((f, d))
         s = by_file.get(f.name)
-        title = s.title if s else REPEATED_TITLE if _repeated(f.name) else "not a registered benchmark"
+        title = s.title if s else REPEATED_TITLE if _repeated(f.name) else _own_title(d) or "not a registered benchmark"
         date = run_meta(d)["date"] if isinstance(d, dict) else NOT_RECORDED
         anchor = re.sub(r"[^a-z0-9 _-]", "", f.name.lower()).replace(" ", "-")
         lines.append(f"| [`{f.name}`](#{anchor}) | {title} | {date} |")

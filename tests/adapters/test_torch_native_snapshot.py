@@ -196,3 +196,32 @@ def test_optimizer_step_on_local_tensors_equals_the_dtensor_step_bitwise():
         if local:
             assert used == [False, True, True, True]  # the first step makes the state (DTensors)
     _equal(runs[0], runs[1])
+
+
+@pytest.mark.timeout(120)
+def test_an_unsharded_stage_reuses_its_reduction_buffers_and_trains_bitwise_alike():
+    """Shard degree 1: FSDP's reduction buffers come from the engine's pool, two of them
+    reused every iteration instead of fresh host memory; parameters and both moments
+    equal those of FSDP's own allocation bit for bit."""
+    import resihp_adapters.torch_native.engine as engine_mod
+    from resihp_adapters.torch_native.reduce_buffers import PooledReduceScatter
+
+    runs = []
+    for pooled in (True, False):
+        supported = engine_mod.host_pooling_supported
+        engine_mod.host_pooling_supported = supported if pooled else (lambda: False)
+        try:
+            eng, prog = _engine()
+        finally:
+            engine_mod.host_pooling_supported = supported
+        try:
+            comm = eng.module._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+            assert isinstance(comm, PooledReduceScatter) == pooled
+            for i in range(4):
+                eng.run(prog, i)
+                if pooled:
+                    assert comm.buffers() == 2, f"iteration {i}: {comm.buffers()} buffers kept"
+            runs.append(_state(eng))
+        finally:
+            eng.release()
+    _equal(runs[0], runs[1])

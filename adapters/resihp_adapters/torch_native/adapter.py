@@ -240,7 +240,10 @@ class TorchNativeAdapter(Adapter):
             return None
         if len(live_replicas(eng.plan)) // pl.shard_degree < 2:
             return None
-        local = lambda t: t.detach().to_local() if isinstance(t, DTensor) else t.detach()  # noqa: E731
+        # The DTensor's own local tensor (the same bits): ``detach().to_local()`` went
+        # through DTensor dispatch twice per tensor, about half the fingerprint's CPU on
+        # a 17-million-parameter stage (docs/benchmarks.md, "Where a fault-free iteration goes").
+        local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
         named = []
         for name, p in eng.module.named_parameters():
             named.append((f"param.{name}", local(p)))

@@ -55,6 +55,7 @@ from resihp_core.runtime.session import join_members, rendezvous_store
 from resihp_adapters.torch_native.async_checkpoint import DcpPlan, Staging, plan_writes
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
+from resihp_adapters.torch_native.reduce_buffers import PooledReduceScatter, host_pooling_supported
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
 __all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
@@ -469,6 +470,10 @@ class TorchNativeEngine:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
         _flags_on_known_groups(module, [*blocks, module])
+        if not blocks and self.placement.device.type == "cpu" and host_pooling_supported():
+            # One group holding the whole stage, like DDP's buckets: its reduction
+            # buffers are kept, not faulted in afresh every iteration (.reduce_buffers).
+            module.set_custom_reduce_scatter(PooledReduceScatter())
         for block in (*blocks, module):
             block.set_gradient_divide_factor(1.0)  # sums: the loss carries the global scale
             block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
