@@ -475,7 +475,7 @@ class ControlLoop:
         from resihp_core.runtime import peercopy
 
         prev = self.job.message
-        if prev is not None and prev.memory_holders is not None and resume <= prev.resume:
+        if getattr(prev, "memory_holders", None) is not None and resume <= prev.resume:
             failed = {d: w.reason for d, w in self.job.workers_left(prev.generation).items() if w.state_lost}
             if failed:  # a read failed with its holder alive (or not known dead yet): not again
                 d, why = min(failed.items())
@@ -509,9 +509,10 @@ class ControlLoop:
         no live worker any more."""
         try:
             holders, self._memory_holders = self._memory_holders, None
+            # named only for a restore from memory (a job without memory copies is unchanged)
+            extra = {"memory_holders": holders} if holders is not None and restore is not None else {}
             g = self.job.post(plan, iterations=self.iterations, resume=resume, restore=restore, fresh=fresh,
-                              exclude=self.core.handled,
-                              memory_holders=holders if restore is not None else None)
+                              exclude=self.core.handled, **extra)
         except NoProgress:
             gone = sorted(set(plan.devices()) - set(self.job.alive()))
             if not gone:
@@ -545,7 +546,7 @@ class ControlLoop:
     def _source(self) -> str:
         """What the generation just posted restores from, for its event."""
         msg = self.job.message
-        return "the memory copies" if msg is not None and msg.memory_holders is not None else "the checkpoint"
+        return "the memory copies" if getattr(msg, "memory_holders", None) is not None else "the checkpoint"
 
     def _retry(self, a: Retry) -> None:
         # The generation retried may have been a restore (a rejoin: fresh workers hold
