@@ -103,8 +103,10 @@ def main() -> int:
     for r in rows:
         print(f"{r['hidden']:>7} {r['parameters']:>10} {r['bytes_per_copy']:>12} {r['handover_ms']:>13.3f} "
               f"{r['background_ms']:>14.1f} {r['restore_read_ms']:>16.1f}")
+    from resihp_core.runtime.peercopy import KEEP_PER_SOURCE
+
     print("hand-over: paid by the training thread; background: serialize, keep, send to the buddy (loopback); "
-          "restore read: every component back from the buddy. A holder keeps 2 copies per source.")
+          f"restore read: every component back from the buddy. A holder keeps {KEEP_PER_SOURCE} copies per source.")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(rows=rows, loadavg=load), indent=2))
         print(f"wrote {args.json}")
