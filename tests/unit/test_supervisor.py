@@ -461,6 +461,24 @@ def test_a_memory_copy_of_the_last_commit_beats_disk_and_a_failed_read_falls_bac
     assert any("could not read the memory copies of iteration 9" in e.text for e in ctl.events)
 
 
+def test_memory_copies_on_an_adapter_without_them_are_announced_and_serve_no_restore() -> None:
+    from dataclasses import replace
+
+    from resihp_core.adapter import Capabilities
+    from resihp_core.runtime.controller.control import CheckpointPolicy, ControlLoop
+
+    job = MemoryJob()
+    state = replace(STATE, capabilities=replace(Capabilities.all(), memory_copy=False))
+    ctl = ControlLoop(job, Planner(), state, 20, checkpoints=CheckpointPolicy(None, 0, memory_every=1))
+    ctl._announce_memory()
+    (ev,) = ctl.events
+    assert "does not declare the memory_copy capability" in ev.text and "from the initial state" in ev.text
+    assert not ctl.core.can_restore  # no checkpoints and no memory copies: nothing to restore from
+    capable = ControlLoop(MemoryJob(), Planner(), STATE, 20, checkpoints=CheckpointPolicy(None, 0, memory_every=1))
+    capable._announce_memory()
+    assert capable.core.can_restore and not capable.events
+
+
 def test_the_session_notifies_observers_once_per_failure() -> None:
     from resihp_core.runtime.controller.control import ControlLoop
 

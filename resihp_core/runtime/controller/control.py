@@ -205,12 +205,7 @@ class ControlLoop:
             self.set_generation(g, state.plan, dict(state.speeds))
             self.session.publish(jev.PlanPosted(text=f"generation {g}: initial plan", plan=state.plan.to_text()))
             self.session.plan_changed(None, state.plan, "initial plan")
-            if self.checkpoints.memory_every > 0 and not self._memory:
-                self.session.publish(jev.CheckpointChosen(
-                    text="memory copies on peers were asked for (memory_copy_every = "
-                         f"{self.checkpoints.memory_every}), but the adapter does not declare the memory_copy "
-                         "capability: restores read checkpoints from disk"
-                         + ("" if self.checkpoints.directory else " (none are written: from the initial state)")))
+            self._announce_memory()
         self._feed(Deployed(self.job.generation, tuple(self.job.message.devices) if self.job.message else (),
                             self.job.committed))
         last_commit = self.clock()
@@ -440,6 +435,16 @@ class ControlLoop:
         resume = 0 if restore is None else restore + 1  # re-train the iterations after it
         self.job.committed = resume
         return restore, fresh, resume
+
+    def _announce_memory(self) -> None:
+        """Memory copies asked for on an adapter that cannot keep them: say that restores
+        read disk (never a silent fallback)."""
+        if self.checkpoints.memory_every > 0 and not self._memory:
+            self.session.publish(jev.CheckpointChosen(
+                text="memory copies on peers were asked for (memory_copy_every = "
+                     f"{self.checkpoints.memory_every}), but the adapter does not declare the memory_copy "
+                     "capability: restores read checkpoints from disk"
+                     + ("" if self.checkpoints.directory else " (none are written: from the initial state)")))
 
     def _restore_point(self, resume: int) -> int | None:
         """The newest complete checkpoint of an iteration before ``resume`` (None: none,
