@@ -70,7 +70,7 @@ def measure(hidden: int, runs: int) -> dict:
         held = json.loads(store.get(HELD_KEY.format(1)))
         if not held:
             raise RuntimeError("the buddy holds nothing")
-        one = sum(len(b) for h in buddy._held.values() for b in h.pieces.values()) / max(1, len(buddy._held))
+        one = sum(len(b) for pieces in buddy._held.values() for _g, b in pieces.values()) / max(1, len(buddy._held))
     finally:
         me.close()
         buddy.close()

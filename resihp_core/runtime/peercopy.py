@@ -40,7 +40,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from resihp_core.protocols.store import KeyValueStore
@@ -219,10 +219,8 @@ def _decode(piece: tuple[str, int, int], data: bytes) -> MemoryPiece:
     return MemoryPiece(piece[0], piece[1], piece[2], {k: tuple(v) for k, v in got.items()})
 
 
-@dataclass
-class _Held:
-    generation: int
-    pieces: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
+#: (component, part, parts) -> (generation the copy was taken in, serialized tensors)
+_Pieces = dict[tuple[str, int, int], tuple[int, bytes]]
 
 
 # ------------------------------------------------------------------ a worker's holder and sender
@@ -241,7 +239,7 @@ class PeerCopies:
         self._token = secrets.token_hex(16)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
-        self._held: dict[tuple[int, int], _Held] = {}  # (source, iteration) ->
+        self._held: dict[tuple[int, int], _Pieces] = {}  # (source, iteration) ->
         self._slot: tuple[int, int, MemoryCopy, int | None] | None = None
         self._wake = threading.Condition(self._lock)
         self._busy = False
@@ -347,21 +345,28 @@ class PeerCopies:
 
     # ------------------------------------------------------------ holding
     def _local(self, iteration: int, key: tuple[str, int, int]) -> bytes | None:
+        """The newest-generation copy of one piece of ``iteration`` held here."""
         with self._lock:
-            best = None
-            for (src, it), h in self._held.items():
-                if it == iteration and key in h.pieces and (best is None or h.generation > best.generation):
-                    best = h
-            return None if best is None else best.pieces[key]
+            got = [pieces[key] for (_src, it), pieces in self._held.items() if it == iteration and key in pieces]
+            return max(got, key=lambda g: g[0])[1] if got else None
 
     def _keep(self, source: int, iteration: int, generation: int, pieces: dict[tuple[str, int, int], bytes]) -> None:
-        """Hold a copy; drop the source's copies of a history this one replaces (newer
-        iterations of an older generation) and all but its newest ``KEEP_PER_SOURCE``."""
+        """Hold a copy. Pieces of the same source and iteration are merged, not replaced:
+        after a re-layout the source may hand over other components of the same state
+        while a peer still reads the ones it held before. Drop the source's pieces of a
+        history this copy replaces (newer iterations, older generations) and all but its
+        newest ``KEEP_PER_SOURCE`` iterations."""
         with self._lock:
-            for key in [k for k, h in self._held.items() if k[0] == source and
-                        (k[1] > iteration and h.generation < generation)]:
-                del self._held[key]
-            self._held[(source, iteration)] = _Held(generation, pieces)
+            for key in [k for k in self._held if k[0] == source and k[1] > iteration]:
+                kept = {p: v for p, v in self._held[key].items() if v[0] >= generation}
+                if kept:
+                    self._held[key] = kept
+                else:
+                    del self._held[key]
+            have = self._held.setdefault((source, iteration), {})
+            for p, data in pieces.items():
+                if p not in have or have[p][0] <= generation:
+                    have[p] = (generation, data)
             mine = sorted((k for k in self._held if k[0] == source), key=lambda k: k[1], reverse=True)
             for key in mine[KEEP_PER_SOURCE:]:
                 del self._held[key]
@@ -372,8 +377,8 @@ class PeerCopies:
         store ends up with is the newest one (two peers' copies may land at once)."""
         with self._publish_lock:
             with self._lock:
-                index = [[src, it, h.generation, c, t, k] for (src, it), h in sorted(self._held.items())
-                         for (c, t, k) in sorted(h.pieces)]
+                index = [[src, it, pieces[(c, t, k)][0], c, t, k] for (src, it), pieces in sorted(self._held.items())
+                         for (c, t, k) in sorted(pieces)]
             self.store.set(HELD_KEY.format(self.device), json.dumps(index))
 
     def _serve(self) -> None:

@@ -74,6 +74,15 @@ def test_a_copy_reaches_the_buddy_and_reads_back_exactly_while_the_stale_one_is_
     assert torch.equal(piece.tensors["layers.0.w"][0], torch.full((2, 3), 51.0, dtype=torch.float64))
     with pytest.raises(PeerCopyError, match="holds no memory copy of iteration 6"):
         a.reader(6, {"layers.0": [1]})("layers.0")
+    # Re-laid out, the source hands over another component of the same state: merged,
+    # so a peer still reading the piece it held before finds it.
+    a.offer(5, 2, MemoryCopy((MemoryPiece("layers.1", 0, 1, {"layers.1.w": (torch.ones(2),)}),), ("layers.0",)),
+            [0, 1], plan)
+    assert a.idle(30)
+    held = json.loads(store.get(peercopy.HELD_KEY.format(1)))
+    assert sorted((e[1], e[2], e[3]) for e in held) == [(4, 0, "layers.0"), (5, 1, "layers.0"), (5, 2, "layers.1")]
+    (piece,) = a.reader(5, {"layers.0": [1]})("layers.0")
+    assert piece.tensors["layers.0.w"][0][0, 0].item() == 51.0
     # A client without the token read from the store is refused (the job's processes only).
     store.set(peercopy.ADDR_KEY.format(1), json.dumps({**json.loads(store.get(peercopy.ADDR_KEY.format(1))),
                                                        "token": "guess"}))

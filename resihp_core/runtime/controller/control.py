@@ -460,6 +460,10 @@ class ControlLoop:
         it, skipped = checkpoints.restore_point(cp.directory, resume, cp.every, grace_s=cp.grace_s)
         if mem is not None and mem[0] >= (-1 if it is None else it):
             return self._from_memory(*mem)
+        if mem is not None:
+            self.session.publish(jev.CheckpointChosen(
+                text=f"the newest complete memory copy (iteration {mem[0]}) is older than the checkpoint of "
+                     f"iteration {it}: restoring from disk", restore=it))
         every = max(1, cp.every)
         due = (resume // every) * every - 1
         note = "; ".join(f"checkpoint of iteration {s.iteration} is not usable: {s.problem}" for s in skipped)
