@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # types of the contract; not needed at run time here (no torc
     from resihp_core.job import JobSpec
     from resihp_core.protocol import IterationProfile
     from resihp_core.protocols.checkpoints import CheckpointWrite
+    from resihp_core.runtime.peercopy import MemoryCopy, MemoryPiece
     from resihp_core.runtime.worker.injector import FaultInjector
 
 __all__ = [
@@ -81,6 +82,11 @@ class Capabilities:
         same global batch in more or fewer micro-batches per replica). Lets the
         Scheduler re-stage the survivors into whole replicas when the adapter cannot keep
         a partial replica busy (:func:`~resihp_core.scheduler.candidates.restage`).
+    :param memory_copy: implements :meth:`Adapter.memory_copy` and
+        :meth:`Adapter.load_memory_copy`: with ``training.memory_copy_every`` set, each
+        rank's committed state is also held in a peer's memory on another node, and a
+        restore after a whole stage is lost reads it instead of a checkpoint file
+        (docs/checkpoints.md). Without it such a job restores from disk, and says so.
     """
 
     tp_resize: bool = False
@@ -93,6 +99,7 @@ class Capabilities:
     tp_with_dp: bool = True
     sdc_fingerprint: bool = False
     restage: bool = False
+    memory_copy: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.schedules, str):
@@ -122,6 +129,7 @@ class Capabilities:
             checkpoint=True,
             uneven_dp=True,
             sdc_fingerprint=True,
+            memory_copy=True,
         )
 
     def migrates(self, pp: int) -> bool:
@@ -143,6 +151,7 @@ class Capabilities:
             "tp_with_dp": self.tp_with_dp,
             "sdc_fingerprint": self.sdc_fingerprint,
             "restage": self.restage,
+            "memory_copy": self.memory_copy,
         }
 
     def violations(self, plan: ParallelPlan, previous: ParallelPlan | None = None) -> list[str]:
@@ -418,6 +427,23 @@ class Adapter(abc.ABC):
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         """Build this device's part of ``plan`` from checkpoint ``iteration``."""
         raise NotImplementedError(f"adapter {self.name!r} does not implement checkpoints")
+
+    def memory_copy(self) -> MemoryCopy | None:
+        """This rank's part of the state its last :meth:`snapshot` holds (a committed
+        iteration's), as pieces a peer keeps in memory: references to the snapshot's
+        tensors, not copies (the snapshot is replaced, never changed in place, by the
+        next one). None: this rank hands over nothing (another replica holds the same
+        state, or a standby). Called only with ``capabilities.memory_copy``, right after
+        :meth:`snapshot`; serialized and sent off the training thread."""
+        raise NotImplementedError(f"adapter {self.name!r} does not keep memory copies on peers")
+
+    def load_memory_copy(self, iteration: int, plan: ParallelPlan,
+                         read: Callable[[str], list[MemoryPiece]]) -> None:
+        """Build this device's part of ``plan`` from the memory copies of ``iteration``:
+        ``read(component)`` returns every part of a component (from this worker's own
+        holder or a peer's) and raises ``OSError`` if its holder cannot give it (the
+        supervisor then restores from disk)."""
+        raise NotImplementedError(f"adapter {self.name!r} does not keep memory copies on peers")
 
     def profile(self) -> IterationProfile | None:
         """This rank's :class:`~resihp_core.protocol.IterationProfile` of the last

@@ -319,6 +319,10 @@ class TrainingConfig(_Section):
     # may be of an iteration that never committed). See docs/checkpoints.md.
     checkpoint_every: int = _opt(1, _ge(0))
     checkpoint_keep: int = _opt(3, lambda v: None if v == 0 or v >= 2 else "must be 0 (keep all) or >= 2")
+    # Every this many committed iterations each rank's state is also held in a peer's
+    # memory on another node; a restore after a whole stage is lost reads it, not a
+    # checkpoint file (0: none; adapters declaring memory_copy). docs/checkpoints.md.
+    memory_copy_every: int = _opt(0, _ge(0))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ class JobSpec:
     :param checkpoint_every: write a checkpoint after every this many committed
         iterations (0: never), and after the last; ``checkpoint_dir`` is where.
     :param checkpoint_keep: retention, the newest complete checkpoints kept (0: all).
+    :param memory_copy_every: every this many committed iterations, each rank's state
+        is also held in a peer's memory on another node (0: never; adapters with the
+        ``memory_copy`` capability), which a restore reads before any checkpoint file.
     :param dump_dir: at the job's end each worker saves what it holds there (tests).
     :param faults: injected faults (``resihp_core.faults.Fault`` dicts).
     """
@@ -45,6 +48,7 @@ class JobSpec:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     checkpoint_keep: int = 0
+    memory_copy_every: int = 0
     dump_dir: str | None = None
     faults: list[dict[str, Any]] = field(default_factory=list)
 
@@ -62,6 +66,9 @@ class JobSpec:
             raise JobSpecError(f"job.checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
         if not isinstance(self.checkpoint_keep, int) or self.checkpoint_keep < 0 or self.checkpoint_keep == 1:
             raise JobSpecError(f"job.checkpoint_keep must be 0 (keep all) or >= 2, got {self.checkpoint_keep!r}")
+        if not isinstance(self.memory_copy_every, int) or isinstance(self.memory_copy_every, bool) \
+                or self.memory_copy_every < 0:
+            raise JobSpecError(f"job.memory_copy_every must be an integer >= 0, got {self.memory_copy_every!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise JobSpecError("job.checkpoint_every needs job.checkpoint_dir")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):

@@ -201,7 +201,9 @@ def run_controlled(cfg: Config, job: AssembledJob, work: Path, args: argparse.Na
         attach = _attachable(args, work, agents.secret)
         start, restore = (0, None) if attach is not None else _resume_point(cfg, args, job.spec)
         print(f"working folder {work} (worker logs in job/, checkpoints in {job.spec.checkpoint_dir}, every "
-              f"{cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept)",
+              f"{cfg.training.checkpoint_every} iteration(s), newest {cfg.training.checkpoint_keep or 'all'} kept"
+              + (f"; memory copies on peers every {cfg.training.memory_copy_every} iteration(s)"
+                 if cfg.training.memory_copy_every else "") + ")",
               flush=True)
         config = replace(job.run, worker_module=worker_module, agents=agents, hooks=hooks, workdir=work / "job",
                          state_dir=work, timeout_s=job.run.timeout_s if timeout_s is None else timeout_s)

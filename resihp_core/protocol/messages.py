@@ -167,6 +167,9 @@ class PlanUpdate(_Msg, tag="plan"):
     restore: NonNeg | None = None
     stop: bool = False
     fresh: bool = False  # start again from the seed's initial state (a restore with no checkpoint yet)
+    # A restore from peers' memory copies, not a checkpoint file: for each component of
+    # the model, the device holding each of its parts (resihp_core.runtime.peercopy).
+    memory_holders: dict[str, list[NonNeg]] | None = None
 
     def __post_init__(self) -> None:
         if self.stop:

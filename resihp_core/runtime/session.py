@@ -602,12 +602,14 @@ class JobSession:
 
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, devices: tuple[int, ...], iterations: int, resume: int | None = None,
-             restore: int | None = None, fresh: bool = False) -> int:
-        """Post the next generation: ``plan`` for the live workers ``devices``."""
+             restore: int | None = None, fresh: bool = False,
+             memory_holders: dict[str, list[int]] | None = None) -> int:
+        """Post the next generation: ``plan`` for the live workers ``devices``
+        (``memory_holders``: ``restore`` reads peers' memory copies, not a checkpoint)."""
         g = self.generation + 1
         plan = plan.with_(generation=g) if plan.generation != g else plan
         msg = PlanUpdate.of(plan, devices=devices, resume=self.committed if resume is None else resume,
-                            iterations=iterations, restore=restore, fresh=fresh)
+                            iterations=iterations, restore=restore, fresh=fresh, memory_holders=memory_holders)
         post_plan(self.store, msg)
         self.generation, self.plan, self.message = g, plan, msg
         self.plans[g] = plan

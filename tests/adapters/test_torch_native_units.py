@@ -272,4 +272,4 @@ def test_resihp_plugins_lists_the_adapter_with_its_capabilities(capsys):
     assert caps == {"tp_resize": True, "heterogeneous_tp": True, "layer_repartition": True,
                     "cross_replica_migration": False, "schedules": ["1f1b", "gpipe", "zbh1"],
                     "checkpoint": True, "uneven_dp": True, "tp_with_dp": False, "sdc_fingerprint": True,
-                    "restage": True}
+                    "restage": True, "memory_copy": False}

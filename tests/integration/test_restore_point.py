@@ -130,3 +130,49 @@ def test_deepspeed_killed_rank_restores_from_iteration_7(monkeypatch):
     got = _assemble(read_dumps(spec))
     assert _max_rel_err(got, want.state) <= 1e-9
     assert [r.loss for r in run.records] == pytest.approx(want.losses, rel=1e-9)
+
+
+def test_megatron_ref_whole_stage_lost_restores_from_peer_memory_not_disk():
+    """TP1 x PP2 x DP1 on two nodes (one device each) keeping memory copies every
+    iteration and writing no checkpoint at all: stage 1's only device is SIGKILLed at
+    iteration 5. Its copy is held in device 0's memory (its buddy on the other node), so
+    the supervisor restores from memory -- no checkpoint file exists to read -- at most
+    the iterations since that copy are trained again, and the job ends with the
+    fault-free run's complete state (float64)."""
+    from resihp_adapters.megatron_ref import state as mstate
+
+    from .backend_harness import Finished, check_against_reference, job_spec, uniform
+    from .test_chaos import _planner_state
+
+    kill_at, iterations = 5, 8
+    plan = uniform(1, 2, 1, 2)
+    victim = plan.group(0, 1)[0]
+    spec = job_spec(dp=1, m=2, dump_dir=tmpdir(), memory_copy_every=1,
+                    faults=[fail_at(victim, kill_at, "kill").to_dict()])
+    assert spec.checkpoint_dir is None and spec.checkpoint_every == 0  # nothing on disk to restore from
+    topology = Topology.uniform(2, 1)
+    state, planner = _planner_state(plan, topology)
+    run = run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
+                                        detector=DETECTOR, iterations=iterations, workdir=Path(tmpdir()),
+                                        timeout_s=300))
+    assert run.ok, f"{run.error}; logs in {run.logs}"
+    assert len(run.records) == iterations
+    texts = [e["text"] for e in run.events]
+    story = "\n".join(texts) + f"\n(logs in {run.logs})"
+    chosen = [e for e in run.events if e["kind"] == "checkpoint" and "memory copies held by" in e["text"]]
+    assert chosen, story
+    restored = chosen[0]["restore"]
+    # The victim died before handing over its copy of iteration 4: the newest one its
+    # buddy holds is of 3 (2 if 3's was still on the wire). Iterations after it re-run.
+    assert kill_at - 3 <= restored <= kill_at - 2, story
+    plans = [e for e in run.events if e["kind"] == "plan" and e.get("restore") is not None]
+    assert plans and plans[0]["restore"] == restored and plans[0]["resume"] == restored + 1, story
+    assert "resumed from the memory copies" in plans[0]["text"], plans[0]["text"]
+    assert not any("initial state" in t or "from a checkpoint on disk" in t for t in texts), story
+    dumps = read_dumps(spec)
+    assert set(dumps) == {plan.group(0, 0)[0]}
+    (survivor,) = dumps.values()
+    comps = {mstate.component_of(n) for n in survivor["state"]}
+    assert comps == {"embed", "head", *(f"layers.{i}" for i in range(4))}  # the whole model, restaged
+    assert survivor["full"]["optimizer.step"] == iterations
+    check_against_reference(Finished(spec, dumps, [r.loss for r in run.records], []), iterations)

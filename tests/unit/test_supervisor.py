@@ -407,6 +407,78 @@ def test_state_lost_restores_the_newest_complete_checkpoint_through_the_control_
     assert ctl.core.phase is Phase.DEPLOYING and ctl.core.committed == 8
 
 
+class MemoryJob(FakeJob):
+    """A job whose posts may name memory holders (a restore from peers' memory)."""
+
+    def post(self, plan, *, iterations, resume=None, restore=None, fresh=False, exclude=frozenset(),
+             memory_holders=None) -> int:
+        return self.session.post(plan, devices=DEVICES, iterations=iterations, resume=resume, restore=restore,
+                                 fresh=fresh, memory_holders=memory_holders)
+
+    def workers_left(self, generation=None):
+        return self.session.workers_left(generation)
+
+
+def test_a_memory_copy_of_the_last_commit_beats_disk_and_a_failed_read_falls_back_to_disk(tmp_path) -> None:
+    import json
+
+    from resihp_core.runtime import peercopy, session
+    from resihp_core.runtime.controller.control import CheckpointPolicy, ControlLoop
+
+    _sealed(tmp_path, 3, 7)
+    job = MemoryJob()
+    store = job.session.store
+    job.session.post(PLAN, devices=DEVICES, iterations=20, resume=0)
+    for i in range(10):
+        assert session.commit(store, 0, i, 1) == "commit"
+    store.set(peercopy.MODEL_KEY, json.dumps(["stage0", "stage1"]))
+    store.set(peercopy.HELD_KEY.format(0), json.dumps([[0, 8, 0, "stage0", 0, 1], [0, 9, 0, "stage0", 0, 1]]))
+    store.set(peercopy.HELD_KEY.format(2), json.dumps([[1, 8, 0, "stage1", 0, 1], [1, 9, 0, "stage1", 0, 1]]))
+    ctl = ControlLoop(job, Planner(), STATE, 20,
+                      checkpoints=CheckpointPolicy(str(tmp_path), 4, grace_s=0.0, memory_every=1))
+    ctl._feed(Deployed(0, DEVICES, 0))
+    assert job.session.committed_through() == 10
+    ctl._feed(Committed(9, 0))
+
+    def state_lost(generation: int, why: str) -> None:
+        session.put_left(store, WorkerLeft(generation=generation, device=2, reason=why, error=why.split(":")[0],
+                                           state_lost=True))
+        ctl._left_news = True  # as the store watcher says when a worker leaves
+        ctl._poll()
+        ctl._feed(Tick(alive=frozenset(DEVICES), dead=frozenset()))
+
+    state_lost(0, "StateLost: shard 1/2")
+    msg = job.session.message
+    assert (msg.generation, msg.restore, msg.resume) == (1, 9, 10)  # not the checkpoint of 7: nothing re-trained
+    assert msg.memory_holders == {"stage0": [0], "stage1": [2]}
+    plan_ev = [e for e in ctl.events if isinstance(e, PlanPosted)][-1]
+    assert "resumed from the memory copies of iteration 9 at iteration 10" in plan_ev.text
+    # Device 2 cannot read its part (say, the holder's listener is unreachable): the
+    # next restore reads the disk, and says why.
+    state_lost(1, "PeerCopyError: cannot read the memory copy held by device 0")
+    msg = job.session.message
+    assert (msg.generation, msg.restore, msg.resume, msg.memory_holders) == (2, 7, 8, None)
+    assert any("could not read the memory copies of iteration 9" in e.text for e in ctl.events)
+
+
+def test_memory_copies_on_an_adapter_without_them_are_announced_and_serve_no_restore() -> None:
+    from dataclasses import replace
+
+    from resihp_core.adapter import Capabilities
+    from resihp_core.runtime.controller.control import CheckpointPolicy, ControlLoop
+
+    job = MemoryJob()
+    state = replace(STATE, capabilities=replace(Capabilities.all(), memory_copy=False))
+    ctl = ControlLoop(job, Planner(), state, 20, checkpoints=CheckpointPolicy(None, 0, memory_every=1))
+    ctl._announce_memory()
+    (ev,) = ctl.events
+    assert "does not declare the memory_copy capability" in ev.text and "from the initial state" in ev.text
+    assert not ctl.core.can_restore  # no checkpoints and no memory copies: nothing to restore from
+    capable = ControlLoop(MemoryJob(), Planner(), STATE, 20, checkpoints=CheckpointPolicy(None, 0, memory_every=1))
+    capable._announce_memory()
+    assert capable.core.can_restore and not capable.events
+
+
 def test_the_session_notifies_observers_once_per_failure() -> None:
     from resihp_core.runtime.controller.control import ControlLoop
 

@@ -10,8 +10,8 @@ component, checkpoints written and restored.
 from __future__ import annotations
 
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from resihp_core.detector import sdc
 from resihp_core.detector.sdc import Fingerprint, tensor_digest
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
+from resihp_core.runtime.peercopy import MemoryCopy, MemoryPiece
 from resihp_core.program import (
     Backward,
     BackwardWeight,
@@ -348,6 +349,48 @@ class MegatronRefAdapter(Adapter):
         root = Path(self.checkpoint_dir)
         if self._ckpt_writer is not None:
             self._ckpt_writer.drain()  # our own writes of the previous generation first
+        self._load_full(iteration, plan, lambda comp: state.load_component(root, iteration, comp))
+
+    # ------------------------------------------------------------- memory copies on peers
+    def _components(self) -> list[str]:
+        return ["embed", *(f"layers.{i}" for i in range(self.config.num_layers)), "head"]
+
+    def memory_copy(self) -> MemoryCopy | None:
+        """The rollback snapshot's tensors (a committed iteration's state), one piece per
+        component and TP rank, from the lowest replica holding each stage (the one that
+        writes checkpoints; other replicas hold the same bits). No copy is made here:
+        the next snapshot replaces the dict and never writes into these tensors."""
+        if self._snapshot is None or self.module is None or not self._writes_checkpoint():
+            return None
+        tp = self.module.tp
+        by_comp: dict[str, dict[str, Tensors3]] = {}
+        for name, ts in self._snapshot.items():
+            by_comp.setdefault(state.component_of(name), {})[name] = ts
+        return MemoryCopy(tuple(MemoryPiece(c, tp.rank, tp.size, ts) for c, ts in sorted(by_comp.items())),
+                          tuple(self._components()))
+
+    def load_memory_copy(self, iteration: int, plan: ParallelPlan,
+                         read: Callable[[str], list[MemoryPiece]]) -> None:
+        """Build this worker's shards of ``plan`` from the memory copies of ``iteration``:
+        each component's TP parts joined along the dimension they were split on."""
+
+        def full(comp: str) -> dict[str, list[Tensor]]:
+            parts = sorted(read(comp), key=lambda p: p.part)
+            out: dict[str, list[Tensor]] = {}
+            for name, ts in parts[0].tensors.items():
+                d = shard_dim(name)
+                if d is None or len(parts) == 1:
+                    out[name] = list(ts)
+                else:
+                    out[name] = [torch.cat([p.tensors[name][k] for p in parts], d) for k in range(len(ts))]
+            return out
+
+        self._load_full(iteration, plan, full)
+
+    def _load_full(self, iteration: int, plan: ParallelPlan,
+                   component: Callable[[str], dict[str, list[Tensor]]]) -> None:
+        """This worker's shards of ``plan``, taken from the full tensors ``component``
+        gives for each component, as the state after ``iteration``."""
         self.plan = plan
         self.module = self._new_module(self.plan)
         self.optimizer.state.clear()
@@ -359,7 +402,7 @@ class MegatronRefAdapter(Adapter):
                 for name, p in self._params().items():
                     comp = state.component_of(name)
                     if comp not in comps:
-                        comps[comp] = state.load_component(root, iteration, comp)
+                        comps[comp] = component(comp)
                     d = shard_dim(name)
                     fp, fm, fv = (t.to(device=p.device, dtype=p.dtype) for t in comps[comp][name])
                     pick = (lambda t: t) if d is None else (lambda t: t.chunk(tp.size, d)[tp.rank])

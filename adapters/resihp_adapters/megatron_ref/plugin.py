@@ -21,6 +21,7 @@ CAPABILITIES = Capabilities(
     schedules=frozenset({ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1}),
     checkpoint=True,
     sdc_fingerprint=True,
+    memory_copy=True,
 )
 
 

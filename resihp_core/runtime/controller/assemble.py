@@ -184,6 +184,7 @@ def assemble(cfg: Config, faults: Sequence[Fault] = (), workdir: Path | None = N
         dp=par.dp, num_microbatches=tr.microbatches, seed=tr.seed, timeout_s=inputs.op_timeout_s,
         checkpoint_dir=tr.checkpoint_dir or str(Path(workdir or tempfile.gettempdir()) / "checkpoints"),
         checkpoint_every=tr.checkpoint_every, checkpoint_keep=tr.checkpoint_keep,
+        memory_copy_every=tr.memory_copy_every,
         faults=worker_faults(faults),
     )
     # A prior for the first plans only: equal per-layer cost and CPU-like links. Once
@@ -234,7 +235,7 @@ def assemble_spec(job: JobSpec, plan: ParallelPlan, *, iterations: int, faults: 
         "training": {"microbatches": plan.num_microbatches, "iterations": iterations, "seed": job.seed,
                      "token_budget": budget if isinstance(budget, int) else 128,
                      "checkpoint_dir": job.checkpoint_dir or "", "checkpoint_every": job.checkpoint_every,
-                     "checkpoint_keep": job.checkpoint_keep},
+                     "checkpoint_keep": job.checkpoint_keep, "memory_copy_every": job.memory_copy_every},
         "runtime": {"adapter": job.adapter, "nodes": 1, "devices_per_node": world, "controller_grace_s": 0.0},
         "scheduler": {"schedule": plan.schedule.value},
         "detector": dict(detector or {}),

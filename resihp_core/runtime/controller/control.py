@@ -13,7 +13,10 @@ workers, and records each committed iteration (observers hear it through the ses
 A restore uses the newest *complete* checkpoint of a committed iteration before the
 resume point (:func:`resihp_core.checkpoints.restore_point`, the one rule for every
 adapter); if newer ones are incomplete or corrupt it says so, and the job resumes
-from the iteration after the one restored (``docs/checkpoints.md``).
+from the iteration after the one restored (``docs/checkpoints.md``). Where the job
+keeps memory copies on peers and live workers hold a complete one at least as new
+(:func:`resihp_core.runtime.peercopy.memory_restore_point`), the restore reads those
+instead, and no file.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class CheckpointPolicy:
     directory: str | None = None
     every: int = 0
     grace_s: float = 3.0
+    memory_every: int = 0  # job.memory_copy_every: peers hold memory copies (0: none)
 
 
 class Inbox(queue.Queue):
@@ -140,9 +144,13 @@ class ControlLoop:
 
     def __post_init__(self) -> None:
         self.session: JobSession = self.job.session
+        # Memory copies serve restores only where the adapter declares it (else: disk,
+        # announced when the job starts).
+        self._memory = self.checkpoints.memory_every > 0 and self.state.capabilities.memory_copy
+        self._memory_holders: dict[str, list[int]] | None = None  # the restore being posted reads these
         self.core = Supervisor(self.state, clock=self.clock, stall_s=self.stall_s,
                                join_timeout_s=self.join_timeout_s,
-                               can_restore=self.checkpoints.directory is not None,
+                               can_restore=self._can_restore,
                                checkpoint_every=self.checkpoints.every,
                                move_before_restore=self.move_before_restore, repairs=self.repairs,
                                handled=self.handled, payback=self.payback, iterations=self.iterations)
@@ -164,6 +172,11 @@ class ControlLoop:
         self._running = False
         self._dead_seen: frozenset[int] = frozenset()
         self.ended: ScriptEnded | None = None  # the user's script returned before the end
+
+    @property
+    def _can_restore(self) -> bool:
+        """Whether a lost state can be read back: from checkpoints or peers' memory."""
+        return self.checkpoints.directory is not None or self._memory
 
     @property
     def events(self) -> list[jev.JobEvent]:
@@ -192,6 +205,7 @@ class ControlLoop:
             self.set_generation(g, state.plan, dict(state.speeds))
             self.session.publish(jev.PlanPosted(text=f"generation {g}: initial plan", plan=state.plan.to_text()))
             self.session.plan_changed(None, state.plan, "initial plan")
+            self._announce_memory()
         self._feed(Deployed(self.job.generation, tuple(self.job.message.devices) if self.job.message else (),
                             self.job.committed))
         last_commit = self.clock()
@@ -406,7 +420,7 @@ class ControlLoop:
             return self.session.layout(prev.generation, live).values() if prev else ()
 
         restore, fresh = None, False
-        if needs_restore(prev, resume, can_restore=self.checkpoints.directory is not None, layouts=layouts):
+        if needs_restore(prev, resume, can_restore=self._can_restore, layouts=layouts):
             if prev is not None and prev.restore is None and not prev.fresh:
                 seen = tuple(sorted(set(layouts())))
                 self.session.publish(jev.CheckpointChosen(
@@ -422,13 +436,34 @@ class ControlLoop:
         self.job.committed = resume
         return restore, fresh, resume
 
+    def _announce_memory(self) -> None:
+        """Memory copies asked for on an adapter that cannot keep them: say that restores
+        read disk (never a silent fallback)."""
+        if self.checkpoints.memory_every > 0 and not self._memory:
+            self.session.publish(jev.CheckpointChosen(
+                text="memory copies on peers were asked for (memory_copy_every = "
+                     f"{self.checkpoints.memory_every}), but the adapter does not declare the memory_copy "
+                     "capability: restores read checkpoints from disk"
+                     + ("" if self.checkpoints.directory else " (none are written: from the initial state)")))
+
     def _restore_point(self, resume: int) -> int | None:
         """The newest complete checkpoint of an iteration before ``resume`` (None: none,
-        restart from the seed)."""
+        restart from the seed), or the newest memory copy live peers hold when it is at
+        least as new (then :attr:`_memory_holders` says where each part is)."""
         cp = self.checkpoints
+        self._memory_holders = None
+        mem = self._memory_point(resume)
+        if mem is not None and (mem[0] == resume - 1 or cp.directory is None):
+            return self._from_memory(*mem)
         if cp.directory is None:
-            return resume - 1
+            return None if self._memory else resume - 1  # memory copies only: none complete, from the seed
         it, skipped = checkpoints.restore_point(cp.directory, resume, cp.every, grace_s=cp.grace_s)
+        if mem is not None and mem[0] >= (-1 if it is None else it):
+            return self._from_memory(*mem)
+        if mem is not None:
+            self.session.publish(jev.CheckpointChosen(
+                text=f"the newest complete memory copy (iteration {mem[0]}) is older than the checkpoint of "
+                     f"iteration {it}: restoring from disk", restore=it))
         every = max(1, cp.every)
         due = (resume // every) * every - 1
         note = "; ".join(f"checkpoint of iteration {s.iteration} is not usable: {s.problem}" for s in skipped)
@@ -440,12 +475,53 @@ class ControlLoop:
                 restore=it, skipped=tuple(s.iteration for s in skipped)))
         return it
 
+    def _memory_point(self, resume: int) -> tuple[int, dict[str, list[int]]] | None:
+        """The newest memory copy live workers hold completely, unless the job keeps
+        none or the restore being replaced read memory and failed (a holder died before
+        it served): then this one reads disk."""
+        if not self._memory or resume <= 0:
+            return None
+        from resihp_core.runtime import peercopy
+
+        prev = self.job.message
+        if getattr(prev, "memory_holders", None) is not None and resume <= prev.resume:
+            failed = {d: w.reason for d, w in self.job.workers_left(prev.generation).items() if w.state_lost}
+            if failed:  # a read failed with its holder alive (or not known dead yet): not again
+                d, why = min(failed.items())
+                self.session.publish(jev.CheckpointChosen(
+                    text=f"device {d} could not read the memory copies of iteration {prev.restore} ({why[:200]}): "
+                         "restoring from a checkpoint on disk" if self.checkpoints.directory else
+                         f"device {d} could not read the memory copies of iteration {prev.restore} ({why[:200]}) "
+                         "and the job writes no checkpoints: restarting from the initial state",
+                    devices=(d,)))
+                return None
+        live = set(self.job.alive()) - set(self.core.handled)
+        why: list[str] = []
+        got = peercopy.memory_restore_point(self.session.store, live, resume, self.session.committed_in, why)
+        if got is None:
+            self.session.publish(jev.CheckpointChosen(
+                text=f"no memory copy to restore from ({why[0]}): "
+                     + ("restoring from a checkpoint on disk" if self.checkpoints.directory else
+                        "the job writes no checkpoints, restarting from the initial state")))
+        return got
+
+    def _from_memory(self, iteration: int, holders: dict[str, list[int]]) -> int:
+        self._memory_holders = holders
+        by = sorted({h for hs in holders.values() for h in hs})
+        self.session.publish(jev.CheckpointChosen(
+            text=f"restoring iteration {iteration} from the memory copies held by devices {by} (no checkpoint file "
+                 "read)", restore=iteration))
+        return iteration
+
     def _post(self, plan: ParallelPlan, resume: int, restore: int | None, fresh: bool) -> int | None:
         """Post ``plan``; None (and a :class:`DeployFailed` fed) if a device of it has
         no live worker any more."""
         try:
+            holders, self._memory_holders = self._memory_holders, None
+            # named only for a restore from memory (a job without memory copies is unchanged)
+            extra = {"memory_holders": holders} if holders is not None and restore is not None else {}
             g = self.job.post(plan, iterations=self.iterations, resume=resume, restore=restore, fresh=fresh,
-                              exclude=self.core.handled)
+                              exclude=self.core.handled, **extra)
         except NoProgress:
             gone = sorted(set(plan.devices()) - set(self.job.alive()))
             if not gone:
@@ -468,13 +544,18 @@ class ControlLoop:
         if g is None:
             return
         self.session.plan_changed(old, decision.plan, f"{a.what or a.kind}: {decision.reason}")
-        where = (f", resumed from the checkpoint of iteration {restore} at iteration {resume}"
+        where = (f", resumed from {self._source()} of iteration {restore} at iteration {resume}"
                  if restore is not None else ", from the initial state (no complete checkpoint)" if fresh else "")
         self.session.publish(jev.PlanPosted(text=f"generation {g} ({a.what or a.kind}, planned in "
                                                  f"{a.seconds * 1e3:.0f} ms{where}): {decision.reason}",
                                             plan=decision.plan.to_text(), kind_of_plan=a.kind, planning_s=a.seconds,
                                             resume=resume, restore=restore, devices=tuple(a.devices or ())), at=at)
         self._feed(Deployed(g, tuple(self.job.message.devices), resume))
+
+    def _source(self) -> str:
+        """What the generation just posted restores from, for its event."""
+        msg = self.job.message
+        return "the memory copies" if getattr(msg, "memory_holders", None) is not None else "the checkpoint"
 
     def _retry(self, a: Retry) -> None:
         # The generation retried may have been a restore (a rejoin: fresh workers hold
@@ -487,7 +568,7 @@ class ControlLoop:
         why = a.why[:300] or ("workers left the previous one with no device failing: " + "; ".join(
             f"device {d}: {t[:80]}" for d, t in sorted(a.failures.items()))[:300])
         self.session.publish(jev.PlanPosted(text=f"generation {g} (retry {a.attempt} of the same plan: {why}"
-                                                 + (f"; resumed from the checkpoint of iteration {restore}"
+                                                 + (f"; resumed from {self._source()} of iteration {restore}"
                                                     if restore is not None else "") + ")",
                                             plan=plan.to_text(), kind_of_plan="retry", resume=resume,
                                             restore=restore), at=at)

@@ -171,14 +171,15 @@ class LocalJob:
     # ------------------------------------------------------------ generations
     def post(self, plan: ParallelPlan, *, iterations: int, resume: int | None = None,
              restore: int | None = None, fresh: bool = False,
-             exclude: set[int] | frozenset[int] = frozenset()) -> int:
+             exclude: set[int] | frozenset[int] = frozenset(),
+             memory_holders: dict[str, list[int]] | None = None) -> int:
         """Post the next generation: ``plan`` on every live worker not in ``exclude``."""
         devices = tuple(d for d in self.alive() if d not in exclude)
         missing = [d for d in plan.devices() if d not in devices]
         if missing:
             raise NoProgress(f"plan generation {self.generation + 1} uses devices {missing} that have no live worker")
         return self.session.post(plan, devices=devices, iterations=iterations, resume=resume, restore=restore,
-                                 fresh=fresh)
+                                 fresh=fresh, memory_holders=memory_holders)
 
     def abort(self) -> int:
         """Abort the current generation; returns the iteration to resume from."""

@@ -261,7 +261,8 @@ class ResilientJob:
             fitted=self.model.fitted_predictor if run.supervised else (lambda: None),
             samples=run.plan.dp * run.plan.num_microbatches, phase_of=self.hooks.phase_of,
             on_iteration=self.hooks.observe,
-            checkpoints=CheckpointPolicy(run.spec.checkpoint_dir or None, run.spec.checkpoint_every),
+            checkpoints=CheckpointPolicy(run.spec.checkpoint_dir or None, run.spec.checkpoint_every,
+                                         memory_every=run.spec.memory_copy_every),
             move_before_restore=run.move_before_restore, payback=run.payback, repairs=dict(run.repairs),
             handled=handled, first=start, restore_at_start=run.resume.restore, adopt=self.attached is not None,
             wake=self.wake, watch_store=self.watch)

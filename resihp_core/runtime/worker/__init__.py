@@ -44,6 +44,7 @@ from resihp_core.runtime.worker.node_commit import NodeCommit, direct_commit
 if TYPE_CHECKING:
     from resihp_core.program import Program
     from resihp_core.runtime.heartbeat import WorkerClient
+    from resihp_core.runtime.peercopy import PeerCopies
 
 __all__ = ["GenerationWatch", "Worker", "main", "end_on_job_error", "end_script"]
 
@@ -224,6 +225,7 @@ class Worker:
         self._commit_store: KeyValueStore | None = None  # its own store connection (overlap_commits)
         self._committer: ThreadPoolExecutor | None = None
         self.node_commit: NodeCommit | None = None  # commits through the node agent (from_env)
+        self.peers: PeerCopies | None = None  # memory copies on peers (keep_peer_copies)
         # A store hosted outside the controller: hold each commit while it is away
         # (docs/failover.md); the agent ends this worker when its grace period is over.
         grace = float(os.environ.get(session.ENV_GRACE, "0") or 0)
@@ -261,6 +263,11 @@ class Worker:
 
             # Through the agent the commit thread needs a store of its own only as a fallback.
             worker.overlap_commits(session.LazyConnection(own) if worker.node_commit is not None else own())
+        if job.memory_copy_every and worker.adapter.capabilities.memory_copy:
+            from resihp_core.runtime.peercopy import PeerCopies
+
+            worker.keep_peer_copies(PeerCopies.from_env(device, session.connect(env["RESIHP_STORE"], timeout), env,
+                                                        timeout_s=timeout))
         if env.get("RESIHP_AGENT_ADDR"):
             # Heartbeats start only now: creating the adapter imports its framework, which
             # holds the GIL for seconds and would starve the beat thread into a "hang".
@@ -277,6 +284,12 @@ class Worker:
         if the adapter keeps two snapshots (:class:`DeepRollback`); its verdict is
         awaited before the next commit, a fault, a new generation or the end."""
         self._commit_store = store
+
+    def keep_peer_copies(self, peers: PeerCopies) -> None:
+        """Hand each committed snapshot due by ``job.memory_copy_every`` to ``peers``
+        (this rank's own holder, and its buddy's on another node), and read them back at
+        a restore from memory (docs/checkpoints.md, "Memory copies on peers")."""
+        self.peers = peers
 
     def run(self) -> None:
         """Process mode: train until the job stops."""
@@ -417,7 +430,12 @@ class Worker:
                 a.check_move(self.plan, plan, list(msg.devices))
             a.rebuild_communicators(plan, g, list(msg.devices))
             t2 = time.perf_counter()
-            if msg.restore is not None:
+            if msg.restore is not None and msg.memory_holders is not None:
+                if self.peers is None:
+                    raise OSError(f"device {dev} keeps no memory copies: cannot restore iteration {msg.restore} "
+                                  "from memory")
+                a.load_memory_copy(msg.restore, plan, self.peers.reader(msg.restore, msg.memory_holders))
+            elif msg.restore is not None:
                 a.load_checkpoint(msg.restore, plan)
             elif not moving:
                 a.start_fresh(plan)
@@ -486,6 +504,14 @@ class Worker:
         i = self.iteration + (self._pending is not None)
         self.faults.at_iteration(i)
         self.adapter.snapshot()
+        every = self.job.memory_copy_every
+        if self.peers is not None and every and self._pending is None and i > 0 and i % every == 0:
+            # The snapshot holds iteration i - 1, committed everywhere: its pieces go to
+            # this rank's holder and its buddy on a background thread.
+            copy = self.adapter.memory_copy()
+            if copy is not None:
+                self.peers.offer(i - 1, self.msg.generation, copy, self.msg.devices, self.plan,
+                                 wait_s=self.job.timeout_s * 6, stop=self._superseded)
         return i
 
     def abandon_iteration(self, reason: str) -> None:
@@ -595,6 +621,8 @@ class Worker:
     def _finish(self) -> None:
         """The job's end: close the Detector client, dump state if asked, release."""
         self.finished = True
+        if self.peers is not None:
+            self.peers.close()
         if self.client is not None:
             self.client.close()
         if self.node_commit is not None:
