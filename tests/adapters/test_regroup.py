@@ -100,3 +100,15 @@ def test_a_kept_world_rendezvous_moves_to_the_new_generation():
     rdv.advance(6)
     assert twin.generation == 6  # a clone (a shrunk world's store) follows the world
     assert rdv.add("c", 2) == 2 and inner.get("gen6/c") == b"2"
+
+
+@pytest.mark.parametrize("gpus,note", [(0, "not run: no GPU here"), (1, "skipped: needs >= 2 GPUs")])
+def test_gpu_check_rows_that_need_several_gpus_say_why_they_did_not_run(monkeypatch, tmp_path, gpus, note):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "_gpus", lambda: gpus)
+    for row in (gpu_check.comm_shrink(tmp_path), gpu_check.comm_abort(tmp_path)):
+        assert row.note.startswith(note) and row.exact is None and row.seconds == 0.0, row
