@@ -15,6 +15,10 @@ Scheduler, supervisor), with ``runtime.backend = "auto"``:
   job, Megatron's distributed optimizer, DP = the host's GPUs up to 4, PP1, fault-free):
   losses against the same job on CPU workers over gloo (float32: Megatron's distributed
   optimizer takes float32 only, so held to 1e-4); not run without a GPU;
+* communicators on several GPUs (one per rank, NCCL; skipped on one GPU, not run
+  without one): a generation leaving one rank out, its world derived from the live one
+  (a shrink where NCCL >= 2.27 and torch offer it) against the same generation rebuilt;
+  and a survivor blocked in an all-reduce whose peer died, released by the abort watch;
 * the reference backend's demo job (``resihp demo``'s configuration, TP2 x PP2 x DP2;
   with ``--quick`` TP2 x PP2 x DP1): one TP member SIGKILLed (a TP shrink), plus the
   predictor's iteration-time MAPE: per-stage costs fitted on warm-up iterations'
@@ -321,6 +325,171 @@ def torch_native_tp(quick: bool, work: Path) -> Row:
     return row
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _comm_workers(mode: str, n: int, work: Path, limit_s: float = 240.0) -> list[dict[str, Any]]:
+    """Run ``n`` processes of :func:`comm_worker` (one GPU each) and gather their reports."""
+    import datetime
+    import subprocess
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    procs = [subprocess.Popen([sys.executable, __file__, "--comm-worker", mode, str(r), str(n), str(store.port),
+                               str(work)], stdout=subprocess.DEVNULL, stderr=open(work / f"{mode}{r}.log", "w"))
+             for r in range(n)]
+    t0 = time.monotonic()
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, limit_s - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:  # by pid, only what this check started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for r in range(n):
+        f = work / f"{mode}{r}.json"
+        if not f.exists():
+            log = (work / f"{mode}{r}.log").read_text()[-300:]
+            raise RuntimeError(f"{mode} rank {r} reported nothing (exit {procs[r].returncode}): {log}")
+        out.append(json.loads(f.read_text()))
+    return out
+
+
+def comm_shrink(work: Path) -> Row:
+    """Communicators of a generation that leaves one rank out, on one GPU per rank over
+    NCCL, through the path every generation takes (torchkit.comm): the world derived
+    from the live one (a shrink where NCCL >= 2.27 and torch offer it) against the same
+    generation rebuilt; sums over the new groups checked."""
+    n = min(_gpus(), 8)
+    row = Row("NCCL shrink vs rebuild", "megatron_ref", workers=n, fault="leave one out")
+    if n == 0:
+        row.note = "not run: no GPU here"
+        return row
+    if n < 2:
+        row.note = "skipped: needs >= 2 GPUs (NCCL refuses two ranks on one device)"
+        return row
+    row.device, row.backend = "cuda", "nccl"
+    t0 = time.perf_counter()
+    reports = _comm_workers("shrink", n, work)
+    row.seconds = time.perf_counter() - t0
+    live = [r for r in reports if "derived" in r]
+    derived = max(r["derived"]["world_s"] + r["derived"]["subgroups_s"] for r in live)
+    rebuilt = max(r["rebuilt"]["world_s"] + r["rebuilt"]["subgroups_s"] for r in live)
+    path = live[0]["derived"]["comm_path"]
+    row.exact = all(r["sums_ok"] for r in live)
+    row.extra = {"derived_s": derived, "rebuilt_s": rebuilt, "path": path, "caps": live[0].get("caps")}
+    row.note = f"{n} -> {n - 1} ranks: {path} {derived:.3f} s vs rebuild {rebuilt:.3f} s"
+    return row
+
+
+def comm_abort(work: Path) -> Row:
+    """A survivor blocked in an NCCL all-reduce whose peer died is released by ResiHP's
+    abort watch once its generation is superseded, long before the 60 s op timeout."""
+    n = min(_gpus(), 4)
+    row = Row("NCCL abort, blocked survivor", "megatron_ref", workers=n, fault="peer exits mid-collective")
+    if n == 0:
+        row.note = "not run: no GPU here"
+        return row
+    if n < 2:
+        row.note = "skipped: needs >= 2 GPUs (NCCL refuses two ranks on one device)"
+        return row
+    row.device, row.backend = "cuda", "nccl"
+    t0 = time.perf_counter()
+    reports = _comm_workers("abort", n, work)
+    row.seconds = time.perf_counter() - t0
+    released = [r["released_s"] for r in reports if "released_s" in r]
+    row.exact = len(released) == n - 1 and all(r["aborted"] for r in reports if "released_s" in r)
+    row.fault_to_first_s = max(released) if released else None
+    row.extra = {"released_s": released}
+    row.note = (f"superseded -> released in {max(released):.2f} s (op timeout 60 s)" if released
+                else "no survivor reported")
+    return row
+
+
+def comm_worker(mode: str, rank: int, n: int, port: int, work: Path) -> None:
+    """One rank of :func:`comm_shrink` / :func:`comm_abort` on ``cuda:<rank>``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from resihp_core.plan import ParallelPlan
+    from resihp_adapters.torchkit import comm, regroup
+    from resihp_adapters.torchkit.device import AbortWatch, Placement
+
+    pl = Placement(torch.device("cuda", rank), "nccl", "gpu_check")
+    pl.activate()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    every = list(range(n))
+    rest = every[:-1]
+
+    def plan(devices: list[int]) -> ParallelPlan:
+        return ParallelPlan.uniform(tp=1, pp=1, dp=len(devices), num_layers=1, num_microbatches=len(devices),
+                                    devices=devices)
+
+    def total(c: comm.Communicators, members: list[int]) -> bool:
+        t = torch.ones(4, device=pl.device) * (rank + 1)
+        dist.all_reduce(t, group=c.dp_chunks[0][0][1])
+        return float(t[0].item()) == sum(d + 1 for d in members)
+
+    report: dict[str, Any] = {}
+    if mode == "shrink":
+        c = comm.build_communicators(store, 0, every, rank, plan(every), 60.0, placement=pl)
+        ok = total(c, every)
+        report["caps"] = regroup.probe("nccl").__dict__
+        if rank == n - 1:  # left out: takes no part, stays up until the others are through
+            store.wait(["shrunk"], datetime.timedelta(seconds=120))
+        else:
+            c = comm.build_communicators(store, 1, rest, rank, plan(rest), 60.0, placement=pl, previous=c)
+            report["derived"] = c.report()
+            ok = ok and total(c, rest)
+            if rank == 0:
+                store.set("shrunk", "1")
+        c = None
+        comm.release(pl)
+        c = comm.build_communicators(store, 2, every, rank, plan(every), 60.0, placement=pl)
+        c = None
+        comm.release(pl)  # the left-out rank has released its world: a rebuild for all
+        if rank != n - 1:
+            c = comm.build_communicators(store, 3, rest, rank, plan(rest), 60.0, placement=pl)
+            report["rebuilt"] = c.report()
+            ok = ok and total(c, rest)
+            c = None
+            comm.release(pl)
+        report["sums_ok"] = ok
+    else:
+        c = comm.build_communicators(store, 0, every, rank, plan(every), 60.0, placement=pl)
+        total(c, every)
+        if rank == n - 1:  # dies without joining the next collective
+            store.set("dying", "1")
+            (work / f"{mode}{rank}.json").write_text(json.dumps(report))
+            os._exit(0)
+        watch = AbortWatch(pl, lambda: store.check(["superseded"])).start()
+        store.wait(["dying"], datetime.timedelta(seconds=60))
+        t = torch.ones(4, device=pl.device)
+        dist.all_reduce(t, group=c.dp_chunks[0][0][1])  # queued: the peer never joins
+        if rank == 0:
+            time.sleep(1.0)
+            store.set("superseded", str(time.time()))
+        try:
+            torch.cuda.synchronize(pl.device)
+        except Exception as e:  # noqa: BLE001 - the aborted communicator's error
+            report["error"] = str(e)[:200]
+        report["released_s"] = time.time() - float(store.get("superseded"))
+        report["aborted"] = watch.stop()
+        c = None
+    (work / f"{mode}{rank}.json").write_text(json.dumps(report))
+
+
 def reference_demo(quick: bool, work: Path) -> Row:
     """The reference backend's demo job with a kill of one TP member (a TP shrink), and
     the predictor's MAPE on its fault-free iterations before the kill."""
@@ -446,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(("tn_slow", lambda w: torch_native("slow", args.quick, w)))
     steps += [("tn_gpu", torch_native_gpus), ("hf_gpu", lambda w: torch_native_gpus(w, hf=True)),
               ("tn_tp", lambda w: torch_native_tp(args.quick, w)), ("mc_gpu", megatron_core_gpus),
-              ("ref_demo", lambda w: reference_demo(args.quick, w))]
+              ("ref_demo", lambda w: reference_demo(args.quick, w)),
+              ("comm_shrink", comm_shrink), ("comm_abort", comm_abort)]
     for name, step in steps:
         work = base / name
         work.mkdir(parents=True, exist_ok=True)
@@ -467,4 +637,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) > 1 and sys.argv[1] == "--comm-worker":
+        comm_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]))
+    else:
+        sys.exit(main())

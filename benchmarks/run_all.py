@@ -464,6 +464,9 @@ SOURCES = [
            "Cluster scale, simulated: retained throughput per policy and scenario", quick=True),
     Source("data-detector-quick", "data-detector-quick.json", "data_detector.py", ("--quick",),
            "Fail-slow false alarms on a real corpus's length fluctuation", quick=True),
+    Source("group-creation", "group-creation.json", "group_creation.py", (),
+           "gloo process groups against world size (2-32 ranks on this host): world, new_group, pairs, split, "
+           "shrink; medians and fitted growth"),
     Source("gpu-check", "gpu-check.json", "gpu_check.py", (),
            "One prepared check on this machine's GPUs: kills, slowdown, NCCL, predictor", needs_gpu=True),
 ]

@@ -333,6 +333,12 @@ class Adapter(abc.ABC):
         and build the groups ``plan`` needs over ``devices`` (this generation's world:
         executors and standbys), rendezvousing under ``gen{generation}/``."""
 
+    def communicator_report(self) -> dict[str, float | str]:
+        """How the last :meth:`rebuild_communicators` made its groups (``comm_path``:
+        shrink, split, keep or rebuild) and what each part took (seconds), for the
+        worker's ready record and log. Default: nothing to say."""
+        return {}
+
     @abc.abstractmethod
     def start_fresh(self, plan: ParallelPlan) -> None:
         """The job's first generation: this device's part of the initial weights."""

@@ -453,12 +453,12 @@ def get_left(store: KeyValueStore, generation: int, device: int) -> WorkerLeft |
     return WorkerLeft(generation=generation, device=device, reason=bytes(raw).decode(errors="replace"))
 
 
-def put_ready(store: KeyValueStore, generation: int, device: int, timings: dict[str, float]) -> None:
+def put_ready(store: KeyValueStore, generation: int, device: int, timings: dict[str, float | str]) -> None:
     """This worker finished reconfiguring into ``generation`` (its timings)."""
     store.set(_ready(generation, device), json.dumps(timings))
 
 
-def get_ready(store: KeyValueStore, generation: int, device: int) -> dict[str, float] | None:
+def get_ready(store: KeyValueStore, generation: int, device: int) -> dict[str, float | str] | None:
     key = _ready(generation, device)
     if not store.check([key]):
         return None
@@ -654,7 +654,7 @@ class JobSession:
     def _members(self) -> tuple[int, ...]:
         return self.message.devices if self.message else ()
 
-    def ready_info(self, generation: int | None = None) -> dict[int, dict[str, float]]:
+    def ready_info(self, generation: int | None = None) -> dict[int, dict[str, float | str]]:
         """Per-device reconfiguration breakdown of a generation (rebuild, state, bytes)."""
         g = self.generation if generation is None else generation
         out = {}

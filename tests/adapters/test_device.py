@@ -118,6 +118,25 @@ def test_abort_watch_aborts_once_superseded_and_stops_cleanly(monkeypatch):
     assert calls == [None]
 
 
+def test_abort_watch_grace_lets_an_idle_worker_keep_its_world(monkeypatch):
+    """Superseded, a worker that stops the watch within the grace keeps its communicators
+    (stop says nothing was aborted); one that does not (blocked) is aborted after it."""
+    import torch.distributed as dist
+
+    nccl = Placement(torch.device("cuda", 0), "nccl")
+    calls = []
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda group=None: calls.append(group))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    idle = AbortWatch(nccl, lambda: True, interval_s=0.01, grace_s=5.0).start()
+    time.sleep(0.1)  # superseded, inside the grace
+    assert idle.stop() is False and calls == []
+    blocked = AbortWatch(nccl, lambda: True, interval_s=0.01, grace_s=0.1).start()
+    deadline = time.monotonic() + 5
+    while not blocked.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert blocked.stop() is True and calls == [None]
+
+
 def test_chunk_timer_measures_host_time_on_the_cpu():
     t = ChunkTimer(torch.device("cpu")).start()
     time.sleep(0.02)

@@ -50,3 +50,10 @@ def test_gpu_check_quick_prints_its_table_and_writes_json(tmp_path):
     assert rows["torch_native slow"]["note"] == "not run with --quick"
     if not torch.cuda.is_available():
         assert rows["megatron_core on GPUs, NCCL"]["note"] == "not run: no GPU here"
+    for name in ("NCCL shrink vs rebuild", "NCCL abort, blocked survivor"):  # need several GPUs
+        if torch.cuda.device_count() < 2:
+            assert rows[name]["note"].startswith("skipped: needs >= 2 GPUs" if torch.cuda.is_available()
+                                                 else "not run: no GPU here"), rows[name]
+            assert rows[name]["exact"] is None, rows[name]
+        else:
+            assert rows[name]["exact"] is True, rows[name]

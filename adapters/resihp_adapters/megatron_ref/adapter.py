@@ -49,6 +49,11 @@ __all__ = ["MegatronRefAdapter", "model_config", "data_spec"]
 
 Tensors3 = tuple[Tensor, Tensor, Tensor]  # parameter, exp_avg, exp_avg_sq
 
+#: Under NCCL, how long a superseded worker has to reach the next generation before its
+#: communicators are aborted: an idle one gets there in milliseconds and keeps its world
+#: to derive the next one from; one blocked in a collective is released after this.
+ABORT_GRACE_S = 0.5
+
 
 def model_config(job) -> ModelConfig:
     """The model of this adapter's job section (``lr`` is the optimizer's)."""
@@ -193,12 +198,23 @@ class MegatronRefAdapter(Adapter):
 
     # ------------------------------------------------------------- reconfiguration
     def rebuild_communicators(self, plan: ParallelPlan, generation: int, devices: list[int]) -> None:
-        self.release()  # the stage's TPContext still points at the old TP group
+        """The world is derived from the live one where every member holds it and the
+        backend can (kept, split, shrunk), else rebuilt (torchkit.regroup)."""
+        aborted = self._watch is not None and self._watch.stop()
+        if self.module is not None:
+            self._set_tp_group(None)  # the stage's TPContext still points at the old TP group
+        previous, self.comms = (None if aborted else self.comms), None
+        self._watch = None
         self.devices = sorted(devices)
         self.comms = comm.build_communicators(
             self.store, generation, self.devices, self.device, plan, self.timeout_s, placement=self.placement,
+            previous=previous,
         )
-        self._watch = AbortWatch(self.placement, self.ctx.superseded).start()
+        del previous
+        self._watch = AbortWatch(self.placement, self.ctx.superseded, grace_s=ABORT_GRACE_S).start()
+
+    def communicator_report(self) -> dict[str, float | str]:
+        return self.comms.report() if self.comms is not None else {}
 
     def release(self) -> None:
         """Drop every reference to the current communicators (after a failure)."""

@@ -1,11 +1,13 @@
 """Communicators of one plan generation, heterogeneous-TP point-to-point and DP reduction.
 
-Rebuild (docs/design.md §5.3): every generation gets a fresh default process group rendezvousing
-under the store prefix ``gen<g>/``, with an explicit short timeout, plus the TP groups
-of every executor and the DP *chunk* groups of every stage. All old groups are
-destroyed and every Python reference to them dropped first: gloo closes sockets only
-when the last reference goes, and peers blocked on a dead generation only fail fast
-once their neighbours actually close (docs/design.md §5.3).
+Per generation (docs/design.md §5.3): a default process group over the generation's
+devices rendezvousing under the store prefix ``gen<g>/``, with an explicit short timeout,
+plus the TP groups of every executor and the DP *chunk* groups of every stage. The world
+is derived from the live one where the backend can (kept, split or shrunk:
+:mod:`resihp_adapters.torchkit.regroup`), else rebuilt. Old groups that go are
+destroyed and every Python reference to them dropped: gloo closes sockets only when the
+last reference goes, and peers blocked on a dead generation only fail fast once their
+neighbours actually close (docs/design.md §5.3).
 
 P2P (docs/design.md §5.1): between a sender TP group of degree ks and a receiver group of degree
 kr, with N = max(ks, kr) the tensor is split into N chunks along tokens; chunk i goes
@@ -18,6 +20,7 @@ replica — the finest common sharding — so replicas of different TP degree st
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from resihp_core.plan import ParallelPlan
-from resihp_core.runtime.session import rendezvous_store
+from resihp_adapters.torchkit import regroup
 from resihp_adapters.torchkit.device import CPU, Placement, release_world
 
 __all__ = ["Communicators", "build_communicators", "release", "p2p_tag"]
@@ -42,30 +45,75 @@ class Communicators:
     pending: list = field(default_factory=list)
     # Where tensors live and travel (docs/gpu.md); CPU and gloo unless given.
     placement: Placement = CPU
+    devices: tuple[int, ...] = ()  # the world's members (sorted: rank = index)
+    rendezvous: regroup.GenerationRendezvous | None = None  # the world's store
+    choice: regroup.Choice | None = None  # how this generation's world was made
+    timings: dict[str, float] = field(default_factory=dict)  # agree_s, world_s, subgroups_s
+
+    def parent(self) -> regroup.Parent:
+        """This world as a parent the next generation may derive from."""
+        return regroup.Parent(self.generation, self.devices, dist.distributed_c10d._world.group_count)
+
+    def subgroups(self) -> list[dist.ProcessGroup]:
+        return [g for g in self.tp.values() if g is not None] + [
+            g for chunks in self.dp_chunks.values() for _, g in chunks if g is not None]
+
+    def report(self) -> dict[str, float | str]:
+        """The choice and its timings, for the worker's ready record and log."""
+        out: dict[str, float | str] = dict(self.timings)
+        if self.choice is not None:
+            out["comm_path"] = self.choice.path
+        return out
 
 
 def build_communicators(
     store: dist.Store, generation: int, devices: list[int], me: int, plan: ParallelPlan,
     timeout_s: float, backend: str = "gloo", placement: Placement | None = None,
+    previous: Communicators | None = None, caps: regroup.Capabilities | None = None,
 ) -> Communicators:
-    """Init the generation's default group over ``devices`` (sorted: rank = index) and
-    create every TP and DP-chunk group in the same order on every rank. ``placement``
+    """Make generation ``generation``'s world over ``devices`` (sorted: rank = index) and
+    every TP and DP-chunk group, in the same order on every rank. The world is derived
+    from ``previous`` (this worker's live communicators, None after a failure) where
+    every member holds the same one and the backend can (module docstring of
+    :mod:`~resihp_adapters.torchkit.regroup`), else rebuilt. ``placement``
     (docs/gpu.md) decides the backend and where tensors travel; without one, CPU
-    tensors over ``backend``."""
-    release(placement or CPU)
+    tensors over ``backend``. ``caps``: the backend's capabilities as probed unless
+    given (tests force a path with them)."""
+    pl = placement or CPU
     if placement is not None:
         backend = placement.init_backend
     devices = sorted(devices)
-    rank_of = {d: i for i, d in enumerate(devices)}
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend,
-        store=rendezvous_store(store, generation),
-        rank=rank_of[me],
-        world_size=len(devices),
-        timeout=timeout,
-    )
-    comms = Communicators(generation, rank_of, placement=placement or CPU)
+    t0 = time.perf_counter()
+    live = previous is not None and previous.rendezvous is not None and dist.is_initialized()
+    parent = previous.parent() if live and previous is not None else None
+    caps = caps or regroup.probe(pl.backend)
+    # Only a backend that can derive votes (every member computes the same
+    # ``releases_blocked``: it follows from the job's backend and torch).
+    agreed = caps.releases_blocked and regroup.agree(store, generation, me, devices, parent, timeout)
+    choice = regroup.choose(caps, parent, devices, agreed)
+    t1 = time.perf_counter()
+    rank_of = {d: i for i, d in enumerate(devices)}
+    if choice.path == "rebuild" or previous is None or previous.rendezvous is None:
+        if previous is not None:  # nothing of the old groups may outlive the release
+            _forget(previous)
+        release(pl)
+        rendezvous = regroup.GenerationRendezvous(store, generation)
+        # Bound to its device under NCCL: torch then makes subgroups by splitting the
+        # world's communicator, and the world can later be shrunk.
+        bind = {"device_id": pl.device} if pl.backend == "nccl" else {}
+        dist.init_process_group(backend, store=rendezvous, rank=rank_of[me], world_size=len(devices),
+                                timeout=timeout, **bind)
+    else:
+        rendezvous = previous.rendezvous
+        _end_subgroups(previous)
+        rendezvous.advance(generation)
+        if choice.path == "shrink":
+            regroup.shrink_world(choice.excluded)
+    previous = None  # no reference to the old subgroups survives this frame
+    t2 = time.perf_counter()
+    comms = Communicators(generation, rank_of, placement=pl, devices=tuple(devices), rendezvous=rendezvous,
+                          choice=choice)
     for r, s in plan.executors():
         g = plan.group(r, s)
         comms.tp[(r, s)] = _group([rank_of[d] for d in g], timeout) if len(g) > 1 else None
@@ -78,7 +126,29 @@ def build_communicators(
             pg = _group([rank_of[d] for d in members], timeout) if len(members) > 1 else None
             chunks.append((members, pg))
         comms.dp_chunks[s] = chunks
+    comms.timings = {"agree_s": t1 - t0, "world_s": t2 - t1, "subgroups_s": time.perf_counter() - t2}
     return comms
+
+
+def _end_subgroups(comms: Communicators) -> None:
+    """End the subgroups of a world that is kept (NCCL ones aborted: a destroy would wait
+    for work queued with a peer that is gone) and drop the references to them."""
+    nccl = comms.placement.backend == "nccl"
+    for pg in comms.subgroups():
+        try:
+            if nccl:
+                dist.distributed_c10d._abort_process_group(pg)
+            else:
+                dist.destroy_process_group(pg)
+        except Exception:  # noqa: BLE001 - a broken group still has to go
+            pass
+    _forget(comms)
+
+
+def _forget(comms: Communicators) -> None:
+    comms.tp.clear()
+    comms.dp_chunks.clear()
+    comms.pending.clear()
 
 
 def _group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:

@@ -203,8 +203,12 @@ class AbortWatch:
     be blocked on a collective whose peer is gone, which no NCCL call returns from on its
     own. Under gloo nothing is started (peers' closed sockets end pending work)."""
 
-    def __init__(self, placement: Placement, superseded: Callable[[], bool], interval_s: float = 0.05) -> None:
+    def __init__(self, placement: Placement, superseded: Callable[[], bool], interval_s: float = 0.05,
+                 grace_s: float = 0.0) -> None:
         self.placement, self.superseded, self.interval_s = placement, superseded, interval_s
+        # Superseded for this long before aborting: a worker that is not blocked stops
+        # the watch itself first and keeps its communicators to derive the next from.
+        self.grace_s = grace_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.aborted = False
@@ -227,16 +231,20 @@ class AbortWatch:
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 gone = True
             if gone:
+                if self.grace_s > 0 and self._stop.wait(self.grace_s):
+                    return
                 with self._lock:
                     if not self._stop.is_set() and dist.is_initialized():
                         dist.distributed_c10d._abort_process_group()
                         self.aborted = True
                 return
 
-    def stop(self) -> None:
-        """Before the training thread touches the groups itself (release, rebuild)."""
+    def stop(self) -> bool:
+        """Before the training thread touches the groups itself (release, rebuild); True
+        if the watch aborted the communicators (nothing can be derived from them)."""
         with self._lock:
             self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+        return self.aborted

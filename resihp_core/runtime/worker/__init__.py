@@ -457,8 +457,11 @@ class Worker:
             return False
         self.plan = plan
         t3 = time.perf_counter()
+        comm = a.communicator_report()
+        if comm:
+            _log("communicators", dev, generation=g, **comm)
         session.put_ready(self.store, g, dev, {
-            "seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved,
+            "seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved, **comm,
         })
         if a.where is None:
             return False  # a standby: wait for a plan that uses it
