@@ -63,14 +63,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import (
-    PeerExcessWatch,
-    confined,
-    machine_noise,
-    own_compute_of,
-    peer_excess,
-    peers_waiting,
-)
+from resihp_core.detector.localise import PeerExcessWatch, confined, own_compute_of, peer_excess, peers_waiting
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 from resihp_core.detector.recovery import RecoveryWatch
 
@@ -243,11 +236,6 @@ class WorkloadAwareDetector(_Base):
     :param unpinned_window: the same for a device that shares its CPUs with its peers
         (not pinned to cores of its own, or CPUs not reported): its waiting is where the
         scheduler put it, so it must last longer (docs/detector.md "Pinned or unpinned").
-    :param unshared_ratio: a device held to CPUs of its own whose run was this much (and
-        ``exp(unshared_k * sigma)``, sigma its healthy noise) above its peers in every
-        iteration is verified after ``verify_window`` on a loaded machine too
-        (``ProfileVerifier(unshared_ratio, unshared_k)``).
-    :param unshared_k: see ``unshared_ratio``.
 
     A change judged benign is removed from the series (the detector is rebased) but
     stays under watch for ``min_gap`` iterations: if the median ratio since its onset
@@ -278,8 +266,6 @@ class WorkloadAwareDetector(_Base):
         loaded_share: float = 0.25,
         loaded_window: int = 6,
         unpinned_window: int = 12,
-        unshared_ratio: float = 1.3,
-        unshared_k: float = 2.0,
         healthy_iterations: int = 5,
     ) -> None:
         if (not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window
@@ -287,7 +273,7 @@ class WorkloadAwareDetector(_Base):
             raise ValueError("need slow_threshold > 0, min_gap >= 1, "
                              "1 <= verify_window <= loaded_window <= unpinned_window")
         self.verify_window, self.loaded_share, self.loaded_window = verify_window, loaded_share, loaded_window
-        self.unpinned_window, self.unshared_ratio, self.unshared_k = unpinned_window, unshared_ratio, unshared_k
+        self.unpinned_window = unpinned_window
         self.local = local if local is not None else PeerExcessWatch(window=verify_window, floor=slow_threshold)
         # The same watch on each rank's own compute (without its waiting for a CPU):
         # steady where the host is loaded, so a slow DP replica is found in time there
@@ -535,11 +521,9 @@ class WorkloadAwareDetector(_Base):
         it waiting in every one). So must a device that shares its CPUs with its peers
         (not pinned to cores of its own, or CPUs not reported): its waiting is the
         scheduler's choice, not a hog on its cores (docs/detector.md "Pinned or
-        unpinned"). Elsewhere ``verify_window`` — and so for a device held to CPUs of
-        its own that ran ``unshared_ratio`` and ``exp(unshared_k * sigma)`` above
-        its peers in every iteration of the run: contention its peers, under the same
-        load, do not share (docs/detector.md "Contention its peers do not share");
-        verification judges it on the same paired ratio."""
+        unpinned"). Elsewhere ``verify_window``. (The iteration-time path verifies
+        after ``verify_window``, where contention its peers do not share is judged on
+        the paired ratio: docs/detector.md "Contention its peers do not share".)"""
         def needed(device: int, iterations: list[int]) -> int:
             if device in own_found or self.own.flagged(device) >= len(iterations):
                 return self.verify_window
@@ -548,11 +532,6 @@ class WorkloadAwareDetector(_Base):
                 return self.unpinned_window
             shares = [peers_waiting(byit[it], device) for it in iterations if it in byit]
             if shares and statistics.median(shares) >= self.loaded_share:
-                noise = self.local.noise()
-                bar = max(math.log(self.unshared_ratio), self.unshared_k * machine_noise(noise, [device]))
-                run = self.local.run_excess(device)
-                if device in noise and run and min(run) >= bar:
-                    return self.verify_window
                 return self.loaded_window
             return self.verify_window
         return needed

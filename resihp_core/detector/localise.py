@@ -218,11 +218,6 @@ class PeerExcessWatch:
         """Iterations in a row ``device`` has been flagged (its current run)."""
         return len(self._run.get(device, ()))
 
-    def run_excess(self, device: int) -> list[float]:
-        """``device``'s current run: each flagged iteration's excess over its healthy level."""
-        lvl = self.level(device)
-        return [x - lvl for _, x in self._run.get(device, ())]
-
     def noise(self) -> dict[int, float]:
         """Device -> healthy noise, for devices with enough history."""
         return {d: self.sigma(d) for d, h in self._healthy.items() if len(h) >= self.min_history}
