@@ -36,6 +36,11 @@ the onset is the second iteration after the controller saw the one before it com
 the replicas are already computing the next one when the slowdown starts).
 
     python benchmarks/detector_external.py [--quick] [--outside-load 0,1,2] [--cases NAME,..] [--json PATH]
+        [--trace DIR]
+
+``--trace DIR`` writes one JSON-lines file per run: every iteration's per-device compute,
+run delay in compute and CPUs, and every detection that was not "none" (its action,
+rule and evidence), for reading why a case was missed or falsely reported.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ for p in (ROOT, ROOT / "adapters"):
         sys.path.insert(0, str(p))
 
 from resihp_core.config import DetectorConfig  # noqa: E402
+from resihp_core.detector.failslow import build_failslow_detector  # noqa: E402
+from resihp_core.detector.localise import compute_of  # noqa: E402
 from resihp_core.testing.duty import duty_cycle, duty_period  # noqa: E402
 from resihp_core.testing.hogs import CpuHogs  # noqa: E402
 from resihp_core.testing.outside_load import OutsideLoad  # noqa: E402
@@ -116,21 +123,52 @@ def _place(pid: int, device: int, case: Case, cores: list[int]) -> None:
     _pin(pid, cores[device % len(cores)])
 
 
-def run_case(case: Case, timeout_s: float = 300.0, outside_per_core: int = 0) -> dict[str, Any]:
+def _traced(rows: list[dict[str, Any]], path: Path | None) -> Any:
+    """The default fail-slow detector, keeping every iteration it observes in ``rows``
+    and writing it to ``path`` (JSON lines) if given: per device its compute, run delay
+    in compute and CPUs; the detection when it is not "none"."""
+    det = build_failslow_detector(CONFIG)
+    observe = det.observe
+    out = path.open("w") if path is not None else None
+
+    def recording(iteration: int, profiles: Any) -> Any:
+        d = observe(iteration, profiles)
+        row: dict[str, Any] = {"it": iteration, "ranks": {
+            str(p.device): [round(compute_of(p), 5), round(p.compute_wait_s, 5), len(p.cpus)]
+            for p in profiles.values()}}
+        if d.action != "none":
+            row["action"] = d.action
+            if d.verdict is not None:
+                row["rule"], row["evidence"] = d.verdict.rule, d.verdict.evidence[:400]
+            if d.report is not None:
+                row["report"] = [list(d.report.devices), d.report.cause]
+        rows.append(row)
+        if out is not None:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+        return d
+
+    det.observe = recording  # type: ignore[method-assign]
+    return det
+
+
+def run_case(case: Case, timeout_s: float = 300.0, outside_per_core: int = 0,
+             trace: Path | None = None) -> dict[str, Any]:
     """One run of ``case``; returns what the controller reported and when.
-    ``outside_per_core``: unpinned busy processes per core running through the run."""
+    ``outside_per_core``: unpinned busy processes per core running through the run;
+    ``trace``: a file to write every observed iteration to (:func:`_traced`)."""
     cores = _cores()
     busy = CpuHogs(None, per_core=outside_per_core * len(cores)) if outside_per_core > 0 else None
     if busy is not None:
         busy.start().release()
     try:
-        return _run_case(case, timeout_s, cores)
+        return _run_case(case, timeout_s, cores, trace)
     finally:
         if busy is not None:
             busy.kill()
 
 
-def _run_case(case: Case, timeout_s: float, cores: list[int]) -> dict[str, Any]:
+def _run_case(case: Case, timeout_s: float, cores: list[int], trace: Path | None = None) -> dict[str, Any]:
     alpha = case.compute_s / (12 * 1024)  # 4 micro-batches x (forward + 2 x backward) x ~N tokens
     workers = {}
     for d in range(case.replicas):
@@ -149,7 +187,9 @@ def _run_case(case: Case, timeout_s: float, cores: list[int]) -> dict[str, Any]:
     onset = ONSET
     loads = []
     outside = OutsideLoad()  # CPU other processes (not this benchmark's tree) took
-    with hogs if hog_cores else contextlib.nullcontext(), SyntheticCluster(CONFIG, workers) as c:
+    rows: list[dict[str, Any]] = []
+    failslow = _traced(rows, trace)
+    with hogs if hog_cores else contextlib.nullcontext(), SyntheticCluster(CONFIG, workers, failslow=failslow) as c:
         for d, p in c.workers.items():
             _place(p.pid, d, case, cores)  # type: ignore[attr-defined]
         c.go()
@@ -194,13 +234,35 @@ def _run_case(case: Case, timeout_s: float, cores: list[int]) -> dict[str, Any]:
         "reports": [(d.iteration, list(d.report.devices), d.report.cause) for d in reports],
         "load": [min(loads, default=0.0), max(loads, default=0.0)],
         "outside_cores": round(outside.cores_used(), 3),
+        "target_vs_peers": _target_vs_peers(rows, case.target if case.target is not None else 0, onset),
     }
+
+
+def _target_vs_peers(rows: list[dict[str, Any]], target: int, onset: int) -> float | None:
+    """How much slower the target computed than its peers from the onset on (the onset
+    included) relative to before it: the median over iterations of its compute over the
+    median of the others' in the same iteration, over the same before the onset. What the
+    slowdown made of the target under the outside load (the scheduler may move the
+    outside load off a hogged core onto its peers'), or for a no-fault case how uneven
+    the load fell on device 0."""
+    def paired(r: dict[str, Any]) -> float | None:
+        ranks = {int(d): v[0] for d, v in r["ranks"].items()}
+        others = [c for d, c in ranks.items() if d != target and c > 0]
+        if target not in ranks or not others:
+            return None
+        return ranks[target] / statistics.median(others)
+
+    before = [x for r in rows if 3 <= r["it"] < onset - 1 and (x := paired(r)) is not None]
+    after = [x for r in rows if r["it"] >= onset and (x := paired(r)) is not None]
+    if not before or not after:
+        return None
+    return round(statistics.median(after) / statistics.median(before), 3)
 
 
 def _precision_recall(cases: dict[str, Any]) -> dict[str, Any]:
     """Over every run of ``cases``: reports naming the slowed device (after its onset)
     over all reports, and slowdowns reported over slowdowns made."""
-    true = made = found = reports = 0
+    true = made = found = reports = made13 = found13 = 0
     for v in cases.values():
         for r in v["details"]:
             hit = 1 if r["detected"] else 0
@@ -209,12 +271,18 @@ def _precision_recall(cases: dict[str, Any]) -> dict[str, Any]:
             if r["detected"] is not None:
                 made += 1
                 found += hit
+                if (r.get("target_vs_peers") or 0.0) >= 1.3:
+                    made13 += 1
+                    found13 += hit
     return {"precision": true / reports if reports else None, "recall": found / made if made else None,
-            "reports": reports, "slowdowns": made}
+            "reports": reports, "slowdowns": made,
+            # Only the runs whose target computed >= 1.3x its peers after the onset: the
+            # issue's target ("a rank slowed >= 1.3x by contention its peers do not share").
+            "recall_1_3x": found13 / made13 if made13 else None, "slowdowns_1_3x": made13}
 
 
 def run(quick: bool, runs: int | None = None, outside: tuple[int, ...] = (0,),
-        only: tuple[str, ...] = ()) -> dict[str, Any]:
+        only: tuple[str, ...] = (), trace: Path | None = None) -> dict[str, Any]:
     n = runs or (1 if quick else 3)
     out: dict[str, Any] = {"runs": n, "cases": {}, "outside_load": list(outside), "by_load": {}}
     t0 = time.perf_counter()
@@ -224,7 +292,8 @@ def run(quick: bool, runs: int | None = None, outside: tuple[int, ...] = (0,),
             if only and not any(o in case.name for o in only):
                 continue
             name = case.name if outside == (0,) else f"{case.name} @ {k}x"
-            level[name] = _case_summary(case, [run_case(case, outside_per_core=k) for _ in range(n)], n)
+            files = [None if trace is None else trace / f"{_slug(case.name)}-{k}x-{i}.jsonl" for i in range(n)]
+            level[name] = _case_summary(case, [run_case(case, outside_per_core=k, trace=f) for f in files], n)
             level[name]["outside_per_core"] = k
         out["cases"].update(level)
         out["by_load"][str(k)] = _precision_recall(level)
@@ -245,8 +314,13 @@ def _case_summary(case: Case, rs: list[dict[str, Any]], n: int) -> dict[str, Any
         "causes": sorted({r["cause"] for r in rs if r["cause"]}),
         "load": [min(r["load"][0] for r in rs), max(r["load"][1] for r in rs)],
         "outside_cores": max(r["outside_cores"] for r in rs),
+        "target_vs_peers": [r["target_vs_peers"] for r in rs],
         "details": rs,
     }
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
 
 
 def _span(load: list[float]) -> str:
@@ -256,16 +330,22 @@ def _span(load: list[float]) -> str:
 def table(r: dict[str, Any]) -> str:
     lines = [f"externally made slowdowns (real busy workers pinned to cores, {r['runs']} run(s) per case, "
              f"onset at iteration {ONSET}, watched {AFTER} after):",
-             f"  {'case':<36} {'expect':<8} {'misses':>6} {'false reports':>13} {'latency max':>11}  cause         load avg   outside"]
+             f"  {'case':<36} {'expect':<8} {'misses':>6} {'false reports':>13} {'latency max':>11}  cause         "
+             "load avg   outside  target/peers"]
     for name, v in r["cases"].items():
         lat = "-" if v["latency_max"] is None else f"{v['latency_max']} it"
+        tvp = ",".join("-" if x is None else f"{x:.2f}" for x in v.get("target_vs_peers", []))
         lines.append(f"  {name:<36} {v['expect']:<8} {v['misses']:>6} {v['false_reports']:>13} {lat:>11}  "
-                     f"{','.join(v['causes']) or '-':<13} {_span(v['load']):<10} {v.get('outside_cores', 0.0):.2f}")
+                     f"{','.join(v['causes']) or '-':<13} {_span(v['load']):<10} {v.get('outside_cores', 0.0):.2f}     "
+                     f"{tvp}")
     lines.append("  (outside: cores' time other processes than this benchmark's took, worst run; "
-                 f"{len(_cores())} cores; '@ kx': k unpinned busy processes per core added through the run)")
+                 f"{len(_cores())} cores; '@ kx': k unpinned busy processes per core added through the run; "
+                 "target/peers: per run, the target's compute over its peers' after the onset relative to before)")
     for k, pr in r.get("by_load", {}).items():
         lines.append(f"  outside load {k}x the cores: precision {_pct(pr['precision'])} over {pr['reports']} reports, "
-                     f"recall {_pct(pr['recall'])} over {pr['slowdowns']} slowdowns")
+                     f"recall {_pct(pr['recall'])} over {pr['slowdowns']} slowdowns, "
+                     f"{_pct(pr.get('recall_1_3x'))} over the {pr.get('slowdowns_1_3x', 0)} with the target >= 1.3x "
+                     "its peers")
     if "precision" in r:
         lines.append(f"  all runs: precision {_pct(r['precision'])}, recall {_pct(r['recall'])}")
     return "\n".join(lines)
@@ -294,8 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outside-load", type=parse_loads, default=(0,),
                     help="busy processes per core added through each run, e.g. 0,1,2 (default 0)")
     ap.add_argument("--cases", default="", help="comma-separated parts of case names to run (default: all)")
+    ap.add_argument("--trace", type=Path, help="folder for one JSON-lines trace per run (per-device compute, "
+                    "run delay, detections)")
     a = ap.parse_args(argv)
-    r = run(a.quick, a.runs, a.outside_load, tuple(x for x in a.cases.split(",") if x))
+    if a.trace is not None:
+        a.trace.mkdir(parents=True, exist_ok=True)
+    r = run(a.quick, a.runs, a.outside_load, tuple(x for x in a.cases.split(",") if x), a.trace)
     print(table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=2, default=float) + "\n")

@@ -521,7 +521,9 @@ class WorkloadAwareDetector(_Base):
         it waiting in every one). So must a device that shares its CPUs with its peers
         (not pinned to cores of its own, or CPUs not reported): its waiting is the
         scheduler's choice, not a hog on its cores (docs/detector.md "Pinned or
-        unpinned"). Elsewhere ``verify_window``."""
+        unpinned"). Elsewhere ``verify_window``. (The iteration-time path verifies
+        after ``verify_window``, where contention its peers do not share is judged on
+        the paired ratio: docs/detector.md "Contention its peers do not share".)"""
         def needed(device: int, iterations: list[int]) -> int:
             if device in own_found or self.own.flagged(device) >= len(iterations):
                 return self.verify_window

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "confined", "own_compute_of", "own_cores", "peer_excess", "peers_waiting",
-           "robust_sigma"]
+__all__ = ["PeerExcessWatch", "compute_of", "confined", "machine_noise", "own_compute_of", "own_cores", "peer_excess",
+           "peers_waiting", "robust_sigma"]
 
 
 def compute_of(p: IterationProfile) -> float:
@@ -108,6 +108,19 @@ def confined(iterations: Iterable[ProfileSet], devices: Iterable[int]) -> bool:
                 return False
             (mine if p.device in want else theirs).update(p.cpus)
     return bool(mine) and bool(theirs) and (not (mine & theirs) or bool(theirs - mine))
+
+
+def machine_noise(noise: Mapping[int, float], devices: Iterable[int]) -> float:
+    """The healthy paired noise to hold ``devices`` to: the largest of their own and the
+    median over the other devices measured. The paired ratio's swings on a loaded host
+    come mostly from the host's load, which every device's history samples; one device's
+    estimate from a few of its own iterations can come out far below it by chance (0.25
+    next to 0.7-0.8 for its peers on the same host), and a bar on it alone would take
+    three unlucky iterations for a slowdown its peers do not share."""
+    mine = set(devices)
+    own = max((noise.get(d, 0.0) for d in mine), default=0.0)
+    others = [x for d, x in noise.items() if d not in mine]
+    return max(own, statistics.median(others)) if others else own
 
 
 def robust_sigma(xs: list[float]) -> float:

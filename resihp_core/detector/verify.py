@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from resihp_core.detector import VerificationContext, Verdict, _clip_p
 from resihp_core.detector.environment import wait_shares
-from resihp_core.detector.localise import compute_of, confined, own_compute_of
+from resihp_core.detector.localise import compute_of, confined, machine_noise, own_compute_of
 
 if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
@@ -237,6 +237,7 @@ class _Case:
     suspects: dict[tuple[int, int], list[int]]
     local: set[tuple[int, int]] = field(default_factory=set)
     dismissed: dict[tuple[int, int], str] = field(default_factory=dict)
+    memo: dict[tuple[str, tuple[int, int]], tuple[int, int]] = field(default_factory=dict)
     probe_only: bool = False  # machine-wide compute set aside: only a link probe may name a link
 
 
@@ -274,6 +275,20 @@ class ProfileVerifier:
         above its peers in this many iterations verified, all but one, and
     :param unpinned_ratio: at least this much slower than its peers over them; else it
         is the scheduler's unevenness (docs/detector.md "Pinned or unpinned").
+    :param unshared_ratio: a suspect held to CPUs of its own (``confined``) that computed
+        at least this much slower than the median of its peers *in the same iteration*,
+        in every iteration verified (all but one from 4 on), and over them together, is
+        slowed by contention its peers do not share: localised and not the machine's,
+        however much its peers waited too (docs/detector.md "Contention its peers do not
+        share"). The same load on every rank cancels in that paired ratio; uneven load
+        that moves between ranks does not hold it in every iteration.
+    :param unshared_k: ... and at least ``exp(unshared_k * sigma)`` in each of those
+        iterations, sigma its healthy per-iteration noise relative to its peers
+        (``VerificationContext.noise``): a device whose paired ratio swings widely when
+        healthy needs a larger one. Verification runs when the per-device watch has
+        already seen 3 high values, so the bar must stand on its own: healthy noise puts
+        3 iterations in a row above 2 sigma about once in 80 000 (one-sided 2.3 % each),
+        as rare as 6 in a row above the watch's 2x cap at the noise of a loaded host.
     :param environment_rise: two or more executors slowed at once, every one on a node
         whose CPU contention (probed outside the job, ``VerificationContext.environment``)
         rose by at least this factor across the change: the environment, not reported.
@@ -302,6 +317,8 @@ class ProfileVerifier:
         loaded_iterations: int = 6,
         unpinned_iterations: int = 12,
         unpinned_ratio: float = 1.5,
+        unshared_ratio: float = 1.3,
+        unshared_k: float = 2.0,
         environment_rise: float = 1.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
@@ -315,6 +332,9 @@ class ProfileVerifier:
         self.loaded_share, self.loaded_iterations = loaded_share, loaded_iterations
         self.environment_rise, self.unpinned_ratio = environment_rise, unpinned_ratio
         self.unpinned_iterations = unpinned_iterations
+        if not unshared_ratio > 1 or unshared_k < 0:
+            raise ValueError(f"unshared_ratio must be > 1 and unshared_k >= 0, got {unshared_ratio!r}, {unshared_k!r}")
+        self.unshared_ratio, self.unshared_k = unshared_ratio, unshared_k
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         """Apply :attr:`RULES` in order; the first that decides gives the verdict, named
@@ -362,7 +382,7 @@ class ProfileVerifier:
         if len(c.groups) < 2:
             return None
         c.local = {ex for ex in c.suspects if self._above_peers(c.ctx, c.t, c.groups, ex, c.margin[ex])
-                   or self._own_above_peers(c, ex)}
+                   or self._own_above_peers(c, ex) or self._unshared(c, ex)}
         everyone = all(c.raw[ex] > 1 + self.compute_margin for ex in c.groups)
         if (c.suspects or everyone) and self._elsewhere(c):
             # The compute lost (alike on a loaded machine, or a rank's waiting for a CPU)
@@ -408,9 +428,12 @@ class ProfileVerifier:
         """Marks (never decides alone) the localised suspects slowed by waiting for a CPU
         whose peers lost ``shared_wait`` of their compute waiting as well: the machine
         is contended and how much each worker loses is the scheduler's unevenness, not
-        its device. Reads every rank's run delay in compute beyond its healthy share."""
+        its device — unless the suspect, held to CPUs of its own, lost ``unshared_ratio``
+        more than its peers in each iteration (:meth:`_unshared`): that excess its peers
+        did not share. Reads every rank's run delay in compute beyond its healthy share,
+        the affinity and the per-iteration compute of the suspect against its peers."""
         for ex in c.local:
-            if self._shared_contention(c, ex):
+            if self._shared_contention(c, ex) and not self._unshared(c, ex) and not self._unshared_soon(c, ex):
                 c.dismissed.setdefault(ex, "contention-shared-by-peers")
         return None
 
@@ -433,13 +456,17 @@ class ProfileVerifier:
                 continue
             pinned = confined(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
             busy = self._peers_waiting(c, ex) >= self.loaded_share
-            if not busy and pinned:
+            if pinned and (not busy or self._unshared(c, ex)):
+                # Its host's: a quiet machine, or contention its peers, under the same
+                # load, do not share in any iteration verified.
                 continue
             w = self.loaded_iterations if pinned else self.unpinned_iterations
             persistent = self._above_peers(c.ctx, c.t, c.groups, ex, c.margin[ex], need=max(w, n) - 1)
             if persistent and (pinned or self._over_peers(c, ex) >= self.unpinned_ratio):
                 continue
             loaded[ex] = "loaded machine" if pinned else "unpinned" if not busy else "loaded machine, unpinned"
+            if pinned and self._unshared_soon(c, ex):
+                w = n + 1
             window = max(window, w)
         if loaded and set(loaded) | set(c.dismissed) >= c.local and n < window:
             return Verdict({}, "unknown", "slower than their peers only by waiting for a CPU, on a loaded "
@@ -558,6 +585,81 @@ class ProfileVerifier:
         """Every rank of ``ex`` lost its compute mostly waiting for a CPU and its own
         compute is not above its peers: other processes, not the device, slowed it."""
         return all(self._contended(c.t, r) for r in c.groups[ex]) and not self._own_above_peers(c, ex)
+
+    def _paired(self, c: _Case, ex: tuple[int, int]) -> list[float]:
+        """Per iteration verified: ``ex``'s measured compute over healthy (its worst
+        rank's) divided by the median of the other executors' in *that* iteration. Load
+        that every rank bears alike in an iteration cancels in it, however large; what
+        is left is how much more this executor lost than its peers under the same load
+        (the paired comparison; the workload cancels in each rank's ratio to healthy)."""
+        t = c.t
+
+        def worst(profiles: Mapping[int, IterationProfile], ranks: list[int]) -> float | None:
+            vals = []
+            for r in ranks:
+                p = profiles.get(r)
+                pred = t.rank_prediction(p, profiles) if p is not None else None
+                if p is not None and pred:
+                    vals.append(compute_of(p) / pred)
+            return max(vals) if vals else None
+
+        out = []
+        for profiles in c.ctx.iterations:
+            mine = worst(profiles, c.groups[ex])
+            peers = [x for e, ranks in c.groups.items() if e != ex and (x := worst(profiles, ranks)) is not None]
+            if mine is not None and peers and statistics.median(peers) > 0:
+                out.append(mine / statistics.median(peers))
+        return out
+
+    #: Iterations verified that the paired comparison of :meth:`_unshared` needs at least
+    #: (the per-device watch's window): two are too few to call "every iteration".
+    UNSHARED_MIN = 3
+
+    def _unshared(self, c: _Case, ex: tuple[int, int]) -> bool:
+        """Whether ``ex`` is slowed by contention its peers do not share: mostly waiting
+        for a CPU (:meth:`_contended`; a device slow by itself keeps the noise margins),
+        held to CPUs its
+        peers are not held to (:func:`~.localise.confined`: a load on its cores stays on
+        it while the scheduler can move its peers away), and computing ``unshared_ratio``
+        (or ``exp(unshared_k * sigma)``, sigma its healthy paired noise) slower than its peers
+        in the same iteration, in every iteration verified (all but one from 4 on) and
+        over them together. Judged on the paired ratio (:meth:`_paired`), not on how
+        much each side waited: at one or two busy processes per core its unpinned peer
+        waits 30 % beyond healthy too, and a neighbour on its core still costs it 1.5-2x
+        more in every iteration. Cached per case."""
+        above, n = self._unshared_count(c, ex)
+        return n >= self.UNSHARED_MIN and above >= (n if n < 4 else n - 1)
+
+    def _unshared_soon(self, c: _Case, ex: tuple[int, int]) -> bool:
+        """Whether one more iteration may make ``ex`` :meth:`_unshared`: above the bar in
+        all but one of 3 iterations (the first may be only partly slowed: the onset
+        fell inside it) and over them together. ``waiting-not-persistent`` then asks
+        for that one more (``Verdict.more``) rather than the loaded machine's 6."""
+        above, n = self._unshared_count(c, ex)
+        return n == len(c.ctx.iterations) and self.UNSHARED_MIN <= n < 4 and above == n - 1
+
+    def _unshared_count(self, c: _Case, ex: tuple[int, int]) -> tuple[int, int]:
+        """(iterations in which ``ex`` was above its peers by the bar of :meth:`_unshared`,
+        iterations verified); (0, 0) where it is not confined or below the bar over the
+        iterations together. Cached per case."""
+        key = ("unshared", ex)
+        if key in c.memo:
+            return c.memo[key]
+        c.memo[key] = (0, 0)
+        if (len(c.groups) < 2 or not all(self._contended(c.t, r) for r in c.groups[ex])
+                or not confined(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))):
+            return c.memo[key]
+        ratios = self._paired(c, ex)
+        if not ratios:
+            return c.memo[key]
+        devices = [c.t.device[r] for r in c.groups[ex]]
+        if not all(d in c.ctx.noise for d in devices):
+            return c.memo[key]  # its healthy noise is not measured yet: no paired bar to hold
+        bar = max(self.unshared_ratio, math.exp(self.unshared_k * machine_noise(c.ctx.noise, devices)))
+        together = math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in ratios))
+        if together >= bar:
+            c.memo[key] = (sum(1 for x in ratios if x >= bar), len(ratios))
+        return c.memo[key]
 
     def _over_peers(self, c: _Case, ex: tuple[int, int]) -> float:
         """``ex``'s measured compute over healthy, relative to the median of the other
@@ -694,10 +796,13 @@ class ProfileVerifier:
                 r = ranks[0]
                 # Its speed relative to the same stage's other replicas where they ran
                 # faster than the model's healthy time (a model fitted on a busier
-                # warm-up): what moving its micro-batches to them gains.
+                # warm-up): what moving its micro-batches to them gains. Slowed by
+                # contention, relative to them also where the machine's load slowed
+                # them too: they bear that load wherever its work runs.
                 peers = [t.q(o) if t.device[r] in contended else t.qd(o) for o, e in t.executor.items()
                          if e[1] == stage and e != (rep, stage)]
-                ref = min(1.0, statistics.median(peers)) if peers else 1.0
+                ref = (statistics.median(peers) if t.device[r] in contended else
+                       min(1.0, statistics.median(peers))) if peers else 1.0
                 slow[t.device[r]] = _clip_p(ref / qs[r] if ref > 0 else 1.0 / qs[r])
                 env = ctx.environment.get(t.device[r])
                 w = t.waited(r)

@@ -759,14 +759,41 @@ def test_adapter_steps_and_compute_ends_drive_the_workers_meter() -> None:
 
 
 def test_contention_every_device_shares_unevenly_is_the_machine() -> None:
-    # Busy processes on every core: every rank waits for a CPU, one much more than the
-    # others for a while (the scheduler is not fair per process). Its peers' own
-    # waiting shows the contention is the machine's: nothing is reported.
+    # Busy processes on every core: every rank waits for a CPU, one more than the others
+    # (1.22x them: the scheduler is not fair per process). Its peers' own waiting shows
+    # the contention is the machine's: nothing is reported.
+    trace = Trace(seed=11)
+    trace.base_wait = 0.05
+    det = resihp()
+    feed(det, trace, 0, 40)
+    trace.contended.update({0: 1.8, 1: 1.7, 2: 2.2, 3: 1.9})
+    after = feed(det, trace, 40, 56)
+    assert not [d for d in after if d.report is not None], [d.action for d in after]
+    assert any("its peers share" in d.verdict.evidence for d in after if d.verdict is not None)
+
+
+def test_contention_its_peers_do_not_share_on_a_loaded_machine_is_reported_within_3_iterations() -> None:
+    # The same loaded machine, but one rank held to its own core loses 2.2x what its
+    # peers lose in every iteration (a noisy neighbour on its core, issue #33): its
+    # peers waiting too does not make it the machine's, and the loaded machine's
+    # 6-iteration window does not apply to a paired ratio that high in every iteration.
     trace = Trace(seed=11)
     trace.base_wait = 0.05
     det = resihp()
     feed(det, trace, 0, 40)
     trace.contended.update({0: 1.8, 1: 1.7, 2: 4.0, 3: 1.9})
     after = feed(det, trace, 40, 56)
-    assert not [d for d in after if d.report is not None], [d.action for d in after]
-    assert any("its peers share" in d.verdict.evidence for d in after if d.verdict is not None)
+    reports = [d for d in after if d.report is not None]
+    assert reports and reports[0].report.devices == (12,) and reports[0].report.cause == "contention", \
+        [(d.iteration, d.action, d.verdict and d.verdict.rule) for d in after]
+    assert reports[0].iteration - 40 + 1 <= 3, reports[0].iteration
+    # Unpinned (free to run on its peers' cores), the same is where the scheduler put
+    # it: not reported within 3.
+    trace = Trace(seed=11)
+    trace.base_wait = 0.05
+    trace.affinity = "shared"
+    det = resihp()
+    feed(det, trace, 0, 40)
+    trace.contended.update({0: 1.8, 1: 1.7, 2: 4.0, 3: 1.9})
+    early = [d for d in feed(det, trace, 40, 43) if d.report is not None]
+    assert not early, [d.report for d in early]
