@@ -147,16 +147,7 @@ def abort_probe(limit_s: float = 120.0) -> dict:
     with tempfile.TemporaryDirectory(prefix="resihp-abort-") as tmp:
         procs = [subprocess.Popen([sys.executable, __file__, "--abort-worker", str(r), str(store.port), tmp], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
-        try:
-            for p in procs:
-                p.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:  # by pid, only what this script started
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        _wait_or_kill(procs, limit_s)
         f = Path(tmp) / "abort.json"
         res = json.loads(f.read_text()) if f.exists() else {"error": "no report"}
     res.update(abort_after_s=ABORT_AFTER_S, op_timeout_s=ABORT_TIMEOUT_S,
@@ -165,6 +156,22 @@ def abort_probe(limit_s: float = 120.0) -> dict:
 
 
 # ------------------------------------------------------------------ the driver
+def _wait_or_kill(procs: list[subprocess.Popen], limit_s: float) -> None:
+    """Wait for ``procs`` up to ``limit_s`` in all, then kill (by pid) what still runs:
+    only what this script started."""
+    t0 = time.monotonic()
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, limit_s - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def run_size(n: int, reps: int, limit_s: float) -> dict:
     """Start ``n`` workers, wait for them (kill by pid at ``limit_s``), gather their times."""
     import torch.distributed as dist
@@ -173,20 +180,10 @@ def run_size(n: int, reps: int, limit_s: float) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="resihp-groups-") as tmp:
         out = Path(tmp)
-        t0 = time.monotonic()
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(n), str(store.port), str(reps),
                                    tmp], env=env, stdout=subprocess.DEVNULL, stderr=open(out / f"{r}.log", "w"))
                  for r in range(n)]
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, limit_s - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:  # by pid, only what this script started
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        _wait_or_kill(procs, limit_s)
         ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(n) if (out / f"{r}.json").exists()]
         if len(ranks) < n:
             tail = (out / "0.log").read_text()[-500:] if (out / "0.log").exists() else ""
