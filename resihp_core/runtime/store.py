@@ -70,8 +70,8 @@ class _Table:
 
     A request that waits for keys sleeps on an event registered under each missing key;
     a write wakes only the waiters of the key it wrote. (One condition for every key
-    woke every waiter on every write: at a thousand ranks, each blocked on its next plan
-    key, each report or counter add woke a thousand threads.)"""
+    would wake every waiter on every write: at a thousand ranks, each blocked on its
+    next plan key, each report or counter add would wake a thousand threads.)"""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
