@@ -12,6 +12,13 @@ length-prefixed msgpack frames of at most 16 MiB. Workers may not write the plan
 (:meth:`StoreServer.local`) or as ``controller``. Refusals are logged
 (``event=auth_refused listener=store``, ``event=store_write_refused``).
 
+The server is one asyncio event loop on one thread, whatever the number of connections:
+a job of N ranks holds about N open store connections (each worker's rendezvous store),
+and a thread for each would cost the controller's process N stacks and a scheduler
+that wakes them in turn. A request that waits for keys parks a future under those keys;
+the write that creates them (from the network or from the controller's own process)
+completes it.
+
 :class:`StoreClient` and :class:`LocalStore` are ``torch.distributed.Store`` subclasses,
 so they work as the store of ``init_process_group`` / ``PrefixStore`` with gloo. This
 module imports torch: only workers and the controller load it.
@@ -19,22 +26,25 @@ module imports torch: only workers and the controller load it.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from resihp_core.protocol import (
+    MAX_FRAME_BYTES,
     AuthError,
     Hello,
     ProtocolError,
     node_credential,
-    server_handshake_sync,
+    server_handshake,
 )
+from resihp_core.runtime.gate import PreAuthGate
 
 __all__ = ["StoreServer", "StoreClient", "LocalStore", "StoreError", "worker_store_identity"]
 
@@ -47,11 +57,12 @@ MAX_PENDING_HANDSHAKES = 64
 # spelled once, in the job session.
 from resihp_core.runtime.session import CONTROLLER_PREFIX, PLAN_PREFIX, PRESENT_KEY  # noqa: E402
 from resihp_core.runtime.store_wire import (  # noqa: E402
+    _DEC,
+    _ENC,
+    _HEADER,
     StoreOps,
     WireError,
     WireStore,
-    _recv,
-    _send,
     _seconds,
 )
 
@@ -65,22 +76,44 @@ def worker_store_identity(node: int, device: int) -> str:
 
 
 # ------------------------------------------------------------------ the table
+class _Waiter(Protocol):
+    def set(self) -> None: ...
+
+
 class _Table:
     """The keys and values, with the operations both the server and LocalStore run.
 
-    A request that waits for keys sleeps on an event registered under each missing key;
-    a write wakes only the waiters of the key it wrote. (One condition for every key
-    would wake every waiter on every write: at a thousand ranks, each blocked on its
-    next plan key, each report or counter add would wake a thousand threads.)"""
+    A request that waits for keys registers a waiter (a thread's event, or a future of
+    the server's loop) under each missing key; a write wakes only the waiters of the
+    key it wrote. (One condition for every key would wake every waiter on every write:
+    at a thousand ranks, each blocked on its next plan key, each report or counter add
+    would wake a thousand of them.)"""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
         self.lock = threading.Lock()
-        self._waiters: dict[str, list[threading.Event]] = {}
+        self._waiters: dict[str, list[_Waiter]] = {}
 
     def _wrote(self, key: str) -> None:  # under the lock
         for ev in self._waiters.pop(key, ()):
             ev.set()
+
+    def register(self, keys: list[str], waiter: _Waiter) -> None:  # under the lock
+        for k in keys:
+            self._waiters.setdefault(k, []).append(waiter)
+
+    def unregister(self, keys: list[str], waiter: _Waiter) -> None:  # under the lock
+        for k in keys:
+            waiting = self._waiters.get(k)
+            if waiting is not None and waiter in waiting:
+                waiting.remove(waiter)
+                if not waiting:
+                    del self._waiters[k]
+
+    def waiting(self) -> int:
+        """How many waiters are registered (for tests and benchmarks)."""
+        with self.lock:
+            return sum(len(w) for w in self._waiters.values())
 
     def _sleep(self, keys: list[str], deadline: float) -> bool:
         """Under the lock: sleep until one of ``keys`` is written or ``deadline``;
@@ -89,21 +122,31 @@ class _Table:
         if left <= 0:
             return False
         ev = threading.Event()
-        for k in keys:
-            self._waiters.setdefault(k, []).append(ev)
+        self.register(keys, ev)
         self.lock.release()
         try:
             ev.wait(left)
         finally:
             self.lock.acquire()
         if len(keys) > 1 or not ev.is_set():  # unregister where no write popped it
-            for k in keys:
-                waiting = self._waiters.get(k)
-                if waiting is not None and ev in waiting:
-                    waiting.remove(ev)
-                    if not waiting:
-                        del self._waiters[k]
+            self.unregister(keys, ev)
         return True
+
+    def ready(self, op: str, args: list[Any]) -> tuple[bool, Any]:
+        """Under the lock: a waiting operation's result if its keys are there,
+        ``(False, missing keys)`` if not (the event loop's form of :meth:`_wait`)."""
+        keys = [args[0]] if op == "get" else list(args[0])
+        if op == "any":
+            for n, k in enumerate(keys):
+                if k in self.data:
+                    return True, n
+            return False, keys
+        missing = [k for k in keys if k not in self.data]
+        if missing:
+            return False, missing
+        if op == "get":
+            return True, self.data[keys[0]]
+        return True, ([self.data[k] for k in keys] if op == "mget" else None)
 
     def set(self, key: str, value: bytes) -> None:
         with self.lock:
@@ -185,6 +228,7 @@ class _Table:
 
 
 _WRITES = {"set", "add", "cas", "append", "del", "mset", "madd"}
+_WAITS = {"get", "mget", "wait", "any"}  # operations that may wait for keys (their last argument: seconds)
 
 
 def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
@@ -282,8 +326,47 @@ _ARG_TYPES = {
 
 
 # ------------------------------------------------------------------ server
+class _LoopWaiter:
+    """A waiter of the server's loop: a write (from any thread) completes its future."""
+
+    __slots__ = ("loop", "fut")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fut: asyncio.Future[None] = loop.create_future()
+
+    def set(self) -> None:
+        self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> Any:
+    """One request frame; None at a clean end of the connection."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise ProtocolError(f"connection closed inside a frame header ({len(e.partial)} bytes)") from None
+    (n,) = _HEADER.unpack(header)
+    if n > MAX_FRAME_BYTES:
+        raise ProtocolError(f"store frame of {n} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        body = await reader.readexactly(n)
+    except asyncio.IncompleteReadError:
+        raise ProtocolError("connection closed inside a frame") from None
+    try:
+        return _DEC.decode(body)
+    except Exception as e:  # noqa: BLE001 - msgspec's decode errors: hostile bytes
+        raise ProtocolError(f"bad store frame: {e}") from None
+
+
 class StoreServer:
-    """The authenticated job store, served from threads of the controller's process.
+    """The authenticated job store, served by one event loop on a thread of the
+    controller's process.
 
     :param host: the address to bind (the one the user chose; never widened).
     :param secret: the job secret (workers prove their node's credential derived from it).
@@ -303,19 +386,23 @@ class StoreServer:
         self.nodes = None if nodes is None else set(nodes)
         self.handshake_timeout = handshake_timeout
         self.table = _Table()
-        self.refused = 0
         self.served = 0  # requests served over the network (a counter for benchmarks)
-        self._sock = socket.create_server((host, port), backlog=128)
-        self.host, self.port = self._sock.getsockname()[:2]
-        self._conns: set[socket.socket] = set()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
-        self._lock = threading.Lock()
+        self.connections = 0  # open authenticated connections
+        self._refused = 0
+        self._gate = PreAuthGate("store", MAX_PENDING_HANDSHAKES)
+        self._sock = sock = socket.create_server((host, port), backlog=1024)
+        self.host, self.port = sock.getsockname()[:2]
         self._closed = False
         self.presence = presence
         self.controllers = 0  # open connections of the controller identity
         self.controller_left = time.monotonic()  # when the last steering one closed
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="resihp-store-accept")
+        self._loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.AbstractServer | None = None
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sock, started), daemon=True, name="resihp-store")
         self._thread.start()
+        started.wait()
         logger.info("event=store_started address=%s", self.address)
 
     @property
@@ -323,25 +410,30 @@ class StoreServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
+    @property
+    def refused(self) -> int:
+        """Connections and requests refused: failed handshakes, handshakes over the
+        pending limit, writes to plan keys."""
+        return self._refused + self._gate.refused
+
     def local(self, timeout_s: float = 300.0) -> LocalStore:
         """The store as seen from this process (the controller): no socket, every key writable."""
         return LocalStore(self.table, timeout_s)
 
-    # ------------------------------------------------------------ connections
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
-            if not self._pending.acquire(blocking=False):
-                self.refused += 1
-                conn.close()
-                continue
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="resihp-store-conn").start()
+    # ------------------------------------------------------------ the loop
+    def _run(self, sock: socket.socket, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._server = self._loop.run_until_complete(asyncio.start_server(self._accept, sock=sock))
+        finally:
+            started.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = self._loop.create_task(self._serve(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _key_for(self, hello: Hello) -> str:
         role, _, rest = hello.identity.partition(":")
@@ -358,88 +450,128 @@ class StoreServer:
             raise AuthError(f"node {node} is not in the job")
         return node_credential(self._secret, node)
 
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
         identity = "?"
+        if not self._gate.admit(writer):
+            return
         try:
             try:
-                hello = server_handshake_sync(conn, self._key_for, timeout=self.handshake_timeout)
+                hello = await server_handshake(reader, writer, self._key_for, timeout=self.handshake_timeout)
                 identity = hello.identity
             except AuthError as e:
-                self.refused += 1
+                self._refused += 1
                 if not self._closed:
                     logger.warning("event=auth_refused listener=store peer=%s reason=%r", peer, str(e))
                 return
             finally:
-                self._pending.release()
-            conn.settimeout(None)
+                self._gate.done(writer)
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             may_plan = identity == "controller"
+            self.connections += 1
             if may_plan:
                 self._controller_joined()
             try:
-                self._requests(conn, identity, may_plan)
+                await self._requests(reader, writer, identity, may_plan)
             finally:
+                self.connections -= 1
                 if may_plan:
                     self._controller_gone()
         except (ProtocolError, OSError) as e:
             if not self._closed:
                 logger.info("event=store_connection_closed identity=%s reason=%r", identity, str(e))
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+            writer.close()
 
     def _controller_joined(self) -> None:
-        with self._lock:
-            self.controllers += 1
+        self.controllers += 1
 
     def _controller_gone(self) -> None:
         steered = not self.presence or self.table.check([PRESENT_KEY])
-        with self._lock:
-            self.controllers -= 1
-            none_left = self.controllers == 0
-            if none_left and steered:  # a controller that only looked (never steered) starts no grace period
-                self.controller_left = time.monotonic()
+        self.controllers -= 1
+        none_left = self.controllers == 0
+        if none_left and steered:  # a controller that only looked (never steered) starts no grace period
+            self.controller_left = time.monotonic()
         if none_left and self.presence:
             self.table.delete(PRESENT_KEY)
             logger.warning("event=controller_absent listener=store")
 
-    def _requests(self, conn: socket.socket, identity: str, may_plan: bool) -> None:
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, identity: str,
+                        may_plan: bool) -> None:
         """Serve one authenticated connection's requests until it closes."""
         while True:
-            req = _recv(conn)
+            req = await _read_frame(reader)
             if req is None:
                 return
             op, args = _check_request(req)
             self.served += 1
             if op in _WRITES and not may_plan and any(k.startswith((PLAN_PREFIX, CONTROLLER_PREFIX))
                                                       for k in _keys_of(op, args)):
-                self.refused += 1
+                self._refused += 1
                 logger.warning("event=store_write_refused identity=%s op=%s keys=%s reason=%r", identity, op,
                                _keys_of(op, args)[:4], "only the controller posts plans")
-                _send(conn, [False, f"{identity} may not write plan keys"])
-                continue
+                reply: list[Any] = [False, f"{identity} may not write plan keys"]
+            else:
+                try:
+                    value = await self._waited(op, args) if op in _WAITS else _run_op(self.table, op, args)
+                    reply = [True, value]
+                except (StoreError, IndexError, TypeError, ValueError) as e:
+                    reply = [False, str(e)]
+            payload = _ENC.encode(reply)
+            if len(payload) > MAX_FRAME_BYTES:
+                payload = _ENC.encode([False, f"reply of {len(payload)} bytes exceeds the frame limit"])
+            writer.write(_HEADER.pack(len(payload)) + payload)
+            await writer.drain()
+
+    async def _waited(self, op: str, args: list[Any]) -> Any:
+        """A waiting operation without blocking the loop: park a future under the
+        missing keys until a write completes it or the request's time runs out."""
+        timeout_s = float(args[-1])
+        deadline = time.monotonic() + timeout_s
+        table = self.table
+        while True:
+            with table.lock:
+                done, value = table.ready(op, args)
+                if done:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if op == "any":
+                        return -1
+                    raise StoreError(f"timed out after {timeout_s:.1f} s waiting for keys {value[:4]}")
+                waiter = _LoopWaiter(self._loop)
+                table.register(value, waiter)
             try:
-                _send(conn, [True, _run_op(self.table, op, args)])
-            except (StoreError, WireError, IndexError, TypeError, ValueError) as e:
-                _send(conn, [False, str(e)])
+                await asyncio.wait_for(waiter.fut, left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                with table.lock:
+                    table.unregister(value, waiter)
 
     def close(self) -> None:
         """Stop listening and drop every connection (quietly)."""
+        if self._closed:
+            return
         self._closed = True
-        try:  # wakes the thread blocked in accept(): a plain close leaves the socket listening
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
+        if self._loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
+        except Exception:  # noqa: BLE001 - the loop is already gone (interpreter exit)
             pass
-        self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-            self._conns.clear()
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.close()
+        self._thread.join(timeout=10)
+
+    async def _shutdown(self) -> None:
+        self._gate.close_all()
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._loop.call_soon(self._loop.stop)
 
 
 # ------------------------------------------------------------------ the two Store faces

@@ -7,16 +7,18 @@ import datetime
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from resihp_core.protocol import PlanUpdate, node_credential  # noqa: E402
+from resihp_core.protocol import PlanUpdate, client_handshake_sync, node_credential  # noqa: E402
 from resihp_core.runtime import session  # noqa: E402
 from resihp_core.runtime.store import StoreClient, StoreError, worker_store_identity  # noqa: E402
 
@@ -141,3 +143,56 @@ def test_the_store_listens_only_on_the_chosen_address(hosted) -> None:
 def test_import_resihp_core_store_free_of_torch_at_package_import() -> None:
     code = "import sys, resihp_core, resihp_core.runtime.session; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=60)
+
+
+def until(pred, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_connections_hold_no_thread_and_a_write_wakes_only_its_key(hosted) -> None:
+    """The server is one event loop: open connections add no thread to its process; a
+    blocked read parks under its key alone, and a write from the controller's own
+    process completes only that read."""
+    store, address = hosted
+    threads = threading.active_count()
+    idle = [worker(address, device=d) for d in range(32)]
+    until(lambda: store.server.connections >= 32)
+    assert threading.active_count() == threads
+    got: dict[int, bytes] = {}
+    readers = [threading.Thread(target=lambda d=d: got.__setitem__(d, idle[d].get_within(f"k{d}", 20)))
+               for d in range(3)]
+    for t in readers:
+        t.start()
+    until(lambda: store.server.table.waiting() >= 3)
+    assert store.server.table.waiting() == 3
+    store.set("k1", "one")
+    readers[1].join(10)
+    assert got == {1: b"one"} and store.server.table.waiting() == 2
+    store.set("k0", "zero")
+    store.set("k2", "two")
+    for t in readers:
+        t.join(10)
+    assert got == {0: b"zero", 1: b"one", 2: b"two"} and store.server.table.waiting() == 0
+    for c in idle:
+        c.close()
+
+
+def test_a_hostile_frame_ends_only_its_own_connection(hosted) -> None:
+    """An authenticated peer announcing a frame over the limit, or sending bytes that
+    are not msgpack, loses its connection; the server and other connections go on."""
+    store, address = hosted
+    good = worker(address, device=0)
+    for junk in (struct.pack(">I", 1 << 30), struct.pack(">I", 3) + b"\xc1\xc1\xc1"):
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        client_handshake_sync(sock, node_credential(SECRET, 0), worker_store_identity(0, 1), role="worker")
+        sock.sendall(junk)
+        sock.settimeout(5)
+        assert sock.recv(16) == b""  # closed by the server, no reply
+        sock.close()
+    good.set("still", "here")
+    assert store.get("still") == b"here"
+    good.close()
