@@ -236,6 +236,11 @@ class WorkloadAwareDetector(_Base):
     :param unpinned_window: the same for a device that shares its CPUs with its peers
         (not pinned to cores of its own, or CPUs not reported): its waiting is where the
         scheduler put it, so it must last longer (docs/detector.md "Pinned or unpinned").
+    :param healthy_iterations: iterations at full speed after which a known-slow device
+        is reported healthy again (detector/recovery.py).
+    :param settle_iterations: iterations after a generation's fit during which its
+        warm-up may still be found unhealthy and refitted (:meth:`_resettle`: a worker
+        that resumed or restored cold ran slower than its peers through the warm-up).
 
     A change judged benign is removed from the series (the detector is rebased) but
     stays under watch for ``min_gap`` iterations: if the median ratio since its onset
@@ -267,6 +272,7 @@ class WorkloadAwareDetector(_Base):
         loaded_window: int = 6,
         unpinned_window: int = 12,
         healthy_iterations: int = 5,
+        settle_iterations: int = 10,
     ) -> None:
         if (not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window
                 or unpinned_window < loaded_window):
@@ -274,6 +280,9 @@ class WorkloadAwareDetector(_Base):
                              "1 <= verify_window <= loaded_window <= unpinned_window")
         self.verify_window, self.loaded_share, self.loaded_window = verify_window, loaded_share, loaded_window
         self.unpinned_window = unpinned_window
+        if settle_iterations < 0:
+            raise ValueError(f"settle_iterations must be >= 0, got {settle_iterations}")
+        self.settle_iterations = settle_iterations
         self.local = local if local is not None else PeerExcessWatch(window=verify_window, floor=slow_threshold)
         # The same watch on each rank's own compute (without its waiting for a CPU):
         # steady where the host is loaded, so a slow DP replica is found in time there
@@ -296,6 +305,8 @@ class WorkloadAwareDetector(_Base):
         self._watch: tuple[int, int] | None = None  # (onset, until iteration) of a benign change
         self._more = 0  # iterations since its onset the watched change needs (Verdict.more)
         self._opening: list[float] = []  # the normalised series' first values: its healthy level
+        self._fit_at: int | None = None  # the iteration whose warm-up fit the model holds
+        self._settle_until = -1  # last iteration at which that warm-up may be found unhealthy
         if hasattr(self, "local"):
             self.local.reset()
             self.own.reset()
@@ -353,28 +364,13 @@ class WorkloadAwareDetector(_Base):
                 cp = self._feed(iteration, measured)
                 if cp is not None:
                     self.changepoint.rebase(cp.index)
-            elif self.model.ready:
-                # The warm-up iterations are healthy by assumption: they open the
-                # normalised series, so a slowdown right after warm-up still shows as a
-                # change from ~1.0 rather than as the series' first level.
-                try:
-                    for it, m, ps in self._hist:
-                        cp = self._feed_normalised(it, m / self.predict_healthy(it, ps))
-                        if cp is not None:
-                            self.changepoint.rebase(cp.index)
-                except ModelNotReady:
-                    pass
             if self.model.ready:
-                # ... and give each device's peer excess its first healthy values.
-                try:
-                    for it, _, ps in self._hist:
-                        self.local.update(it, peer_excess(ps, self.model.rank_compute,
-                                                          unreliable=self._known_slow()))
-                        self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of,
-                                                        self._known_slow()))
-                except ModelNotReady:
-                    pass
+                self._open_series(iteration)
             return Detection(iteration, measured, "warmup")
+        if iteration <= self._settle_until:
+            refit = self._resettle(iteration, measured)
+            if refit is not None:
+                return refit
         det = self._observe_series(iteration, measured, profiles)
         if det.report is None and det.action not in ("cleared", "known"):
             local = self._observe_local(iteration, measured, profiles)
@@ -385,6 +381,112 @@ class WorkloadAwareDetector(_Base):
             if back is not None:
                 return back
         return det
+
+    def _open_series(self, iteration: int) -> None:
+        """The model was just fitted on the iterations in the history (this generation's
+        warm-up): they open the normalised series and the watches' healthy histories."""
+        self._fit_at = iteration
+        if self._settle_until < 0:
+            self._settle_until = iteration + self.settle_iterations
+        if self.series == "normalised":
+            # The warm-up iterations are healthy by assumption: they open the
+            # normalised series, so a slowdown right after warm-up still shows as a
+            # change from ~1.0 rather than as the series' first level.
+            try:
+                for it, m, ps in self._hist:
+                    cp = self._feed_normalised(it, m / self.predict_healthy(it, ps))
+                    if cp is not None:
+                        self.changepoint.rebase(cp.index)
+            except ModelNotReady:
+                pass
+        # ... and give each device's peer excess its first healthy values.
+        try:
+            for it, _, ps in self._hist:
+                self.local.update(it, peer_excess(ps, self.model.rank_compute, unreliable=self._known_slow()))
+                self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of, self._known_slow()))
+        except ModelNotReady:
+            pass
+
+    def _faster_than_fit(self, rows: list[ProfileSet]) -> dict[tuple[int, int], tuple[float, float]]:
+        """Executors that ran faster than their fit, and than the executors at their fit,
+        by the detector's margin (``1 + slow_threshold``) in every one of ``rows``, where
+        in each row no executor ran slower than its fit by that margin and some ran at
+        it: executor -> (median own compute over its fit, over the others'). Own compute
+        (the waiting for a CPU taken out, the healthy waiting taken out of the fit) keeps
+        a loaded host's scheduling out of it; needing executors at their fit keeps out
+        load the whole machine sheds at once; none slower keeps a slowdown that starts
+        just then from being refitted away. Executors with a known-slow device are left
+        out: running faster than their estimated speed is what the recovery watch looks
+        for."""
+        slow = self._known_slow()
+        bar = 1.0 / (1.0 + self.slow_threshold)
+        seen: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for ps in rows:
+            level: dict[tuple[int, int], list[float]] = {}
+            skip: set[tuple[int, int]] = set()
+            for p in ps.values():
+                ex = (p.replica, p.stage)
+                if p.device in slow:
+                    skip.add(ex)
+                share = self.model.wait_share.get(p.device, (0.0, 0.0))[0]
+                healthy = self.model.rank_compute(p) * (1.0 - min(share, 0.9))
+                if healthy > 0:
+                    level.setdefault(ex, []).append(own_compute_of(p) / healthy)
+            per_ex = {ex: statistics.median(v) for ex, v in level.items() if ex not in skip}
+            steady = [r for r in per_ex.values() if bar < r < 1.0 / bar]
+            if not steady or any(r >= 1.0 / bar for r in per_ex.values()):
+                return {}
+            ref = statistics.median(steady)
+            for ex, r in per_ex.items():
+                if r <= bar and r / ref <= bar:
+                    seen.setdefault(ex, []).append((r, r / ref))
+        return {ex: (statistics.median(r for r, _ in v), statistics.median(q for _, q in v))
+                for ex, v in seen.items() if len(v) == len(rows)}
+
+    def _resettle(self, iteration: int, measured: float) -> Detection | None:
+        """Refit a generation whose warm-up was not healthy (docs/detector.md "Paused
+        workers come back"). The warm-up is healthy by assumption; a worker that resumed
+        or restored cold breaks it by running slower than its peers through it, and the
+        fit then takes that slowness as its healthy speed. Once it warms up it runs
+        faster than its fit while its peers run at theirs, so each healthy peer looks
+        slower than its reference by the transient: the peer would be reported. An
+        executor faster than its fit and than its peers by the detector's margin in each
+        of the last ``warmup_iterations`` iterations after the fit is that case (a real
+        slowdown makes the slowed device slower than its fit, never its peers faster):
+        the model is refitted on those iterations and the series and watches restart
+        from them. Only within ``settle_iterations`` of the generation's first fit."""
+        w = self.model.warmup_iterations
+        recent = list(self._hist)[-w:]
+        if self._fit_at is None or len(recent) < w or recent[0][0] <= self._fit_at:
+            return None
+        try:
+            fast = self._faster_than_fit([ps for _, _, ps in recent])
+        except ModelNotReady:
+            return None
+        if not fast:
+            return None
+        note = ("the warm-up was not healthy: " + ", ".join(
+            f"replica {r} stage {s} ran at {x:.2f}x its fit ({q:.2f}x its peers')" for (r, s), (x, q) in sorted(fast.items())
+        ) + f" in each of iterations {recent[0][0]}-{recent[-1][0]}; refitted on them")
+        logger.info("event=warmup_refit generation=%d iteration=%d %s", self.generation, iteration, note)
+        self.model.reset(plan=self.model.plan, speeds=self.model.speeds)
+        for _, _, ps in recent:
+            self.model.add_warmup(ps)
+        self.changepoint.reset()
+        self._fed.clear()
+        self._obs = 0
+        self._opening = []
+        self._pred.clear()
+        self._watch, self._more = None, 0
+        self.local.reset()
+        self.own.reset()
+        self._hist = deque(recent, maxlen=self._history_len)
+        if self.series == "raw":
+            for it, m, _ in recent:
+                self._feed(it, m)
+        if self.model.ready:
+            self._open_series(iteration)
+        return Detection(iteration, measured, "warmup", notes=(note,))
 
     def _known_slow(self) -> set[int]:
         """Devices the model knows slow (a report, or the plan's speeds) and the recovery

@@ -19,6 +19,14 @@ touches the device is slowed by the slowest link taking part:
 - the DP gradient reduction of a stage takes ``1 / min(link speed over every holder of
   that stage)`` times longer (a ring runs at its slowest link).
 
+A link speed given for **every device of a node** (of a topology of several nodes) is
+that node's interface (what the controller's link prober measures: a rate limit on the
+host, a degraded uplink): only transfers that leave or enter the node are slowed, by
+``1 / min(link speed of the nodes taking part)``: a pipeline boundary between executors
+on different nodes, a DP reduction whose holders span nodes, a TP group across nodes.
+Traffic between devices of the same node does not use it, which is what lets a plan
+move traffic off a slow host link (:mod:`.links`).
+
 :class:`ItemCost` is the per-(stage, executor, micro-batch) compute model the
 heuristics use to reason without simulating (the same formula as
 :meth:`~resihp_core.predictor.predict.IterationPredictor.inputs`; a unit test keeps
@@ -29,15 +37,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
-from resihp_core.plan import Migration, ParallelPlan
+from resihp_core.plan import Migration, ParallelPlan, Topology
 from resihp_core.predictor.predict import IterationPredictor
 from resihp_core.predictor.simulator import SimResult, simulate
 
-__all__ = ["BY_PARTS_ABOVE", "Evaluator", "ItemCost", "Features"]
+__all__ = ["BY_PARTS_ABOVE", "Evaluator", "ItemCost", "Features", "node_links"]
 
 #: :meth:`Evaluator.time` times plans with more (stage, replica, micro-batch) items than
 #: this by parts (:meth:`Evaluator.time_by_parts`): TP8 PP16 DP32 with 64 micro-batches
@@ -95,6 +103,20 @@ def _group_min(group: tuple[int, ...], values: Mapping[int, float]) -> float:
     if not values:
         return 1.0
     return min(values.get(d, 1.0) for d in group)
+
+
+def node_links(topology: Topology, link_speeds: Mapping[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+    """Split link speeds into node interfaces (node -> the slowest of its devices' speed,
+    where every device of the node has one and the topology has several nodes) and the
+    per-device links left (module docstring)."""
+    nodes = topology.nodes()
+    whole: dict[int, float] = {}
+    if len(nodes) > 1:
+        for n, ids in nodes.items():
+            if ids and all(d in link_speeds for d in ids):
+                whole[n] = min(link_speeds[d] for d in ids)
+    covered = {d for n in whole for d in nodes[n]}
+    return whole, {d: p for d, p in link_speeds.items() if d not in covered}
 
 
 @dataclass(frozen=True)
@@ -160,6 +182,8 @@ class Evaluator:
             for d, p in vals.items():
                 if not (0.0 < p <= 1.0):
                     raise ValueError(f"{name}[{d}] must be in (0, 1], got {p}")
+        self.node_links, self.device_links = node_links(predictor.topology, self.link_speeds)
+        self._node = {d.id: d.node for d in predictor.topology.devices}
         self._cache: OrderedDict[tuple, SimResult] = OrderedDict()
         self._cache_size = cache_size
         self._items: dict[tuple, ItemCost] = {}
@@ -181,13 +205,13 @@ class Evaluator:
         deg = np.ones((pp, dp), dtype=np.int64)
         for r, s in plan.executors():
             g = plan.group(r, s)
-            link[s, r] = _group_min(g, self.link_speeds)
+            link[s, r] = self.group_link(g)
             deg[s, r] = len(g)
         ex = np.broadcast_to(np.arange(dp)[None, :, None], (pp, dp, m)).copy()
         for mig in plan.migrations:
             ex[mig.stage, mig.replica, mig.mb] = mig.to
         sidx = np.arange(pp)[:, None, None]
-        if (link < 1.0).any():
+        if (link < 1.0).any() or self.node_links:
             shape = self.predictor.shape
             tp_layer = np.zeros((pp, dp))
             for d in np.unique(deg):
@@ -203,15 +227,51 @@ class Evaluator:
             cf = inp["comm_forward"].copy()
             for s in range(1, pp):
                 cf[s] = cf[s] / np.minimum(link[s - 1][ex[s - 1]], link[s][ex[s]])
+                if self.node_links:
+                    cf[s] = cf[s] / self._edge_links(plan, s, ex)
             cb = np.zeros_like(cf)
             cb[:-1] = cf[1:]
             inp["comm_forward"], inp["comm_backward"] = cf, cb
             red = np.array(inp["reduce_time"], float).copy()
             for s in range(pp):
                 holders = [r for r in range(dp) if plan.group(r, s)]
-                red[s] /= min(link[s, r] for r in holders)
+                red[s] /= min(min(link[s, r] for r in holders),
+                              self.crossing(d for r in holders for d in plan.group(r, s)))
             inp["reduce_time"] = red
         return inp
+
+    def node_of(self, device: int) -> int:
+        """The node of ``device`` in the predictor's topology (-1 if unknown)."""
+        return self._node.get(device, -1)
+
+    def crossing(self, devices: Iterable[int]) -> float:
+        """The slowest node interface a transfer among ``devices`` crosses: 1.0 when they
+        are all on one node or no node's link is slow."""
+        if not self.node_links:
+            return 1.0
+        nodes = {self._node.get(d, -1) for d in devices}
+        if len(nodes) < 2:
+            return 1.0
+        return min(self.node_links.get(n, 1.0) for n in nodes)
+
+    def group_link(self, group: tuple[int, ...]) -> float:
+        """Link speed a TP group's own all-reduces run at: its slowest device link, and
+        a slow node interface when the group spans nodes."""
+        return min(_group_min(group, self.device_links), self.crossing(group))
+
+    def _edge_links(self, plan: ParallelPlan, s: int, ex: np.ndarray) -> np.ndarray:
+        """``[dp, m]`` node-interface factor of each micro-batch's edge into stage ``s``
+        (from its executor at ``s - 1``)."""
+        out = np.ones(ex.shape[1:])
+        memo: dict[tuple[int, int], float] = {}
+        for r in range(ex.shape[1]):
+            for j in range(ex.shape[2]):
+                key = (int(ex[s - 1, r, j]), int(ex[s, r, j]))
+                f = memo.get(key)
+                if f is None:
+                    f = memo[key] = self.crossing(plan.group(key[0], s - 1) + plan.group(key[1], s))
+                out[r, j] = f
+        return out
 
     # --------------------------------------------------------------- simulate
     def simulate(self, plan: ParallelPlan) -> SimResult:
@@ -282,6 +342,8 @@ class Evaluator:
             if slow:
                 health = tuple((d, self.speeds.get(d, 1.0), self.link_speeds.get(d, 1.0))
                                for g in rep for d in g if d in slow)
+                if self.node_links:  # whose link is a node's depends on every device listed
+                    health += tuple(sorted(self.node_links.items()))
             k = (shape_key, r, rep, health)
             v = store.get(k)
             if v is None:
@@ -324,9 +386,9 @@ class Evaluator:
         if self.link_speeds:
             red = red.copy()
             for s in range(plan.pp):
-                worst = min((_group_min(plan.group(r, s), self.link_speeds)
-                             for r in range(plan.dp) if plan.group(r, s)), default=1.0)
-                red[s] /= worst
+                worst = min((self.group_link(plan.group(r, s)) for r in range(plan.dp) if plan.group(r, s)),
+                            default=1.0)
+                red[s] /= min(worst, self.crossing(d for r in range(plan.dp) for d in plan.group(r, s)))
         return red
 
     # ------------------------------------------------------------- item cost
@@ -365,5 +427,5 @@ class Evaluator:
             tp = self.predictor.links.tp_per_layer(
                 shape.tokens, shape.hidden, len(g), dtype_bytes=shape.dtype_bytes
             )
-            comm[s, r] = 2.0 * tp / _group_min(g, self.link_speeds)
+            comm[s, r] = 2.0 * tp / self.group_link(g)
         return ItemCost(base=fwd + bwd, fwd=fwd, inv_q=inv_q, comm=comm)

@@ -50,6 +50,7 @@ from resihp_core.program import Program
 from resihp_core.protocol import FailureReport
 from resihp_core.scheduler.candidates import peer_candidates, restage
 from resihp_core.scheduler.dp import dp_stage
+from resihp_core.scheduler.links import describe, link_candidates, off_node
 from resihp_core.scheduler.evaluate import Evaluator, Features
 from resihp_core.scheduler.pp import pp_stage
 from resihp_core.scheduler.state import PlannerError, PlannerState, RestoreRequired, inflight
@@ -278,6 +279,14 @@ def _place_by_state(cur: ParallelPlan, groups: list[tuple[int, ...]], ranges: Se
     return slots
 
 
+def _say_links(state: PlannerState, tried: dict[str, float], chosen: str) -> PlannerState:
+    """``state`` with a note per slow node link: what its plan still sends across it and
+    why, or that nothing crosses it (:func:`~.links.describe`)."""
+    for line in describe(state, tried, chosen):
+        state = state.with_plan(state.plan, line)
+    return state
+
+
 def _rebase(state: PlannerState, plan: ParallelPlan, features: Features) -> PlannerState:
     """``state`` moved onto a new layout (after a restore): plan, home and evaluator."""
     ev = Evaluator(state.predictor, features, state.speeds, state.link_speeds)
@@ -402,7 +411,7 @@ class Planner:
         A re-staged layout (another replica shape) is timed on its own workload features
         and, when chosen, becomes the state's home."""
         if not self.peer_moves:
-            return after
+            return _say_links(after, {}, "the stages")
         t0 = time.perf_counter()
         ev = after.evaluator
         best_t = ev.time(after.plan)
@@ -411,10 +420,18 @@ class Planner:
         # (time, order, name, plan, features: None = the job's own shape)
         timed: list[tuple[float, int, str, ParallelPlan, Features | None]] = [
             (ev.time(c), i, n, c, None) for i, (n, c) in enumerate(peer_candidates(before, after))]
+        # A slow node link: the layout's groups placed so that less crosses it (links.py).
+        tried: dict[str, float] = {}
+        for n, c in link_candidates(before, before.plan):
+            tried[n] = ev.time(c)
+            timed.append((tried[n], len(timed), n, c, None))
         # Re-staged layouts have another replica shape: each is judged on its own features.
-        for n, c, f in restage(before, len(set(after.plan.devices()))):
+        away = off_node(before)
+        for n, c, f in restage(before, len(set(after.plan.devices()))) + ([away] if away else []):
             own = Evaluator(ev.predictor, f, after.speeds, after.link_speeds)
             timed.append((own.time(c), len(timed), n, c, f))
+            if away is not None and n == away[0]:
+                tried[n] = timed[-1][0]
         timed.sort(key=lambda x: (x[0], x[1]))
         for t, _, name, cand, feats in timed:  # checks cost O(devices): only until one passes
             if not t < best_t * (1 - 1e-9):
@@ -428,10 +445,11 @@ class Planner:
             break
         timings["peers"] = time.perf_counter() - t0
         if best is None:
-            return after
+            return _say_links(after, tried, "the stages")
         name, chosen = best  # a re-staged plan comes with its own home and evaluator
-        return chosen.with_plan(chosen.plan, f"peers: {name} beats the stages' plan "
-                                             f"({t_stages:.4g}s -> {best_t:.4g}s)")
+        chosen = chosen.with_plan(chosen.plan, f"peers: {name} beats the stages' plan "
+                                               f"({t_stages:.4g}s -> {best_t:.4g}s)")
+        return _say_links(chosen, tried, name)
 
     @staticmethod
     def _check(name: str, state: PlannerState, previous: ParallelPlan | None) -> None:

@@ -9,7 +9,9 @@ Device health has three parts:
 
 - ``failed``: fail-stopped devices; never placed in a plan (they are ``excluded``);
 - ``speeds``: compute normalised throughput p_i in (0, 1] (missing = 1.0);
-- ``link_speeds``: communication fail-slow, the fraction of link bandwidth left.
+- ``link_speeds``: communication fail-slow, the fraction of link bandwidth left (given
+  for every device of a node: that node's interface, which only traffic leaving the
+  node crosses; :mod:`.evaluate`).
 
 The planner's TP rule needs one number per device; :meth:`PlannerState.throughput`
 gives it: the compute speed, or for a device with slow links the equivalent
@@ -302,13 +304,16 @@ class PlannerState:
         p = float(self.speeds.get(device, 1.0))
         c = float(self.link_speeds.get(device, 1.0))
         if c < 1.0:
-            comm_share = self._comm_share(device)
+            # A node's interface (every device of it slow alike, evaluate.py) carries no
+            # TP all-reduce inside the node: only the transfers in and out count.
+            comm_share = self._comm_share(device, tp=self.node(device) not in self.evaluator.node_links)
             p = min(p, 1.0 / ((1.0 - comm_share) + comm_share / c))
         return p
 
-    def _comm_share(self, device: int) -> float:
+    def _comm_share(self, device: int, tp: bool = True) -> float:
         """Share of communication in the healthy per-micro-batch time of the device's
-        home stage: TP all-reduces plus the activation/gradient transfers in and out."""
+        home stage: TP all-reduces (``tp``) plus the activation/gradient transfers in and
+        out."""
         loc = self.home.location(device) or self.plan.location(device)
         r, s = (loc[0], loc[1]) if loc else (0, 0)
         deg = max(1, self.home.degree(r, s))
@@ -322,7 +327,7 @@ class PlannerState:
         compute = (cost.alpha_f * mean_n + cost.beta_f * mean_s + cost.gamma_f
                    + cost.alpha_b * mean_n + cost.beta_b * mean_s + cost.gamma_b) * scale
         tp = 2.0 * layers * pred.links.tp_per_layer(shape.tokens, shape.hidden, deg,
-                                                    dtype_bytes=shape.dtype_bytes)
+                                                    dtype_bytes=shape.dtype_bytes) if tp else 0.0
         act = activation_bytes(shape.tokens, shape.hidden, shape.dtype_bytes)
         edges = (s > 0) + (s < self.plan.pp - 1)
         p2p = 2.0 * edges * pred.links.stage_p2p(act, deg, deg, same_node=False)

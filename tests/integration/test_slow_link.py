@@ -94,6 +94,10 @@ def test_a_hosts_link_rate_limited_by_tc_is_reported_as_communication_of_its_dev
         return
     assert links, _events(run)  # a link that doubles the iteration is reported whatever the load
     assert links[0]["devices"] == behind, _events(run)
+    # The plan says what it does about that host's link: moved off, or what still crosses it
+    # and why (scheduler/links.py; this adapter cannot move stages between devices).
+    assert [e for e in run.events if e["kind"] in ("plan", "replan")
+            and f"the link of node 1 (devices {behind}" in e["text"]], _events(run)
     if quiet:
         assert links[0]["iteration"] - at["throttled"] <= 5, _events(run)
         assert not [e for e in failures if e["iteration"] < at["throttled"]], _events(run)  # none before it

@@ -618,7 +618,10 @@ class Supervisor:
         devices = list(report.devices)
         what = f"devices {devices} healthy again" if back else f"fail-slow of devices {devices} ({report.cause})"
         if verdict.unchanged and report.cause == "communication" and not back:
-            what += f": no layout the planner found moves traffic off the slow link of devices {devices}"
+            # The planner says which link, what still crosses it and why (scheduler/links.py).
+            said = [n for n in decision.notes if n.startswith("the link of node")]
+            what += ": " + ("; ".join(said) if said else
+                            f"no layout the planner found moves traffic off the slow link of devices {devices}")
         if not verdict.pays:
             self.state = self.state.with_health(speeds=decision.state.speeds,
                                                 link_speeds=decision.state.link_speeds)
