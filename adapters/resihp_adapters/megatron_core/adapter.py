@@ -747,14 +747,15 @@ class MegatronCoreAdapter(Adapter):
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
-        failed = torch.tensor([0 if error is None else 1])
+        dev = self.placement.device if self.cuda else None  # NCCL reduces device tensors only
+        failed = torch.tensor([0 if error is None else 1], device=dev)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if int(failed) == 0:
             try:
                 mc.save(folder, self.model, self._moments_by_param(), self._common(iteration))
             except (OSError, CheckpointException, CheckpointingException) as e:
                 error = f"{type(e).__name__}: {e}"
-            failed = torch.tensor([0 if error is None else 1])
+            failed = torch.tensor([0 if error is None else 1], device=dev)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # the verdict, and a barrier
         nbytes = 0
         if dist.get_rank() == 0:
