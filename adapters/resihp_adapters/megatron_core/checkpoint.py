@@ -47,6 +47,9 @@ class SyncTorchDistSave(TorchDistSaveShardedStrategy):
         super().__init__("torch_dist", 1, thread_count=1)
 
     def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> None:
+        """What the parent's ``async_save`` prepares (its key translation, Megatron's save
+        planner), then torch DCP's synchronous save. The two translation helpers are
+        private to Megatron-Core's ``strategies.torch`` (0.16.x, pinned in constraints.txt)."""
         import torch.distributed.checkpoint as dcp
         from megatron.core.dist_checkpointing.strategies.torch import (
             MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
