@@ -25,6 +25,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(120)
 def test_a_user_loads_the_adapters_checkpoint_with_dist_checkpointing(tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
