@@ -15,8 +15,9 @@
 - **state**: parameters, Adam moments and step, and the scheduler's position move by
   global name from survivors (any TP degree, any layer split); with the distributed
   optimizer each DP rank's Adam shards are gathered into whole moments after every step,
-  so one survivor per stage holds them all; checkpoints are layout-independent
-  per-component files (``docs/megatron_core.md``).
+  so one survivor per stage holds them all; checkpoints are Megatron-Core
+  ``dist_checkpointing`` checkpoints under the project's contract (:mod:`.checkpoint`,
+  ``docs/megatron_core.md``), which any layout loads.
 
 Loss scaling follows the contract's global batch: each micro-batch's loss is multiplied
 by ``m * replicas / G`` (Megatron's schedule divides by the replica's micro-batch count
@@ -30,7 +31,6 @@ import gc
 import os
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -136,7 +136,7 @@ class MegatronCoreAdapter(Adapter):
         self.steps = 0  # optimizer steps applied (Adam's step count)
         self.sched_steps = 0  # the scheduler's position (samples)
         self._snap: tuple[dict[str, list[Tensor]], int, int] | None = None
-        self._ckpt: Any = None
+        self._ckpt_status: list[CheckpointWrite] = []  # finished checkpoint writes, not yet reported
         self._flags: tuple[bool, bool] | None = None  # (tied output layer, learned positions)
         self._pending: tuple[ParallelPlan, ParallelPlan, list[int]] | None = None  # checked move
         self._staged: dict[str, list[Tensor]] | None = None  # full tensors moved before the rebuild
@@ -706,84 +706,93 @@ class MegatronCoreAdapter(Adapter):
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def _writer(self) -> Any:
-        from resihp_adapters.torchkit.checkpoint import CheckpointWriter
+    def _moments_by_param(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """Adam's whole moments of every live parameter, by id (zeros before a step)."""
+        self._entries_with_ids()
+        return {k: (e.tensors[1], e.tensors[2]) for k, e in self._entry_of_param.items()}
 
-        if self._ckpt is None:
-            self._ckpt = CheckpointWriter(self.ctx.job.checkpoint_dir, keep=self.ctx.job.checkpoint_keep)
-        return self._ckpt
-
-    def _every_component(self) -> list[str]:
-        of = self._components()
-        whole = ParallelPlan.uniform(tp=1, pp=1, dp=1, num_layers=self.plan.num_layers, num_microbatches=1)
-        return sorted(set(of(whole, 0)) | {"meta"})
+    def _common(self, iteration: int) -> dict[str, Any]:
+        """The checkpoint's common part: positions, and the scheduler's own state."""
+        out: dict[str, Any] = {"resihp": {"iteration": iteration, "optimizer_step": self.steps,
+                                          "scheduler_num_steps": self.sched_steps, "data_iteration": self.steps}}
+        if self.scheduler is not None:
+            out["opt_param_scheduler"] = self.scheduler.state_dict()
+        return out
 
     def save_checkpoint(self, iteration: int) -> None:
-        """The lowest replica holding each stage gathers full tensors inside its TP group;
-        its TP rank 0 hands them to the background writer: one verified file per
-        component, layout-independent (any later plan loads them)."""
-        from megatron.core import parallel_state as ps
+        """Every executor writes its part of one ``dist_checkpointing`` checkpoint
+        (:mod:`.checkpoint`; only main replicas' shards are written) into the iteration's
+        folder; then rank 0 seals it (the contract's manifest) and prunes. A storage
+        error is reported through :meth:`checkpoint_status`, not raised; a dead peer
+        raises."""
+        from torch.distributed.checkpoint import CheckpointException
 
-        r, s, t = self.where
-        if r != live_replicas(self.plan)[0]:
-            return
-        group = ps.get_tensor_model_parallel_group()
-        comps: dict[str, dict[str, list[Tensor]]] = {}
-        for name, e in self._live_entries(skip_tied_copy=True).items():
-            full = []
-            for tensor in e.tensors:
-                if e.dim is None or e.size == 1:
-                    full.append(tensor.detach().clone())
-                    continue
-                joined = []
-                for piece in st.pieces(tensor, e):
-                    parts = [torch.empty_like(piece) for _ in range(e.size)]
-                    dist.all_gather(parts, piece.contiguous(), group=group)
-                    joined.append(torch.cat(parts, e.dim))
-                full.append(torch.cat(joined, e.dim) if len(joined) > 1 else joined[0])
-            comps.setdefault(st.component_of(name), {})[name] = full
-        if t == 0:
-            if s == 0:
-                comps["meta"] = {"meta": [torch.tensor([float(self.steps), float(self.sched_steps)],
-                                                       dtype=torch.float64)]}
-            self._writer().submit(iteration, {c: {n: [x.cpu() for x in v] for n, v in d.items()}
-                                              for c, d in comps.items()}, self._every_component())
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+
+        from resihp_core import checkpoints
+        from resihp_adapters.megatron_core import checkpoint as mc
+
+        if self.model is None or self._next is not None:
+            return  # a standby: not in Megatron's world
+        t0 = time.perf_counter()
+        root = self.ctx.job.checkpoint_dir
+        folder = checkpoints.iteration_dir(root, iteration)
+        error = None
+        if dist.get_rank() == 0:
+            try:  # an older, unsealed or superseded attempt at this iteration
+                if folder.exists():
+                    import shutil
+
+                    shutil.rmtree(folder)
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+        dev = self.placement.device if self.cuda else None  # NCCL reduces device tensors only
+        failed = torch.tensor([0 if error is None else 1], device=dev)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if int(failed) == 0:
+            try:
+                mc.save(folder, self.model, self._moments_by_param(), self._common(iteration))
+            except (OSError, CheckpointException, CheckpointingException) as e:
+                error = f"{type(e).__name__}: {e}"
+            failed = torch.tensor([0 if error is None else 1], device=dev)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # the verdict, and a barrier
+        nbytes = 0
+        if dist.get_rank() == 0:
+            if error is None and int(failed) == 0:
+                try:
+                    nbytes = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                    checkpoints.seal(root, iteration)
+                    pruned = tuple(checkpoints.prune(root, self.ctx.job.checkpoint_keep))
+                    self._ckpt_status.append(CheckpointWrite(iteration, None, nbytes, time.perf_counter() - t0,
+                                                             pruned))
+                except (OSError, ValueError) as e:
+                    error = f"{type(e).__name__}: {e}"
+            elif error is None:
+                error = "another writer of this checkpoint failed; it is left unsealed (incomplete)"
+        if error is not None:
+            self._ckpt_status.append(CheckpointWrite(iteration, error, 0, time.perf_counter() - t0))
 
     def checkpoint_status(self) -> list[CheckpointWrite]:
-        if self._ckpt is None:
-            return []
-        return [CheckpointWrite(w.iteration, w.error, w.bytes, w.seconds, tuple(w.pruned)) for w in self._ckpt.results()]
+        out, self._ckpt_status = self._ckpt_status, []
+        return out
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
-        """This device's shards of ``plan`` from checkpoint ``iteration``."""
-        from resihp_adapters.torchkit.checkpoint import load_component
+        """This device's shards of ``plan`` from the ``dist_checkpointing`` checkpoint
+        ``iteration`` (written at any layout; Megatron's load reshards)."""
+        from resihp_core import checkpoints
+        from resihp_adapters.megatron_core import checkpoint as mc
 
-        if self._ckpt is not None:
-            self._ckpt.drain()
-        root = Path(self.ctx.job.checkpoint_dir)
-        meta = load_component(root, iteration, "meta")["meta"][0]
-        self.steps, self.sched_steps = int(meta[0]), int(meta[1])
+        folder = checkpoints.iteration_dir(self.ctx.job.checkpoint_dir, iteration)
+        pos = mc.load_common(folder)["resihp"]
+        self.steps, self.sched_steps = int(pos["optimizer_step"]), int(pos["scheduler_num_steps"])
         if self.model is None:
             self.plan, self._next, self._held = plan, None, {}
             return
         new = self._entries_with_ids()
-        cache: dict[str, dict[str, list[Tensor]]] = {}
-        with torch.no_grad():
-            for name, e in new.items():
-                comp = st.component_of(name)
-                if comp not in cache:
-                    cache[comp] = load_component(root, iteration, comp)
-                for f, full in enumerate(cache[comp][name]):
-                    full = full.to(device=e.tensors[f].device, dtype=e.tensors[f].dtype)
-                    if e.dim is None:
-                        e.tensors[f].copy_(full)
-                        continue
-                    for piece, whole in zip(st.pieces(e.tensors[f], e), st.pieces(full, e)):
-                        piece.copy_(whole.chunk(e.size, e.dim)[e.rank])
+        mc.load(folder, self.model, {k: (e.tensors[1], e.tensors[2]) for k, e in self._entry_of_param.items()})
         self._install(new)
         self._enter(plan)
 
     def close(self) -> None:
-        if self._ckpt is not None:
-            self._ckpt.drain()
         self.release()
