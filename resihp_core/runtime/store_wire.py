@@ -10,6 +10,7 @@ a msgpack body of at most :data:`~resihp_core.protocol.MAX_FRAME_BYTES`; a reque
 from __future__ import annotations
 
 import datetime
+import random
 import socket
 import struct
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from resihp_core.protocol import MAX_FRAME_BYTES, AuthError, ProtocolError, client_handshake_sync
+from resihp_core.protocol import MAX_FRAME_BYTES, AuthError, HandshakeBroken, ProtocolError, client_handshake_sync
 
 __all__ = ["StoreOps", "WireError", "WireStore"]
 
@@ -154,17 +155,19 @@ class WireStore(StoreOps):
         while True:
             try:
                 self._sock = socket.create_connection((host, int(port)), timeout=10)
+                client_handshake_sync(self._sock, key, identity, role="worker", timeout=min(30.0, timeout_s))
                 break
-            except OSError as e:
+            except (OSError, HandshakeBroken) as e:
+                # Unreachable, or the handshake broken off: a store past its limit of
+                # pending handshakes resets the rest when thousands of ranks dial at once.
+                self._close_quietly()
                 if time.monotonic() + delay > deadline:
                     raise WireError(f"cannot reach the job store at {address}: {e}") from None
-                time.sleep(delay)
+                time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(1.0, delay * 2)
-        try:
-            client_handshake_sync(self._sock, key, identity, role="worker", timeout=min(30.0, timeout_s))
-        except AuthError as e:
-            self._sock.close()
-            raise WireError(f"job store at {address} refused {identity}: {e}") from None
+            except AuthError as e:
+                self._sock.close()
+                raise WireError(f"job store at {address} refused {identity}: {e}") from None
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
@@ -188,7 +191,12 @@ class WireStore(StoreOps):
     _call = call
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass

@@ -196,3 +196,26 @@ def test_a_hostile_frame_ends_only_its_own_connection(hosted) -> None:
     good.set("still", "here")
     assert store.get("still") == b"here"
     good.close()
+
+
+def test_a_client_reset_over_the_handshake_limit_dials_again(hosted) -> None:
+    """Thousands of ranks dialling at once meet the store's limit of pending handshakes:
+    the ones over it are reset, and the client dials again within its connect deadline
+    instead of failing the worker."""
+    from resihp_core.runtime.store import MAX_PENDING_HANDSHAKES
+
+    store, address = hosted
+    host, port = address.rsplit(":", 1)
+    hogs = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_PENDING_HANDSHAKES)]
+    until(lambda: len(store.server._gate.pending) == MAX_PENDING_HANDSHAKES)
+    got: list[StoreClient] = []
+    t = threading.Thread(target=lambda: got.append(worker(address, device=3, connect_timeout_s=20)))
+    t.start()
+    until(lambda: store.server.refused >= 1)  # reset at least once while the hogs hold every slot
+    for h in hogs:
+        h.close()
+    t.join(20)
+    assert got, "the client gave up instead of dialling again"
+    got[0].set("after", "reset")
+    assert store.get("after") == b"reset"
+    got[0].close()
