@@ -78,8 +78,12 @@ class ReplicaReducer:
         fsdp_group = state._fsdp_param_group
         if fsdp_group is None:
             raise ValueError("the stage has no FSDP parameters to reduce")
-        self._fsdp_params = list(fsdp_group.fsdp_params)
+        # frozen parameters get no gradient, as under FSDP's own reduction
+        self._fsdp_params = [fp for fp in fsdp_group.fsdp_params if fp.sharded_param.requires_grad]
         for fp in self._fsdp_params:
+            if fp.sharded_param.is_meta:
+                raise ValueError(f"parameter {fp._param_fqn!r} is on the meta device: materialise the stage "
+                                 "before its gradient buckets are made")
             if tuple(fp.sharded_size) != tuple(fp.sharded_param.shape):
                 raise ValueError(f"parameter {fp._param_fqn!r} is sharded ({tuple(fp.sharded_size)} of "
                                  f"{tuple(fp.sharded_param.shape)}): the replica reduction needs shard degree 1")
