@@ -27,7 +27,7 @@ the same bits on every replica; with one replica, bit-identical to FSDP.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -47,7 +47,6 @@ class _Bucket:
     members: list[int]  # indices into the reducer's parameters
     filled: int = 0
     work: dist.Work | None = None
-    launched: bool = False
 
 
 @dataclass
@@ -89,7 +88,6 @@ class ReplicaReducer:
                                  f"{tuple(fp.sharded_param.shape)}): the replica reduction needs shard degree 1")
         self.group = group if group is not None and group.size() > 1 else None
         self.passes = passes
-        self._fsdp_group = fsdp_group
         self._buckets, self._slots = self._plan(bucket_bytes)
         self._next = 0  # the next bucket to launch (index order on every rank)
         self._hooked: dict[int, _Hooked] = {}
@@ -199,7 +197,6 @@ class ReplicaReducer:
                 return
             if self.group is not None:
                 b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
-            b.launched = True
             self._next += 1
 
     def finish(self) -> None:
@@ -248,7 +245,7 @@ class ReplicaReducer:
         for s in self._slots:
             s.passes, s.copied, s.has_grad = 0, False, False
         for b in self._buckets:
-            b.filled, b.work, b.launched = 0, None, False
+            b.filled, b.work = 0, None
         self._next = 0
         self._started = False
 
