@@ -11,10 +11,12 @@ checkout first on PYTHONPATH for an A/B of engine changes at the same load.
 
 ``--size`` takes overhead.py's model sizes (default ``xs``, the peers' dp4 model). Each
 round also splits the engine's iteration into parts (rollback snapshot, forward,
-backward, FSDP's gradient reduction, optimizer step, and the SDC fingerprint the
-adapter computes after it for HSDP replicas), each with its CPU milliseconds and the
-minor page faults it took: on the host, memory allocated afresh every iteration shows
-up as page faults (docs/benchmarks.md, "Where a fault-free iteration goes").
+backward, the gradient reduction: FSDP's post-backward and, on this unsharded stage,
+the replica buckets' copy-in (inside the backward) and wait; optimizer step, and the
+SDC fingerprint the adapter computes after it for HSDP replicas), each with its CPU
+milliseconds and the minor page faults it took: on the host, memory allocated afresh
+every iteration shows up as page faults (docs/benchmarks.md, "Where a fault-free
+iteration goes").
 
 Usage: python benchmarks/engine_cpu.py [--size xs|s|m|l] [--iterations N] [--rounds R] [--json PATH]
 """
@@ -141,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     st = eng.stage
     st.forward_one_chunk = timed("forward", st.forward_one_chunk)
     st.backward_one_chunk = timed("backward", st.backward_one_chunk)
-    st.perform_reduce_grad = timed("gradient reduction (FSDP)", st.perform_reduce_grad)
+    st.perform_reduce_grad = timed("gradient reduction: FSDP's post-backward", st.perform_reduce_grad)
+    red = getattr(eng, "_reducer", None)
+    if red is not None:  # a pure replica's buckets (.replica_reduce): copy-in inside the backward, then the wait
+        red._copy = timed("gradient reduction: bucket copy-in (inside backward)", red._copy)
+        red.finish = timed("gradient reduction: bucket wait and gradients set", red.finish)
     eng.step_optimizer = timed("optimizer step", eng.step_optimizer)
     rounds = []
     for r in range(args.rounds):

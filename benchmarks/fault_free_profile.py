@@ -67,7 +67,10 @@ PARTS = [
     ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
     ("      forward and backward chunks", "pipelining/stage.py", "forward_one_chunk|backward_one_chunk|"
      "backward_weight_one_chunk"),
-    ("      gradient reduction (FSDP)", "pipelining/stage.py", "perform_reduce_grad"),
+    ("      FSDP post-backward (the gradient reduction where sharded)", "pipelining/stage.py",
+     "perform_reduce_grad"),
+    ("      replica buckets' copy-in (shard degree 1, inside backward)", "torch_native/replica_reduce.py", "_copy"),
+    ("    replica buckets' wait, gradients set", "torch_native/replica_reduce.py", "finish"),
     ("    optimizer step (AdamW on DTensors)", "optim/optimizer.py", "wrapper"),
     ("  snapshot for rollback", "torch_native/adapter.py", "snapshot"),
     ("  checkpoint: the training thread's share", "torch_native/adapter.py", "save_checkpoint"),

@@ -141,7 +141,8 @@ def test_snapshot_copy_plan_is_reused_and_follows_replaced_state():
 def test_recursive_fsdp_flags_reach_every_group_without_walking_the_stage():
     """The stage's recursive FSDP flag setters (torch's PipelineStage calls them around
     every backward chunk) set every FSDP group of the stage from the list made when it
-    was wrapped, not by listing its submodules; training still steps."""
+    was wrapped, not by listing its submodules; training still steps. On this stage
+    (shard degree 1) the replica reduction owns the gradient sync: FSDP's stays off."""
     eng, prog = _engine()
     try:
         m = eng.module
@@ -161,7 +162,7 @@ def test_recursive_fsdp_flags_reach_every_group_without_walking_the_stage():
                               for g in groups)
         m.set_requires_gradient_sync(True)
         m.set_reshard_after_backward(True)
-        assert all(g.reduce_grads and g.reshard_after_backward for g in groups)
+        assert all(not g.reduce_grads and not g.all_reduce_grads and g.reshard_after_backward for g in groups)
         before = _state(eng)
         eng.run(prog, 0)
         assert any(not torch.equal(a[0], b[0]) for a, b in zip(before.values(), _state(eng).values()))
@@ -199,29 +200,50 @@ def test_optimizer_step_on_local_tensors_equals_the_dtensor_step_bitwise():
 
 
 @pytest.mark.timeout(120)
-def test_an_unsharded_stage_reuses_its_reduction_buffers_and_trains_bitwise_alike():
-    """Shard degree 1: FSDP's reduction buffers come from the engine's pool, two of them
-    reused every iteration instead of fresh host memory; parameters and both moments
-    equal those of FSDP's own allocation bit for bit."""
+def test_a_replica_stage_reduces_in_reused_buckets_bitwise_like_fsdp_and_drops_a_failed_iteration():
+    """Shard degree 1: gradients are reduced in the replica reducer's buckets (here
+    several, reused every iteration: the gradients are views of the same buffers), and
+    parameters and both moments equal FSDP's own reduction bit for bit (a world of 1).
+    An iteration that fails after its backward (a peer's death noticed before the
+    reduction is waited for) and is rolled back leaves no count behind: run again, it
+    trains the same bits."""
+    import functools
+
     import resihp_adapters.torch_native.engine as engine_mod
-    from resihp_adapters.torch_native.reduce_buffers import PooledReduceScatter
+    from resihp_adapters.torch_native.replica_reduce import ReplicaReducer
 
     runs = []
-    for pooled in (True, False):
-        supported = engine_mod.host_pooling_supported
-        engine_mod.host_pooling_supported = supported if pooled else (lambda: False)
+    for mode in ("fsdp", "buckets", "failed"):
+        made = engine_mod.ReplicaReducer
+        engine_mod.ReplicaReducer = ((lambda *a, **k: None) if mode == "fsdp"
+                                     else functools.partial(ReplicaReducer, bucket_bytes=2048))
         try:
             eng, prog = _engine()
         finally:
-            engine_mod.host_pooling_supported = supported
+            engine_mod.ReplicaReducer = made
         try:
-            comm = eng.module._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
-            assert isinstance(comm, PooledReduceScatter) == pooled
+            red = eng._reducer
+            assert (red is None) == (mode == "fsdp")
+            buffers = None if red is None else [b.data_ptr() for b in red.buffers()]
+            if red is not None:
+                assert len(buffers) > 2  # the stage spans several buckets
             for i in range(4):
+                eng.snapshot()
+                if mode == "failed" and i == 2:
+                    real = eng.finish_grads
+                    eng.finish_grads = lambda: (_ for _ in ()).throw(RuntimeError("peer died"))
+                    with pytest.raises(RuntimeError, match="peer died"):
+                        eng.run(prog, i)
+                    eng.finish_grads = real
+                    eng.rollback()
+                    assert eng.iteration == 2
                 eng.run(prog, i)
-                if pooled:
-                    assert comm.buffers() == 2, f"iteration {i}: {comm.buffers()} buffers kept"
+                if red is not None:
+                    views = {g._local_tensor.untyped_storage().data_ptr() for g in
+                             (p.grad for p in eng.module.parameters()) if g is not None}
+                    assert views <= set(buffers) and [b.data_ptr() for b in red.buffers()] == buffers
             runs.append(_state(eng))
         finally:
             eng.release()
-    _equal(runs[0], runs[1])
+    _equal(runs[1], runs[0])
+    _equal(runs[2], runs[0])

@@ -55,7 +55,7 @@ from resihp_core.runtime.session import join_members, rendezvous_store
 from resihp_adapters.torch_native.async_checkpoint import DcpPlan, Staging, plan_writes
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
-from resihp_adapters.torch_native.reduce_buffers import PooledReduceScatter, host_pooling_supported
+from resihp_adapters.torch_native.replica_reduce import ReplicaReducer
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
 __all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
@@ -358,6 +358,7 @@ class TorchNativeEngine:
         # id(buffers) -> (buffers, sources, destinations, module, optimizer, guard): :meth:`_copy_into`
         self._copy_plans: dict[int, tuple] = {}
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
+        self._reducer: ReplicaReducer | None = None  # a shard-degree-1 stage's gradient reduction
         #: the user's loop mode (:mod:`.loop`): the stage is the user's whole model, no
         #: PipelineStage; pp = 1 only
         self.whole = False
@@ -379,6 +380,7 @@ class TorchNativeEngine:
         if self.module is not None:
             self._kept = (self.plan, self.local_shards())
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
+        self._drop_reducer()
         self._copy_plans = {}  # they hold the stage's tensors: nothing may pin the old groups
         self.executors_group = self.checkpoint_group = None
         self.writes_checkpoint = True
@@ -388,6 +390,12 @@ class TorchNativeEngine:
         _unbind_groups(*self._bound)
         self._bound = ([], [])
         release_world(self.placement)  # NCCL communicators aborted, gloo ones destroyed
+
+    def _drop_reducer(self) -> None:
+        """The generation's replica reduction goes with its groups (hooks removed)."""
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
 
     def rebuild(self, plan: ParallelPlan, generation: int, devices: list[int] | None = None) -> None:
         """New world and meshes for ``plan`` over ``devices`` (default: the plan's);
@@ -461,25 +469,29 @@ class TorchNativeEngine:
         # Per-block FSDP groups bound the unsharded memory and overlap each block's
         # reduction with the backward of the next. Unsharded, every rank holds the whole
         # stage anyway (shard degree 1: pure replicas, or one replica): one group for
-        # the stage, so one gradient all-reduce per iteration instead of one per block
-        # and one all-gather / reduce-scatter copy, as DDP buckets them
-        # (docs/benchmarks.md, "Where a fault-free iteration goes").
+        # the stage (one all-gather copy per iteration instead of one per block), and
+        # its gradients reduced as DDP reduces them (below).
         blocks = self.model.blocks(module) if place.shard_degree > 1 else []
         with _default_timeout(self.timeout):
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
         _flags_on_known_groups(module, [*blocks, module])
-        if not blocks and self.placement.device.type == "cpu" and host_pooling_supported():
-            # One group holding the whole stage, like DDP's buckets: its reduction
-            # buffers are kept, not faulted in afresh every iteration (.reduce_buffers).
-            module.set_custom_reduce_scatter(PooledReduceScatter())
         for block in (*blocks, module):
             block.set_gradient_divide_factor(1.0)  # sums: the loss carries the global scale
             block.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
             group = getattr(block._get_fsdp_state(), "_fsdp_param_group", None)
             if group is not None:
                 self._bound[1].extend(i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None)
+        self._drop_reducer()
+        if not blocks:
+            # Pure replicas: FSDP's reduction (a flat copy, a temporary, one all-reduce
+            # after the backward) is replaced by DDP's bucketed all-reduce overlapping
+            # the backward (.replica_reduce); the layout stays FSDP's.
+            replicas = dp_mesh["dp_replicate"]
+            self._bound[0].append(replicas)
+            self._reducer = ReplicaReducer(module, replicas.get_group(),
+                                           max(1, len(plan.work(place.replica, place.stage))))
         self.module = module
         self._copy_plans = {}
         self.optimizer = self.recipe.optimizer(list(module.parameters()))
@@ -609,6 +621,8 @@ class TorchNativeEngine:
         self.iteration = step
         if self.module is None:
             return
+        if self._reducer is not None:
+            self._reducer.reset()  # the rolled-back iteration's reduction, if it did not finish
         with torch.no_grad():
             for name, p in self.module.named_parameters():
                 h = shards[self.canonical(name)]
@@ -772,6 +786,7 @@ class TorchNativeEngine:
         # to reuse. Keep the snapshot for the next generation, which rebuilds the stage.
         self._kept = (self.plan if self.module is not None else self._kept[0], shards)
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = None
+        self._drop_reducer()
         self._copy_plans = {}
         self.iteration = step
 
@@ -880,7 +895,10 @@ class TorchNativeEngine:
         """After the backward of every micro-batch: sum the gradients of tied copies
         across their stages, then clip by the global norm over every stage and FSDP
         shard (each counted once). Returns the norm when clipping (collective over the
-        executors)."""
+        executors). A pure replica's bucketed all-reduce (:mod:`.replica_reduce`) is
+        waited for first, its gradients set."""
+        if self._reducer is not None:
+            self._reducer.finish()
         for group, name in self._ties:
             p = dict(self.module.named_parameters())[name]
             if p.grad is not None:
@@ -917,6 +935,8 @@ class TorchNativeEngine:
             self.schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)
         except BaseException:
             self.schedule = None
+            if self._reducer is not None:
+                self._reducer.reset()
             raise
         finally:
             self._current = None
