@@ -583,7 +583,8 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
     from resihp_core.runtime.loop import LoopThread
 
     n_nodes = n_ranks // RANKS_PER_NODE
-    fault_at = a.fault_at if a.fault_at is not None else (iters // 2 if fault == "slow" else max(2, iters - 2))
+    fault_at = a.fault_at if a.fault_at is not None else (
+        iters // 2 if fault == "slow" else 2 if fault == "restart" else max(2, iters - 2))  # restart: time to re-attach
     lose = n_nodes - 1
     cfg = DetectorConfig(heartbeat_interval_s=a.heartbeat_s)
     topology = {n: tuple(range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)) for n in range(n_nodes)}

@@ -442,6 +442,14 @@ SOURCES = [
     Source("control-scale", "control-scale.json", "control_scale.py", ("--ranks", "256,1024", "--commit", "both"),
            "Control plane with the real controller and job store, emulated nodes of 8 ranks over loopback: "
            "commits through the node agent vs each rank to the store itself"),
+    Source("control-scale-coroutines", "control-scale-coroutines.json", "control_scale.py",
+           ("--ranks", "1024,4096", "--emulation", "coroutines", "--iterations", "8", "--faults", "loss,restart"),
+           "Control plane at 1,024 and 4,096 ranks, each emulated rank a coroutine talking to its real agent: a node "
+           "lost and a controller restart (stop -> every agent re-attached); the emulators' own CPU per run"),
+    Source("control-scale-16k", "control-scale-16k.json", "control_scale.py",
+           ("--ranks", "16384", "--emulation", "coroutines", "--iterations", "5", "--procs", "4"),
+           "Control plane at 16,384 emulated ranks on this machine: what the controller and store cost per "
+           "iteration while the emulators, short of cores, stretch the iterations"),
     Source("control-scale-faults", "control-scale-faults.json", "control_scale.py",
            ("--ranks", "256", "--iterations", "16", "--commit", "agent", "--faults", "loss,silent,slow"),
            "Control plane at 256 ranks, commits through the node agent: a node lost, a node silent (partition), "
