@@ -134,25 +134,66 @@ def _agent_failover(fault: str) -> dict[str, Any]:
     return {"rejoin_timeout": 0.0, "on_controller_lost": lambda exc: None}
 
 
+def _start_agents(spec: dict[str, Any], lt: Any, out: dict[str, Any], muted: set[int], *,
+                  probes: bool) -> dict[int, Any]:
+    """A real NodeAgent per node of ``spec``, counting what each sends the controller (a
+    muted node's messages are dropped with its connection left open: a partition).
+    ``probes=False`` stops each agent's machine-load probe (one machine here: thousands
+    of probes would each read /proc four times a second)."""
+    from resihp_core.protocol import encode
+    from resihp_core.runtime.agent import NodeAgent
+
+    cfg = DetectorConfig(heartbeat_interval_s=spec["heartbeat_s"])
+    agents: dict[int, NodeAgent] = {}
+    for n in spec["nodes"]:
+        agent = NodeAgent(n, spec["controller"], SECRET, cfg, **_agent_failover(spec["fault"]))
+        lt.run(agent.start(), timeout=120)
+        if not probes and agent.environment is not None:
+            agent.environment.stop()
+            agent.environment = None
+        agents[n] = agent
+        plain = agent._to_controller
+
+        def counted(msg: Any, plain: Any = plain, node: int = n) -> None:
+            if node in muted:
+                return
+            out["controller_messages"] += 1
+            out["controller_bytes"] += 4 + len(encode(msg))
+            plain(msg)
+        agent._to_controller = counted  # type: ignore[method-assign]
+    return agents
+
+
+def _finish_emulator(spec: dict[str, Any], lt: Any, out: dict[str, Any], agents: dict[int, Any]) -> int:
+    """The agents' commit counts into ``out``, the agents stopped, ``out`` written."""
+    out["agent_store_requests"] = sum(a.commits.stats.batches + a.commits.stats.verdict_waits for a in agents.values())
+    out["agent_commit_refused"] = sum(a.commits.stats.refused for a in agents.values())
+    for a in agents.values():
+        try:
+            lt.run(a.stop(), timeout=10)
+        except Exception:  # noqa: BLE001 - the lost node's agent is already gone
+            pass
+    lt.stop()
+    Path(spec["out"]).write_text(json.dumps(out))
+    return 0
+
+
 def _emulate(spec: dict[str, Any]) -> int:
     """Run nodes ``spec['nodes']``: a real NodeAgent each and 8 emulated ranks, a thread
     each with its own sockets (``--emulation threads``)."""
     if spec.get("emulation") == "coroutines":
         return _emulate_coroutines(spec)
     from resihp_core.runtime import session
-    from resihp_core.runtime.agent import NodeAgent
     from resihp_core.runtime.heartbeat import WorkerClient
     from resihp_core.runtime.loop import LoopThread
     from resihp_core.runtime.store import StoreClient, worker_store_identity
 
-    cfg = DetectorConfig(heartbeat_interval_s=spec["heartbeat_s"])
     nodes: list[int] = spec["nodes"]
     iters, it_s, fault_at, lose = spec["iterations"], spec["iteration_s"], spec["fault_at"], spec["lose_node"]
     fault = spec["fault"]
     muted: set[int] = set()  # nodes whose agents went silent
     out: dict[str, Any] = {"ranks": {}, "store_requests": 0, "store_bytes": 0, "controller_messages": 0,
                            "controller_bytes": 0, "errors": []}
-    from resihp_core.protocol import encode
 
     class CountingStore(StoreClient):
         """The real store client, counting requests and their bytes (request and reply)."""
@@ -171,23 +212,9 @@ def _emulate(spec: dict[str, Any]) -> int:
     import msgspec
     _ENC = msgspec.msgpack.Encoder()
     lt = LoopThread("emulator").start()
-    agents: dict[int, NodeAgent] = {}
     lock = threading.Lock()
     stop = threading.Event()
-
-    for n in nodes:
-        agent = NodeAgent(n, spec["controller"], SECRET, cfg, **_agent_failover(fault))
-        lt.run(agent.start(), timeout=60)
-        agents[n] = agent
-        plain = agent._to_controller
-
-        def counted(msg: Any, plain: Any = plain, node: int = n) -> None:  # what this agent sends the controller
-            if node in muted:
-                return  # partitioned: nothing reaches the controller, the connection stays open
-            out["controller_messages"] += 1
-            out["controller_bytes"] += 4 + len(encode(msg))
-            plain(msg)
-        agent._to_controller = counted  # type: ignore[method-assign]
+    agents = _start_agents(spec, lt, out, muted, probes=True)
 
     def connect_store(node: int, device: int, cred: str) -> CountingStore:
         """The rank's store connection; a refused handshake is retried (with 64 pending
@@ -309,17 +336,7 @@ def _emulate(spec: dict[str, Any]) -> int:
     for t in threads:
         t.join(timeout=max(1.0, t_end - time.time()))
     stop.set()
-    out["agent_store_requests"] = sum(a.commits.stats.batches + a.commits.stats.verdict_waits
-                                      for a in agents.values())
-    out["agent_commit_refused"] = sum(a.commits.stats.refused for a in agents.values())
-    for n, a in agents.items():
-        try:
-            lt.run(a.stop(), timeout=10)
-        except Exception:  # noqa: BLE001 - the lost node's agent is already gone
-            pass
-    lt.stop()
-    Path(spec["out"]).write_text(json.dumps(out))
-    return 0
+    return _finish_emulator(spec, lt, out, agents)
 
 
 class _MemWriter:
@@ -369,19 +386,16 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
         CommitVerdict,
         Heartbeat,
         client_handshake,
-        encode,
         encode_frame,
         read_msg,
         write_msg,
     )
     from resihp_core.runtime import session
-    from resihp_core.runtime.agent import NodeAgent
     from resihp_core.runtime.heartbeat import BYE, COMMITS
     from resihp_core.runtime.loop import LoopThread
     from resihp_core.runtime.store import StoreClient, worker_store_identity
     from resihp_core.runtime.worker import GenerationWatch
 
-    cfg = DetectorConfig(heartbeat_interval_s=spec["heartbeat_s"])
     nodes: list[int] = spec["nodes"]
     iters, it_s, fault_at, lose = spec["iterations"], spec["iteration_s"], spec["fault_at"], spec["lose_node"]
     fault = spec["fault"]
@@ -390,23 +404,8 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
     out: dict[str, Any] = {"ranks": {}, "store_requests": 0, "store_bytes": 0, "controller_messages": 0,
                            "controller_bytes": 0, "errors": []}
     lt = LoopThread("emulator").start()
-    agents: dict[int, NodeAgent] = {}
-    for n in nodes:
-        agent = NodeAgent(n, spec["controller"], SECRET, cfg, **_agent_failover(fault))
-        lt.run(agent.start(), timeout=120)
-        if agent.environment is not None:  # one machine here: 2,048 probes would each read /proc 4x a second
-            agent.environment.stop()
-            agent.environment = None
-        agents[n] = agent
-        plain = agent._to_controller
-
-        def counted(msg: Any, plain: Any = plain, node: int = n) -> None:
-            if node in muted:
-                return
-            out["controller_messages"] += 1
-            out["controller_bytes"] += 4 + len(encode(msg))
-            plain(msg)
-        agent._to_controller = counted  # type: ignore[method-assign]
+    agents = _start_agents(spec, lt, out, muted, probes=False)
+    for agent in agents.values():
         agent.commits.use_store(spec["store"])
 
     class Node:
@@ -558,16 +557,7 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
     except Exception as e:  # noqa: BLE001
         out["errors"].append(f"emulator: {e!r}")
     readers.shutdown(wait=False, cancel_futures=True)
-    out["agent_store_requests"] = sum(a.commits.stats.batches + a.commits.stats.verdict_waits for a in agents.values())
-    out["agent_commit_refused"] = sum(a.commits.stats.refused for a in agents.values())
-    for n, a in agents.items():
-        try:
-            lt.run(a.stop(), timeout=10)
-        except Exception:  # noqa: BLE001 - the lost node's agent is already gone
-            pass
-    lt.stop()
-    Path(spec["out"]).write_text(json.dumps(out))
-    return 0
+    return _finish_emulator(spec, lt, out, agents)
 
 
 # ------------------------------------------------------------------ main process
