@@ -164,6 +164,17 @@ def _start_agents(spec: dict[str, Any], lt: Any, out: dict[str, Any], muted: set
     return agents
 
 
+def _rank_messages(node: int, device: int, g: int, i: int, compute: float,
+                   it_s: float) -> tuple[IterationProfile, IterationReport]:
+    """An emulated rank's profile and report of iteration ``i`` (one TP group of 8 per
+    node: its replica is the node)."""
+    profile = IterationProfile(
+        rank=device, device=device, generation=g, iteration=i, stage=0, replica=node,
+        microbatches=(MicroBatchProfile(node, 0, compute / 3, 2 * compute / 3, (2048,)),),
+        comm_s=0.0, iteration_s=compute)
+    return profile, IterationReport(generation=g, iteration=i, device=device, replica=device, stage=0, iteration_s=it_s)
+
+
 def _finish_emulator(spec: dict[str, Any], lt: Any, out: dict[str, Any], agents: dict[int, Any]) -> int:
     """The agents' commit counts into ``out``, the agents stopped, ``out`` written."""
     out["agent_store_requests"] = sum(a.commits.stats.batches + a.commits.stats.verdict_waits for a in agents.values())
@@ -277,12 +288,8 @@ def _emulate(spec: dict[str, Any]) -> int:
                                 lt.call(lambda: a._ctl_writer.transport.abort() if a._ctl_writer else None)
                     return
                 client.beat(i)
-                client.send_profile(IterationProfile(  # one TP group of 8 per node: replica = node
-                    rank=device, device=device, generation=g, iteration=i, stage=0, replica=node,
-                    microbatches=(MicroBatchProfile(node, 0, compute / 3, 2 * compute / 3, (2048,)),),
-                    comm_s=0.0, iteration_s=compute))
-                report = IterationReport(generation=g, iteration=i, device=device, replica=device, stage=0,
-                                         iteration_s=it_s)
+                profile, report = _rank_messages(node, device, g, i, compute, it_s)
+                client.send_profile(profile)
                 t_add = time.time()
                 if relay is not None:
                     verdict = relay.commit(store, report, executors, timeout_s=120)
@@ -498,12 +505,8 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
                     beat_task.cancel()
                     return
                 state["i"] = i
-                await write_msg(bw, IterationProfile(
-                    rank=device, device=device, generation=g, iteration=i, stage=0, replica=node,
-                    microbatches=(MicroBatchProfile(node, 0, compute / 3, 2 * compute / 3, (2048,)),),
-                    comm_s=0.0, iteration_s=compute))
-                report = IterationReport(generation=g, iteration=i, device=device, replica=device, stage=0,
-                                         iteration_s=it_s)
+                profile, report = _rank_messages(node, device, g, i, compute, it_s)
+                await write_msg(bw, profile)
                 t_add = time.time()
                 await write_msg(cw, CommitRequest(report, executors, False, 0.0, 120.0))
                 reply = await read_msg(cr, 180.0)
