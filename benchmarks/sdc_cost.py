@@ -21,18 +21,40 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ITERATION_S = 0.5  # the issue's bar: <= 1 % of an iteration of at least this long
 
 
-def digest_ms(params: int, dtype: str, device: str, share: float = 1.0, rounds: int = 1,
-              repeats: int = 9) -> float:
+def _interleaved_ms(ways: dict[str, Callable[[int], object]], device: str, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each of ``ways`` (called with the repeat's number), the
+    ways taking turns within each repeat, so that a burst of load elsewhere on a shared
+    host falls on all of them alike rather than on whichever ran then."""
+    import torch
+
+    for fn in ways.values():
+        fn(0)  # warm-up (allocator, kernels)
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for rep in range(repeats):
+        for name, fn in ways.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(rep)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)  # a digest ends with a copy to the host anyway
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def digests_ms(params: int, dtype: str, device: str, reads: list[tuple[float, int]],
+               repeats: int = 15) -> dict[tuple[float, int], float]:
     """Median milliseconds of one fingerprint of a shard of ``params`` parameters held
-    as 16 named tensors, with its two AdamW moments: ``share`` of each parameter tensor
-    and ``1/rounds`` of each moment (the windows turning each repeat, as iterations turn
-    them)."""
+    as 16 named tensors, with its two AdamW moments, for each ``(share, rounds)`` of
+    ``reads``: ``share`` of each parameter tensor and ``1/rounds`` of each moment (the
+    windows turning each repeat, as iterations turn them)."""
     import torch
 
     from resihp_core.detector.sdc import tensor_digest
@@ -41,18 +63,15 @@ def digest_ms(params: int, dtype: str, device: str, share: float = 1.0, rounds: 
     per = max(1, params // 16)
     ps = [(f"p.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(16)]
     state = [(f"{k}.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(16) for k in "mv"]
-    tensor_digest(ps, share=share, state=state, rounds=rounds)  # warm-up (allocator, kernels)
-    times = []
-    for turn in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        tensor_digest(ps, share=share, turn=turn, state=state, rounds=rounds)
-        times.append(time.perf_counter() - t0)  # the digest ends with a copy to the host
-    return statistics.median(times) * 1e3
+
+    def way(share: float, rounds: int) -> Callable[[int], object]:
+        return lambda turn: tensor_digest(ps, share=share, turn=turn, state=state, rounds=rounds)
+
+    got = _interleaved_ms({f"{share} {rounds}": way(share, rounds) for share, rounds in reads}, device, repeats)
+    return {(share, rounds): got[f"{share} {rounds}"] for share, rounds in reads}
 
 
-def read_alternatives_ms(params: int, dtype: str, device: str, repeats: int = 9) -> dict[str, float]:
+def read_alternatives_ms(params: int, dtype: str, device: str, repeats: int = 15) -> dict[str, float]:
     """Median milliseconds of reading one shard's parameters (16 tensors) each way a
     checksum could read them, the fingerprint's first: whether another reduction torch
     or numpy runs reads memory faster. Only the int64 sum is exact and order-free on
@@ -71,20 +90,7 @@ def read_alternatives_ms(params: int, dtype: str, device: str, repeats: int = 9)
     }
     if device == "cpu":
         ways["int64 words, numpy sum"] = lambda: [t.numpy().view("i8").sum() for t in ts]
-    out = {}
-    for name, fn in ways.items():
-        fn()
-        times = []
-        for _ in range(repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times) * 1e3
-    return out
+    return _interleaved_ms({name: (lambda rep, fn=fn: fn()) for name, fn in ways.items()}, device, repeats)
 
 
 def grad_norm_ms(params: int, dtype: str, device: str, repeats: int = 7) -> float:
@@ -180,8 +186,9 @@ def main() -> int:
         n = int(float(s))
         step = adamw_ms(n, args.dtype, args.device)
         size = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+        got = digests_ms(n, args.dtype, args.device, reads)
         for share, rounds in reads:
-            ms = digest_ms(n, args.dtype, args.device, share, rounds)
+            ms = got[(share, rounds)]
             mb = n * size * (share + 2 / rounds) / 1e6
             what = "every byte" if (share, rounds) == (1.0, 1) else (
                 f"parameters whole, moments in {rounds} iterations" if share == 1.0 else f"coverage {share:g}")
