@@ -80,7 +80,7 @@ def test_parameters_are_read_whole_and_the_state_once_in_any_rounds_turns(rounds
     iteration) and a 1/rounds window of each optimizer-state tensor, staggered by
     tensor: a flip in the state is found in exactly one of any ``rounds`` consecutive
     turns, the same turns on every replica."""
-    from resihp_core.detector.sdc import state_rounds
+    from resihp_core.detector.sdc import state_rounds, windows
 
     def differs(flip: str, at: int) -> list[bool]:
         (pa, sa), (pb, sb) = _big(), _big()
@@ -108,6 +108,8 @@ def test_parameters_are_read_whole_and_the_state_once_in_any_rounds_turns(rounds
         assert tensor_digest(p + [("q", p[0][1])], turn=t, state=st, rounds=rounds) != \
             tensor_digest(p + [("q", p[0][1].clone())], turn=t, state=st, rounds=rounds)
     assert state_rounds({}) == 8 and state_rounds({"RESIHP_SDC_STATE_ROUNDS": "3"}) == 3
+    # partial coverage of the parameters never reads the state faster than them
+    assert windows({}) == (1.0, 8) and windows({"RESIHP_SDC_COVERAGE": "0.1"}) == (0.1, 10)
     with pytest.raises(ValueError, match="RESIHP_SDC_STATE_ROUNDS='0'"):
         state_rounds({"RESIHP_SDC_STATE_ROUNDS": "0"})
 
