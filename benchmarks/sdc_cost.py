@@ -9,7 +9,7 @@ iteration; and, for the largest shard, how fast other reductions read the same
 parameters. Prints a table and writes JSON.
 
 Usage: python benchmarks/sdc_cost.py [--sizes 1e6,4e6,1.6e7] [--rounds 1,4,8] [--coverage 0.25,0.1]
-       [--dtype float32] [--device cpu|cuda] [--executors 2,8,32] [--json PATH]
+       [--tensors 16] [--dtype float32] [--device cpu|cuda] [--executors 2,8,32] [--json PATH]
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def _interleaved_ms(ways: dict[str, Callable[[int], object]], device: str, repea
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
-def digests_ms(params: int, dtype: str, device: str, reads: list[tuple[float, int]],
+def digests_ms(params: int, dtype: str, device: str, reads: list[tuple[float, int]], tensors: int = 16,
                repeats: int = 15) -> dict[tuple[float, int], float]:
     """Median milliseconds of one fingerprint of a shard of ``params`` parameters held
-    as 16 named tensors, with its two AdamW moments, for each ``(share, rounds)`` of
+    as ``tensors`` named tensors, with its two AdamW moments, for each ``(share, rounds)`` of
     ``reads``: ``share`` of each parameter tensor and ``1/rounds`` of each moment (the
     windows turning each repeat, as iterations turn them)."""
     import torch
@@ -60,9 +60,9 @@ def digests_ms(params: int, dtype: str, device: str, reads: list[tuple[float, in
     from resihp_core.detector.sdc import tensor_digest
 
     dt = getattr(torch, dtype)
-    per = max(1, params // 16)
-    ps = [(f"p.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(16)]
-    state = [(f"{k}.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(16) for k in "mv"]
+    per = max(1, params // tensors)
+    ps = [(f"p.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(tensors)]
+    state = [(f"{k}.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(tensors) for k in "mv"]
 
     def way(share: float, rounds: int) -> Callable[[int], object]:
         return lambda turn: tensor_digest(ps, share=share, turn=turn, state=state, rounds=rounds)
@@ -165,6 +165,8 @@ def main() -> int:
                     help="parameters whole, the moments read once in this many iterations (1: all of both)")
     ap.add_argument("--coverage", default="0.25,0.1",
                     help="shares of every tensor a fingerprint reads (parameters and moments alike)")
+    ap.add_argument("--tensors", type=int, default=16,
+                    help="tensors the parameters are held in (as many of each moment): what each call costs")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--executors", default="2,8,32")
@@ -178,7 +180,8 @@ def main() -> int:
     # (share of each parameter tensor, rounds of the moments) as resihp_core.detector.sdc.windows sets them
     reads = [(1.0, int(r)) for r in args.rounds.split(",") if r]
     reads += [(float(c), math.ceil(1 / float(c))) for c in args.coverage.split(",") if c]
-    print(f"fingerprint of a shard (parameters + 2 AdamW moments), {args.dtype} on {args.device}; "
+    print(f"fingerprint of a shard (parameters + 2 AdamW moments, {args.tensors} tensors each), "
+          f"{args.dtype} on {args.device}; "
           f"load average {load:.1f} on {os.cpu_count()} cores")
     print(f"{'parameters':>12} {'params':>7} {'moments':>8} {'MB read':>9} {'ms':>8} {'GB/s':>7} {'% of 0.5 s':>11} "
           f"{'AdamW ms':>9} {'/ AdamW':>8}")
@@ -186,7 +189,7 @@ def main() -> int:
         n = int(float(s))
         step = adamw_ms(n, args.dtype, args.device)
         size = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
-        got = digests_ms(n, args.dtype, args.device, reads)
+        got = digests_ms(n, args.dtype, args.device, reads, args.tensors)
         for share, rounds in reads:
             ms = got[(share, rounds)]
             mb = n * size * (share + 2 / rounds) / 1e6
@@ -217,7 +220,7 @@ def main() -> int:
         print(f"{int(e):>12} {ms:>9.2f} {100 * ms / 1e3 / ITERATION_S:>10.2f}%")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": args.dtype, "device": args.device, "load": load, "cores": os.cpu_count(),
+            json.dump({"dtype": args.dtype, "device": args.device, "tensors": args.tensors, "load": load, "cores": os.cpu_count(),
                        "iteration_s": ITERATION_S, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
     return 0
 

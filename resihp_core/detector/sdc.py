@@ -112,9 +112,10 @@ ENV_STATE_ROUNDS = "RESIHP_SDC_STATE_ROUNDS"
 STATE_ROUNDS = 8
 
 #: The shortest window, in elements: a tensor cut into parts is cut into parts at least
-#: this long (a smaller tensor is one part, read in one of the turns), since reading
-#: fewer elements costs no less than the call that reads them.
-MIN_WINDOW = 1 << 12
+#: this long (a smaller tensor is one part, read in one of the turns). Reading 64 Ki
+#: elements costs about what the call that reads them costs, and a model with many
+#: tensors pays that call per tensor read in a turn.
+MIN_WINDOW = 1 << 16
 
 
 def coverage(env: Mapping[str, str] | None = None) -> float:
