@@ -119,15 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     def fingerprint() -> None:  # what the adapter reads for HSDP replicas (adapter.fingerprint)
         from torch.distributed.tensor import DTensor
 
-        from resihp_core.detector.sdc import tensor_digest
+        from resihp_core.detector.sdc import tensor_digest, windows
 
         local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
-        named = []
+        params, state = [], []
         for name, p in eng.module.named_parameters():
-            named.append((name, local(p)))
+            params.append((name, local(p)))
             st = eng.optimizer.state.get(p, {})
-            named += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
-        tensor_digest(named)
+            state += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+        share, rounds = windows()
+        tensor_digest(params, share=share, turn=eng.iteration, state=state, rounds=rounds)
 
     def split_ms() -> dict[str, list[float]]:
         """The engine's iteration by part: CPU ms and page faults per iteration."""

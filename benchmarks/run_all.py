@@ -436,9 +436,11 @@ SOURCES = [
     Source("false-reports-nofault", "false-reports-nofault.json", "false_reports.py",
            ("--cases", "no-load,steady-load,cpu-burst", "--runs", "1"),
            "No-fault runs of the reference backend's TP1 x PP2 x DP2 job: fail-slow and SDC false reports"),
-    Source("sdc-cost", "sdc-cost.json", "sdc_cost.py", ("--coverage", "1,0.25,0.1"),
-           "SDC checks: a shard's fingerprint (whole and partial coverage) and its gradient norm next to an AdamW "
-           "step of it, and the last executor's comparison, as shares of a 0.5 s iteration", quick=True),
+    Source("sdc-cost", "sdc-cost.json", "sdc_cost.py",
+           ("--sizes", "1e6,4e6,1.6e7", "--rounds", "1,4,8", "--coverage", "0.25,0.1"),
+           "SDC checks: a shard's fingerprint (every byte; parameters whole and the optimizer state in R iterations, "
+           "the default; partial coverage) and its gradient norm next to an AdamW step of it, and the last "
+           "executor's comparison, as shares of a 0.5 s iteration", quick=True),
     Source("control-scale", "control-scale.json", "control_scale.py", ("--ranks", "256,1024", "--commit", "both"),
            "Control plane with the real controller and job store, emulated nodes of 8 ranks over loopback: "
            "commits through the node agent vs each rank to the store itself"),

@@ -1,48 +1,96 @@
 """What silent-data-corruption checks cost per iteration (docs/sdc.md, "Cost"): the
 worker's fingerprint of its shard (parameters and two AdamW moments) for shards of
-several sizes, whole and at partial coverage (``RESIHP_SDC_COVERAGE``); the range
-signal (the norm of the shard's gradient); and the comparison the last executor runs
-before its verdict (reading every executor's fingerprint from the job store over TCP),
-each as a share of a 0.5 s iteration. Prints a table and writes JSON.
+several sizes: every byte of both every iteration; the default (the parameters whole,
+a rotating 1/R of the moments, ``RESIHP_SDC_STATE_ROUNDS``); and partial coverage of
+everything (``RESIHP_SDC_COVERAGE``); the range signal (the norm of the shard's
+gradient); and the comparison the last executor runs before its verdict (reading every
+executor's fingerprint from the job store over TCP), each as a share of a 0.5 s
+iteration; and, for the largest shard, how fast other reductions read the same
+parameters. Prints a table and writes JSON.
 
-Usage: python benchmarks/sdc_cost.py [--sizes 1e5,1e6,4e6,1.6e7] [--coverage 1,0.25]
-       [--dtype float32] [--device cpu|cuda] [--executors 2,8,32] [--json PATH]
+Usage: python benchmarks/sdc_cost.py [--sizes 1e6,4e6,1.6e7] [--rounds 1,4,8] [--coverage 0.25,0.1]
+       [--tensors 16] [--dtype float32] [--device cpu|cuda] [--executors 2,8,32] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ITERATION_S = 0.5  # the issue's bar: <= 1 % of an iteration of at least this long
 
 
-def digest_ms(params: int, dtype: str, device: str, share: float = 1.0, repeats: int = 7) -> float:
+def _interleaved_ms(ways: dict[str, Callable[[int], object]], device: str, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each of ``ways`` (called with the repeat's number), the
+    ways taking turns within each repeat, so that a burst of load elsewhere on a shared
+    host falls on all of them alike rather than on whichever ran then."""
+    import torch
+
+    for fn in ways.values():
+        fn(0)  # warm-up (allocator, kernels)
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for rep in range(repeats):
+        for name, fn in ways.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(rep)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)  # a digest ends with a copy to the host anyway
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def digests_ms(params: int, dtype: str, device: str, reads: list[tuple[float, int]], tensors: int = 16,
+               repeats: int = 15) -> dict[tuple[float, int], float]:
     """Median milliseconds of one fingerprint of a shard of ``params`` parameters held
-    as 16 named tensors, with its two AdamW moments, reading ``share`` of each (the
-    window turning each repeat, as iterations turn it)."""
+    as ``tensors`` named tensors, with its two AdamW moments, for each ``(share, rounds)`` of
+    ``reads``: ``share`` of each parameter tensor and ``1/rounds`` of each moment (the
+    windows turning each repeat, as iterations turn them)."""
     import torch
 
     from resihp_core.detector.sdc import tensor_digest
 
     dt = getattr(torch, dtype)
-    per = max(1, params // 16)
-    named = [(f"{k}.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(16) for k in "pmv"]
-    tensor_digest(named, share=share)  # warm-up (allocator, kernels)
-    times = []
-    for turn in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        tensor_digest(named, share=share, turn=turn)
-        times.append(time.perf_counter() - t0)  # the digest ends with a copy to the host
-    return statistics.median(times) * 1e3
+    per = max(1, params // tensors)
+    ps = [(f"p.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(tensors)]
+    state = [(f"{k}.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(tensors) for k in "mv"]
+
+    def way(share: float, rounds: int) -> Callable[[int], object]:
+        return lambda turn: tensor_digest(ps, share=share, turn=turn, state=state, rounds=rounds)
+
+    got = _interleaved_ms({f"{share} {rounds}": way(share, rounds) for share, rounds in reads}, device, repeats)
+    return {(share, rounds): got[f"{share} {rounds}"] for share, rounds in reads}
+
+
+def read_alternatives_ms(params: int, dtype: str, device: str, repeats: int = 15) -> dict[str, float]:
+    """Median milliseconds of reading one shard's parameters (16 tensors) each way a
+    checksum could read them, the fingerprint's first: whether another reduction torch
+    or numpy runs reads memory faster. Only the int64 sum is exact and order-free on
+    every device; the float sum and norm are there for the bandwidth they reach."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    ts = [torch.randn(max(2, params // 16) // 2 * 2, dtype=dt, device=device) for _ in range(16)]
+    ways = {
+        "int64 words, torch sum (tensor_digest)": lambda: [t.view(torch.int64).sum() for t in ts],
+        "int32 words widened to int64": lambda: [t.view(torch.int32).sum(dtype=torch.int64) for t in ts],
+        "int64 words in 2-D, column sums first": lambda: [t.view(torch.int64).view(-1, 1 if t.numel() % 16 else 8)
+                                                          .sum(0).sum() for t in ts],
+        "float sum (not exact)": lambda: [t.sum() for t in ts],
+        "foreach norm (not exact)": lambda: torch._foreach_norm(ts),
+    }
+    if device == "cpu":
+        ways["int64 words, numpy sum"] = lambda: [t.numpy().view("i8").sum() for t in ts]
+    return _interleaved_ms({name: (lambda rep, fn=fn: fn()) for name, fn in ways.items()}, device, repeats)
 
 
 def grad_norm_ms(params: int, dtype: str, device: str, repeats: int = 7) -> float:
@@ -112,8 +160,13 @@ def check_ms(executors: int, repeats: int = 20) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1e5,1e6,4e6,1.6e7", help="parameters per shard, comma-separated")
-    ap.add_argument("--coverage", default="1,0.25", help="shares of each tensor a fingerprint reads")
+    ap.add_argument("--sizes", default="1e6,4e6,1.6e7", help="parameters per shard, comma-separated")
+    ap.add_argument("--rounds", default="1,4,8",
+                    help="parameters whole, the moments read once in this many iterations (1: all of both)")
+    ap.add_argument("--coverage", default="0.25,0.1",
+                    help="shares of every tensor a fingerprint reads (parameters and moments alike)")
+    ap.add_argument("--tensors", type=int, default=16,
+                    help="tensors the parameters are held in (as many of each moment): what each call costs")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--executors", default="2,8,32")
@@ -124,27 +177,41 @@ def main() -> int:
     torch.set_num_threads(1)  # as a worker runs
     load = os.getloadavg()[0]
     rows = []
-    shares = [float(c) for c in args.coverage.split(",")]
-    print(f"fingerprint of a shard (parameters + 2 AdamW moments), {args.dtype} on {args.device}; "
+    # (share of each parameter tensor, rounds of the moments) as resihp_core.detector.sdc.windows sets them
+    reads = [(1.0, int(r)) for r in args.rounds.split(",") if r]
+    reads += [(float(c), math.ceil(1 / float(c))) for c in args.coverage.split(",") if c]
+    print(f"fingerprint of a shard (parameters + 2 AdamW moments, {args.tensors} tensors each), "
+          f"{args.dtype} on {args.device}; "
           f"load average {load:.1f} on {os.cpu_count()} cores")
-    print(f"{'parameters':>12} {'coverage':>8} {'MB read':>9} {'ms':>8} {'GB/s':>7} {'% of 0.5 s':>11} "
+    print(f"{'parameters':>12} {'params':>7} {'moments':>8} {'MB read':>9} {'ms':>8} {'GB/s':>7} {'% of 0.5 s':>11} "
           f"{'AdamW ms':>9} {'/ AdamW':>8}")
     for s in args.sizes.split(","):
         n = int(float(s))
         step = adamw_ms(n, args.dtype, args.device)
         size = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
-        for share in shares:
-            ms = digest_ms(n, args.dtype, args.device, share)
-            mb = 3 * n * size * share / 1e6
-            rows.append({"name": f"fingerprint of {n:,} parameters at coverage {share:g}", "parameters": n,
-                         "coverage": share, "mb": mb, "ms": ms, "share": ms / 1e3 / ITERATION_S, "adamw_ms": step})
-            print(f"{n:>12,} {share:>8g} {mb:>9.1f} {ms:>8.2f} {mb / ms:>7.2f} "
+        got = digests_ms(n, args.dtype, args.device, reads, args.tensors)
+        for share, rounds in reads:
+            ms = got[(share, rounds)]
+            mb = n * size * (share + 2 / rounds) / 1e6
+            what = "every byte" if (share, rounds) == (1.0, 1) else (
+                f"parameters whole, moments in {rounds} iterations" if share == 1.0 else f"coverage {share:g}")
+            rows.append({"name": f"fingerprint of {n:,} parameters, {what}", "parameters": n,
+                         "coverage": share, "rounds": rounds, "mb": mb, "ms": ms, "share": ms / 1e3 / ITERATION_S,
+                         "adamw_ms": step})
+            print(f"{n:>12,} {share:>7g} {'1/' + str(rounds):>8} {mb:>9.1f} {ms:>8.2f} {mb / ms:>7.2f} "
                   f"{100 * ms / 1e3 / ITERATION_S:>10.2f}% {step:>9.2f} {ms / step:>8.2f}")
         ms = grad_norm_ms(n, args.dtype, args.device)
         rows.append({"name": f"range signal (gradient norm) of {n:,} parameters", "parameters": n, "ms": ms,
                      "share": ms / 1e3 / ITERATION_S, "adamw_ms": step})
-        print(f"{n:>12,} {'norm':>8} {n * size / 1e6:>9.1f} {ms:>8.2f} {n * size / 1e6 / ms:>7.2f} "
+        print(f"{n:>12,} {'norm':>16} {n * size / 1e6:>9.1f} {ms:>8.2f} {n * size / 1e6 / ms:>7.2f} "
               f"{100 * ms / 1e3 / ITERATION_S:>10.2f}% {step:>9.2f} {ms / step:>8.2f}")
+    n = int(float(args.sizes.split(",")[-1]))
+    mb = n * torch.tensor([], dtype=getattr(torch, args.dtype)).element_size() / 1e6
+    print(f"\nreading the parameters of {n:,} ({mb:.1f} MB) each way")
+    for way, ms in read_alternatives_ms(n, args.dtype, args.device).items():
+        rows.append({"name": f"read {n:,} parameters: {way}", "parameters": n, "mb": mb, "ms": ms,
+                     "share": ms / 1e3 / ITERATION_S})
+        print(f"{way:>42} {ms:>8.2f} ms {mb / ms:>7.2f} GB/s")
     print(f"\n{'executors':>12} {'check ms':>9} {'% of 0.5 s':>11}   (last executor, over TCP)")
     for e in args.executors.split(","):
         ms = check_ms(int(e))
@@ -153,7 +220,7 @@ def main() -> int:
         print(f"{int(e):>12} {ms:>9.2f} {100 * ms / 1e3 / ITERATION_S:>10.2f}%")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": args.dtype, "device": args.device, "load": load, "cores": os.cpu_count(),
+            json.dump({"dtype": args.dtype, "device": args.device, "tensors": args.tensors, "load": load, "cores": os.cpu_count(),
                        "iteration_s": ITERATION_S, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
     return 0
 

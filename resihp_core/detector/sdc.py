@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     from resihp_core.plan import ParallelPlan
     from resihp_core.runtime.session import JobSession, KeyValueStore
 
-__all__ = ["ENV_SDC", "ENV_COVERAGE", "coverage", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
+__all__ = ["ENV_SDC", "ENV_COVERAGE", "ENV_STATE_ROUNDS", "STATE_ROUNDS", "coverage",
+           "state_rounds", "windows", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
            "Quarantine", "Reexecute", "Refuse", "SdcDecision", "SdcArbiter", "SdcMonitor", "SdcGuard",
            "tensor_digest", "grad_norm", "same_layout_replicas", "compare", "commit_check", "enabled", "RangeWatch"]
 
@@ -101,13 +102,25 @@ class Fingerprint:
 
 
 #: ``RESIHP_SDC_COVERAGE=c`` (0 < c <= 1, default 1): each fingerprint reads a rotating
-#: share ``c`` of every tensor instead of all of it (docs/sdc.md, "Cost").
+#: share ``c`` of every parameter tensor instead of all of it (docs/sdc.md, "Cost").
 ENV_COVERAGE = "RESIHP_SDC_COVERAGE"
+
+#: ``RESIHP_SDC_STATE_ROUNDS=R`` (an integer >= 1, default :data:`STATE_ROUNDS`): each
+#: fingerprint reads a rotating ``1/R`` of every optimizer-state tensor, so every byte of
+#: it is read once in any ``R`` consecutive iterations (docs/sdc.md, "Cost").
+ENV_STATE_ROUNDS = "RESIHP_SDC_STATE_ROUNDS"
+STATE_ROUNDS = 8
+
+#: The shortest window, in elements: a tensor cut into parts is cut into parts at least
+#: this long (a smaller tensor is one part, read in one of the turns). Reading 64 Ki
+#: elements costs about what the call that reads them costs, and a model with many
+#: tensors pays that call per tensor read in a turn.
+MIN_WINDOW = 1 << 16
 
 
 def coverage(env: Mapping[str, str] | None = None) -> float:
-    """The share of each tensor a fingerprint reads (``RESIHP_SDC_COVERAGE``); refused
-    with a message naming the variable when it is not a number in (0, 1]."""
+    """The share of each parameter tensor a fingerprint reads (``RESIHP_SDC_COVERAGE``);
+    refused with a message naming the variable when it is not a number in (0, 1]."""
     env = os.environ if env is None else env
     text = env.get(ENV_COVERAGE, "1")
     try:
@@ -115,45 +128,95 @@ def coverage(env: Mapping[str, str] | None = None) -> float:
     except ValueError:
         c = float("nan")
     if not 0.0 < c <= 1.0:
-        raise ValueError(f"{ENV_COVERAGE}={text!r}: expected a number in (0, 1] (the share of each tensor a "
-                         "fingerprint reads)")
+        raise ValueError(f"{ENV_COVERAGE}={text!r}: expected a number in (0, 1] (the share of each parameter "
+                         "tensor a fingerprint reads)")
     return c
 
 
-def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1.0, turn: int = 0) -> str:
-    """A checksum of the exact bits of ``named`` tensors, in the order given.
+def state_rounds(env: Mapping[str, str] | None = None) -> int:
+    """In how many iterations a fingerprint reads every optimizer-state byte once
+    (``RESIHP_SDC_STATE_ROUNDS``; 1: all of it every iteration); refused with a message
+    naming the variable when it is not an integer >= 1."""
+    env = os.environ if env is None else env
+    text = env.get(ENV_STATE_ROUNDS, str(STATE_ROUNDS))
+    try:
+        r = int(text)
+    except ValueError:
+        r = 0
+    if r < 1:
+        raise ValueError(f"{ENV_STATE_ROUNDS}={text!r}: expected an integer >= 1 (in how many iterations a "
+                         "fingerprint reads all of the optimizer state)")
+    return r
+
+
+def windows(env: Mapping[str, str] | None = None) -> tuple[float, int]:
+    """What a worker's fingerprint reads: the share of each parameter tensor
+    (:func:`coverage`) and in how many iterations all of the optimizer state
+    (:func:`state_rounds`, or more where ``RESIHP_SDC_COVERAGE`` reads less per
+    iteration: the state is never read faster than the parameters)."""
+    share = coverage(env)
+    return share, max(state_rounds(env), math.ceil(1.0 / share))
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1.0, turn: int = 0,
+                  state: Iterable[tuple[str, torch.Tensor]] = (), rounds: int = 1) -> str:
+    """A checksum of the exact bits of ``named`` tensors (whole, or a window of
+    ``share`` of each) and of a window of ``1/rounds`` of each ``state`` tensor.
 
     Each tensor's elements are read as 64-bit words (consecutive elements by index, so
     the words do not depend on where the tensor sits in memory; the few elements after
     the last whole word one by one) and summed in wrapping arithmetic: the sum does not
     depend on the order of the reduction, so it is the same on every device holding the
     same bits, and a single flipped bit changes it (by 2**b). One device-to-host copy
-    for all tensors; the per-tensor sums, sizes and names are hashed.
+    for all tensors; the per-tensor sums, sizes and names are hashed. A tensor that is
+    the same memory as one read before (the same start, size, strides and type) is read
+    once.
 
-    With ``share`` below 1 each tensor contributes only the contiguous window of that
-    share of its words that ``turn`` (the iteration) selects; consecutive turns cover
-    the whole tensor every ``ceil(1 / share)`` turns. Replicas passing the same
-    ``turn`` read the same window."""
+    Windows are a function of ``turn`` (the optimizer step: the same on every replica
+    that compares) and of the tensor's size and position: ``named`` tensors are cut into
+    ``ceil(1 / share)`` parts and part ``turn`` of them is read; ``state`` tensor ``j``
+    into ``rounds`` parts and part ``turn + j`` (staggered, so each turn reads about
+    ``1/rounds`` of the state), both modulo the number of parts. Parts are at least
+    :data:`MIN_WINDOW` elements long, so a small tensor has fewer parts than turns and is
+    read in one turn out of ``rounds``. Any ``rounds`` consecutive turns read every byte
+    of the state once."""
     import torch
 
     names: list[str] = []
     sums: list[torch.Tensor] = []
-    for name, t in named:
-        names.append(f"{name}:{t.numel()}")
-        flat = t.detach().reshape(-1)
-        if share < 1.0 and flat.numel():
-            k = math.ceil(1.0 / share)
-            per = max(1, 8 // flat.element_size())  # whole 64-bit words: no window starts mid-word
-            size = -(-flat.numel() // (k * per)) * per
-            part = turn % k
-            flat = flat[part * size:(part + 1) * size]
-        sums.append(_bit_sum(flat))
+    seen: set[tuple[object, ...]] = set()
+    k = math.ceil(1.0 / share)
+    parts = [(name, t, k, turn % k) for name, t in named]
+    parts += [(name, t, rounds, (turn + j) % rounds) for j, (name, t) in enumerate(state)]
+    with torch.no_grad():  # no autograd views of parameters
+        for name, t, of, part in parts:
+            n = t.numel()
+            key = (t.device, t.dtype, t.data_ptr(), t.shape, t.stride()) if n else None
+            if key is not None and key in seen:
+                names.append(f"{name}=alias")
+                continue
+            if key is not None:
+                seen.add(key)
+            flat = t if t.dim() == 1 else t.reshape(-1)
+            es = t.element_size()
+            if of > 1:
+                per = max(1, 8 // es)  # whole 64-bit words: no window starts mid-word
+                size = max(-(-n // (of * per)) * per, MIN_WINDOW)
+                names.append(f"{name}:{n}[{part}/{of}]")
+                if part * size >= n:
+                    continue  # this turn's part of a small tensor is empty
+                flat = flat[part * size:(part + 1) * size]
+            else:
+                names.append(f"{name}:{n}")
+            if (flat.numel() * es) % 8 == 0 and (flat.storage_offset() * es) % 8 == 0 and flat.is_contiguous():
+                sums.append(flat.view(torch.int64).sum())  # whole aligned words: _bit_sum's common case inline
+            else:
+                sums.append(_bit_sum(flat))
     h = hashlib.blake2b(digest_size=16)
     h.update("|".join(names).encode())
-    if share < 1.0:
-        h.update(f"share={share} turn={turn}".encode())
     if sums:
-        h.update(repr(torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist()).encode())
+        dev = sums[0].device  # a copy only for a sum on another device (a host-side step count)
+        h.update(repr(torch.stack([s if s.device == dev else s.to(dev) for s in sums]).cpu().tolist()).encode())
     return h.hexdigest()
 
 

@@ -90,6 +90,28 @@ def test_a_bad_device_among_three_replicas_is_quarantined_after_one_aborted_iter
     assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
 
 
+@pytest.mark.skipif(os.environ.get("RESIHP_SDC_OPTIMIZER") != "1",
+                    reason="about 25 s: opt in with RESIHP_SDC_OPTIMIZER=1")
+def test_an_optimizer_state_flip_outside_the_window_is_found_through_the_next_update():
+    """A flip of one replica's first AdamW moment after iteration k's step, in a part of
+    the state k's window does not read: k commits, iteration k + 1's update of that
+    parameter differs, k + 1 aborts, the replica is quarantined, and the survivors'
+    state equals the fault-free run's (the corrupt moment never left its replica)."""
+    from resihp_core.testing.conformance import _compare, run_scenario
+
+    victim, n = 1, ITERATIONS + 1
+    job, base = _job(3, 2), _base(3, 2)
+    got, out, logs = _flipped(job, base, fail_at(victim, FLIP_AT, "flip", target="optimizer", bit=20), n)
+    sdc = [e for e in out.events if e["kind"] == "sdc"]
+    # every state tensor here is one window, read once in 8 steps: not in step FLIP_AT + 1's
+    assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT + 1, sdc
+    assert [(f["cause"], f["devices"]) for f in out.events if f["kind"] == "failure"] == [("sdc", [victim])]
+    committed_in = {r.iteration: r.generation for r in out.records}
+    assert committed_in[FLIP_AT] == committed_in[FLIP_AT - 1] < committed_in[FLIP_AT + 1]
+    want = run_scenario(job, base, None, iterations=n)
+    assert _compare("sdc", got, want, base, job, 1e-9) <= 1e-9
+
+
 def test_a_transient_flip_between_two_replicas_is_re_executed_and_quarantines_nothing():
     from resihp_core.testing.conformance import _compare, run_scenario
 

@@ -46,17 +46,72 @@ def test_the_digest_does_not_depend_on_how_a_tensor_is_laid_out() -> None:
     assert tensor_digest([("x", x)]) != tensor_digest([("x", buf[1:])])
 
 
+def _big(seed: int = 0) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """Parameters and two optimizer-state tensors large enough to be read in windows."""
+    from resihp_core.detector.sdc import MIN_WINDOW
+
+    g = torch.Generator().manual_seed(seed)
+    n = 4 * MIN_WINDOW  # float32: windows of n / 4 elements at share 0.25 or 4 rounds
+    return ([("p", torch.randn(n, generator=g))],
+            [("m", torch.randn(n, generator=g)), ("v", torch.randn(n, generator=g))])
+
+
+def _flip(t: torch.Tensor, at: int) -> None:
+    t.view(-1)[at:at + 1].view(torch.int32).bitwise_xor_(1 << 5)
+
+
 def test_a_partial_fingerprint_reads_a_rotating_window_the_replicas_share() -> None:
     from resihp_core.detector.sdc import coverage
 
-    a, b = _state(), _state()
-    dict(b)["w"].view(-1)[30:31].view(torch.int64).bitwise_xor_(1 << 40)  # element 30 of 35
-    turns = [tensor_digest(a, share=0.25, turn=t) != tensor_digest(b, share=0.25, turn=t) for t in range(4)]
-    assert turns == [False, False, False, True]  # windows of 9 elements: the last holds element 30
-    assert tensor_digest(a, share=0.25, turn=1) == tensor_digest(_state(), share=0.25, turn=1)
+    (a, _), (b, _) = _big(), _big()
+    n = a[0][1].numel()
+    _flip(b[0][1], n - 1)  # in the last quarter
+    turns = [tensor_digest(a, share=0.25, turn=t) != tensor_digest(b, share=0.25, turn=t) for t in range(8)]
+    assert turns == [False, False, False, True] * 2
+    assert tensor_digest(a, share=0.25, turn=1) == tensor_digest(_big()[0], share=0.25, turn=1)
     assert coverage({}) == 1.0 and coverage({"RESIHP_SDC_COVERAGE": "0.1"}) == 0.1
     with pytest.raises(ValueError, match="RESIHP_SDC_COVERAGE='0'"):
         coverage({"RESIHP_SDC_COVERAGE": "0"})
+
+
+@pytest.mark.parametrize("rounds", [1, 4])
+def test_parameters_are_read_whole_and_the_state_once_in_any_rounds_turns(rounds: int) -> None:
+    """By default a fingerprint reads every parameter (a flip in one is found in its
+    iteration) and a 1/rounds window of each optimizer-state tensor, staggered by
+    tensor: a flip in the state is found in exactly one of any ``rounds`` consecutive
+    turns, the same turns on every replica."""
+    from resihp_core.detector.sdc import state_rounds, windows
+
+    def differs(flip: str, at: int) -> list[bool]:
+        (pa, sa), (pb, sb) = _big(), _big()
+        _flip(dict(pb + sb)[flip], at)
+        return [tensor_digest(pa, turn=t, state=sa, rounds=rounds) != tensor_digest(pb, turn=t, state=sb, rounds=rounds)
+                for t in range(3, 3 + 2 * rounds)]
+
+    n = _big()[0][0][1].numel()
+    assert differs("p", n // 2) == [True] * (2 * rounds)
+    for name, j in (("m", 0), ("v", 1)):
+        for at in (0, n // 2, n - 1):
+            got = differs(name, at)
+            seen = [t for t, d in zip(range(3, 3 + 2 * rounds), got) if d]
+            assert len(seen) == 2 and seen[1] - seen[0] == rounds, (name, at, got)
+            assert (seen[0] + j) % rounds == at * rounds // n  # part (turn + j) of the tensor's rounds parts
+    # A small state tensor (one window) is read in one turn out of ``rounds``; a tensor
+    # passed twice (the same memory) is read once and named as an alias.
+    (p, st), small = _big(), torch.ones(5)
+    flipped = small.clone()
+    _flip(flipped, 4)
+    got = [tensor_digest(p, turn=t, state=st + [("s", small)], rounds=rounds) !=
+           tensor_digest(p, turn=t, state=st + [("s", flipped)], rounds=rounds) for t in range(rounds)]
+    assert got == [t == (-len(st)) % rounds for t in range(rounds)]  # part (t + 2) % rounds == 0
+    for t in range(rounds):
+        assert tensor_digest(p + [("q", p[0][1])], turn=t, state=st, rounds=rounds) != \
+            tensor_digest(p + [("q", p[0][1].clone())], turn=t, state=st, rounds=rounds)
+    assert state_rounds({}) == 8 and state_rounds({"RESIHP_SDC_STATE_ROUNDS": "3"}) == 3
+    # partial coverage of the parameters never reads the state faster than them
+    assert windows({}) == (1.0, 8) and windows({"RESIHP_SDC_COVERAGE": "0.1"}) == (0.1, 10)
+    with pytest.raises(ValueError, match="RESIHP_SDC_STATE_ROUNDS='0'"):
+        state_rounds({"RESIHP_SDC_STATE_ROUNDS": "0"})
 
 
 def _fps(digests: dict[int, str], group: str = "stage0") -> dict[int, Fingerprint]:

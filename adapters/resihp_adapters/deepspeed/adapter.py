@@ -44,8 +44,8 @@ from typing import Any
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.config import ConfigError
 from resihp_core.detector.sdc import Fingerprint
-from resihp_core.detector.sdc import coverage as sdc_coverage
 from resihp_core.detector.sdc import enabled as sdc_enabled
+from resihp_core.detector.sdc import windows as sdc_windows
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.program import Program
@@ -370,14 +370,15 @@ class DeepSpeedAdapter(Adapter):
         return res
 
     def fingerprint(self) -> Fingerprint | None:
-        """This device's parameters and optimizer state after its last step (ZeRO 0,
-        no bf16; deepspeed/sdc.py); None where replicas do not hold the same state."""
+        """This device's parameters and a window of its optimizer state after its last
+        step (ZeRO 0, no bf16; deepspeed/sdc.py); None where replicas do not hold the
+        same state."""
         from resihp_adapters.deepspeed import sdc as ds_sdc
 
         if self.idle or self._last is None or self.plan is None:
             return None
         return ds_sdc.fingerprint(self.engine, self.plan, self.ctx.device, self._last.iteration + 1,
-                                  sdc_coverage())
+                                  *sdc_windows())
 
     def sdc_signals(self) -> dict[str, float]:
         """The L2 norm of this device's reduced gradients at its last step."""

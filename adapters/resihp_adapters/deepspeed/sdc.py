@@ -31,23 +31,27 @@ def comparable(engine: Any) -> bool:
     return _zero(engine) is None and _bf16(engine) is None
 
 
-def _named_state(engine: Any) -> list[tuple[str, torch.Tensor]]:
-    """Parameters and their optimizer-state tensors, by name, in a fixed order."""
+def _named_state(engine: Any) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """Parameters, and their optimizer-state tensors, by name, in a fixed order."""
     import torch
 
     opt = engine.basic_optimizer
-    out: list[tuple[str, torch.Tensor]] = []
+    params: list[tuple[str, torch.Tensor]] = []
+    state: list[tuple[str, torch.Tensor]] = []
     for name, p in engine.module.named_parameters():
-        out.append((f"param.{name}", p.detach()))
+        params.append((f"param.{name}", p.detach()))
         st = opt.state.get(p, {})
-        out += [(f"{k}.{name}", st[k].detach()) for k in sorted(st) if isinstance(st[k], torch.Tensor) and st[k].dim()]
-    return out
+        state += [(f"{k}.{name}", st[k].detach()) for k in sorted(st)
+                  if isinstance(st[k], torch.Tensor) and st[k].dim()]
+    return params, state
 
 
-def fingerprint(engine: Any, plan: ParallelPlan, device: int, step: int, share: float = 1.0) -> Fingerprint | None:
-    """This device's fingerprint after ``step`` optimizer steps: the group is the stage's
-    layer range with the TP rank and degree (every replica holding it steps the same
-    reduced gradient); None where replicas do not hold the same whole state
+def fingerprint(engine: Any, plan: ParallelPlan, device: int, step: int, share: float = 1.0,
+                rounds: int = 1) -> Fingerprint | None:
+    """This device's fingerprint after ``step`` optimizer steps (its parameters, at
+    ``share``, and a ``1/rounds`` window of its optimizer state: ``tensor_digest``): the
+    group is the stage's layer range with the TP rank and degree (every replica holding
+    it steps the same reduced gradient); None where replicas do not hold the same whole state
     (:func:`comparable`), where no other replica holds the stage, or where the device
     runs nothing."""
     loc = plan.location(device)
@@ -57,8 +61,9 @@ def fingerprint(engine: Any, plan: ParallelPlan, device: int, step: int, share: 
     if same_layout_replicas(plan, r, s) < 2:
         return None  # nothing to compare with (the range signal still runs)
     a, b = plan.layer_ranges[s]
+    params, state = _named_state(engine)
     return Fingerprint(f"stage{s}/layers{a}-{b}/tp{t}of{plan.degree(r, s)}/step{step}",
-                       tensor_digest(_named_state(engine), share=share, turn=step))
+                       tensor_digest(params, share=share, turn=step, state=state, rounds=rounds))
 
 
 class SdcStep:

@@ -112,7 +112,9 @@ class MegatronRefAdapter(Adapter):
         self._ckpt_writer: CheckpointWriter | None = None
         self.steps = 0  # optimizer updates the held state has had (AdamW's step count)
         self._watch_grads = sdc.enabled(True)
-        self._coverage = sdc.coverage()  # the share of each tensor a fingerprint reads
+        # the share of each parameter tensor a fingerprint reads, and in how many steps it
+        # reads all of the AdamW moments
+        self._coverage, self._rounds = sdc.windows()
         self._grad_norm: float | None = None
         self._snapshot_steps = 0
 
@@ -139,9 +141,10 @@ class MegatronRefAdapter(Adapter):
         return out
 
     def fingerprint(self) -> Fingerprint | None:
-        """Checksum of every parameter and AdamW moment this device holds; the group is
-        the stage's layer range with this TP rank and degree: every replica holding it
-        has the same bits after the (replica-identical) all-reduce and step."""
+        """Checksum of every parameter this device holds and of this step's window of
+        its AdamW moments; the group is the stage's layer range with this TP rank and
+        degree: every replica holding it has the same bits after the
+        (replica-identical) all-reduce and step."""
         if self.module is None or self._where is None:
             return None
         r, s, t = self._where
@@ -149,10 +152,12 @@ class MegatronRefAdapter(Adapter):
         if sdc.same_layout_replicas(self.plan, r, s) < 2:
             return None  # no replica holds this shard: nothing to compare (the range signals still run)
         a, b = self.plan.layer_ranges[s]
-        named = [(f"{kind}.{name}", x) for name, ts in sorted(self.tensors().items())
-                 for kind, x in zip(("p", "m", "v"), ts)]
+        held = sorted(self.tensors().items())
+        params = [(f"p.{name}", ts[0]) for name, ts in held]
+        moments = [(f"{kind}.{name}", x) for name, ts in held for kind, x in zip(("m", "v"), ts[1:])]
         return Fingerprint(f"stage{s}/layers{a}-{b}/tp{t}of{k}/step{self.steps}",
-                           tensor_digest(named, share=self._coverage, turn=self.steps))
+                           tensor_digest(params, share=self._coverage, turn=self.steps, state=moments,
+                                         rounds=self._rounds))
 
     def sdc_signals(self) -> dict[str, float]:
         """The L2 norm of this device's reduced gradient shards at its last step."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.detector.sdc import Fingerprint, tensor_digest
-from resihp_core.detector.sdc import coverage as sdc_coverage
+from resihp_core.detector.sdc import windows as sdc_windows
 from resihp_core.detector.sdc import enabled as sdc_enabled
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocols.checkpoints import CheckpointWrite
@@ -126,7 +126,9 @@ class TorchNativeAdapter(Adapter):
         if hasattr(ctx.faults, "flip_due"):  # the runtime's injector (tests may lend a stand-in)
             self.engine.flip_due, self.engine.corrupt = ctx.faults.flip_due, ctx.faults.corrupt
         self.engine.watch_grads = sdc_enabled(True)
-        self._coverage = sdc_coverage()  # the share of each tensor a fingerprint reads
+        # the share of each parameter tensor a fingerprint reads, and in how many steps it
+        # reads all of the optimizer state
+        self._coverage, self._rounds = sdc_windows()
         self._progress = (0, 0)
         # checkpoints written and sealed in the background (.async_checkpoint)
         self._writer = AsyncDcpWriter(generation=lambda: self.engine.generation)
@@ -226,10 +228,11 @@ class TorchNativeAdapter(Adapter):
                 for name, h in self.engine.local_shards().items()}
 
     def fingerprint(self) -> Fingerprint | None:
-        """Checksum of this rank's local shards of every parameter and optimizer-state
-        tensor. Only HSDP (``shard`` below the live replicas) has devices holding the
-        same shard: the same stage, layer range and shard index in different replicate
-        groups; with plain FSDP2 (or TP, one replica) no one shares it: None."""
+        """Checksum of this rank's local shards of every parameter and of this step's
+        window of every optimizer-state tensor. Only HSDP (``shard`` below the live
+        replicas) has devices holding the same shard: the same stage, layer range and
+        shard index in different replicate groups; with plain FSDP2 (or TP, one replica)
+        no one shares it: None."""
         import torch
         from torch.distributed.tensor import DTensor
 
@@ -244,15 +247,16 @@ class TorchNativeAdapter(Adapter):
         # through DTensor dispatch twice per tensor, about half the fingerprint's CPU on
         # a 17-million-parameter stage (docs/benchmarks.md, "Where a fault-free iteration goes").
         local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
-        named = []
+        params, opt_state = [], []
         for name, p in eng.module.named_parameters():
-            named.append((f"param.{name}", local(p)))
+            params.append((f"param.{name}", local(p)))
             st = eng.optimizer.state.get(p, {})
-            named += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+            opt_state += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
         a, b = eng._layers(eng.plan, pl.stage)
         return Fingerprint(f"stage{pl.stage}/layers{a}-{b}/shard{pl.shard_index}of{pl.shard_degree}/"
                            f"tp{pl.tp_index}of{pl.tp_degree}/step{eng.iteration}",
-                           tensor_digest(named, share=self._coverage, turn=eng.iteration))
+                           tensor_digest(params, share=self._coverage, turn=eng.iteration, state=opt_state,
+                                         rounds=self._rounds))
 
     def sdc_signals(self) -> dict[str, float]:
         """The L2 norm of this rank's local reduced-gradient shards at its last step."""
