@@ -336,7 +336,10 @@ class _LoopWaiter:
         self.fut: asyncio.Future[None] = loop.create_future()
 
     def set(self) -> None:
-        self.loop.call_soon_threadsafe(self._wake)
+        try:
+            self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the server closed: nobody waits any more, the write stands
+            pass
 
     def _wake(self) -> None:
         if not self.fut.done():
