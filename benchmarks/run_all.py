@@ -452,6 +452,9 @@ SOURCES = [
            ("--ranks", "16384", "--emulation", "coroutines", "--iterations", "5", "--procs", "4"),
            "Control plane at 16,384 emulated ranks on this machine: what the controller and store cost per "
            "iteration while the emulators, short of cores, stretch the iterations"),
+    Source("scheduler-131072", "scheduler-131072.json", "scheduler.py",
+           ("--jobs", "16", "--latency-jobs", "131072", "--runs", "3"),
+           "Planning latency at 131,072 GPUs (TP8 PP16 DP1024), cold caches, and one simulated iteration there"),
     Source("control-scale-faults", "control-scale-faults.json", "control_scale.py",
            ("--ranks", "256", "--iterations", "16", "--commit", "agent", "--faults", "loss,silent,slow"),
            "Control plane at 256 ranks, commits through the node agent: a node lost, a node silent (partition), "
