@@ -459,9 +459,10 @@ SOURCES = [
            ("--ranks", "256", "--iterations", "16", "--commit", "agent", "--faults", "loss,silent,slow"),
            "Control plane at 256 ranks, commits through the node agent: a node lost, a node silent (partition), "
            "one rank computing 1.5x: fault -> report -> plan read by every rank, false reports"),
-    Source("overhead-dp4-l", "overhead-dp4-l.json", "overhead.py",
-           ("--jobs", "dp4", "--sizes", "l", "--systems", "stock,resihp", "--rounds", "2", "--iterations", "14"),
-           "The cost of being resilient at a 3.5 s step: torch_native DP4 vs plain DDP, largest model, no checkpoints"),
+    Source("overhead-dp4-ml", "overhead-dp4-ml.json", "overhead.py",
+           ("--jobs", "dp4", "--sizes", "m,l", "--systems", "stock,resihp", "--rounds", "2", "--iterations", "12"),
+           "The cost of being resilient at 0.9 s and 3.6 s steps: torch_native DP4 vs plain DDP, the two largest "
+           "models, no checkpoints"),
     Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
            "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
            "without checkpoints", quick=True),
