@@ -134,29 +134,33 @@ def test_corrupt_newest_checkpoint_restore_falls_back_and_the_job_is_exact():
         if ev.kind == "plan" and "rejoin" in ev.text:
             rejoined.set()
 
-    def chaos(job, agents):
-        def go():
-            # Checkpoints at iterations 2, 5, 8, ...: once 5 is complete, repair the
-            # killed device (bringing it back forces every worker to restore) and
-            # corrupt 5 and every newer checkpoint that completes until the restore is
-            # planned (the rejoin waits for the new worker to start; training goes on).
-            if not _wait_for(lambda: checkpoints.verify(ckpt, 5).complete):
-                return
-            repaired.put([victim])
-            done: set[int] = set()
-            while not rejoined.is_set():
-                for info in checkpoints.scan(ckpt):
-                    if info.complete and info.iteration >= 5 and info.iteration not in done:
-                        f = checkpoints.iteration_dir(ckpt, info.iteration) / "layers.3.pt"
-                        data = bytearray(f.read_bytes())
-                        data[len(data) // 2] ^= 0xFF
-                        f.write_bytes(bytes(data))
-                        done.add(info.iteration)
-                time.sleep(0.002)
-        threading.Thread(target=go, daemon=True).start()
+    with _read_only(ckpt) as (freeze, _):
+        def chaos(job, agents):
+            def go():
+                # Checkpoints at iterations 2, 5, 8, ...: once 5 is complete, no new
+                # checkpoint folder can be made (a write in flight may still complete),
+                # the killed device is repaired (bringing it back forces every worker to
+                # restore), and 5 and whatever completes after it are corrupted. Nothing
+                # newer can appear while the relaunched worker starts, so no corruption
+                # races the restore's own verification, however long the start takes.
+                if not _wait_for(lambda: checkpoints.verify(ckpt, 5).complete):
+                    return
+                freeze()
+                repaired.put([victim])
+                done: set[int] = set()
+                while not rejoined.is_set():
+                    for info in checkpoints.scan(ckpt):
+                        if info.complete and info.iteration >= 5 and info.iteration not in done:
+                            f = checkpoints.iteration_dir(ckpt, info.iteration) / "layers.3.pt"
+                            data = bytearray(f.read_bytes())
+                            data[len(data) // 2] ^= 0xFF
+                            f.write_bytes(bytes(data))
+                            done.add(info.iteration)
+                    time.sleep(0.002)
+            threading.Thread(target=go, daemon=True).start()
 
-    iterations = 40  # the relaunched worker must be up (seconds of imports) before the job ends
-    run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired, on_event=on_event)
+        iterations = 40  # the relaunched worker must be up (seconds of imports) before the job ends
+        run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired, on_event=on_event)
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
     notes = [e for e in run.events if e["kind"] == "checkpoint"]
