@@ -337,23 +337,15 @@ def _comm_workers(mode: str, n: int, work: Path, limit_s: float = 240.0) -> list
     import subprocess
 
     import torch.distributed as dist
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from group_creation import _wait_or_kill
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
     procs = [subprocess.Popen([sys.executable, __file__, "--comm-worker", mode, str(r), str(n), str(store.port),
                                str(work)], stdout=subprocess.DEVNULL, stderr=open(work / f"{mode}{r}.log", "w"))
              for r in range(n)]
-    t0 = time.monotonic()
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, limit_s - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:  # by pid, only what this check started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    _wait_or_kill(procs, limit_s)  # by pid, only what this check started
     out = []
     for r in range(n):
         f = work / f"{mode}{r}.json"
