@@ -444,10 +444,11 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - a peer died during the reconfiguration itself
             # A checkpoint that cannot be read is the storage's fault, not the job's: the
             # supervisor restores again, from the newest checkpoint that verifies.
-            storage = msg.restore is not None and isinstance(e, OSError)
+            spoiled = self._spoiled_checkpoint(msg) if msg.restore is not None else None
+            storage = msg.restore is not None and (isinstance(e, OSError) or spoiled is not None)
             if not storage and self._is_job_error(e):
                 raise  # the adapter refused the job, or the user's code raised: the job ends
-            failed = f"{type(e).__name__}: {e}"
+            failed = f"{type(e).__name__}: {e}" + (f" ({spoiled})" if spoiled else "")
             lost = storage or isinstance(e, StateLost)  # the typed signal: restore from a checkpoint
         if failed is not None:
             # Outside the except block (no traceback pins the groups). The state is the
@@ -469,6 +470,19 @@ class Worker:
 
         self.program = {(p.replica, p.stage): p for p in emit_programs(plan)}[a.where[:2]]
         return True
+
+    def _spoiled_checkpoint(self, msg: PlanUpdate) -> str | None:
+        """Why checkpoint ``msg.restore`` no longer verifies, or None. A load that fails on
+        a checkpoint the supervisor verified is the storage's fault when the files changed
+        since (whatever the framework raised on reading them: ``torch.load``'s
+        ``RuntimeError``, a hash check's own error); on a checkpoint that still verifies it
+        is the adapter's or the job's, and is classified as such."""
+        from resihp_core import checkpoints
+
+        root = self.job.checkpoint_dir
+        if msg.restore is None or msg.memory_holders is not None or not root:
+            return None
+        return checkpoints.verify(root, msg.restore).problem
 
     def _left(self, generation: int, reason: str, event: str, *, state_lost: bool = False, **kv: Any) -> None:
         session.put_left(self.store, WorkerLeft(generation=generation, device=self.device, reason=reason[:500],
