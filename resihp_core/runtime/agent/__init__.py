@@ -82,6 +82,7 @@ from resihp_core.protocol import (
 from resihp_core.runtime.gate import PreAuthGate
 from resihp_core.runtime.heartbeat import ANNOUNCE, BYE, format_address, parse_address
 from resihp_core.runtime.agent.node_commits import NodeCommits
+from resihp_core.runtime.agent.node_generations import NodeGenerations
 from resihp_core.runtime.agent.node_launcher import WorkerLauncher
 from resihp_core.runtime.agent.node_monitor import WorkerMonitor, nodelay as _nodelay, process_state
 
@@ -189,6 +190,8 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         # The node's executors' commits (node_commits.py); one waiting for its verdict is not hung.
         self.commits = NodeCommits(node, cred,
                                    on_wait=lambda d, waiting: self.monitor.commit_wait(d, self.clock(), waiting))
+        # The node's generation watch (node_generations.py): one store wait per node, not per worker.
+        self.generations = NodeGenerations(node, cred)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -270,6 +273,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         for cw in list(self._conns.values()):
             cw.close()
         self.commits.close()
+        self.generations.close()
         self._reap_children()
         if self._server is not None:
             with contextlib.suppress(Exception):
