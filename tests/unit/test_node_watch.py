@@ -1,6 +1,7 @@
-"""The generation watch through the node agent: the job store sees one parked wait and
-one connection per node whatever the number of the node's workers, every worker hears
-of each new generation, and a worker whose agent goes away watches the store itself."""
+"""The generation watch through the node agent: the job store sees one parked wait, one
+connection and one plan read per node and generation whatever the number of the node's
+workers, every worker hears of each new generation and gets its plan, and a worker
+whose agent goes away watches the store itself."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from typing import Callable
 
 from resihp_core.config import DetectorConfig
-from resihp_core.protocol import node_credential
+from resihp_core.protocol import PlanUpdate, node_credential
 from resihp_core.runtime import session
 from resihp_core.runtime.agent import NodeAgent
 from resihp_core.runtime.loop import LoopThread
@@ -23,8 +24,7 @@ WORKERS = 6
 
 
 def _post(store: session.KeyValueStore, g: int) -> None:
-    store.set(session._plan(g), b"plan")  # the watch reads the key's presence and the latest number only
-    store.set(session.PLAN_LATEST, str(g))
+    session.post_plan(store, PlanUpdate(generation=g, devices=tuple(range(WORKERS)), stop=True))
 
 
 def _until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -58,6 +58,9 @@ def test_a_nodes_workers_share_one_store_watch_and_fall_back_when_the_agent_goes
                 _until(lambda: all(w.latest == 0 for w in watches), "every worker hears of generation 0")
                 _post(store, 1)
                 _until(lambda: all(w.latest == 1 for w in watches), "every worker hears of generation 1")
+                assert all(w.plan(1) == PlanUpdate(generation=1, devices=tuple(range(WORKERS)), stop=True)
+                           for w in watches)  # relayed: read from the store once for the node
+                assert agent.generations.stats.plan_reads == 2
                 _until(lambda: server.table.waiting() == 1, "one parked wait (the agent's) for generation 2")
                 assert server.connections == 1 and own == []  # the agent's watch only
                 assert agent.generations.stats.subscribers == WORKERS
@@ -67,6 +70,7 @@ def test_a_nodes_workers_share_one_store_watch_and_fall_back_when_the_agent_goes
                 _until(lambda: all(w.direct for w in watches), "every worker falls back to the store")
                 _post(store, 2)
                 _until(lambda: all(w.latest == 2 for w in watches), "every worker hears of generation 2")
+                assert all(w.plan(2) is None for w in watches)  # each reads it from the store itself
                 assert sorted(own) == list(range(WORKERS))
             finally:
                 lt.run(agent.stop(goodbye=False))

@@ -103,23 +103,58 @@ class GenerationWatch:
         self._wait_s = wait_s  # one store request per wait_s while nothing changes
         self.agent = agent
         self.direct = agent is None  # watching the store itself
-        threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch").start()
+        self._plan: PlanUpdate | None = None  # the newest plan the agent relayed
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch")
+        self._thread.start()
 
     def _seen(self, generation: int) -> None:
         if generation > self.latest:
-            self.latest = generation
+            with self._changed:
+                self.latest = max(self.latest, generation)
+                self._changed.notify_all()
+
+    def _relayed(self, plan: PlanUpdate) -> None:
+        with self._changed:
+            if self._plan is None or plan.generation > self._plan.generation:
+                self._plan = plan
+            self._changed.notify_all()
+
+    def plan(self, generation: int, timeout_s: float = 5.0) -> PlanUpdate | None:
+        """Generation ``generation``'s plan as the agent relays it (it follows the
+        notice), waiting up to ``timeout_s`` while the agent's feed is up; None: read
+        it from the store."""
+        def here() -> PlanUpdate | None:
+            p = self._plan
+            return p if p is not None and p.generation == generation else None
+        with self._changed:
+            self._changed.wait_for(lambda: here() is not None or self.direct or (
+                self._plan is not None and self._plan.generation > generation), timeout_s)
+        return here()
+
+    def wait_newer(self, after: int, timeout_s: float) -> int | None:
+        """The newest generation once it is newer than ``after`` (up to ``timeout_s``);
+        None when this watch has ended (the job store went away): ask the store."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.latest > after or not self._thread.is_alive(), timeout_s)
+        return self.latest if self._thread.is_alive() or self.latest > after else None
 
     def _run(self) -> None:
-        if self.agent is not None:
-            self.agent.follow(self._seen)
-            self.direct = True
         try:
+            if self.agent is not None:
+                self.agent.follow(self._seen, self._relayed)
+                with self._changed:
+                    self.direct = True
+                    self._changed.notify_all()
             self._seen(session.latest_generation(self._store))
             while True:
                 if session.wait_posted(self._store, self.latest + 1, self._wait_s):
                     self._seen(max(self.latest + 1, session.latest_generation(self._store)))
         except Exception:  # noqa: BLE001 - the job store went away: the job is over
             return
+        finally:
+            with self._changed:
+                self._changed.notify_all()
 
 
 #: This process's worker, once built: the job-error handler posts through its store and
@@ -417,11 +452,18 @@ class Worker:
         return self._latest() > self.msg.generation
 
     def _enter_next(self) -> bool:
-        """Wait for a newer generation and enter it; False when it is the stop."""
-        while (g := session.wait_generation(self.store, self._seen, 2.0)) <= self._seen:
+        """Wait for a newer generation and enter it; False when it is the stop. With a
+        watch it waits on the watch and takes the plan its agent relayed (no store
+        request unless the plan did not come)."""
+        w = self.watch
+        g: int | None = None
+        while w is not None and (g := w.wait_newer(self._seen, 2.0)) is not None and g <= self._seen:
             pass
+        if g is None:  # no watch, or it ended: the store itself
+            while (g := session.wait_generation(self.store, self._seen, 2.0)) <= self._seen:
+                pass
         self._seen = g
-        msg = session.read_plan(self.store, g)
+        msg = (w.plan(g) if w is not None else None) or session.read_plan(self.store, g)
         self.ctx.generation = g
         if msg.stop:
             self._finish()

@@ -4,7 +4,8 @@
 The agent keeps one blocked store wait per node on the next plan key and tells each
 worker of the node, over a node-local connection, the newest generation at once and
 again at each newer one (and at least every ``wait_s`` while nothing changes, so a
-frozen agent is noticed). When the agent refuses (it has no job store), the connection
+frozen agent is noticed), each followed by the generation's plan, read once for the
+node (the worker enters the generation without a store read). When the agent refuses (it has no job store), the connection
 breaks (the agent died) or stays silent past :data:`SILENCE_S`, :meth:`AgentFeed.follow`
 returns and the worker watches the store itself, as it did before the relay: a worker
 whose agent is gone still learns every new generation and is fenced by it.
@@ -21,6 +22,7 @@ from resihp_core.protocol import (
     Ack,
     AuthError,
     Error,
+    PlanUpdate,
     ProtocolError,
     client_handshake_sync,
     recv_msg,
@@ -48,6 +50,7 @@ class AgentFeed:
         self.identity = f"{session.WATCH_IDENTITY}{device}:{rank}:{os.getpid()}"
         self.connect_timeout, self.silence_s = connect_timeout, silence_s
         self.notices = 0  # generation notices received
+        self.plans = 0  # plans received
         self.ended = ""  # why the feed ended (then the worker watches the store itself)
 
     @classmethod
@@ -59,9 +62,10 @@ class AgentFeed:
         return cls(env["RESIHP_AGENT_ADDR"], env.get("RESIHP_SECRET", ""), device,
                    int(env.get("RESIHP_RANK", str(device))))
 
-    def follow(self, on_generation: Callable[[int], None]) -> None:
-        """Call ``on_generation`` with each generation the agent announces; return when
-        the feed ends (``self.ended`` says why)."""
+    def follow(self, on_generation: Callable[[int], None], on_plan: Callable[[PlanUpdate], None]) -> None:
+        """Call ``on_generation`` with each generation the agent announces and
+        ``on_plan`` with each plan it relays; return when the feed ends (``self.ended``
+        says why)."""
         sock: socket.socket | None = None
         try:
             if isinstance(self.address, str):
@@ -77,6 +81,9 @@ class AgentFeed:
                 if isinstance(msg, Ack) and msg.what == session.GENERATION_NOTICE:
                     self.notices += 1
                     on_generation(msg.generation)
+                elif isinstance(msg, PlanUpdate):
+                    self.plans += 1
+                    on_plan(msg)
                 elif isinstance(msg, Error):
                     self.ended = f"{msg.code}: {msg.detail}"
                     return
