@@ -10,6 +10,10 @@ A :class:`NodeAgent` is made of
   starts one worker per device on the controller's
   :class:`~resihp_core.protocol.LaunchWorkers`, with their collectives bound to the
   interface the agent reaches the controller on, signals and fences them;
+* the node's **commits** (:mod:`~resihp_core.runtime.agent.node_commits`: one store
+  request per node and iteration) and **generation watch**
+  (:mod:`~resihp_core.runtime.agent.node_generations`: one store wait and one plan read
+  per node and generation, relayed to the workers);
 * **one** persistent, authenticated TCP connection to the controller (this module),
   over which it sends an :class:`~resihp_core.protocol.AgentState` (a summary of all
   its workers) every heartbeat interval and at once on any failure, and forwards its
