@@ -17,7 +17,8 @@ What is real and what is emulated:
   s (one per node of 8 ranks, each with its authenticated connection to the
   controller) and, per rank, a real :class:`~resihp_core.runtime.heartbeat.WorkerClient`
   (heartbeats and profiles to its agent), a real
-  :class:`~resihp_core.runtime.worker.GenerationWatch` and a real store client, driven
+  :class:`~resihp_core.runtime.worker.GenerationWatch` (through its agent's generation
+  relay, which also hands it each new plan) and a real store client, driven
   by a thread that runs the worker's per-iteration control logic around a sleep
   standing for the compute: beat, profile, then the commit, ``--commit agent`` through
   :class:`~resihp_core.runtime.worker.node_commit.NodeCommit` to its agent (what
@@ -26,10 +27,9 @@ What is real and what is emulated:
   design before). The emulated ranks' identities carry no pid, so the agents watch them
   by heartbeat only. With ``--emulation coroutines`` (the default of ``--quick``) each
   rank is instead a coroutine on its agent's loop that speaks to the agent's real
-  per-worker handlers (handshake, heartbeats, profiles, commit requests) over in-memory
-  streams, with one generation watch and one plan read per node and generation: the
-  node-local hop costs no socket, so the descriptors and threads of the emulating side
-  stay per node.
+  per-worker handlers (handshake, heartbeats, profiles, commit requests, the generation
+  relay) over in-memory streams: the node-local hop costs no socket, so the descriptors
+  and threads of the emulating side stay per node.
 
 Measured per N and commit path (JSON and a table): commit latency p50 / p99 (the last
 rank's request to the verdict seen by every rank, per iteration); the main process's
@@ -40,7 +40,10 @@ emulated side sent; and per fault at iteration ``--fault-at`` (``--faults``: ``l
 the node's agent connection aborted; ``silent``, its agent mute with the connection
 open, a partition; ``slow``, rank 0 computing 1.5x, its profiles saying so): fault to
 failure report, report to plan posted, and plan posted to plan read by every surviving
-rank (a slow rank's report changes no plan here); ``restart``: the controller is stopped
+rank (a slow rank's report changes no plan here), the latter split into its parts
+(``posted_to_read_parts_s``: the aborted verdict at every agent and every rank, the new
+generation's notice at every rank, notice to plan in hand; ``--sample-stacks`` adds
+where the emulators' loop threads were); ``restart``: the controller is stopped
 once iteration ``--fault-at`` committed and a new incarnation starts on its address (the
 agents hold their workers and redial, docs/failover.md): stop to every agent connected
 again and to every rank reported alive. The restarted controller here is the
@@ -63,6 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -120,6 +124,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                          "(up to ~1,000 ranks on 2 cores); coroutines: each rank a coroutine on its agent's loop, "
                          "speaking to the agent's real handlers over in-memory streams, one generation watch per "
                          "node (commits through the agent only; the default of --quick)")
+    ap.add_argument("--sample-stacks", action="store_true",
+                    help="--emulation coroutines: sample where the emulators' threads are for 4 s after the "
+                         "fault (every 5 ms) and print the top frames: where fault -> plan read by all goes")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--emulate", help=argparse.SUPPRESS)  # internal: an emulator process's spec (JSON)
     return ap.parse_args(argv)
@@ -177,7 +184,8 @@ def _rank_messages(node: int, device: int, g: int, i: int, compute: float,
 
 def _finish_emulator(spec: dict[str, Any], lt: Any, out: dict[str, Any], agents: dict[int, Any]) -> int:
     """The agents' commit counts into ``out``, the agents stopped, ``out`` written."""
-    out["agent_store_requests"] = sum(a.commits.stats.batches + a.commits.stats.verdict_waits for a in agents.values())
+    out["agent_store_requests"] = sum(a.commits.stats.batches + a.commits.stats.verdict_waits
+                                      + a.generations.stats.store_waits for a in agents.values())
     out["agent_commit_refused"] = sum(a.commits.stats.refused for a in agents.values())
     for a in agents.values():
         try:
@@ -246,10 +254,12 @@ def _emulate(spec: dict[str, Any]) -> int:
     if via_agent:
         for a in agents.values():
             a.commits.use_store(spec["store"])
+            lt.call(a.generations.use_store, spec["store"])  # the node's one generation watch
 
     def rank_main(node: int, device: int) -> None:
         from resihp_core.runtime.worker import GenerationWatch
         from resihp_core.runtime.worker.node_commit import NodeCommit
+        from resihp_core.runtime.worker.node_watch import AgentFeed
 
         cred = node_credential(SECRET, node)
         client = WorkerClient(agents[node].worker_address, cred, rank=device, device=device,
@@ -261,12 +271,22 @@ def _emulate(spec: dict[str, Any]) -> int:
         relay = NodeCommit(agents[node].worker_address, cred, device, device) if via_agent else None
         try:
             store = connect_store(node, device, cred)
-            g = session.wait_generation(store, -1, 60)
-            msg = session.read_plan(store, g)
             watch = None
-            if via_agent:  # the worker's generation watch: a blocked wait, no request per iteration
-                watch_store = connect_store(node, device, cred)
-                watch = GenerationWatch(watch_store)
+            if via_agent:  # the worker's generation watch, through its agent (a store connection only if it must)
+                def own() -> CountingStore:
+                    nonlocal watch_store
+                    watch_store = connect_store(node, device, cred)
+                    return watch_store
+                watch = GenerationWatch(session.LazyConnection(own),
+                                        agent=AgentFeed(agents[node].worker_address, cred, device, device))
+
+            def enter(after: int) -> tuple[int, Any]:
+                """As the worker's ``_enter_next``: the newest generation after ``after``
+                and its plan, from the watch and its agent's relay where there is one."""
+                got = watch.wait_newer(after, 60) if watch is not None else None
+                gen = got if got is not None and got > after else session.wait_generation(store, after, 60)
+                return gen, (watch.plan(gen) if watch is not None else None) or session.read_plan(store, gen)
+            g, msg = enter(-1)
             executors = len(msg.devices)
             i = msg.resume
             while i < iters and not stop.is_set():
@@ -302,7 +322,7 @@ def _emulate(spec: dict[str, Any]) -> int:
                     latest = session.latest_generation(store)
                 t_read = 0.0
                 if latest > g:
-                    msg = session.read_plan(store, latest)
+                    latest, msg = enter(g)
                     t_read = time.time()
                     g, executors = latest, len(msg.devices)
                 rows.append([g, i, t_add, t_verdict, 1.0 if verdict == "commit" else 0.0, t_read])
@@ -310,8 +330,7 @@ def _emulate(spec: dict[str, Any]) -> int:
                     i += 1
                 else:  # aborted: wait for the next generation, resume where it says
                     if t_read == 0.0:
-                        g2 = session.wait_generation(store, g, 60)
-                        msg = session.read_plan(store, g2)
+                        g2, msg = enter(g)
                         rows[-1][5] = time.time()
                         g, executors = g2, len(msg.devices)
                     i = msg.resume
@@ -376,14 +395,66 @@ class _MemWriter:
         return default
 
 
+class _StackSampler:
+    """Where an emulator process's threads are (``only``: the thread of that name), every
+    few milliseconds, for the seconds after the fault (``--sample-stacks``): the
+    innermost frame of this project's code (or the library frame under it) per thread
+    kind. Why sampling: cProfile sees one thread, and the loop, the agents' store
+    threads and the plan readers share the GIL."""
+
+    def __init__(self, out: dict[str, Any], window_s: float = 4.0, period_s: float = 0.005,
+                 only: str = "") -> None:
+        self.out, self.window_s, self.period_s, self.only = out, window_s, period_s, only
+        self.counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="stack-sampler").start()
+
+    IDLE = {"thread.py:_worker", "threading.py:wait", "queue.py:get", "selectors.py:select"}
+
+    @classmethod
+    def _where(cls, frame: Any) -> str:
+        inner = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"
+        if inner in cls.IDLE:
+            return "idle"
+        f = frame
+        while f is not None:
+            name = f.f_code.co_filename
+            if "resihp_core" in name or "control_scale" in name:
+                own = f"{Path(name).parent.name}/{Path(name).name}:{f.f_code.co_name}"
+                return own if f is frame else f"{own} > {inner}"
+            f = f.f_back
+        return inner
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.period_s):
+            t_loss = self.out.get("t_loss")
+            if t_loss is None or time.time() < t_loss:
+                continue
+            if time.time() > t_loss + self.window_s:
+                break
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me or (self.only and names.get(ident) != self.only):
+                    continue
+                kind = re.sub(r"\d+", "N", names.get(ident, "?"))
+                key = f"[{kind}] {self._where(frame)}"
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        return dict(sorted(self.counts.items(), key=lambda kv: -kv[1])[:40])
+
+
 def _emulate_coroutines(spec: dict[str, Any]) -> int:
     """Run nodes ``spec['nodes']``: a real NodeAgent each, its 8 ranks as coroutines on
     the agents' loop. Each rank speaks to its agent's real per-worker handlers (the
     authenticated handshake, heartbeats, profiles, commit requests and verdicts) over
     in-memory streams; agents reach the controller and the store over loopback sockets.
-    One generation watch per node (a real :class:`GenerationWatch` on its own store
-    connection) stands for its ranks' watches; on a new generation each rank reads the
-    plan from the store (through its node's connection). Why not a socket per rank:
+    Each rank's generation watch is what the worker's is: a connection to its agent's
+    real generation relay (one store wait per node, ``node_generations.py``); on a new
+    generation each rank reads the plan from the store (through its node's connection,
+    decoded once per node). Why not a socket per rank:
     16,384 ranks would need ~65,000 descriptors here (20,000 per process)."""
     import asyncio
 
@@ -393,6 +464,7 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
         CommitVerdict,
         Heartbeat,
         client_handshake,
+        decode,
         encode_frame,
         read_msg,
         write_msg,
@@ -401,7 +473,6 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
     from resihp_core.runtime.heartbeat import BYE, COMMITS
     from resihp_core.runtime.loop import LoopThread
     from resihp_core.runtime.store import StoreClient, worker_store_identity
-    from resihp_core.runtime.worker import GenerationWatch
 
     nodes: list[int] = spec["nodes"]
     iters, it_s, fault_at, lose = spec["iterations"], spec["iteration_s"], spec["fault_at"], spec["lose_node"]
@@ -411,12 +482,25 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
     out: dict[str, Any] = {"ranks": {}, "store_requests": 0, "store_bytes": 0, "controller_messages": 0,
                            "controller_bytes": 0, "errors": []}
     lt = LoopThread("emulator").start()
+    # The loop thread runs every rank and every agent: where it is says what queues.
+    sampler = _StackSampler(out, only="emulator") if spec.get("sample_stacks") else None
     agents = _start_agents(spec, lt, out, muted, probes=False)
+    resolved: dict[str, float] = {}  # "<node>:<g>:<i>" -> when the agent had the abort verdict
     for agent in agents.values():
         agent.commits.use_store(spec["store"])
+        lt.call(agent.generations.use_store, spec["store"])  # the node's one generation watch
+        plain_resolve = agent.commits._resolve
+
+        def timed(it: Any, futs: Any, verdict: str, plain: Any = plain_resolve, node: int = agent.node) -> None:
+            if verdict != "commit":
+                resolved.setdefault(f"{node}", time.time())
+            plain(it, futs, verdict)
+        agent.commits._resolve = timed  # type: ignore[method-assign]
+    out["abort_at_agents"] = resolved
 
     class Node:
-        """The node's store connection (plan reads) and its generation watch."""
+        """The node's store connection (what a rank reads itself when its agent's relay
+        does not come: a verdict, a plan)."""
 
         def __init__(self, node: int) -> None:
             self.node = node
@@ -425,21 +509,15 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
             while True:
                 try:
                     self.store = StoreClient(spec["store"], cred, worker_store_identity(node, 0), timeout_s=120)
-                    self.watch_store = StoreClient(spec["store"], cred, worker_store_identity(node, 1), timeout_s=120)
                     break
                 except Exception:  # noqa: BLE001 - reset while 64 handshakes were pending: retried
                     out["store_connect_retries"] = out.get("store_connect_retries", 0) + 1
                     if time.monotonic() > end:
                         raise
                     time.sleep(0.05 + 0.2 * (node % 7) / 7)
-            self.watch = GenerationWatch(self.watch_store)
             self.lock = threading.Lock()
             self.plans: dict[int, Any] = {}
-
-        def first(self) -> tuple[int, Any]:
-            with self.lock:
-                g = session.wait_generation(self.store, -1, 60)
-            return g, self.read(g)
+            self.frames: dict[int, Any] = {}
 
         def verdict(self, generation: int, iteration: int) -> str:
             store = StoreClient(spec["store"], node_credential(SECRET, self.node),
@@ -448,6 +526,13 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
                 return session.await_verdict(store, generation, iteration, 120)
             finally:
                 store.close()
+
+        def decoded(self, body: bytes) -> Any:
+            """A relayed plan's frame body, decoded once per node."""
+            key = hash(body)
+            if key not in self.frames:
+                self.frames[key] = decode(body)
+            return self.frames[key]
 
         def read(self, generation: int) -> Any:
             """The plan, read once per node and generation: decoding a plan of thousands
@@ -469,7 +554,7 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
         agent, io = agents[node], node_io[node]
         cred = node_credential(SECRET, node)
         rows: list[list[float]] = []
-        beat_task = None
+        beat_task = watch_task = None
         try:
             br, bw, sr, sw = duplex()
             loop.create_task(agent._serve_worker(sr, sw))
@@ -485,8 +570,53 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
             cr, cw, sr2, sw2 = duplex()
             loop.create_task(agent._serve_worker(sr2, sw2))
             await client_handshake(cr, cw, cred, f"{COMMITS}{device}:{device}:", role="worker")
+            wr, ww, sr3, sw3 = duplex()  # the worker's generation watch, through its agent
+            loop.create_task(agent._serve_worker(sr3, sw3))
+            await client_handshake(wr, ww, cred, f"{session.WATCH_IDENTITY}{device}:{device}:", role="worker")
+            newer = asyncio.Event()
+
+            async def watch() -> None:
+                """As GenerationWatch: the newest generation the agent announced, and the
+                plans it relays. A plan's frame is decoded once per node, not per rank (each
+                worker decodes on its own core; here it would be thousands of decodes on
+                one)."""
+                while True:
+                    body = await wr.readexactly(int.from_bytes(await wr.readexactly(4), "big"))
+                    if len(body) > 256:  # a PlanUpdate
+                        p = io.decoded(body)
+                        plans[p.generation] = p
+                        newer.set()
+                        continue
+                    m = decode(body)
+                    if isinstance(m, Ack) and m.what == session.GENERATION_NOTICE and m.generation > state["latest"]:
+                        state["latest"] = m.generation
+                        noticed[m.generation] = time.time()
+                        newer.set()
+
+            async def plan_of(gen: int) -> Any:
+                """Generation ``gen``'s plan as the agent relays it (it follows the notice),
+                else from the store, as the worker's ``_enter_next``."""
+                end = loop.time() + 5.0
+                while gen not in plans and loop.time() < end:
+                    newer.clear()
+                    try:
+                        await asyncio.wait_for(newer.wait(), end - loop.time())
+                    except asyncio.TimeoutError:
+                        break
+                if gen in plans:
+                    return plans[gen]
+                out["plans_read_from_store"] = out.get("plans_read_from_store", 0) + 1
+                return await loop.run_in_executor(readers, io.read, gen)
+            state["latest"] = -1
+            noticed: dict[int, float] = {}  # generation -> when this rank heard of it
+            plans: dict[int, Any] = {}  # generation -> its plan, relayed by the agent
+            watch_task = loop.create_task(watch())
             up.set_result(None)
-            g, msg = await loop.run_in_executor(readers, io.first)
+            while state["latest"] < 0:
+                newer.clear()
+                await newer.wait()
+            g = state["latest"]
+            msg = await plan_of(g)
             executors, i = len(msg.devices), msg.resume
             state["i"], state["g"] = i, g
             while i < iters:
@@ -520,17 +650,18 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
                     await client_handshake(cr, cw, cred, f"{COMMITS}{device}:{device}:", role="worker")
                 t_verdict = time.time()
                 t_read = 0.0
-                latest = io.watch.latest
+                latest = state["latest"]
                 if latest > g or verdict != "commit":
-                    if latest <= g:  # aborted: the next generation comes
-                        while io.watch.latest <= g:
-                            await asyncio.sleep(0.01)
-                        latest = io.watch.latest
-                    msg = await loop.run_in_executor(readers, io.read, latest)
+                    while state["latest"] <= g:  # aborted: the next generation comes
+                        newer.clear()
+                        await newer.wait()
+                    latest = state["latest"]
+                    msg = await plan_of(latest)
                     t_read = time.time()
                     g, executors = latest, len(msg.devices)
                     state["g"] = g
-                rows.append([g, i, t_add, t_verdict, 1.0 if verdict == "commit" else 0.0, t_read])
+                rows.append([g, i, t_add, t_verdict, 1.0 if verdict == "commit" else 0.0, t_read,
+                             noticed.get(g, 0.0) if t_read else 0.0])
                 i = i + 1 if verdict == "commit" else msg.resume
             bw.write(encode_frame(Ack(generation=g, what=BYE)))
         except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on
@@ -539,8 +670,9 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
                 up.set_result(None)
         finally:
             out["ranks"][device] = rows
-            if beat_task is not None:
-                beat_task.cancel()
+            for t in (beat_task, watch_task):
+                if t is not None:
+                    t.cancel()
 
     async def all_ranks() -> None:
         """Nodes come up one after another (store connections, then their ranks'
@@ -560,6 +692,8 @@ def _emulate_coroutines(spec: dict[str, Any]) -> int:
     except Exception as e:  # noqa: BLE001
         out["errors"].append(f"emulator: {e!r}")
     readers.shutdown(wait=False, cancel_futures=True)
+    if sampler is not None:
+        out["stack_samples"] = sampler.stop()
     return _finish_emulator(spec, lt, out, agents)
 
 
@@ -649,7 +783,7 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         spec = {"nodes": nodes, "controller": f"{host}:{port}", "store": store_addr, "iterations": iters,
                 "iteration_s": a.iteration_s, "fault_at": fault_at, "lose_node": lose,
                 "heartbeat_s": a.heartbeat_s, "commit": mode, "fault": fault, "emulation": a.emulation,
-                "budget_s": budget_s,
+                "budget_s": budget_s, "sample_stacks": a.sample_stacks,
                 "out": str(tmp / f"emu{n_ranks}_{k}_{mode}_{fault}.json")}
         procs.append(subprocess.Popen([sys.executable, __file__, "--emulate", json.dumps(spec)],
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
@@ -659,11 +793,13 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
     last = -1
     served = store.server  # type: ignore[attr-defined]
     samples: dict[int, tuple[float, float, int, int]] = {}  # committed -> (t, cpu, controller messages, store requests)
+    connections: dict[int, tuple[int, int]] = {}  # committed -> (open store connections, parked store waits)
     while any(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(0.02)
         done = js.committed_through()
         if done != last:
             samples.setdefault(done, (time.time(), time.process_time(), ctl.messages, served.served))
+            connections.setdefault(done, (served.connections, served.table.waiting()))
             print(f"    committed through iteration {done}; controller messages {ctl.messages - msgs0}; "
                   f"CPU {time.process_time() - cpu0:.1f} s", flush=True)
             last = done
@@ -690,7 +826,10 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
     store.server.close()  # type: ignore[attr-defined]
     ranks: dict[int, list[list[float]]] = {}
     store_requests = store_bytes = agent_msgs = agent_bytes = retries = refused = direct = read_directly = 0
+    plans_from_store = 0
     errors: list[str] = []
+    stacks: dict[str, int] = {}
+    abort_at_agents: list[float] = []
     t_loss = None
     for k in range(len(procs)):
         f = tmp / f"emu{n_ranks}_{k}_{mode}_{fault}.json"
@@ -703,12 +842,16 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         refused += d.get("agent_commit_refused", 0)
         direct += d.get("direct_commits", 0)
         read_directly += d.get("verdicts_read_directly", 0)
+        plans_from_store += d.get("plans_read_from_store", 0)
         store_bytes += d["store_bytes"]
         retries += d.get("store_connect_retries", 0)
         agent_msgs += d["controller_messages"]
         agent_bytes += d["controller_bytes"]
         errors += d["errors"]
         t_loss = d.get("t_loss", t_loss)
+        abort_at_agents += list(d.get("abort_at_agents", {}).values())
+        for k2, v in d.get("stack_samples", {}).items():
+            stacks[k2] = stacks.get(k2, 0) + v
     # Commit latency per committed iteration: last add -> verdict seen by every rank.
     by_it: dict[tuple[int, int], list[list[float]]] = {}
     for rows in ranks.values():
@@ -719,6 +862,14 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         if all(r[4] == 1.0 for r in rows) and i > 0:  # committed; the first iteration warms up
             lat.append(max(r[3] for r in rows) - max(r[2] for r in rows))
     read_new = [r[5] for rows in ranks.values() for r in rows if r[5] > 0]
+    # Where plan posted -> read by all goes (coroutine emulation): the aborted verdict
+    # reaching every rank, the new generation's notice reaching every rank (store ->
+    # agent's watch -> relay), and the plan read after the notice.
+    aborted_seen = [r[3] for rows in ranks.values() for r in rows if r[4] == 0.0]
+    aborted_asked = [r[2] for rows in ranks.values() for r in rows if r[4] == 0.0]
+    aborted_wait = [r[3] - r[2] for rows in ranks.values() for r in rows if r[4] == 0.0]
+    noticed = [r[6] for rows in ranks.values() for r in rows if len(r) > 6 and r[6] > 0]
+    read_after_notice = [r[5] - r[6] for rows in ranks.values() for r in rows if len(r) > 6 and r[6] > 0]
     lost_devs = {0} if fault == "slow" else set() if fault == "restart" else set(topology[lose])
     t_report = next((t for t, rep in reports if lost_devs & set(rep.devices)), None)
     spurious = [rep.devices for _, rep in reports if not lost_devs & set(rep.devices)]
@@ -745,6 +896,9 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         "main_cores": steady["cores"] if steady else None,
         "controller_messages_per_iteration": steady["controller_messages_per_iteration"] if steady else None,
         "store_requests_per_iteration_steady": steady["store_requests_per_iteration"] if steady else None,
+        # before the fault: how the store's connections and parked waits grow (nodes or ranks)
+        "store_connections": connections.get(hi, (None, None))[0],
+        "store_parked_waits": connections.get(hi, (None, None))[1],
         "whole_run": {"cpu_s": round(cpu, 2), "wall_s": round(wall, 1), "controller_messages": msgs},
         "main_peak_rss_mib": round(rss_mib, 1),
         "emulators_cpu_s": round(emulator_cpu, 1),  # the emulated side's CPU, all processes, whole run
@@ -755,17 +909,35 @@ def run_one(n_ranks: int, a: argparse.Namespace, iters: int, tmp: Path, mode: st
         "false_failure_reports": spurious,
         "commits_refused_by_agents": refused, "commits_made_directly": direct,
         "verdicts_read_directly": read_directly,  # the agent dropped a rank's commit connection
+        "plans_read_from_store_by_ranks": plans_from_store,  # the agent's relayed plan did not come in 5 s
         "store_connect_retries": retries,
         "loss_to_report_s": None if t_loss is None or t_report is None else round(t_report - t_loss, 3),
         "report_to_posted_s": None if t_report is None or t_posted is None else round(t_posted - t_report, 3),
         "posted_to_read_by_all_s": (None if t_posted is None or not read_new
                                     else round(max(read_new) - t_posted, 3)),
+        "posted_to_read_parts_s": (None if t_posted is None or not noticed else {
+            "abort_seen_by_all": round(max(aborted_seen) - t_posted, 3) if aborted_seen else None,
+            # the last rank's commit request of the aborted iteration (late ranks ask late)
+            "aborted_asked_last": round(max(aborted_asked) - t_posted, 3) if aborted_asked else None,
+            "aborted_wait_max": round(max(aborted_wait), 3) if aborted_wait else None,
+            "abort_at_agents_first": round(min(abort_at_agents) - t_posted, 3) if abort_at_agents else None,
+            "abort_at_agents_all": round(max(abort_at_agents) - t_posted, 3) if abort_at_agents else None,
+            "notice_first": round(min(noticed) - t_posted, 3), "notice_by_all": round(max(noticed) - t_posted, 3),
+            "notice_to_read_p50": round(statistics.median(read_after_notice), 3),
+            "notice_to_read_max": round(max(read_after_notice), 3)}),
         "fault_reports": [{"failure": r.failure, "cause": r.cause, "devices": list(r.devices)}
                           for _, r in reports][:8],
         "controller_restart": ({k: round(v - restart["t_stop"], 3) for k, v in restart.items() if k != "t_stop"}
                                if restart else "not measured"),
         "errors": errors[:10], "load_average": os.getloadavg(),
     }
+    if stacks:
+        total = sum(stacks.values())
+        row["stack_samples_after_fault"] = {k2: round(v / total, 4) for k2, v in
+                                            sorted(stacks.items(), key=lambda kv: -kv[1])[:25]}
+        print("    where the emulators' threads were after the fault (share of samples):")
+        for k2, v in list(row["stack_samples_after_fault"].items())[:15]:
+            print(f"      {100 * v:5.1f} %  {k2}")
     if row["loss_to_report_s"] is not None and row["posted_to_read_by_all_s"] is not None:
         row["loss_to_read_by_all_s"] = round(row["loss_to_report_s"] + (row["report_to_posted_s"] or 0)
                                              + row["posted_to_read_by_all_s"], 3)
@@ -811,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = [("ranks", "ranks"), ("commit", "commits"), ("fault", "fault"), ("commit_ms_p50", "commit p50 ms"), ("commit_ms_p99", "p99 ms"),
             ("main_cores", "ctl+store cores"), ("main_cpu_s_per_iteration", "CPU s/it"),
             ("controller_messages_per_iteration", "ctl msgs/it"), ("store_requests_per_iteration_steady", "store req/it"),
-            ("store_bytes_per_iteration", "store B/it"), ("agent_bytes_per_iteration", "agent->ctl B/it"), ("loss_to_report_s", "fault->report s"),
+            ("store_connections", "store conns"), ("store_bytes_per_iteration", "store B/it"), ("agent_bytes_per_iteration", "agent->ctl B/it"), ("loss_to_report_s", "fault->report s"),
             ("report_to_posted_s", "report->plan s"), ("posted_to_read_by_all_s", "plan->all read s"),
             ("main_peak_rss_mib", "RSS MiB")]
     print("\n" + " | ".join(h for _, h in cols))

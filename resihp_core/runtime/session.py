@@ -75,7 +75,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KeyValueStore", "WatchableStore", "Observers", "JobSession", "StorageFault", "Layout",
            "connect", "host", "post_plan", "wait_controller", "PRESENT_KEY", "SHUTDOWN_KEY", "ENV_GRACE",
-           "latest_generation", "wait_generation", "read_plan", "verdict", "wait_news",
+           "WATCH_IDENTITY", "GENERATION_NOTICE",
+           "latest_generation", "wait_generation", "read_plan", "plan_bytes", "verdict", "wait_news",
            "commit", "CommitResult", "abort_generation", "put_report", "get_report", "put_left", "get_left",
            "put_ready", "get_ready", "put_fingerprint", "get_fingerprints", "put_sdc_finding",
            "get_sdc_finding", "put_pid", "clear_pid", "pids_posted", "put_storage_fault", "storage_faults",
@@ -87,6 +88,10 @@ ENV_SECRET = "RESIHP_SECRET"  # the worker's node credential (never on a command
 ENV_NODE = "RESIHP_NODE"
 ENV_DEVICE = "RESIHP_DEVICE"
 ENV_GRACE = "RESIHP_CONTROLLER_GRACE"
+#: identity prefix of a worker's generation-watch connection to its node agent
+#: (``generation:<device>:<rank>:<pid>``), and the ``Ack.what`` of the agent's notices on it
+WATCH_IDENTITY = "generation:"
+GENERATION_NOTICE = "generation"
 
 
 # ------------------------------------------------------------------ the one spelling of each key
@@ -245,6 +250,12 @@ def wait_posted(store: KeyValueStore, generation: int, timeout_s: float) -> bool
     except Exception:  # noqa: BLE001 - torch's stores raise DistStoreError on time-out
         return bool(store.check([_plan(generation)]))
     return True
+
+
+def plan_bytes(store: KeyValueStore, generation: int) -> bytes:
+    """Generation ``generation``'s plan message as stored, undecoded (a node agent relays
+    it to its workers, who decode and check it)."""
+    return store.get(_plan(generation))
 
 
 def read_plan(store: KeyValueStore, generation: int) -> PlanUpdate:

@@ -10,6 +10,10 @@ A :class:`NodeAgent` is made of
   starts one worker per device on the controller's
   :class:`~resihp_core.protocol.LaunchWorkers`, with their collectives bound to the
   interface the agent reaches the controller on, signals and fences them;
+* the node's **commits** (:mod:`~resihp_core.runtime.agent.node_commits`: one store
+  request per node and iteration) and **generation watch**
+  (:mod:`~resihp_core.runtime.agent.node_generations`: one store wait and one plan read
+  per node and generation, relayed to the workers);
 * **one** persistent, authenticated TCP connection to the controller (this module),
   over which it sends an :class:`~resihp_core.protocol.AgentState` (a summary of all
   its workers) every heartbeat interval and at once on any failure, and forwards its
@@ -82,6 +86,7 @@ from resihp_core.protocol import (
 from resihp_core.runtime.gate import PreAuthGate
 from resihp_core.runtime.heartbeat import ANNOUNCE, BYE, format_address, parse_address
 from resihp_core.runtime.agent.node_commits import NodeCommits
+from resihp_core.runtime.agent.node_generations import NodeGenerations
 from resihp_core.runtime.agent.node_launcher import WorkerLauncher
 from resihp_core.runtime.agent.node_monitor import WorkerMonitor, nodelay as _nodelay, process_state
 
@@ -189,6 +194,8 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         # The node's executors' commits (node_commits.py); one waiting for its verdict is not hung.
         self.commits = NodeCommits(node, cred,
                                    on_wait=lambda d, waiting: self.monitor.commit_wait(d, self.clock(), waiting))
+        # The node's generation watch (node_generations.py): one store wait per node, not per worker.
+        self.generations = NodeGenerations(node, cred)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -270,6 +277,7 @@ class NodeAgent(WorkerMonitor, WorkerLauncher):
         for cw in list(self._conns.values()):
             cw.close()
         self.commits.close()
+        self.generations.close()
         self._reap_children()
         if self._server is not None:
             with contextlib.suppress(Exception):

@@ -71,6 +71,7 @@ class WorkerLauncher:
         host = msg.store_host or (self.controller[0] if isinstance(self.controller, tuple) else "127.0.0.1")
         secret = self._secret.decode() if isinstance(self._secret, bytes) else self._secret
         self.commits.use_store(f"{host}:{msg.store_port}")
+        self.generations.use_store(f"{host}:{msg.store_port}")
         net = collective_env(iface) if iface is not None else {}
         for d in msg.devices:
             old = self.children.get(d)

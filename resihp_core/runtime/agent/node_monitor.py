@@ -33,6 +33,7 @@ from resihp_core.protocol import (
     server_handshake,
 )
 from resihp_core.runtime.heartbeat import BYE, COMMITS, parse_worker_identity
+from resihp_core.runtime.session import WATCH_IDENTITY
 
 __all__ = ["WorkerMonitor", "process_state", "nodelay"]
 
@@ -190,6 +191,10 @@ class WorkerMonitor:
                     device = parse_worker_identity("worker:" + hello.identity[len(COMMITS):])[0]
                     nodelay(writer)
                     await self.commits.serve(device, reader, writer)
+                    return
+                if hello.identity.startswith(WATCH_IDENTITY):  # the worker's generation watch
+                    device = parse_worker_identity("worker:" + hello.identity[len(WATCH_IDENTITY):])[0]
+                    await self.generations.serve(device, reader, writer)
                     return
                 device, rank, pid = parse_worker_identity(hello.identity)
             except (AuthError, ValueError) as e:

@@ -40,6 +40,7 @@ from resihp_core.protocols.checkpoints import CheckpointWrite
 from resihp_core.protocols.store import KeyValueStore
 from resihp_core.runtime.worker.injector import FaultInjector
 from resihp_core.runtime.worker.node_commit import NodeCommit, direct_commit
+from resihp_core.runtime.worker.node_watch import AgentFeed
 
 if TYPE_CHECKING:
     from resihp_core.program import Program
@@ -82,26 +83,78 @@ def _log(event: str, device: int, **kv: Any) -> None:
 
 
 class GenerationWatch:
-    """Background thread on its own store connection: notices a newer generation within
-    milliseconds so a worker stops mid-iteration (and leaves a superseded rendezvous)
-    instead of finishing doomed work. It blocks in the store on the next generation's
-    plan key rather than polling, so it costs the controller nothing while nothing
-    changes."""
+    """Background thread: notices a newer generation within milliseconds so a worker
+    stops mid-iteration (and leaves a superseded rendezvous) instead of finishing
+    doomed work. With ``agent`` (process mode) it hears of each generation from its
+    node agent, whose one store wait serves the whole node (store connections grow
+    with nodes, not ranks; ``node_watch.py``); when the agent refuses, goes away or
+    falls silent it blocks in ``store`` on the next generation's plan key itself, as
+    it does without an agent. Either way it costs the controller nothing while nothing
+    changes.
 
-    def __init__(self, store: KeyValueStore, wait_s: float = 30.0) -> None:
+    :param store: the store to watch directly (a :class:`~resihp_core.runtime.session.LazyConnection`
+        is opened only if the worker must watch it itself).
+    :param agent: the node agent's feed (optional).
+    """
+
+    def __init__(self, store: KeyValueStore, wait_s: float = 30.0, *, agent: AgentFeed | None = None) -> None:
         self.latest = -1
         self._store = store
         self._wait_s = wait_s  # one store request per wait_s while nothing changes
-        threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch").start()
+        self.agent = agent
+        self.direct = agent is None  # watching the store itself
+        self._plan: PlanUpdate | None = None  # the newest plan the agent relayed
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-generation-watch")
+        self._thread.start()
+
+    def _seen(self, generation: int) -> None:
+        if generation > self.latest:
+            with self._changed:
+                self.latest = max(self.latest, generation)
+                self._changed.notify_all()
+
+    def _relayed(self, plan: PlanUpdate) -> None:
+        with self._changed:
+            if self._plan is None or plan.generation > self._plan.generation:
+                self._plan = plan
+            self._changed.notify_all()
+
+    def plan(self, generation: int, timeout_s: float = 5.0) -> PlanUpdate | None:
+        """Generation ``generation``'s plan as the agent relays it (it follows the
+        notice), waiting up to ``timeout_s`` while the agent's feed is up; None: read
+        it from the store."""
+        def here() -> PlanUpdate | None:
+            p = self._plan
+            return p if p is not None and p.generation == generation else None
+        with self._changed:
+            self._changed.wait_for(lambda: here() is not None or self.direct or (
+                self._plan is not None and self._plan.generation > generation), timeout_s)
+        return here()
+
+    def wait_newer(self, after: int, timeout_s: float) -> int | None:
+        """The newest generation once it is newer than ``after`` (up to ``timeout_s``);
+        None when this watch has ended (the job store went away): ask the store."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.latest > after or not self._thread.is_alive(), timeout_s)
+        return self.latest if self._thread.is_alive() or self.latest > after else None
 
     def _run(self) -> None:
         try:
-            self.latest = session.latest_generation(self._store)
+            if self.agent is not None:
+                self.agent.follow(self._seen, self._relayed)
+                with self._changed:
+                    self.direct = True
+                    self._changed.notify_all()
+            self._seen(session.latest_generation(self._store))
             while True:
                 if session.wait_posted(self._store, self.latest + 1, self._wait_s):
-                    self.latest = max(self.latest + 1, session.latest_generation(self._store))
+                    self._seen(max(self.latest + 1, session.latest_generation(self._store)))
         except Exception:  # noqa: BLE001 - the job store went away: the job is over
             return
+        finally:
+            with self._changed:
+                self._changed.notify_all()
 
 
 #: This process's worker, once built: the job-error handler posts through its store and
@@ -204,6 +257,7 @@ class Worker:
         latest: Callable[[], int] = ((lambda: watch.latest) if watch is not None
                                      else (lambda: session.latest_generation(store)))
         self._latest = latest  # with a watch: no store round trip per iteration
+        self.watch = watch
         # The adapter rendezvouses through a fenced view of the store: a wait in a
         # superseded generation's rendezvous ends at once (docs/worker-protocol.md).
         fenced = session.generation_fenced(store, latest, patience_s=job.timeout_s * 6)
@@ -254,7 +308,9 @@ class Worker:
             job = JobSpec.from_json(f.read())
         timeout = max(30.0, job.timeout_s * 3)
         store = session.connect(env["RESIHP_STORE"], timeout)
-        watch = GenerationWatch(session.connect(env["RESIHP_STORE"], timeout))
+        # Through the agent (one store wait per node); its own store connection only as a fallback.
+        watch = GenerationWatch(session.LazyConnection(lambda: session.connect(env["RESIHP_STORE"], timeout)),
+                                agent=AgentFeed.from_env(env, device))
         worker = cls(device, store, job, factory=factory, watch=watch)
         worker.node_commit = NodeCommit.from_env(env, device)
         if env.get(ENV_COMMIT_OVERLAP, "1") != "0":
@@ -396,11 +452,18 @@ class Worker:
         return self._latest() > self.msg.generation
 
     def _enter_next(self) -> bool:
-        """Wait for a newer generation and enter it; False when it is the stop."""
-        while (g := session.wait_generation(self.store, self._seen, 2.0)) <= self._seen:
+        """Wait for a newer generation and enter it; False when it is the stop. With a
+        watch it waits on the watch and takes the plan its agent relayed (no store
+        request unless the plan did not come)."""
+        w = self.watch
+        g: int | None = None
+        while w is not None and (g := w.wait_newer(self._seen, 2.0)) is not None and g <= self._seen:
             pass
+        if g is None:  # no watch, or it ended: the store itself
+            while (g := session.wait_generation(self.store, self._seen, 2.0)) <= self._seen:
+                pass
         self._seen = g
-        msg = session.read_plan(self.store, g)
+        msg = (w.plan(g) if w is not None else None) or session.read_plan(self.store, g)
         self.ctx.generation = g
         if msg.stop:
             self._finish()
@@ -644,6 +707,10 @@ class Worker:
             self.client.close()
         if self.node_commit is not None:
             _log("commits", self.device, through_agent=self.node_commit.through_agent, direct=self.node_commit.direct)
+        w = self.watch
+        if w is not None and w.agent is not None:  # through the agent, or why the worker watched the store itself
+            _log("generation_watch", self.device, notices=w.agent.notices, direct=w.direct,
+                 ended=repr(w.agent.ended[:80]))
             self.node_commit.close()
         if self.job.dump_dir and self.adapter.where is not None and self.plan is not None:
             import torch
