@@ -707,11 +707,11 @@ class Worker:
             self.client.close()
         if self.node_commit is not None:
             _log("commits", self.device, through_agent=self.node_commit.through_agent, direct=self.node_commit.direct)
+            self.node_commit.close()
         w = self.watch
         if w is not None and w.agent is not None:  # through the agent, or why the worker watched the store itself
             _log("generation_watch", self.device, notices=w.agent.notices, direct=w.direct,
                  ended=repr(w.agent.ended[:80]))
-            self.node_commit.close()
         if self.job.dump_dir and self.adapter.where is not None and self.plan is not None:
             import torch
 
