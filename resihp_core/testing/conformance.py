@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -371,7 +372,13 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
     for dev, d in dumps.items():
         if d["iteration"] != iterations:
             raise ConformanceError(f"device {dev} ended at iteration {d['iteration']}, not {iterations}")
-    return Outcome(_assemble(dumps), losses, computed, _assemble_full(dumps))
+    out = Outcome(_assemble(dumps), losses, computed, _assemble_full(dumps))
+    # Passed: its dumps, checkpoints and logs are in `out` or no longer needed (a failed
+    # run keeps them: its error names the folder to look in). Every kit run left them
+    # in the temporary folder before, some megabytes each.
+    for folder in (dump, ckpt, work):
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 def _close(a: Any, b: Any, tol: float) -> tuple[bool, float]:

@@ -82,11 +82,13 @@ def test_an_adapter_that_loses_part_of_its_state_fails_the_complete_state_check(
     position on a move: the framework's complete state (full_state) differs from the
     fault-free run's. The liars are the reference backend with an LR schedule
     (liar.StepDecay); one fault-free run of it serves all three (what check_adapter
-    does per adapter)."""
+    does per adapter). Two workers (DP2, one stage each) suffice: each liar loses its
+    state in ``move_state``, which the regeneration's identity move calls on any
+    layout, and the four jobs' worker start-up is most of this test's CPU time."""
     from resihp_core.testing.conformance import _compare, run_scenario, scenarios
     from resihp_adapters.megatron_ref.plugin import CAPABILITIES
 
-    base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2, num_heads=4)
+    base = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=4, num_microbatches=2, num_heads=4)
     want = run_scenario(_reference_job("liar:StepDecay"), base, None, env=ENV, iterations=3)
     assert want.full is not None and want.full["optimizer.step"] == 3 and want.full["lr_scheduler.last_epoch"] == 3
     regeneration = next(sc for sc in scenarios(CAPABILITIES, base) if sc.name == "regeneration")

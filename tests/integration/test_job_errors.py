@@ -31,10 +31,17 @@ INIT = "    trainer = initialize(\n"
 LOOP = "    while (loss := trainer.train_batch()) is not None:  # None: the job ended\n"
 
 
-def _example(dst: Path, edit: tuple[str, str] | None = None, iterations: int = 8) -> Path:
+def _example(dst: Path, edit: tuple[str, str] | None = None, iterations: int = 8, processes: int = 4) -> Path:
+    """The example in ``dst``, ``edit`` applied to train.py. ``processes``: 2 runs it as
+    PP2 x DP1, one worker per node, where a test's point needs no replica to survive
+    (each worker's start-up is most of such a test's CPU time)."""
     dst.mkdir()
     for f in ("accelerate.yaml", "train.py", "hf_model.py", "README.md", "resihp.toml"):
         shutil.copy(EXAMPLE / f, dst / f)
+    if processes != 4:
+        yaml = (dst / "accelerate.yaml").read_text()
+        assert "\nnum_processes: 4\n" in yaml
+        (dst / "accelerate.yaml").write_text(yaml.replace("\nnum_processes: 4\n", f"\nnum_processes: {processes}\n"))
     toml = (dst / "resihp.toml").read_text().replace("iterations = 8", f"iterations = {iterations}")
     (dst / "resihp.toml").write_text(toml.replace("checkpoint_every = 1", "checkpoint_every = 0"))
     if edit is not None:
@@ -77,9 +84,10 @@ DROPPED = "def _dropped(model):\n    model.config.attention_dropout = 0.1  # GPT
 @pytest.mark.timeout(900)
 def test_setup_mistakes_end_the_job_with_the_users_exception(tmp_path):
     """A model ResiHP cannot split, a model with dropout it refuses, a script that
-    never calls initialize(): exit 2 (before training), the exception on the console."""
+    never calls initialize(): exit 2 (before training), the exception on the console.
+    Two workers: every rank raises the same mistake."""
     for name, edit, exc in SETUP_MISTAKES:
-        ex = _example(tmp_path / name, edit)
+        ex = _example(tmp_path / name, edit, processes=2)
         text = (ex / "train.py").read_text()
         (ex / "train.py").write_text(text.replace("def main() -> None:", DROPPED + "def main() -> None:"))
         rc, out, seconds = _launch(ex, tmp_path / f"work-{name}")
@@ -91,7 +99,7 @@ def test_setup_mistakes_end_the_job_with_the_users_exception(tmp_path):
 @pytest.mark.timeout(600)
 def test_an_exception_in_the_users_loop_on_one_rank_ends_the_job(tmp_path):
     raise_at = "        if os.environ.get('RANK') == '1' and trainer.iteration == 5:\n            raise ValueError('my bug')\n"
-    ex = _example(tmp_path / "ex", (LOOP, LOOP + raise_at))
+    ex = _example(tmp_path / "ex", (LOOP, LOOP + raise_at), processes=2)  # rank 1 raises, rank 0 does not
     rc, out, _ = _launch(ex, tmp_path / "work")
     _assert_job_error(rc, out, 3, "ValueError: my bug", f"train.py:{_line_of(ex / 'train.py', 'my bug')}")
     assert "at iteration 5" in out, out[-2000:]
@@ -101,7 +109,7 @@ def test_an_exception_in_the_users_loop_on_one_rank_ends_the_job(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_loop_that_ends_early_ends_the_job_normally(tmp_path):
-    ex = _example(tmp_path / "ex", (LOOP, LOOP + "        if trainer.iteration == 4:\n            break\n"))
+    ex = _example(tmp_path / "ex", (LOOP, LOOP + "        if trainer.iteration == 4:\n            break\n"), processes=2)
     rc, out, _ = _launch(ex, tmp_path / "work")
     assert rc == 0, out[-4000:]
     assert "loop ended after 4 of 8 configured iterations" in out, out[-2000:]

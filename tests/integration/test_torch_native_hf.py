@@ -60,18 +60,25 @@ def reference(kind: str, iterations: int, global_microbatches: int, text: Path =
     whole suite, the in-process run started from a different first loss).
     ``model_loss``: each micro-batch's loss is the model's own (``outputs.loss``: HF's
     mean cross-entropy, computed in float32), weighted 1 / G, as the user's loop takes it."""
+    return references([(kind, iterations, global_microbatches, text, model_loss)])[0]
+
+
+def references(runs: list[tuple[str, int, int, Path, bool]]) -> list[tuple[dict, list[float]]]:
+    """Several :func:`reference` runs (its arguments, in order) in one fresh interpreter,
+    one after the other: the interpreter's start-up (torch, transformers) costs more
+    CPU than a short run."""
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "reference.pt"
-        code = ("import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+        out, spec = Path(d) / "references.pt", Path(d) / "runs.json"
+        spec.write_text(json.dumps([[k, i, g, str(t), bool(ml)] for k, i, g, t, ml in runs]))
+        code = ("import json, sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
                 "from test_torch_native_hf import _reference_here; "
-                "torch.save(_reference_here(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], "
-                "sys.argv[8] == '1'), sys.argv[7])")
-        subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT / "examples" / "hf_llama"), kind,
-                        str(iterations), str(global_microbatches), str(text), str(out), str(int(model_loss))],
-                       check=True, timeout=600, cwd=str(ROOT))
+                "torch.save([_reference_here(k, i, g, t, ml) for k, i, g, t, ml in json.load(open(sys.argv[3]))], "
+                "sys.argv[4])")
+        subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT / "examples" / "hf_llama"), str(spec),
+                        str(out)], check=True, timeout=600, cwd=str(ROOT))
         return torch.load(out, weights_only=False)
 
 
@@ -125,7 +132,8 @@ def test_hf_models_pp2_dp2_equal_stock_path_and_single_process(tmp_path):
                           timeout=datetime.timedelta(seconds=60))
     run_devices(lambda d: [str(HERE / "torch_native_hf_job.py"), str(tmp_path / "spec.json"), str(d),
                            str(store.port)], 4, tmp_path, 840)
-    refs = {kind: reference(kind, iterations, plan.dp * m) for kind, _, _ in CASES}
+    refs = dict(zip((kind for kind, _, _ in CASES),
+                    references([(kind, iterations, plan.dp * m, TEXT, False) for kind, _, _ in CASES])))
     for kind, _, _ in CASES:
         check(kind, [torch.load(tmp_path / f"{kind}-{d}.pt", weights_only=False) for d in range(4)], iterations,
               refs[kind])
