@@ -374,8 +374,7 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
             raise ConformanceError(f"device {dev} ended at iteration {d['iteration']}, not {iterations}")
     out = Outcome(_assemble(dumps), losses, computed, _assemble_full(dumps))
     # Passed: its dumps, checkpoints and logs are in `out` or no longer needed (a failed
-    # run keeps them: its error names the folder to look in). Every kit run left them
-    # in the temporary folder before, some megabytes each.
+    # run keeps them: its error names the folder to look in); some megabytes per run.
     for folder in (dump, ckpt, work):
         shutil.rmtree(folder, ignore_errors=True)
     return out
