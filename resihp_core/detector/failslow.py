@@ -290,6 +290,7 @@ class WorkloadAwareDetector(_Base):
         self.slow_threshold, self.min_gap, self.series = slow_threshold, min_gap, series
         self.model = model if model is not None else WorkloadModel(plan=plan, warmup_iterations=warmup_iterations)
         self._predict = predict_healthy
+        self._said_resolution = False  # once per detector, not per generation
         super().__init__(changepoint, verifier, prober=prober, generation=generation, plan=plan,
                          skip_first=skip_first, history=history, clock=clock)
 
@@ -374,7 +375,42 @@ class WorkloadAwareDetector(_Base):
             back = self._healthy_again(iteration, measured, profiles)
             if back is not None:
                 return back
+        if not self._said_resolution:
+            notice = self._resolution(profiles)
+            if notice is not None:
+                self._said_resolution = True
+                if notice:
+                    logger.info("event=failslow_resolution generation=%d iteration=%d %s",
+                                self.generation, iteration, notice)
+                    det = replace(det, notice=notice)
         return det
+
+    #: Healthy values of each device's peer excess the resolution notice is judged on.
+    RESOLUTION_HISTORY = 8
+    #: Slowdowns relative to the peers the job's user is told are not found when the
+    #: per-device bar is above them (issue #33's target: 1.3x).
+    RESOLUTION_TARGET = 1.3
+
+    def _resolution(self, profiles: ProfileSet) -> str | None:
+        """Once every device's healthy noise is measured on ``RESOLUTION_HISTORY``
+        iterations: "" where the per-device path flags a device from
+        ``RESOLUTION_TARGET`` times its peers or less, else the line telling the user
+        which slowdowns this job's iterations are too short or too noisy for
+        (docs/detector.md "Short or noisy iterations"); None while still measuring."""
+        devices = sorted({p.device for p in profiles.values()})
+        if len(devices) < 2 or any(self.local.healthy_count(d) < self.RESOLUTION_HISTORY for d in devices):
+            return None
+        bars = {d: math.exp(self.local.threshold(d)) for d in devices}
+        worst = max(bars.values())
+        if worst <= self.RESOLUTION_TARGET * (1 + 1e-9):
+            return ""
+        seconds = statistics.median(m for _, m, _ in self._hist)
+        sigma = statistics.median(self.local.sigma(d) for d in devices)
+        return (f"fail-slow detection: iterations of {seconds:.3g} s vary too much from one to the next to judge "
+                f"slowdowns under {worst:.2f}x: a device is flagged once it computes {min(bars.values()):.2f}x-"
+                f"{worst:.2f}x its peers (their healthy noise, sigma {sigma:.2f} in log ratio); smaller "
+                "slowdowns (a 1.3x noisy neighbour) are not found on this job. Longer iterations (more "
+                "micro-batches or tokens per iteration) or a quieter host lower the bar")
 
     def _open_series(self, iteration: int) -> None:
         """The model was just fitted on the iterations in the history (this generation's

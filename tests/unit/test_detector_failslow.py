@@ -818,3 +818,18 @@ def test_contention_its_peers_do_not_share_right_after_a_machine_wide_burst_is_r
     assert reports and reports[0].report.devices == (12,) and reports[0].report.cause == "contention", \
         [(d.iteration, d.action, d.verdict and d.verdict.rule) for d in after]
     assert reports[0].iteration - 40 + 1 <= 3, [(d.iteration, d.action, d.verdict and d.verdict.rule) for d in after]
+
+
+def test_a_job_whose_iterations_are_too_noisy_for_a_1_3x_slowdown_is_told_so_once() -> None:
+    # Steady iterations: the per-device bar is the 1.25x floor, nothing to say.
+    det = resihp()
+    quiet = [d.notice for d in feed(det, Trace(seed=3), 0, 30) if d.notice]
+    assert quiet == []
+    # Compute that swings 25 % from one iteration to the next (short iterations on a
+    # busy host): the user is told once which slowdowns are not found, with the bar.
+    det = resihp()
+    trace = Trace(seed=3)
+    said = [d for d in (det.observe(it, trace.iteration(it, noise=0.25)) for it in range(30)) if d.notice]
+    assert len(said) == 1, [d.notice for d in said]
+    bar = float(said[0].notice.split("slowdowns under ")[1].split("x")[0])
+    assert 1.3 < bar <= 2.0, said[0].notice  # above the target, at most the watch's cap
