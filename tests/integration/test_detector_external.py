@@ -417,21 +417,14 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
     # SIGCONT (both counted in iterations committed).
     back = [e for e in run.events if e["kind"] == "plan" and "rejoin of devices [1]" in e["text"]]
     assert back, run.events
-    # The pause is never reported as a slowdown of the paused device (it is a fail-stop,
-    # fenced) up to its rejoin. Afterwards it is a device like the others: CI once saw a
-    # 1.33x compute report of it 9 iterations after the rejoin on a loaded machine (a
-    # detector false report, not this test's subject). The one executor left while it is
-    # away has no peer to be compared with: not asserted either.
-    assert not [e for e in failures if e["failure"] != "fail-stop" and 1 in e["devices"]
-                and e["iteration"] <= back[0]["iteration"]], failures
+    # Nothing but the pause is reported (issue #33 item 4): not the paused device as slow
+    # (it is a fail-stop, fenced), before or after its rejoin, and not its healthy peer,
+    # whose model the rejoin's warm-up refits (docs/detector.md "Paused workers come
+    # back"). Held in the 2 of 2 runs completed beside other jobs taking 1.5-1.6 of 2 cores.
+    assert not [e for e in failures if e["failure"] == "fail-slow"], failures
     if _quiet(outside):
         assert back[0]["iteration"] - at["resumed"] <= 3, (back[0], at)
-    # The plan that took it back gives it work (the final plan may have moved work off
-    # it again after a fail-slow report of either device on a loaded machine).
-    assert _work(parse_plan(back[0]["plan"]), 1) > 0, back[0]["plan"]
-    slow_after = [e for e in failures if e["failure"] == "fail-slow"]
-    if slow_after:
-        print("fail-slow reports after the rejoin (not this test's subject):", slow_after)
+    assert _work(parse_plan(back[0]["plan"]), 1) > 0, back[0]["plan"]  # the plan that took it back gives it work
     assert pids["after"] == pids["before"], pids  # the same process: never killed
 
 
