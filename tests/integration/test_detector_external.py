@@ -420,7 +420,7 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
     # Nothing but the pause is reported (issue #33 item 4): not the paused device as slow
     # (it is a fail-stop, fenced), before or after its rejoin, and not its healthy peer,
     # whose model the rejoin's warm-up refits (docs/detector.md "Paused workers come
-    # back"). Held in the 2 of 2 runs completed beside other jobs taking 1.5-1.6 of 2 cores.
+    # back"). Held in the 3 of 3 runs completed beside other jobs taking 1.4-1.6 of 2 cores.
     assert not [e for e in failures if e["failure"] == "fail-slow"], failures
     if _quiet(outside):
         assert back[0]["iteration"] - at["resumed"] <= 3, (back[0], at)
