@@ -12,6 +12,9 @@ are more replicas than cores). Cases:
   (started and held before the job, released at the onset: :class:`~resihp_core.testing.hogs.CpuHogs`);
 * **noisy neighbour** — the same hog, but only worker 0 is pinned (to that core): its
   peer runs unpinned, free to move off the busy core (issue #33's neighbour);
+* **noisy neighbour pinned at the onset** — as users made it in issue #33: every worker
+  runs unpinned until the onset, then worker 0 is pinned (every thread, as ``taskset -a
+  -p``) to a core where two busy loops start;
 * **duty-cycled SIGSTOP** — worker 1 stopped half of every cycle from the onset, the
   cycle a quarter of its healthy compute (20 ms at least), so every iteration is stopped
   about half of its time;
@@ -83,7 +86,7 @@ class Case:
     name: str
     replicas: int
     compute_s: float  # per iteration, healthy
-    external: str = ""  # "hog", "hog-all", "duty" or "" (injected or none)
+    external: str = ""  # "hog", "neighbour", "neighbour-onset", "hog-all", "duty" or "" (injected or none)
     inject: float = 1.0  # compute factor of ``target`` from ONSET (the injector's way)
     target: int | None = None  # the device that must be reported (None: nothing)
 
@@ -91,6 +94,7 @@ class Case:
 CASES = (
     Case("pinned CPU hog, one worker's core", 2, 0.15, external="hog", target=0),
     Case("noisy neighbour, its peer unpinned", 2, 0.15, external="neighbour", target=0),
+    Case("noisy neighbour pinned at the onset", 2, 0.15, external="neighbour-onset", target=0),
     Case("duty-cycled SIGSTOP 50 %", 2, 0.15, external="duty", target=1),
     Case("whole-machine load, every core", 2, 0.15, external="hog-all"),
     Case("small model, 1.5x (injected)", 2, 0.05, inject=1.5, target=1),
@@ -111,10 +115,12 @@ def _pin(pid: int, core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
-def _place(pid: int, device: int, case: Case, cores: list[int]) -> None:
-    """Pin ``device``'s worker to its core; in the noisy-neighbour case only the target
-    is pinned, the others may run on every core."""
-    if case.external == "neighbour" and device != case.target:
+def _place(pid: int, device: int, case: Case, cores: list[int], started: bool = False) -> None:
+    """Pin ``device``'s worker to its core; in the noisy-neighbour cases only the target
+    is pinned (from the onset, ``started``, in "neighbour-onset"), the others may run on
+    every core."""
+    if case.external in ("neighbour", "neighbour-onset") and (device != case.target or not (
+            started or case.external == "neighbour")):
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError):
@@ -179,9 +185,10 @@ def _run_case(case: Case, timeout_s: float, cores: list[int], trace: Path | None
         workers[d] = args
     # The hogs are started (and held) before the job: each busy process takes seconds to
     # start on a loaded machine, and they must begin at the onset, on every core at once.
-    hog_cores = ([cores[case.target % len(cores)]] if case.external in ("hog", "neighbour")  # type: ignore[operator]
+    hog_cores = ([cores[case.target % len(cores)]]  # type: ignore[operator]
+                 if case.external in ("hog", "neighbour", "neighbour-onset")
                  else sorted({cores[d % len(cores)] for d in workers}) if case.external == "hog-all" else [])
-    hogs = CpuHogs(hog_cores)
+    hogs = CpuHogs(hog_cores, per_core=2 if case.external == "neighbour-onset" else 3)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     onset = ONSET
@@ -202,7 +209,7 @@ def _run_case(case: Case, timeout_s: float, cores: list[int], trace: Path | None
             if case.external and not started and done >= ONSET - 2:
                 onset, started = done + 2, True
                 for d, p in c.workers.items():  # threads started since (the beat thread) too
-                    _place(p.pid, d, case, cores)  # type: ignore[attr-defined]
+                    _place(p.pid, d, case, cores, started=True)  # type: ignore[attr-defined]
                 if hog_cores:
                     hogs.release()
                 elif case.external == "duty":

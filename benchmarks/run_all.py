@@ -379,7 +379,8 @@ SOURCES = [
     Source("detector-external-neighbour", "detector-external-neighbour.json", "detector_external.py",
            ("--runs", "2", "--outside-load", "0,1,2", "--cases", "noisy neighbour,whole-machine,no fault"),
            "Fail-slow detector: issue #33's noisy neighbour (a worker pinned to a core shared with busy loops, "
-           "its peer unpinned) next to whole-machine load and no fault, at outside load 0, 1x and 2x the cores"),
+           "its peer unpinned; pinned from the start, and pinned at the onset as users did) next to whole-machine "
+           "load and no fault, at outside load 0, 1x and 2x the cores"),
     Source("peers-quick", "peers-quick.json", "peers.py", ("--quick",),
            "ResiHP next to torchft and checkpoint-restart, CI-sized (DP4, fault-free and kill-every-n)", quick=True),
     Source("peers-full", "peers-full.json", "peers.py",

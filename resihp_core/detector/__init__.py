@@ -237,6 +237,9 @@ class Detection:
     young to verify, looked at again next iteration), ``"faded"`` (the slowdown
     was gone by the end of its verification window: nothing to verify), ``"reported"``,
     ``"recovered"`` (a known-slow device healthy again: a report with throughput 1.0).
+    ``notice``: a line for the job's user, said once (the console prints it): what the
+    detector cannot judge on this job, e.g. slowdowns below the bar its iterations'
+    noise sets (docs/detector.md "Short or noisy iterations").
     """
 
     iteration: int
@@ -249,6 +252,7 @@ class Detection:
     report: FailureReport | None = None
     onset: int | None = None
     notes: tuple[str, ...] = field(default=())
+    notice: str = ""
 
 
 @runtime_checkable

@@ -218,6 +218,10 @@ class PeerExcessWatch:
         """Iterations in a row ``device`` has been flagged (its current run)."""
         return len(self._run.get(device, ()))
 
+    def healthy_count(self, device: int) -> int:
+        """Healthy values ``device``'s noise is measured on."""
+        return len(self._healthy.get(device, ()))
+
     def noise(self) -> dict[int, float]:
         """Device -> healthy noise, for devices with enough history."""
         return {d: self.sigma(d) for d, h in self._healthy.items() if len(h) >= self.min_history}

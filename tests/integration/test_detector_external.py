@@ -188,6 +188,90 @@ def test_a_cpu_hog_on_one_workers_core_is_its_fail_slow_the_same_load_on_every_c
     assert _work(run.final_plan, 0) < _work(plan, 0), run.final_plan.to_text()
 
 
+#: Opt-in (docs/detector.md "Tests"): three jobs of ~20 iterations, ~15 s each on a
+#: quiet 2-core machine, over CI's budget.
+NEIGHBOUR_OPT_IN = "RESIHP_NEIGHBOUR_TESTS"
+
+
+@pytest.mark.skipif(os.environ.get(NEIGHBOUR_OPT_IN) != "1", reason=f"opt-in: {NEIGHBOUR_OPT_IN}=1")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin a worker apart from its peer")
+@pytest.mark.parametrize("outside_per_core", [0, 1, 2])
+def test_a_noisy_neighbour_on_one_workers_core_is_reported_within_3_iterations_on_a_busy_host(outside_per_core):
+    """Issue #33's noisy neighbour on a busy host. ``outside_per_core`` busy processes
+    per core, not pinned (other users' jobs: the scheduler places them), run from before
+    the job to its end: load every rank bears, never reported. At the onset worker 0 is
+    pinned (every thread, as ``taskset -a -p``) to a core shared with two busy loops
+    pinned there, its peer left free on every core. Where that slowed worker 0 by 1.3x
+    or more beyond its peer (measured by the OS: each worker's time on a CPU or waiting
+    for one, ``/proc/PID/schedstat``, from the onset on; with busy processes added the
+    scheduler may balance them onto the peer's core, and then both bear the neighbour's
+    load alike), worker 0 is reported, cause ``contention``, within 3 iterations.
+    Asserted when processes outside the test took at most a quarter of the cores' time
+    (module docstring); the load it added, the one it measured and the slowdown are
+    printed."""
+    plan = uniform(1, 1, 2, 4)
+    job = _Job()
+    at: dict[str, int] = {}
+    detections = []
+    cores = _cores()
+    loads: list[float] = []
+    outside = OutsideLoad()
+    pids: dict[int, int] = {}
+    times: dict[str, dict[int, float]] = {}
+    busy = CpuHogs(None, per_core=outside_per_core * len(cores), seconds=120) if outside_per_core else None
+    neighbour = CpuHogs([cores[0]], per_core=2, seconds=120).start()
+
+    def on_iteration(rec) -> None:
+        loads.append(os.getloadavg()[0])
+        outside.sample()
+        if rec.iteration + 1 == ONSET and "onset" not in at:
+            pids.update(_worker_pids(job.path))
+            _pin(pids[0], cores[0])
+            neighbour.release()
+            at["onset"] = rec.iteration + 2
+            times["onset"] = {d: _on_or_waiting_for_cpu(pid) for d, pid in pids.items()}
+        if rec.iteration + 1 == ONSET + SETTLE - 1 and "onset" in times and "end" not in times:
+            times["end"] = {d: _on_or_waiting_for_cpu(pid) for d, pid in pids.items()}
+
+    spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir())
+    try:
+        if busy is not None:
+            busy.start().release()
+        run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + SETTLE, before_run=job.before_run,
+                          on_iteration=on_iteration, on_detection=detections.append)
+    finally:
+        neighbour.kill()
+        if busy is not None:
+            busy.kill()
+    seen = _explain(detections)
+    spent = {d: times["end"][d] - times["onset"][d] for d in pids} if "end" in times else {}
+    slowed = spent[0] / spent[1] if spent and spent[1] > 0 else 0.0
+    print(f"outside load added: {outside_per_core} busy process(es) per core ({len(cores)} cores); worker 0 "
+          f"on or waiting for a CPU {slowed:.2f}x its peer after the onset;", "detections:", seen,
+          _machine(loads, outside))
+    reports = _reports(run)
+    assert "onset" in at and spent and not [e for e in reports if e["failure"] != "fail-slow"], (reports, times)
+    if not _quiet(outside):
+        return
+    early = [d for d in detections if d.report is not None and d.iteration < at["onset"]]
+    assert early == [], seen  # the outside load every rank bears
+    if slowed < 1.3:
+        return  # the scheduler spread the neighbour's load over both workers: nothing to find
+    found = _found(detections, 0)
+    assert found is not None, (seen, reports)
+    assert found.report.devices == (0,) and found.report.cause == "contention", found.report
+    assert found.iteration - at["onset"] + 1 <= 3, (at, seen)
+    assert not [e for e in reports if e["devices"] != [0]], reports
+
+
+def _on_or_waiting_for_cpu(pid: int) -> float:
+    """Seconds ``pid``'s main (training) thread has run on a CPU or waited for one
+    (the first two fields of ``/proc/PID/schedstat``)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        run, wait = f.read().split()[:2]
+    return (int(run) + int(wait)) / 1e9
+
+
 def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
     plan = uniform(1, 1, 2, 4)
     job = _Job()
@@ -356,21 +440,14 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
     # SIGCONT (both counted in iterations committed).
     back = [e for e in run.events if e["kind"] == "plan" and "rejoin of devices [1]" in e["text"]]
     assert back, run.events
-    # The pause is never reported as a slowdown of the paused device (it is a fail-stop,
-    # fenced) up to its rejoin. Afterwards it is a device like the others: CI once saw a
-    # 1.33x compute report of it 9 iterations after the rejoin on a loaded machine (a
-    # detector false report, not this test's subject). The one executor left while it is
-    # away has no peer to be compared with: not asserted either.
-    assert not [e for e in failures if e["failure"] != "fail-stop" and 1 in e["devices"]
-                and e["iteration"] <= back[0]["iteration"]], failures
+    # Nothing but the pause is reported (issue #33 item 4): not the paused device as slow
+    # (it is a fail-stop, fenced), before or after its rejoin, and not its healthy peer,
+    # whose model the rejoin's warm-up refits (docs/detector.md "Paused workers come
+    # back"). Held in the 3 of 3 runs completed beside other jobs taking 1.4-1.6 of 2 cores.
+    assert not [e for e in failures if e["failure"] == "fail-slow"], failures
     if _quiet(outside):
         assert back[0]["iteration"] - at["resumed"] <= 3, (back[0], at)
-    # The plan that took it back gives it work (the final plan may have moved work off
-    # it again after a fail-slow report of either device on a loaded machine).
-    assert _work(parse_plan(back[0]["plan"]), 1) > 0, back[0]["plan"]
-    slow_after = [e for e in failures if e["failure"] == "fail-slow"]
-    if slow_after:
-        print("fail-slow reports after the rejoin (not this test's subject):", slow_after)
+    assert _work(parse_plan(back[0]["plan"]), 1) > 0, back[0]["plan"]  # the plan that took it back gives it work
     assert pids["after"] == pids["before"], pids  # the same process: never killed
 
 

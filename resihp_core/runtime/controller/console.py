@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TextIO
 
+from resihp_core.detector import Detection
 from resihp_core.protocols.events import Event, JobEvent, PlanPosted, event_dicts
 from resihp_core.protocols.metrics import IterationMetrics
 
@@ -84,7 +85,9 @@ def console_observer(log: RunLog, *also: Callable[[JobEvent], None]) -> Callable
     event to ``log`` (after ``also``, e.g. the report's phases)."""
 
     def observe(ev: Event) -> None:
-        if isinstance(ev, IterationMetrics):
+        if isinstance(ev, Detection) and ev.notice:  # the fail-slow detector's line for the user, said once
+            log.say(ev.notice)
+        elif isinstance(ev, IterationMetrics):
             print(f"iteration {ev.iteration:>3}  loss {ev.loss:.10f}  {ev.seconds:.2f}s  generation {ev.generation}",
                   file=log._stream, flush=True)
         elif isinstance(ev, JobEvent):
