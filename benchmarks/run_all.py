@@ -449,6 +449,15 @@ SOURCES = [
            ("--ranks", "1024,4096", "--emulation", "coroutines", "--iterations", "8", "--faults", "loss,restart"),
            "Control plane at 1,024 and 4,096 ranks, each emulated rank a coroutine talking to its real agent: a node "
            "lost and a controller restart (stop -> every agent re-attached); the emulators' own CPU per run"),
+    Source("control-scale-relay", "control-scale-relay.json", "control_scale.py",
+           ("--ranks", "1024,2048", "--emulation", "coroutines", "--iterations", "6", "--faults", "loss",
+            "--sample-stacks"),
+           "Control plane at 1,024 and 2,048 coroutine ranks with the generation watch and plan relayed by each "
+           "node agent: where node loss -> plan read by every rank goes, store connections and parked waits"),
+    Source("control-scale-relay-threads256", "control-scale-relay-threads256.json", "control_scale.py",
+           ("--ranks", "256", "--emulation", "threads", "--iterations", "5", "--faults", "loss"),
+           "Control plane at 256 ranks, a thread and real sockets per rank, generation watch through the agent: "
+           "store connections, parked waits and requests per iteration"),
     Source("control-scale-16k", "control-scale-16k.json", "control_scale.py",
            ("--ranks", "16384", "--emulation", "coroutines", "--iterations", "5", "--procs", "4"),
            "Control plane at 16,384 emulated ranks on this machine: what the controller and store cost per "
