@@ -55,6 +55,7 @@ from resihp_core.runtime.session import join_members, rendezvous_store
 from resihp_adapters.torch_native.async_checkpoint import DcpPlan, Staging, plan_writes
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
+from resihp_adapters.torch_native.unsharded import alias_unsharded
 from resihp_adapters.torch_native.replica_reduce import ReplicaReducer
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
@@ -490,6 +491,9 @@ class TorchNativeEngine:
             # the backward (.replica_reduce); the layout stays FSDP's.
             replicas = dp_mesh["dp_replicate"]
             self._bound[0].append(replicas)
+            # and FSDP's per-forward copy into unsharded buffers (and their free after
+            # the backward) is skipped: the unsharded parameters view the sharded data
+            alias_unsharded(module._get_fsdp_state()._fsdp_param_group)
             self._reducer = ReplicaReducer(module, replicas.get_group(),
                                            max(1, len(plan.work(place.replica, place.stage))))
         self.module = module
