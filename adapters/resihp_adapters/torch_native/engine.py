@@ -1138,7 +1138,10 @@ class StepHeap:
     iteration on overhead.py's size-l stage: docs/benchmarks.md, "Where a fault-free
     iteration goes"). Inside this context mappings are off (``M_MMAP_MAX`` 0), and the
     heap's top is not trimmed (``M_TRIM_THRESHOLD`` set once, to 2 GiB), so the next
-    step reuses the same pages. Only where memory comes from changes, not a value.
+    step reuses the same pages. The trim threshold holds for the whole process from
+    the first step on, so the backward's freed activations are reused the same way
+    (a plain script gets that part with ``MALLOC_TRIM_THRESHOLD_``). Only where memory
+    comes from changes, not a value.
     Nothing is changed where ``MALLOC_MMAP_MAX_`` or ``MALLOC_TRIM_THRESHOLD_`` is set
     (the user's own allocator settings) or where the C library has no ``mallopt``."""
 

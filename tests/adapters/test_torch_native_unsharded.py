@@ -5,9 +5,10 @@ copy, and no alias where the copy is not the identity (a mixed-precision cast)."
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch import nn
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+nn = torch.nn
 
 
 @pytest.fixture()
@@ -23,7 +24,7 @@ def world_of_one():
         dist.destroy_process_group()
 
 
-def _stage(mesh, **kw) -> nn.Module:
+def _stage(mesh, **kw) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -32,7 +33,7 @@ def _stage(mesh, **kw) -> nn.Module:
     return m
 
 
-def _group(m: nn.Module):
+def _group(m: torch.nn.Module):
     return m._get_fsdp_state()._fsdp_param_group
 
 
