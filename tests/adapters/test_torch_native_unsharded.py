@@ -62,9 +62,8 @@ def test_aliased_stage_steps_bit_for_bit_like_fsdps_copy_without_copying(world_o
 
 
 def test_a_cast_before_the_forward_is_not_aliased(world_of_one):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from resihp_adapters.torch_native.unsharded import alias_unsharded
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     m = _stage(world_of_one, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     assert alias_unsharded(_group(m)) == 0

@@ -1165,13 +1165,12 @@ class StepHeap:
         except OSError:
             self._mallopt = None
 
-    def __enter__(self) -> StepHeap:
+    def __enter__(self) -> None:
         if self._mallopt is not None:
             if not self._trim_set:
                 self._trim_set = bool(self._mallopt(self.M_TRIM_THRESHOLD, self.TRIM_THRESHOLD))
             if self._trim_set:
                 self._mallopt(self.M_MMAP_MAX, 0)
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self._mallopt is not None and self._trim_set:

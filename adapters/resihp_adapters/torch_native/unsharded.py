@@ -22,7 +22,7 @@ module.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor
 
@@ -42,7 +42,7 @@ def _source(fp: object) -> Tensor | None:
         return None  # a cast: the unsharded parameter is another tensor
     if data.storage_offset() or data.untyped_storage().nbytes() != data.numel() * data.element_size():
         return None  # FSDP resizes the output's storage: it must be this tensor's alone
-    if tuple(getattr(fp, "_orig_size", ())) != tuple(getattr(fp, "_sharded_local_tensor").shape):
+    if tuple(getattr(fp, "_orig_size", ())) != tuple(fp._sharded_local_tensor.shape):
         return None  # padded, or not the whole parameter
     return data
 
