@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     if red is not None:  # a pure replica's buckets (.replica_reduce): copy-in inside the backward, then the wait
         red._copy = timed("gradient reduction: bucket copy-in (inside backward)", red._copy)
         red.finish = timed("gradient reduction: bucket wait and gradients set", red.finish)
+    group = eng.module._get_fsdp_state()._fsdp_param_group
+    if group is not None:  # FSDP's own work on the stage, also inside forward and backward
+        group.wait_for_unshard = timed("FSDP unshard: unsharded parameters set (inside forward)",
+                                       group.wait_for_unshard)
+        group.reshard = timed("FSDP reshard (inside backward)", group.reshard)
     eng.step_optimizer = timed("optimizer step", eng.step_optimizer)
     rounds = []
     for r in range(args.rounds):

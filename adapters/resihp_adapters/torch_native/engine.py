@@ -55,6 +55,7 @@ from resihp_core.runtime.session import join_members, rendezvous_store
 from resihp_adapters.torch_native.async_checkpoint import DcpPlan, Staging, plan_writes
 from resihp_adapters.torch_native.lowering import lower_pipeline, lower_program
 from resihp_adapters.torch_native.model import LlamaConfig, LlamaStages, loss_sum
+from resihp_adapters.torch_native.unsharded import alias_unsharded
 from resihp_adapters.torch_native.replica_reduce import ReplicaReducer
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
@@ -490,6 +491,9 @@ class TorchNativeEngine:
             # the backward (.replica_reduce); the layout stays FSDP's.
             replicas = dp_mesh["dp_replicate"]
             self._bound[0].append(replicas)
+            # and FSDP's per-forward copy into unsharded buffers (and their free after
+            # the backward) is skipped: the unsharded parameters view the sharded data
+            alias_unsharded(module._get_fsdp_state()._fsdp_param_group)
             self._reducer = ReplicaReducer(module, replicas.get_group(),
                                            max(1, len(plan.work(place.replica, place.stage))))
         self.module = module
@@ -989,6 +993,14 @@ class TorchNativeEngine:
         self.corrupt(target, named)
 
     def step_optimizer(self) -> None:
+        """:meth:`_step`, its temporaries kept in the host heap (:class:`StepHeap`)."""
+        if self.placement.device.type != "cpu":
+            self._step()
+            return
+        with _STEP_HEAP:
+            self._step()
+
+    def _step(self) -> None:
         """The optimizer's step, on the DTensors' local tensors when that is the same
         arithmetic: an element-wise optimizer (:data:`_ELEMENTWISE`) whose every
         parameter, gradient and state tensor is a DTensor of one layout (or a plain
@@ -1115,6 +1127,58 @@ _GROUPS = "param_groups."
 
 #: torch.optim classes whose step is element-wise per tensor: on the local tensors of
 #: same-layout DTensors it is the DTensor step's arithmetic (no norms across shards).
+class StepHeap:
+    """While the optimizer steps on the host, its temporaries come from glibc's heap
+    and stay there for the next step once freed.
+
+    A foreach optimizer allocates one temporary per parameter each step (AdamW: the
+    square roots of its second moments). glibc serves allocations over its mmap
+    threshold (at most 32 MiB) with fresh mappings and returns them on free, so a
+    parameter of that size costs its size in page faults every step (about 95,000 per
+    iteration on overhead.py's size-l stage: docs/benchmarks.md, "Where a fault-free
+    iteration goes"). Inside this context mappings are off (``M_MMAP_MAX`` 0), and the
+    heap's top is not trimmed (``M_TRIM_THRESHOLD`` set once, to 2 GiB), so the next
+    step reuses the same pages. The trim threshold holds for the whole process from
+    the first step on, so the backward's freed activations are reused the same way
+    (a plain script gets that part with ``MALLOC_TRIM_THRESHOLD_``). Only where memory
+    comes from changes, not a value.
+    Nothing is changed where ``MALLOC_MMAP_MAX_`` or ``MALLOC_TRIM_THRESHOLD_`` is set
+    (the user's own allocator settings) or where the C library has no ``mallopt``."""
+
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    MMAP_MAX_DEFAULT = 65536  # glibc's
+    TRIM_THRESHOLD = (1 << 31) - 1
+
+    def __init__(self) -> None:
+        self._mallopt: Callable[[int, int], int] | None = None
+        self._trim_set = False
+        import os
+
+        if "MALLOC_MMAP_MAX_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+            return
+        try:
+            import ctypes
+            import ctypes.util
+
+            name = ctypes.util.find_library("c")
+            self._mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+        except OSError:
+            self._mallopt = None
+
+    def __enter__(self) -> None:
+        if self._mallopt is not None:
+            if not self._trim_set:
+                self._trim_set = bool(self._mallopt(self.M_TRIM_THRESHOLD, self.TRIM_THRESHOLD))
+            if self._trim_set:
+                self._mallopt(self.M_MMAP_MAX, 0)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mallopt is not None and self._trim_set:
+            self._mallopt(self.M_MMAP_MAX, self.MMAP_MAX_DEFAULT)
+
+
+_STEP_HEAP = StepHeap()
+
 _ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
