@@ -449,3 +449,30 @@ def test_groups_of_an_ended_generation_outlive_the_waits_abandoned_in_them():
         engine.RETIRED.clear()
         if waiter in engine.ABANDONED:
             engine.ABANDONED.remove(waiter)
+
+
+def test_the_clip_norm_keeps_the_initial_stage_count_after_a_shrink():
+    """DeepSpeed's clip norm counts the initial stage 0's layers: the adapter keeps that
+    stage count when a later plan has fewer stages, and refuses, with clipping on, when
+    it cannot know it (a worker whose first plan is a later generation, no resihp.pp)."""
+    from types import SimpleNamespace
+
+    from resihp_core.config import ConfigError
+
+    from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+
+    def adapter(resihp: dict, clip: float) -> SimpleNamespace:
+        return SimpleNamespace(_initial_pp=None, spec=SimpleNamespace(resihp=resihp), plan=None,
+                               config={"gradient_clipping": clip}, ctx=SimpleNamespace(device=3))
+
+    def enter(a: SimpleNamespace, pp: int, generation: int) -> int:
+        a.plan = ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=6, num_microbatches=2)
+        return DeepSpeedAdapter.initial_stages(a, generation)
+
+    a = adapter({}, 0.02)
+    assert [enter(a, 2, 0), enter(a, 1, 3)] == [2, 2]  # generation 0's count, kept on one stage
+    assert enter(adapter({"pp": 3}, 0.02), 1, 4) == 3  # resihp launch's config says it
+    with pytest.raises(ConfigError, match="resihp.pp") as e:
+        enter(adapter({}, 0.02), 1, 4)
+    assert "device 3" in str(e.value) and "generation 4" in str(e.value)
+    assert enter(adapter({}, 0.0), 1, 4) == 1  # no clipping: the norm is never used
