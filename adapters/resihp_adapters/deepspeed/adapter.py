@@ -468,7 +468,9 @@ class DeepSpeedAdapter(Adapter):
         x, job = self.xplan, self.ctx.job
         if x is None:
             raise RuntimeError(f"{what}: no plan generation yet")
-        initial = self.initial_ranges(x.pp)
+        # The job's initial stage count, not this plan's: a restore onto fewer stages
+        # runs a split DeepSpeed's files of the initial layout do not describe.
+        initial = self.initial_ranges(self._initial_pp or int(self.spec.resihp.get("pp", x.pp)))
         from resihp_adapters.deepspeed.engine import is_partial
 
         if is_partial(x):
