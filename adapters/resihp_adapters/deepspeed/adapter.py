@@ -445,19 +445,24 @@ class DeepSpeedAdapter(Adapter):
         ``resihp launch`` starts the job with). Without either, and with clipping on,
         that is refused rather than clipping by another norm."""
         if self._initial_pp is None:
-            sec = self.spec.resihp
             if generation == 0 and self.plan is not None:
                 self._initial_pp = self.plan.pp
-            elif "pp" in sec:
-                self._initial_pp = int(sec["pp"])
-            elif float(self.config.get("gradient_clipping") or 0.0) > 0.0:
+            else:
+                self._initial_pp = self._launch_stages()
+        if self._initial_pp is None:
+            if float(self.config.get("gradient_clipping") or 0.0) > 0.0:
                 raise ConfigError(f"device {self.ctx.device} first joins the job at plan generation {generation}, "
                                   "so it does not know the job's initial stage count, whose stage 0 DeepSpeed's "
                                   "gradient clipping counts: set resihp.pp in the DeepSpeed config "
                                   "(docs/deepspeed.md, gradient clipping)", path="resihp.pp", value=None)
-            else:
-                return self.plan.pp if self.plan is not None else 1  # no clipping: the norm is unused
+            return self.plan.pp if self.plan is not None else 1  # no clipping: the norm is unused
         return self._initial_pp
+
+    def _launch_stages(self) -> int | None:
+        """The stage count ``resihp launch`` starts the job with (its config section's
+        ``pp``, default 2), or None for a job not configured through it."""
+        sec = self.spec.resihp
+        return int(sec.get("pp", 2)) if "pp" in sec or "num_layers" in sec else None
 
     def check_initial_layout(self, what: str) -> None:
         """DeepSpeed's own checkpoint files describe one layout (the stage split; with
@@ -470,7 +475,7 @@ class DeepSpeedAdapter(Adapter):
             raise RuntimeError(f"{what}: no plan generation yet")
         # The job's initial stage count, not this plan's: a restore onto fewer stages
         # runs a split DeepSpeed's files of the initial layout do not describe.
-        initial = self.initial_ranges(self._initial_pp or int(self.spec.resihp.get("pp", x.pp)))
+        initial = self.initial_ranges(self._initial_pp or self._launch_stages() or x.pp)
         from resihp_adapters.deepspeed.engine import is_partial
 
         if is_partial(x):

@@ -463,8 +463,10 @@ def test_the_clip_norm_keeps_the_initial_stage_count_after_a_shrink():
     from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
 
     def adapter(resihp: dict, clip: float) -> SimpleNamespace:
-        return SimpleNamespace(_initial_pp=None, spec=SimpleNamespace(resihp=resihp), plan=None,
-                               config={"gradient_clipping": clip}, ctx=SimpleNamespace(device=3))
+        a = SimpleNamespace(_initial_pp=None, spec=SimpleNamespace(resihp=resihp), plan=None,
+                            config={"gradient_clipping": clip}, ctx=SimpleNamespace(device=3))
+        a._launch_stages = lambda: DeepSpeedAdapter._launch_stages(a)
+        return a
 
     def enter(a: SimpleNamespace, pp: int, generation: int) -> int:
         a.plan = ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=6, num_microbatches=2)
@@ -473,6 +475,7 @@ def test_the_clip_norm_keeps_the_initial_stage_count_after_a_shrink():
     a = adapter({}, 0.02)
     assert [enter(a, 2, 0), enter(a, 1, 3)] == [2, 2]  # generation 0's count, kept on one stage
     assert enter(adapter({"pp": 3}, 0.02), 1, 4) == 3  # resihp launch's config says it
+    assert enter(adapter({"num_layers": 6}, 0.02), 1, 4) == 2  # ... or its default
     with pytest.raises(ConfigError, match="resihp.pp") as e:
         enter(adapter({}, 0.02), 1, 4)
     assert "device 3" in str(e.value) and "generation 4" in str(e.value)
