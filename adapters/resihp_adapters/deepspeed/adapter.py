@@ -103,6 +103,7 @@ class DeepSpeedAdapter(Adapter):
         self._last: IterationResult | None = None
         self._ckpt_status: list[CheckpointWrite] = []  # checkpoint writes finished since the last report
         self._initial: dict[int, tuple[tuple[int, int], ...]] = {}  # initial split per stage count
+        self._initial_pp: int | None = None  # the job's first stage count (initial_stages)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         prepare_deepspeed(ctx.timeout_s)
         from deepspeed.accelerator import get_accelerator
@@ -149,6 +150,8 @@ class DeepSpeedAdapter(Adapter):
 
         self._drop_engine()
         self.plan = plan
+        if generation == 0:
+            self.initial_stages(generation)  # remembered also by a standby that runs later
         xplan = self.xplan = self.runnable(plan)
         where = xplan.location(self.ctx.device)
         how = "partial-replica plan" if is_partial(xplan) else (
@@ -192,7 +195,7 @@ class DeepSpeedAdapter(Adapter):
         m = plan.num_microbatches
         engine.micro_batch_address = lambda owner, mb: divmod(owner * m + mb, job.num_microbatches)
         engine.rng_microbatches = job.num_microbatches
-        engine.clip_norm_layers = range(*self.initial_ranges(plan.pp)[0])
+        engine.clip_norm_layers = range(*self.initial_ranges(self.initial_stages(generation))[0])
         engine.step_hook = self.ctx.step
         engine.fault_hook = self._fault
         engine.sdc_step = self._sdc
@@ -434,6 +437,33 @@ class DeepSpeedAdapter(Adapter):
             self._initial[pp] = parts_to_ranges(deepspeed_parts(self.spec.layers, pp, self.spec.partition_method))
         return self._initial[pp]
 
+    def initial_stages(self, generation: int) -> int:
+        """The job's initial stage count (the current plan's may be smaller after a
+        shrink): stage 0 of *its* split is what DeepSpeed's gradient clipping counts, so
+        the clip norm must keep referring to it. It is generation 0's stage count; a
+        worker whose first plan is a later one reads the config's ``resihp.pp`` (what
+        ``resihp launch`` starts the job with). Without either, and with clipping on,
+        that is refused rather than clipping by another norm."""
+        if self._initial_pp is None:
+            if generation == 0 and self.plan is not None:
+                self._initial_pp = self.plan.pp
+            else:
+                self._initial_pp = self._launch_stages()
+        if self._initial_pp is None:
+            if float(self.config.get("gradient_clipping") or 0.0) > 0.0:
+                raise ConfigError(f"device {self.ctx.device} first joins the job at plan generation {generation}, "
+                                  "so it does not know the job's initial stage count, whose stage 0 DeepSpeed's "
+                                  "gradient clipping counts: set resihp.pp in the DeepSpeed config "
+                                  "(docs/deepspeed.md, gradient clipping)", path="resihp.pp", value=None)
+            return self.plan.pp if self.plan is not None else 1  # no clipping: the norm is unused
+        return self._initial_pp
+
+    def _launch_stages(self) -> int | None:
+        """The stage count ``resihp launch`` starts the job with (its config section's
+        ``pp``, default 2), or None for a job not configured through it."""
+        sec = self.spec.resihp
+        return int(sec.get("pp", 2)) if "pp" in sec or "num_layers" in sec else None
+
     def check_initial_layout(self, what: str) -> None:
         """DeepSpeed's own checkpoint files describe one layout (the stage split; with
         ZeRO 1 also the data-parallel degree): refuse ``what`` unless the engine runs
@@ -443,7 +473,9 @@ class DeepSpeedAdapter(Adapter):
         x, job = self.xplan, self.ctx.job
         if x is None:
             raise RuntimeError(f"{what}: no plan generation yet")
-        initial = self.initial_ranges(x.pp)
+        # The job's initial stage count, not this plan's: a restore onto fewer stages
+        # runs a split DeepSpeed's files of the initial layout do not describe.
+        initial = self.initial_ranges(self._initial_pp or self._launch_stages() or x.pp)
         from resihp_adapters.deepspeed.engine import is_partial
 
         if is_partial(x):

@@ -68,8 +68,12 @@ class PipelineRunner:
         nominal_replicas: int,
         timeout_s: float = 10.0,
         base_seed: int = 1234,
+        initial_stages: int | None = None,
     ) -> None:
         self.layers = list(layers)
+        # The job's initial stage count, whose (uniform) stage 0 DeepSpeed's gradient
+        # clipping counts in every later layout; None: the first plan this runner enters.
+        self.initial_stages = initial_stages
         self.device = int(device)
         self.store = store
         self.config = dict(config)
@@ -116,6 +120,8 @@ class PipelineRunner:
         teardown_world()
         t1 = time.perf_counter()
         self.plan, self.iteration = plan, int(iteration)
+        if self.initial_stages is None:
+            self.initial_stages = plan.pp  # a standby too: it may run a later, smaller layout
         if plan.location(self.device) is None:
             self.last_rebuild_s = {"teardown": t1 - t0}
             return False
@@ -183,7 +189,7 @@ class PipelineRunner:
         engine.commit_hook = self.commit_hook
         from resihp_adapters.deepspeed.adapter import initial_stage0_layers
 
-        engine.clip_norm_layers = initial_stage0_layers(self.layers, plan.pp)
+        engine.clip_norm_layers = initial_stage0_layers(self.layers, self.initial_stages or plan.pp)
         return engine
 
     # ---------------------------------------------------------------- iterations

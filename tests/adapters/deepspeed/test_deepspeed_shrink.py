@@ -1,7 +1,7 @@
 """Three kills on PP2 x DP2 (the example, float64): after the third only one device is
 left, which cannot hold two stages; the restore runs the whole model as one stage on it
 (the model fits one device), and the job trains to the end with the losses of plain
-DeepSpeed's uninterrupted run (``accelerate launch``), to 1e-9."""
+DeepSpeed's uninterrupted run (``accelerate launch``), to 1e-9, gradient clipping on."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def _job(d: Path, faults: list) -> None:
     (d / "accelerate.yaml").write_text((EXAMPLE / "accelerate.yaml").read_text()
                                        + f"main_process_port: {_free_port()}\n")
     cfg = json.loads((EXAMPLE / "ds_config.json").read_text())
+    # Clipping on (both runs): DeepSpeed's clip norm counts stage 0's layers only, so a
+    # restore onto one stage must keep counting the initial stage 0's, not all six.
+    # 0.01 clips every step (plain run's stage-0 norms: 0.017-0.022).
+    cfg["gradient_clipping"] = 0.01
     cfg["resihp"].update(iterations=ITERS, faults=faults)
     (d / "ds_config.json").write_text(json.dumps(cfg))
 

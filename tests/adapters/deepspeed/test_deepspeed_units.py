@@ -449,3 +449,45 @@ def test_groups_of_an_ended_generation_outlive_the_waits_abandoned_in_them():
         engine.RETIRED.clear()
         if waiter in engine.ABANDONED:
             engine.ABANDONED.remove(waiter)
+
+
+def test_the_clip_norm_keeps_the_initial_stage_count_after_a_shrink():
+    """DeepSpeed's clip norm counts the initial stage 0's layers: the adapter keeps that
+    stage count when a later plan has fewer stages, and refuses, with clipping on, when
+    it cannot know it (a worker whose first plan is a later generation, no resihp.pp).
+    DeepSpeed's checkpoint format is refused on the smaller layout for the same reason."""
+    from types import SimpleNamespace
+
+    from resihp_core.config import ConfigError
+
+    from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+
+    def adapter(resihp: dict, clip: float) -> SimpleNamespace:
+        a = SimpleNamespace(_initial_pp=None, spec=SimpleNamespace(resihp=resihp), plan=None,
+                            config={"gradient_clipping": clip}, ctx=SimpleNamespace(device=3))
+        a._launch_stages = lambda: DeepSpeedAdapter._launch_stages(a)
+        return a
+
+    def enter(a: SimpleNamespace, pp: int, generation: int) -> int:
+        a.plan = ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=6, num_microbatches=2)
+        return DeepSpeedAdapter.initial_stages(a, generation)
+
+    a = adapter({}, 0.02)
+    assert [enter(a, 2, 0), enter(a, 1, 3)] == [2, 2]  # generation 0's count, kept on one stage
+    assert enter(adapter({"pp": 3}, 0.02), 1, 4) == 3  # resihp launch's config says it
+    assert enter(adapter({"num_layers": 6}, 0.02), 1, 4) == 2  # ... or its default
+    with pytest.raises(ConfigError, match="resihp.pp") as e:
+        enter(adapter({}, 0.02), 1, 4)
+    assert "device 3" in str(e.value) and "generation 4" in str(e.value)
+    assert enter(adapter({}, 0.0), 1, 4) == 1  # no clipping: the norm is never used
+
+    # DeepSpeed's own checkpoint format describes the initial layout: refused on one stage.
+    a = adapter({}, 0.0)
+    enter(a, 2, 0)
+    a.xplan, a.zero_stage, a.ctx.job = a.plan, 0, SimpleNamespace(dp=1)
+    a.initial_ranges = lambda pp: ParallelPlan.uniform(tp=1, pp=pp, dp=1, num_layers=6,
+                                                       num_microbatches=2).layer_ranges
+    DeepSpeedAdapter.check_initial_layout(a, "save_checkpoint")
+    a.xplan = ParallelPlan.uniform(tp=1, pp=1, dp=1, num_layers=6, num_microbatches=2)
+    with pytest.raises(RuntimeError, match=r"save_checkpoint .*layers \[\(0, 6\)\].*initial \[\(0, 3\), \(3, 6\)\]"):
+        DeepSpeedAdapter.check_initial_layout(a, "save_checkpoint")
