@@ -473,6 +473,11 @@ SOURCES = [
            ("--jobs", "dp4", "--sizes", "m,l", "--systems", "stock,resihp", "--rounds", "2", "--iterations", "12"),
            "The cost of being resilient at 0.9 s and 3.6 s steps: torch_native DP4 vs plain DDP, the two largest "
            "models, no checkpoints"),
+    Source("overhead-m", "overhead-m.json", "overhead.py",
+           ("--jobs", "dp4,pp2dp2,tp2pp2", "--sizes", "m", "--rounds", "2", "--iterations", "12"),
+           "The cost of being resilient at 0.4-0.9 s steps, every job: torch_native DP4 vs plain DDP, torch_native "
+           "PP2 x DP2 vs stock pipelining + FSDP2, megatron_ref TP2 x PP2 vs its torchrun reference; with and "
+           "without checkpoints"),
     Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
            "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
            "without checkpoints", quick=True),
