@@ -63,7 +63,7 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import PeerExcessWatch, confined, own_compute_of, peer_excess
+from resihp_core.detector.localise import PeerExcessWatch, confined, own_compute_of, peer_excess, peers_waiting
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 from resihp_core.detector.recovery import RecoveryWatch
 
@@ -227,13 +227,15 @@ class WorkloadAwareDetector(_Base):
     :param verify_window: iterations since the onset a change must span before it is
         verified (the onset included: 3 keeps the detection latency <= 3 iterations);
         one whose last iteration is healthy again has faded and is not verified.
-    :param unpinned_window: iterations a device that shares its CPUs with its peers
-        (not pinned to cores of its own, or CPUs not reported) and is slower than them
-        only by its waiting for a CPU must stay so before the per-device path verifies
-        it: its waiting is where the scheduler put it (docs/detector.md "Pinned or
-        unpinned"). On a loaded machine verification itself asks a device slowed only
-        by waiting for more iterations (``ProfileVerifier(loaded_share,
-        loaded_iterations)``, docs/detector.md "False reports on a loaded machine").
+    :param loaded_share: a machine is loaded when a device's peers spent at least this
+        share of their measured compute waiting for a CPU (see ``loaded_window``).
+    :param loaded_window: iterations a device slower than its peers only by its waiting
+        for a CPU must stay so on a loaded machine before it is verified (a contention
+        slowdown there is found within this many iterations; docs/detector.md "False
+        reports on a loaded machine").
+    :param unpinned_window: the same for a device that shares its CPUs with its peers
+        (not pinned to cores of its own, or CPUs not reported): its waiting is where the
+        scheduler put it, so it must last longer (docs/detector.md "Pinned or unpinned").
     :param healthy_iterations: iterations at full speed after which a known-slow device
         is reported healthy again (detector/recovery.py).
     :param settle_iterations: iterations after a generation's fit during which its
@@ -266,13 +268,17 @@ class WorkloadAwareDetector(_Base):
         clock: Callable[[], float] = time.time,
         verify_window: int = 3,
         local: PeerExcessWatch | None = None,
+        loaded_share: float = 0.25,
+        loaded_window: int = 6,
         unpinned_window: int = 12,
         healthy_iterations: int = 5,
         settle_iterations: int = 10,
     ) -> None:
-        if not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or unpinned_window < verify_window:
-            raise ValueError("need slow_threshold > 0, min_gap >= 1, 1 <= verify_window <= unpinned_window")
-        self.verify_window = verify_window
+        if (not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window
+                or unpinned_window < loaded_window):
+            raise ValueError("need slow_threshold > 0, min_gap >= 1, "
+                             "1 <= verify_window <= loaded_window <= unpinned_window")
+        self.verify_window, self.loaded_share, self.loaded_window = verify_window, loaded_share, loaded_window
         self.unpinned_window = unpinned_window
         if settle_iterations < 0:
             raise ValueError(f"settle_iterations must be >= 0, got {settle_iterations}")
@@ -643,26 +649,28 @@ class WorkloadAwareDetector(_Base):
                          notes=(note,))
 
     def _evidence_needed(self, own_found: Mapping[int, int]) -> Callable[[int, list[int]], int]:
-        """Iterations a run of the measured-compute watch must span before it is
-        verified (docs/detector.md "False reports on a loaded machine"). A device that
-        shares its CPUs with its peers (not pinned to cores of its own, or CPUs not
-        reported) and is above them only in measured compute (its own compute, the
-        waiting for a CPU taken out, is not) waits where the scheduler put it: its run
-        must last ``unpinned_window`` iterations (docs/detector.md "Pinned or
-        unpinned"). Every other device is verified after ``verify_window``: a confined
-        one on a loaded machine is judged against its peers under the same load
-        (docs/detector.md "Contention its peers do not share"), and verification asks
-        for the loaded machine's ``loaded_iterations`` iterations (``Verdict.more``) where
-        that paired comparison does not hold in every iteration."""
+        """Iterations a run of the measured-compute watch must span (docs/detector.md
+        "False reports on a loaded machine"). A device above its peers only in measured
+        compute — its own compute, the waiting for a CPU taken out, is not — is slowed
+        by waiting. Where its peers waited for a CPU ``loaded_share`` of their compute or
+        more in those iterations, the machine is loaded and which rank waits longest
+        changes from one iteration to the next: three in a row happen by chance, so the
+        run must last ``loaded_window`` iterations (a hog on the device's own cores keeps
+        it waiting in every one). So must a device that shares its CPUs with its peers
+        (not pinned to cores of its own, or CPUs not reported): its waiting is the
+        scheduler's choice, not a hog on its cores (docs/detector.md "Pinned or
+        unpinned"). Elsewhere ``verify_window``. (The iteration-time path verifies
+        after ``verify_window``, where contention its peers do not share is judged on
+        the paired ratio: docs/detector.md "Contention its peers do not share".)"""
         def needed(device: int, iterations: list[int]) -> int:
             if device in own_found or self.own.flagged(device) >= len(iterations):
                 return self.verify_window
             byit = {it: ps for it, _, ps in self._hist}
             if not confined([byit[it] for it in iterations if it in byit], [device]):
                 return self.unpinned_window
-            # Confined: not held back here. Holding it to the loaded machine's window
-            # left a noisy neighbour unreported whenever the iteration-time path was
-            # held off (``min_gap``) by a verification a few iterations before.
+            shares = [peers_waiting(byit[it], device) for it in iterations if it in byit]
+            if shares and statistics.median(shares) >= self.loaded_share:
+                return self.loaded_window
             return self.verify_window
         return needed
 
