@@ -244,6 +244,9 @@ def window_sum(flat: torch.Tensor) -> torch.Tensor:
 #: Bytes :func:`copy_with_sums` copies before it sums them: small enough to be read
 #: again from the cache, large enough that the per-piece calls cost little.
 COPY_PIECE_BYTES = 4 << 20
+#: Sources smaller than this are copied in one batch and their windows summed after:
+#: reading them again costs less than a copy call of their own.
+FUSE_MIN_BYTES = 1 << 20
 
 
 def copy_with_sums(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
@@ -255,13 +258,15 @@ def copy_with_sums(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
     each piece is copied, while the copy has left it in the cache: a fingerprint taken
     this way costs a fraction of a separate pass over the same memory (docs/sdc.md "What
     it costs"). Pieces hold whole 64-bit words counted from the view's start, so their
-    sums add up to the view's. Any other view is summed after the copy."""
+    sums add up to the view's. Any other view (of a source under :data:`FUSE_MIN_BYTES`,
+    or of none) is summed after the copy."""
     import bisect
 
     import torch
 
     located: dict[int, list[tuple[int, int, int]]] = {}  # source -> (first, end, view) in elements
-    order = sorted((t.data_ptr(), k) for k, t in enumerate(srcs) if t.numel() and t.is_contiguous())
+    order = sorted((t.data_ptr(), k) for k, t in enumerate(srcs)
+                   if t.numel() * t.element_size() >= FUSE_MIN_BYTES and t.is_contiguous())
     starts = [p for p, _ in order]
     for vi, v in enumerate(views):
         at = bisect.bisect_right(starts, v.data_ptr()) - 1

@@ -128,8 +128,9 @@ def test_a_fingerprint_read_during_the_snapshot_copy_equals_a_separate_pass(monk
     state = [(f"m.{n}", t.clone() + 1) for n, t in params] + [("m.a2", params[0][1])]
     outside = ("e", torch.randn(50_000, generator=gen))  # fingerprinted, not part of the copy
     srcs = [t for _, t in params + state[:-1]]
-    for piece in (1 << 20, 4096, 20):
+    for piece, fuse_from in ((1 << 20, 1 << 20), (4096, 0), (20, 0), (20, 1 << 16)):
         monkeypatch.setattr(sdc, "COPY_PIECE_BYTES", piece)
+        monkeypatch.setattr(sdc, "FUSE_MIN_BYTES", fuse_from)
         for turn in range(3):
             named = params + [outside]
             want = tensor_digest(named, turn=turn, state=state, rounds=3)
@@ -139,6 +140,7 @@ def test_a_fingerprint_read_during_the_snapshot_copy_equals_a_separate_pass(monk
             assert got == want, (piece, turn)
             assert all(torch.equal(d, t) for d, t in zip(dsts, srcs))
     # a flipped bit in the copy's source changes the digest read during the copy
+    monkeypatch.setattr(sdc, "FUSE_MIN_BYTES", 0)
     labels, views = sdc.digest_windows(params, turn=0)
     before = sdc.seal(labels, sdc.copy_with_sums([t.clone() for t in srcs], srcs, views))
     _flip(params[3][1], 70_000)
