@@ -570,6 +570,13 @@ class SdcGuard:
 
     def post(self, store: KeyValueStore, generation: int, iteration: int, loss: float = 0.0,
              plan: ParallelPlan | None = None, taken: tuple[Fingerprint | None] | None = None) -> None:
+        """:meth:`prepare` and post what it gives (one job-store round trip)."""
+        text = self.prepare(iteration, loss, plan, taken)
+        if text is not None:
+            session.put_fingerprint(store, generation, iteration, self.device, text)
+
+    def prepare(self, iteration: int, loss: float = 0.0, plan: ParallelPlan | None = None,
+                taken: tuple[Fingerprint | None] | None = None) -> str | None:
         """Post this device's fingerprint and range signals of ``iteration`` (before its
         commit). The signals of the iteration posted before are taken as committed once
         a later iteration runs (an aborted one is run again under the same number). A
@@ -577,7 +584,9 @@ class SdcGuard:
         the history: what a device holds, and so its gradient's norm, changed with it.
         ``taken``: the fingerprint already taken with the rollback snapshot
         (:class:`SnapshotFingerprint`), in a 1-tuple (its None: no replica shares this
-        shard); otherwise the adapter's :meth:`fingerprint` is called."""
+        shard); otherwise the adapter's :meth:`fingerprint` is called. Returns the text
+        to post before the iteration's commit (None: nothing to post); the worker's
+        overlapped commit posts it from its committer thread, off the training thread."""
         if self._pending is not None and self._pending[0] < iteration:
             self.watch.commit(self._pending[1])
         if plan is not None and plan is not self._plan:
@@ -593,10 +602,9 @@ class SdcGuard:
         self._pending = (iteration, signals)
         fp = taken[0] if taken is not None else self.adapter.fingerprint()
         if fp is None and not signals:  # a device holding nothing a replica shares
-            return
+            return None
         anomaly = self.watch.judge(signals)
-        fp = Fingerprint(fp.group if fp else "", fp.digest if fp else "", signals, anomaly)
-        session.put_fingerprint(store, generation, iteration, self.device, fp.to_json())
+        return Fingerprint(fp.group if fp else "", fp.digest if fp else "", signals, anomaly).to_json()
 
     def check(self, store: KeyValueStore, generation: int, iteration: int,
               devices: Sequence[int]) -> Callable[[], bool]:

@@ -421,7 +421,9 @@ class Worker:
         return False
 
     def _commit_in_background(self, report: IterationReport, generation: int, iteration: int,
-                              executors: int) -> str:
+                              executors: int, fingerprint: str | None = None) -> str:
+        if fingerprint is not None:  # posted before this device adds itself to the count (docs/sdc.md)
+            session.put_fingerprint(self._commit_store, generation, iteration, self.device, fingerprint)
         return self._commit(self._commit_store, report, executors)
 
     def _commit(self, store: KeyValueStore, report: IterationReport, executors: int) -> str:
@@ -455,14 +457,16 @@ class Worker:
             self.active = False
             return
         g, executors = self.msg.generation, len(self.plan.devices())
+        fingerprint = None
         if ahead:
             # The next iteration's rollback snapshot now, with this step's fingerprint
             # read during its copy (the state is the same until that iteration starts;
-            # both snapshots kept cover a refusal of either commit).
+            # both snapshots kept cover a refusal of either commit). The committer posts it.
             taken = a.snapshot_fingerprint()
             self._snapped = i + 1
-            self.sdc.post(self.store, g, i, loss=result.loss, plan=self.plan, taken=(taken,))
-        self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors))
+            fingerprint = self.sdc.prepare(i, loss=result.loss, plan=self.plan, taken=(taken,))
+        self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors,
+                                                           fingerprint))
 
     def _superseded(self) -> bool:
         # Newer only: the watch starts at -1 before its first answer. A generation posted
