@@ -8,8 +8,13 @@ pipeline runtime) more than waits and C++ compute: read the table for where the 
 goes, and the fault-free ratios of peers.py / reconfigure.py for what it costs
 (docs/benchmarks.md, "Where a fault-free iteration goes").
 
-Usage: python benchmarks/fault_free_profile.py [--job dp4|pp2dp2] [--iterations N]
-       [--checkpoint-every K] [--json PATH]
+``--stock --job ds_pp2dp2`` profiles overhead.py's DeepSpeed job instead (the user's GPT
+pipeline under ``resihp launch`` and the same script on plain DeepSpeed under torchrun)
+and adds the cumulative time per iteration of each part of ResiHP's DeepSpeed iteration
+(``DS_PARTS``); ``--size`` takes overhead.py's model sizes.
+
+Usage: python benchmarks/fault_free_profile.py [--job dp4|pp2dp2|ds_pp2dp2] [--size xs|s|m|l]
+       [--iterations N] [--checkpoint-every K] [--json PATH]
 """
 
 from __future__ import annotations
@@ -85,13 +90,36 @@ PARTS = [
 ]
 
 
+# The DeepSpeed job's parts (``--stock --job ds_pp2dp2``): cumulative time per iteration.
+DS_PARTS = [
+    ("the script's train_batch (ResiHP's handle, api.py)", "deepspeed/api.py", "train_batch"),
+    ("  worker iteration (Worker._one_iteration)", "runtime/worker/__init__.py", "_one_iteration"),
+    ("    rollback snapshot", "deepspeed/adapter.py", "snapshot"),
+    ("    adapter.run_iteration", "deepspeed/adapter.py", "run_iteration"),
+    ("      DeepSpeed's PipelineEngine.train_batch (stock: the script's call)", "pipe/engine.py", "train_batch"),
+    ("      forward passes", "pipe/engine.py", "_exec_forward_pass"),
+    ("      backward passes", "pipe/engine.py", "_exec_backward_pass"),
+    ("      data-parallel and tied reductions", "pipe/engine.py", "_exec_reduce_grads|_exec_reduce_tied_grads"),
+    ("      gradient clipping (norm gathered)", "deepspeed/engine.py|runtime/engine.py", "clip_fp32_gradients"),
+    ("      optimizer step", "pipe/engine.py", "_exec_optimizer_step"),
+    ("      commit point (sends drained, hook)", "deepspeed/engine.py", "_exec_commit_point"),
+    ("      waits in helper threads (p2p_wait)", "deepspeed/engine.py", "p2p_wait"),
+    ("    profile, checkpoint, SDC post, report (_before_commit)", "runtime/worker/__init__.py", "_before_commit"),
+    ("      SDC fingerprint", "deepspeed/adapter.py", "fingerprint"),
+    ("      profile to the detector", "runtime/heartbeat.py", "send_profile"),
+    ("    commit: report + verdict", "runtime/worker/__init__.py", "_commit"),
+    ("  the committed loss read back (stages before the last)", "deepspeed/idle.py", "committed_loss"),
+]
+
+
 def _cum(st: pstats.Stats, suffix: str, fns: str) -> tuple[float, int]:
     """Cumulative seconds of the functions ``fns`` ('|'-separated) of files ending in
     ``suffix``, and the most calls of any of them."""
     names = set(fns.split("|"))
+    suffixes = tuple(suffix.split("|"))
     tot, calls = 0.0, 0
     for (f, _line, name), (_cc, nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
-        if f.endswith(suffix) and name in names:
+        if f.endswith(suffixes) and name in names:
             tot += ct
             calls = max(calls, nc)
     return tot, calls
@@ -200,7 +228,12 @@ def compare_stock(job: peers.Job, iterations: int, root: Path, prof: Path) -> di
         (root / system).mkdir()
         os.environ["RESIHP_PROFILE_DIR"] = str(d)
         load0 = os.getloadavg()[0]
-        if system == "resihp":
+        if job.adapter == "deepspeed":
+            import overhead
+
+            run = (overhead.run_ds_resihp(job, iterations, root / system, 600, 0) if system == "resihp" else
+                   overhead.run_ds_stock("plain", job, iterations, root / system, 600))
+        elif system == "resihp":
             run = peers.run_resihp(job, [], iterations, root / system, 600, 0)
         else:
             run = peers.run_torchrun("plain", job, [], iterations, root / system, spec, 600, 0, 0)
@@ -208,11 +241,27 @@ def compare_stock(job: peers.Job, iterations: int, root: Path, prof: Path) -> di
             raise RuntimeError(f"the {system} run failed: {run.error}")
         files = sorted(glob.glob(str(d / "*.prof")))
         out[system] = {"functions": per_function(files, iterations - peers.WARMUP), "workers": len(files),
-                       "load": [load0, os.getloadavg()[0]]}
+                       "load": [load0, os.getloadavg()[0]],
+                       "iteration_s": peers.summarise(run.commits, [], iterations, peers.WARMUP)["iteration_s"]}
+        if job.adapter == "deepspeed":
+            out[system]["parts"] = {label: [1e3 * _cum(pstats.Stats(f), suffix, fn)[0] / (iterations - peers.WARMUP)
+                                            for f in files] for label, suffix, fn in DS_PARTS}
     return out
 
 
 def _print_compare(res: dict, clock: str, top: int = 25) -> None:
+    if "parts" in res["resihp"]:
+        print(f"cumulative {clock}-clock ms per iteration of each worker's main thread (median [min .. max] "
+              f"over workers); commit gap resihp {res['resihp']['iteration_s']:.3f} s, "
+              f"stock {res['stock']['iteration_s']:.3f} s")
+        print("| part | resihp | stock |\n| --- | --- | --- |")
+        for label, _suffix, _fn in DS_PARTS:
+            cells = []
+            for side in ("resihp", "stock"):
+                v = [x for x in res[side]["parts"][label] if x > 0]
+                cells.append(f"{statistics.median(v):.1f} [{min(v):.1f} .. {max(v):.1f}]" if v else "-")
+            print(f"| {label.strip()} | {cells[0]} | {cells[1]} |")
+        print()
     a, b = res["resihp"]["functions"], res["stock"]["functions"]
     ta, tb = sum(a.values()), sum(b.values())
     print(f"main thread, {clock} clock, ms per iteration per worker (all functions' own time): "
@@ -226,7 +275,8 @@ def _print_compare(res: dict, clock: str, top: int = 25) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", default="dp4", choices=sorted(peers.JOBS))
+    ap.add_argument("--job", default="dp4", choices=[*sorted(peers.JOBS), "ds_pp2dp2"])
+    ap.add_argument("--size", help="overhead.py's model size (xs, s, m, l); default: peers.py's model")
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--checkpoint-every", type=int, default=3,
                     help="ResiHP's checkpoint interval (3: what peers.py --quick's Young/Daly picked)")
@@ -246,7 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     os.environ["RESIHP_PROFILE_DIR"] = str(prof)
-    job = peers.JOBS[args.job]
+    if args.size or args.job == "ds_pp2dp2":
+        import overhead
+
+        if args.size:
+            peers.MODEL = dict(overhead.SIZES[args.size])
+        job = overhead.ALL_JOBS[args.job]
+        if job.adapter == "deepspeed" and not args.stock:
+            ap.error("--job ds_pp2dp2 runs with --stock (the side-by-side profile)")
+    else:
+        job = peers.JOBS[args.job]
     if args.stock:
         res = compare_stock(job, args.iterations, root, prof)
         _print_compare(res, args.clock)

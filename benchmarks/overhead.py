@@ -7,10 +7,17 @@ supervisor, the commit protocol; the stock side under ``torchrun``, peers.py's s
 * ``dp4``    torch_native PP1 x DP4 (HSDP copies)    vs plain DDP;
 * ``pp2dp2`` torch_native PP2 x DP2                  vs stock ``PipelineStage`` + FSDP2;
 * ``tp2pp2`` megatron_ref TP2 x PP2                  vs the same Megatron-style model under
-  torchrun with per-rank checkpoints (peers.py's ``_ref_worker``).
-
-DeepSpeed is not covered here: its stock comparison (``deepspeed.initialize`` +
-``train_batch`` in the same processes) is ``reconfigure.py --adapter deepspeed``.
+  torchrun with per-rank checkpoints (peers.py's ``_ref_worker``);
+* ``ds_pp2dp2`` deepspeed PP2 x DP2: the DeepSpeed user's GPT pipeline (``ds_gpt_train.py``:
+  tied embedding and LM head, 4 causal transformer blocks of the size's width, dropout,
+  gradient clipping, torch AdamW, DeepSpeed's own loader; ZeRO 0, float32) under
+  ``resihp launch`` (its production path: the accelerate config and DeepSpeed JSON,
+  controller, agents, supervisor) vs the same script with ``--stock`` under ``torchrun``:
+  DeepSpeed's ``PipelineModule`` + ``deepspeed.initialize`` + ``train_batch``, no ResiHP
+  code. 4 micro-batches of ``DS_MICRO_BATCH`` x 16 tokens per replica (pp2dp2's 64
+  tokens per micro-batch). Checkpoints: ResiHP's own (``resihp.checkpoint_every``) and
+  DeepSpeed's ``engine.save_checkpoint``. (``reconfigure.py --adapter deepspeed`` steps
+  both engines side by side in one world instead, without the runtime.)
 
 Model sizes (``SIZES``: hidden 64 .. 1024, 4 layers) are swept so that the stock
 iteration spans from tens of milliseconds to seconds on a 2-core CPU machine; the
@@ -34,9 +41,10 @@ resihp_core.testing.outside_load): judge a few per cent only where both are low.
 
 The stock side runs with glibc's heap settings (``STOCK_HEAP``) that torch_native's
 ``StepHeap`` applies to its own optimizer step, so no allocator gain is counted as
-ResiHP's.
+ResiHP's. The DeepSpeed job runs both sides with the environment's own settings: ResiHP's
+DeepSpeed workers change nothing in the allocator.
 
-Usage: python benchmarks/overhead.py [--quick] [--jobs dp4,pp2dp2,tp2pp2] [--sizes xs,s,m,l]
+Usage: python benchmarks/overhead.py [--quick] [--jobs dp4,pp2dp2,tp2pp2,ds_pp2dp2] [--sizes xs,s,m,l]
        [--rounds N] [--iterations N] [--systems stock,resihp] [--mtbf-s S] [--json PATH]
 """
 
@@ -47,10 +55,15 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -68,7 +81,13 @@ SIZES = {
     "l": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 256, "ffn_hidden": 4096},
 }
 SYSTEMS = ("stock", "stock+ckpt", "resihp", "resihp+ckpt")
-JOBS = ("dp4", "pp2dp2", "tp2pp2")
+#: The DeepSpeed user's GPT pipeline (``ds_gpt_train.py``), PP2 x DP2, 4 micro-batches
+#: per replica; its model is ``SIZES[size]`` (blocks, width, heads, FFN, vocabulary).
+DS_JOB = peers.Job("ds_pp2dp2", 2, 2, 4, adapter="deepspeed")
+#: samples (of 16 tokens) per micro-batch: 64 tokens, as peers.py's pp2dp2 micro-batches
+DS_MICRO_BATCH = 4
+ALL_JOBS = {**peers.JOBS, DS_JOB.name: DS_JOB}
+JOBS = ("dp4", "pp2dp2", "tp2pp2", DS_JOB.name)
 
 
 #: glibc settings the stock side runs with: torch_native's ``StepHeap`` keeps the
@@ -91,6 +110,131 @@ def _stock_heap() -> Iterator[None]:
                 os.environ[k] = v
 
 
+# ---------------------------------------------------------------- the DeepSpeed job
+DS_SCRIPT = HERE / "ds_gpt_train.py"
+
+#: ``resihp launch`` reads this accelerate config (accelerate's own parser), as a user's.
+DS_ACCELERATE = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: ds_config.json
+  zero3_init_flag: false
+num_machines: 1
+num_processes: {workers}
+machine_rank: 0
+main_training_function: main
+rdzv_backend: static
+same_network: true
+main_process_port: {port}
+"""
+
+
+def ds_config(job: peers.Job, iterations: int, checkpoint_every: int) -> dict:
+    """The job's DeepSpeed JSON: batch, ZeRO 0, clipping, and its ``resihp`` section
+    (read by ``resihp launch`` only; the stock script drops it)."""
+    m, mbs = job.microbatches, DS_MICRO_BATCH
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m,
+            "train_batch_size": mbs * m * job.dp, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+            "zero_optimization": {"stage": 0}, "wall_clock_breakdown": False,
+            "resihp": {"num_layers": int(peers.MODEL["layers"]) + 2, "pp": job.pp, "iterations": iterations,
+                       "timeout_s": peers.TIMEOUT_S, "checkpoint_every": checkpoint_every}}
+
+
+def ds_script_args(model: dict) -> list[str]:
+    """``ds_gpt_train.py``'s model arguments for ``model`` (a ``SIZES`` entry)."""
+    return ["--blocks", str(model["layers"]), "--hidden", str(model["hidden"]), "--heads", str(model["heads"]),
+            "--ffn", str(model["ffn_hidden"]), "--vocab", str(model["vocab"])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: ``resihp launch``'s console line for a committed iteration (console_observer)
+_COMMITTED = re.compile(r"^iteration\s+(\d+)\s+loss ")
+
+
+def _stamped(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, log: Path
+             ) -> tuple[int | None, list[tuple[float, str]]]:
+    """Run ``cmd`` in its own session, stamping each output line with ``time.time()``
+    as it arrives (also copied to ``log``); past ``timeout`` the session this started
+    is killed and the exit code is None."""
+    p = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    expired = threading.Event()
+
+    def kill() -> None:
+        expired.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    lines: list[tuple[float, str]] = []
+    try:
+        with open(log, "w") as out:
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.append((time.time(), line.rstrip("\n")))
+                out.write(line)
+        rc = p.wait()
+    finally:
+        timer.cancel()
+        if p.poll() is None:
+            kill()
+            p.wait()
+    return (None if expired.is_set() else rc), lines
+
+
+def run_ds_resihp(job: peers.Job, iterations: int, work: Path, timeout: float, checkpoint_every: int) -> peers.Run:
+    """The DeepSpeed job through ``resihp launch`` (controller, agents, supervisor,
+    the commit protocol): each iteration's commit is the console line the controller
+    prints for it."""
+    (work / "ds_config.json").write_text(json.dumps(ds_config(job, iterations, checkpoint_every)))
+    (work / "accelerate.yaml").write_text(DS_ACCELERATE.format(workers=job.workers, port=_free_port()))
+    (work / "out").mkdir()
+    cmd = [str(Path(sys.executable).parent / "resihp"), "launch", "--config_file", "accelerate.yaml",
+           "--workdir", str(work / "run"), "--timeout", str(int(timeout)), str(DS_SCRIPT),
+           "--out", str(work / "out"), *ds_script_args(peers.MODEL)]
+    env = dict(peers._env())
+    env.pop("RESIHP_CONFIG", None)
+    run = peers.Run("resihp", job.name, "", extra={"checkpoint_every": checkpoint_every})
+    t0 = time.time()
+    rc, lines = _stamped(cmd, work, env, timeout + 60, work / "console.txt")
+    run.wall_s = time.time() - t0
+    batch = job.batch * DS_MICRO_BATCH
+    run.commits = [peers.Commit(int(m.group(1)), t, batch) for t, line in lines if (m := _COMMITTED.match(line))]
+    if rc != 0:
+        run.ok = False
+        run.error = (f"timed out after {timeout:.0f} s" if rc is None else f"resihp launch exited {rc}") + "; " + \
+            " | ".join(x for _, x in lines[-4:])
+    return run
+
+
+def run_ds_stock(system: str, job: peers.Job, iterations: int, work: Path, timeout: float) -> peers.Run:
+    """The same script with ``--stock`` under ``torchrun``: plain DeepSpeed; ``ckpt``
+    writes DeepSpeed's own checkpoint after every step."""
+    (work / "ds_config.json").write_text(json.dumps(ds_config(job, iterations, 0)))
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(job.workers),
+           "--max-restarts", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", f"overhead-ds-{os.getpid()}", str(DS_SCRIPT), "--stock", "--config",
+           str(work / "ds_config.json"), "--out", str(work), "--iterations", str(iterations),
+           *ds_script_args(peers.MODEL), *(["--save-dir", str(work / "ckpt")] if system == "ckpt" else [])]
+    run = peers.Run(system, job.name, "", extra={"checkpoint_every": 1 if system == "ckpt" else 0})
+    t0 = time.time()
+    rc, lines = _stamped(cmd, work, dict(peers._env()), timeout, work / "torchrun.log")
+    run.wall_s = time.time() - t0
+    run.commits = peers._read_commits([work / "commits.txt"])
+    if rc != 0:
+        run.ok = False
+        run.error = (f"timed out after {timeout:.0f} s" if rc is None else f"torchrun exited {rc}") + "; " + \
+            peers._tail([work / "torchrun.log"])
+    return run
+
+
 def one_run(system: str, job: peers.Job, iterations: int, root: Path, timeout: float) -> dict:
     """One fault-free run: its iteration time, noise, load and outside CPU."""
     from resihp_core.testing.outside_load import OutsideLoad
@@ -103,7 +247,11 @@ def one_run(system: str, job: peers.Job, iterations: int, root: Path, timeout: f
     outside.sample()
     cpu = CpuSampler()
     try:
-        if system.startswith("resihp"):
+        if job.adapter == "deepspeed":
+            run = (run_ds_resihp(job, iterations, work, timeout, 1 if system.endswith("ckpt") else 0)
+                   if system.startswith("resihp") else
+                   run_ds_stock("ckpt" if system.endswith("ckpt") else "plain", job, iterations, work, timeout))
+        elif system.startswith("resihp"):
             run = peers.run_resihp(job, [], iterations, work, timeout, 1 if system.endswith("ckpt") else 0)
         else:
             spec = peers.job_spec_json(job, iterations, work)
@@ -276,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         peers.MODEL = dict(SIZES[size])  # resihp_config and the stock scripts' spec read it
         for jname in jobs:
-            job = peers.JOBS[jname]
+            job = ALL_JOBS[jname]
             runs = []
             for rnd in range(rounds):
                 order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]

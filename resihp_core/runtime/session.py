@@ -77,7 +77,7 @@ __all__ = ["KeyValueStore", "WatchableStore", "Observers", "JobSession", "Storag
            "connect", "host", "post_plan", "wait_controller", "PRESENT_KEY", "SHUTDOWN_KEY", "ENV_GRACE",
            "WATCH_IDENTITY", "GENERATION_NOTICE",
            "latest_generation", "wait_generation", "read_plan", "plan_bytes", "verdict", "wait_news",
-           "commit", "CommitResult", "abort_generation", "put_report", "get_report", "put_left", "get_left",
+           "commit", "CommitResult", "abort_generation", "put_report", "get_report", "get_reports", "put_left", "get_left",
            "put_ready", "get_ready", "put_fingerprint", "get_fingerprints", "put_sdc_finding",
            "get_sdc_finding", "put_pid", "clear_pid", "pids_posted", "put_storage_fault", "storage_faults",
            "rendezvous_store", "join_members", "generation_fenced", "rendezvous_generation", "Superseded"]
@@ -393,6 +393,31 @@ def get_report(store: KeyValueStore, generation: int, iteration: int, device: in
     if not isinstance(msg, IterationReport):
         raise ValueError(f"{key} holds a {type(msg).__name__}, not an iteration report")
     return msg
+
+
+def get_reports(store: KeyValueStore, generation: int, iteration: int,
+                devices: Iterable[int]) -> dict[int, IterationReport]:
+    """The reports ``devices`` posted for ``iteration`` (absent ones left out): two
+    round trips when all were posted (one check, one multi-get), as
+    :func:`get_fingerprints`, else one or two per device."""
+    devices = list(devices)
+    keys = [_report(generation, iteration, d) for d in devices]
+    multi_get = getattr(store, "multi_get", None)
+    got_all = None
+    if keys and multi_get is not None and store.check(keys):
+        try:
+            got_all = multi_get(keys)
+        except TypeError:  # a store whose multi_get wants a timeout as well
+            got_all = None
+    if got_all is None:
+        return {d: r for d in devices if (r := get_report(store, generation, iteration, d)) is not None}
+    out: dict[int, IterationReport] = {}
+    for d, k, raw in zip(devices, keys, got_all):
+        msg = decode(raw)
+        if not isinstance(msg, IterationReport):
+            raise ValueError(f"{k} holds a {type(msg).__name__}, not an iteration report")
+        out[d] = msg
+    return out
 
 
 def put_fingerprint(store: KeyValueStore, generation: int, iteration: int, device: int, text: str) -> None:

@@ -76,6 +76,10 @@ def test_a_nodes_executors_commit_in_one_store_request_with_a_direct_one(node) -
     assert int(store.get(session._done(0, 0))) == 4
     assert {d: r.loss for d, r in ((d, session.get_report(store, 0, 0, d)) for d in (0, 1, 2, 9))} == \
         {0: 0.0, 1: 1.0, 2: 2.0, 9: 9.0}
+    # All at once (one check, one multi-get), and with a device that posted none (left out).
+    assert {d: r.loss for d, r in session.get_reports(store, 0, 0, [9, 0, 1, 2]).items()} == \
+        {9: 9.0, 0: 0.0, 1: 1.0, 2: 2.0}
+    assert {d: r.loss for d, r in session.get_reports(store, 0, 0, [5, 2]).items()} == {2: 2.0}
     assert agent.commits.stats.requests == 3 and 1 <= agent.commits.stats.batches <= 3
 
 

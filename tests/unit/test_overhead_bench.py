@@ -56,3 +56,42 @@ def test_a_checkpoint_that_costs_nothing_is_every_iteration() -> None:
     # Background writes that cost the iteration nothing measurable (or a negative
     # difference, noise): C = 0, so Young/Daly says every iteration and adds nothing.
     assert overhead.young_daly(1.0, 0.99, 3600.0) == (0.0, 1, 1.0)
+
+
+def test_the_deepspeed_job_is_the_launchers_job_and_its_commits_are_read_from_the_console(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The DeepSpeed row's job as resihp launch reads it: its own checks accept the JSON,
+    # the script's initialize() asks the uniform split (no probe, the split the stock
+    # side's PipelineModule makes), and the layer count is the model's blocks + the two
+    # tied ends, for every size.
+    import io
+
+    from resihp_adapters.deepspeed.launch import check_script_calls_initialize, read_resihp_section
+    from resihp_adapters.deepspeed.spec import check_supported
+    from resihp_core.protocols.metrics import IterationMetrics
+    from resihp_core.runtime.controller.console import RunLog, console_observer
+
+    job = overhead.ALL_JOBS["ds_pp2dp2"]
+    assert job.name in overhead.JOBS and (job.pp, job.dp, job.workers, job.adapter) == (2, 2, 4, "deepspeed")
+    for size, model in overhead.SIZES.items():
+        monkeypatch.setattr(overhead.peers, "MODEL", dict(model))
+        for every in (0, 1):
+            cfg = overhead.ds_config(job, 12, every)
+            sec = read_resihp_section(cfg, f"{size}.json")
+            check_supported(cfg)
+            assert (sec["num_layers"], sec["pp"], sec["iterations"], sec["checkpoint_every"]) == \
+                (model["layers"] + 2, 2, 12, every)
+            assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * \
+                cfg["gradient_accumulation_steps"] * job.dp
+        args = overhead.ds_script_args(model)
+        assert dict(zip(args[::2], map(int, args[1::2]))) == {
+            "--blocks": model["layers"], "--hidden": model["hidden"], "--heads": model["heads"],
+            "--ffn": model["ffn_hidden"], "--vocab": model["vocab"]}
+    assert check_script_calls_initialize(str(overhead.DS_SCRIPT)) == "uniform"
+    # The controller's own console line for a commit is what the ResiHP side's commits are read from.
+    out = io.StringIO()
+    observe = console_observer(RunLog(tmp_path, out=out))
+    for i in (0, 7, 123):
+        observe(IterationMetrics(iteration=i, loss=2.5, seconds=0.4, samples=32, generation=0, phase="running"))
+    got = [int(m.group(1)) for line in out.getvalue().splitlines() if (m := overhead._COMMITTED.match(line))]
+    assert got == [0, 7, 123]

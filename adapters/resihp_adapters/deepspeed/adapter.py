@@ -312,9 +312,15 @@ class DeepSpeedAdapter(Adapter):
         return nbytes
 
     def snapshot(self) -> None:
-        from resihp_adapters.deepspeed.state import extract_layers
+        """The rollback point of the coming iteration: a copy of every unit, written into
+        the previous snapshot's buffers (nothing else holds them: a rollback hands its
+        snapshot on and starts the next one afresh; no memory copy refers to them)."""
+        from resihp_adapters.deepspeed.state import snapshot_units
 
-        self._snap = extract_layers(self.engine) if self.engine is not None else None
+        if self.engine is None:
+            self._snap = None
+            return
+        self._snap = snapshot_units(self.engine, None if self.capabilities.memory_copy else self._snap)
 
     def rollback(self) -> None:
         from resihp_adapters.deepspeed.state import apply_layers

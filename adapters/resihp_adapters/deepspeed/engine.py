@@ -1011,7 +1011,7 @@ class ResiPipelineEngine(PipelineEngine):
         # A partial-replica plan: this replica may miss a stage, so gather from the whole
         # world (every copy of a parameter holds the same reduced gradient).
         group = None if self.partial else self.mpu.get_model_parallel_group()
-        gathered = gather_objects(mine, group)
+        gathered = self._gather_norms(mine, group)
         seen: dict[str, tuple[tuple[int, int], int, torch.Tensor]] = {}
         for part in gathered:
             for n, o, i, v in part:
@@ -1028,6 +1028,31 @@ class ResiPipelineEngine(PipelineEngine):
         clip = torch.min(torch.tensor([1.0]), clip)
         for p in params:
             p.grad.data.mul_(clip)
+
+    def _gather_norms(self, mine: list[tuple[str, tuple[int, int], int, torch.Tensor]],
+                      group: Any) -> list[list[tuple[str, tuple[int, int], int, torch.Tensor]]]:
+        """Every rank's ``(name, order, index, norm)`` list, as :func:`gather_objects`
+        returns it. The names, orders and indices depend only on the module and on which
+        parameters have gradients, so they travel once per engine (and again if any
+        rank's change); after that only the norms do, one float32 tensor per rank with
+        a leading changed-flag (the same values: each norm is a float32 0-dim tensor)."""
+        meta = [(n, o, i) for n, o, i, _ in mine]
+        cached = getattr(self, "_norm_meta", None)
+        if cached is not None:
+            local, metas = cached
+            width = max(len(m) for m in metas)
+            changed = meta != local or len(mine) > width
+            buf = torch.zeros(width + 1, dtype=torch.float32)
+            buf[0] = float(changed)
+            if mine and not changed:
+                buf[1:1 + len(mine)] = torch.stack([v for *_, v in mine])
+            out = [torch.empty_like(buf) for _ in range(tdist.get_world_size(group=group))]
+            p2p_wait(tdist.all_gather(out, buf, group=group, async_op=True))
+            if not any(float(t[0]) for t in out):  # every rank decides alike from the same tensors
+                return [[(n, o, i, t[1 + k]) for k, (n, o, i) in enumerate(m)] for m, t in zip(metas, out)]
+        parts = gather_objects(mine, group)
+        self._norm_meta = (meta, [[(n, o, i) for n, o, i, _ in part] for part in parts])
+        return parts
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

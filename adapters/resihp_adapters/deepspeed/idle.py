@@ -32,8 +32,9 @@ def committed_loss(store: KeyValueStore, generation: int, iteration: int, device
     from resihp_core.runtime import session
 
     total = 0.0
-    for d in devices:
-        rep = session.get_report(store, generation, iteration, d)
+    reports = session.get_reports(store, generation, iteration, devices)
+    for d in devices:  # summed in the devices' order, as before
+        rep = reports.get(d)
         if rep is not None:
             total += float(rep.loss)
     return total

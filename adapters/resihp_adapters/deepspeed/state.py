@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 from resihp_core.adapter import StateLost
 from resihp_core.plan import ParallelPlan
@@ -21,7 +21,7 @@ from resihp_core.plan import ParallelPlan
 __all__ = ["LayersLost", "Transfer", "transfer_plan", "layers_of", "units_of", "extract_units", "apply_units",
            "extract_layers", "apply_layers", "unit_keys", "unit_name", "tied_layers", "GLOBAL", "zero_grads",
            "pack", "unpack", "check_zero_stage", "exchange_layers", "ShardsLost", "ShardsMissing",
-           "merge_units", "zero_full_state", "is_sharded"]
+           "merge_units", "zero_full_state", "is_sharded", "snapshot_units"]
 
 #: A piece of state that moves as a whole: a global layer index, a tied group
 #: (``"tied.<key>"``) or :data:`GLOBAL`.
@@ -247,20 +247,21 @@ def _zero_flat(zero: Any, p: Any) -> Any:
     return zero.single_partition_of_fp32_groups[p._hp_mapping.param_group_index]
 
 
-def _zero_fragments(zero: Any, p: Any) -> list[dict[str, Any]]:
+def _zero_fragments(zero: Any, p: Any, take: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
     """This rank's fragment of ``p``'s master weights and optimizer state (empty when
     its partition holds none of ``p``): ``{"start", "numel", "master", "opt"}`` with
-    offsets into the flattened parameter; ``opt`` holds the group's step count too."""
+    offsets into the flattened parameter; ``opt`` holds the group's step count too.
+    ``take`` makes each value's copy (:func:`_clone`, the default)."""
+    take = take or _clone
     m = getattr(p, "_hp_mapping", None)
     if m is None:
         return []
     a, n = int(m.hp_fragment_address.start), int(m.hp_fragment_address.numel)
     flat = _zero_flat(zero, p)
     st = zero.optimizer.state.get(flat) or {}
-    opt = {k: (v.detach().narrow(0, a, n).clone() if hasattr(v, "dim") and v.dim() > 0 else _clone(v))
-           for k, v in st.items()}
+    opt = {k: take(v.detach().narrow(0, a, n) if hasattr(v, "dim") and v.dim() > 0 else v) for k, v in st.items()}
     return [{"start": int(m.lp_fragment_address.start), "numel": int(m.lp_fragment_address.numel),
-             "master": flat.detach().narrow(0, a, n).clone(), "opt": opt}]
+             "master": take(flat.detach().narrow(0, a, n)), "opt": opt}]
 
 
 def _apply_zero_fragments(zero: Any, p: Any, frags: list[dict[str, Any]], what: str) -> None:
@@ -354,12 +355,19 @@ def _clone(v: Any) -> Any:
     return v.detach().clone() if hasattr(v, "detach") else v
 
 
-def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
+def _detached(v: Any) -> Any:
+    return v.detach() if hasattr(v, "detach") else v
+
+
+def extract_units(engine: Any, *, copy: bool = True) -> dict[Unit, dict[str, Any]]:
     """Copies of every unit this rank holds (:func:`unit_keys`), so the engine can be
     dropped. A layer or tied group: ``{"params": {name: tensor}, "opt": {name: {key:
     state}}}`` plus, with bf16, ``"master": {name: fp32 tensor}`` (the optimizer state
     is then the master weights' slice of it, and ``step`` its group's step count).
-    :data:`GLOBAL`: optimizer hyperparameters per group, LR scheduler state, counters."""
+    :data:`GLOBAL`: optimizer hyperparameters per group, LR scheduler state, counters.
+    ``copy=False``: the same structure over the engine's own tensors (detached views),
+    for :func:`snapshot_units` to copy into buffers it already has."""
+    take = _clone if copy else _detached
     opt = engine.basic_optimizer
     bf = _bf16(engine)
     slots = _master_slots(bf) if bf is not None else {}
@@ -372,12 +380,12 @@ def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
     for key in unit_keys(engine):
         if key == GLOBAL:
             sched = getattr(engine, "lr_scheduler", None)
-            groups = [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            groups = [{k: take(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
             for g, n in zip(groups, steps or ()):
                 g["step"] = n
             out[key] = {
                 "groups": groups,
-                "lr_scheduler": _sched_state(sched),
+                "lr_scheduler": _sched_state(sched, take),
                 "counters": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                              "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
             }
@@ -386,27 +394,79 @@ def extract_units(engine: Any) -> dict[Unit, dict[str, Any]]:
         params, ostate, master = {}, {}, {}
         if zero is not None:
             named = list(mod.named_parameters()) if mod is not None else []
-            out[key] = {"params": {n: p.detach().clone() for n, p in named}, "opt": {},
-                        "zero": {n: _zero_fragments(zero, p) for n, p in named}}
+            out[key] = {"params": {n: take(p) for n, p in named}, "opt": {},
+                        "zero": {n: _zero_fragments(zero, p, take) for n, p in named}}
             continue
         for name, p in (mod.named_parameters() if mod is not None else ()):
-            params[name] = p.detach().clone()
+            params[name] = take(p)
             if bf is not None:
                 gi, a, n = slots[id(p)]
                 flat = bf.fp32_groups_flat_partition[gi]
-                master[name] = flat.detach().narrow(0, a, n).view_as(p).clone()
+                master[name] = take(flat.detach().narrow(0, a, n).view_as(p))
                 st = opt.state.get(flat)
                 if st:
-                    ostate[name] = {k: (v.detach().narrow(0, a, n).view_as(p).clone()
-                                        if hasattr(v, "dim") and v.dim() > 0 else _clone(v)) for k, v in st.items()}
+                    ostate[name] = {k: take(v.detach().narrow(0, a, n).view_as(p)
+                                            if hasattr(v, "dim") and v.dim() > 0 else v) for k, v in st.items()}
             else:
                 st = opt.state.get(p)
                 if st:
-                    ostate[name] = {k: _clone(v) for k, v in st.items()}
+                    ostate[name] = {k: take(v) for k, v in st.items()}
                     if steps is not None and "step" in st:
                         ostate[name]["step"] = steps[group_of[id(p)]]
         out[key] = {"params": params, "opt": ostate, **({"master": master} if bf is not None else {})}
     return out
+
+
+def snapshot_units(engine: Any, reuse: dict[Unit, dict[str, Any]] | None = None) -> dict[Unit, dict[str, Any]]:
+    """:func:`extract_units`'s copies, written into the tensors of ``reuse`` where it
+    holds tensors of the same shapes and dtypes in the same order (an earlier snapshot
+    of this rank that nobody else holds any more); otherwise fresh copies. The values
+    are :func:`extract_units`'s exactly; the rollback snapshot taken before every
+    iteration then reuses its buffers instead of allocating (and faulting in) the
+    stage's whole state afresh each time."""
+    import torch
+
+    live = extract_units(engine, copy=False)
+    src = _tensor_leaves(live, [])
+    dst = _tensor_leaves(reuse, []) if reuse is not None else []
+    if len(dst) == len(src) and all(d.shape == s.shape and d.dtype == s.dtype and d.device == s.device
+                                    and d.stride() == s.stride() for d, s in zip(dst, src)):
+        with torch.no_grad():
+            for d, s in zip(dst, src):
+                d.copy_(s)
+    else:
+        dst = [s.clone() for s in src]
+    return _refill(live, iter(dst))
+
+
+def _tensor_leaves(tree: Any, out: list[Any]) -> list[Any]:
+    """The tensors of a unit tree (dicts, lists and tuples), depth first."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif type(tree) is dict:
+        for v in tree.values():
+            _tensor_leaves(v, out)
+    elif type(tree) in (list, tuple):
+        for v in tree:
+            _tensor_leaves(v, out)
+    return out
+
+
+def _refill(tree: Any, tensors: Iterator[Any]) -> Any:
+    """``tree`` with its tensors replaced, in :func:`_tensor_leaves`'s order, by ``tensors``."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return next(tensors)
+    if type(tree) is dict:
+        return {k: _refill(v, tensors) for k, v in tree.items()}
+    if type(tree) is list:
+        return [_refill(v, tensors) for v in tree]
+    if type(tree) is tuple:
+        return tuple(_refill(v, tensors) for v in tree)
+    return tree
 
 
 def _shares_group_step(opt: Any) -> bool:
@@ -447,10 +507,10 @@ def _set_group_steps(opt: Any, steps: list[int]) -> None:
                 st["step"] = n
 
 
-def _sched_state(sched: Any) -> dict[str, Any] | None:
+def _sched_state(sched: Any, take: Callable[[Any], Any] = _clone) -> dict[str, Any] | None:
     if sched is None:
         return None
-    return {k: _clone(v) for k, v in sched.state_dict().items() if not callable(v)}
+    return {k: take(v) for k, v in sched.state_dict().items() if not callable(v)}
 
 
 def apply_units(engine: Any, units: dict[Unit, dict[str, Any]]) -> None:

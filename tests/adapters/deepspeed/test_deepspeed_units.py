@@ -491,3 +491,69 @@ def test_the_clip_norm_keeps_the_initial_stage_count_after_a_shrink():
     a.xplan = ParallelPlan.uniform(tp=1, pp=1, dp=1, num_layers=6, num_microbatches=2)
     with pytest.raises(RuntimeError, match=r"save_checkpoint .*layers \[\(0, 6\)\].*initial \[\(0, 3\), \(3, 6\)\]"):
         DeepSpeedAdapter.check_initial_layout(a, "save_checkpoint")
+
+
+def test_the_rollback_snapshot_reuses_its_buffers_and_holds_exactly_the_units():
+    """The snapshot taken before every iteration is written into the previous one's
+    buffers: the same values as a fresh extraction (parameters, AdamW moments and step
+    counts, a tied group, hyperparameters, LR scheduler, counters), copies rather than
+    views of the engine's tensors, and a rollback to it puts the engine back exactly."""
+    from types import SimpleNamespace
+
+    from resihp_adapters.deepspeed.state import apply_units, extract_units, snapshot_units
+
+    torch.manual_seed(0)
+    layers = {3: torch.nn.Linear(6, 5), 4: torch.nn.Sequential(torch.nn.LayerNorm(5), torch.nn.Linear(5, 4))}
+    tied = torch.nn.Embedding(7, 6)
+    params = [p for m in (*layers.values(), tied) for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    module = SimpleNamespace(_local_start=3, _local_stop=5, local_layers=lambda: layers,
+                             tied_modules={"embed": tied})
+    engine = SimpleNamespace(module=module, basic_optimizer=opt, optimizer=opt, lr_scheduler=sched,
+                             global_steps=0, global_samples=0, skipped_steps=0)
+
+    def train_step() -> None:
+        x = tied(torch.randint(7, (3,)))
+        layers[4](layers[3](x)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        engine.global_steps += 1
+        engine.global_samples += 3
+
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    def tensors(tree: object) -> list[torch.Tensor]:
+        if isinstance(tree, torch.Tensor):
+            return [tree]
+        vals = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+        return [t for v in vals for t in tensors(v)]
+
+    train_step()
+    first = snapshot_units(engine)  # no buffers yet: fresh copies
+    assert same(first, extract_units(engine))
+    train_step()
+    want = extract_units(engine)
+    buffers = [t.data_ptr() for t in tensors(first)]
+    second = snapshot_units(engine, first)
+    assert same(second, want)
+    assert [t.data_ptr() for t in tensors(second)] == buffers  # written into the earlier snapshot's buffers
+    live = {t.data_ptr() for t in tensors(extract_units(engine, copy=False))}
+    assert not live & set(buffers)  # copies, not views of the engine's tensors
+    train_step()
+    train_step()
+    assert same(second, want)  # training on leaves the snapshot alone
+    apply_units(engine, second)  # the rollback
+    assert same(extract_units(engine), want)
+    # Buffers of another structure (a snapshot in which unit 3 held nothing): fresh copies.
+    other = {**first, 3: {"params": {}, "opt": {}}}
+    third = snapshot_units(engine, other)
+    assert same(third, extract_units(engine)) and not {t.data_ptr() for t in tensors(third)} & set(buffers)
