@@ -18,7 +18,7 @@ milliseconds and the minor page faults it took: on the host, memory allocated af
 every iteration shows up as page faults (docs/benchmarks.md, "Where a fault-free
 iteration goes").
 
-Usage: python benchmarks/engine_cpu.py [--size xs|s|m|l] [--iterations N] [--rounds R] [--json PATH]
+Usage: python benchmarks/engine_cpu.py [--size xs|s|m|l] [--iterations N] [--rounds R] [--threads T] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size", default="xs", help="overhead.py's model size: xs, s, m or l (default xs)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch's intra-op threads (0: torch's default; ResiHP's workers run 1)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from overhead import SIZES
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES[args.size]
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -116,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                 book[1] += faults() - f0
         return run
 
-    def fingerprint() -> None:  # what the adapter reads for HSDP replicas (adapter.fingerprint)
+    def digest_views() -> tuple[list[str], list]:  # what the adapter reads for HSDP replicas (adapter.fingerprint)
         from torch.distributed.tensor import DTensor
 
-        from resihp_core.detector.sdc import tensor_digest, windows
+        from resihp_core.detector.sdc import digest_windows, windows
 
         local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
         params, state = [], []
@@ -128,7 +133,20 @@ def main(argv: list[str] | None = None) -> int:
             st = eng.optimizer.state.get(p, {})
             state += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
         share, rounds = windows()
-        tensor_digest(params, share=share, turn=eng.iteration, state=state, rounds=rounds)
+        return digest_windows(params, share=share, turn=eng.iteration, state=state, rounds=rounds)
+
+    def fingerprint() -> None:  # a separate pass (as without the worker's overlapped commit)
+        from resihp_core.detector.sdc import seal, window_sum
+
+        labels, views = digest_views()
+        with torch.no_grad():
+            seal(labels, [window_sum(v) for v in views])
+
+    def fused() -> None:  # the next iteration's snapshot, the fingerprint read during its copy
+        from resihp_core.detector.sdc import seal
+
+        labels, views = digest_views()
+        seal(labels, eng.snapshot(views))
 
     def split_ms() -> dict[str, list[float]]:
         """The engine's iteration by part: CPU ms and page faults per iteration."""
@@ -138,8 +156,18 @@ def main(argv: list[str] | None = None) -> int:
             timed("snapshot", eng.snapshot)()
             eng.run(prog, it[0])
             it[0] += 1
-            timed("fingerprint (HSDP replicas)", fingerprint)()
-        return {k: [v[0] / n, v[1] / n] for k, v in parts.items()}
+            timed("fingerprint (HSDP replicas), a separate pass", fingerprint)()
+        got = {k: [v[0] / n, v[1] / n] for k, v in parts.items()}
+        # The worker's overlapped commit: the next iteration's snapshot right after the
+        # step, the fingerprint read during its copy (docs/sdc.md "What it costs").
+        label = "snapshot with the fingerprint read during its copy"
+        eng.snapshot()
+        for _ in range(n):
+            eng.run(prog, it[0])
+            it[0] += 1
+            timed(label, fused)()
+        got[label] = [v / n for v in parts[label]]
+        return got
 
     st = eng.stage
     st.forward_one_chunk = timed("forward", st.forward_one_chunk)
@@ -173,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     eng.release()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": args.size, "rounds": rounds, "median": med, "parts_median": split,
+            json.dump({"size": args.size, "threads": torch.get_num_threads(), "rounds": rounds, "median": med, "parts_median": split,
                        "tree": os.path.dirname(resihp_adapters.__file__)}, f, indent=2)
     return 0
 

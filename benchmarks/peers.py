@@ -876,8 +876,13 @@ def own_checkpoint_cost(system: str, job: Job, root: Path, spec: str, args: argp
     job checkpointing after every iteration. ResiHP: the workers' logged DCP writes
     (``event=checkpoint_written ... seconds=S``: the coordinator's collective write and
     seal); checkpoint-restart: rank 0's timed ``save`` (``torch.save`` for DDP, DCP +
-    barrier for the pipeline). ``C`` is the median after the first ``skip`` writes; the
-    iteration time is the run's median commit gap less ``C`` (each gap holds one write).
+    barrier for the pipeline). Checkpoint-restart writes on the training path: ``C`` is
+    the median after the first ``skip`` writes and the iteration time the run's commit
+    gap less ``C`` (each gap holds one write). ResiHP writes in the background, so its
+    commit gap does not hold the write and its logged write time is not what a
+    checkpoint costs the job: ``C`` is the commit gap checkpointing every iteration less
+    the commit gap of a second run without checkpoints, which is the iteration time
+    (Young/Daly's ``C`` is the time a checkpoint takes from training).
     Returns ``(C, iteration_s, writes)``."""
     work = Path(tempfile.mkdtemp(prefix=f"calibrate-{system}-{job.name}-", dir=root))
     if system == "resihp":
@@ -899,8 +904,14 @@ def own_checkpoint_cost(system: str, job: Job, root: Path, spec: str, args: argp
         raise RuntimeError(f"{system}'s calibration run failed: {run.error}")
     if not writes:
         raise RuntimeError(f"{system}'s calibration run logged no checkpoint writes (under {work})")
-    c = statistics.median(writes)
     gap = summarise(run.commits, [], iterations, skip)["iteration_s"]
+    if system == "resihp":
+        bare = run_resihp(job, [], iterations, work / "bare", args.run_timeout, checkpoint_every=0)
+        if not bare.ok:
+            raise RuntimeError(f"resihp's calibration run without checkpoints failed: {bare.error}")
+        iteration_s = summarise(bare.commits, [], iterations, skip)["iteration_s"]
+        return max(gap - iteration_s, 1e-3), iteration_s, writes
+    c = statistics.median(writes)
     return c, max(gap - c, 1e-3), writes
 
 
@@ -1125,7 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
                         k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
                         out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
                             "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
-                            "iteration_s": it_s, "every": k[sysname]}
+                            "iteration_s": it_s, "every": k[sysname],
+                            "c_from": "gaps" if sysname == "resihp" else "writes"}
                         print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
                               f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
                 r = one_run(sysname, job, tname, traces[tname], iterations, root, spec, args,
@@ -1189,11 +1201,17 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
                {"ckpt": "rank 0's timed save: torch.save for DDP, DCP + barrier for the pipeline",
                 "resihp": "the coordinator's logged DCP write and seal"})
         for sysname, yd in saved_job.get("young_daly", {}).items():
+            if yd.get("c_from") == "gaps":  # background writes: C is what they take from training
+                c_how = (f"C: the commit gap of a calibration run checkpointing every iteration less that of "
+                         f"one without checkpoints, its writes running in the background (their logged "
+                         f"median {statistics.median(yd['writes_s']) * 1e3:.1f} ms: {how[sysname]}); "
+                         f"iteration: the run without checkpoints' commit gap")
+            else:
+                c_how = (f"C: median of {len(yd['writes_s'])} of its own writes ({how[sysname]}) in a calibration "
+                         f"run checkpointing every iteration; iteration: that run's commit gap less C")
             lines += ["", f"{sysname}: a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
-                      f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1; C: median of "
-                      f"{len(yd['writes_s'])} of its own writes ({how[sysname]}) in a calibration run "
-                      f"checkpointing every iteration; iteration: that run's commit gap less C; MTBF: "
+                      f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1; {c_how}; MTBF: "
                       f"the kill-every-N trace's N of those iterations)"]
         if "resihp" in ran and "resihp" not in saved_job.get("young_daly", {}):
             fixed = saved_job.get("resihp_checkpoint_every", args.resihp_checkpoint_every)

@@ -386,6 +386,11 @@ SOURCES = [
     Source("peers-full", "peers-full.json", "peers.py",
            ("--reps", "3", "--jobs", "dp4,pp2dp2,tp2pp2", *PEERS_TRACES, "--max-wall-s", "2700"),
            "ResiHP next to torchft and checkpoint-restart: three jobs, four failure traces"),
+    Source("peers-slow", "peers-slow.json", "peers.py",
+           ("--reps", "3", "--jobs", "dp4,pp2dp2,tp2pp2", "--traces", "slow", "--iterations", "30",
+            "--run-timeout", "240", "--max-wall-s", "2400"),
+           "ResiHP next to torchft and checkpoint-restart when one device computes 2.22x slower (the payback "
+           "rule), three jobs, three rounds on a quiet machine"),
     Source("peers-tp2pp2", "peers-tp2pp2.json", "peers.py",
            ("--reps", "3", "--jobs", "tp2pp2", "--traces", "one-kill,kill-every-n", "--iterations", "30",
             "--every", "10", "--run-timeout", "240"),

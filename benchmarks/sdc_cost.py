@@ -8,8 +8,12 @@ executor's fingerprint from the job store over TCP), each as a share of a 0.5 s
 iteration; and, for the largest shard, how fast other reductions read the same
 parameters. Prints a table and writes JSON.
 
+With ``--job`` it instead runs one of overhead.py's jobs with fingerprints on and off
+(``RESIHP_SDC=0``), alternating, and prints the difference in wall and CPU per iteration.
+
 Usage: python benchmarks/sdc_cost.py [--sizes 1e6,4e6,1.6e7] [--rounds 1,4,8] [--coverage 0.25,0.1]
        [--tensors 16] [--dtype float32] [--device cpu|cuda] [--executors 2,8,32] [--json PATH]
+       python benchmarks/sdc_cost.py --job dp4 [--size m] [--job-rounds 3] [--iterations 14] [--json PATH]
 """
 
 from __future__ import annotations
@@ -69,6 +73,70 @@ def digests_ms(params: int, dtype: str, device: str, reads: list[tuple[float, in
 
     got = _interleaved_ms({f"{share} {rounds}": way(share, rounds) for share, rounds in reads}, device, repeats)
     return {(share, rounds): got[f"{share} {rounds}"] for share, rounds in reads}
+
+
+def snapshot_fused_ms(params: int, dtype: str, device: str, rounds: int = 8, tensors: int = 16,
+                      repeats: int = 15) -> dict[str, float]:
+    """Median milliseconds of the rollback snapshot's copy of a shard (parameters and two
+    moments) alone, with the default fingerprint as a separate pass after it, and with
+    the fingerprint read during the copy (``copy_with_sums``: what a torch_native worker
+    does with its overlapped commit, docs/sdc.md "What it costs")."""
+    import torch
+
+    from resihp_core.detector.sdc import copy_with_sums, digest_windows, seal, window_sum
+
+    dt = getattr(torch, dtype)
+    per = max(1, params // tensors)
+    ps = [(f"p.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(tensors)]
+    state = [(f"{k}.layer{i}", torch.randn(per, dtype=dt, device=device)) for i in range(tensors) for k in "mv"]
+    srcs = [t for _, t in ps + state]
+    dsts = [torch.empty_like(t) for t in srcs]
+
+    def separate(turn: int) -> None:
+        torch._foreach_copy_(dsts, srcs)
+        labels, views = digest_windows(ps, turn=turn, state=state, rounds=rounds)
+        seal(labels, [window_sum(v) for v in views])
+
+    def fused(turn: int) -> None:
+        labels, views = digest_windows(ps, turn=turn, state=state, rounds=rounds)
+        seal(labels, copy_with_sums(dsts, srcs, views))
+
+    return _interleaved_ms({"copy": lambda turn: torch._foreach_copy_(dsts, srcs), "separate": separate,
+                            "fused": fused}, device, repeats)
+
+
+def job_ab(job_name: str, size: str, rounds: int, iterations: int) -> list[dict]:
+    """The same fault-free job with fingerprints on (the default) and off
+    (``RESIHP_SDC=0``), alternating within each round: what the fingerprint costs a
+    real iteration on this host, wall and CPU of all the job's processes."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tempfile
+    from pathlib import Path
+
+    import overhead
+    import peers
+
+    peers.MODEL = dict(overhead.SIZES[size])
+    job = peers.JOBS[job_name]
+    root = tempfile.mkdtemp(prefix="resihp-sdc-ab-")
+    runs = []
+    for rnd in range(rounds):
+        for mode in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
+            saved = os.environ.pop("RESIHP_SDC", None)
+            if mode == "off":
+                os.environ["RESIHP_SDC"] = "0"
+            try:
+                r = overhead.one_run("resihp", job, iterations, Path(root), 900.0)
+            finally:
+                os.environ.pop("RESIHP_SDC", None)
+                if saved is not None:
+                    os.environ["RESIHP_SDC"] = saved
+            r.update(mode=mode, round=rnd)
+            runs.append(r)
+            print(f"{job_name} {size} round {rnd} fingerprints {mode}: {r['iteration_s']:.4f} s/it, "
+                  f"{r['cpu_s_per_iteration']:.4f} CPU s/it (load {r['load'][1][0]:.1f}, outside "
+                  f"{r['outside_cores']:.2f} cores)", flush=True)
+    return runs
 
 
 def read_alternatives_ms(params: int, dtype: str, device: str, repeats: int = 15) -> dict[str, float]:
@@ -170,8 +238,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--executors", default="2,8,32")
+    ap.add_argument("--job", help="instead: overhead.py's job (dp4, pp2dp2, tp2pp2) with fingerprints on and off")
+    ap.add_argument("--size", default="m", help="with --job: overhead.py's model size (default m)")
+    ap.add_argument("--job-rounds", type=int, default=3, help="with --job: alternating rounds (default 3)")
+    ap.add_argument("--iterations", type=int, default=14, help="with --job: iterations per run (default 14)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if args.job:
+        return _job_main(args)
     import torch
 
     torch.set_num_threads(1)  # as a worker runs
@@ -206,6 +280,15 @@ def main() -> int:
         print(f"{n:>12,} {'norm':>16} {n * size / 1e6:>9.1f} {ms:>8.2f} {n * size / 1e6 / ms:>7.2f} "
               f"{100 * ms / 1e3 / ITERATION_S:>10.2f}% {step:>9.2f} {ms / step:>8.2f}")
     n = int(float(args.sizes.split(",")[-1]))
+    snap = snapshot_fused_ms(n, args.dtype, args.device, tensors=args.tensors)
+    print(f"\nthe rollback snapshot's copy of {n:,} parameters and 2 moments: {snap['copy']:.2f} ms alone, "
+          f"{snap['separate']:.2f} ms with the default fingerprint after it, {snap['fused']:.2f} ms with it read "
+          f"during the copy")
+    for way, extra in (("a separate pass after the snapshot's copy", snap["separate"] - snap["copy"]),
+                       ("read during the snapshot's copy", snap["fused"] - snap["copy"])):
+        rows.append({"name": f"fingerprint of {n:,} parameters, default, {way} (over the copy alone)",
+                     "parameters": n, "ms": extra, "copy_ms": snap["copy"], "share": extra / 1e3 / ITERATION_S})
+        print(f"{way:>42} {extra:>8.2f} ms over the copy, {100 * extra / 1e3 / ITERATION_S:.2f}% of 0.5 s")
     mb = n * torch.tensor([], dtype=getattr(torch, args.dtype)).element_size() / 1e6
     print(f"\nreading the parameters of {n:,} ({mb:.1f} MB) each way")
     for way, ms in read_alternatives_ms(n, args.dtype, args.device).items():
@@ -223,6 +306,29 @@ def main() -> int:
             json.dump({"dtype": args.dtype, "device": args.device, "tensors": args.tensors, "load": load, "cores": os.cpu_count(),
                        "iteration_s": ITERATION_S, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
     return 0
+
+
+def _job_main(args: argparse.Namespace) -> int:
+    runs = job_ab(args.job, args.size, args.job_rounds, args.iterations)
+    ok = [r for r in runs if r["ok"]]
+    med = {m: {k: statistics.median(r[k] for r in ok if r["mode"] == m) for k in ("iteration_s", "cpu_s_per_iteration")}
+           for m in ("on", "off") if any(r["mode"] == m for r in ok)}
+    rows = []
+    if len(med) == 2:
+        for k, what in (("iteration_s", "wall s/it"), ("cpu_s_per_iteration", "CPU s/it")):
+            on, off = med["on"][k], med["off"][k]
+            rows.append({"name": f"{args.job} {args.size}: {what}", "on": on, "off": off,
+                         "share": (on - off) / off})
+            print(f"{args.job} {args.size} {what}: fingerprints on {on:.4f}, off {off:.4f}: "
+                  f"{100 * (on - off) / off:+.2f} %")
+    failed = [r["error"] for r in runs if not r["ok"]]
+    if failed:
+        print("failed runs: " + "; ".join(str(e)[:200] for e in failed))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"job": args.job, "size": args.size, "rounds": args.job_rounds, "iterations": args.iterations,
+                       "cores": os.cpu_count(), "rows": rows, "runs": runs}, f, indent=1)
+    return 0 if len(med) == 2 else 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
+import sys
 import time
 
 import pytest
@@ -52,3 +54,27 @@ def _torch_default_dtype():
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_default_dtype(before if before is not None else torch.float32)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the item, for :func:`_harness_folders`."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"_resihp_{rep.when}", rep)
+
+
+@pytest.fixture(autouse=True)
+def _harness_folders(request):
+    """The integration harness's temporary folders (``backend_harness.tmpdir``) are
+    removed after a test that passed; a failed test keeps them for its logs."""
+    yield
+    harness = next((m for name, m in list(sys.modules.items()) if name.endswith("backend_harness")), None)
+    made = getattr(harness, "MADE", None)
+    if not made:
+        return
+    passed = all(getattr(getattr(request.node, f"_resihp_{w}", None), "passed", True) for w in ("setup", "call"))
+    folders, made[:] = list(made), []
+    if passed:
+        for path in folders:
+            shutil.rmtree(path, ignore_errors=True)

@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 __all__ = ["ENV_SDC", "ENV_COVERAGE", "ENV_STATE_ROUNDS", "STATE_ROUNDS", "coverage",
            "state_rounds", "windows", "Fingerprint", "SdcFinding", "SdcSuspect", "SdcView", "SdcDetector", "SdcDetected",
            "Quarantine", "Reexecute", "Refuse", "SdcDecision", "SdcArbiter", "SdcMonitor", "SdcGuard",
-           "tensor_digest", "grad_norm", "same_layout_replicas", "compare", "commit_check", "enabled", "RangeWatch"]
+           "SnapshotFingerprint", "tensor_digest", "digest_windows", "window_sum", "seal", "copy_with_sums",
+           "grad_norm", "same_layout_replicas", "compare", "commit_check", "enabled", "RangeWatch"]
 
 logger = logging.getLogger("resihp.sdc")
 
@@ -179,11 +180,27 @@ def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1
     ``1/rounds`` of the state), both modulo the number of parts. Parts are at least
     :data:`MIN_WINDOW` elements long, so a small tensor has fewer parts than turns and is
     read in one turn out of ``rounds``. Any ``rounds`` consecutive turns read every byte
-    of the state once."""
+    of the state once.
+
+    :func:`digest_windows`, :func:`window_sum` and :func:`seal` are its three steps, for
+    a caller that reads the windows as part of another pass over the same memory (the
+    torch_native rollback snapshot, docs/sdc.md "What it costs")."""
+    labels, views = digest_windows(named, share=share, turn=turn, state=state, rounds=rounds)
+    import torch
+
+    with torch.no_grad():
+        return seal(labels, [window_sum(v) for v in views])
+
+
+def digest_windows(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1.0, turn: int = 0,
+                   state: Iterable[tuple[str, torch.Tensor]] = (), rounds: int = 1
+                   ) -> tuple[list[str], list[torch.Tensor]]:
+    """What :func:`tensor_digest` reads: the labels it hashes and the 1-D views (in the
+    same order) whose :func:`window_sum` it hashes with them. Views, not copies."""
     import torch
 
     names: list[str] = []
-    sums: list[torch.Tensor] = []
+    views: list[torch.Tensor] = []
     seen: set[tuple[object, ...]] = set()
     k = math.ceil(1.0 / share)
     parts = [(name, t, k, turn % k) for name, t in named]
@@ -208,12 +225,96 @@ def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], *, share: float = 1
                 flat = flat[part * size:(part + 1) * size]
             else:
                 names.append(f"{name}:{n}")
-            if (flat.numel() * es) % 8 == 0 and (flat.storage_offset() * es) % 8 == 0 and flat.is_contiguous():
-                sums.append(flat.view(torch.int64).sum())  # whole aligned words: _bit_sum's common case inline
-            else:
-                sums.append(_bit_sum(flat))
+            views.append(flat)
+    return names, views
+
+
+def window_sum(flat: torch.Tensor) -> torch.Tensor:
+    """The wrapping 64-bit sum of the bits of ``flat`` (1-D), as :func:`tensor_digest`
+    counts them; sums of consecutive pieces of a window add up to the window's (in
+    wrapping arithmetic) when each piece holds whole 64-bit words."""
+    import torch
+
+    es = flat.element_size()
+    if (flat.numel() * es) % 8 == 0 and (flat.storage_offset() * es) % 8 == 0 and flat.is_contiguous():
+        return flat.view(torch.int64).sum()  # whole aligned words: _bit_sum's common case inline
+    return _bit_sum(flat)
+
+
+#: Bytes :func:`copy_with_sums` copies before it sums them: small enough to be read
+#: again from the cache, large enough that the per-piece calls cost little.
+COPY_PIECE_BYTES = 4 << 20
+#: Sources smaller than this are copied in one batch and their windows summed after:
+#: reading them again costs less than a copy call of their own.
+FUSE_MIN_BYTES = 1 << 20
+
+
+def copy_with_sums(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
+                   views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy each of ``srcs`` into ``dsts`` (as ``torch._foreach_copy_``) and return the
+    :func:`window_sum` of each of ``views`` (windows of the sources, :func:`digest_windows`).
+
+    A view that lies inside a contiguous source is summed piece by piece right after
+    each piece is copied, while the copy has left it in the cache: a fingerprint taken
+    this way costs a fraction of a separate pass over the same memory (docs/sdc.md "What
+    it costs"). Pieces hold whole 64-bit words counted from the view's start, so their
+    sums add up to the view's. Any other view (of a source under :data:`FUSE_MIN_BYTES`,
+    or of none) is summed after the copy."""
+    import bisect
+
+    import torch
+
+    located: dict[int, list[tuple[int, int, int]]] = {}  # source -> (first, end, view) in elements
+    order = sorted((t.data_ptr(), k) for k, t in enumerate(srcs)
+                   if t.numel() * t.element_size() >= FUSE_MIN_BYTES and t.is_contiguous())
+    starts = [p for p, _ in order]
+    for vi, v in enumerate(views):
+        at = bisect.bisect_right(starts, v.data_ptr()) - 1
+        if at < 0 or not v.numel() or not v.is_contiguous():
+            continue
+        k = order[at][1]
+        src, dst = srcs[k], dsts[k]
+        es = src.element_size()
+        off, rest = divmod(v.data_ptr() - src.data_ptr(), es)
+        if (rest or v.dtype != src.dtype or v.device != src.device or off + v.numel() > src.numel()
+                or not dst.is_contiguous() or dst.shape != src.shape):
+            continue
+        located.setdefault(k, []).append((off, off + v.numel(), vi))
+    for k, spans in list(located.items()):
+        spans.sort()
+        if any(b > c for (_, b, _), (c, _, _) in zip(spans, spans[1:])):
+            del located[k]  # overlapping windows of one source: summed after the copy
+    plain = [k for k in range(len(srcs)) if k not in located]
+    if plain:
+        torch._foreach_copy_([dsts[k] for k in plain], [srcs[k] for k in plain])
+    sums: list[torch.Tensor | None] = [None] * len(views)
+    for k, spans in located.items():
+        src, dst = srcs[k].reshape(-1), dsts[k].view(-1)
+        es = src.element_size()
+        words = max(1, 8 // es)
+        step = max(words, COPY_PIECE_BYTES // es // words * words)
+        done = 0
+        for first, end, vi in spans:
+            if first > done:
+                dst[done:first].copy_(src[done:first])
+            parts = []
+            for a in range(first, end, step):
+                b = min(a + step, end)
+                dst[a:b].copy_(src[a:b])
+                parts.append(window_sum(src[a:b]))
+            sums[vi] = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+            done = end
+        if done < src.numel():
+            dst[done:].copy_(src[done:])
+    return [t if t is not None else window_sum(views[vi]) for vi, t in enumerate(sums)]
+
+
+def seal(labels: Sequence[str], sums: Sequence[torch.Tensor]) -> str:
+    """The digest of ``labels`` and the windows' sums (:func:`digest_windows`)."""
+    import torch
+
     h = hashlib.blake2b(digest_size=16)
-    h.update("|".join(names).encode())
+    h.update("|".join(labels).encode())
     if sums:
         dev = sums[0].device  # a copy only for a sum on another device (a host-side step count)
         h.update(repr(torch.stack([s if s.device == dev else s.to(dev) for s in sums]).cpu().tolist()).encode())
@@ -435,6 +536,16 @@ class _Fingerprinting(Protocol):
     def fingerprint(self) -> Fingerprint | None: ...
 
 
+@runtime_checkable
+class SnapshotFingerprint(Protocol):
+    """An adapter that takes the next iteration's rollback snapshot right after its
+    optimizer step and reads its fingerprint of that state during the copy
+    (torch_native; docs/sdc.md "What it costs"). The worker then takes no snapshot at
+    the next iteration's start."""
+
+    def snapshot_fingerprint(self) -> Fingerprint | None: ...
+
+
 class SdcGuard:
     """A worker's side: post this device's fingerprint of an iteration, and give the
     commit its check. Built by :meth:`for_adapter` (None when the adapter does not
@@ -458,12 +569,24 @@ class SdcGuard:
         return cls(adapter, device)
 
     def post(self, store: KeyValueStore, generation: int, iteration: int, loss: float = 0.0,
-             plan: ParallelPlan | None = None) -> None:
+             plan: ParallelPlan | None = None, taken: tuple[Fingerprint | None] | None = None) -> None:
+        """:meth:`prepare` and post what it gives (one job-store round trip)."""
+        text = self.prepare(iteration, loss, plan, taken)
+        if text is not None:
+            session.put_fingerprint(store, generation, iteration, self.device, text)
+
+    def prepare(self, iteration: int, loss: float = 0.0, plan: ParallelPlan | None = None,
+                taken: tuple[Fingerprint | None] | None = None) -> str | None:
         """Post this device's fingerprint and range signals of ``iteration`` (before its
         commit). The signals of the iteration posted before are taken as committed once
         a later iteration runs (an aborted one is run again under the same number). A
         new layout (``plan`` other than the last one's, the generation aside) restarts
-        the history: what a device holds, and so its gradient's norm, changed with it."""
+        the history: what a device holds, and so its gradient's norm, changed with it.
+        ``taken``: the fingerprint already taken with the rollback snapshot
+        (:class:`SnapshotFingerprint`), in a 1-tuple (its None: no replica shares this
+        shard); otherwise the adapter's :meth:`fingerprint` is called. Returns the text
+        to post before the iteration's commit (None: nothing to post); the worker's
+        overlapped commit posts it from its committer thread, off the training thread."""
         if self._pending is not None and self._pending[0] < iteration:
             self.watch.commit(self._pending[1])
         if plan is not None and plan is not self._plan:
@@ -477,12 +600,11 @@ class SdcGuard:
         if loss:  # the last stage's share of the loss (0: a stage that computes none)
             signals["loss"] = float(loss)
         self._pending = (iteration, signals)
-        fp = self.adapter.fingerprint()
+        fp = taken[0] if taken is not None else self.adapter.fingerprint()
         if fp is None and not signals:  # a device holding nothing a replica shares
-            return
+            return None
         anomaly = self.watch.judge(signals)
-        fp = Fingerprint(fp.group if fp else "", fp.digest if fp else "", signals, anomaly)
-        session.put_fingerprint(store, generation, iteration, self.device, fp.to_json())
+        return Fingerprint(fp.group if fp else "", fp.digest if fp else "", signals, anomaly).to_json()
 
     def check(self, store: KeyValueStore, generation: int, iteration: int,
               devices: Sequence[int]) -> Callable[[], bool]:

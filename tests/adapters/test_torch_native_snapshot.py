@@ -101,6 +101,49 @@ def test_two_snapshots_roll_back_past_a_stepped_iteration_exactly():
 
 
 @pytest.mark.timeout(120)
+def test_a_snapshot_taken_after_the_step_reads_the_fingerprint_of_that_state():
+    """The worker's overlapped commit takes the next iteration's snapshot right after a
+    step, with the SDC fingerprint read during the copy (docs/sdc.md "What it costs"):
+    the sums give the digest a separate pass gives, on the copy plan's path and on the
+    first (cloning) snapshot alike, and both kept snapshots still roll back exactly."""
+    from torch.distributed.tensor import DTensor
+
+    from resihp_core.detector.sdc import digest_windows, seal, tensor_digest
+
+    eng, prog = _engine()
+
+    def named() -> tuple[list, list]:
+        local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+        ps, st = [], []
+        for name, p in eng.module.named_parameters():
+            ps.append((name, local(p)))
+            state = eng.optimizer.state.get(p, {})
+            st += [(f"{k}.{name}", local(state[k])) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+        return ps, st
+
+    try:
+        eng.keep_snapshots(2)
+        eng.snapshot()
+        for i in range(6):
+            before = _state(eng)
+            eng.run(prog, i)
+            ps, st = named()
+            want = tensor_digest(ps, turn=eng.iteration, state=st, rounds=3)
+            labels, views = digest_windows(ps, turn=eng.iteration, state=st, rounds=3)
+            assert seal(labels, eng.snapshot(views)) == want, i  # the snapshot of iteration i + 1
+            assert eng._snapshots[-1][1] == i + 1
+            if i == 4:  # i's commit refused while nothing else stepped: back to i's start
+                eng.rollback_to(i)
+                _equal(_state(eng), before)
+                eng.run(prog, i)
+                ps, st = named()
+                labels, views = digest_windows(ps, turn=eng.iteration, state=st, rounds=3)
+                assert seal(labels, eng.snapshot(views)) == want  # the same step again, the same bits
+    finally:
+        eng.release()
+
+
+@pytest.mark.timeout(120)
 def test_snapshot_copy_plan_is_reused_and_follows_replaced_state():
     """The snapshot's copy plan is made once per buffers and reused; an optimizer-state
     tensor replaced by another object (not updated in place) is noticed: the snapshot

@@ -102,5 +102,14 @@ def check_against_reference(done: Finished, iterations: int, tol: float = 1e-9) 
     return worst
 
 
+#: Folders :func:`tmpdir` made during the running test (tests/conftest.py removes them
+#: after a test that passed and keeps them, for its logs, after one that failed).
+MADE: list[str] = []
+
+
 def tmpdir() -> str:
-    return tempfile.mkdtemp(prefix="resihp-test-")
+    """A fresh folder under the system's temporary folder (short paths: unix sockets
+    live in some), removed after the test if it passes."""
+    path = tempfile.mkdtemp(prefix="resihp-test-")
+    MADE.append(path)
+    return path

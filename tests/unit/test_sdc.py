@@ -114,6 +114,39 @@ def test_parameters_are_read_whole_and_the_state_once_in_any_rounds_turns(rounds
         state_rounds({"RESIHP_SDC_STATE_ROUNDS": "0"})
 
 
+def test_a_fingerprint_read_during_the_snapshot_copy_equals_a_separate_pass(monkeypatch) -> None:
+    """``copy_with_sums`` copies every source exactly and its sums give the digest
+    ``tensor_digest`` gives, whatever the pieces: dtypes with and without whole 64-bit
+    words, a view starting off a word boundary, windows of the state, an aliased tensor,
+    a window of a tensor that is not copied, and pieces small enough to cut windows."""
+    import resihp_core.detector.sdc as sdc
+
+    gen = torch.Generator().manual_seed(3)
+    base32 = torch.randn(1001, generator=gen)
+    params = [("a", torch.randn(300, 70, dtype=torch.float64, generator=gen)), ("b", base32[1:]),
+              ("c", torch.randn(7, generator=gen).to(torch.bfloat16)), ("d", torch.randn(65_536 * 3 + 5, generator=gen))]
+    state = [(f"m.{n}", t.clone() + 1) for n, t in params] + [("m.a2", params[0][1])]
+    outside = ("e", torch.randn(50_000, generator=gen))  # fingerprinted, not part of the copy
+    srcs = [t for _, t in params + state[:-1]]
+    for piece, fuse_from in ((1 << 20, 1 << 20), (4096, 0), (20, 0), (20, 1 << 16)):
+        monkeypatch.setattr(sdc, "COPY_PIECE_BYTES", piece)
+        monkeypatch.setattr(sdc, "FUSE_MIN_BYTES", fuse_from)
+        for turn in range(3):
+            named = params + [outside]
+            want = tensor_digest(named, turn=turn, state=state, rounds=3)
+            labels, views = sdc.digest_windows(named, turn=turn, state=state, rounds=3)
+            dsts = [torch.full_like(t, -1) for t in srcs]
+            got = sdc.seal(labels, sdc.copy_with_sums(dsts, srcs, views))
+            assert got == want, (piece, turn)
+            assert all(torch.equal(d, t) for d, t in zip(dsts, srcs))
+    # a flipped bit in the copy's source changes the digest read during the copy
+    monkeypatch.setattr(sdc, "FUSE_MIN_BYTES", 0)
+    labels, views = sdc.digest_windows(params, turn=0)
+    before = sdc.seal(labels, sdc.copy_with_sums([t.clone() for t in srcs], srcs, views))
+    _flip(params[3][1], 70_000)
+    assert sdc.seal(labels, sdc.copy_with_sums([t.clone() for t in srcs], srcs, views)) != before
+
+
 def _fps(digests: dict[int, str], group: str = "stage0") -> dict[int, Fingerprint]:
     return {d: Fingerprint(group, v) for d, v in digests.items()}
 

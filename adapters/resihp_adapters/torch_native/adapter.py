@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
-from resihp_core.detector.sdc import Fingerprint, tensor_digest
+from resihp_core.detector.sdc import Fingerprint, digest_windows, seal, window_sum
 from resihp_core.detector.sdc import windows as sdc_windows
 from resihp_core.detector.sdc import enabled as sdc_enabled
 from resihp_core.plan import ParallelPlan
@@ -34,6 +34,8 @@ from resihp_adapters.torch_native.async_checkpoint import AsyncDcpWriter
 from resihp_adapters.torch_native.plugin import CAPABILITIES, NAME
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from resihp_adapters.torch_native.api import UserJob
 
 __all__ = ["TorchNativeAdapter", "parse_config"]
@@ -234,6 +236,30 @@ class TorchNativeAdapter(Adapter):
         shard index in different replicate groups; with plain FSDP2 (or TP, one replica)
         no one shares it: None."""
         import torch
+
+        got = self._fingerprint_windows()
+        if got is None:
+            return None
+        group, labels, views = got
+        with torch.no_grad():
+            return Fingerprint(group, seal(labels, [window_sum(v) for v in views]))
+
+    def snapshot_fingerprint(self) -> Fingerprint | None:
+        """The rollback snapshot of the state after this step (the next iteration's, so
+        the worker takes no other) and :meth:`fingerprint` of that state, read during
+        the copy: about a quarter of a fingerprint's separate pass (docs/sdc.md "What it
+        costs")."""
+        got = self._fingerprint_windows()
+        if got is None:
+            self.engine.snapshot()
+            return None
+        group, labels, views = got
+        return Fingerprint(group, seal(labels, self.engine.snapshot(views)))
+
+    def _fingerprint_windows(self) -> tuple[str, list[str], list[Tensor]] | None:
+        """The fingerprint's group and what it reads (:func:`digest_windows`); None where
+        no replica holds this rank's shard."""
+        import torch
         from torch.distributed.tensor import DTensor
 
         from resihp_adapters.torch_native.engine import live_replicas
@@ -253,10 +279,10 @@ class TorchNativeAdapter(Adapter):
             st = eng.optimizer.state.get(p, {})
             opt_state += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
         a, b = eng._layers(eng.plan, pl.stage)
-        return Fingerprint(f"stage{pl.stage}/layers{a}-{b}/shard{pl.shard_index}of{pl.shard_degree}/"
-                           f"tp{pl.tp_index}of{pl.tp_degree}/step{eng.iteration}",
-                           tensor_digest(params, share=self._coverage, turn=eng.iteration, state=opt_state,
-                                         rounds=self._rounds))
+        labels, views = digest_windows(params, share=self._coverage, turn=eng.iteration, state=opt_state,
+                                       rounds=self._rounds)
+        return (f"stage{pl.stage}/layers{a}-{b}/shard{pl.shard_index}of{pl.shard_degree}/"
+                f"tp{pl.tp_index}of{pl.tp_degree}/step{eng.iteration}", labels, views)
 
     def sdc_signals(self) -> dict[str, float]:
         """The L2 norm of this rank's local reduced-gradient shards at its last step."""

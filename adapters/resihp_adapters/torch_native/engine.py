@@ -43,7 +43,7 @@ import datetime
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -655,47 +655,60 @@ class TorchNativeEngine:
         self._depth = depth
         del self._snapshots[:-depth]
 
-    def snapshot(self) -> None:
+    def snapshot(self, views: Sequence[Tensor] = ()) -> list[Tensor]:
         """Remember this rank's shards at the start of an iteration, for rollback. While
         the stage and its optimizer state keep their layout, the copy goes into the
         buffers of the oldest snapshot it replaces, in one foreach copy (the per-tensor
-        clones of :meth:`local_shards` cost milliseconds per iteration; docs/benchmarks.md)."""
+        clones of :meth:`local_shards` cost milliseconds per iteration; docs/benchmarks.md).
+
+        Returns the :func:`~resihp_core.detector.sdc.window_sum` of each of ``views``
+        (windows of this rank's tensors), read during the copy where it can be: the SDC
+        fingerprint of the state the snapshot holds (docs/sdc.md "What it costs")."""
+        from resihp_core.detector.sdc import window_sum
+
         snaps = self._snapshots
         if snaps and snaps[-1][1] == self.iteration and self._snap_module is self.module is not None:
             # Taken again at the same iteration (a rolled-back attempt runs again): the
             # state is that snapshot's, which stays the newest.
-            if self._copy_into(snaps[-1][0]):
-                return
+            if (sums := self._copy_into(snaps[-1][0], views)) is not None:
+                return sums
         full = len(snaps) >= self._depth
         spare = snaps[0][0] if full else self._spare
-        if spare is not None and self._snap_module is self.module is not None and self._copy_into(spare):
+        if (spare is not None and self._snap_module is self.module is not None
+                and (sums := self._copy_into(spare, views)) is not None):
             if full:
                 snaps.pop(0)
             self._spare = None
             snaps.append((spare, self.iteration))
-            return
+            return sums
         self._spare = None
         if self._snap_module is not self.module:
             snaps.clear()  # another stage's layout: its copies cannot be put back into this one
         snaps.append((self.local_shards(), self.iteration))
         del snaps[:-self._depth]
         self._snap_module = self.module
+        with torch.no_grad():
+            return [window_sum(v) for v in views]
 
-    def _copy_into(self, held: dict[str, Held]) -> bool:
-        """Copy this rank's shards into ``held`` (a snapshot of the same stage); False,
-        copying nothing, if any tensor's place, shape or dtype differs.
+    def _copy_into(self, held: dict[str, Held], views: Sequence[Tensor] = ()) -> list[Tensor] | None:
+        """Copy this rank's shards into ``held`` (a snapshot of the same stage) and return
+        the sums of ``views`` (:meth:`snapshot`); None, copying nothing, if any tensor's
+        place, shape or dtype differs.
 
         The source and destination lists are planned once per (stage, snapshot buffers)
         and reused while every object they were taken from is still the same one
         (:meth:`_copy_plan_valid`): walking the module, naming and checking each
         tensor cost more than the copy itself on small stages (docs/benchmarks.md,
         "Session 11")."""
+        from resihp_core.detector.sdc import copy_with_sums, window_sum
+
         plan = self._copy_plans.get(id(held))
-        if plan is not None and plan[0] is held and self._copy_plan_valid(plan):
-            with torch.no_grad():
-                torch._foreach_copy_(plan[2], plan[1])
-            return True
-        return self._copy_into_slow(held)
+        with torch.no_grad():
+            if plan is not None and plan[0] is held and self._copy_plan_valid(plan):
+                return copy_with_sums(plan[2], plan[1], views)
+            if not self._copy_into_slow(held):
+                return None
+            return [window_sum(v) for v in views]
 
     def _copy_plan_valid(self, plan: tuple) -> bool:
         """True while the module, optimizer, every parameter's local tensor, every

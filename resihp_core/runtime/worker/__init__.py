@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, runtime_checkable
 
 from resihp_core.adapter import Adapter, AdapterContext, AdapterRegistry, Capabilities, IterationResult, StateLost
-from resihp_core.detector.sdc import SdcGuard
+from resihp_core.detector.sdc import SdcGuard, SnapshotFingerprint
 from resihp_core.job import JobSpec
 from resihp_core.plan import ParallelPlan
 from resihp_core.protocol import IterationReport, MicroBatchProfile, PlanUpdate, WorkerLeft
@@ -276,6 +276,9 @@ class Worker:
         self.program: Program | None = None
         self._seen = -1
         self._pending: _Pending | None = None  # process mode: the commit in flight
+        # The iteration whose rollback snapshot was taken right after the step before it,
+        # with that step's fingerprint (:class:`SnapshotFingerprint`): its start takes none.
+        self._snapped: int | None = None
         self._commit_store: KeyValueStore | None = None  # its own store connection (overlap_commits)
         self._committer: ThreadPoolExecutor | None = None
         self.node_commit: NodeCommit | None = None  # commits through the node agent (from_env)
@@ -377,10 +380,13 @@ class Worker:
         :meth:`end_iteration` and :meth:`abandon_iteration` it lets a user's own loop
         body run the iteration in place of ``Adapter.run_iteration`` (the torch_native
         adapter's loop mode, docs/torch_native.md), on the same commit and restore path."""
+        # A snapshot taken ahead holds the state only if nothing below changes it first.
+        ahead, self._snapped = self._snapped, None
         while True:
             if not self.active:
                 if not self._enter_next():
                     return None
+                ahead = None
                 continue
             if self._pending is not None and (self.iteration + 1 >= self.msg.iterations or self._superseded()
                                               or self._fault_due(self.iteration + 1)):
@@ -389,11 +395,14 @@ class Worker:
                 if not self._settle():
                     self.adapter.release()
                     self.active = False
+                ahead = None
                 continue
             nxt = self.iteration + (self._pending is not None)
             if nxt >= self.msg.iterations or self._superseded():
                 self.active = False  # wait for the next generation (or the stop)
+                ahead = None
                 continue
+            self._snapped = ahead if ahead == nxt else None
             return nxt
 
     def _fault_due(self, i: int) -> bool:
@@ -412,7 +421,9 @@ class Worker:
         return False
 
     def _commit_in_background(self, report: IterationReport, generation: int, iteration: int,
-                              executors: int) -> str:
+                              executors: int, fingerprint: str | None = None) -> str:
+        if fingerprint is not None:  # posted before this device adds itself to the count (docs/sdc.md)
+            session.put_fingerprint(self._commit_store, generation, iteration, self.device, fingerprint)
         return self._commit(self._commit_store, report, executors)
 
     def _commit(self, store: KeyValueStore, report: IterationReport, executors: int) -> str:
@@ -436,7 +447,9 @@ class Worker:
                 self.adapter.rollback()
             self._left(self.msg.generation, result, "generation_left", iteration=self.iteration)
             return
-        report = self._before_commit(result, i)
+        a = self.adapter
+        ahead = self.sdc is not None and isinstance(a, SnapshotFingerprint)
+        report = self._before_commit(result, i, fingerprint=not ahead)
         if report is None:
             return
         if self._pending is not None and not self._settle():
@@ -444,7 +457,16 @@ class Worker:
             self.active = False
             return
         g, executors = self.msg.generation, len(self.plan.devices())
-        self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors))
+        fingerprint = None
+        if ahead:
+            # The next iteration's rollback snapshot now, with this step's fingerprint
+            # read during its copy (the state is the same until that iteration starts;
+            # both snapshots kept cover a refusal of either commit). The committer posts it.
+            taken = a.snapshot_fingerprint()
+            self._snapped = i + 1
+            fingerprint = self.sdc.prepare(i, loss=result.loss, plan=self.plan, taken=(taken,))
+        self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors,
+                                                           fingerprint))
 
     def _superseded(self) -> bool:
         # Newer only: the watch starts at -1 before its first answer. A generation posted
@@ -583,7 +605,9 @@ class Worker:
         """Injected faults due now, the rollback snapshot; the iteration's index."""
         i = self.iteration + (self._pending is not None)
         self.faults.at_iteration(i)
-        self.adapter.snapshot()
+        if self._snapped != i:
+            self.adapter.snapshot()
+        self._snapped = None
         every = self.job.memory_copy_every
         if self.peers is not None and every and self._pending is None and i > 0 and i % every == 0:
             # The snapshot holds iteration i - 1, committed everywhere: its pieces go to
@@ -615,10 +639,11 @@ class Worker:
         self.iteration = i + 1
         return result
 
-    def _before_commit(self, result: IterationResult, i: int) -> IterationReport | None:
+    def _before_commit(self, result: IterationResult, i: int, fingerprint: bool = True) -> IterationReport | None:
         """Profile and checkpoint an iteration that stepped; its report, or None if a
         peer died while the checkpoint gathered (rolled back, generation left). A due
-        checkpoint waits for the commit in flight (it is written of committed state)."""
+        checkpoint waits for the commit in flight (it is written of committed state).
+        ``fingerprint``: post the SDC fingerprint here (the caller posts it otherwise)."""
         a, g = self.adapter, self.msg.generation
         failed = None
         # The first iteration of a generation carries one-time costs (allocator, first
@@ -642,7 +667,7 @@ class Worker:
                 self._left(g, failed, "checkpoint_failed", iteration=i)
                 return None
         self._checkpoint_reports()
-        if self.sdc is not None:
+        if self.sdc is not None and fingerprint:
             self.sdc.post(self.store, g, i, loss=result.loss, plan=self.plan)
         return self._report(result)
 
