@@ -13,8 +13,10 @@ itself (no ResiHP code in the training path); without it the script calls
 ``resihp_adapters.deepspeed.initialize``, which ``resihp launch`` runs resiliently.
 The stock side's global rank 0 appends ``iteration time samples`` to ``DIR/commits.txt``
 after each step (DeepSpeed's ``train_batch`` returns once the pipeline's last stage has
-its loss, after every stage's optimizer step); with ``--save-dir`` it then writes
-DeepSpeed's own checkpoint (``engine.save_checkpoint``) every iteration.
+its loss, after every stage's optimizer step) and ``iteration loss`` to ``DIR/losses.txt``
+(DeepSpeed's global mean loss, which ``resihp launch`` prints per committed iteration);
+with ``--save-dir`` it then writes DeepSpeed's own checkpoint (``engine.save_checkpoint``)
+every iteration.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ def main() -> None:
         if log is not None:
             log.write(f"{it} {time.time():.6f} {samples}\n")
             log.flush()
+            with open(os.path.join(a.out, "losses.txt"), "a") as f:  # the global mean loss, as resihp launch prints it
+                f.write(f"{it} {float(loss):.10f}\n")
         it += 1
         if a.save_dir:
             engine.save_checkpoint(a.save_dir)

@@ -16,8 +16,11 @@ supervisor, the commit protocol; the stock side under ``torchrun``, peers.py's s
   DeepSpeed's ``PipelineModule`` + ``deepspeed.initialize`` + ``train_batch``, no ResiHP
   code. 4 micro-batches of ``DS_MICRO_BATCH`` x 16 tokens per replica (pp2dp2's 64
   tokens per micro-batch). Checkpoints: ResiHP's own (``resihp.checkpoint_every``) and
-  DeepSpeed's ``engine.save_checkpoint``. (``reconfigure.py --adapter deepspeed`` steps
-  both engines side by side in one world instead, without the runtime.)
+  DeepSpeed's ``engine.save_checkpoint``. Both sides log the global mean loss per
+  iteration; the row states the largest relative difference of any run's from the stock
+  run's of its round (``loss_max_rel_diff_vs_stock``: the same training, float32 printing
+  aside). (``reconfigure.py --adapter deepspeed`` steps both engines side by side in one
+  world instead, without the runtime.)
 
 Model sizes (``SIZES``: hidden 64 .. 1024, 4 layers) are swept so that the stock
 iteration spans from tens of milliseconds to seconds on a 2-core CPU machine; the
@@ -153,7 +156,7 @@ def _free_port() -> int:
 
 
 #: ``resihp launch``'s console line for a committed iteration (console_observer)
-_COMMITTED = re.compile(r"^iteration\s+(\d+)\s+loss ")
+_COMMITTED = re.compile(r"^iteration\s+(\d+)\s+loss (\S+)")
 
 
 def _stamped(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, log: Path
@@ -205,7 +208,9 @@ def run_ds_resihp(job: peers.Job, iterations: int, work: Path, timeout: float, c
     rc, lines = _stamped(cmd, work, env, timeout + 60, work / "console.txt")
     run.wall_s = time.time() - t0
     batch = job.batch * DS_MICRO_BATCH
-    run.commits = [peers.Commit(int(m.group(1)), t, batch) for t, line in lines if (m := _COMMITTED.match(line))]
+    committed = [(t, m) for t, line in lines if (m := _COMMITTED.match(line))]
+    run.commits = [peers.Commit(int(m.group(1)), t, batch) for t, m in committed]
+    run.extra["losses"] = {int(m.group(1)): float(m.group(2)) for _, m in committed}
     if rc != 0:
         run.ok = False
         run.error = (f"timed out after {timeout:.0f} s" if rc is None else f"resihp launch exited {rc}") + "; " + \
@@ -228,6 +233,9 @@ def run_ds_stock(system: str, job: peers.Job, iterations: int, work: Path, timeo
     rc, lines = _stamped(cmd, work, dict(peers._env()), timeout, work / "torchrun.log")
     run.wall_s = time.time() - t0
     run.commits = peers._read_commits([work / "commits.txt"])
+    with contextlib.suppress(OSError, ValueError):
+        run.extra["losses"] = {int(i): float(x) for i, x in
+                               (line.split() for line in (work / "losses.txt").read_text().splitlines())}
     if rc != 0:
         run.ok = False
         run.error = (f"timed out after {timeout:.0f} s" if rc is None else f"torchrun exited {rc}") + "; " + \
@@ -267,6 +275,7 @@ def one_run(system: str, job: peers.Job, iterations: int, root: Path, timeout: f
     if run.ok and s.get("complete"):  # checkpoints of size l are GBs per run; a failed run keeps its logs
         shutil.rmtree(work, ignore_errors=True)
     return {"system": system, "ok": bool(run.ok and s.get("complete")), "error": run.error,
+            **({"losses": run.extra["losses"]} if "losses" in run.extra else {}),
             "iteration_s": it, "iteration_rse": s.get("iteration_rse", math.nan), "wall_s": round(run.wall_s, 1),
             "cpu_s_per_iteration": steady_cpu(cpu, run.commits) if run.ok else math.nan,
             "load": [load0, loadavg()], "outside_cores": round(outside.cores_used(), 3)}
@@ -340,6 +349,14 @@ def figures(runs: list[dict], mtbf_s: float) -> dict:
             cs["stock"].append(1000 * c_s)
             cs["resihp"].append(1000 * c_r)
     per_system = {s: _mr([r["iteration_s"] for r in runs if r["system"] == s and r["ok"]]) for s in SYSTEMS}
+    # Where the runs logged their losses (the DeepSpeed job): the largest relative
+    # difference of any run's loss from the stock run's of its round, same iteration.
+    loss_diff = []
+    for rnd in by_round:
+        base = next((r.get("losses") for r in runs if r["round"] == rnd and r["system"] == "stock" and r["ok"]), None)
+        for r in runs:
+            if base and r["round"] == rnd and r["ok"] and r["system"] != "stock" and r.get("losses"):
+                loss_diff += [abs(v - base[i]) / max(abs(base[i]), 1e-30) for i, v in r["losses"].items() if i in base]
     return {
         "iteration_s": per_system,
         "overhead_pct": _mr(over),
@@ -357,6 +374,7 @@ def figures(runs: list[dict], mtbf_s: float) -> dict:
                  max(x for r in runs for x in (r["load"][1] or [math.nan])[:1])],
         "outside_cores_max": max((r["outside_cores"] for r in runs), default=math.nan),
         "failed": [f"{r['system']} round {r['round']}: {r['error'][:120]}" for r in runs if not r["ok"]],
+        "loss_max_rel_diff_vs_stock": max(loss_diff) if loss_diff else None,
     }
 
 
@@ -438,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
             rows.append({"job": jname, "size": size, "layout": job.layout, "adapter": job.adapter,
                          "model": SIZES[size], "figures": figures(runs, args.mtbf_s), "runs": runs})
+            diff = rows[-1]["figures"]["loss_max_rel_diff_vs_stock"]
+            if diff is not None:
+                print(f"{jname} {size}: every run's loss per iteration within {diff:.1e} (relative) of the stock "
+                      "run's in its round (the same model, data and seeds)", flush=True)
     md = markdown(rows, args.mtbf_s, rounds)
     print()
     print(md)

@@ -93,5 +93,15 @@ def test_the_deepspeed_job_is_the_launchers_job_and_its_commits_are_read_from_th
     observe = console_observer(RunLog(tmp_path, out=out))
     for i in (0, 7, 123):
         observe(IterationMetrics(iteration=i, loss=2.5, seconds=0.4, samples=32, generation=0, phase="running"))
-    got = [int(m.group(1)) for line in out.getvalue().splitlines() if (m := overhead._COMMITTED.match(line))]
-    assert got == [0, 7, 123]
+    got = [(int(m.group(1)), float(m.group(2))) for line in out.getvalue().splitlines()
+           if (m := overhead._COMMITTED.match(line))]
+    assert got == [(0, 2.5), (7, 2.5), (123, 2.5)]
+
+
+def test_runs_that_log_losses_are_compared_with_the_stock_run_of_their_round() -> None:
+    runs = [_run("stock", 0, 1.0) | {"losses": {3: 2.0, 4: 1.5}}, _run("resihp", 0, 1.1) | {"losses": {3: 2.0, 4: 1.5003}},
+            _run("stock", 1, 1.0) | {"losses": {3: 4.0}}, _run("resihp+ckpt", 1, 1.2) | {"losses": {3: 4.002, 9: 7.0}},
+            _run("resihp", 1, 9.0, ok=False) | {"losses": {3: 99.0}}]  # a failed run is left out
+    f = overhead.figures(runs, mtbf_s=3600.0)
+    assert f["loss_max_rel_diff_vs_stock"] == pytest.approx(0.002 / 4.0)
+    assert overhead.figures(runs[:1] + [_run("resihp", 0, 1.1)], 3600.0)["loss_max_rel_diff_vs_stock"] is None
