@@ -483,6 +483,10 @@ SOURCES = [
            "The cost of being resilient at 0.4-0.9 s steps, every job: torch_native DP4 vs plain DDP, torch_native "
            "PP2 x DP2 vs stock pipelining + FSDP2, megatron_ref TP2 x PP2 vs its torchrun reference; with and "
            "without checkpoints"),
+    Source("overhead-ds", "overhead-ds.json", "overhead.py",
+           ("--jobs", "ds_pp2dp2", "--sizes", "m,l", "--rounds", "2", "--iterations", "10"),
+           "The cost of being resilient on DeepSpeed: the user's GPT pipeline (PP2 x DP2) under resihp launch vs "
+           "deepspeed.initialize under torchrun, at 0.5-3 s steps, with and without checkpoints"),
     Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
            "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
            "without checkpoints", quick=True),
