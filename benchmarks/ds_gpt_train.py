@@ -133,7 +133,7 @@ def main() -> None:
 def _stock_engine(layers: list, loss_fn: object, optimizer: object, config: str | None):  # noqa: ANN202
     """Plain DeepSpeed: ``PipelineModule`` of the same layers (same seeds, DeepSpeed's
     uniform split over 2 stages) and ``deepspeed.initialize``, as a DeepSpeed user
-    writes it."""
+    writes it, with the ResiHP side's per-layer seeding function (below)."""
     import importlib
 
     import deepspeed
@@ -148,8 +148,13 @@ def _stock_engine(layers: list, loss_fn: object, optimizer: object, config: str 
     # serves inference (the training path's collectives are torch.distributed's).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
+    # The same per-layer seeding function as the ResiHP side: the same generator states
+    # as DeepSpeed's own, without the stacks torch formats on a host without a GPU (a
+    # GPU host, once CUDA runs, formats none either); overhead.py credits neither side.
+    from resihp_adapters.deepspeed.engine import seed_layer
+
     module = PipelineModule(layers, num_stages=2, loss_fn=loss_fn, seed_layers=True, base_seed=11,
-                            partition_method="uniform")
+                            partition_method="uniform", seed_fn=seed_layer)
     opt = optimizer([p for p in module.parameters() if p.requires_grad])  # type: ignore[operator]
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=cfg)
     return engine

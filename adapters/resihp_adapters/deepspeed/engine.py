@@ -257,6 +257,31 @@ def reap_retired() -> None:
     RETIRED[:] = [(g, w) for g, w in RETIRED if any(t.is_alive() for t in w)]
     ABANDONED[:] = [t for t in ABANDONED if t.is_alive()]
 
+def seed_layer(seed: int) -> None:
+    """DeepSpeed's ``set_random_seed`` (Python's ``random``, NumPy's, torch's), which a
+    ``PipelineModule`` with ``seed_layers`` calls once per layer per micro-batch, with
+    the same generator states, but without a formatted stack per call:
+    ``torch.manual_seed`` queues the seeding of every accelerator that is not started
+    (CUDA on a CPU host, XPU, MTIA) together with the caller's formatted stack, which
+    under the worker's deeper stack cost more than a layer's forward on the smallest
+    models (docs/deepspeed.md). Before CUDA starts on a CUDA host it defers to
+    ``torch.manual_seed`` (CUDA then starts with the seed it would have had); once CUDA
+    runs, it seeds CUDA's generators directly, as torch does then."""
+    import random
+
+    import numpy
+
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)  # the ranges DeepSpeed's own function reduces to
+    seed = int(seed) % 2**63
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        torch.manual_seed(seed)
+        return
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 class ResiPipelineModule(PipelineModule):
     """A :class:`PipelineModule` cut at explicit layer boundaries.
 
@@ -280,6 +305,8 @@ class ResiPipelineModule(PipelineModule):
                 f"parts must rise strictly from 0 to the number of layers ({n}), got {parts}"
             )
         self._explicit_parts = parts
+        if kwargs.get("seed_layers") and kwargs.get("seed_fn") is None:
+            kwargs["seed_fn"] = seed_layer  # the same seeds, cheaper (:func:`seed_layer`)
         import deepspeed.runtime.pipe.module as ds_module
 
         partial = isinstance(kwargs.get("topology"), PartialTopology)

@@ -557,3 +557,27 @@ def test_the_rollback_snapshot_reuses_its_buffers_and_holds_exactly_the_units():
     other = {**first, 3: {"params": {}, "opt": {}}}
     third = snapshot_units(engine, other)
     assert same(third, extract_units(engine)) and not {t.data_ptr() for t in tensors(third)} & set(buffers)
+
+
+def test_the_layer_seed_leaves_every_generator_as_deepspeeds_own_does():
+    """``seed_layer`` (the adapter's ``PipelineModule`` seeding, once per layer and
+    micro-batch) leaves Python's, NumPy's and torch's generators where DeepSpeed's
+    ``set_random_seed`` leaves them: the same dropout draws, without torch's per-call
+    stack capture for accelerators that are not started."""
+    import random
+
+    import numpy
+    from deepspeed.runtime.utils import set_random_seed
+
+    from resihp_adapters.deepspeed.engine import seed_layer
+
+    def states() -> tuple:
+        return random.getstate(), numpy.random.get_state()[1].tolist(), torch.get_rng_state()
+
+    for seed in (0, 1234 * 7 + 3, 2**40 + 5, 2**64 + 9):
+        set_random_seed(seed)
+        want = states()
+        random.random(), numpy.random.rand(), torch.rand(3)  # move every generator on
+        seed_layer(seed)
+        got = states()
+        assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2]), seed
