@@ -826,6 +826,17 @@ class ProfileVerifier:
                 continue
             devices = sorted(t.device[r] for r in ranks)
             qg = statistics.median(qs.values())
+            ahead = self._ahead_in_chunks(ctx, ranks)
+            if ahead and len(ahead) < len(ranks):
+                # Alike over the iterations, but not chunk by chunk: the others waited
+                # inside their collectives for these ranks' slow chunks.
+                for r in ahead:
+                    slow[t.device[r]] = _clip_p(1.0 / qs[r])
+                notes.append(f"{where}: TP group {qg:.2f}x slow alike, but rank(s) {ahead} computed a chunk "
+                             f"{1 + self.LEAD:.1f}x or more slower than every other member's same chunk in each "
+                             "iteration verified, which none of the others did: those waited for them in the "
+                             "group's collectives")
+                continue
             if ctx.prober is None or not getattr(ctx.prober, "measures_compute", True):
                 for d in devices:
                     slow[d] = _clip_p(1.0 / qg)
@@ -853,6 +864,40 @@ class ProfileVerifier:
             cause = "contention"
         ev = f"{cause} slowdown: " + "; ".join(notes) + f" -> {_fmt(slow)}"
         return Verdict(slow, cause, ev, rounds, probe_s)  # type: ignore[arg-type]
+
+    #: How much slower than every other member's same chunk a TP rank's chunk must be to
+    #: lead it (:meth:`_ahead_in_chunks`).
+    LEAD = 0.5
+
+    @staticmethod
+    def _ahead_in_chunks(ctx: VerificationContext, ranks: list[int]) -> list[int]:
+        """The ranks of one TP group that, in every iteration verified, computed some
+        chunk (a micro-batch's forward or backward) more than ``1 + LEAD`` times as long
+        as every other member's same chunk. A member slowed by itself is slow in each of
+        its chunks; a member that only waits for it does so inside the group's
+        collectives, after its first chunk of the iteration (the iterations start
+        together), so it is never far slower than the slow member in the same chunk. A
+        group slowed alike (a slow TP link, a member slowed inside each chunk's own
+        collectives) leads in no chunk: the profiles cannot split it."""
+        leads = {r: 0 for r in ranks}
+        for profiles in ctx.iterations:
+            chunks: dict[int, dict[tuple[int, int, int], float]] = {}
+            for r in ranks:
+                p = profiles.get(r)
+                if p is None:
+                    return []
+                chunks[r] = {}
+                for mb in p.microbatches:
+                    chunks[r][(mb.owner, mb.mb, 0)] = mb.forward_s
+                    chunks[r][(mb.owner, mb.mb, 1)] = mb.backward_s
+            common = {k for k in set.intersection(*(set(c) for c in chunks.values()))
+                      if all(c[k] > 0 for c in chunks.values())} if chunks else set()
+            for r in ranks:
+                if any(chunks[r][k] > (1 + ProfileVerifier.LEAD) * max(chunks[o][k] for o in ranks if o != r)
+                       for k in common):
+                    leads[r] += 1
+        n = len(ctx.iterations)
+        return sorted(r for r, k in leads.items() if n and k == n)
 
     # ------------------------------------------------------------ communication
     def _waited_for(self, t: _Totals, heavy: list[int], excess: Mapping[int, float]) -> dict[int, float]:
