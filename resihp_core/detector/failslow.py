@@ -707,9 +707,10 @@ class WorkloadAwareDetector(_Base):
         it to (``max(unshared_ratio, exp(unshared_k * sigma))``, sigma the host's healthy
         paired noise: :func:`~.localise.machine_noise`), and where the host's healthy
         history reaches the run's lowest paired ratio in at most ``NEIGHBOUR_TAIL`` of its
-        iterations. A device whose noise is not measured yet is not judged so."""
+        iterations. A device whose own history holds fewer than ``NEIGHBOUR_HISTORY``
+        healthy values is not judged so."""
         noise = self.local.noise()
-        if device not in noise or len(rows) < self.verify_window:
+        if self.local.healthy_count(device) < self.NEIGHBOUR_HISTORY or len(rows) < self.verify_window:
             return False
         bar = max(self.unshared_ratio, math.exp(self.unshared_k * machine_noise(noise, [device])))
         try:
@@ -730,6 +731,11 @@ class WorkloadAwareDetector(_Base):
                     device, bar, tail, ", ".join(f"{r:.2f}x its peers waiting {100 * w:.0f} %" for r, w in seen))
         return True
 
+    #: Healthy values the device's own history must hold (since it last restarted: the
+    #: warm-up, or a run judged) for :meth:`_neighbour`: the spread and the tail of fewer
+    #: cannot say how rarely the host gives a run this high (a device whose earlier run
+    #: on a loaded host was judged and cleared restarts with a few values).
+    NEIGHBOUR_HISTORY = 8
     #: Largest share of the host's healthy peer excesses (every device's history) that
     #: may reach a run's lowest paired ratio for :meth:`_neighbour` to take the run as
     #: evidence: three such iterations in a row then happen by chance about once in

@@ -893,6 +893,66 @@ def test_on_a_loaded_machine_a_confined_rank_the_hopping_load_hits_3_times_in_a_
     assert shortened and shortened[0].report.devices == (12,), shortened
 
 
+# Recorded by benchmarks/detector_external.py --trace on this 2-core machine (load average
+# 12-57, other processes holding 1.4-1.8 cores): per iteration, worker 0's compute and its
+# run delay in compute, then worker 1's (seconds); the synthetic busy workers of a DP-2 job.
+NO_FAULT_1X = [  # no fault, one unpinned busy process per core added; both workers pinned
+    (0.543, 0.387, 0.961, 0.803), (1.167, 1.014, 0.79, 0.651), (1.135, 0.983, 0.77, 0.613), (1.012, 0.863, 0.962, 0.812),
+    (0.949, 0.802, 0.978, 0.835), (0.497, 0.346, 0.679, 0.527), (0.586, 0.438, 0.57, 0.419), (0.212, 0.065, 0.818, 0.669),
+    (0.616, 0.472, 1.033, 0.884), (0.833, 0.682, 0.887, 0.737), (1.073, 0.925, 0.956, 0.804), (1.109, 0.976, 1.096, 0.95),
+    (1.318, 1.165, 1.18, 1.027), (1.116, 1.006, 1.015, 0.863), (0.996, 0.856, 0.921, 0.769), (1.033, 0.881, 2.189, 2.04),
+    (0.969, 0.827, 1.277, 1.125), (0.903, 0.762, 1.146, 0.993), (1.206, 1.087, 1.54, 1.387), (1.286, 1.185, 1.713, 1.56),
+    (1.655, 1.503, 1.102, 0.961), (1.661, 1.551, 0.941, 0.798), (1.36, 1.205, 1.004, 0.852)]
+WHOLE_MACHINE_0X = [  # three busy processes pinned to each worker's core from iteration 12; both pinned
+    (0.459, 0.299, 0.29, 0.129), (0.449, 0.295, 0.377, 0.22), (0.437, 0.273, 0.315, 0.157), (0.38, 0.223, 0.302, 0.148),
+    (0.443, 0.292, 0.348, 0.198), (0.408, 0.267, 0.366, 0.213), (0.621, 0.467, 0.324, 0.17), (0.744, 0.604, 0.374, 0.219),
+    (0.516, 0.366, 0.367, 0.21), (2.386, 2.237, 0.313, 0.158), (0.585, 0.428, 0.37, 0.215), (0.829, 0.673, 0.286, 0.129),
+    (1.494, 1.339, 0.288, 0.138), (1.418, 1.26, 0.347, 0.187), (3.045, 2.888, 0.345, 0.196), (3.017, 2.861, 0.425, 0.27),
+    (1.449, 1.349, 0.463, 0.306), (1.09, 0.935, 0.464, 0.314), (1.304, 1.143, 0.415, 0.26), (2.963, 2.803, 0.403, 0.249),
+    (2.534, 2.375, 4.517, 4.36), (2.303, 2.144, 2.858, 2.692), (2.196, 2.034, 1.628, 1.455)]
+NEIGHBOUR_0X = [  # worker 0 pinned to a core with three busy loops, worker 1 unpinned
+    (1.134, 0.98, 1.314, 1.158), (1.585, 1.439, 2.716, 2.502), (1.469, 1.327, 2.941, 2.578), (1.412, 1.262, 2.129, 1.951),
+    (1.157, 1.006, 2.129, 1.976), (1.311, 1.16, 1.974, 1.822), (1.55, 1.474, 1.373, 1.225), (1.4, 1.25, 2.373, 2.178),
+    (1.172, 1.023, 1.971, 1.753), (0.999, 0.85, 1.413, 1.26), (0.791, 0.641, 2.047, 1.892), (1.002, 0.853, 4.777, 4.469),
+    (0.868, 0.717, 4.246, 4.126), (1.016, 0.889, 2.91, 2.764), (1.941, 1.818, 3.228, 3.061), (1.38, 1.23, 2.424, 2.207),
+    (8.07, 7.915, 2.138, 1.979), (6.126, 5.973, 2.828, 2.674), (4.113, 3.959, 1.977, 1.777), (1.523, 1.383, 1.645, 1.423),
+    (1.66, 1.509, 0.853, 0.699), (3.184, 3.02, 0.942, 0.799), (2.119, 1.959, 0.93, 0.775)]
+
+
+def _replay(rows: list[tuple[float, float, float, float]], unpinned: tuple[int, ...] = (), **kw) -> list:
+    """Reports of a default detector fed ``rows`` (above) as two DP replicas' profiles."""
+    det = resihp(**kw)
+    out = []
+    for it, row in enumerate(rows):
+        total = max(row[0], row[2]) + 0.002
+        ps = {r: IterationProfile(rank=r, device=r, generation=0, iteration=it, stage=0, replica=r,
+                                  microbatches=(MicroBatchProfile(owner=r, mb=0, forward_s=row[2 * r] / 3,
+                                                                  backward_s=2 * row[2 * r] / 3, doc_lengths=(256,)),),
+                                  comm_s=total - row[2 * r], iteration_s=total, cpu_wait_s=row[2 * r + 1] * 1.02,
+                                  compute_wait_s=row[2 * r + 1], cpus=(0, 1) if r in unpinned else (r,))
+              for r in (0, 1)}
+        d = det.observe(it, ps)
+        if d.report is not None and d.action == "reported":
+            out.append((it, d.report.devices, d.report.cause))
+    return out
+
+
+def test_recorded_runs_on_a_loaded_host_chance_is_not_reported_a_neighbour_is_within_3() -> None:
+    """Recorded profiles of a loaded host (above). No fault: worker 1 runs 1.3-2.1x its
+    peer for 5 iterations by chance, right after an earlier run of it was judged and
+    cleared (its history restarted with 5 values): not reported. Whole-machine load: worker
+    0 waits 2-8x its peer for many iterations; verifying after 3 (``loaded_window=3``)
+    reported it, the evidence rule does not. The neighbour: worker 0 8x its peer from
+    iteration 16, reported at 18 (within 3) as contention, where the loaded machine's 6
+    iterations (the evidence made unreachable) found nothing in the run."""
+    assert _replay(NO_FAULT_1X) == []
+    assert _replay(WHOLE_MACHINE_0X) == []
+    assert _replay(WHOLE_MACHINE_0X, loaded_window=3) != []
+    found = _replay(NEIGHBOUR_0X, unpinned=(1,))
+    assert found and found[0][1:] == ((0,), "contention") and found[0][0] - 16 + 1 <= 3, found
+    assert _replay(NEIGHBOUR_0X, unpinned=(1,), neighbour_share=0.99) == []
+
+
 def test_a_job_whose_iterations_are_too_noisy_for_a_1_3x_slowdown_is_told_so_once() -> None:
     # Steady iterations: the per-device bar is the 1.25x floor, nothing to say.
     det = resihp()
