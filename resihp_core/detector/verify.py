@@ -289,6 +289,10 @@ class ProfileVerifier:
         already seen 3 high values, so the bar must stand on its own: healthy noise puts
         3 iterations in a row above 2 sigma about once in 80 000 (one-sided 2.3 % each),
         as rare as 6 in a row above the watch's 2x cap at the noise of a loaded host.
+    :param unshared_spread: ... and the paired ratios above that bar within this factor
+        of each other: a neighbour takes about the same share of its core in every
+        iteration, while a loaded host's stalls swing it 3-4x (7.5x, 6.3x, then 1.9x its
+        peer in a no-fault run at load 18-28 on 2 cores).
     :param environment_rise: two or more executors slowed at once, every one on a node
         whose CPU contention (probed outside the job, ``VerificationContext.environment``)
         rose by at least this factor across the change: the environment, not reported.
@@ -319,6 +323,7 @@ class ProfileVerifier:
         unpinned_ratio: float = 1.5,
         unshared_ratio: float = 1.3,
         unshared_k: float = 2.0,
+        unshared_spread: float = 2.0,
         environment_rise: float = 1.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
@@ -335,6 +340,9 @@ class ProfileVerifier:
         if not unshared_ratio > 1 or unshared_k < 0:
             raise ValueError(f"unshared_ratio must be > 1 and unshared_k >= 0, got {unshared_ratio!r}, {unshared_k!r}")
         self.unshared_ratio, self.unshared_k = unshared_ratio, unshared_k
+        if not unshared_spread > 1:
+            raise ValueError(f"unshared_spread must be > 1, got {unshared_spread!r}")
+        self.unshared_spread = unshared_spread
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         """Apply :attr:`RULES` in order; the first that decides gives the verdict, named
@@ -657,8 +665,9 @@ class ProfileVerifier:
             return c.memo[key]  # its healthy noise is not measured yet: no paired bar to hold
         bar = max(self.unshared_ratio, math.exp(self.unshared_k * machine_noise(c.ctx.noise, devices)))
         together = math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in ratios))
-        if together >= bar:
-            c.memo[key] = (sum(1 for x in ratios if x >= bar), len(ratios))
+        high = [x for x in ratios if x >= bar]
+        if together >= bar and (not high or max(high) <= self.unshared_spread * min(high)):
+            c.memo[key] = (len(high), len(ratios))
         return c.memo[key]
 
     def _over_peers(self, c: _Case, ex: tuple[int, int]) -> float:
