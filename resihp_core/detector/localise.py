@@ -319,7 +319,7 @@ class PeerExcessWatch:
         that were ``excess`` or more above their device's healthy level: how often the
         host's healthy noise alone gives a peer excess that large (0 when none kept)."""
         n = above = 0
-        for d, h in self._healthy.items():
+        for h in self._healthy.values():
             if len(h) < self.min_history:
                 continue
             level = statistics.median(h)
