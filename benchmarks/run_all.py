@@ -381,6 +381,11 @@ SOURCES = [
            "Fail-slow detector: issue #33's noisy neighbour (a worker pinned to a core shared with busy loops, "
            "its peer unpinned; pinned from the start, and pinned at the onset as users did) next to whole-machine "
            "load and no fault, at outside load 0, 1x and 2x the cores"),
+    Source("detector-external-onset", "detector-external-onset.json", "detector_external.py",
+           ("--quick", "--cases", "pinned at the onset,no fault", "--outside-load", "0,1,2"),
+           "Fail-slow detector: issue #33's noisy neighbour as users make it (every worker unpinned until the "
+           "onset, then worker 0 pinned to a core where two busy loops start) next to a no-fault run, at outside "
+           "load 0, 1x and 2x the cores"),
     Source("peers-quick", "peers-quick.json", "peers.py", ("--quick",),
            "ResiHP next to torchft and checkpoint-restart, CI-sized (DP4, fault-free and kill-every-n)", quick=True),
     Source("peers-full", "peers-full.json", "peers.py",

@@ -63,7 +63,15 @@ from resihp_core.detector import (
     Verdict,
 )
 from resihp_core.detector.environment import environment_change
-from resihp_core.detector.localise import PeerExcessWatch, confined, own_compute_of, peer_excess, peers_waiting
+from resihp_core.detector.localise import (
+    PeerExcessWatch,
+    confined,
+    machine_noise,
+    own_compute_of,
+    peer_excess,
+    peers_waiting,
+    unshared_waiting,
+)
 from resihp_core.detector.model import ModelNotReady, WorkloadModel, measured_iteration_time
 from resihp_core.detector.recovery import RecoveryWatch
 
@@ -236,6 +244,17 @@ class WorkloadAwareDetector(_Base):
     :param unpinned_window: the same for a device that shares its CPUs with its peers
         (not pinned to cores of its own, or CPUs not reported): its waiting is where the
         scheduler put it, so it must last longer (docs/detector.md "Pinned or unpinned").
+    :param unshared_ratio: a confined device on a loaded machine is verified after
+        ``verify_window`` iterations, not ``loaded_window``, when in each of them it
+        computed at least this much (and ``exp(unshared_k * sigma)``, sigma the host's
+        healthy paired noise) slower than its peers under the same load, the slowest of
+        all, by waiting for a CPU that was ``neighbour_share`` or more of its compute and
+        that its peers did not do, by about the same ratio each time, where the host's
+        healthy history rarely came that high (:meth:`_neighbour`; docs/detector.md
+        "Contention its peers do not share"): a neighbour on its own cores, not the
+        scheduler's luck.
+    :param unshared_k: see ``unshared_ratio``.
+    :param neighbour_share: see ``unshared_ratio``.
     :param healthy_iterations: iterations at full speed after which a known-slow device
         is reported healthy again (detector/recovery.py).
     :param settle_iterations: iterations after a generation's fit during which its
@@ -271,6 +290,9 @@ class WorkloadAwareDetector(_Base):
         loaded_share: float = 0.25,
         loaded_window: int = 6,
         unpinned_window: int = 12,
+        unshared_ratio: float = 1.3,
+        unshared_k: float = 2.0,
+        neighbour_share: float = 0.5,
         healthy_iterations: int = 5,
         settle_iterations: int = 10,
     ) -> None:
@@ -280,6 +302,10 @@ class WorkloadAwareDetector(_Base):
                              "1 <= verify_window <= loaded_window <= unpinned_window")
         self.verify_window, self.loaded_share, self.loaded_window = verify_window, loaded_share, loaded_window
         self.unpinned_window = unpinned_window
+        if not unshared_ratio > 1 or unshared_k < 0 or not 0 < neighbour_share < 1:
+            raise ValueError(f"need unshared_ratio > 1, unshared_k >= 0 and 0 < neighbour_share < 1, got "
+                             f"{unshared_ratio!r}, {unshared_k!r}, {neighbour_share!r}")
+        self.unshared_ratio, self.unshared_k, self.neighbour_share = unshared_ratio, unshared_k, neighbour_share
         if settle_iterations < 0:
             raise ValueError(f"settle_iterations must be >= 0, got {settle_iterations}")
         self.settle_iterations = settle_iterations
@@ -656,23 +682,65 @@ class WorkloadAwareDetector(_Base):
         more in those iterations, the machine is loaded and which rank waits longest
         changes from one iteration to the next: three in a row happen by chance, so the
         run must last ``loaded_window`` iterations (a hog on the device's own cores keeps
-        it waiting in every one). So must a device that shares its CPUs with its peers
-        (not pinned to cores of its own, or CPUs not reported): its waiting is the
-        scheduler's choice, not a hog on its cores (docs/detector.md "Pinned or
-        unpinned"). Elsewhere ``verify_window``. (The iteration-time path verifies
-        after ``verify_window``, where contention its peers do not share is judged on
-        the paired ratio: docs/detector.md "Contention its peers do not share".)"""
+        it waiting in every one) — unless the run itself carries what chance does not
+        give (:meth:`_neighbour`): then ``verify_window``. A device that shares its CPUs
+        with its peers (not pinned to cores of its own, or CPUs not reported) must last
+        ``unpinned_window``: its waiting is the scheduler's choice, not a hog on its
+        cores (docs/detector.md "Pinned or unpinned"). Elsewhere ``verify_window``."""
         def needed(device: int, iterations: list[int]) -> int:
             if device in own_found or self.own.flagged(device) >= len(iterations):
                 return self.verify_window
             byit = {it: ps for it, _, ps in self._hist}
-            if not confined([byit[it] for it in iterations if it in byit], [device]):
+            rows = [byit[it] for it in iterations if it in byit]
+            if not confined(rows, [device]):
                 return self.unpinned_window
-            shares = [peers_waiting(byit[it], device) for it in iterations if it in byit]
+            shares = [peers_waiting(ps, device) for ps in rows]
             if shares and statistics.median(shares) >= self.loaded_share:
-                return self.loaded_window
+                return self.verify_window if self._neighbour(device, rows) else self.loaded_window
             return self.verify_window
         return needed
+
+    def _neighbour(self, device: int, rows: list[ProfileSet]) -> bool:
+        """Whether a confined ``device``'s run on a loaded machine is a neighbour on its
+        own cores by evidence chance does not give, in every iteration of it
+        (:func:`~.localise.unshared_waiting`), against the paired bar verification holds
+        it to (``max(unshared_ratio, exp(unshared_k * sigma))``, sigma the host's healthy
+        paired noise: :func:`~.localise.machine_noise`), and where the host's healthy
+        history reaches the run's lowest paired ratio in at most ``NEIGHBOUR_TAIL`` of its
+        iterations. A device whose own history holds fewer than ``NEIGHBOUR_HISTORY``
+        healthy values is not judged so."""
+        noise = self.local.noise()
+        if self.local.healthy_count(device) < self.NEIGHBOUR_HISTORY or len(rows) < self.verify_window:
+            return False
+        bar = max(self.unshared_ratio, math.exp(self.unshared_k * machine_noise(noise, [device])))
+        try:
+            seen = unshared_waiting(rows, device, self.model.rank_compute, bar, share=self.neighbour_share)
+        except ModelNotReady:
+            return False
+        if seen is None:
+            return False
+        # The paired bar stands on the spread of the host's healthy noise; a host whose
+        # load hops between ranks has a heavy tail that spread does not show (one rank
+        # in four 2x its peers, a different one each time): there a run this high is
+        # what its chance gives, and it keeps the loaded machine's window.
+        low = min(r for r, _ in seen)
+        tail = self.local.rate_above(math.log(low))
+        if tail > self.NEIGHBOUR_TAIL:
+            return False
+        logger.info("event=failslow_neighbour generation=%d device=%d bar=%.2f tail=%.3f run=%s", self.generation,
+                    device, bar, tail, ", ".join(f"{r:.2f}x its peers waiting {100 * w:.0f} %" for r, w in seen))
+        return True
+
+    #: Healthy values the device's own history must hold (since it last restarted: the
+    #: warm-up, or a run judged) for :meth:`_neighbour`: the spread and the tail of fewer
+    #: cannot say how rarely the host gives a run this high (a device whose earlier run
+    #: on a loaded host was judged and cleared restarts with a few values).
+    NEIGHBOUR_HISTORY = 8
+    #: Largest share of the host's healthy peer excesses (every device's history) that
+    #: may reach a run's lowest paired ratio for :meth:`_neighbour` to take the run as
+    #: evidence: three such iterations in a row then happen by chance about once in
+    #: 8 000 runs of a device.
+    NEIGHBOUR_TAIL = 0.05
 
     def _persistent_excess(self, iteration: int, measured: float) -> Detection:
         """Backstop for a change the change-point detector cannot place: every one of the

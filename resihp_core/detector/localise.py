@@ -25,14 +25,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
 __all__ = ["PeerExcessWatch", "compute_of", "confined", "machine_noise", "own_compute_of", "own_cores", "peer_excess",
-           "peers_waiting", "robust_sigma"]
+           "peers_waiting", "robust_sigma", "unshared_waiting"]
 
 
 def compute_of(p: IterationProfile) -> float:
@@ -108,6 +108,62 @@ def confined(iterations: Iterable[ProfileSet], devices: Iterable[int]) -> bool:
                 return False
             (mine if p.device in want else theirs).update(p.cpus)
     return bool(mine) and bool(theirs) and (not (mine & theirs) or bool(theirs - mine))
+
+
+def unshared_waiting(rows: Sequence[ProfileSet], device: int, healthy: Callable[[IterationProfile], float],
+                     bar: float, *, share: float = 0.5, spread: float = 2.0) -> list[tuple[float, float]] | None:
+    """Evidence that ``device`` waits for a CPU its peers do not wait for (a noisy
+    neighbour on its own cores), in *every* one of ``rows``, that a loaded machine's
+    chance does not give: per iteration, with ``c`` a rank's measured compute over its
+    healthy compute and ``w`` its waiting for a CPU in compute over the same,
+
+    * its paired ratio ``c / median of the other executors' c`` is at least ``bar``;
+    * it is the slowest: ``c`` above every other executor's (the same device each time);
+    * at least ``share`` of its measured compute was that waiting (a neighbour holds the
+      core it is held to; a rank waiting on a slower member inside a collective, or
+      stopped, is off the CPU and shows none);
+    * its waiting beyond the most any other executor waited (``w`` minus their largest)
+      is at least half of its excess over them (``c`` minus their median): the excess
+      is waiting its peers, under the same load, did not do;
+
+    and over the iterations the paired ratio is consistent in size (largest over
+    smallest at most ``spread``): a neighbour keeps taking about the same share of its
+    core, while the scheduler's luck on a loaded machine swings 2-3x between iterations.
+    Returns per iteration (its paired ratio, the share of its compute it waited) when
+    all hold, else None (docs/detector.md "Contention its peers do not share")."""
+    seen: list[tuple[float, float]] = []
+    for ps in rows:
+        mine = [p for p in ps.values() if p.device == device]
+        if len(mine) != 1:
+            return None
+        me = mine[0]
+        peers: dict[tuple[int, int], list[IterationProfile]] = defaultdict(list)
+        for p in ps.values():
+            if (p.replica, p.stage) != (me.replica, me.stage):
+                peers[(p.replica, p.stage)].append(p)
+        comp, h = compute_of(me), healthy(me)
+        if not peers or comp <= 0 or not h > 0:
+            return None
+        c, w = comp / h, me.compute_wait_s / h
+        pc: list[float] = []
+        pw: list[float] = []
+        for ranks in peers.values():
+            hs = [(p, healthy(p)) for p in ranks]
+            if not all(x > 0 for _, x in hs):
+                return None
+            pc.append(max(compute_of(p) / x for p, x in hs))
+            pw.append(max(p.compute_wait_s / x for p, x in hs))
+        med = statistics.median(pc)
+        if not med > 0:
+            return None
+        ratio = c / med
+        if (ratio < bar or c <= max(pc) or me.compute_wait_s < share * comp
+                or w - max(pw) < 0.5 * (c - med)):
+            return None
+        seen.append((ratio, me.compute_wait_s / comp))
+    if not seen or max(r for r, _ in seen) > spread * min(r for r, _ in seen):
+        return None
+    return seen
 
 
 def machine_noise(noise: Mapping[int, float], devices: Iterable[int]) -> float:
@@ -257,6 +313,19 @@ class PeerExcessWatch:
             del self._run[d]
             self._need.pop(d, None)
         return found
+
+    def rate_above(self, excess: float) -> float:
+        """The share of every device's healthy values (those with ``min_history``)
+        that were ``excess`` or more above their device's healthy level: how often the
+        host's healthy noise alone gives a peer excess that large (0 when none kept)."""
+        n = above = 0
+        for h in self._healthy.values():
+            if len(h) < self.min_history:
+                continue
+            level = statistics.median(h)
+            n += len(h)
+            above += sum(1 for x in h if x - level >= excess)
+        return above / n if n else 0.0
 
     def forget(self, devices: Iterable[int]) -> None:
         """The slowdown of ``devices`` was judged: they start a new healthy history at

@@ -289,6 +289,10 @@ class ProfileVerifier:
         already seen 3 high values, so the bar must stand on its own: healthy noise puts
         3 iterations in a row above 2 sigma about once in 80 000 (one-sided 2.3 % each),
         as rare as 6 in a row above the watch's 2x cap at the noise of a loaded host.
+    :param unshared_spread: ... and the paired ratios above that bar within this factor
+        of each other: a neighbour takes about the same share of its core in every
+        iteration, while a loaded host's stalls swing it 3-4x (7.5x, 6.3x, then 1.9x its
+        peer in a no-fault run at load 18-28 on 2 cores).
     :param environment_rise: two or more executors slowed at once, every one on a node
         whose CPU contention (probed outside the job, ``VerificationContext.environment``)
         rose by at least this factor across the change: the environment, not reported.
@@ -319,6 +323,7 @@ class ProfileVerifier:
         unpinned_ratio: float = 1.5,
         unshared_ratio: float = 1.3,
         unshared_k: float = 2.0,
+        unshared_spread: float = 2.0,
         environment_rise: float = 1.25,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
@@ -335,6 +340,9 @@ class ProfileVerifier:
         if not unshared_ratio > 1 or unshared_k < 0:
             raise ValueError(f"unshared_ratio must be > 1 and unshared_k >= 0, got {unshared_ratio!r}, {unshared_k!r}")
         self.unshared_ratio, self.unshared_k = unshared_ratio, unshared_k
+        if not unshared_spread > 1:
+            raise ValueError(f"unshared_spread must be > 1, got {unshared_spread!r}")
+        self.unshared_spread = unshared_spread
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         """Apply :attr:`RULES` in order; the first that decides gives the verdict, named
@@ -657,8 +665,9 @@ class ProfileVerifier:
             return c.memo[key]  # its healthy noise is not measured yet: no paired bar to hold
         bar = max(self.unshared_ratio, math.exp(self.unshared_k * machine_noise(c.ctx.noise, devices)))
         together = math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in ratios))
-        if together >= bar:
-            c.memo[key] = (sum(1 for x in ratios if x >= bar), len(ratios))
+        high = [x for x in ratios if x >= bar]
+        if together >= bar and (not high or max(high) <= self.unshared_spread * min(high)):
+            c.memo[key] = (len(high), len(ratios))
         return c.memo[key]
 
     def _over_peers(self, c: _Case, ex: tuple[int, int]) -> float:
@@ -826,6 +835,17 @@ class ProfileVerifier:
                 continue
             devices = sorted(t.device[r] for r in ranks)
             qg = statistics.median(qs.values())
+            ahead = self._ahead_in_chunks(ctx, ranks)
+            if ahead and len(ahead) < len(ranks):
+                # Alike over the iterations, but not chunk by chunk: the others waited
+                # inside their collectives for these ranks' slow chunks.
+                for r in ahead:
+                    slow[t.device[r]] = _clip_p(1.0 / qs[r])
+                notes.append(f"{where}: TP group {qg:.2f}x slow alike, but rank(s) {ahead} computed a chunk "
+                             f"{1 + self.LEAD:.1f}x or more slower than every other member's same chunk in each "
+                             "iteration verified, which none of the others did: those waited for them in the "
+                             "group's collectives")
+                continue
             if ctx.prober is None or not getattr(ctx.prober, "measures_compute", True):
                 for d in devices:
                     slow[d] = _clip_p(1.0 / qg)
@@ -853,6 +873,40 @@ class ProfileVerifier:
             cause = "contention"
         ev = f"{cause} slowdown: " + "; ".join(notes) + f" -> {_fmt(slow)}"
         return Verdict(slow, cause, ev, rounds, probe_s)  # type: ignore[arg-type]
+
+    #: How much slower than every other member's same chunk a TP rank's chunk must be to
+    #: lead it (:meth:`_ahead_in_chunks`).
+    LEAD = 0.5
+
+    @staticmethod
+    def _ahead_in_chunks(ctx: VerificationContext, ranks: list[int]) -> list[int]:
+        """The ranks of one TP group that, in every iteration verified, computed some
+        chunk (a micro-batch's forward or backward) more than ``1 + LEAD`` times as long
+        as every other member's same chunk. A member slowed by itself is slow in each of
+        its chunks; a member that only waits for it does so inside the group's
+        collectives, after its first chunk of the iteration (the iterations start
+        together), so it is never far slower than the slow member in the same chunk. A
+        group slowed alike (a slow TP link, a member slowed inside each chunk's own
+        collectives) leads in no chunk: the profiles cannot split it."""
+        leads = {r: 0 for r in ranks}
+        for profiles in ctx.iterations:
+            chunks: dict[int, dict[tuple[int, int, int], float]] = {}
+            for r in ranks:
+                p = profiles.get(r)
+                if p is None:
+                    return []
+                chunks[r] = {}
+                for mb in p.microbatches:
+                    chunks[r][(mb.owner, mb.mb, 0)] = mb.forward_s
+                    chunks[r][(mb.owner, mb.mb, 1)] = mb.backward_s
+            common = {k for k in set.intersection(*(set(c) for c in chunks.values()))
+                      if all(c[k] > 0 for c in chunks.values())} if chunks else set()
+            for r in ranks:
+                if any(chunks[r][k] > (1 + ProfileVerifier.LEAD) * max(chunks[o][k] for o in ranks if o != r)
+                       for k in common):
+                    leads[r] += 1
+        n = len(ctx.iterations)
+        return sorted(r for r, k in leads.items() if n and k == n)
 
     # ------------------------------------------------------------ communication
     def _waited_for(self, t: _Totals, heavy: list[int], excess: Mapping[int, float]) -> dict[int, float]:

@@ -409,3 +409,34 @@ def test_a_slowdown_right_after_a_rejoins_warm_up_is_not_refitted_away() -> None
             trace = [(d.iteration, d.action, d.report and d.report.devices, d.notes) for d in dets]
             assert rep and dets[rep[0]].report.devices == (0,) and rep[0] - 4 + 1 <= 3, (seed, ranks, cold, trace)
             assert not any("warm-up was not healthy" in n for d in dets[:rep[0]] for n in d.notes), trace
+
+
+def _pair(it: int, compute: tuple[float, float], wait: tuple[float, float]) -> dict[int, IterationProfile]:
+    """Two DP replicas, one rank each, healthy compute 1 s: rank r computed
+    ``compute[r]`` s, ``wait[r]`` s of it runnable but waiting for a CPU; rank 1 pinned."""
+    return {r: IterationProfile(rank=r, device=r, generation=0, iteration=it, stage=0, replica=r,
+                                microbatches=(MicroBatchProfile(owner=r, mb=0, forward_s=compute[r] / 3,
+                                                                backward_s=2 * compute[r] / 3, doc_lengths=(8,)),),
+                                comm_s=0.1, iteration_s=max(compute) + 0.1, cpu_wait_s=wait[r], compute_wait_s=wait[r],
+                                cpus=(1,) if r == 1 else (0, 1))
+            for r in range(2)}
+
+
+def test_unshared_waiting_is_evidence_chance_and_a_waiting_peer_do_not_give() -> None:
+    from resihp_core.detector.localise import unshared_waiting
+
+    def seen(rows):
+        return unshared_waiting(rows, 1, lambda p: 1.0, 1.3)
+
+    # A neighbour on rank 1's core: 2x its peer, waiting 70 % of its compute, its peer 40 %.
+    neighbour = [_pair(i, (1.5, 3.0 + 0.1 * i), (0.6, 2.1 + 0.1 * i)) for i in range(3)]
+    got = seen(neighbour)
+    assert got is not None and all(r > 1.9 and w > 0.69 for r, w in got), got
+    # The same excess spent waiting on a slower TP member inside a collective: off the
+    # CPU, no run delay (a rank that only waits, or is stopped): not a neighbour.
+    assert seen([_pair(i, (1.5, 3.0), (0.6, 0.3)) for i in range(3)]) is None
+    # Waiting, but its peer waited as much beyond it: its excess is not waiting they did not do.
+    assert seen([_pair(i, (1.5, 3.0), (1.4, 2.1)) for i in range(3)]) is None
+    # A ratio that swings 2.6x between iterations (the scheduler's luck), or under the bar once.
+    assert seen([_pair(0, (1.5, 2.0), (0.6, 1.2)), *neighbour[1:2], _pair(2, (1.0, 3.5), (0.2, 2.7))]) is None
+    assert seen([_pair(0, (1.5, 1.8), (0.6, 1.0)), *neighbour[1:]]) is None
