@@ -447,6 +447,10 @@ SOURCES = [
     Source("false-reports-nofault", "false-reports-nofault.json", "false_reports.py",
            ("--cases", "no-load,steady-load,cpu-burst", "--runs", "1"),
            "No-fault runs of the reference backend's TP1 x PP2 x DP2 job: fail-slow and SDC false reports"),
+    Source("sdc-cost-dp4-m", "sdc-cost-dp4-m.json", "sdc_cost.py",
+           ("--job", "dp4", "--size", "m", "--job-rounds", "6", "--iterations", "14"),
+           "What the SDC fingerprint costs a real iteration: overhead.py's torch_native DP4 job at size m (0.98 s "
+           "steps) with fingerprints on and off, alternating, on a quiet machine"),
     Source("sdc-cost", "sdc-cost.json", "sdc_cost.py",
            ("--sizes", "1e6,4e6,1.6e7", "--rounds", "1,4,8", "--coverage", "0.25,0.1"),
            "SDC checks: a shard's fingerprint (every byte; parameters whole and the optimizer state in R iterations, "

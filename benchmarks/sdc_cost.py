@@ -309,6 +309,10 @@ def main() -> int:
 
 
 def _job_main(args: argparse.Namespace) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import machine
+
+    t0 = time.time()
     runs = job_ab(args.job, args.size, args.job_rounds, args.iterations)
     ok = [r for r in runs if r["ok"]]
     med = {m: {k: statistics.median(r[k] for r in ok if r["mode"] == m) for k in ("iteration_s", "cpu_s_per_iteration")}
@@ -326,7 +330,12 @@ def _job_main(args: argparse.Namespace) -> int:
         print("failed runs: " + "; ".join(str(e)[:200] for e in failed))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"job": args.job, "size": args.size, "rounds": args.job_rounds, "iterations": args.iterations,
+            loads = [x for r in runs for x in (r["load"][0] or [None])[:1] + (r["load"][1] or [None])[:1]
+                     if x is not None]
+            json.dump({"command": "python benchmarks/sdc_cost.py " + " ".join(sys.argv[1:]),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)), "machine": machine(),
+                       "load": [min(loads), max(loads)] if loads else None, "wall_s": round(time.time() - t0, 1),
+                       "job": args.job, "size": args.size, "rounds": args.job_rounds, "iterations": args.iterations,
                        "cores": os.cpu_count(), "rows": rows, "runs": runs}, f, indent=1)
     return 0 if len(med) == 2 else 1
 
