@@ -447,6 +447,10 @@ SOURCES = [
     Source("false-reports-nofault", "false-reports-nofault.json", "false_reports.py",
            ("--cases", "no-load,steady-load,cpu-burst", "--runs", "1"),
            "No-fault runs of the reference backend's TP1 x PP2 x DP2 job: fail-slow and SDC false reports"),
+    Source("engine-cpu-m", "engine-cpu-m.json", "engine_cpu.py",
+           ("--size", "m", "--iterations", "16", "--rounds", "2", "--threads", "1"),
+           "The torch_native engine's iteration at size m in one process, one thread, by part: the rollback "
+           "snapshot, the SDC fingerprint as a separate pass and read during the snapshot's copy"),
     Source("sdc-cost-dp4-m", "sdc-cost-dp4-m.json", "sdc_cost.py",
            ("--job", "dp4", "--size", "m", "--job-rounds", "6", "--iterations", "14"),
            "What the SDC fingerprint costs a real iteration: overhead.py's torch_native DP4 job at size m (0.98 s "
