@@ -76,13 +76,8 @@ sys.path.insert(0, str(HERE))
 import peers  # noqa: E402
 from benchstats import loadavg, machine  # noqa: E402
 
-#: the model (resihp run's [model] section): 4 layers; heads divide every TP degree used
-SIZES = {
-    "xs": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128},
-    "s": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 256, "ffn_hidden": 1024},
-    "m": {"layers": 4, "hidden": 512, "heads": 8, "vocab": 256, "ffn_hidden": 2048},
-    "l": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 256, "ffn_hidden": 4096},
-}
+#: the model sizes (resihp run's [model] section), peers.py's
+SIZES = peers.SIZES
 SYSTEMS = ("stock", "stock+ckpt", "resihp", "resihp+ckpt")
 #: The DeepSpeed user's GPT pipeline (``ds_gpt_train.py``), PP2 x DP2, 4 micro-batches
 #: per replica; its model is ``SIZES[size]`` (blocks, width, heads, FFN, vocabulary).

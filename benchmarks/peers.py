@@ -232,7 +232,16 @@ JOBS = {"dp4": Job("dp4", 1, 4, 3), "pp2dp2": Job("pp2dp2", 2, 2, 4),
         # The reference (Megatron-style) backend's TP2 x PP2: its own model, TP layers and
         # data; checkpoint-restart runs that model as a Megatron user would (_ref_worker).
         "tp2pp2": Job("tp2pp2", 2, 1, 4, tp=2, adapter="megatron_ref")}
-MODEL = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128}
+#: Model sizes (resihp run's [model] section; 4 layers, heads divide every TP degree used):
+#: xs is CI-sized (56 ms DP4 steps here, where ResiHP's fixed per-iteration cost dominates),
+#: m and l have the step times users have (0.9 and 3.6 s for DP4 on this CPU).
+SIZES = {
+    "xs": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "ffn_hidden": 128},
+    "s": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 256, "ffn_hidden": 1024},
+    "m": {"layers": 4, "hidden": 512, "heads": 8, "vocab": 256, "ffn_hidden": 2048},
+    "l": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 256, "ffn_hidden": 4096},
+}
+MODEL = dict(SIZES["xs"])
 WARMUP = 3  # iterations before the figures start (start-up, first-plan effects)
 TIMEOUT_S = 10.0  # every system's collective timeout where it has one to set (torchft: its example's)
 HEARTBEAT_MISSES = 50  # x 0.1 s: ResiHP's hang timeout matched to torchft's 5 s heartbeat timeout
@@ -1018,6 +1027,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized: 1 round, dp4 only, fault-free and kill-every-n")
     ap.add_argument("--reps", type=int, help="rounds (default 3; 1 with --quick)")
+    ap.add_argument("--size", choices=tuple(SIZES), default="xs", help="model size (default xs)")
     ap.add_argument("--jobs", help=f"comma-separated of {', '.join(JOBS)} (default all; dp4 with --quick)")
     ap.add_argument("--traces", help=f"comma-separated of {', '.join(TRACES)}")
     ap.add_argument("--iterations", type=int, help="iterations per run (default 60; 30 with --quick)")
@@ -1071,6 +1081,8 @@ def main(argv: list[str] | None = None) -> int:
               f"2 iterations: every parameter and AdamW moment of every shard within {worst:.1e}")
         return 0 if worst < 1e-10 else 1
     reps, iterations, every, repair_after, jobs, tnames = _settings(args)
+    MODEL.clear()
+    MODEL.update(SIZES[args.size])  # resihp_config and the peers' job spec read it
     try:
         import torchft  # noqa: F401
         have_torchft = True
@@ -1082,7 +1094,8 @@ def main(argv: list[str] | None = None) -> int:
     load: list[list[float] | None] = [loadavg()]
     t_start = time.time()
     out: dict = {"machine": machine(), "command": "python benchmarks/peers.py " + " ".join(argv),
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jobs": {}}
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": args.size,
+           "model": dict(MODEL), "jobs": {}}
     setup: dict[str, dict] = {}
     for job in jobs:
         systems = [s for s in SYSTEMS if s != "torchft" or (have_torchft and job.pp == 1 and job.tp == 1)]
@@ -1226,6 +1239,7 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
     took = f", {saved['wall_s']:.0f} s" if "wall_s" in saved else ""
     head = [f"# peers: ResiHP vs torchft vs checkpoint-restart ({saved['date']}{took})",
             f"`{saved['command']}`; load average (1 min) {lo:.1f}-{hi:.1f} during the runs; "
+            f"model size {args.size} ({', '.join(f'{k} {v}' for k, v in SIZES[args.size].items())}); "
             f"{done} round(s){'' if done == reps else f' of {reps} asked (stopped by --max-wall-s)'}"
             f"{'; then ' + saved['cut'] + ' (its runs up to there are counted)' if saved.get('cut') else ''}, "
             f"jobs and systems interleaved (order rotated every round); medians with "
