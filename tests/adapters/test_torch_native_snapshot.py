@@ -144,6 +144,50 @@ def test_a_snapshot_taken_after_the_step_reads_the_fingerprint_of_that_state():
 
 
 @pytest.mark.timeout(120)
+def test_the_fingerprints_windows_planned_once_per_layout_equal_a_fresh_walk():
+    """The adapter plans what the fingerprint reads once per layout and rotation phase
+    (``_FingerprintWindows``): at every step its windows give the digest a fresh walk of
+    the module and optimizer state gives, through the state's appearance at the first
+    step and an optimizer-state tensor replaced by another object."""
+    from torch.distributed.tensor import DTensor
+
+    from resihp_adapters.torch_native.adapter import _FingerprintWindows
+    from resihp_core.detector.sdc import seal, tensor_digest, window_sum
+
+    eng, prog = _engine()
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+
+    def fresh() -> str:
+        ps, st = [], []
+        for name, p in eng.module.named_parameters():
+            ps.append((f"param.{name}", local(p)))
+            state = eng.optimizer.state.get(p, {})
+            st += [(f"{k}.{name}", local(state[k])) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+        return tensor_digest(ps, share=0.5, turn=eng.iteration, state=st, rounds=3)
+
+    planned = _FingerprintWindows()
+    walks = []
+    plan_anew = planned._plan
+    planned._plan = lambda e: walks.append(e.iteration) or plan_anew(e)
+    try:
+        for i in range(8):
+            labels, views = planned.get(eng, 0.5, 3)
+            assert seal(labels, [window_sum(v) for v in views]) == fresh(), i
+            if i == 5:
+                p = next(iter(eng.module.parameters()))
+                old = eng.optimizer.state[p]["exp_avg"]
+                eng.optimizer.state[p]["exp_avg"] = DTensor.from_local(
+                    old.to_local().clone() + 1.0, old.device_mesh, old.placements, run_check=False,
+                    shape=old.shape, stride=old.stride())
+                labels, views = planned.get(eng, 0.5, 3)
+                assert seal(labels, [window_sum(v) for v in views]) == fresh()
+            eng.run(prog, i)
+        assert walks == [0, 1, 5], walks  # first, once the optimizer state exists, after the replacement
+    finally:
+        eng.release()
+
+
+@pytest.mark.timeout(120)
 def test_snapshot_copy_plan_is_reused_and_follows_replaced_state():
     """The snapshot's copy plan is made once per buffers and reused; an optimizer-state
     tensor replaced by another object (not updated in place) is noticed: the snapshot

@@ -19,6 +19,7 @@ for every adapter: see :mod:`.data`.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from resihp_adapters.torch_native.api import UserJob
+    from resihp_adapters.torch_native.engine import TorchNativeEngine
 
 __all__ = ["TorchNativeAdapter", "parse_config"]
 
@@ -131,6 +133,7 @@ class TorchNativeAdapter(Adapter):
         # the share of each parameter tensor a fingerprint reads, and in how many steps it
         # reads all of the optimizer state
         self._coverage, self._rounds = sdc_windows()
+        self._windows = _FingerprintWindows()
         self._progress = (0, 0)
         # checkpoints written and sealed in the background (.async_checkpoint)
         self._writer = AsyncDcpWriter(generation=lambda: self.engine.generation)
@@ -259,9 +262,6 @@ class TorchNativeAdapter(Adapter):
     def _fingerprint_windows(self) -> tuple[str, list[str], list[Tensor]] | None:
         """The fingerprint's group and what it reads (:func:`digest_windows`); None where
         no replica holds this rank's shard."""
-        import torch
-        from torch.distributed.tensor import DTensor
-
         from resihp_adapters.torch_native.engine import live_replicas
 
         eng, pl = self.engine, self.engine.place
@@ -269,18 +269,8 @@ class TorchNativeAdapter(Adapter):
             return None
         if len(live_replicas(eng.plan)) // pl.shard_degree < 2:
             return None
-        # The DTensor's own local tensor (the same bits): ``detach().to_local()`` went
-        # through DTensor dispatch twice per tensor, about half the fingerprint's CPU on
-        # a 17-million-parameter stage (docs/benchmarks.md, "Where a fault-free iteration goes").
-        local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
-        params, opt_state = [], []
-        for name, p in eng.module.named_parameters():
-            params.append((f"param.{name}", local(p)))
-            st = eng.optimizer.state.get(p, {})
-            opt_state += [(f"{k}.{name}", local(st[k])) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+        labels, views = self._windows.get(eng, self._coverage, self._rounds)
         a, b = eng._layers(eng.plan, pl.stage)
-        labels, views = digest_windows(params, share=self._coverage, turn=eng.iteration, state=opt_state,
-                                       rounds=self._rounds)
         return (f"stage{pl.stage}/layers{a}-{b}/shard{pl.shard_index}of{pl.shard_degree}/"
                 f"tp{pl.tp_index}of{pl.tp_degree}/step{eng.iteration}", labels, views)
 
@@ -346,3 +336,65 @@ class TorchNativeAdapter(Adapter):
         checkpoint must be sealed before the process goes)."""
         self._writer.drain()
         self.engine.release()
+
+
+class _FingerprintWindows:
+    """What the fingerprint reads at each step (:func:`digest_windows` over the stage's
+    parameters and optimizer state), planned once per layout: walking the module and
+    the optimizer state and cutting the windows anew cost several ms per iteration on a
+    small stage, about a tenth of a 60 ms DP step (docs/sdc.md "What it costs"). The
+    windows rotate with the step (``turn``), so one plan is kept per phase of the
+    rotation. A plan holds while the module, the optimizer, every parameter's local
+    tensor and every optimizer-state tensor are the objects it was made of."""
+
+    def __init__(self) -> None:
+        self._owner: tuple[object, object] | None = None
+        self._guard: list[tuple[object, object]] = []
+        self._states: list[tuple[object, dict | None, tuple]] = []
+        self._params: list[tuple[str, Tensor]] = []
+        self._opt_state: list[tuple[str, Tensor]] = []
+        self._phases: dict[tuple[int, int], tuple[list[str], list[Tensor]]] = {}
+
+    def get(self, eng: TorchNativeEngine, share: float, rounds: int) -> tuple[list[str], list[Tensor]]:
+        if not self._valid(eng):
+            self._plan(eng)
+        k = math.ceil(1.0 / share)
+        phase = (eng.iteration % k, eng.iteration % rounds)
+        got = self._phases.get(phase)
+        if got is None:
+            got = self._phases[phase] = digest_windows(self._params, share=share, turn=eng.iteration,
+                                                       state=self._opt_state, rounds=rounds)
+        return got
+
+    def _valid(self, eng: TorchNativeEngine) -> bool:
+        if self._owner is None or self._owner[0] is not eng.module or self._owner[1] is not eng.optimizer:
+            return False
+        for p, local in self._guard:
+            if getattr(p, "_local_tensor", p) is not local:
+                return False
+        state = eng.optimizer.state
+        for p, st, items in self._states:
+            now = state.get(p)
+            if now is not st or (st is not None and (len(st) != len(items)
+                                                     or any(st.get(k) is not v for k, v in items))):
+                return False
+        return True
+
+    def _plan(self, eng: TorchNativeEngine) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        # The DTensor's own local tensor (the same bits): ``detach().to_local()`` went
+        # through DTensor dispatch twice per tensor, about half the fingerprint's CPU on
+        # a 17-million-parameter stage (docs/benchmarks.md, "Where a fault-free iteration goes").
+        local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+        self._params, self._opt_state, self._guard, self._states, self._phases = [], [], [], [], {}
+        for name, p in eng.module.named_parameters():
+            self._params.append((f"param.{name}", local(p)))
+            self._guard.append((p, local(p)))
+            st = eng.optimizer.state.get(p)  # none before the first step
+            self._states.append((p, st, tuple(st.items()) if st is not None else ()))
+            for k in sorted(st or ()):
+                if isinstance(st[k], torch.Tensor):
+                    self._opt_state.append((f"{k}.{name}", local(st[k])))
+        self._owner = (eng.module, eng.optimizer)
