@@ -396,6 +396,11 @@ SOURCES = [
             "--run-timeout", "240", "--max-wall-s", "2400"),
            "ResiHP next to torchft and checkpoint-restart when one device computes 2.22x slower (the payback "
            "rule), three jobs, three rounds on a quiet machine"),
+    Source("peers-slow-m", "peers-slow-m.json", "peers.py",
+           ("--reps", "3", "--jobs", "dp4", "--traces", "slow", "--size", "m", "--iterations", "30",
+            "--run-timeout", "400", "--max-wall-s", "2000"),
+           "The slow trace on DP4 at the step times users have (size m, 1 s steps): ResiHP next to torchft "
+           "and checkpoint-restart, three rounds on a quiet machine"),
     Source("peers-tp2pp2", "peers-tp2pp2.json", "peers.py",
            ("--reps", "3", "--jobs", "tp2pp2", "--traces", "one-kill,kill-every-n", "--iterations", "30",
             "--every", "10", "--run-timeout", "240"),
