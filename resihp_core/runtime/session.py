@@ -344,6 +344,34 @@ def add_commits(store: KeyValueStore, generation: int, iteration: int, reports: 
     return int(store.add(_done(generation, iteration), len(reports)))
 
 
+#: :func:`commit_batch`'s answer to the batch whose add completed the count when the
+#: store was not to decide: its executor with a check runs it and calls :func:`decide`.
+DECIDE = "decide"
+
+
+def commit_batch(store: KeyValueStore, generation: int, iteration: int, reports: Sequence[IterationReport],
+                 executors: int, *, may_decide: bool, timeout_s: float) -> str:
+    """Post ``reports`` (executors of one node), add them to the iteration's count and
+    wait for the verdict: in one store round trip where the store can (``add_and_await``).
+    The add that completes the count commits when ``may_decide`` (no executor of the
+    node has a check to run); otherwise that batch gets :data:`DECIDE`. A verdict that
+    does not come within ``timeout_s`` is written ``abort`` (the first verdict stands)."""
+    add_and_await = getattr(store, "add_and_await", None)  # ResiHP's store: one request
+    if add_and_await is None:
+        count = add_commits(store, generation, iteration, reports)
+        if count == executors:
+            return decide(store, generation, iteration) if may_decide else DECIDE
+        return await_verdict(store, generation, iteration, timeout_s)
+    count, got = add_and_await([_report(r.generation, r.iteration, r.device) for r in reports],
+                               [encode(r) for r in reports], _done(generation, iteration), len(reports),
+                               executors, _verdict_key(generation, iteration), may_decide, timeout_s)
+    if got is not None:
+        return got.decode() if isinstance(got, bytes) else str(got)
+    if count == executors:
+        return DECIDE
+    return _decide(store, generation, iteration, CommitResult.ABORTED)
+
+
 def decide(store: KeyValueStore, generation: int, iteration: int, check: Callable[[], bool] | None = None) -> str:
     """The executor whose add completed the count: commit, unless ``check`` says no (or
     the controller aborted first: the first verdict stands)."""

@@ -209,6 +209,27 @@ class _Table:
                 return desired
             return expected if cur is None else cur
 
+    def add_commits(self, keys: list[str], values: list[bytes], counter: str, amount: int, target: int,
+                    verdict: str, decide: bool) -> tuple[int, bytes | None]:
+        """The write half of ``commit``: set ``keys`` (a node's reports), add ``amount``
+        to ``counter``; if that completes the count to ``target`` and ``decide``, write
+        ``commit`` to ``verdict`` unless a verdict is there (the first one stands).
+        Returns the count and the verdict if there is one now."""
+        with self.lock:
+            for k, v in zip(keys, values):
+                self.data[k] = v
+                self._wrote(k)
+            try:
+                count = int(self.data.get(counter, b"0")) + amount
+            except ValueError:
+                raise StoreError(f"key {counter!r} does not hold an integer") from None
+            self.data[counter] = str(count).encode()
+            self._wrote(counter)
+            if count == target and decide and verdict not in self.data:
+                self.data[verdict] = b"commit"
+                self._wrote(verdict)
+            return count, self.data.get(verdict)
+
     def append(self, key: str, value: bytes) -> None:
         with self.lock:
             self.data[key] = self.data.get(key, b"") + value
@@ -227,7 +248,7 @@ class _Table:
             return len(self.data)
 
 
-_WRITES = {"set", "add", "cas", "append", "del", "mset", "madd"}
+_WRITES = {"set", "add", "cas", "append", "del", "mset", "madd", "commit"}
 _WAITS = {"get", "mget", "wait", "any"}  # operations that may wait for keys (their last argument: seconds)
 
 
@@ -246,6 +267,14 @@ def _run_op(table: _Table, op: str, args: list[Any]) -> Any:
         for k, v in zip(args[0], args[1]):
             table.set(k, v)
         return table.add(args[2], args[3])
+    if op == "commit":  # in-process: the write, then a blocking wait for the verdict
+        count, verdict = table.add_commits(*args[:7])
+        if verdict is None and count != args[4]:
+            try:
+                verdict = table.get(args[5], args[7])
+            except StoreError:
+                pass  # no verdict in time: the caller aborts (the first verdict stands)
+        return [count, verdict]
     if op == "wait":
         return table.wait(args[0], args[1])
     if op == "any":
@@ -270,6 +299,8 @@ def _keys_of(op: str, args: list[Any]) -> list[str]:
         return list(args[0])
     if op == "madd":
         return [*args[0], args[2]]
+    if op == "commit":
+        return [*args[0], args[2], args[5]]
     return [args[0]] if op != "num" else []
 
 
@@ -286,7 +317,7 @@ def _check_request(req: Any) -> tuple[str, list[Any]]:
     want = _ARG_TYPES.get(op)
     if want is None or len(args) != len(want) or not all(t(a) for t, a in zip(want, args)):
         raise ProtocolError(f"store request {op!r}: bad arguments")
-    if op in ("mset", "madd") and len(args[0]) != len(args[1]):
+    if op in ("mset", "madd", "commit") and len(args[0]) != len(args[1]):
         raise ProtocolError(f"store request {op!r}: {len(args[0])} keys but {len(args[1])} values")
     return op, args
 
@@ -311,6 +342,10 @@ def _is_int(a: Any) -> bool:
     return isinstance(a, int) and not isinstance(a, bool)
 
 
+def _is_flag(a: Any) -> bool:
+    return isinstance(a, bool)
+
+
 def _is_seconds(a: Any) -> bool:
     return isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 86400
 
@@ -319,6 +354,9 @@ _ARG_TYPES = {
     "set": (_is_key, _is_bytes), "get": (_is_key, _is_seconds), "mget": (_is_keys, _is_seconds),
     "mset": (_is_keys, _is_values),
     "madd": (_is_keys, _is_values, _is_key, _is_int),
+    # a node's reports, its counter add, the target count, the verdict key, whether the
+    # store may decide, seconds to wait for the verdict (docs/worker-protocol.md)
+    "commit": (_is_keys, _is_values, _is_key, _is_int, _is_int, _is_key, _is_flag, _is_seconds),
     "wait": (_is_keys, _is_seconds), "any": (_is_keys, _is_seconds), "add": (_is_key, _is_int),
     "cas": (_is_key, _is_bytes, _is_bytes),
     "append": (_is_key, _is_bytes), "check": (_is_keys,), "del": (_is_key,), "num": (),
@@ -518,7 +556,8 @@ class StoreServer:
                 reply: list[Any] = [False, f"{identity} may not write plan keys"]
             else:
                 try:
-                    value = await self._waited(op, args) if op in _WAITS else _run_op(self.table, op, args)
+                    value = (await self._waited(op, args) if op in _WAITS else
+                             await self._commit(args) if op == "commit" else _run_op(self.table, op, args))
                     reply = [True, value]
                 except (StoreError, IndexError, TypeError, ValueError) as e:
                     reply = [False, str(e)]
@@ -527,6 +566,18 @@ class StoreServer:
                 payload = _ENC.encode([False, f"reply of {len(payload)} bytes exceeds the frame limit"])
             writer.write(_HEADER.pack(len(payload)) + payload)
             await writer.drain()
+
+    async def _commit(self, args: list[Any]) -> list[Any]:
+        """``commit``: the write at once; then, unless it completed the count, the
+        request parks until the verdict exists (the executors' verdict wait in the same
+        round trip as their add). ``[count, verdict or None]``."""
+        count, verdict = self.table.add_commits(*args[:7])
+        if verdict is None and count != args[4]:
+            try:
+                verdict = await self._waited("get", [args[5], args[7]])
+            except StoreError:
+                pass  # no verdict in time: the caller aborts (the first verdict stands)
+        return [count, verdict]
 
     async def _waited(self, op: str, args: list[Any]) -> Any:
         """A waiting operation without blocking the loop: park a future under the

@@ -80,7 +80,7 @@ def _send(sock: socket.socket, obj: Any) -> None:
 
 class StoreOps:
     """The store's operations on top of ``_call(op, *args)`` (torch's ``Store`` method
-    names, and ResiHP's own: ``get_within``, ``set_and_add``, ``wait_any``)."""
+    names, and ResiHP's own: ``get_within``, ``set_and_add``, ``add_and_await``, ``wait_any``)."""
 
     _timeout_s: float
 
@@ -113,6 +113,18 @@ class StoreOps:
         if len(keys) != len(values):
             raise ValueError(f"set_and_add: {len(keys)} keys but {len(values)} values")
         return int(self._call("madd", list(keys), [_b(v) for v in values], counter, int(amount)))
+
+    def add_and_await(self, keys: list[str], values: list[bytes], counter: str, amount: int, target: int,
+                      verdict: str, decide: bool, timeout_s: float) -> tuple[int, bytes | None]:
+        """Set ``keys``, add ``amount`` to ``counter`` and, unless that completes the
+        count to ``target``, wait up to ``timeout_s`` for ``verdict``, in one round trip;
+        with ``decide`` the add that completes the count writes ``commit`` (unless a
+        verdict stands). The count and the verdict, None if none came (docs/worker-protocol.md)."""
+        if len(keys) != len(values):
+            raise ValueError(f"add_and_await: {len(keys)} keys but {len(values)} values")
+        count, got = self._call("commit", list(keys), [_b(v) for v in values], counter, int(amount), int(target),
+                                verdict, bool(decide), float(timeout_s))
+        return int(count), got
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         return self._call("cas", key, _b(expected_value), _b(desired_value))

@@ -139,3 +139,65 @@ def test_an_agent_without_a_store_lets_its_workers_commit_directly(node) -> None
     assert (c.through_agent, c.direct, c.available) == (0, 1, False)
     assert c.commit(store, _report(0, 1, 0), 1, timeout_s=10.0) == "commit"  # no second try
     assert c.direct == 2
+
+
+def test_a_nodes_add_and_its_verdict_wait_are_one_store_request() -> None:
+    """``commit_batch`` over the wire: a node whose add does not complete the count is
+    parked in the store until the verdict, in the request that added it; the add that
+    completes it commits there (or, when its node must check first, is told to decide);
+    a verdict that never comes is written ``abort``; the first verdict stands."""
+    from resihp_core.runtime.store import StoreClient
+
+    server = StoreServer("127.0.0.1", SECRET)
+    clients = [StoreClient(server.address, node_credential(SECRET, n), f"agent:{n}") for n in range(3)]
+    try:
+        def batch(n: int, i: int, executors: int, may_decide: bool = True, timeout_s: float = 20.0) -> str:
+            return session.commit_batch(clients[n], 0, i, [_report(0, i, 2 * n), _report(0, i, 2 * n + 1)],
+                                        executors, may_decide=may_decide, timeout_s=timeout_s)
+
+        served = server.served
+        with ThreadPoolExecutor(3) as pool:
+            parked = [pool.submit(batch, n, 0, 6) for n in (0, 1)]
+            assert batch(2, 0, 6) == "commit"  # completes the count: the store commits
+            assert [f.result(timeout=20) for f in parked] == ["commit", "commit"]
+        assert server.served - served == 3  # one request per node: add, decide and wait together
+        assert {d for d, r in session.get_reports(server.local(), 0, 0, list(range(6))).items()} == set(range(6))
+
+        # The node that completes the count has an executor to check: it is told to decide.
+        with ThreadPoolExecutor(1) as pool:
+            parked_one = pool.submit(batch, 0, 1, 4)
+            done = session._done(0, 1)
+            server.local().wait([done])  # its add landed first
+            assert batch(1, 1, 4, may_decide=False) == session.DECIDE
+            assert not parked_one.done()
+            assert session.decide(clients[1], 0, 1, lambda: False) == "abort"
+            assert parked_one.result(timeout=20) == "abort"
+
+        # Nobody completes the count: the wait ends and the iteration is aborted; a
+        # later add that completes it reads the abort that stands.
+        assert batch(0, 2, 4, timeout_s=0.3) == "abort"
+        assert batch(1, 2, 4) == "abort"
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_a_malformed_commit_request_is_refused_without_a_write() -> None:
+    from resihp_core.runtime.store import StoreClient, StoreError
+
+    server = StoreServer("127.0.0.1", SECRET)
+    c = StoreClient(server.address, CRED, f"agent:{NODE}")
+    try:
+        with pytest.raises(StoreError):  # "may decide" must be a boolean
+            c._call("commit", ["r"], [b"x"], "n", 1, 1, "v", 1, 1.0)
+        with pytest.raises(StoreError):  # the plan is the controller's
+            c2 = StoreClient(server.address, CRED, f"agent:{NODE}")
+            try:
+                c2.add_and_await(["plan/0"], [b"x"], "n", 1, 1, "v", True, 1.0)
+            finally:
+                c2.close()
+        assert not server.local().check(["r"]) and not server.local().check(["plan/0"])
+    finally:
+        c.close()
+        server.close()

@@ -1,9 +1,9 @@
-"""The node's commits: its executors' reports and commit-counter adds reach the job store
-as one request per node and iteration, and one store wait per node reads the verdict.
+"""The node's commits: its executors' reports, their commit-counter add and their wait for
+the verdict reach the job store as one request per node and iteration.
 
 Why: with every rank posting its report, adding to the counter and waiting for the
 verdict itself, the job store (one process) serves three requests per rank and
-iteration: about 49,000 per iteration at 16,384 ranks. Through the agent it serves two
+iteration: about 49,000 per iteration at 16,384 ranks. Through the agent it serves one
 per node (docs/worker-protocol.md, "Commits through the node agent").
 
 The semantics are the commit protocol's (:func:`resihp_core.runtime.session.commit`):
@@ -61,8 +61,8 @@ class _Iteration:
 @dataclass
 class CommitStats:
     requests: int = 0  # executors' commit requests served
-    batches: int = 0  # store requests that posted reports and added to a counter
-    verdict_waits: int = 0  # store waits for a verdict
+    batches: int = 0  # store requests that posted reports, added to a counter and waited for the verdict
+    verdict_waits: int = 0  # separate store waits for a verdict (after an executor was told to decide)
     refused: int = 0  # requests refused as malformed or forged
 
 
@@ -189,38 +189,42 @@ class NodeCommits:
 
     async def _send(self, key: tuple[int, int], it: _Iteration,
                     batch: list[tuple[CommitRequest, asyncio.Future[str]]]) -> None:
+        """Post the batch's reports and its add, and wait for the verdict, in one store
+        request (:func:`session.commit_batch`): a node whose add does not complete the
+        count is parked in the store until the verdict exists. The batch that completes
+        it commits there, unless an executor of this node must check first: that one is
+        told ``decide`` and the rest wait for what it decides."""
         loop = asyncio.get_running_loop()
         reqs = [r for r, _ in batch]
+        futs = [f for _, f in batch]
+        if it.checker is None:
+            it.checker = next((f for r, f in batch if r.check), None)
         try:
-            count = await loop.run_in_executor(self._threads, self._add, key, reqs)
+            verdict = await loop.run_in_executor(self._threads, self._add, key, reqs, it.executors,
+                                                 it.checker is None)
         except Exception as e:  # noqa: BLE001 - store lost: each worker reads the verdict itself
-            for _, f in batch:
+            for f in futs:
                 if not f.done():
                     f.set_exception(WireError(f"node {self.node}: {e}"))
             return
         self.stats.batches += 1
-        futs = [f for _, f in batch]
-        if count is None:  # held and no controller came: aborted
+        if verdict is None:  # held and no controller came: aborted
             self._resolve(it, futs, session.CommitResult.ABORTED)
             return
-        checkers = [f for r, f in batch if r.check]
-        if count == it.executors:
-            checker = checkers[0] if checkers else it.checker
-            if checker is None:
-                verdict = await loop.run_in_executor(self._threads, self._decide, key)
-                self._resolve(it, futs, verdict)
-                return
-            checker.set_result("decide")  # it runs its check and decides
-            futs = [f for f in futs if f is not checker]
-            if checker is it.checker:
-                it.waiting.remove(checker)
-        elif checkers and it.checker is None:
-            it.checker = checkers[0]
-        if it.verdict is not None:  # read while this batch was being added
-            self._resolve(it, futs, it.verdict)
+        if verdict != session.DECIDE:
+            self._resolve(it, futs, verdict)
             return
-        it.waiting.extend(futs)
-        if not it.watched:
+        checker = it.checker
+        assert checker is not None  # the store decides itself when no executor checks
+        if not checker.done():
+            checker.set_result("decide")  # it runs its check and decides
+        if checker in it.waiting:
+            it.waiting.remove(checker)
+        it.waiting.extend(f for f in futs if f is not checker)
+        if it.verdict is not None:  # read while this batch was being added
+            self._resolve(it, [], it.verdict)
+            return
+        if it.waiting and not it.watched:
             it.watched = True
             wait_s = max(r.wait_s for r in reqs)
             try:
@@ -253,19 +257,20 @@ class NodeCommits:
         self._free.append(store)
         return out
 
-    def _add(self, key: tuple[int, int], reqs: list[CommitRequest]) -> int | None:
+    def _add(self, key: tuple[int, int], reqs: list[CommitRequest], executors: int, may_decide: bool) -> str | None:
+        """The batch's :func:`session.commit_batch`: its verdict, ``decide``, or None when
+        held without a controller (aborted)."""
         hold = max(r.hold_s for r in reqs)
+        wait_s = max(r.wait_s for r in reqs)
 
-        def run(store: WireStore) -> int | None:
+        def run(store: WireStore) -> str | None:
             if hold > 0 and not session.wait_controller(store, hold):
                 session.decide(store, *key, check=lambda: False)  # abort, unless committed already
                 return None
-            return session.add_commits(store, *key, [r.report for r in reqs])
+            return session.commit_batch(store, *key, [r.report for r in reqs], executors, may_decide=may_decide,
+                                        timeout_s=wait_s)
 
         return self._with_store(run)
-
-    def _decide(self, key: tuple[int, int]) -> str:
-        return self._with_store(lambda store: session.decide(store, *key))
 
     def _await(self, key: tuple[int, int], wait_s: float) -> str:
         self.stats.verdict_waits += 1
