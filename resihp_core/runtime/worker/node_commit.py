@@ -40,10 +40,13 @@ ENV_NODE_COMMITS = "RESIHP_NODE_COMMITS"
 
 def direct_commit(store: KeyValueStore, report: IterationReport, executors: int, *, timeout_s: float,
                   hold_s: float, check: Callable[[], bool] | None) -> str:
-    """This worker's own report, counter add and verdict wait (no agent in between)."""
-    session.put_report(store, report)
-    return session.commit(store, report.generation, report.iteration, executors, timeout_s=timeout_s,
-                          hold_s=hold_s, check=check)
+    """This worker's own report, counter add and verdict wait (no agent in between), in
+    one store request where the store can (:func:`session.commit_batch`)."""
+    g, i = report.generation, report.iteration
+    if hold_s > 0 and not session.wait_controller(store, hold_s):
+        return session.decide(store, g, i, check=lambda: False)  # abort, unless committed already
+    got = session.commit_batch(store, g, i, [report], executors, may_decide=check is None, timeout_s=timeout_s)
+    return session.decide(store, g, i, check) if got == session.DECIDE else got
 
 
 class NodeCommit:
