@@ -28,7 +28,9 @@ are more replicas than cores). Cases:
 ``--outside-load 0,1,2`` runs every case at each outside load, given as busy processes
 per core (not pinned: the scheduler places them, as other users' jobs on a shared
 host), started before the job and running through it, its warm-up included: 1 is one
-busy process per core, 2 twice the cores. Precision (reports naming the slowed device
+busy process per core, 2 twice the cores. With ``--outside-pinned`` that many are
+pinned to each core instead: the scheduler can no longer move the outside load onto
+the neighbour's peers, so the neighbour's own share of the slowdown stays its own. Precision (reports naming the slowed device
 over all reports) and recall (slowdowns reported over slowdowns made) are counted per
 load and over all runs.
 
@@ -159,12 +161,15 @@ def _traced(rows: list[dict[str, Any]], path: Path | None) -> Any:
 
 
 def run_case(case: Case, timeout_s: float = 300.0, outside_per_core: int = 0,
-             trace: Path | None = None) -> dict[str, Any]:
+             trace: Path | None = None, outside_pinned: bool = False) -> dict[str, Any]:
     """One run of ``case``; returns what the controller reported and when.
-    ``outside_per_core``: unpinned busy processes per core running through the run;
+    ``outside_per_core``: busy processes per core running through the run, unpinned
+    (the scheduler places them) or with ``outside_pinned`` that many pinned to each core
+    (load the same on every core: what a neighbour adds is then its own);
     ``trace``: a file to write every observed iteration to (:func:`_traced`)."""
     cores = _cores()
-    busy = CpuHogs(None, per_core=outside_per_core * len(cores)) if outside_per_core > 0 else None
+    busy = (None if outside_per_core <= 0 else CpuHogs(cores, per_core=outside_per_core) if outside_pinned
+            else CpuHogs(None, per_core=outside_per_core * len(cores)))
     if busy is not None:
         busy.start().release()
     try:
@@ -289,9 +294,10 @@ def _precision_recall(cases: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(quick: bool, runs: int | None = None, outside: tuple[int, ...] = (0,),
-        only: tuple[str, ...] = (), trace: Path | None = None) -> dict[str, Any]:
+        only: tuple[str, ...] = (), trace: Path | None = None, outside_pinned: bool = False) -> dict[str, Any]:
     n = runs or (1 if quick else 3)
-    out: dict[str, Any] = {"runs": n, "cases": {}, "outside_load": list(outside), "by_load": {}}
+    out: dict[str, Any] = {"runs": n, "cases": {}, "outside_load": list(outside), "by_load": {},
+                           "outside_pinned": outside_pinned}
     t0 = time.perf_counter()
     for k in outside:
         level: dict[str, Any] = {}
@@ -300,7 +306,8 @@ def run(quick: bool, runs: int | None = None, outside: tuple[int, ...] = (0,),
                 continue
             name = case.name if outside == (0,) else f"{case.name} @ {k}x"
             files = [None if trace is None else trace / f"{_slug(case.name)}-{k}x-{i}.jsonl" for i in range(n)]
-            level[name] = _case_summary(case, [run_case(case, outside_per_core=k, trace=f) for f in files], n)
+            level[name] = _case_summary(case, [run_case(case, outside_per_core=k, trace=f,
+                                                        outside_pinned=outside_pinned) for f in files], n)
             level[name]["outside_per_core"] = k
         out["cases"].update(level)
         out["by_load"][str(k)] = _precision_recall(level)
@@ -380,13 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--outside-load", type=parse_loads, default=(0,),
                     help="busy processes per core added through each run, e.g. 0,1,2 (default 0)")
+    ap.add_argument("--outside-pinned", action="store_true",
+                    help="pin the outside load evenly, that many busy processes to each core (default: unpinned)")
     ap.add_argument("--cases", default="", help="comma-separated parts of case names to run (default: all)")
     ap.add_argument("--trace", type=Path, help="folder for one JSON-lines trace per run (per-device compute, "
                     "run delay, detections)")
     a = ap.parse_args(argv)
     if a.trace is not None:
         a.trace.mkdir(parents=True, exist_ok=True)
-    r = run(a.quick, a.runs, a.outside_load, tuple(x for x in a.cases.split(",") if x), a.trace)
+    r = run(a.quick, a.runs, a.outside_load, tuple(x for x in a.cases.split(",") if x), a.trace, a.outside_pinned)
     print(table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=2, default=float) + "\n")
