@@ -107,6 +107,7 @@ class DeepSpeedAdapter(Adapter):
         self._depth = 1
         self._spare: dict[Any, dict[str, Any]] | None = None
         self._build = 0  # counts engines built: a snapshot belongs to one
+        self._generation = -1  # the plan generation the adapter last entered (not the job's stop)
         self._at_newest = False  # the engine holds the newest snapshot's state (rolled back to it)
         self._writer: SealedWriter | None = None  # the background checkpoint writer, made at the first checkpoint
         self._staging: dict[Any, dict[str, Any]] | None = None  # its host buffers, kept across checkpoints
@@ -162,6 +163,7 @@ class DeepSpeedAdapter(Adapter):
 
         self._drop_engine()
         self.plan = plan
+        self._generation = generation
         if generation == 0:
             self.initial_stages(generation)  # remembered also by a standby that runs later
         xplan = self.xplan = self.runnable(plan)
@@ -622,7 +624,9 @@ class DeepSpeedAdapter(Adapter):
             raise RuntimeError("the job has no checkpoint_dir")
         t0 = time.perf_counter()
         if self._writer is None:
-            self._writer = SealedWriter(generation=lambda: self.ctx.generation)
+            # A checkpoint sealed after a newer plan generation began applies no retention
+            # (a restore may be loading what it would delete); the job's stop is none.
+            self._writer = SealedWriter(generation=lambda: self._generation)
         w = self._writer
         if not w.wait_idle():  # the staging buffers are the previous write's until it finished
             w.give_up(iteration, f"the previous checkpoint write is still running after {w.busy_timeout_s:.0f} s")
@@ -645,7 +649,7 @@ class DeepSpeedAdapter(Adapter):
                 names = ([f"{unit_name(key)}-tp{t}.pt"] if r == first else []) + (
                     [f"{unit_name(key)}-tp{t}.z{k}s{stage}.pt"] if sharded else [])
                 files.update({f"{self.LAYERS_FOLDER}/{n}": st for n in names})
-        w.submit(iteration, self.ctx.job.checkpoint_dir, files, generation=self.ctx.generation,
+        w.submit(iteration, self.ctx.job.checkpoint_dir, files, generation=self._generation,
                  rank=tdist.get_rank(), writers=tdist.get_world_size(), keep=self.ctx.job.checkpoint_keep,
                  staged_s=time.perf_counter() - t0)
 
