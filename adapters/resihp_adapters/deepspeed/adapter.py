@@ -39,7 +39,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from resihp_core.adapter import Adapter, AdapterContext, IterationResult, Shard
 from resihp_core.config import ConfigError
@@ -53,6 +54,9 @@ from resihp_core.program import Program
 from resihp_adapters.deepspeed.plugin import CAPABILITIES, NAME
 from resihp_adapters.deepspeed.spec import (PipelineSpec, check_supported, optimizer_factory, spec_from_adapter_config,
                                             torch_optimizer_config)
+
+if TYPE_CHECKING:
+    from resihp_adapters.torchkit.checkpoint import SealedWriter
 
 __all__ = ["DeepSpeedAdapter"]
 
@@ -97,7 +101,16 @@ class DeepSpeedAdapter(Adapter):
         # (or load) that succeeded. A failed move leaves the previous generation's state
         # in ``_held`` for the next plan (the contract: move_state puts it back).
         self._current = False
-        self._snap: dict[int, dict[str, Any]] | None = None
+        # Rollback snapshots, oldest first (at most ``_depth``), and the buffers of one
+        # that a rollback undid, for the next snapshot to reuse.
+        self._snaps: list[_Snapshot] = []
+        self._depth = 1
+        self._spare: dict[Any, dict[str, Any]] | None = None
+        self._build = 0  # counts engines built: a snapshot belongs to one
+        self._generation = -1  # the plan generation the adapter last entered (not the job's stop)
+        self._at_newest = False  # the engine holds the newest snapshot's state (rolled back to it)
+        self._writer: SealedWriter | None = None  # the background checkpoint writer, made at the first checkpoint
+        self._staging: dict[Any, dict[str, Any]] | None = None  # its host buffers, kept across checkpoints
         self._program: Program | None = None
         self.last_loss: float | None = None  # DeepSpeed's aggregated loss of the last iteration
         self._last: IterationResult | None = None
@@ -150,6 +163,7 @@ class DeepSpeedAdapter(Adapter):
 
         self._drop_engine()
         self.plan = plan
+        self._generation = generation
         if generation == 0:
             self.initial_stages(generation)  # remembered also by a standby that runs later
         xplan = self.xplan = self.runnable(plan)
@@ -203,6 +217,8 @@ class DeepSpeedAdapter(Adapter):
             self._sdc.build(engine, plan, self.ctx.device)
         bound_op_timeouts(self.ctx.timeout_s, self.ctx.superseded)
         self.engine = engine
+        self._build += 1
+        self._at_newest = False
         self._current = False
         from resihp_adapters.torchkit.device import AbortWatch
 
@@ -257,6 +273,7 @@ class DeepSpeedAdapter(Adapter):
     def start_fresh(self, plan: ParallelPlan) -> None:
         """Fresh weights come from the layer specs, seeded per global layer index
         (``seed_layers``), so every layout starts from the same model."""
+        self._at_newest = False
         self._held = {}
         self._current = True
 
@@ -276,6 +293,8 @@ class DeepSpeedAdapter(Adapter):
 
         from resihp_adapters.deepspeed.state import (ShardsLost, ShardsMissing, apply_units, exchange_layers,
                                                      is_sharded, merge_units, tied_layers, transfer_plan, unit_keys)
+
+        self._at_newest = False
 
         if self.engine is None:
             return 0  # a standby (or idle device) keeps what it held
@@ -313,28 +332,81 @@ class DeepSpeedAdapter(Adapter):
 
     def snapshot(self) -> None:
         """The rollback point of the coming iteration: a copy of every unit, written into
-        the previous snapshot's buffers (nothing else holds them: a rollback hands its
-        snapshot on and starts the next one afresh; no memory copy refers to them)."""
+        the buffers of the oldest snapshot it replaces (or of one a rollback undid), so
+        no buffers are allocated while the layout stays. Its iteration is the one
+        :meth:`run_iteration` runs next. ``keep_snapshots(2)`` keeps the one before it
+        too (:meth:`rollback_to`)."""
         from resihp_adapters.deepspeed.state import snapshot_units
 
+        snaps = self._snaps
         if self.engine is None:
-            self._snap = None
+            snaps.clear()  # idle or a standby: it holds no state of the job's
+            self._spare = None
             return
-        self._snap = snapshot_units(self.engine, None if self.capabilities.memory_copy else self._snap)
+        if snaps and snaps[0].build != self._build:
+            # Another engine's (an earlier generation): nothing rolls back to it any more.
+            self._spare, snaps[:] = snaps[-1].units, []
+        if snaps and (snaps[-1].iteration is None or self._at_newest):
+            # Taken again before its iteration ran, or right after a rollback to it: the
+            # state is the newest's, which this copy replaces.
+            slot = snaps.pop().units
+        elif len(snaps) >= self._depth:
+            slot = snaps.pop(0).units
+        else:
+            slot, self._spare = self._spare, None
+        self._at_newest = False
+        # Peers may still be sending a memory copy (references to a snapshot): new buffers.
+        reuse = None if self.capabilities.memory_copy else slot
+        snaps.append(_Snapshot(snapshot_units(self.engine, reuse), self._build))
+
+    def keep_snapshots(self, depth: int) -> bool:
+        """Keep the last ``depth`` (1 or 2) snapshots: with 2 the worker commits an
+        iteration in the background while the next one runs, and a refused commit
+        goes back two steps (:meth:`rollback_to`; docs/deepspeed.md)."""
+        if depth not in (1, 2):
+            raise ValueError(f"snapshot depth is 1 or 2, not {depth}")
+        self._depth = depth
+        del self._snaps[:-depth]
+        return True
 
     def rollback(self) -> None:
-        from resihp_adapters.deepspeed.state import apply_layers
+        """Back to the newest snapshot (an iteration that did not commit everywhere)."""
+        if self._snaps:
+            self._restore(len(self._snaps) - 1)
 
-        if self._snap is None:
-            return
+    def rollback_to(self, iteration: int) -> None:
+        """Back to the state at the start of ``iteration``: the newest snapshot, or with
+        two kept the one before it (the commit of ``iteration`` was refused after the
+        next iteration had stepped: both are undone)."""
+        at = [k for k, s in enumerate(self._snaps) if s.iteration == iteration]
+        if not at:
+            if self.engine is None and not self._snaps:
+                return  # idle or a standby: it ran no step to undo
+            raise RuntimeError(f"device {self.ctx.device}: no snapshot of iteration {iteration} to roll back to "
+                               f"(kept: {[s.iteration for s in self._snaps]})")
+        self._restore(at[-1])
+
+    def _restore(self, k: int) -> None:
+        """Put snapshot ``k`` back; the newer ones are dropped (their buffers reused)."""
+        from resihp_adapters.deepspeed.state import apply_layers, zero_grads
+
+        snaps = self._snaps
+        undone = snaps[k + 1:]
+        del snaps[k + 1:]
+        if undone:
+            self._spare = undone[0].units
         if self.engine is not None:
-            from resihp_adapters.deepspeed.state import zero_grads
-
-            apply_layers(self.engine, self._snap)
+            # Applying copies every value (nothing of the engine's refers to the
+            # snapshot), so it stays the newest and a retry of the iteration reuses it.
+            apply_layers(self.engine, snaps[k].units)
             zero_grads(self.engine)
+            self._at_newest = True
         else:
-            self._held = self._snap
-        self._snap = None
+            # Released after the failure: the snapshot is the state the next plan's
+            # move takes out of this rank (handed over, its buffers no longer reused).
+            self._held = snaps[k].units
+            snaps.clear()
+            self._spare = None
 
     # ------------------------------------------------------------------ iterations
     def run_iteration(self, program: Program, iteration: int) -> IterationResult:
@@ -355,6 +427,9 @@ class DeepSpeedAdapter(Adapter):
             e.set_work(self.xplan, program, self.source)
             self._program = program
         program = self._program
+        if self._snaps and self._snaps[-1].iteration is None:
+            self._snaps[-1].iteration = iteration  # the snapshot taken for this iteration
+        self._at_newest = False
         e.iteration = iteration
         e.global_steps = iteration
         t0 = time.perf_counter()
@@ -515,10 +590,11 @@ class DeepSpeedAdapter(Adapter):
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    # The core's layout (docs/checkpoints.md): per-layer files in ``layers/`` inside the
-    # iteration's folder; after every writer has finished (an all-reduce of their error
-    # flags, which is also the barrier), world rank 0 seals the manifest and applies
-    # retention, as every adapter does.
+    # The core's layout (docs/checkpoints.md): per-unit files in ``layers/`` inside the
+    # iteration's folder. The training thread copies the units into host buffers; a
+    # background writer writes them and world rank 0's sealer seals the checkpoint once
+    # every rank of the generation's world has said it finished
+    # (:class:`~resihp_adapters.torchkit.checkpoint.SealedWriter`).
     LAYERS_FOLDER = "layers"
 
     def _ckpt_dir(self, iteration: int) -> str:
@@ -530,19 +606,31 @@ class DeepSpeedAdapter(Adapter):
         return str(checkpoints.iteration_dir(base, iteration) / self.LAYERS_FOLDER)
 
     def save_checkpoint(self, iteration: int) -> None:
-        """Each executor of the first live replica writes its layers (parameters and
-        optimizer state, by global layer index and TP index); then rank 0 seals. A
-        storage error is reported through :meth:`checkpoint_status`, not raised."""
-        import torch
+        """Each executor of the first live replica holding its stage hands its units
+        (parameters and optimizer state, by global layer index and TP index) to the
+        background writer, as host copies; under ZeRO 1 every rank also hands its
+        fragments. Every rank of the generation's world says when it has finished
+        (also with no files), and world rank 0 seals then, so the checkpoint is sealed
+        only complete. A storage error is reported through :meth:`checkpoint_status`,
+        not raised; nothing here waits for a peer."""
         import torch.distributed as tdist
 
-        from resihp_core import checkpoints
-        from resihp_adapters.deepspeed.state import extract_units, is_sharded, unit_name
+        from resihp_adapters.deepspeed.state import is_sharded, snapshot_units, unit_name
+        from resihp_adapters.torchkit.checkpoint import SealedWriter
 
         if self.engine is None:
             return  # idle or a standby: not in DeepSpeed's world
+        if not self.ctx.job.checkpoint_dir:
+            raise RuntimeError("the job has no checkpoint_dir")
         t0 = time.perf_counter()
-        error, nbytes = None, 0
+        if self._writer is None:
+            # A checkpoint sealed after a newer plan generation began applies no retention
+            # (a restore may be loading what it would delete); the job's stop is none.
+            self._writer = SealedWriter(generation=lambda: self._generation)
+        w = self._writer
+        if not w.wait_idle():  # the staging buffers are the previous write's until it finished
+            w.give_up(iteration, f"the previous checkpoint write is still running after {w.busy_timeout_s:.0f} s")
+            return
         r, stage, t = self.xplan.location(self.ctx.device)
         k = _live(self.xplan).index(r)
         # The first replica that holds this stage writes its units (with partial replicas
@@ -552,42 +640,22 @@ class DeepSpeedAdapter(Adapter):
         # also writes ``<unit>-tpT.zKsS.pt`` (replica K, stage S: a tied group's copies
         # on two stages are two sets of fragments); a load merges them.
         sharded = is_sharded(self.engine)
+        files: dict[str, object] = {}
         if r == first or sharded:
-            try:
-                path = self._ckpt_dir(iteration)
-                os.makedirs(path, exist_ok=True)
-                for key, st in extract_units(self.engine).items():
-                    # Tied groups and the global unit are held by several stages: each
-                    # writes its own temporary.
-                    names = ([f"{unit_name(key)}-tp{t}.pt"] if r == first else []) + (
-                        [f"{unit_name(key)}-tp{t}.z{k}s{stage}.pt"] if sharded else [])
-                    for name in names:
-                        final = os.path.join(path, name)
-                        torch.save(st, f"{final}.{os.getpid()}.tmp")
-                        os.replace(f"{final}.{os.getpid()}.tmp", final)
-                        nbytes += os.path.getsize(final)
-            except (OSError, RuntimeError) as e:
-                error = f"{type(e).__name__}: {e}"
-        # Barrier and verdict at once; a dead peer raises here (a failure, not a fault).
-        failed = torch.tensor([0 if error is None else 1])
-        # Not given up when superseded: the job's stop may arrive while the last
-        # checkpoint's writers meet here, and that checkpoint must still be sealed.
-        tdist.all_reduce(failed, op=tdist.ReduceOp.MAX)
-        if tdist.get_rank() == 0:
-            if error is None and int(failed) == 0:
-                try:
-                    checkpoints.seal(self.ctx.job.checkpoint_dir, iteration)
-                    checkpoints.prune(self.ctx.job.checkpoint_dir, self.ctx.job.checkpoint_keep)
-                except (OSError, ValueError) as e:
-                    error = f"{type(e).__name__}: {e}"
-            elif error is None:
-                error = "another writer of this checkpoint failed; it is left unsealed (incomplete)"
-        if error is not None or nbytes:
-            self._ckpt_status.append(CheckpointWrite(iteration, error, nbytes, time.perf_counter() - t0))
+            self._staging = snapshot_units(self.engine, self._staging, device="cpu")
+            for key, st in self._staging.items():
+                # Tied groups and the global unit are held by several stages: each
+                # writes the same file (temporary name, then rename).
+                names = ([f"{unit_name(key)}-tp{t}.pt"] if r == first else []) + (
+                    [f"{unit_name(key)}-tp{t}.z{k}s{stage}.pt"] if sharded else [])
+                files.update({f"{self.LAYERS_FOLDER}/{n}": st for n in names})
+        w.submit(iteration, self.ctx.job.checkpoint_dir, files, generation=self._generation,
+                 rank=tdist.get_rank(), writers=tdist.get_world_size(), keep=self.ctx.job.checkpoint_keep,
+                 staged_s=time.perf_counter() - t0)
 
     def checkpoint_status(self) -> list[CheckpointWrite]:
         out, self._ckpt_status = self._ckpt_status, []
-        return out
+        return out + (self._writer.results() if self._writer is not None else [])
 
     def load_checkpoint(self, iteration: int, plan: ParallelPlan) -> None:
         import torch
@@ -595,6 +663,8 @@ class DeepSpeedAdapter(Adapter):
         import glob
 
         from resihp_adapters.deepspeed.state import ShardsMissing, apply_layers, merge_units, unit_keys, unit_name
+
+        self._at_newest = False
 
         if self.engine is None:
             self._held = {}
@@ -624,6 +694,9 @@ class DeepSpeedAdapter(Adapter):
         from resihp_adapters.deepspeed.engine import join_abandoned
         from resihp_adapters.deepspeed.world import dismantle, teardown_world
 
+        if self._writer is not None and not self._writer.drain():
+            print(f"resihp: device {self.ctx.device}: the last checkpoint write did not finish within "
+                  f"{self._writer.busy_timeout_s:.0f} s; it stays unsealed", file=sys.stderr, flush=True)
         join_abandoned()
         engine, self.engine = self.engine, None
         dismantle(engine)
@@ -646,6 +719,17 @@ def _sdc_step(ctx: AdapterContext) -> Any:
     from resihp_adapters.deepspeed.sdc import SdcStep
 
     return SdcStep(ctx.faults, sdc_enabled(True)) if hasattr(ctx.faults, "corrupt") else None
+
+
+@dataclass
+class _Snapshot:
+    """One rollback snapshot: every unit of this rank (:func:`~.state.snapshot_units`),
+    the iteration it was taken before (None until that iteration starts) and the
+    engine it was taken of (:attr:`DeepSpeedAdapter._build`)."""
+
+    units: dict[Any, dict[str, Any]]
+    build: int
+    iteration: int | None = None
 
 
 def _live(plan: ParallelPlan) -> list[int]:

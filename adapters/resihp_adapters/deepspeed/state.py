@@ -355,6 +355,16 @@ def _clone(v: Any) -> Any:
     return v.detach().clone() if hasattr(v, "detach") else v
 
 
+def _own(v: Any) -> Any:
+    """A copy the engine may keep and change: tensors cloned, containers copied (so a
+    rollback snapshot, kept after it is applied, is never changed through the engine)."""
+    import copy
+
+    if hasattr(v, "detach"):
+        return v.detach().clone()
+    return copy.deepcopy(v) if isinstance(v, (list, dict, tuple)) else v
+
+
 def _detached(v: Any) -> Any:
     return v.detach() if hasattr(v, "detach") else v
 
@@ -417,25 +427,28 @@ def extract_units(engine: Any, *, copy: bool = True) -> dict[Unit, dict[str, Any
     return out
 
 
-def snapshot_units(engine: Any, reuse: dict[Unit, dict[str, Any]] | None = None) -> dict[Unit, dict[str, Any]]:
+def snapshot_units(engine: Any, reuse: dict[Unit, dict[str, Any]] | None = None, *,
+                   device: str | None = None) -> dict[Unit, dict[str, Any]]:
     """:func:`extract_units`'s copies, written into the tensors of ``reuse`` where it
     holds tensors of the same shapes and dtypes in the same order (an earlier snapshot
     of this rank that nobody else holds any more); otherwise fresh copies. The values
     are :func:`extract_units`'s exactly; the rollback snapshot taken before every
     iteration then reuses its buffers instead of allocating (and faulting in) the
-    stage's whole state afresh each time."""
+    stage's whole state afresh each time. ``device``: where the copies live (``"cpu"``
+    for a checkpoint's host staging); None: beside the engine's tensors."""
     import torch
 
     live = extract_units(engine, copy=False)
     src = _tensor_leaves(live, [])
     dst = _tensor_leaves(reuse, []) if reuse is not None else []
-    if len(dst) == len(src) and all(d.shape == s.shape and d.dtype == s.dtype and d.device == s.device
+    where = (lambda s: s.device) if device is None else (lambda s: torch.device(device))
+    if len(dst) == len(src) and all(d.shape == s.shape and d.dtype == s.dtype and d.device == where(s)
                                     and d.stride() == s.stride() for d, s in zip(dst, src)):
-        with torch.no_grad():
-            for d, s in zip(dst, src):
-                d.copy_(s)
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
     else:
-        dst = [s.clone() for s in src]
+        dst = [s.detach().clone() if device is None else s.detach().to(device, copy=True) for s in src]
     return _refill(live, iter(dst))
 
 
@@ -567,13 +580,13 @@ def _apply_global(engine: Any, st: dict[str, Any]) -> None:
         raise KeyError(f"the optimizer has {len(groups)} parameter groups, the saved state {len(st['groups'])}")
     for g, saved in zip(groups, st["groups"]):
         for k, v in saved.items():
-            g[k] = _clone(v)
+            g[k] = _own(v)
     sched = getattr(engine, "lr_scheduler", None)
     if (sched is None) != (st["lr_scheduler"] is None):
         raise KeyError("the saved state and this engine disagree on whether there is an LR scheduler")
     if sched is not None:
         cur = sched.state_dict()
-        cur.update({k: _clone(v) for k, v in st["lr_scheduler"].items()})
+        cur.update({k: _own(v) for k, v in st["lr_scheduler"].items()})
         sched.load_state_dict(cur)
     c = st["counters"]
     engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]

@@ -58,10 +58,10 @@ ENV_COMMIT_OVERLAP = "RESIHP_COMMIT_OVERLAP"
 
 @runtime_checkable
 class DeepRollback(Protocol):
-    """An adapter that keeps two rollback snapshots (torch_native): the worker can then
-    commit an iteration on a background thread while the next one runs, and still put
-    back the exact state before either if the commit is refused (docs/torch_native.md,
-    "The commit off the critical path")."""
+    """An adapter that keeps two rollback snapshots (torch_native, deepspeed): the worker
+    can then commit an iteration on a background thread while the next one runs, and
+    still put back the exact state before either if the commit is refused
+    (docs/torch_native.md, "The commit off the critical path")."""
 
     def keep_snapshots(self, depth: int) -> bool: ...
 

@@ -581,3 +581,115 @@ def test_the_layer_seed_leaves_every_generator_as_deepspeeds_own_does():
         seed_layer(seed)
         got = states()
         assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2]), seed
+
+
+def test_two_deep_rollback_to_puts_back_the_state_before_either_iteration_in_reused_buffers():
+    """With ``keep_snapshots(2)`` (the worker's overlapped commit) a refused commit of
+    iteration 5 after 6 has stepped goes back to the exact state before 5: parameters,
+    AdamW moments and step counts, a tied group, hyperparameters, LR scheduler and the
+    engine's counters; the snapshots' buffers rotate (none allocated per iteration), and
+    an iteration no snapshot holds is refused naming the kept ones."""
+    from types import SimpleNamespace
+
+    from resihp_adapters.deepspeed.adapter import DeepSpeedAdapter
+    from resihp_adapters.deepspeed.state import _tensor_leaves, extract_units
+
+    from resihp_core.runtime.worker import DeepRollback
+
+    torch.manual_seed(0)
+    layers = {3: torch.nn.Linear(6, 5), 4: torch.nn.Sequential(torch.nn.LayerNorm(5), torch.nn.Linear(5, 4))}
+    tied = torch.nn.Embedding(7, 6)
+    params = [p for m in (*layers.values(), tied) for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    module = SimpleNamespace(_local_start=3, _local_stop=5, local_layers=lambda: layers,
+                             tied_modules={"embed": tied})
+
+    def train_batch() -> torch.Tensor:  # one DeepSpeed step of this toy stage, data by iteration
+        x = tied(torch.randint(7, (3,), generator=torch.Generator().manual_seed(engine.iteration)))
+        loss = layers[4](layers[3](x)).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        engine.global_steps += 1
+        return loss.detach()
+
+    engine = SimpleNamespace(module=module, basic_optimizer=opt, optimizer=opt, lr_scheduler=sched, global_steps=0,
+                             global_samples=0, skipped_steps=0, train_batch=train_batch, timings=[],
+                             is_last_stage=lambda: False, total_loss=None)
+    a = DeepSpeedAdapter.__new__(DeepSpeedAdapter)
+    a.__dict__.update(ctx=SimpleNamespace(device=2, job=SimpleNamespace(dp=1, num_microbatches=1)),
+                      spec=SimpleNamespace(micro_batch_size=3), engine=engine, _snaps=[], _depth=1, _spare=None,
+                      _build=1, _program=object(), _sdc=None, _held={})
+    plan = SimpleNamespace(location=lambda device: (0, 0, 0))
+    a.plan = a.xplan = plan
+    assert isinstance(a, DeepRollback) and a.keep_snapshots(2)
+
+    def same(x: object, y: object) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return type(x) is type(y) and len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+        return x == y
+
+    def step(i: int) -> None:  # the worker: snapshot, then the iteration
+        a.snapshot()
+        a.run_iteration(None, i)
+
+    step(4)
+    before_5 = extract_units(engine)
+    step(5)
+    before_6 = extract_units(engine)
+    step(6)
+    buffers = {t.data_ptr() for s in a._snaps for t in _tensor_leaves(s.units, [])}
+    a.rollback_to(5)  # 5's commit refused while 6 had stepped: both undone
+    assert same(extract_units(engine), before_5) and engine.global_steps == 5
+    step(5)  # trained again: the same two buffers serve
+    assert same(extract_units(engine), before_6)
+    step(6)
+    a.rollback_to(6)  # 5 committed, 6 refused: one step back
+    assert same(extract_units(engine), before_6)
+    step(6)
+    assert {t.data_ptr() for s in a._snaps for t in _tensor_leaves(s.units, [])} == buffers
+    with pytest.raises(RuntimeError, match=r"no snapshot of iteration 4 .*kept: \[5, 6\]"):
+        a.rollback_to(4)
+    a.keep_snapshots(1)
+    step(7)
+    with pytest.raises(RuntimeError, match=r"no snapshot of iteration 6"):
+        a.rollback_to(6)
+
+
+def test_a_checkpoint_is_sealed_only_once_every_writer_finished(tmp_path):
+    """The background writer of DeepSpeed's checkpoints: writer rank 0 seals only after
+    every writer's record is there, with exactly their files; a writer that never
+    finishes (killed mid-write) or one that failed leaves the folder unsealed, and the
+    restore rule skips it."""
+    from resihp_core import checkpoints
+    from resihp_adapters.torchkit.checkpoint import SealedWriter
+
+    root = str(tmp_path)
+    w0, w1 = SealedWriter(seal_timeout_s=0.3), SealedWriter(seal_timeout_s=0.3)
+    x = {"w": torch.arange(4.0)}
+    for w, r in ((w0, 0), (w1, 1)):
+        w.submit(3, root, {f"layers/u{r}-tp0.pt": x, "layers/global-tp0.pt": {"lr": 0.1}}, generation=0, rank=r,
+                 writers=2, keep=0)
+    assert w0.drain(5) and w1.drain(5)
+    assert checkpoints.verify(root, 3).complete
+    assert set(json.loads((checkpoints.iteration_dir(root, 3) / checkpoints.MANIFEST).read_text())["files"]) == {
+        "layers/u0-tp0.pt", "layers/u1-tp0.pt", "layers/global-tp0.pt"}
+    assert not list(checkpoints.iteration_dir(root, 3).glob("written-*"))
+    assert [r.error for r in w0.results()] == [None] and w1.results() == []
+    # Iteration 7: writer 1 dies before its files are written; iteration 11: its write fails.
+    w0.submit(7, root, {"layers/u0-tp0.pt": x}, generation=1, rank=0, writers=2, keep=0)
+    assert w0.drain(5)
+    w1.before_write = lambda i: (_ for _ in ()).throw(OSError("disk full"))
+    for w, r in ((w0, 0), (w1, 1)):
+        w.submit(11, root, {f"layers/u{r}-tp0.pt": x}, generation=1, rank=r, writers=2, keep=0)
+    assert w0.drain(5) and w1.drain(5)
+    assert not checkpoints.verify(root, 7).complete and not checkpoints.verify(root, 11).complete
+    assert [r.error for r in w1.results()] == ["OSError: disk full"]
+    assert "writer 1: OSError: disk full" in w0.results()[0].error
+    assert checkpoints.restore_point(root, 12, 4, grace_s=0)[0] == 3
