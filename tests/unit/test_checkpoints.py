@@ -124,3 +124,29 @@ def test_retention_and_the_restore_point_for_sealed_checkpoints(tmp_path):
     assert checkpoints.restore_point(tmp_path, 0, 4) == (None, [])
     assert checkpoints.prune(tmp_path, 2) == [3]
     assert [c.iteration for c in checkpoints.scan(tmp_path)] == [15, 11, 7]
+
+
+def test_retention_hashes_a_checkpoint_once_until_its_files_change(tmp_path, monkeypatch):
+    """Retention at every seal does not hash the kept checkpoints again while their files
+    look unchanged; a file rewritten since (a flipped byte) is hashed again, found
+    corrupt and not counted, so an older complete one is kept in its place."""
+    for it in (1, 2, 3):
+        _adapter_checkpoint(tmp_path, it)
+        checkpoints.seal(tmp_path, it)
+    hashed: list[str] = []
+    real = checkpoints.file_sha256
+    monkeypatch.setattr(checkpoints, "file_sha256", lambda p: hashed.append(str(p)) or real(p))
+    assert checkpoints.prune(tmp_path, 2) == [1]
+    assert hashed == []  # sealed here: known complete
+    f = next(p for p in sorted(checkpoints.iteration_dir(tmp_path, 3).rglob("*"))
+             if p.is_file() and p.name != checkpoints.MANIFEST)
+    data = bytearray(f.read_bytes())
+    data[0] ^= 0xFF
+    f.write_bytes(bytes(data))
+    _adapter_checkpoint(tmp_path, 4)
+    checkpoints.seal(tmp_path, 4)
+    hashed.clear()
+    assert checkpoints.prune(tmp_path, 2) == []  # 3 is corrupt now: 4 and 2 are the two kept
+    three = str(checkpoints.iteration_dir(tmp_path, 3))
+    assert hashed and all(h.startswith(three) for h in hashed), hashed  # only the changed one again
+    assert [c.iteration for c in checkpoints.scan(tmp_path) if c.complete] == [4, 2]
