@@ -16,9 +16,17 @@ documents. Then, for any later iteration and *its* documents:
   over the warm-up iterations, which absorbs what the model does not see (framework
   overhead, a link model that does not match the machine).
 
-Known slow devices (``speeds``: device -> p from earlier reports) are divided out of the
-warm-up samples and put back into predictions, so a device that is already reported
-does not keep looking slow.
+Known slow devices (``speeds``: device -> p from earlier reports) are put back into
+predictions, so a device that is already reported does not keep looking slow. Their
+healthy cost comes from the executors of the same stage with no known-slow device (DP
+replicas do the same work per micro-batch; ``p`` was measured against them): a slowdown
+that comes and goes — a duty-cycled worker, one whose slowdown ends during the warm-up,
+one left waiting for its peers after its micro-batches moved away — does not run at
+``p`` through the warm-up, and its own samples with ``p`` divided out would make the
+fit as slow as it happened to be then. The recovery watch (detector/recovery.py) reads
+a device back at full speed as ``log p`` faster than its prediction, which holds only
+against that healthy cost. A stage with no such executor divides ``p`` out of the slow
+executor's own samples.
 
 numpy is needed (the fit and the simulator); import this module lazily.
 """
@@ -63,6 +71,17 @@ def _mean_cost(samples: list[tuple[tuple[int, ...], float, float]], layers: int,
     f = sum(x for _, x, _ in samples)
     b = sum(x for _, _, x in samples)
     return StageCost(alpha_f=f / n, beta_f=0.0, alpha_b=b / n, beta_b=0.0, ref_layers=layers, ref_tp=tp)
+
+
+def _mean_stage_cost(costs: list[StageCost]) -> StageCost:
+    """The mean of one stage's fitted costs (DP replicas), normalised to TP degree 1."""
+    k = len(costs)
+    avg = lambda f: sum(f(c) * c.ref_tp for c in costs) / k  # noqa: E731
+    return StageCost(
+        alpha_f=avg(lambda c: c.alpha_f), beta_f=avg(lambda c: c.beta_f), gamma_f=avg(lambda c: c.gamma_f),
+        alpha_b=avg(lambda c: c.alpha_b), beta_b=avg(lambda c: c.beta_b), gamma_b=avg(lambda c: c.gamma_b),
+        ref_layers=costs[0].ref_layers, ref_tp=1, w_fraction=costs[0].w_fraction,
+    )
 
 
 def _one_column(xs: list[float], ts: list[float]) -> float:
@@ -205,6 +224,10 @@ class WorkloadModel:
             self.fit_error = "no micro-batch profiles with document lengths in the warm-up"
             self._warm.clear()
             return
+        for ex in [ex for ex in costs if self._group_speed(ex) < 1.0]:
+            healthy_peers = [c for (r, s), c in costs.items() if s == ex[1] and self._group_speed((r, s)) >= 1.0]
+            if healthy_peers:
+                costs[ex] = _mean_stage_cost(healthy_peers)
         self.costs = costs
         self.fit_error = "; ".join(problems) or None
         self.wait_share = wait_shares(self._warm)
@@ -269,18 +292,7 @@ class WorkloadModel:
                           if self.plan.group(r, s) and (r, s) in self.costs]
                 if not fitted:
                     fitted = [(self._cost((0, s)), 1)]
-                k = len(fitted)
-                # Normalise to TP degree 1 and average across replicas.
-                avg = lambda f: sum(f(c) * c.ref_tp for c, _ in fitted) / k  # noqa: E731
-                stages.append(
-                    StageCost(
-                        alpha_f=avg(lambda c: c.alpha_f), beta_f=avg(lambda c: c.beta_f),
-                        gamma_f=avg(lambda c: c.gamma_f), alpha_b=avg(lambda c: c.alpha_b),
-                        beta_b=avg(lambda c: c.beta_b), gamma_b=avg(lambda c: c.gamma_b),
-                        ref_layers=fitted[0][0].ref_layers, ref_tp=1,
-                        w_fraction=fitted[0][0].w_fraction,
-                    )
-                )
+                stages.append(_mean_stage_cost([c for c, _ in fitted]))
             self._predictor = IterationPredictor(CostModel(tuple(stages)), self.topology, self.shape, self.links)
         return self._predictor
 

@@ -71,6 +71,22 @@ if TYPE_CHECKING:
 __all__ = ["GreyhoundVerifier", "ProfileVerifier", "make_greyhound_verifier", "make_profile_verifier"]
 
 
+def _references(groups: Mapping[tuple[int, int], list[int]], ex: tuple[int, int], device: Mapping[int, int],
+                known_slow: frozenset[int]) -> list[tuple[int, int]]:
+    """The other executors whose compute over healthy ``ex``'s is compared with: not
+    those with a known-slow device (``VerificationContext.known_slow``; a speed estimate
+    a little off, or a device back at full speed, makes every peer look slow), unless
+    ``ex`` has one too and no other is left (as :func:`~.localise.peer_excess`). Empty:
+    nothing to compare ``ex`` with, so it is not above its peers."""
+    others = [e for e in groups if e != ex]
+    if not known_slow:
+        return others
+    slow = {e for e in others if any(device[r] in known_slow for r in groups[e])}
+    reliable = [e for e in others if e not in slow]
+    mine = any(device[r] in known_slow for r in groups[ex])
+    return reliable if reliable or not mine else others
+
+
 def _fmt(ps: dict[int, float]) -> str:
     return ", ".join(f"device {d}: p={p:.2f}" for d, p in sorted(ps.items()))
 
@@ -614,7 +630,7 @@ class ProfileVerifier:
         out = []
         for profiles in c.ctx.iterations:
             mine = worst(profiles, c.groups[ex])
-            peers = [x for e, ranks in c.groups.items() if e != ex and (x := worst(profiles, ranks)) is not None]
+            peers = [x for e in self._refs(c, ex) if (x := worst(profiles, c.groups[e])) is not None]
             if mine is not None and peers and statistics.median(peers) > 0:
                 out.append(mine / statistics.median(peers))
         return out
@@ -673,9 +689,16 @@ class ProfileVerifier:
     def _over_peers(self, c: _Case, ex: tuple[int, int]) -> float:
         """``ex``'s measured compute over healthy, relative to the median of the other
         executors', over the iterations verified."""
-        peers = [c.raw[e] for e in c.groups if e != ex]
-        med = statistics.median(peers) if peers else 1.0
+        peers = [c.raw[e] for e in self._refs(c, ex)]
+        if not peers:
+            return 1.0  # nothing to compare with
+        med = statistics.median(peers)
         return c.raw[ex] / med if med > 0 else math.inf
+
+    @staticmethod
+    def _refs(c: _Case, ex: tuple[int, int]) -> list[tuple[int, int]]:
+        """The executors ``ex``'s compute is compared with (:func:`_references`)."""
+        return _references(c.groups, ex, c.t.device, c.ctx.known_slow)
 
     def _margin(self, ctx: VerificationContext, t: _Totals, ranks: list[int],
                 noise: Mapping[int, float] | None = None) -> float:
@@ -768,9 +791,13 @@ class ProfileVerifier:
                     vals.append(measure(p) / pred)
             return max(vals) if vals else 1.0
 
+        refs = _references(groups, ex, t.device, ctx.known_slow)
+        if not refs:
+            return False  # its only peers are known slow: no reference
+
         def above(profiles: Mapping[int, IterationProfile] | None) -> bool:
             mine = ratio(profiles, groups[ex])
-            peers = [ratio(profiles, ranks) for e, ranks in groups.items() if e != ex]
+            peers = [ratio(profiles, groups[e]) for e in refs]
             return mine > statistics.median(peers) * (1 + margin)
 
         if not above(None):
@@ -794,6 +821,9 @@ class ProfileVerifier:
         rounds, probe_s = 0, 0.0
         cause = "compute"
         contended: set[int] = set()
+        executors: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for r, e in t.executor.items():
+            executors[e].append(r)
         for (rep, stage), ranks in sorted(suspects.items()):
             # A rank slowed mostly by waiting for a CPU is slowed by its host: what it
             # delivers (its throughput) counts that waiting; a device slow by itself is
@@ -808,8 +838,9 @@ class ProfileVerifier:
                 # warm-up): what moving its micro-batches to them gains. Slowed by
                 # contention, relative to them also where the machine's load slowed
                 # them too: they bear that load wherever its work runs.
+                refs = set(_references(executors, (rep, stage), t.device, ctx.known_slow))
                 peers = [t.q(o) if t.device[r] in contended else t.qd(o) for o, e in t.executor.items()
-                         if e[1] == stage and e != (rep, stage)]
+                         if e[1] == stage and e in refs]
                 ref = (statistics.median(peers) if t.device[r] in contended else
                        min(1.0, statistics.median(peers))) if peers else 1.0
                 slow[t.device[r]] = _clip_p(ref / qs[r] if ref > 0 else 1.0 / qs[r])

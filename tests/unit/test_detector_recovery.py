@@ -4,9 +4,12 @@ this generation or the plan was made with its speed; never while it stays slow."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from resihp_core.detector.recovery import RecoveryWatch
+from resihp_core.plan import Migration, ParallelPlan
 from test_detector_localise import Job, detector
 
 
@@ -69,3 +72,46 @@ def test_a_known_slow_device_back_at_full_speed_is_no_reference_for_its_peers() 
     assert not [d.report for d in dets if d.report is not None and 0 in d.report.devices]
     back = [d for d in dets if d.action == "recovered"]
     assert [d.iteration for d in back] == [20 + det.recovery.k - 1], [(d.iteration, d.action) for d in dets]
+
+
+def _moved_job(seed: int) -> tuple[Job, ParallelPlan]:
+    """DP 2 after the re-plan of a duty-cycled device 1 reported at p = 0.46: two of its
+    four micro-batches moved to device 0 (test_detector_external's duty cycle)."""
+    plan = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=4, num_microbatches=4, num_heads=4)
+    plan = dataclasses.replace(plan, generation=1, migrations=(Migration(0, 1, 2, 0), Migration(0, 1, 3, 0)))
+    job = Job(ranks=2, scale=0.3, seed=seed)
+    job.work = {r: plan.work(r, 0) for r in range(2)}
+    return job, plan
+
+
+def test_a_device_slowed_less_than_known_in_the_warm_up_is_still_reported_back() -> None:
+    """Device 1 known at p = 0.46 ran only 1.3x slow through the new generation's
+    warm-up (its cycle ending, or its stops falling while it waited for device 0), then
+    2.17x, then at full speed. Its healthy cost is its peer's, not its own warm-up with
+    p divided out (which made 1.3x its "slow" level, so full speed never read near
+    healthy: CI never reported it back and the plan never returned)."""
+    job, plan = _moved_job(8)
+    det = detector()
+    det.reset(1, plan=plan, speeds={1: 0.46})
+    dets = []
+    for it in range(30):
+        job.slow = {1: 1.3 if it < 4 else 2.17 if it < 10 else 1.0}
+        dets.append(det.observe(it, job.iteration(it)))
+    reports = [(d.iteration, d.report.devices, d.report.throughput) for d in dets if d.report is not None]
+    assert reports == [(10 + det.recovery.k - 1, (1,), {1: 1.0})], reports
+
+
+def test_a_healthy_device_is_not_verified_against_a_known_slow_peer_back_at_full_speed() -> None:
+    """Device 1's slowdown ends and the machine slows both devices 1.5x at once: within
+    the k iterations before device 1 is reported back, verification must not compare
+    device 0 with it (it reads 0.69x its slow prediction, device 0 1.5x its healthy one:
+    CI reported the healthy device 0 at compute 1.50x)."""
+    job, plan = _moved_job(9)
+    det = detector()
+    det.reset(1, plan=plan, speeds={1: 0.46})
+    dets = []
+    for it in range(30):
+        job.slow = {1: 2.17} if it < 8 else {0: 1.5, 1: 1.5}
+        dets.append(det.observe(it, job.iteration(it)))
+    reports = [(d.iteration, d.report.devices, d.report.throughput) for d in dets if d.report is not None]
+    assert reports == [(8 + det.recovery.k - 1, (1,), {1: 1.0})], [(d.iteration, d.action) for d in dets]
