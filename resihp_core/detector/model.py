@@ -19,14 +19,14 @@ documents. Then, for any later iteration and *its* documents:
 Known slow devices (``speeds``: device -> p from earlier reports) are put back into
 predictions, so a device that is already reported does not keep looking slow. Their
 healthy cost comes from the executors of the same stage with no known-slow device (DP
-replicas do the same work per micro-batch; ``p`` was measured against them): a slowdown
-that comes and goes — a duty-cycled worker, one whose slowdown ends during the warm-up,
-one left waiting for its peers after its micro-batches moved away — does not run at
-``p`` through the warm-up, and its own samples with ``p`` divided out would make the
-fit as slow as it happened to be then. The recovery watch (detector/recovery.py) reads
-a device back at full speed as ``log p`` faster than its prediction, which holds only
-against that healthy cost. A stage with no such executor divides ``p`` out of the slow
-executor's own samples.
+replicas do the same work per micro-batch), times the device's own speed relative to
+them when it was last fitted healthy. A slowdown that comes and goes (a duty-cycled
+worker, one whose slowdown ends during the warm-up, one left waiting for its peers
+after its micro-batches moved away) does not run at ``p`` through the warm-up, and its
+own samples with ``p`` divided out would fit a level it does not return to; the
+recovery watch (detector/recovery.py) reads a device back at full speed as ``log p``
+faster than its prediction, which holds only against a healthy cost. A stage with no
+such executor divides ``p`` out of the slow executor's own samples.
 
 numpy is needed (the fit and the simulator); import this module lazily.
 """
@@ -73,15 +73,15 @@ def _mean_cost(samples: list[tuple[tuple[int, ...], float, float]], layers: int,
     return StageCost(alpha_f=f / n, beta_f=0.0, alpha_b=b / n, beta_b=0.0, ref_layers=layers, ref_tp=tp)
 
 
-def _mean_stage_cost(costs: list[StageCost]) -> StageCost:
-    """The mean of one stage's fitted costs (DP replicas), normalised to TP degree 1."""
+_TERMS = ("alpha_f", "beta_f", "gamma_f", "delta_f", "alpha_b", "beta_b", "gamma_b", "delta_b")
+
+
+def _mean_stage_cost(costs: list[StageCost], scale: float = 1.0) -> StageCost:
+    """The mean of one stage's fitted costs (DP replicas), normalised to TP degree 1,
+    times ``scale``."""
     k = len(costs)
-    avg = lambda f: sum(f(c) * c.ref_tp for c in costs) / k  # noqa: E731
-    return StageCost(
-        alpha_f=avg(lambda c: c.alpha_f), beta_f=avg(lambda c: c.beta_f), gamma_f=avg(lambda c: c.gamma_f),
-        alpha_b=avg(lambda c: c.alpha_b), beta_b=avg(lambda c: c.beta_b), gamma_b=avg(lambda c: c.gamma_b),
-        ref_layers=costs[0].ref_layers, ref_tp=1, w_fraction=costs[0].w_fraction,
-    )
+    terms = {t: scale * sum(getattr(c, t) * c.ref_tp for c in costs) / k for t in _TERMS}
+    return StageCost(**terms, ref_layers=costs[0].ref_layers, ref_tp=1, w_fraction=costs[0].w_fraction)
 
 
 def _one_column(xs: list[float], ts: list[float]) -> float:
@@ -141,6 +141,9 @@ class WorkloadModel:
         self.topology, self.shape, self.links = topology, shape, links
         self.warmup_iterations = warmup_iterations
         self.calibrate = calibrate
+        # device group -> its healthy compute relative to its stage's other executors at
+        # the last fit where none of them was known slow (kept across generations)
+        self.relative: dict[tuple[int, ...], float] = {}
         self.reset(plan=plan, speeds=speeds)
 
     # ------------------------------------------------------------ state
@@ -224,10 +227,7 @@ class WorkloadModel:
             self.fit_error = "no micro-batch profiles with document lengths in the warm-up"
             self._warm.clear()
             return
-        for ex in [ex for ex in costs if self._group_speed(ex) < 1.0]:
-            healthy_peers = [c for (r, s), c in costs.items() if s == ex[1] and self._group_speed((r, s)) >= 1.0]
-            if healthy_peers:
-                costs[ex] = _mean_stage_cost(healthy_peers)
+        self._from_peers(costs, samples)
         self.costs = costs
         self.fit_error = "; ".join(problems) or None
         self.wait_share = wait_shares(self._warm)
@@ -243,6 +243,32 @@ class WorkloadModel:
             if ratios:
                 self.calibration = statistics.median(ratios)
         self._warm.clear()
+
+    def _samples_cost(self, cost: StageCost, ex: Executor, samples: list[tuple[tuple[int, ...], float, float]]) -> float:
+        kw = dict(layers=self._layers(ex[1]), tp=self._degree(ex))
+        return sum(cost.forward(l, **kw) + cost.backward(l, **kw) for l, _, _ in samples)
+
+    def _from_peers(self, costs: dict[Executor, StageCost], samples: dict[Executor, list[tuple[tuple[int, ...], float, float]]]) -> None:
+        """Known-slow executors take their healthy cost from their stage's executors with
+        no known-slow device, times their own speed relative to those when last fitted
+        healthy (:attr:`relative`; a worker on a busier core computes a little slower
+        than its peers for good). Their own warm-up is not used: a slowdown that comes
+        and goes (a duty cycle, one that ends during the warm-up, one whose worker now
+        waits for its peers after its micro-batches moved away) does not run at its
+        known ``p`` then, and with ``p`` divided out it would fit a level the device
+        does not return to, above or below healthy (module docstring). Healthy
+        executors update :attr:`relative`."""
+        healthy = [ex for ex in costs if self._group_speed(ex) >= 1.0]
+        for ex in healthy:
+            others = [costs[e] for e in healthy if e[1] == ex[1] and e != ex]
+            if others and samples.get(ex):
+                base = self._samples_cost(_mean_stage_cost(others), ex, samples[ex])
+                if base > 0:
+                    self.relative[self._executor_group(ex)] = self._samples_cost(costs[ex], ex, samples[ex]) / base
+        for ex in [ex for ex in costs if ex not in healthy]:
+            others = [costs[e] for e in healthy if e[1] == ex[1]]
+            if others:
+                costs[ex] = _mean_stage_cost(others, self.relative.get(self._executor_group(ex), 1.0))
 
     # ------------------------------------------------------------ predictions
     def _cost(self, ex: Executor) -> StageCost:

@@ -115,3 +115,23 @@ def test_a_healthy_device_is_not_verified_against_a_known_slow_peer_back_at_full
         dets.append(det.observe(it, job.iteration(it)))
     reports = [(d.iteration, d.report.devices, d.report.throughput) for d in dets if d.report is not None]
     assert reports == [(8 + det.recovery.k - 1, (1,), {1: 1.0})], [(d.iteration, d.action) for d in dets]
+
+
+def test_a_device_slower_than_its_peer_when_healthy_is_reported_back_at_its_own_healthy_speed() -> None:
+    """Device 1 computes 1.3x slower than device 0 when healthy (a busier core); known
+    at p = 0.7 of that. Back at its healthy speed it is reported back: its healthy cost
+    is its peer's times the 1.3 its last healthy fit measured, not its peer's alone
+    (against which it would read 0.91 of its slow prediction, short of the watch's bar)."""
+    job, plan = _moved_job(10)
+    det = detector()
+    job.work, job.slow = {}, {1: 1.3}
+    for it in range(10):
+        det.observe(it, job.iteration(it))
+    job.work = {r: plan.work(r, 0) for r in range(2)}
+    det.reset(1, plan=plan, speeds={1: 0.7})
+    dets = []
+    for it in range(10, 35):
+        job.slow = {1: 1.3 / 0.7 if it < 20 else 1.3}
+        dets.append(det.observe(it, job.iteration(it)))
+    reports = [(d.iteration, d.report.devices, d.report.throughput) for d in dets if d.report is not None]
+    assert reports == [(20 + det.recovery.k - 1, (1,), {1: 1.0})], reports
