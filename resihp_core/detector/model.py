@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["ModelNotReady", "WorkloadModel", "measured_iteration_time"]
 
 Executor = tuple[int, int]  # (replica, stage)
+Sample = tuple[tuple[int, ...], float, float]  # a micro-batch's document lengths, forward s, backward s
 
 
 class ModelNotReady(RuntimeError):
@@ -244,11 +245,12 @@ class WorkloadModel:
                 self.calibration = statistics.median(ratios)
         self._warm.clear()
 
-    def _samples_cost(self, cost: StageCost, ex: Executor, samples: list[tuple[tuple[int, ...], float, float]]) -> float:
+    def _samples_cost(self, cost: StageCost, ex: Executor, samples: list[Sample]) -> float:
+        """Healthy seconds ``cost`` gives ``ex``'s micro-batches in ``samples`` (at p = 1)."""
         kw = dict(layers=self._layers(ex[1]), tp=self._degree(ex))
         return sum(cost.forward(l, **kw) + cost.backward(l, **kw) for l, _, _ in samples)
 
-    def _from_peers(self, costs: dict[Executor, StageCost], samples: dict[Executor, list[tuple[tuple[int, ...], float, float]]]) -> None:
+    def _from_peers(self, costs: dict[Executor, StageCost], samples: Mapping[Executor, list[Sample]]) -> None:
         """Known-slow executors take their healthy cost from their stage's executors with
         no known-slow device, times their own speed relative to those when last fitted
         healthy (:attr:`relative`; a worker on a busier core computes a little slower

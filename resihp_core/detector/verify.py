@@ -435,6 +435,8 @@ class ProfileVerifier:
             return Verdict({}, "unknown", f"no executor is slower in compute than the others by its margin over "
                            f"the {n} iteration(s) verified, together and in most of them ({desc}; margins "
                            + ", ".join(f"replica {r} stage {s}: {c.margin[(r, s)]:.2f}" for r, s in sorted(c.suspects))
+                           + "".join(f"; replica {r} stage {s} has no peer that is not known slow to compare with"
+                                     for r, s in sorted(c.suspects) if not self._refs(c, (r, s)))
                            + "): not localised to a device, nothing to plan around")
         return None
 
