@@ -203,7 +203,8 @@ class VerificationContext:
     own_noise: Mapping[int, float] = field(default_factory=dict)
     # Devices known slow (reported, or planned around with their speed): their compute
     # over healthy has an estimated speed in it, and one back at full speed reads far
-    # faster than healthy, so they are no reference for their peers (detector/recovery.py).
+    # faster than healthy: running faster than known, they are no reference for their
+    # peers (verify._references; detector/recovery.py).
     known_slow: frozenset[int] = frozenset()
 
 

@@ -17,16 +17,16 @@ documents. Then, for any later iteration and *its* documents:
   overhead, a link model that does not match the machine).
 
 Known slow devices (``speeds``: device -> p from earlier reports) are put back into
-predictions, so a device that is already reported does not keep looking slow. Their
-healthy cost comes from the executors of the same stage with no known-slow device (DP
-replicas do the same work per micro-batch), times the device's own speed relative to
-them when it was last fitted healthy. A slowdown that comes and goes (a duty-cycled
-worker, one whose slowdown ends during the warm-up, one left waiting for its peers
-after its micro-batches moved away) does not run at ``p`` through the warm-up, and its
-own samples with ``p`` divided out would fit a level it does not return to; the
-recovery watch (detector/recovery.py) reads a device back at full speed as ``log p``
-faster than its prediction, which holds only against a healthy cost. A stage with no
-such executor divides ``p`` out of the slow executor's own samples.
+predictions, so a device that is already reported does not keep looking slow. The
+recovery watch (detector/recovery.py) reads a device back at full speed as about
+``log p`` faster than that prediction, which holds only if its healthy cost is healthy.
+Dividing ``p`` out of its own warm-up gives that only where it ran at ``p`` then; a
+slowdown that comes and goes (a duty-cycled worker, one whose slowdown ends during the
+warm-up) runs lighter, and the fit would take that lighter level for its slow one. So
+its healthy cost is the larger of its own warm-up with ``p`` divided out and the cost of
+its stage's executors with no known-slow device (DP replicas do the same work per
+micro-batch) times its own speed relative to them when it was last fitted healthy. A
+stage with no such executor keeps the first.
 
 numpy is needed (the fit and the simulator); import this module lazily.
 """
@@ -251,15 +251,18 @@ class WorkloadModel:
         return sum(cost.forward(l, **kw) + cost.backward(l, **kw) for l, _, _ in samples)
 
     def _from_peers(self, costs: dict[Executor, StageCost], samples: Mapping[Executor, list[Sample]]) -> None:
-        """Known-slow executors take their healthy cost from their stage's executors with
-        no known-slow device, times their own speed relative to those when last fitted
-        healthy (:attr:`relative`; a worker on a busier core computes a little slower
-        than its peers for good). Their own warm-up is not used: a slowdown that comes
-        and goes (a duty cycle, one that ends during the warm-up, one whose worker now
-        waits for its peers after its micro-batches moved away) does not run at its
-        known ``p`` then, and with ``p`` divided out it would fit a level the device
-        does not return to, above or below healthy (module docstring). Healthy
-        executors update :attr:`relative`."""
+        """A known-slow executor's healthy cost: its own warm-up with ``p`` divided out,
+        or, where that is less, its stage's executors with no known-slow device times its
+        own speed relative to those when last fitted healthy (:attr:`relative`; a worker
+        on a busier core computes a little slower than its peers for good). A slowdown
+        that comes and goes (a duty cycle, one that ends during the warm-up, one whose
+        worker is often stopped while it waits for its peers after its micro-batches
+        moved away) runs lighter than ``p`` through the warm-up, and its own samples
+        with ``p`` divided out fit a level it does not return to (module docstring);
+        where it ran at ``p`` its own samples are the better measure: they hold what the
+        new layout costs it (left with fewer micro-batches than its peer, the duty-cycle
+        test's worker computes each about 1.3x slower). Healthy executors update
+        :attr:`relative`."""
         healthy = [ex for ex in costs if self._group_speed(ex) >= 1.0]
         for ex in healthy:
             others = [costs[e] for e in healthy if e[1] == ex[1] and e != ex]
@@ -269,8 +272,12 @@ class WorkloadModel:
                     self.relative[self._executor_group(ex)] = self._samples_cost(costs[ex], ex, samples[ex]) / base
         for ex in [ex for ex in costs if ex not in healthy]:
             others = [costs[e] for e in healthy if e[1] == ex[1]]
-            if others:
-                costs[ex] = _mean_stage_cost(others, self.relative.get(self._executor_group(ex), 1.0))
+            if not others:
+                continue
+            peers = _mean_stage_cost(others, self.relative.get(self._executor_group(ex), 1.0))
+            own = samples.get(ex, [])
+            if self._samples_cost(peers, ex, own) >= self._samples_cost(costs[ex], ex, own):
+                costs[ex] = peers
 
     # ------------------------------------------------------------ predictions
     def _cost(self, ex: Executor) -> StageCost:

@@ -71,19 +71,24 @@ if TYPE_CHECKING:
 __all__ = ["GreyhoundVerifier", "ProfileVerifier", "make_greyhound_verifier", "make_profile_verifier"]
 
 
-def _references(groups: Mapping[tuple[int, int], list[int]], ex: tuple[int, int], device: Mapping[int, int],
-                known_slow: frozenset[int]) -> list[tuple[int, int]]:
-    """The other executors whose compute over healthy ``ex``'s is compared with: not
-    those with a known-slow device (``VerificationContext.known_slow``; a speed estimate
-    a little off, or a device back at full speed, makes every peer look slow), unless
-    ``ex`` has one too and no other is left (as :func:`~.localise.peer_excess`). Empty:
+def _references(groups: Mapping[tuple[int, int], list[int]], ex: tuple[int, int], t: _Totals,
+                known_slow: frozenset[int], fast: float) -> list[tuple[int, int]]:
+    """The other executors whose compute over healthy ``ex``'s is compared with. Not an
+    executor with a known-slow device (``VerificationContext.known_slow``) that computed
+    faster than its prediction, which has the estimated speed in it, by more than the
+    margin (under ``fast`` over the iterations verified): back at full speed, or slowed
+    less than estimated, against it every peer looks slow by that factor (CI reported a
+    healthy device at 1.5x against a peer just back at full speed). Running as slow as
+    known it is a reference like any other. Where ``ex`` has a known-slow device too and
+    no other is left, all of them are (as :func:`~.localise.peer_excess`). Empty:
     nothing to compare ``ex`` with, so it is not above its peers."""
     others = [e for e in groups if e != ex]
     if not known_slow:
         return others
-    slow = {e for e in others if any(device[r] in known_slow for r in groups[e])}
-    reliable = [e for e in others if e not in slow]
-    mine = any(device[r] in known_slow for r in groups[ex])
+    unreliable = {e for e in others if any(t.device[r] in known_slow for r in groups[e])
+                  and max(t.q(r) for r in groups[e]) < fast}
+    reliable = [e for e in others if e not in unreliable]
+    mine = any(t.device[r] in known_slow for r in groups[ex])
     return reliable if reliable or not mine else others
 
 
@@ -435,8 +440,9 @@ class ProfileVerifier:
             return Verdict({}, "unknown", f"no executor is slower in compute than the others by its margin over "
                            f"the {n} iteration(s) verified, together and in most of them ({desc}; margins "
                            + ", ".join(f"replica {r} stage {s}: {c.margin[(r, s)]:.2f}" for r, s in sorted(c.suspects))
-                           + "".join(f"; replica {r} stage {s} has no peer that is not known slow to compare with"
-                                     for r, s in sorted(c.suspects) if not self._refs(c, (r, s)))
+                           + "".join(f"; replica {r} stage {s} has no peer to compare with but known-slow ones "
+                                     "running faster than known" for r, s in sorted(c.suspects)
+                                     if not self._refs(c, (r, s)))
                            + "): not localised to a device, nothing to plan around")
         return None
 
@@ -697,10 +703,9 @@ class ProfileVerifier:
         med = statistics.median(peers)
         return c.raw[ex] / med if med > 0 else math.inf
 
-    @staticmethod
-    def _refs(c: _Case, ex: tuple[int, int]) -> list[tuple[int, int]]:
+    def _refs(self, c: _Case, ex: tuple[int, int]) -> list[tuple[int, int]]:
         """The executors ``ex``'s compute is compared with (:func:`_references`)."""
-        return _references(c.groups, ex, c.t.device, c.ctx.known_slow)
+        return _references(c.groups, ex, c.t, c.ctx.known_slow, 1.0 / (1.0 + self.compute_margin))
 
     def _margin(self, ctx: VerificationContext, t: _Totals, ranks: list[int],
                 noise: Mapping[int, float] | None = None) -> float:
@@ -793,7 +798,7 @@ class ProfileVerifier:
                     vals.append(measure(p) / pred)
             return max(vals) if vals else 1.0
 
-        refs = _references(groups, ex, t.device, ctx.known_slow)
+        refs = _references(groups, ex, t, ctx.known_slow, 1.0 / (1.0 + self.compute_margin))
         if not refs:
             return False  # its only peers are known slow: no reference
 
@@ -840,7 +845,8 @@ class ProfileVerifier:
                 # warm-up): what moving its micro-batches to them gains. Slowed by
                 # contention, relative to them also where the machine's load slowed
                 # them too: they bear that load wherever its work runs.
-                refs = set(_references(executors, (rep, stage), t.device, ctx.known_slow))
+                fast = 1.0 / (1.0 + self.compute_margin)
+                refs = set(_references(executors, (rep, stage), t, ctx.known_slow, fast))
                 peers = [t.q(o) if t.device[r] in contended else t.qd(o) for o, e in t.executor.items()
                          if e[1] == stage and e in refs]
                 ref = (statistics.median(peers) if t.device[r] in contended else
