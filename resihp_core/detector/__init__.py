@@ -201,6 +201,11 @@ class VerificationContext:
     # is most of the noise, and a device slow by itself stands out in its own compute
     # long before it does in its measured one. Absent = not measured.
     own_noise: Mapping[int, float] = field(default_factory=dict)
+    # Devices known slow (reported, or planned around with their speed): their compute
+    # over healthy has an estimated speed in it, and one back at full speed reads far
+    # faster than healthy: running faster than known, they are no reference for their
+    # peers (verify._references; detector/recovery.py).
+    known_slow: frozenset[int] = frozenset()
 
 
 @runtime_checkable

@@ -165,11 +165,12 @@ class _Base:
 
     def _verify(self, iterations: list[ProfileSet], before: list[ProfileSet], model: object | None,
                 threshold: float, environment: Mapping[int, float] | None = None,
-                noise: Mapping[int, float] | None = None, own_noise: Mapping[int, float] | None = None) -> Verdict:
+                noise: Mapping[int, float] | None = None, own_noise: Mapping[int, float] | None = None,
+                known_slow: frozenset[int] = frozenset()) -> Verdict:
         ctx = VerificationContext(
             generation=self.generation, iterations=iterations, before=before, model=model,
             prober=self.prober, plan=self.plan, threshold=threshold, environment=environment or {},
-            noise=noise or {}, own_noise=own_noise or {},
+            noise=noise or {}, own_noise=own_noise or {}, known_slow=known_slow,
         )
         t0 = time.process_time()
         verdict = self.verifier.verify(ctx)
@@ -637,7 +638,7 @@ class WorkloadAwareDetector(_Base):
         onset = min(found.values())
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
-                               self._environment(onset), noise, own_noise)
+                               self._environment(onset), noise, own_noise, frozenset(self._known_slow()))
         if verdict.more > len(after):
             # Too few iterations for this evidence: the runs must go on that long.
             for d in found:
@@ -804,7 +805,7 @@ class WorkloadAwareDetector(_Base):
                                  notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
         env = self._environment(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
-                               self.local.noise(), self.own.noise())
+                               self.local.noise(), self.own.noise(), frozenset(self._known_slow()))
         if verdict.more > len(after):
             # Not enough iterations for this evidence yet: verify again when there are.
             self._watch = (onset, iteration + max(self.min_gap, verdict.more))

@@ -16,9 +16,17 @@ documents. Then, for any later iteration and *its* documents:
   over the warm-up iterations, which absorbs what the model does not see (framework
   overhead, a link model that does not match the machine).
 
-Known slow devices (``speeds``: device -> p from earlier reports) are divided out of the
-warm-up samples and put back into predictions, so a device that is already reported
-does not keep looking slow.
+Known slow devices (``speeds``: device -> p from earlier reports) are put back into
+predictions, so a device that is already reported does not keep looking slow. The
+recovery watch (detector/recovery.py) reads a device back at full speed as about
+``log p`` faster than that prediction, which holds only if its healthy cost is healthy.
+Dividing ``p`` out of its own warm-up gives that only where it ran at ``p`` then; a
+slowdown that comes and goes (a duty-cycled worker, one whose slowdown ends during the
+warm-up) runs lighter, and the fit would take that lighter level for its slow one. So
+its healthy cost is the larger of its own warm-up with ``p`` divided out and the cost of
+its stage's executors with no known-slow device (DP replicas do the same work per
+micro-batch) times its own speed relative to them when it was last fitted healthy. A
+stage with no such executor keeps the first.
 
 numpy is needed (the fit and the simulator); import this module lazily.
 """
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["ModelNotReady", "WorkloadModel", "measured_iteration_time"]
 
 Executor = tuple[int, int]  # (replica, stage)
+Sample = tuple[tuple[int, ...], float, float]  # a micro-batch's document lengths, forward s, backward s
 
 
 class ModelNotReady(RuntimeError):
@@ -63,6 +72,17 @@ def _mean_cost(samples: list[tuple[tuple[int, ...], float, float]], layers: int,
     f = sum(x for _, x, _ in samples)
     b = sum(x for _, _, x in samples)
     return StageCost(alpha_f=f / n, beta_f=0.0, alpha_b=b / n, beta_b=0.0, ref_layers=layers, ref_tp=tp)
+
+
+_TERMS = ("alpha_f", "beta_f", "gamma_f", "delta_f", "alpha_b", "beta_b", "gamma_b", "delta_b")
+
+
+def _mean_stage_cost(costs: list[StageCost], scale: float = 1.0) -> StageCost:
+    """The mean of one stage's fitted costs (DP replicas), normalised to TP degree 1,
+    times ``scale``."""
+    k = len(costs)
+    terms = {t: scale * sum(getattr(c, t) * c.ref_tp for c in costs) / k for t in _TERMS}
+    return StageCost(**terms, ref_layers=costs[0].ref_layers, ref_tp=1, w_fraction=costs[0].w_fraction)
 
 
 def _one_column(xs: list[float], ts: list[float]) -> float:
@@ -122,6 +142,9 @@ class WorkloadModel:
         self.topology, self.shape, self.links = topology, shape, links
         self.warmup_iterations = warmup_iterations
         self.calibrate = calibrate
+        # device group -> its healthy compute relative to its stage's other executors at
+        # the last fit where none of them was known slow (kept across generations)
+        self.relative: dict[tuple[int, ...], float] = {}
         self.reset(plan=plan, speeds=speeds)
 
     # ------------------------------------------------------------ state
@@ -205,6 +228,7 @@ class WorkloadModel:
             self.fit_error = "no micro-batch profiles with document lengths in the warm-up"
             self._warm.clear()
             return
+        self._from_peers(costs, samples)
         self.costs = costs
         self.fit_error = "; ".join(problems) or None
         self.wait_share = wait_shares(self._warm)
@@ -220,6 +244,40 @@ class WorkloadModel:
             if ratios:
                 self.calibration = statistics.median(ratios)
         self._warm.clear()
+
+    def _samples_cost(self, cost: StageCost, ex: Executor, samples: list[Sample]) -> float:
+        """Healthy seconds ``cost`` gives ``ex``'s micro-batches in ``samples`` (at p = 1)."""
+        kw = dict(layers=self._layers(ex[1]), tp=self._degree(ex))
+        return sum(cost.forward(l, **kw) + cost.backward(l, **kw) for l, _, _ in samples)
+
+    def _from_peers(self, costs: dict[Executor, StageCost], samples: Mapping[Executor, list[Sample]]) -> None:
+        """A known-slow executor's healthy cost: its own warm-up with ``p`` divided out,
+        or, where that is less, its stage's executors with no known-slow device times its
+        own speed relative to those when last fitted healthy (:attr:`relative`; a worker
+        on a busier core computes a little slower than its peers for good). A slowdown
+        that comes and goes (a duty cycle, one that ends during the warm-up, one whose
+        worker is often stopped while it waits for its peers after its micro-batches
+        moved away) runs lighter than ``p`` through the warm-up, and its own samples
+        with ``p`` divided out fit a level it does not return to (module docstring);
+        where it ran at ``p`` its own samples are the better measure: they hold what the
+        new layout costs it (left with fewer micro-batches than its peer, the duty-cycle
+        test's worker computes each about 1.3x slower). Healthy executors update
+        :attr:`relative`."""
+        healthy = [ex for ex in costs if self._group_speed(ex) >= 1.0]
+        for ex in healthy:
+            others = [costs[e] for e in healthy if e[1] == ex[1] and e != ex]
+            if others and samples.get(ex):
+                base = self._samples_cost(_mean_stage_cost(others), ex, samples[ex])
+                if base > 0:
+                    self.relative[self._executor_group(ex)] = self._samples_cost(costs[ex], ex, samples[ex]) / base
+        for ex in [ex for ex in costs if ex not in healthy]:
+            others = [costs[e] for e in healthy if e[1] == ex[1]]
+            if not others:
+                continue
+            peers = _mean_stage_cost(others, self.relative.get(self._executor_group(ex), 1.0))
+            own = samples.get(ex, [])
+            if self._samples_cost(peers, ex, own) >= self._samples_cost(costs[ex], ex, own):
+                costs[ex] = peers
 
     # ------------------------------------------------------------ predictions
     def _cost(self, ex: Executor) -> StageCost:
@@ -269,18 +327,7 @@ class WorkloadModel:
                           if self.plan.group(r, s) and (r, s) in self.costs]
                 if not fitted:
                     fitted = [(self._cost((0, s)), 1)]
-                k = len(fitted)
-                # Normalise to TP degree 1 and average across replicas.
-                avg = lambda f: sum(f(c) * c.ref_tp for c, _ in fitted) / k  # noqa: E731
-                stages.append(
-                    StageCost(
-                        alpha_f=avg(lambda c: c.alpha_f), beta_f=avg(lambda c: c.beta_f),
-                        gamma_f=avg(lambda c: c.gamma_f), alpha_b=avg(lambda c: c.alpha_b),
-                        beta_b=avg(lambda c: c.beta_b), gamma_b=avg(lambda c: c.gamma_b),
-                        ref_layers=fitted[0][0].ref_layers, ref_tp=1,
-                        w_fraction=fitted[0][0].w_fraction,
-                    )
-                )
+                stages.append(_mean_stage_cost([c for c, _ in fitted]))
             self._predictor = IterationPredictor(CostModel(tuple(stages)), self.topology, self.shape, self.links)
         return self._predictor
 

@@ -71,6 +71,27 @@ if TYPE_CHECKING:
 __all__ = ["GreyhoundVerifier", "ProfileVerifier", "make_greyhound_verifier", "make_profile_verifier"]
 
 
+def _references(groups: Mapping[tuple[int, int], list[int]], ex: tuple[int, int], t: _Totals,
+                known_slow: frozenset[int], fast: float) -> list[tuple[int, int]]:
+    """The other executors whose compute over healthy ``ex``'s is compared with. Not an
+    executor with a known-slow device (``VerificationContext.known_slow``) that computed
+    faster than its prediction, which has the estimated speed in it, by more than the
+    margin (under ``fast`` over the iterations verified): back at full speed, or slowed
+    less than estimated, against it every peer looks slow by that factor (CI reported a
+    healthy device at 1.5x against a peer just back at full speed). Running as slow as
+    known it is a reference like any other. Where ``ex`` has a known-slow device too and
+    no other is left, all of them are (as :func:`~.localise.peer_excess`). Empty:
+    nothing to compare ``ex`` with, so it is not above its peers."""
+    others = [e for e in groups if e != ex]
+    if not known_slow:
+        return others
+    unreliable = {e for e in others if any(t.device[r] in known_slow for r in groups[e])
+                  and max(t.q(r) for r in groups[e]) < fast}
+    reliable = [e for e in others if e not in unreliable]
+    mine = any(t.device[r] in known_slow for r in groups[ex])
+    return reliable if reliable or not mine else others
+
+
 def _fmt(ps: dict[int, float]) -> str:
     return ", ".join(f"device {d}: p={p:.2f}" for d, p in sorted(ps.items()))
 
@@ -419,6 +440,9 @@ class ProfileVerifier:
             return Verdict({}, "unknown", f"no executor is slower in compute than the others by its margin over "
                            f"the {n} iteration(s) verified, together and in most of them ({desc}; margins "
                            + ", ".join(f"replica {r} stage {s}: {c.margin[(r, s)]:.2f}" for r, s in sorted(c.suspects))
+                           + "".join(f"; replica {r} stage {s} has no peer to compare with but known-slow ones "
+                                     "running faster than known" for r, s in sorted(c.suspects)
+                                     if not self._refs(c, (r, s)))
                            + "): not localised to a device, nothing to plan around")
         return None
 
@@ -614,7 +638,7 @@ class ProfileVerifier:
         out = []
         for profiles in c.ctx.iterations:
             mine = worst(profiles, c.groups[ex])
-            peers = [x for e, ranks in c.groups.items() if e != ex and (x := worst(profiles, ranks)) is not None]
+            peers = [x for e in self._refs(c, ex) if (x := worst(profiles, c.groups[e])) is not None]
             if mine is not None and peers and statistics.median(peers) > 0:
                 out.append(mine / statistics.median(peers))
         return out
@@ -673,9 +697,15 @@ class ProfileVerifier:
     def _over_peers(self, c: _Case, ex: tuple[int, int]) -> float:
         """``ex``'s measured compute over healthy, relative to the median of the other
         executors', over the iterations verified."""
-        peers = [c.raw[e] for e in c.groups if e != ex]
-        med = statistics.median(peers) if peers else 1.0
+        peers = [c.raw[e] for e in self._refs(c, ex)]
+        if not peers:
+            return 1.0  # nothing to compare with
+        med = statistics.median(peers)
         return c.raw[ex] / med if med > 0 else math.inf
+
+    def _refs(self, c: _Case, ex: tuple[int, int]) -> list[tuple[int, int]]:
+        """The executors ``ex``'s compute is compared with (:func:`_references`)."""
+        return _references(c.groups, ex, c.t, c.ctx.known_slow, 1.0 / (1.0 + self.compute_margin))
 
     def _margin(self, ctx: VerificationContext, t: _Totals, ranks: list[int],
                 noise: Mapping[int, float] | None = None) -> float:
@@ -768,9 +798,13 @@ class ProfileVerifier:
                     vals.append(measure(p) / pred)
             return max(vals) if vals else 1.0
 
+        refs = _references(groups, ex, t, ctx.known_slow, 1.0 / (1.0 + self.compute_margin))
+        if not refs:
+            return False  # its only peers are known slow: no reference
+
         def above(profiles: Mapping[int, IterationProfile] | None) -> bool:
             mine = ratio(profiles, groups[ex])
-            peers = [ratio(profiles, ranks) for e, ranks in groups.items() if e != ex]
+            peers = [ratio(profiles, groups[e]) for e in refs]
             return mine > statistics.median(peers) * (1 + margin)
 
         if not above(None):
@@ -794,6 +828,9 @@ class ProfileVerifier:
         rounds, probe_s = 0, 0.0
         cause = "compute"
         contended: set[int] = set()
+        executors: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for r, e in t.executor.items():
+            executors[e].append(r)
         for (rep, stage), ranks in sorted(suspects.items()):
             # A rank slowed mostly by waiting for a CPU is slowed by its host: what it
             # delivers (its throughput) counts that waiting; a device slow by itself is
@@ -808,8 +845,10 @@ class ProfileVerifier:
                 # warm-up): what moving its micro-batches to them gains. Slowed by
                 # contention, relative to them also where the machine's load slowed
                 # them too: they bear that load wherever its work runs.
+                fast = 1.0 / (1.0 + self.compute_margin)
+                refs = set(_references(executors, (rep, stage), t, ctx.known_slow, fast))
                 peers = [t.q(o) if t.device[r] in contended else t.qd(o) for o, e in t.executor.items()
-                         if e[1] == stage and e != (rep, stage)]
+                         if e[1] == stage and e in refs]
                 ref = (statistics.median(peers) if t.device[r] in contended else
                        min(1.0, statistics.median(peers))) if peers else 1.0
                 slow[t.device[r]] = _clip_p(ref / qs[r] if ref > 0 else 1.0 / qs[r])

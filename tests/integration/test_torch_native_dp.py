@@ -124,8 +124,9 @@ def _other_device_reported_first(seen: list, slow: int, onset: int, killed: int 
 def _found_within_3(seen: list, slow: int, onset: int) -> None:
     found = [d for d in seen if d.report is not None and d.report.failure == "fail-slow"
              and slow in d.report.devices and d.iteration >= onset]
-    print("detector:", "; ".join(f"{d.iteration}:{d.action}" for d in seen))
-    assert found, [(d.iteration, d.action, d.report) for d in seen if d.action != "none"]
+    every = "; ".join(f"{d.iteration}:{d.action}" for d in seen)  # "none" too: which iterations it judged
+    print("detector:", every)
+    assert found, (every, [(d.iteration, d.action, d.report) for d in seen if d.action != "none"])
     assert found[0].iteration - onset + 1 <= 3, found[0]  # onset included
 
 

@@ -19,7 +19,8 @@ class Job:
     """DP replicas (one stage, TP 1) doing the same kind of work: about ``scale``
     seconds of compute per iteration (4 micro-batches, cost ``N + Σl²/1024``) with
     relative ``noise``, plus a fixed ``overhead`` outside compute (a small model is
-    mostly framework overhead)."""
+    mostly framework overhead). ``work``: rank -> the (owner, mb) micro-batches it runs,
+    where a plan moved some (default: its own 4)."""
 
     def __init__(self, ranks: int = 4, scale: float = 0.3, noise: float = 0.02, overhead: float = 0.0,
                  seed: int = 0) -> None:
@@ -30,6 +31,7 @@ class Job:
         # The CPUs each rank may run on (IterationProfile.cpus): one core each by default;
         # "shared" = every rank on every core; "unknown" = not reported.
         self.affinity = "pinned"
+        self.work: dict[int, list[tuple[int, int]]] = {}
 
     def cpus(self, r: int) -> tuple[int, ...]:
         return {"pinned": (r,), "shared": tuple(range(self.ranks)), "unknown": ()}[self.affinity]
@@ -38,11 +40,11 @@ class Job:
         comps = {}
         for r in range(self.ranks):
             mbs = []
-            for j in range(4):
+            for o, j in self.work.get(r, [(r, j) for j in range(4)]):
                 docs = tuple(self.rng.randint(16, 512) for _ in range(4))
                 t = self.scale / 12 * (sum(docs) + sum(l * l for l in docs) / 1024) / 1400
                 e = math.exp(self.rng.gauss(0, self.noisy.get(r, self.noise))) * self.slow.get(r, 1.0)
-                mbs.append(MicroBatchProfile(owner=r, mb=j, forward_s=t * e, backward_s=2 * t * e, doc_lengths=docs))
+                mbs.append(MicroBatchProfile(owner=o, mb=j, forward_s=t * e, backward_s=2 * t * e, doc_lengths=docs))
             comps[r] = mbs
         total = max(sum(m.forward_s + m.backward_s for m in mbs) for mbs in comps.values()) + self.overhead
         out = {}

@@ -4,9 +4,12 @@ this generation or the plan was made with its speed; never while it stays slow."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from resihp_core.detector.recovery import RecoveryWatch
+from resihp_core.plan import Migration, ParallelPlan
 from test_detector_localise import Job, detector
 
 
@@ -69,3 +72,87 @@ def test_a_known_slow_device_back_at_full_speed_is_no_reference_for_its_peers() 
     assert not [d.report for d in dets if d.report is not None and 0 in d.report.devices]
     back = [d for d in dets if d.action == "recovered"]
     assert [d.iteration for d in back] == [20 + det.recovery.k - 1], [(d.iteration, d.action) for d in dets]
+
+
+def _moved_job(seed: int) -> tuple[Job, ParallelPlan]:
+    """DP 2 after the re-plan of a duty-cycled device 1 reported at p = 0.46: two of its
+    four micro-batches moved to device 0 (test_detector_external's duty cycle)."""
+    plan = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=4, num_microbatches=4, num_heads=4)
+    plan = dataclasses.replace(plan, generation=1, migrations=(Migration(0, 1, 2, 0), Migration(0, 1, 3, 0)))
+    job = Job(ranks=2, scale=0.3, seed=seed)
+    job.work = {r: plan.work(r, 0) for r in range(2)}
+    return job, plan
+
+
+@pytest.mark.parametrize("p, warm, slow, healthy", [(0.46, 1.3, 2.17, 1.0), (0.6, 1.35 / 0.6, 1.35 / 0.6, 1.35)],
+                         ids=["lighter-than-known-in-warm-up", "each-micro-batch-slower-in-the-new-layout"])
+def test_a_known_slow_device_back_at_full_speed_is_reported_back(p: float, warm: float, slow: float,
+                                                                 healthy: float) -> None:
+    """Device 1 known at ``p``: ``warm`` times slow through the new generation's warm-up,
+    then ``slow``, then ``healthy`` from iteration 10. Lighter than known in the warm-up
+    (its cycle ending, or its stops falling while it waited for device 0): its own
+    warm-up with p divided out made 1.3x its "slow" level, so full speed never read near
+    healthy (CI: never reported back, the plan never returned); its peer's cost is the
+    healthy one. Each micro-batch 1.35x slower in the new layout (fewer of them than its
+    peer's): its peer's cost would make that healthy speed look still slow; its own
+    warm-up at p holds it."""
+    job, plan = _moved_job(8)
+    det = detector()
+    det.reset(1, plan=plan, speeds={1: p})
+    dets = []
+    for it in range(30):
+        job.slow = {1: warm if it < 4 else slow if it < 10 else healthy}
+        dets.append(det.observe(it, job.iteration(it)))
+    reports = [(d.iteration, d.report.devices, d.report.throughput) for d in dets if d.report is not None]
+    assert reports == [(10 + det.recovery.k - 1, (1,), {1: 1.0})], reports
+
+
+def test_a_healthy_device_is_not_verified_against_a_known_slow_peer_back_at_full_speed() -> None:
+    """Device 1's slowdown ends and the machine slows both devices 1.5x at once: within
+    the k iterations before device 1 is reported back, verification must not compare
+    device 0 with it (it reads 0.69x its slow prediction, device 0 1.5x its healthy one:
+    CI reported the healthy device 0 at compute 1.50x)."""
+    job, plan = _moved_job(9)
+    det = detector()
+    det.reset(1, plan=plan, speeds={1: 0.46})
+    dets = []
+    for it in range(30):
+        job.slow = {1: 2.17} if it < 8 else {0: 1.5, 1: 1.5}
+        dets.append(det.observe(it, job.iteration(it)))
+    reports = [(d.iteration, d.report.devices, d.report.throughput) for d in dets if d.report is not None]
+    assert reports == [(8 + det.recovery.k - 1, (1,), {1: 1.0})], [(d.iteration, d.action) for d in dets]
+
+
+def test_a_known_slow_peer_running_as_slow_as_known_is_still_a_reference() -> None:
+    """Device 1 stays slow as known while device 0 slows 2x: device 0 is compared with
+    it (its compute over its slow prediction is 1) and reported."""
+    job, plan = _moved_job(11)
+    det = detector()
+    det.reset(1, plan=plan, speeds={1: 0.46})
+    dets = []
+    for it in range(25):
+        job.slow = {1: 2.17, 0: 2.0 if it >= 10 else 1.0}
+        dets.append(det.observe(it, job.iteration(it)))
+    reports = [(d.iteration, d.report.devices) for d in dets if d.report is not None]
+    assert reports and reports[0][1] == (0,) and reports[0][0] <= 12, [(d.iteration, d.action) for d in dets]
+
+
+def test_a_device_slower_than_its_peer_when_healthy_is_reported_back_at_its_own_healthy_speed() -> None:
+    """Device 1 computes 1.3x slower than device 0 when healthy (a busier core); known
+    at p = 0.7 of that, it ran at its healthy speed through the new generation's warm-up,
+    then slow, then healthy again: reported back. Its healthy cost is its peer's times
+    the 1.3 its last healthy fit measured, not its peer's alone (against which it would
+    read 0.91 of its slow prediction, short of the watch's bar)."""
+    job, plan = _moved_job(10)
+    det = detector()
+    job.work, job.slow = {}, {1: 1.3}
+    for it in range(10):
+        det.observe(it, job.iteration(it))
+    job.work = {r: plan.work(r, 0) for r in range(2)}
+    det.reset(1, plan=plan, speeds={1: 0.7})
+    dets = []
+    for it in range(10, 35):
+        job.slow = {1: 1.3 / 0.7 if 14 <= it < 20 else 1.3}
+        dets.append(det.observe(it, job.iteration(it)))
+    reports = [(d.iteration, d.report.devices, d.report.throughput) for d in dets if d.report is not None]
+    assert reports == [(20 + det.recovery.k - 1, (1,), {1: 1.0})], reports
