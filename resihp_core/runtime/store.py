@@ -190,13 +190,16 @@ class _Table:
 
     def add(self, key: str, amount: int) -> int:
         with self.lock:
-            try:
-                value = int(self.data.get(key, b"0")) + amount
-            except ValueError:
-                raise StoreError(f"key {key!r} does not hold an integer") from None
-            self.data[key] = str(value).encode()
-            self._wrote(key)
-            return value
+            return self._add(key, amount)
+
+    def _add(self, key: str, amount: int) -> int:  # under the lock
+        try:
+            value = int(self.data.get(key, b"0")) + amount
+        except ValueError:
+            raise StoreError(f"key {key!r} does not hold an integer") from None
+        self.data[key] = str(value).encode()
+        self._wrote(key)
+        return value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """torch's semantics: set if the value equals ``expected`` (absent counts as
@@ -219,12 +222,7 @@ class _Table:
             for k, v in zip(keys, values):
                 self.data[k] = v
                 self._wrote(k)
-            try:
-                count = int(self.data.get(counter, b"0")) + amount
-            except ValueError:
-                raise StoreError(f"key {counter!r} does not hold an integer") from None
-            self.data[counter] = str(count).encode()
-            self._wrote(counter)
+            count = self._add(counter, amount)
             if count == target and decide and verdict not in self.data:
                 self.data[verdict] = b"commit"
                 self._wrote(verdict)
