@@ -250,7 +250,7 @@ class SealedWriter:
         self._idle.set()
         self._pending = 0
         self._results: list[CheckpointWrite] = []
-        self._sealers: list[threading.Thread] = []
+        self._sealers: list[tuple[threading.Thread, int]] = []  # and the generation of its checkpoint
         threading.Thread(target=self._run, daemon=True, name="resihp-sealed-writer").start()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -290,7 +290,10 @@ class SealedWriter:
         deadline = time.monotonic() + timeout
         if not self._idle.wait(timeout):
             return False
-        last = self._sealers[-1:]
+        # A checkpoint of an earlier generation waits for a writer that may have died
+        # with it (a rank killed mid-write): the job's end does not wait for that seal.
+        now = self.generation() if self.generation is not None else None
+        last = [t for t, g in self._sealers[-1:] if now is None or g >= now]
         for t in last:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in last)
@@ -324,7 +327,7 @@ class SealedWriter:
             elif job.rank == 0:
                 t = threading.Thread(target=self._seal, args=(job, t0), daemon=True,
                                      name=f"resihp-seal-{job.iteration}")
-                self._sealers = [s for s in self._sealers if s.is_alive()] + [t]
+                self._sealers = [(s, g) for s, g in self._sealers if s.is_alive()] + [(t, job.generation)]
                 t.start()
             with self._lock:
                 self._pending -= 1
