@@ -569,6 +569,11 @@ class WorkloadAwareDetector(_Base):
         except ModelNotReady:
             return None
         back = self.recovery.update(speeds, excess)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("event=recovery_watch generation=%d iteration=%d %s", self.generation, iteration,
+                         " ".join(f"device={d} p={p:.2f} excess={excess.get(d, float('nan')):.3f} "
+                                  f"bar={self.recovery.bar(p):.3f} run={self.recovery.runs().get(d, 0)}"
+                                  for d, p in speeds.items()))
         if not back:
             return None
         k = self.recovery.k

@@ -5,6 +5,7 @@ this generation or the plan was made with its speed; never while it stays slow."
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -48,12 +49,28 @@ def test_a_device_planned_around_with_its_speed_is_reported_back_and_not_while_s
 
 def test_the_watch_needs_k_in_a_row() -> None:
     w = RecoveryWatch(k=3)
-    near, far = {0: -0.6}, {0: -0.1}  # log(0.5) = -0.69: halfway is -0.35
+    near, far = {0: -0.6}, {0: -0.1}  # log(0.5) = -0.69: the bar is -0.22
     assert w.update({0: 0.5}, near) == [] and w.update({0: 0.5}, near) == []
     assert w.update({0: 0.5}, far) == [] and w.runs() == {0: 0}
     assert [w.update({0: 0.5}, near) for _ in range(3)] == [[], [], [0]]
     with pytest.raises(ValueError, match="RecoveryWatch.k"):
         RecoveryWatch(k=0)
+
+
+def test_a_device_back_at_full_speed_in_a_layout_that_costs_it_more_counts() -> None:
+    """Known at p = 0.5 and back at full speed, a device left with fewer micro-batches
+    computes each ~1.38x slower than the model's peer-based estimate: its excess reads
+    log(1.38 * 0.5) = -0.37, not log(0.5) = -0.69 (a run seen on this machine hovered
+    there, around the old bar of -0.35, for 20 iterations). It counts; a device still
+    as slow as known (excess about 0, noise 0.15) does not."""
+    w = RecoveryWatch(k=3)
+    assert w.bar(0.5) == pytest.approx(0.5 * math.log(0.65))
+    assert [w.update({0: 0.5}, {0: math.log(1.38 * 0.5)}) for _ in range(3)] == [[], [], [0]]
+    assert [w.update({0: 0.5}, {0: -0.15}) for _ in range(5)] == [[]] * 5
+    # Near the watch's limit the bar keeps a quarter of log p below 0.
+    assert w.bar(0.85) == pytest.approx(0.25 * math.log(0.85)) and w.bar(0.85) < 0
+    with pytest.raises(ValueError, match="RecoveryWatch.allowance"):
+        RecoveryWatch(allowance=0.9)
 
 
 def test_a_known_slow_device_back_at_full_speed_is_no_reference_for_its_peers() -> None:
