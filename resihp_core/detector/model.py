@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING, Mapping
 
@@ -145,11 +146,18 @@ class WorkloadModel:
         # device group -> its healthy compute relative to its stage's other executors at
         # the last fit where none of them was known slow (kept across generations)
         self.relative: dict[tuple[int, ...], float] = {}
+        # The detector's thread changes the model; the supervisor's reads it through
+        # fitted_predictor() only: the lock gives that one reader a whole fit.
+        self._lock = threading.RLock()
         self.reset(plan=plan, speeds=speeds)
 
     # ------------------------------------------------------------ state
     def reset(self, *, plan: ParallelPlan | None = None, speeds: Mapping[int, float] | None = None) -> None:
         """Start a new generation: forget the fit, collect a new warm-up."""
+        with self._lock:
+            self._reset(plan, speeds)
+
+    def _reset(self, plan: ParallelPlan | None, speeds: Mapping[int, float] | None) -> None:
         self.plan = plan
         self.speeds: dict[int, float] = dict(speeds or {})
         self._warm: list[ProfileSet] = []
@@ -164,8 +172,9 @@ class WorkloadModel:
 
     def set_speeds(self, speeds: Mapping[int, float]) -> None:
         """Known slow devices changed (a report): predictions include them from now on."""
-        self.speeds.update(speeds)
-        self._predictor = None
+        with self._lock:
+            self.speeds.update(speeds)
+            self._predictor = None
 
     @property
     def ready(self) -> bool:
@@ -178,7 +187,8 @@ class WorkloadModel:
         if profiles:
             self._warm.append(dict(profiles))
         if len(self._warm) >= self.warmup_iterations:
-            self._fit()
+            with self._lock:
+                self._fit()
         return self.ready
 
     # ------------------------------------------------------------ fitting
@@ -310,10 +320,11 @@ class WorkloadModel:
     def fitted_predictor(self) -> IterationPredictor | None:
         """The iteration predictor with this job's own fitted per-stage costs (for the
         Scheduler's evaluator), None before the warm-up is fitted."""
-        try:
-            return self._iteration_predictor() if self.ready else None
-        except (CostModelError, ValueError, KeyError):
-            return None
+        with self._lock:
+            try:
+                return self._iteration_predictor() if self.ready else None
+            except (ModelNotReady, CostModelError, ValueError, KeyError):
+                return None
 
     def _iteration_predictor(self) -> IterationPredictor | None:
         if self.plan is None or self.topology is None or self.shape is None:

@@ -280,6 +280,13 @@ def test_model_with_a_plan_simulates_the_pipeline() -> None:
     assert t > 0
     # The simulator is used: its prediction differs from "slowest executor's compute".
     assert model._iteration_predictor() is not None
+    assert model.fitted_predictor() is not None
+    # A warm-up that never saw stage 1 (its ranks' profiles missing): the supervisor's
+    # thread asks for the fitted predictor and gets None, not the model's ModelNotReady.
+    model.reset(plan=plan)
+    for it in range(2):
+        model.add_warmup({0: it_profiles(it)[0]})
+    assert model.ready and model.fitted_predictor() is None
 
 
 # ------------------------------------------------------------------ verification
