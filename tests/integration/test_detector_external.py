@@ -418,7 +418,7 @@ def test_a_worker_stopped_for_8_s_is_fenced_not_killed_and_planned_back_in_when_
     pids: dict[str, int] = {}
     events: list[dict] = []
     # Room after SIGCONT: a quick job reaches the forced resume (iterations - 20) before
-    # 15 s; CI once saw no rejoin within the 11 iterations left of an earlier setting.
+    # PAUSE_S; CI once saw no rejoin within the 11 iterations left of an earlier setting.
     iterations = 60
     stopped: list[int] = []
     detections = []
