@@ -381,8 +381,9 @@ def test_a_1_5x_slowdown_of_one_device_of_a_small_model_is_reported_within_3_ite
                           on_iteration=on_iteration)
     seen = _explain(detections)
     notices = [(d.iteration, d.notice) for d in detections if d.notice]
-    print("detections:", seen, "notices:", notices, "iteration seconds:",
-          {i: round(s, 3) for i, s in sorted(seconds.items())}, _machine(loads, outside), log.tail(), sep="\n  ")
+    print(f"detections: {seen}", f"notices: {notices}",
+          f"iteration seconds: { {i: round(s, 3) for i, s in sorted(seconds.items())} }", _machine(loads, outside),
+          log.tail(), sep="\n  ")
     assert not [e for e in _reports(run) if e["failure"] != "fail-slow"], _reports(run)
     if not _quiet(outside):
         return
