@@ -73,6 +73,10 @@ class _Recorder:
         self._log.append({"reset": generation, "speeds": dict(kw.get("speeds") or {})})
         self._inner.reset(generation, **kw)
 
+    def note_environment(self, iteration: int, contention: Any) -> None:
+        self._log.append({"env": iteration, "contention": {str(d): float(v) for d, v in contention.items()}})
+        self._inner.note_environment(iteration, contention)
+
 
 class recording:
     """Context: every fail-slow detector built meanwhile records into ``self.log``."""
@@ -155,6 +159,9 @@ def replay(run: dict[str, Any], case: str, affinity: str = "recorded") -> list[t
         if "reset" in e:
             if e["reset"] > 0:
                 break  # a new plan: the recorded run acted on a report; stop here
+            continue
+        if "env" in e:  # each node's CPU contention, as the controller handed it over
+            det.note_environment(e["env"], {int(d): v for d, v in e["contention"].items()})
             continue
         d = det.observe(e["iteration"], with_affinity(profiles_of(e), case, affinity))
         if d.report is not None:
