@@ -314,6 +314,14 @@ class ProfileVerifier:
         of each other: a neighbour takes about the same share of its core in every
         iteration, while a loaded host's stalls swing it 3-4x (7.5x, 6.3x, then 1.9x its
         peer in a no-fault run at load 18-28 on 2 cores).
+    :param loaded_own_ratio: an executor sharing its CPUs with its peers (not
+        ``confined``) on a loaded machine (peers waiting ``loaded_share`` of their compute
+        or more) is above its peers in its own compute (waiting for a CPU taken out) only
+        when it is this much above them in every iteration verified: a rank the scheduler
+        preempts more often also computes slower between preemptions (its caches
+        refilled), so a burst of load lifts the own compute of the ranks it hits most by
+        1.2-2x for an iteration or two, above the margin the calm history's noise gives
+        (docs/detector.md "False reports on a loaded machine").
     :param environment_rise: two or more executors slowed at once, every one on a node
         whose CPU contention (probed outside the job, ``VerificationContext.environment``)
         rose by at least this factor across the change: the environment, not reported.
@@ -346,6 +354,7 @@ class ProfileVerifier:
         unshared_k: float = 2.0,
         unshared_spread: float = 2.0,
         environment_rise: float = 1.25,
+        loaded_own_ratio: float = 1.5,
     ) -> None:
         for n, v in (("compute_margin", compute_margin), ("spread", spread), ("probe_margin", probe_margin),
                      ("waiting", waiting)):
@@ -364,6 +373,9 @@ class ProfileVerifier:
         if not unshared_spread > 1:
             raise ValueError(f"unshared_spread must be > 1, got {unshared_spread!r}")
         self.unshared_spread = unshared_spread
+        if not loaded_own_ratio > 1:
+            raise ValueError(f"loaded_own_ratio must be > 1, got {loaded_own_ratio!r}")
+        self.loaded_own_ratio = loaded_own_ratio
 
     def verify(self, ctx: VerificationContext) -> Verdict:
         """Apply :attr:`RULES` in order; the first that decides gives the verdict, named
@@ -396,8 +408,11 @@ class ProfileVerifier:
             # too, judged against its own-compute noise (docs/detector.md "DP-only jobs").
             own_margin = {ex: self._margin(ctx, t, ranks, ctx.own_noise) for ex, ranks in groups.items()}
             own = {ex: max(t.qo(r) for r in ranks) for ex, ranks in groups.items()}
+            c = _Case(ctx, t, dict(groups), raw, worst, margin, own_margin, suspects)
             for ex, ranks in self._suspects(groups, own, own_margin).items():
-                suspects.setdefault(ex, ranks)
+                if ex in suspects or not self._loaded_unpinned(c, ex) or self._own_above_peers(c, ex):
+                    suspects.setdefault(ex, ranks)
+            return c
         return _Case(ctx, t, dict(groups), raw, worst, margin, own_margin, suspects)
 
     # ------------------------------------------------------------ rules
@@ -610,8 +625,20 @@ class ProfileVerifier:
 
     def _own_above_peers(self, c: _Case, ex: tuple[int, int]) -> bool:
         """Whether ``ex``'s own compute (waiting for a CPU taken out) is above its peers'
-        by its own-compute margin (only where own-compute noise is measured)."""
-        return ex in c.own_margin and self._above_peers(c.ctx, c.t, c.groups, ex, c.own_margin[ex], own_compute_of)
+        by its own-compute margin (only where own-compute noise is measured); on a loaded
+        machine by ``loaded_own_ratio`` too, in every iteration verified."""
+        if ex not in c.own_margin:
+            return False
+        margin, need = c.own_margin[ex], 0
+        if self._loaded_unpinned(c, ex):
+            margin, need = max(margin, self.loaded_own_ratio - 1.0), len(c.ctx.iterations)
+        return self._above_peers(c.ctx, c.t, c.groups, ex, margin, own_compute_of, need=need)
+
+    def _loaded_unpinned(self, c: _Case, ex: tuple[int, int]) -> bool:
+        """``ex`` shares its CPUs with its peers (not ``confined``) on a loaded machine
+        (its peers waited ``loaded_share`` of their compute or more)."""
+        return (not confined(c.ctx.iterations, (c.t.device[r] for r in c.groups[ex]))
+                and self._peers_waiting(c, ex) >= self.loaded_share)
 
     def _by_waiting_only(self, c: _Case, ex: tuple[int, int]) -> bool:
         """Every rank of ``ex`` lost its compute mostly waiting for a CPU and its own
