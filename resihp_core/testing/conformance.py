@@ -449,31 +449,52 @@ def _compare(name: str, got: Outcome, want: Outcome, base: ParallelPlan, job: Jo
 def check_adapter(job: JobSpec, base: ParallelPlan, *, only: list[str] | None = None, tol: float = 1e-9,
                   env: dict[str, str] | None = None, iterations: int = 4,
                   progress: Callable[[str], None] = lambda line: None, timeout: float = 120.0,
-                  reference: Outcome | None = None) -> dict[str, float]:
+                  reference: Outcome | None = None, jobs: int = 1) -> dict[str, float]:
     """Run the fault-free job and every scenario ``job.adapter`` declares; returns the
     worst relative error per scenario or raises :class:`ConformanceError`. ``timeout``:
     seconds each wait for iterations may take (worker start-up included). ``reference``:
     the fault-free outcome of this job already run (:func:`run_scenario` with no
-    scenario, the same ``iterations``), so tests of one job can share it."""
+    scenario, the same ``iterations``), so tests of one job can share it. ``jobs``: how
+    many of these runs (each its own worker processes, store and ports) go at once. A
+    run spends much of its time in one process at a time (imports, rendezvous,
+    teardown), so on a CPU-only machine 2 finish sooner than one after the other; on
+    accelerators keep 1: every run uses every device of ``base``."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs}: at least one run at a time")
     caps = capabilities_of(job.adapter)
     violations = caps.violations(base)
     if violations:
         raise ConformanceError(f"base plan not runnable by {job.adapter}: {'; '.join(violations)}")
     todo = [s for s in scenarios(caps, base) if only is None or s.name in only]
-    progress(f"{job.adapter}: fault-free run ({base.dp}x{base.pp}, TP {base.degree(0, 0)})")
-    want = reference or run_scenario(job, base, None, iterations=iterations, env=env, timeout=timeout)
-    if len(want.losses) != iterations:
-        raise ConformanceError(f"reference: {len(want.losses)} iterations, the scenarios run {iterations}")
-    if want.full is None:
-        progress(f"{job.adapter}: does not report full_state(); comparing held_state() only "
-                 "(parameters and the optimizer tensors it chooses to report)")
-    out = {}
-    for sc in todo:
+    for sc in todo:  # refused before any run starts
         new = sc.change(base)
         bad = caps.violations(new, base) if not sc.restore else caps.violations(new)
         if bad:
             raise ConformanceError(f"scenario {sc.name} builds a plan {job.adapter} rules out: {'; '.join(bad)}")
-        progress(f"{job.adapter}: {sc.name}")
-        got = run_scenario(job, base, sc, iterations=iterations, env=env, timeout=timeout)
-        out[sc.name] = _compare(sc.name, got, want, base, job, tol)
-    return out
+
+    def run(sc: Scenario | None) -> Outcome:
+        progress(f"{job.adapter}: fault-free run ({base.dp}x{base.pp}, TP {base.degree(0, 0)})" if sc is None
+                 else f"{job.adapter}: {sc.name}")
+        return run_scenario(job, base, sc, iterations=iterations, env=env, timeout=timeout)
+
+    # One at a time: in the listed order. Several: the runs with a killed device first,
+    # the longest (the failure is noticed and recovered from), so none is left alone last.
+    order = todo if jobs == 1 else sorted(todo, key=lambda sc: not sc.kill(base))
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="resihp-kit") as pool:
+        pending: Future[Outcome] | None = None if reference is not None else pool.submit(run, None)
+        runs = {sc.name: pool.submit(run, sc) for sc in order}
+        try:
+            want = reference if pending is None else pending.result()
+            if len(want.losses) != iterations:
+                raise ConformanceError(f"reference: {len(want.losses)} iterations, the scenarios run {iterations}")
+            if want.full is None:
+                progress(f"{job.adapter}: does not report full_state(); comparing held_state() only "
+                         "(parameters and the optimizer tensors it chooses to report)")
+            return {sc.name: _compare(sc.name, runs[sc.name].result(), want, base, job, tol) for sc in todo}
+        except BaseException:
+            # Runs not started yet never start; those running end by themselves (their
+            # own timeouts) and clean up before this raises.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise

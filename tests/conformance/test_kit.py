@@ -108,3 +108,8 @@ def test_reference_backend_passes():
     assert not any("full_state" in line for line in said), said  # the complete state was compared
     assert {"regeneration", "layer_repartition", "migration", "replica_drop", "restore"} <= set(got)
     assert max(got.values()) <= 1e-9
+
+
+def test_the_kit_refuses_fewer_than_one_run_at_a_time():
+    with pytest.raises(ValueError, match="jobs=0"):
+        check_adapter(_example_job("resihp_example_adapter.adapter:ExampleAdapter"), EXAMPLE_BASE, env=ENV, jobs=0)

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "adapters"))
-from test_torch_native_launch import BIN, COMMITTED, _run  # noqa: E402
+from test_torch_native_launch import BIN, COMMITTED, _finish, _kill_groups, _run, _start  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -85,15 +85,24 @@ DROPPED = "def _dropped(model):\n    model.config.attention_dropout = 0.1  # GPT
 def test_setup_mistakes_end_the_job_with_the_users_exception(tmp_path):
     """A model ResiHP cannot split, a model with dropout it refuses, a script that
     never calls initialize(): exit 2 (before training), the exception on the console.
-    Two workers: every rank raises the same mistake."""
-    for name, edit, exc in SETUP_MISTAKES:
-        ex = _example(tmp_path / name, edit, processes=2)
-        text = (ex / "train.py").read_text()
-        (ex / "train.py").write_text(text.replace("def main() -> None:", DROPPED + "def main() -> None:"))
-        rc, out, seconds = _launch(ex, tmp_path / f"work-{name}")
-        _assert_job_error(rc, out, 2, exc, f"at {ex / 'train.py'}")
-        assert seconds < 120, (name, seconds)  # ends promptly (the start-up is most of it)
-        assert (tmp_path / f"work-{name}" / "events.json").exists()
+    Two workers: every rank raises the same mistake. The three launches run at once
+    (each is mostly one process at a time: launcher, imports, teardown)."""
+    procs, t0 = {}, time.monotonic()
+    try:
+        for name, edit, _ in SETUP_MISTAKES:
+            ex = _example(tmp_path / name, edit, processes=2)
+            text = (ex / "train.py").read_text()
+            (ex / "train.py").write_text(text.replace("def main() -> None:", DROPPED + "def main() -> None:"))
+            procs[name] = _start([str(BIN / "resihp"), "launch", "--config_file", "accelerate.yaml", "--workdir",
+                                  str(tmp_path / f"work-{name}"), "--timeout", "200", "train.py"], ex)
+        for name, edit, exc in SETUP_MISTAKES:
+            rc, out = _finish(procs[name], 240)
+            seconds = time.monotonic() - t0
+            _assert_job_error(rc, out, 2, exc, f"at {tmp_path / name / 'train.py'}")
+            assert seconds < 120, (name, seconds)  # ends promptly (the start-up is most of it)
+            assert (tmp_path / f"work-{name}" / "events.json").exists()
+    finally:
+        _kill_groups(list(procs.values()))
 
 
 @pytest.mark.timeout(600)

@@ -5,6 +5,7 @@ DP2 job survives a killed TP member."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,19 +34,23 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
-    """Run ``cmd`` in its own process group; on timeout kill that group (only what this
-    test started) and fail with the output so far."""
+def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group (:func:`_finish` collects it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("RESIHP_CONFIG", None)
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _finish(p: subprocess.Popen, timeout: float) -> str:
+    """Wait for ``p`` to succeed; on timeout kill its process group (only what this test
+    started) and fail with the output so far."""
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
-        pytest.fail(f"{cmd[:3]} timed out:\n{out[-3000:]}")
+        pytest.fail(f"{p.args[:3]} timed out:\n{out[-3000:]}")
     assert p.returncode == 0, out[-3000:]
     return out
 
@@ -72,10 +77,23 @@ def test_user_script_under_resihp_launch_equals_torchrun_step_for_step(tmp_path)
     stock.mkdir()
     resilient.mkdir()
     script = str(EXAMPLE / "pretrain_gpt.py")
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-          "--master-port", str(_port()), script, "--config", str(cfg), "--losses", str(stock)], EXAMPLE, 400)
-    out = _run([str(Path(sys.executable).parent / "resihp"), "launch", "--resihp_config", str(cfg), "--workdir",
-                str(tmp_path / "work"), "--timeout", "400", script, "--losses", str(resilient)], EXAMPLE, 450)
+    # Both runs start together: each spends much of its time in one process (launcher,
+    # imports, teardown) or waiting on peers, so on 2 cores together they take less wall
+    # time than one after the other.
+    procs = [_start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+                     "127.0.0.1", "--master-port", str(_port()), script, "--config", str(cfg), "--losses", str(stock)],
+                    EXAMPLE),
+             _start([str(Path(sys.executable).parent / "resihp"), "launch", "--resihp_config", str(cfg), "--workdir",
+                     str(tmp_path / "work"), "--timeout", "400", script, "--losses", str(resilient)], EXAMPLE)]
+    try:
+        _finish(procs[0], 450)
+        out = _finish(procs[1], 450)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
     want, got = _losses(stock), _losses(resilient)
     assert len(want) == ITERATIONS and len(got) == ITERATIONS, out[-2000:]
     for i, (a, b) in enumerate(zip(got, want)):

@@ -16,6 +16,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -67,19 +68,39 @@ def references(runs: list[tuple[str, int, int, Path, bool]]) -> list[tuple[dict,
     """Several :func:`reference` runs (its arguments, in order) in one fresh interpreter,
     one after the other: the interpreter's start-up (torch, transformers) costs more
     CPU than a short run."""
+    return start_references(runs)()
+
+
+def start_references(runs: list[tuple[str, int, int, Path, bool]]) -> Callable[[], list[tuple[dict, list[float]]]]:
+    """:func:`references` started now in the background; the call it returns waits for
+    them. A test starts them before its job: a job leaves a core idle while one process
+    starts (its launcher, imports) or tears down."""
+    import shutil
     import subprocess
     import tempfile
 
-    with tempfile.TemporaryDirectory() as d:
-        out, spec = Path(d) / "references.pt", Path(d) / "runs.json"
-        spec.write_text(json.dumps([[k, i, g, str(t), bool(ml)] for k, i, g, t, ml in runs]))
-        code = ("import json, sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
-                "from test_torch_native_hf import _reference_here; "
-                "torch.save([_reference_here(k, i, g, t, ml) for k, i, g, t, ml in json.load(open(sys.argv[3]))], "
-                "sys.argv[4])")
-        subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT / "examples" / "hf_llama"), str(spec),
-                        str(out)], check=True, timeout=600, cwd=str(ROOT))
-        return torch.load(out, weights_only=False)
+    d = Path(tempfile.mkdtemp(prefix="resihp-hf-reference-"))
+    out, spec = d / "references.pt", d / "runs.json"
+    spec.write_text(json.dumps([[k, i, g, str(t), bool(ml)] for k, i, g, t, ml in runs]))
+    code = ("import json, sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+            "from test_torch_native_hf import _reference_here; "
+            "torch.save([_reference_here(k, i, g, t, ml) for k, i, g, t, ml in json.load(open(sys.argv[3]))], "
+            "sys.argv[4])")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(HERE), str(ROOT / "examples" / "hf_llama"), str(spec),
+                             str(out)], cwd=str(ROOT))
+
+    def collect() -> list[tuple[dict, list[float]]]:
+        try:
+            rc = proc.wait(timeout=600)
+            assert rc == 0, f"the single-process reference run exited with {rc}"
+            return torch.load(out, weights_only=False)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(d, ignore_errors=True)
+
+    return collect
 
 
 def _reference_here(kind: str, iterations: int, global_microbatches: int, text: Path,
@@ -130,10 +151,10 @@ def test_hf_models_pp2_dp2_equal_stock_path_and_single_process(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(cases))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
+    pending = start_references([(kind, iterations, plan.dp * m, TEXT, False) for kind, _, _ in CASES])
     run_devices(lambda d: [str(HERE / "torch_native_hf_job.py"), str(tmp_path / "spec.json"), str(d),
                            str(store.port)], 4, tmp_path, 840)
-    refs = dict(zip((kind for kind, _, _ in CASES),
-                    references([(kind, iterations, plan.dp * m, TEXT, False) for kind, _, _ in CASES])))
+    refs = dict(zip((kind for kind, _, _ in CASES), pending()))
     for kind, _, _ in CASES:
         check(kind, [torch.load(tmp_path / f"{kind}-{d}.pt", weights_only=False) for d in range(4)], iterations,
               refs[kind])

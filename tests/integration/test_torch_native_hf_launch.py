@@ -47,9 +47,12 @@ def _copy(dst: Path, tp: int = 1, iterations: int = ITERATIONS, checkpoint_every
 
 @pytest.mark.timeout(600)
 def test_hf_llama_killed_rank_final_state_equals_single_process(tmp_path):
-    from .test_torch_native_hf import compare_states, reference
+    from .test_torch_native_hf import compare_states, start_references
 
     ex = _copy(tmp_path / "ex")
+    # One process training the whole model, started first (the example trains on its
+    # README): it runs while the launch starts up.
+    reference = start_references([("llama", ITERATIONS, 4, ex / "README.md", False)])
     (tmp_path / "kill.json").write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"}]))
     dump = tmp_path / "dump"
     dump.mkdir()
@@ -60,7 +63,7 @@ def test_hf_llama_killed_rank_final_state_equals_single_process(tmp_path):
     assert "fail-stop of devices [3]" in out, out[-3000:]
     committed = {int(i): float(l) for i, l in COMMITTED.findall(out)}
     assert sorted(committed) == list(range(ITERATIONS)), out[-3000:]
-    ref, losses = reference("llama", ITERATIONS, 4, ex / "README.md")  # the example trains on its README
+    [(ref, losses)] = reference()
     for i, loss in committed.items():  # the controller's global loss, printed with 10 decimals
         assert abs(loss - losses[i]) <= 1e-9 * losses[i], (i, loss, losses[i])
     state: dict = {}
@@ -81,10 +84,13 @@ def test_hf_llama_tp2_pp2_kill_then_slow_each_shrink_only_their_tp_group(tmp_pat
     the planner drops it from its group: stage 0 at TP1 on device 0. The survivors move
     the state from memory both times (no restore, same processes), and the losses and
     complete final state equal one process."""
-    from .test_torch_native_hf import compare_states, reference
+    from .test_torch_native_hf import compare_states, start_references
 
     iterations, slow = 16, 10  # the slow onset after the post-kill generation's warm-up
     ex = _copy(tmp_path / "ex", tp=2, iterations=iterations, checkpoint_every=4)  # a restore would be possible
+    # One process training the whole model, started first: it ends while the launch
+    # starts up, long before the slow onset.
+    reference = start_references([("llama", iterations, 4, ex / "README.md", False)])
     (tmp_path / "faults.json").write_text(json.dumps([{"device": 3, "iteration": 5, "kind": "kill"},
                                                       {"device": 1, "iteration": slow, "kind": "slow", "factor": 3.0}]))
     dump = tmp_path / "dump"
@@ -114,7 +120,7 @@ def test_hf_llama_tp2_pp2_kill_then_slow_each_shrink_only_their_tp_group(tmp_pat
         assert len({pid for pid, _ in seen}) == 1 and [int(i) for _, i in seen] == list(range(1, iterations + 1)), seen
     committed = {int(i): float(l) for i, l in COMMITTED.findall(out)}
     assert sorted(committed) == list(range(iterations)), out[-3000:]
-    ref, losses = reference("llama", iterations, 4, ex / "README.md")
+    [(ref, losses)] = reference()
     for i, loss in committed.items():  # printed with 10 decimals
         assert abs(loss - losses[i]) <= 1e-9 * losses[i], (i, loss, losses[i])
     state: dict = {}
