@@ -401,19 +401,18 @@ class ProfileVerifier:
         margin = {ex: self._margin(ctx, t, ranks) for ex, ranks in groups.items()}
         suspects = self._suspects(groups, raw, margin)
         worst = {ex: max(t.qd(r) for r in ranks) for ex, ranks in groups.items()}
-        own_margin: dict[tuple[int, int], float] = {}
+        c = _Case(ctx, t, dict(groups), raw, worst, margin, {}, suspects)
         if ctx.own_noise and len(groups) >= 2:
             # A device slow by itself, measured without its waiting for a CPU (steady on
             # a loaded host, where the waiting swamps the measured compute): a suspect
-            # too, judged against its own-compute noise (docs/detector.md "DP-only jobs").
-            own_margin = {ex: self._margin(ctx, t, ranks, ctx.own_noise) for ex, ranks in groups.items()}
+            # too, judged against its own-compute noise (docs/detector.md "DP-only jobs"),
+            # and on a loaded machine sharing its CPUs, only by ``loaded_own_ratio``.
+            c.own_margin = {ex: self._margin(ctx, t, ranks, ctx.own_noise) for ex, ranks in groups.items()}
             own = {ex: max(t.qo(r) for r in ranks) for ex, ranks in groups.items()}
-            c = _Case(ctx, t, dict(groups), raw, worst, margin, own_margin, suspects)
-            for ex, ranks in self._suspects(groups, own, own_margin).items():
+            for ex, ranks in self._suspects(groups, own, c.own_margin).items():
                 if ex in suspects or not self._loaded_unpinned(c, ex) or self._own_above_peers(c, ex):
                     suspects.setdefault(ex, ranks)
-            return c
-        return _Case(ctx, t, dict(groups), raw, worst, margin, own_margin, suspects)
+        return c
 
     # ------------------------------------------------------------ rules
     def _rule_machine_wide(self, c: _Case) -> Verdict | None:
