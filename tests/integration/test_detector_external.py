@@ -399,15 +399,15 @@ def test_a_1_5x_slowdown_of_one_device_of_a_small_model_is_reported_within_3_ite
 
 
 # ------------------------------------------------------------------ paused workers
-PAUSE_S = 8.0  # beyond the 3 s of missed heartbeats that fence it, and any hang timeout of old (5 s)
+PAUSE_S = 15.0
 # PAUSE_MODEL (above): its iteration (~0.15-0.2 s on a quiet 2-core machine) is long next
 # to the resumed worker's health check (FailStopMonitor.resume_check_s, 0.3 s here) and
 # the re-plan: with the harness's tiny model (~0.03-0.07 s) those alone take 6-10
 # iterations, so "planned back in within 3 iterations" would measure the model size.
 
 
-def test_a_worker_stopped_for_8_s_is_fenced_not_killed_and_planned_back_in_when_it_resumes():
-    """SIGSTOP of one worker of a DP-2 job for 8 s (a long GC pause, a debugger, a
+def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when_it_resumes():
+    """SIGSTOP of one worker of a DP-2 job for 15 s (a long GC pause, a debugger, a
     preempting host): the job goes on without it, the same process is planned back in
     within 3 iterations of its SIGCONT, and training stays exact (every survivor,
     the paused one included, equals the fault-free run)."""
@@ -419,7 +419,7 @@ def test_a_worker_stopped_for_8_s_is_fenced_not_killed_and_planned_back_in_when_
     pids: dict[str, int] = {}
     events: list[dict] = []
     # Room after SIGCONT: a quick job reaches the forced resume (iterations - 20) before
-    # PAUSE_S; CI once saw no rejoin within the 11 iterations left of an earlier setting.
+    # 15 s; CI once saw no rejoin within the 11 iterations left of an earlier setting.
     iterations = 60
     stopped: list[int] = []
     detections = []
