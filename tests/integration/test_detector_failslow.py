@@ -23,8 +23,8 @@ ONSET = 15
 
 def test_a_worker_slowed_2x_in_compute_is_reported_with_rank_and_kind() -> None:
     """Reported within 3 iterations: the per-device watch's minimum (3 flagged iterations
-    in a row), so one healthy-looking slowed iteration (a CI run: onset seen at 16, not
-    15) makes it 4. That target is a rate (benchmarks/false_reports.py measures it over
+    in a row), so one healthy-looking slowed iteration (the onset seen at 16, not 15)
+    makes it 4. That target is a rate (benchmarks/false_reports.py measures it over
     many runs): a run that reports the device one iteration late is run once more, and
     the second must meet every assertion."""
     for attempt in (1, 2):

@@ -60,8 +60,8 @@ def test_the_watch_needs_k_in_a_row() -> None:
 def test_a_device_back_at_full_speed_in_a_layout_that_costs_it_more_counts() -> None:
     """Known at p = 0.5 and back at full speed, a device left with fewer micro-batches
     computes each ~1.38x slower than the model's peer-based estimate: its excess reads
-    log(1.38 * 0.5) = -0.37, not log(0.5) = -0.69 (a run seen on this machine hovered
-    there, around the old bar of -0.35, for 20 iterations). It counts; a device still
+    log(1.38 * 0.5) = -0.37, not log(0.5) = -0.69, around the plain halfway bar of
+    -0.35, where it would not stay five iterations in a row. It counts; a device still
     as slow as known (excess about 0, noise 0.15) does not."""
     w = RecoveryWatch(k=3)
     assert w.bar(0.5) == pytest.approx(0.5 * math.log(0.65))
