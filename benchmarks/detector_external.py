@@ -353,7 +353,8 @@ def table(r: dict[str, Any]) -> str:
                      f"{','.join(v['causes']) or '-':<13} {_span(v['load']):<10} {v.get('outside_cores', 0.0):.2f}     "
                      f"{tvp}")
     lines.append("  (outside: cores' time other processes than this benchmark's took, worst run; "
-                 f"{len(_cores())} cores; '@ kx': k unpinned busy processes per core added through the run; "
+                 f"{len(_cores())} cores; '@ kx': k {'pinned' if r.get('outside_pinned') else 'unpinned'} busy "
+                 "processes per core added through the run; "
                  "target/peers: per run, the target's compute over its peers' after the onset relative to before)")
     for k, pr in r.get("by_load", {}).items():
         lines.append(f"  outside load {k}x the cores: precision {_pct(pr['precision'])} over {pr['reports']} reports, "

@@ -386,6 +386,12 @@ SOURCES = [
            "Fail-slow detector: issue #33's noisy neighbour as users make it (every worker unpinned until the "
            "onset, then worker 0 pinned to a core where two busy loops start) next to a no-fault run, at outside "
            "load 0, 1x and 2x the cores"),
+    Source("detector-external-pinned", "detector-external-pinned.json", "detector_external.py",
+           ("--outside-pinned", "--outside-load", "0,1,2", "--runs", "2", "--cases",
+            "pinned CPU hog,noisy neighbour,whole-machine,no fault"),
+           "Fail-slow detector: a busy-loop neighbour on one worker's core (three ways) next to whole-machine load "
+           "and no fault, with the outside load pinned evenly to every core (k busy processes per core, which the "
+           "scheduler cannot move onto the neighbour's peers), at outside load 0, 1x and 2x the cores"),
     Source("peers-quick", "peers-quick.json", "peers.py", ("--quick",),
            "ResiHP next to torchft and checkpoint-restart, CI-sized (DP4, fault-free and kill-every-n)", quick=True),
     Source("peers-full", "peers-full.json", "peers.py",
