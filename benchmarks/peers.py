@@ -31,6 +31,9 @@ their iterations, ``k`` from Young/Daly with each system's own ``C`` (its own wr
 ResiHP's DCP checkpoint, the script's ``torch.save`` or DCP) and its own fault-free
 iteration time, both measured in a calibration run that checkpoints every iteration
 (``own_checkpoint_cost``), and ``MTBF`` the kill-every-N trace's N of those iterations.
+For ResiHP ``MTBF`` counts only the kills that leave some state without a live copy in
+a replica's memory (``state_losing_kills``): the others it survives from memory, as
+torchft does without checkpoints; where the trace has none, ResiHP runs without them.
 
 Traces (seeded; the same events for every system; ``make_trace``): ``none``; ``one-kill``
 (SIGKILL of one worker at the start of an iteration a third of the way in);
@@ -128,6 +131,33 @@ def mtbf_iterations(trace: Sequence[Event], iterations: int) -> float:
     """Mean iterations between kills of ``trace`` (its length when it has none)."""
     kills = sum(1 for e in trace if e.kind == "kill")
     return iterations / kills if kills else float(iterations)
+
+
+def state_losing_kills(trace: Sequence[Event], job: Job) -> int:
+    """Kills of ``trace`` after which some of ``job``'s state has no live copy: every
+    device of the killed device's (stage, TP rank) in the job's initial layout is down
+    (a repaired device is up again). Only these need a checkpoint where the state lives
+    in replicas' memory, as it does for ResiHP and torchft; checkpoint-restart needs one
+    for every kill."""
+    from resihp_core.plan import ParallelPlan
+
+    plan = ParallelPlan.uniform(tp=job.tp, pp=job.pp, dp=job.dp, num_layers=MODEL["layers"],
+                                num_microbatches=job.microbatches, num_heads=MODEL["heads"])
+    copies: dict[tuple[int, int], set[int]] = {}
+    for rep in plan.tp_groups:
+        for stage, group in enumerate(rep):
+            for t, d in enumerate(group):
+                copies.setdefault((stage, t), set()).add(d)
+    holders = {d: ds for ds in copies.values() for d in ds}
+    down: set[int] = set()
+    lost = 0
+    for e in trace:  # in order; a repair comes before a kill at the same iteration
+        if e.kind == "repair":
+            down.discard(e.device)
+        elif e.kind == "kill":
+            down.add(e.device)
+            lost += holders[e.device] <= down
+    return lost
 
 
 def ckpt_interval(write_s: float, mtbf_s: float, iteration_s: float) -> int:
@@ -1039,8 +1069,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts for checkpoint-restart")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run counts as stuck")
     ap.add_argument("--resihp-checkpoint-every", default="young-daly",
-                    help="ResiHP's checkpoint interval in iterations, or young-daly: Young/Daly from "
-                         "ResiHP's own measured DCP write time and iteration (1 is resihp run's default)")
+                    help="ResiHP's checkpoint interval in iterations; young-daly: Young/Daly from "
+                         "ResiHP's own measured DCP write time and iteration, with the MTBF of the kills "
+                         "that leave some state without a live copy in a replica (none: no checkpoints); "
+                         "young-daly-kills: the MTBF of every kill, as checkpoint-restart "
+                         "(1 is resihp run's default)")
     ap.add_argument("--max-wall-s", type=float, default=0.0, help="start no round that would end past this "
                     "many seconds from the start (by the mean round so far; 0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1128,8 +1161,17 @@ def main(argv: list[str] | None = None) -> int:
             sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
             for sysname in sys_now:
                 if sysname in ("ckpt", "resihp") and sysname not in k:
-                    if sysname == "resihp" and args.resihp_checkpoint_every != "young-daly":
+                    if sysname == "resihp" and args.resihp_checkpoint_every not in ("young-daly", "young-daly-kills"):
                         k["resihp"] = int(args.resihp_checkpoint_every)
+                    elif (sysname == "resihp" and args.resihp_checkpoint_every == "young-daly"
+                          and not state_losing_kills(st["kev"], job)):
+                        # Every kill of the trace leaves a copy of the state in a replica's
+                        # memory: like torchft, ResiHP needs no checkpoint for them
+                        # (Young/Daly's MTBF is that of state-losing failures: none here).
+                        k["resihp"] = 0
+                        out["jobs"].setdefault(job.name, {})["resihp_no_state_loss"] = True
+                        print(f"{job.name} resihp: no kill of the trace loses every copy of any state -> "
+                              "no checkpoints", flush=True)
                     else:
                         # Young/Daly from the system's own write time and fault-free iteration
                         # (a calibration run checkpointing every iteration); the trace kills
@@ -1145,11 +1187,14 @@ def main(argv: list[str] | None = None) -> int:
                                     {"job": job.name, "system": sysname, "error": str(e)[:300]})
                         else:
                             raise RuntimeError(f"{job.name} {sysname}: 3 calibration runs failed")
-                        mtbf_s = mtbf_iterations(st["kev"], iterations) * it_s
+                        kills = (state_losing_kills(st["kev"], job)
+                                 if sysname == "resihp" and args.resihp_checkpoint_every == "young-daly" else None)
+                        mtbf_s = (iterations / kills if kills else mtbf_iterations(st["kev"], iterations)) * it_s
                         k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
                         out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
                             "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
                             "iteration_s": it_s, "every": k[sysname],
+                            "mtbf_from": "state-losing kills" if kills else "kills",
                             "c_from": "gaps" if sysname == "resihp" else "writes"}
                         print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
                               f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)
@@ -1225,8 +1270,14 @@ def render(saved: dict) -> tuple[str, dict[str, dict]]:
             lines += ["", f"{sysname}: a checkpoint every {yd['every']} iteration(s) = "
                       f"sqrt(2 x C {yd['checkpoint_write_s'] * 1e3:.1f} ms x MTBF {yd['mtbf_s']:.1f} s) / "
                       f"iteration {yd['iteration_s']:.3f} s (Young/Daly, rounded, >= 1; {c_how}; MTBF: "
-                      f"the kill-every-N trace's N of those iterations)"]
-        if "resihp" in ran and "resihp" not in saved_job.get("young_daly", {}):
+                      + ("the kill-every-N trace's iterations over its kills that leave some state without a "
+                         "live copy" if yd.get("mtbf_from") == "state-losing kills" else
+                         "the kill-every-N trace's N of those iterations") + ")"]
+        if "resihp" in ran and saved_job.get("resihp_no_state_loss"):
+            lines += ["", "resihp: no checkpoints (Young/Daly with the MTBF of failures that lose every "
+                      "copy of some state: no kill of the kill-every-N trace leaves a stage without a live "
+                      "replica holding its state in memory; as for torchft)"]
+        elif "resihp" in ran and "resihp" not in saved_job.get("young_daly", {}):
             fixed = saved_job.get("resihp_checkpoint_every", args.resihp_checkpoint_every)
             lines += ["", f"resihp: a checkpoint every {fixed} iteration(s) (--resihp-checkpoint-every)"]
         if job.pp != 1 or job.tp != 1:

@@ -134,6 +134,18 @@ def test_peers_young_daly_in_iterations() -> None:
     assert peers.ckpt_interval(0.0, 4.0, 0.2) == 1
 
 
+def test_peers_state_losing_kills_count_only_kills_that_leave_no_live_copy() -> None:
+    """ResiHP's Young/Daly MTBF counts the kills after which some state has no live
+    replica (pp2dp2: stage 1 is devices 2 and 3; dp4: four copies of everything)."""
+    E, pp2dp2 = peers.Event, peers.JOBS["pp2dp2"]
+    assert peers.state_losing_kills([E(5, "kill", 2), E(6, "kill", 3)], pp2dp2) == 1
+    assert peers.state_losing_kills([E(5, "kill", 2), E(6, "repair", 2), E(6, "kill", 3)], pp2dp2) == 0
+    assert peers.state_losing_kills([E(5, "kill", 1), E(6, "kill", 2)], pp2dp2) == 0
+    assert peers.state_losing_kills([E(5, "kill", 1), E(6, "kill", 2), E(7, "kill", 3)], peers.JOBS["dp4"]) == 0
+    kev = peers.make_trace("kill-every-n", 30, 4, every=10, repair_after=5)
+    assert peers.state_losing_kills(kev, peers.JOBS["tp2pp2"]) == 2  # no replica: every kill
+
+
 def test_peers_goodput_counts_redone_iterations_once() -> None:
     """A checkpoint-restart run: iterations 0-5 at 1 s each, a kill at the start of 6
     restores from the checkpoint after 4 (iteration 4 and 5 redone) 10 s later."""
