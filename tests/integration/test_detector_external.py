@@ -301,6 +301,13 @@ def _on_or_waiting_for_cpu(pid: int) -> float:
     return (int(run) + int(wait)) / 1e9
 
 
+#: A small model whose iterations (~0.1-0.2 s on a quiet 2-core machine) are what a
+#: user's small job has; the harness's tiny one (~0.04 s) is mostly scheduling jitter,
+#: against which 1.5x of one device's compute (a few milliseconds) is not a slowdown.
+PAUSE_MODEL = dict(vocab_size=64, hidden=96, num_heads=HEADS, ffn_hidden=384, num_layers=LAYERS, dtype="float64")
+PAUSE_DATA = dict(source="synthetic", scale=24.0, shape=0.8, min_len=2, max_len=128, token_budget=128)
+
+
 def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
     plan = uniform(1, 1, 2, 4)
     job = _Job()
@@ -328,10 +335,15 @@ def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
             thread[0].start()
             at["onset"] = rec.iteration + 2
 
-    spec = job_spec(dp=plan.dp, m=plan.num_microbatches, dump_dir=tmpdir())
+    # The small model's ~0.15 s iterations (PAUSE_MODEL), not the harness's
+    # ~0.05 s: a stop cycle of a quarter of those is a few milliseconds, near the
+    # scheduler's own jitter, and the slowdown it makes is not the same in each iteration.
+    spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
+                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir())
     try:
-        run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + SETTLE, before_run=job.before_run,
-                          on_iteration=on_iteration, on_detection=detections.append)
+        with _DetectorLog() as log:
+            run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + SETTLE, before_run=job.before_run,
+                              on_iteration=on_iteration, on_detection=detections.append)
     finally:
         stop.set()
         for t in thread:
@@ -339,7 +351,7 @@ def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
     seen = _explain(detections)
     print("detections:", seen, "iteration seconds:", {i: round(s, 3) for i, s in sorted(seconds.items())},
           f"stop cycle {at.get('period', 0):.3f} s, stopped {stopped[0] if stopped else 0:.1f} s of "
-          f"{stopped[1] if stopped else 0:.1f} s", _machine(loads, outside))
+          f"{stopped[1] if stopped else 0:.1f} s", _machine(loads, outside), log.tail(), sep="\n  ")
     assert not [e for e in _reports(run) if e["failure"] != "fail-slow"], _reports(run)
     if not _quiet(outside):
         return
@@ -348,13 +360,6 @@ def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
     assert found.report.devices == (1,), found.report
     assert found.iteration - at["onset"] + 1 <= 3, (at, seen)
     assert [e["failure"] for e in _reports(run)] == ["fail-slow"], _reports(run)
-
-
-#: A small model whose iterations (~0.1-0.2 s on a quiet 2-core machine) are what a
-#: user's small job has; the harness's tiny one (~0.04 s) is mostly scheduling jitter,
-#: against which 1.5x of one device's compute (a few milliseconds) is not a slowdown.
-PAUSE_MODEL = dict(vocab_size=64, hidden=96, num_heads=HEADS, ffn_hidden=384, num_layers=LAYERS, dtype="float64")
-PAUSE_DATA = dict(source="synthetic", scale=24.0, shape=0.8, min_len=2, max_len=128, token_budget=128)
 
 
 def test_a_1_5x_slowdown_of_one_device_of_a_small_model_is_reported_within_3_iterations():
