@@ -128,6 +128,17 @@ def test_stage_names_are_split_independent_and_weights_seeded():
     assert all(torch.equal(parts[n], whole[n]) for n in whole)
 
 
+def test_a_stage_built_for_state_has_the_seeded_stages_structure_without_its_initialisation():
+    """``init=False`` (a re-split stage whose every parameter is copied in next) skips
+    the two initialisation passes, never the structure: same names, shapes and dtypes,
+    no buffer left uninitialised."""
+    for a, b in ((0, 2), (1, 3), (2, 4)):
+        seeded, empty = build_stage(CFG, a, b), build_stage(CFG, a, b, init=False)
+        assert [(n, p.shape, p.dtype, p.device) for n, p in seeded.named_parameters()] == [
+            (n, p.shape, p.dtype, p.device) for n, p in empty.named_parameters()]
+        assert not list(empty.buffers()) and not any(p.is_meta for p in empty.parameters())
+
+
 def test_transfer_plan_sources_from_a_surviving_copy_or_reports_the_lost_shard():
     old = plan()  # devices: r0s0=0, r1s0=1, r0s1=2, r1s1=3
     new = ParallelPlan(num_layers=4, layer_ranges=((0, 1), (1, 2), (2, 4)),

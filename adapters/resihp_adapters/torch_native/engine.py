@@ -155,7 +155,11 @@ class StageSource(Protocol):
     dtype: torch.dtype
     aliases: dict[str, str]
 
-    def build(self, start: int, end: int) -> nn.Module: ...
+    def build(self, start: int, end: int, *, init: bool = True) -> nn.Module:
+        """Layers ``[start, end)``; ``init=False``: every parameter is about to be
+        overwritten (a stage rebuilt from state), so a source may leave them
+        uninitialised (buffers must still be right)."""
+        ...
 
     def blocks(self, module: nn.Module) -> list[nn.Module]: ...
 
@@ -452,11 +456,11 @@ class TorchNativeEngine:
     def _layers(self, plan: ParallelPlan, stage: int) -> tuple[int, int]:
         return plan.layer_ranges[stage]
 
-    def _build(self) -> nn.Module:
+    def _build(self, init: bool = True) -> nn.Module:
         if self.whole:
             return self.model.build_whole().to(self.placement.device)
         a, b = self._layers(self.plan, self.place.stage)
-        return self.model.build(a, b).to(self.placement.device)
+        return self.model.build(a, b, init=init).to(self.placement.device)
 
     def _wrap(self, module: nn.Module) -> None:
         """FSDP2 / HSDP over this stage's data-parallel ranks, then optimizer, LR
@@ -579,7 +583,7 @@ class TorchNativeEngine:
         self.iteration = step
         if self.place is None:
             return
-        module = self._build()
+        module = self._build(init=False)  # every parameter is copied in below
         with torch.no_grad():
             for name, p in module.named_parameters():
                 key = self.canonical(name)

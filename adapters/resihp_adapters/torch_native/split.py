@@ -246,7 +246,9 @@ class UserStages:
         sp = self.split
         return [*sp.shared, *sp.pre, *sp.blocks, *sp.post]
 
-    def build(self, start: int, end: int) -> Stage:
+    def build(self, start: int, end: int, *, init: bool = True) -> Stage:
+        # ``init`` is not used: the user's modules may hold buffers their own
+        # initialisation makes (rotary frequencies), so a stage is always built whole.
         stage = Stage(self.split, self.source, start, end)
         if self.meta:
             from resihp_adapters.torch_native.materialize import materialise

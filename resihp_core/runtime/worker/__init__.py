@@ -546,9 +546,10 @@ class Worker:
         comm = a.communicator_report()
         if comm:
             _log("communicators", dev, generation=g, **comm)
-        session.put_ready(self.store, g, dev, {
-            "seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved, **comm,
-        })
+        timings = {"seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved, **comm}
+        _log("generation_ready", dev, generation=g, **{k: f"{v:.3f}" if isinstance(v, float) else v
+                                                        for k, v in timings.items()})
+        session.put_ready(self.store, g, dev, timings)
         if a.where is None:
             return False  # a standby: wait for a plan that uses it
         from resihp_core.predictor.schedules import emit_programs
