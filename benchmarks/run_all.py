@@ -511,6 +511,10 @@ SOURCES = [
            ("--jobs", "ds_pp2dp2", "--sizes", "m,l", "--rounds", "2", "--iterations", "10"),
            "The cost of being resilient on DeepSpeed: the user's GPT pipeline (PP2 x DP2) under resihp launch vs "
            "deepspeed.initialize under torchrun, at 0.5-3 s steps, with and without checkpoints"),
+    Source("overhead-ds-l", "overhead-ds-l.json", "overhead.py",
+           ("--jobs", "ds_pp2dp2", "--sizes", "l", "--systems", "stock,resihp", "--rounds", "3", "--iterations", "10"),
+           "The cost of being resilient on DeepSpeed at its largest size, three alternating rounds without "
+           "checkpoints: the user's GPT pipeline (PP2 x DP2) under resihp launch vs deepspeed.initialize"),
     Source("overhead-quick", "overhead-quick.json", "overhead.py", ("--quick",),
            "The cost of being resilient, CI-sized: torch_native DP4 vs plain DDP, smallest model, with and "
            "without checkpoints", quick=True),
