@@ -407,6 +407,16 @@ SOURCES = [
             "--run-timeout", "400", "--max-wall-s", "2000"),
            "The slow trace on DP4 at the step times users have (size m, 1 s steps): ResiHP next to torchft "
            "and checkpoint-restart, three rounds on a quiet machine"),
+    Source("peers-slow-pp2dp2-m", "peers-slow-pp2dp2-m.json", "peers.py",
+           ("--reps", "3", "--jobs", "pp2dp2", "--traces", "slow", "--size", "m", "--iterations", "30",
+            "--run-timeout", "400", "--max-wall-s", "1500"),
+           "The slow trace on PP2 x DP2 at size m (0.5 s steps): ResiHP next to checkpoint-restart, three "
+           "rounds on a quiet machine"),
+    Source("peers-slow-tp2pp2-m", "peers-slow-tp2pp2-m.json", "peers.py",
+           ("--reps", "3", "--jobs", "tp2pp2", "--traces", "slow", "--size", "m", "--iterations", "30",
+            "--run-timeout", "400", "--max-wall-s", "1500"),
+           "The slow trace on TP2 x PP2 (reference backend) at size m: ResiHP next to checkpoint-restart, "
+           "three rounds on a quiet machine"),
     Source("peers-tp2pp2", "peers-tp2pp2.json", "peers.py",
            ("--reps", "3", "--jobs", "tp2pp2", "--traces", "one-kill,kill-every-n", "--iterations", "30",
             "--every", "10", "--run-timeout", "240"),
