@@ -186,8 +186,8 @@ def init_parameters(module: nn.Module, cfg: LlamaConfig) -> None:
 def build_stage(cfg: LlamaConfig, start: int, end: int, init: bool = True) -> StageModel:
     """A stage with its seeded initial weights, in the config's dtype; ``init=False``:
     uninitialised memory (the stage holds no buffers), for a stage whose every
-    parameter is copied in next: two passes of initialisation skipped, about half a
-    second of CPU per re-split stage at 16 million parameters."""
+    parameter is copied in next: its two initialisation passes were most of the time
+    a re-split took to build it."""
     if init:
         m = StageModel(cfg, start, end).to(cfg.torch_dtype)
         init_parameters(m, cfg)
