@@ -1161,10 +1161,12 @@ def main(argv: list[str] | None = None) -> int:
             sys_now = sys_now[rnd % len(sys_now):] + sys_now[:rnd % len(sys_now)]  # rotate each round
             for sysname in sys_now:
                 if sysname in ("ckpt", "resihp") and sysname not in k:
+                    # ResiHP's Young/Daly counts only the kills that lose state (None: every kill)
+                    losing = (state_losing_kills(st["kev"], job)
+                              if sysname == "resihp" and args.resihp_checkpoint_every == "young-daly" else None)
                     if sysname == "resihp" and args.resihp_checkpoint_every not in ("young-daly", "young-daly-kills"):
                         k["resihp"] = int(args.resihp_checkpoint_every)
-                    elif (sysname == "resihp" and args.resihp_checkpoint_every == "young-daly"
-                          and not state_losing_kills(st["kev"], job)):
+                    elif losing == 0:
                         # Every kill of the trace leaves a copy of the state in a replica's
                         # memory: like torchft, ResiHP needs no checkpoint for them
                         # (Young/Daly's MTBF is that of state-losing failures: none here).
@@ -1187,14 +1189,12 @@ def main(argv: list[str] | None = None) -> int:
                                     {"job": job.name, "system": sysname, "error": str(e)[:300]})
                         else:
                             raise RuntimeError(f"{job.name} {sysname}: 3 calibration runs failed")
-                        kills = (state_losing_kills(st["kev"], job)
-                                 if sysname == "resihp" and args.resihp_checkpoint_every == "young-daly" else None)
-                        mtbf_s = (iterations / kills if kills else mtbf_iterations(st["kev"], iterations)) * it_s
+                        mtbf_s = (iterations / losing if losing else mtbf_iterations(st["kev"], iterations)) * it_s
                         k[sysname] = ckpt_interval(c_s, mtbf_s, it_s)
                         out["jobs"].setdefault(job.name, {}).setdefault("young_daly", {})[sysname] = {
                             "checkpoint_write_s": c_s, "writes_s": writes, "mtbf_s": mtbf_s,
                             "iteration_s": it_s, "every": k[sysname],
-                            "mtbf_from": "state-losing kills" if kills else "kills",
+                            "mtbf_from": "state-losing kills" if losing else "kills",
                             "c_from": "gaps" if sysname == "resihp" else "writes"}
                         print(f"{job.name} {sysname}: Young/Daly C {c_s:.3f} s (median of {len(writes)} "
                               f"writes), iteration {it_s:.3f} s -> a checkpoint every {k[sysname]}", flush=True)

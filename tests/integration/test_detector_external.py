@@ -168,6 +168,12 @@ PAUSE_MODEL = dict(vocab_size=64, hidden=96, num_heads=HEADS, ffn_hidden=384, nu
 PAUSE_DATA = dict(source="synthetic", scale=24.0, shape=0.8, min_len=2, max_len=128, token_budget=128)
 
 
+def _small_job(plan, **kw) -> JobSpec:
+    """The reference backend's job of ``plan`` on the small model (PAUSE_MODEL)."""
+    return JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
+                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir(), **kw)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin a worker apart from its peer")
 def test_a_cpu_hog_on_one_workers_core_is_its_fail_slow_the_same_load_on_every_core_is_not():
     """Phase 1 (iterations ONSET .. ONSET + 6): a hog on each worker's core: every
@@ -203,8 +209,7 @@ def test_a_cpu_hog_on_one_workers_core_is_its_fail_slow_the_same_load_on_every_c
     # The small model's ~0.15 s iterations (PAUSE_MODEL), not the harness's ~0.03 s: on
     # those, scheduling jitter alone once held one worker 1.3-1.5x its peer for three
     # iterations before any hog ran, and it was reported.
-    spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
-                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir())
+    spec = _small_job(plan)
     try:
         with _DetectorLog() as log:
             run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + 6 + SETTLE, before_run=job.before_run,
@@ -343,8 +348,7 @@ def test_a_worker_stopped_half_of_the_time_is_reported_within_3_iterations():
     # The small model's ~0.15 s iterations (PAUSE_MODEL), not the harness's
     # ~0.05 s: a stop cycle of a quarter of those is a few milliseconds, near the
     # scheduler's own jitter, and the slowdown it makes is not the same in each iteration.
-    spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
-                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir())
+    spec = _small_job(plan)
     try:
         with _DetectorLog() as log:
             run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + SETTLE, before_run=job.before_run,
@@ -383,9 +387,7 @@ def test_a_1_5x_slowdown_of_one_device_of_a_small_model_is_reported_within_3_ite
         outside.sample()
         seconds.setdefault(rec.iteration, rec.seconds)
 
-    spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
-                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir(),
-                   faults=[fail_at(1, ONSET, "slow", factor=1.5).to_dict()])
+    spec = _small_job(plan, faults=[fail_at(1, ONSET, "slow", factor=1.5).to_dict()])
     with _DetectorLog() as log:
         run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + SETTLE, on_detection=detections.append,
                           on_iteration=on_iteration)
@@ -462,9 +464,7 @@ def test_a_worker_stopped_for_15_s_is_fenced_not_killed_and_planned_back_in_when
         if e.kind == "plan" and "rejoin of devices [1]" in e.text and "cont_time" in at:
             at.setdefault("rejoin_after_s", time.monotonic() - at["cont_time"])
 
-    spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
-                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir(), checkpoint_dir=tmpdir(),
-                   checkpoint_every=1)
+    spec = _small_job(plan, checkpoint_dir=tmpdir(), checkpoint_every=1)
     try:
         run = run_checked(spec, plan, DETECTOR, iterations, before_run=job.before_run, on_iteration=on_iteration,
                           on_event=on_event, on_detection=detections.append)
@@ -532,8 +532,7 @@ def test_a_worker_stopped_half_of_the_time_then_let_run_gets_its_original_layout
     # The small model's ~0.15 s iterations, not the harness's ~0.05 s: on those a few
     # milliseconds of scheduling jitter are a third of a micro-batch, and after the
     # return the healthy layout was reported slow again for such noise.
-    spec = JobSpec(adapter="megatron_ref", adapter_config=PAUSE_MODEL, data=PAUSE_DATA, dp=plan.dp,
-                   num_microbatches=plan.num_microbatches, timeout_s=10.0, dump_dir=tmpdir())
+    spec = _small_job(plan)
     try:
         with _DetectorLog() as log:
             run = run_checked(spec, plan, SLOW_DETECTOR, ONSET + cycle + 25, before_run=job.before_run,
