@@ -182,12 +182,10 @@ def test_without_replicas_a_transient_flip_commits_on_re_execution_and_a_bad_dev
 def test_torch_native_hsdp_quarantines_a_bad_replica_and_trains_exactly(tmp_path):
     """torch_native with HSDP (``shard = 1``: every replica a replicate group holding the
     whole stage) on three replicas, through ``resihp run``'s assembly: a device that
-    flips a bit of its reduced gradient every iteration from 2 is quarantined after one
-    aborted iteration, its micro-batches run on the two survivors, and the final state
-    and every loss equal one process training the fault-free global batch. Where nothing is replicated (DP = 1, two pipeline
-stages), the range check: a transient exponent-bit flip is re-executed and commits, a
-repeating one quarantines its device after one aborted iteration, and the state equals
-the fault-free run's."""
+    flips a bit of its reduced gradient every iteration from 2 is found at the next
+    iteration's vote and quarantined after that one aborted iteration, its micro-batches
+    run on the two survivors, and the final state and every loss equal one process
+    training the fault-free global batch."""
     from resihp_core.testing.conformance import _assemble
 
     from .test_torch_native import MODEL, TOL, as_triples, max_rel_err, reference
@@ -199,7 +197,9 @@ the fault-free run's."""
     run, dumps = run_job(tmp_path, ITERATIONS, [{"device": victim, "iteration": FLIP_AT, "kind": "flip",
                                                  "repeat": True}], checkpoint_every=0, config=config)
     sdc = [e for e in run.events if e["kind"] == "sdc"]
-    assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT, sdc
+    # Three replicas step after the commit (docs/sdc.md): the corrupt step of FLIP_AT is
+    # the victim's alone, and its parameters differ at the vote of the next iteration.
+    assert len(sdc) == 1 and sdc[0]["suspects"] == [victim] and sdc[0]["iteration"] == FLIP_AT + 1, sdc
     failures = [e for e in run.events if e["kind"] == "failure"]
     assert [(f["cause"], f["devices"]) for f in failures] == [("sdc", [victim])], failures
     assert victim not in run.final_plan.devices() and victim not in dumps

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -219,6 +220,23 @@ def test_killed_rank_under_hsdp_survivors_repartition_from_memory(tmp_path):
         stages_run = {x[0] for x in c}
         assert stages_run == ({0, 1} if it < out["resume"] else {0, 1, 2}), (it, stages_run)
         assert len(c) == len(set(c)) and all(sum(1 for x in c if x[0] == s) == 8 for s in stages_run), it
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_with_the_step_after_the_commit_survivors_repartition_exact(tmp_path, monkeypatch):
+    """Without SDC fingerprints a PP2 x DP2 job steps after the commit and takes no
+    rollback snapshot (docs/worker-protocol.md, "The step after the commit"). A survivor
+    whose pipeline receive fails mid-iteration has FSDP's unsharded parameters in
+    place: it puts back the sharded ones, which the forward and backward never write,
+    drops the gradients, and the three survivors train on from memory, exact."""
+    monkeypatch.setenv("RESIHP_SDC", "0")
+    out = kill_and_repartition(tmp_path, shard=1, restore=False)
+    logs = [p.read_text() for p in (tmp_path / "job").rglob("*.log")]
+    ready = [m for text in logs for m in re.findall(r"event=generation_ready .*?step_after_commit=(\d)", text)]
+    assert len(ready) >= 7 and set(ready) == {"1"}, ready  # 4 workers in generation 0, 3 in 1
+    ref, ref_losses = reference(5)
+    assert max_rel_err(as_triples(out["state"]), ref) <= TOL
+    assert out["losses"] == pytest.approx(ref_losses, rel=TOL)
 
 
 @pytest.mark.timeout(420)

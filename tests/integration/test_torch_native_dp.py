@@ -215,6 +215,34 @@ def test_a_killed_pipeline_rank_restages_every_survivor_from_the_checkpoint_exac
 
 
 @pytest.mark.timeout(420)
+def test_dp4_steps_after_the_commit_and_a_kill_mid_backward_leaves_nothing_to_undo_exact(tmp_path):
+    """DP4 (four whole replicas) in process mode votes on each commit before its
+    optimizer step and takes no rollback snapshot (docs/worker-protocol.md, "The step
+    after the commit"). Device 3 is SIGKILLed at the start of iteration 3: the survivors
+    fail inside that iteration's bucketed all-reduce, with FSDP's unsharded parameters
+    in place, drop its gradients, and the next plan runs all three from their own state
+    (nothing received). A checkpoint is written after every second commit. Losses and
+    the complete state equal one process training the fault-free global batch."""
+    iterations, victim, at = 6, 3, 3
+    run, dumps = run_job(tmp_path, iterations, [{"device": victim, "iteration": at, "kind": "kill"}],
+                         checkpoint_every=2)
+    check_exact(run, dumps, iterations)
+    assert sorted(dumps) == [0, 1, 2] and sorted(run.final_plan.devices()) == [0, 1, 2]
+    logs = {d: (Path(run.logs) / f"worker{d}.log").read_text() for d in range(4)}
+    for d, text in logs.items():
+        ready = re.findall(r"event=generation_ready device=\d+ generation=(\d+) step_after_commit=(\d)", text)
+        assert ready and all(on == "1" for _, on in ready), (d, ready)
+    for d in (0, 1, 2):
+        assert "event=generation_left" in logs[d], logs[d][-2000:]
+        moved = re.findall(r"event=generation_ready .* generation=[1-9]\d* .*bytes_received=(\d+)", logs[d])
+        assert moved and all(b == "0" for b in moved), (d, moved)
+    from resihp_core.checkpoints import verify
+
+    for i in (1, 3, 5):  # written after the commit, by four writers (1) and by three (3, 5)
+        assert verify(tmp_path / "checkpoints", i).problem is None, verify(tmp_path / "checkpoints", i)
+
+
+@pytest.mark.timeout(420)
 def test_a_slowed_worker_is_found_within_3_iterations_and_runs_fewer_micro_batches_exact(tmp_path):
     onset, iterations, slow = 6, 11, 2
     seen: list = []

@@ -195,6 +195,21 @@ class TorchNativeAdapter(Adapter):
     def rollback_to(self, iteration: int) -> None:
         self.engine.rollback_to(iteration)
 
+    def defer_steps(self, wanted: bool, *, fingerprints: bool) -> bool:
+        """The optimizer step after the commit (the worker's :class:`~resihp_core.runtime.worker.DeferredStep`),
+        where the worker ``wanted`` it, off the TP path, and unless the fingerprints
+        compare exactly two replicas: a tie is re-executed from the state before the
+        iteration that stepped, which only a rollback snapshot holds (docs/sdc.md)."""
+        from resihp_adapters.torch_native.engine import live_replicas
+
+        eng = self.engine
+        pair = (fingerprints and eng.place is not None and eng.plan is not None
+                and len(live_replicas(eng.plan)) // eng.place.shard_degree == 2)
+        return eng.defer_steps(wanted and not pair)
+
+    def apply_step(self) -> None:
+        self.engine.apply_step()
+
     # ------------------------------------------------------------ iterations
     def run_iteration(self, program: Program, iteration: int) -> IterationResult:
         steps = iter(range(1 << 30))

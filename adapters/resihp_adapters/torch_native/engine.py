@@ -43,7 +43,7 @@ import datetime
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -364,6 +364,12 @@ class TorchNativeEngine:
         self._copy_plans: dict[int, tuple] = {}
         self._bound: tuple[list, list] = ([], [])  # this generation's meshes, FSDP mesh infos
         self._reducer: ReplicaReducer | None = None  # a shard-degree-1 stage's gradient reduction
+        # The step after the commit (:meth:`defer_steps`): :meth:`run` stops before the
+        # optimizer step, which :meth:`apply_step` takes once the iteration committed.
+        self.defer = False
+        self._deferred: int | None = None  # the iteration whose step is pending
+        self._step_s = 0.0  # the last deferred step's seconds, counted in the next iteration
+        self._sharded: list[tuple[str, Tensor]] = []  # the stage's sharded parameters, for _discard
         #: the user's loop mode (:mod:`.loop`): the stage is the user's whole model, no
         #: PipelineStage; pp = 1 only
         self.whole = False
@@ -601,9 +607,10 @@ class TorchNativeEngine:
             self.optimizer.state[p] = st
 
     # ------------------------------------------------------------ state access
-    def local_shards(self) -> dict[str, Held]:
-        """This rank's FSDP shards of its stage's parameters and optimizer state, by
-        state name, as plain tensors (clones: valid after the groups are gone)."""
+    def local_shards(self, params: Iterable[tuple[str, Tensor]] | None = None) -> dict[str, Held]:
+        """This rank's FSDP shards of its stage's parameters (``params``: these, by
+        stage name; default the module's) and optimizer state, by state name, as plain
+        tensors (clones: valid after the groups are gone)."""
         import copy
 
         from torch.distributed.tensor import DTensor
@@ -611,7 +618,7 @@ class TorchNativeEngine:
         out: dict[str, Held] = {}
         if self.module is None:
             return out
-        for name, p in self.module.named_parameters():
+        for name, p in self.module.named_parameters() if params is None else params:
             st = self.optimizer.state.get(p, {})
             h = Held(p.to_local().detach().clone())
             for k, v in st.items():
@@ -781,8 +788,11 @@ class TorchNativeEngine:
         return True
 
     def rollback(self) -> None:
-        """Back to the last snapshot (an iteration that was not committed everywhere)."""
-        if self._snapshots:
+        """Back to the last snapshot (an iteration that was not committed everywhere);
+        with the step deferred, back to the iteration's start by dropping its gradients."""
+        if self.defer:
+            self._discard()
+        elif self._snapshots:
             self.rollback_to(self._snapshots[-1][1])
 
     def rollback_to(self, iteration: int) -> None:
@@ -950,6 +960,8 @@ class TorchNativeEngine:
         kwargs = [{k: home(v) for k, v in b.kwargs().items()} for b in batches]  # every stage: positions and masks
         targets = [home(b.target) for b in batches] if place.stage == plan.pp - 1 else None
         losses: list[Tensor] = []
+        if self.defer:
+            self._sharded = list(self.module.named_parameters())
         self.stage.has_backward = True
         self.stage.clear_runtime_states()
         try:
@@ -964,17 +976,77 @@ class TorchNativeEngine:
         self.before_action()
         self.finish_grads()
         self.inject_flip("grad")
+        res.loss = float(sum(float(x.detach()) for x in losses))
+        if self.defer:
+            self._deferred = it
+            res.iteration_s = time.perf_counter() - t_iter + self._step_s  # the step this iteration's needed
+        else:
+            self._apply(it)
+            res.iteration_s = time.perf_counter() - t_iter
+        self.last = res
+        return res
+
+    def defer_steps(self, on: bool) -> bool:
+        """From now on :meth:`run` stops before the optimizer step (``on``), and the
+        worker calls :meth:`apply_step` once the iteration has committed everywhere: an
+        iteration that does not commit has changed nothing but gradients, so no rollback
+        snapshot is kept (the snapshots of an earlier generation are freed). Returns
+        ``on``."""
+        if on:
+            self._snapshots.clear()
+            self._spare = None
+            self._copy_plans = {}
+        self.defer, self._deferred, self._step_s = on, None, 0.0
+        return on
+
+    def apply_step(self) -> None:
+        """The optimizer (and LR scheduler) step of the iteration :meth:`run` left pending."""
+        if self._deferred is None:
+            raise RuntimeError(f"device {self.device}: no iteration's optimizer step is pending")
+        t = time.perf_counter()
+        self._apply(self._deferred)
+        self._step_s = time.perf_counter() - t
+
+    def _apply(self, iteration: int) -> None:
+        self._deferred = None
         self.step_optimizer()
         self.inject_flip("param")
         self.inject_flip("optimizer")
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        res.loss = float(sum(float(x.detach()) for x in losses))
-        self.iteration = it + 1
-        res.iteration_s = time.perf_counter() - t_iter
-        self.last = res
-        return res
+        self.iteration = iteration + 1
+
+    def _discard(self) -> None:
+        """Rollback with the step deferred: drop the gradients (and a pending reduction);
+        the state is the iteration's start. A stage a failed iteration left unsharded
+        (FSDP swaps in its unsharded parameters for the forward and backward) is put
+        back to its sharded parameters, which the forward and backward never write; if
+        that fails, the stage is dropped and its shards (read through the optimizer's
+        references) kept for the next generation, as :meth:`rollback_to` does."""
+        from torch.distributed.tensor import DTensor
+
+        self._deferred = None
+        if self.module is None:
+            return
+        if self._reducer is not None:
+            self._reducer.reset()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule = None  # a failed iteration leaves receives and unshards pending in it
+        try:
+            for m in self.module.modules():
+                if hasattr(m, "reshard") and hasattr(m, "_get_fsdp_state"):
+                    m.reshard()
+        except Exception:  # noqa: BLE001 - FSDP's state after a failed collective: rebuilt below
+            pass
+        if all(isinstance(p, DTensor) for p in self.module.parameters()):
+            for p in self.module.parameters():
+                p.grad = None
+            return
+        self._kept = (self.plan, self.local_shards(self._sharded))
+        self.schedule = self.stage = self.optimizer = self.scheduler = self.module = None
+        self._drop_reducer()
+        self._copy_plans = {}
 
     def inject_flip(self, target: str) -> None:
         """Injected silent data corruption (docs/sdc.md), when a flip is due: this

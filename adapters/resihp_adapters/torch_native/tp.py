@@ -544,6 +544,10 @@ class TPEngine(TorchNativeEngine):
         return clip_tp(self.module, self.model.aliases, self.recipe.max_grad_norm, self.executors_group,
                        self.place.tp_index)
 
+    def defer_steps(self, on: bool) -> bool:
+        """Not on the TP path: its full copy of each step's state is gathered right after the step."""
+        return super().defer_steps(on and not self.tp)
+
     def run(self, program, iteration: int | None = None) -> IterationResult:  # noqa: ANN001 - core Program
         res = super().run(program, iteration)
         if self.tp:

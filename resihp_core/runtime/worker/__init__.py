@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from resihp_core.runtime.heartbeat import WorkerClient
     from resihp_core.runtime.peercopy import PeerCopies
 
-__all__ = ["GenerationWatch", "Worker", "main", "end_on_job_error", "end_script"]
+__all__ = ["DeferredStep", "GenerationWatch", "Worker", "main", "end_on_job_error", "end_script"]
 
 AdapterFactory = Callable[[AdapterContext], Adapter]
 
@@ -66,6 +66,25 @@ class DeepRollback(Protocol):
     def keep_snapshots(self, depth: int) -> bool: ...
 
     def rollback_to(self, iteration: int) -> None: ...
+
+
+@runtime_checkable
+class DeferredStep(Protocol):
+    """An adapter whose iteration can stop before its optimizer step (torch_native): in
+    process mode the worker then votes on the commit with the gradients reduced and
+    steps only an iteration that committed everywhere, as torchft's ``should_commit``
+    does. An iteration that does not commit has changed nothing but gradients, so no
+    rollback snapshot is taken: the copy of the whole state every iteration is gone,
+    for one commit round trip before the step (docs/worker-protocol.md, "The step after
+    the commit").
+
+    ``defer_steps(wanted, fingerprints=...)`` is called on entering each generation;
+    it returns whether ``run_iteration`` now stops before the step (the adapter may
+    refuse a layout); ``rollback`` then drops the gradients."""
+
+    def defer_steps(self, wanted: bool, *, fingerprints: bool) -> bool: ...
+
+    def apply_step(self) -> None: ...
 
 
 @dataclass
@@ -276,6 +295,8 @@ class Worker:
         self.program: Program | None = None
         self._seen = -1
         self._pending: _Pending | None = None  # process mode: the commit in flight
+        self._may_defer = False  # process mode: the step may follow the commit (DeferredStep)
+        self.deferred = False  # this generation steps after the commit
         # The iteration whose rollback snapshot was taken right after the step before it,
         # with that step's fingerprint (:class:`SnapshotFingerprint`): its start takes none.
         self._snapped: int | None = None
@@ -351,19 +372,25 @@ class Worker:
         self.peers = peers
 
     def run(self) -> None:
-        """Process mode: train until the job stops."""
+        """Process mode: train until the job stops. Each generation steps after the
+        commit where the adapter can (:class:`DeferredStep`); otherwise the commit
+        overlaps the next iteration (:class:`DeepRollback`), or runs in line."""
         a = self.adapter
-        if self._commit_store is None or not isinstance(a, DeepRollback) or not a.keep_snapshots(2):
-            while self.step() is not None:
-                pass
-            return
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="resihp-commit")
+        self._may_defer = self.peers is None  # memory copies are taken from the rollback snapshot
+        if self._commit_store is not None and isinstance(a, DeepRollback) and a.keep_snapshots(2):
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="resihp-commit")
         try:
             while self.next_iteration() is not None:
-                self._overlapped_iteration()
+                if self.deferred:
+                    self._deferred_iteration()
+                elif self._committer is not None:
+                    self._overlapped_iteration()
+                else:
+                    self._one_iteration()
         finally:
-            self._committer.shutdown(wait=False)
-            self._committer = None
+            if self._committer is not None:
+                self._committer.shutdown(wait=False)
+                self._committer = None
 
     def step(self) -> IterationResult | None:
         """Run until one more iteration commits everywhere (entering plan generations as
@@ -468,6 +495,39 @@ class Worker:
         self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors,
                                                            fingerprint))
 
+    def _deferred_iteration(self) -> None:
+        """One iteration voted on before its optimizer step (:class:`DeferredStep`): the
+        report, the SDC fingerprint of the state the step will read, and the commit;
+        the step only once the iteration committed everywhere, then a due checkpoint
+        (of committed state: its failure leaves the generation with nothing to undo)."""
+        a = self.adapter
+        i = self.begin_iteration()
+        result = self._run_adapter_iteration(i)
+        if isinstance(result, str):
+            self.abandon_iteration(result)  # drops the gradients: the state is i's start
+            return
+        g = self.msg.generation
+        if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
+            self.client.send_profile(self._with_cpu_wait(prof))
+        self._checkpoint_reports()
+        if self.sdc is not None:
+            self.sdc.post(self.store, g, i, loss=result.loss, plan=self.plan)
+        if self._commit(self.store, self._report(result), len(self.plan.devices())) != session.CommitResult.COMMITTED:
+            a.rollback()
+            a.release()
+            self.active = False
+            return
+        a.apply_step()
+        self.iteration = i + 1
+        if self._checkpoint_due(i):
+            failed = None
+            try:
+                a.save_checkpoint(i)
+            except Exception as e:  # noqa: BLE001 - a peer died while gathering shards
+                failed = f"{type(e).__name__}: {e}"
+            if failed is not None:
+                self._left(g, failed, "checkpoint_failed", iteration=i)
+
     def _superseded(self) -> bool:
         # Newer only: the watch starts at -1 before its first answer. A generation posted
         # after this check is still caught by the commit (it aborts the iteration).
@@ -542,13 +602,15 @@ class Worker:
             self._left(g, failed, "reconfiguration_failed", state_lost=lost)
             return False
         self.plan = plan
+        if isinstance(a, DeferredStep):
+            self.deferred = a.defer_steps(self._may_defer, fingerprints=self.sdc is not None)
         t3 = time.perf_counter()
         comm = a.communicator_report()
         if comm:
             _log("communicators", dev, generation=g, **comm)
         timings = {"seconds": t3 - t0, "rebuild_s": t2 - t1, "state_s": t3 - t2, "bytes_received": moved, **comm}
-        _log("generation_ready", dev, generation=g, **{k: f"{v:.3f}" if isinstance(v, float) else v
-                                                        for k, v in timings.items()})
+        _log("generation_ready", dev, generation=g, step_after_commit=int(self.deferred),
+             **{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in timings.items()})
         session.put_ready(self.store, g, dev, timings)
         if a.where is None:
             return False  # a standby: wait for a plan that uses it
@@ -606,7 +668,7 @@ class Worker:
         """Injected faults due now, the rollback snapshot; the iteration's index."""
         i = self.iteration + (self._pending is not None)
         self.faults.at_iteration(i)
-        if self._snapped != i:
+        if self._snapped != i and not self.deferred:
             self.adapter.snapshot()
         self._snapped = None
         every = self.job.memory_copy_every
