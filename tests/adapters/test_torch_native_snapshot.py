@@ -334,3 +334,68 @@ def test_a_replica_stage_reduces_in_reused_buckets_bitwise_like_fsdp_and_drops_a
             eng.release()
     _equal(runs[1], runs[0])
     _equal(runs[2], runs[0])
+
+
+def _trained(iterations: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The state after ``iterations`` plain iterations (the step inside ``run``)."""
+    eng, prog = _engine()
+    try:
+        for i in range(iterations):
+            eng.run(prog, i)
+        return _state(eng)
+    finally:
+        eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_the_step_after_the_commit_leaves_the_state_alone_until_applied():
+    """``defer_steps(True)`` (docs/worker-protocol.md, "The step after the commit"):
+    ``run`` stops before the optimizer step and keeps no snapshot; a rollback drops the
+    gradients, and the attempt run again and applied steps exactly as a plain run."""
+    want = _trained(3)
+    eng, prog = _engine()
+    try:
+        assert eng.defer_steps(True)
+        eng.run(prog, 0)
+        eng.apply_step()
+        before = _state(eng)
+        eng.run(prog, 1)
+        _equal(_state(eng), before)  # reduced gradients only: no step taken
+        eng.rollback()  # the commit was refused
+        assert eng.iteration == 1 and not eng._snapshots
+        assert all(p.grad is None for p in eng.module.parameters())
+        with pytest.raises(RuntimeError, match="no iteration's optimizer step is pending"):
+            eng.apply_step()
+        for i in (1, 2):
+            eng.run(prog, i)
+            eng.apply_step()
+        assert eng.iteration == 3
+        _equal(_state(eng), want)
+    finally:
+        eng.release()
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_rebuilt_in_the_same_layout_takes_its_kept_state_without_a_copy():
+    """A re-plan that keeps this rank's stage whole (shard degree 1): the optimizer
+    state it kept at release becomes the new stage's, the same memory, and training
+    goes on exactly."""
+    want = _trained(3)
+    eng, prog = _engine()
+    try:
+        for i in range(2):
+            eng.run(prog, i)
+        plan = eng.plan
+        eng.release()
+        kept = {k: {x: t.data_ptr() for x, t in h.sharded.items()} for k, h in eng._kept[1].items()}
+        assert kept and all(kept.values())
+        eng.rebuild(plan, 1, [0])
+        assert eng.move_state(plan, plan, {0}, 2) == 0
+        now = {eng.canonical(n): {x: v.to_local().data_ptr() for x, v in eng.optimizer.state[p].items()
+                                  if x in kept[eng.canonical(n)]}
+               for n, p in eng.module.named_parameters()}
+        assert now == kept
+        eng.run(prog, 2)
+        _equal(_state(eng), want)
+    finally:
+        eng.release()

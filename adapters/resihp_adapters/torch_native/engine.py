@@ -389,7 +389,8 @@ class TorchNativeEngine:
         its sockets only when nothing refers to a group any more). This rank's shards
         are kept as plain tensors for :meth:`move_state`."""
         if self.module is not None:
-            self._kept = (self.plan, self.local_shards())
+            # the stage's own tensors: nothing writes them once the stage is dropped here
+            self._kept = (self.plan, self.local_shards(copy=False))
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
         self._drop_reducer()
         self._copy_plans = {}  # they hold the stage's tensors: nothing may pin the old groups
@@ -583,9 +584,8 @@ class TorchNativeEngine:
 
     def install(self, full: dict[str, Held], step: int) -> None:
         """Build the stage from full (unsharded) tensors by name: parameters and their
-        optimizer state; each rank keeps its own FSDP shard of them."""
-        from torch.distributed.tensor import distribute_tensor
-
+        optimizer state; each rank keeps its own FSDP shard of them (``full``'s own
+        tensors become the state where they are the whole shard, :meth:`_state_like`)."""
         self.iteration = step
         if self.place is None:
             return
@@ -597,35 +597,54 @@ class TorchNativeEngine:
                     raise KeyError(f"device {self.device}: no state for parameter {key!r}")
                 p.copy_(full[key].param)
         self._wrap(module)
+        taken: set[int] = set()  # a tensor becomes one parameter's state at most
         for name, p in self.module.named_parameters():
             h = full[self.canonical(name)]
             if not h.sharded and not h.other:
                 continue
-            st = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-                  for k, v in h.sharded.items()}
+            st = {k: self._state_like(p, v if id(v) not in taken else v.clone()) for k, v in h.sharded.items()}
+            taken.update(id(v) for v in h.sharded.values())
             st.update({k: (v.clone() if isinstance(v, Tensor) else v) for k, v in h.other.items()})
             self.optimizer.state[p] = st
 
+    @staticmethod
+    def _state_like(p: Tensor, full: Tensor) -> Tensor:
+        """Optimizer state ``full`` (the whole tensor) laid out as parameter ``p``. Where
+        ``p``'s local shard is the whole tensor (shard degree 1) ``full`` itself becomes
+        it, with no copy: a fresh copy of every moment cost most of a re-plan's
+        reconfiguration, in page faults of new memory (docs/benchmarks.md)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        local = p.to_local()
+        if (full.device == local.device and full.shape == local.shape and full.dtype == local.dtype
+                and full.is_contiguous() and full.stride() == local.stride()):
+            return DTensor.from_local(full, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+        return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+
     # ------------------------------------------------------------ state access
-    def local_shards(self, params: Iterable[tuple[str, Tensor]] | None = None) -> dict[str, Held]:
+    def local_shards(self, params: Iterable[tuple[str, Tensor]] | None = None, *,
+                     copy: bool = True) -> dict[str, Held]:
         """This rank's FSDP shards of its stage's parameters (``params``: these, by
         stage name; default the module's) and optimizer state, by state name, as plain
-        tensors (clones: valid after the groups are gone)."""
-        import copy
+        tensors, valid after the groups are gone: clones, or with ``copy=False`` the
+        stage's own local tensors (for a stage being dropped: nothing writes them then)."""
+        import copy as copying
 
         from torch.distributed.tensor import DTensor
 
         out: dict[str, Held] = {}
         if self.module is None:
             return out
+        own = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())  # noqa: E731
         for name, p in self.module.named_parameters() if params is None else params:
             st = self.optimizer.state.get(p, {})
-            h = Held(p.to_local().detach().clone())
+            h = Held(own(p.to_local()))
             for k, v in st.items():
                 if isinstance(v, DTensor):
-                    h.sharded[k] = v.to_local().detach().clone()
+                    h.sharded[k] = own(v.to_local())
                 else:
-                    h.other[k] = v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+                    h.other[k] = own(v) if isinstance(v, Tensor) else copying.deepcopy(v)
             out.setdefault(self.canonical(name), h)
         return out
 

@@ -133,6 +133,11 @@ def _wire(h: Held) -> dict:
     return {"param": h.param, "sharded": h.sharded, "other": h.other}
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks of one tensor in order; a single chunk is the tensor itself, not a copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
 def _pack(obj: object) -> torch.Tensor:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -182,7 +187,7 @@ def exchange(plan: list[Transfer], me: int, rank_of: dict[int, int],
     for name, parts in pieces.items():
         order = [parts[c] for c in sorted(parts)]
         first = order[0]
-        full[name] = Held(torch.cat([p["param"] for p in order], 0),
-                          {k: torch.cat([p["sharded"][k] for p in order], 0) for k in first["sharded"]},
+        full[name] = Held(_joined([p["param"] for p in order]),
+                          {k: _joined([p["sharded"][k] for p in order]) for k in first["sharded"]},
                           dict(first["other"]))
     return full, nbytes

@@ -42,7 +42,7 @@ import fnmatch
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -505,17 +505,18 @@ class TPEngine(TorchNativeEngine):
     def _gather(self) -> dict[str, Held]:
         return gather_full(self.module, self.optimizer, self.model.aliases, self.tp_group, self.place.tp_degree)
 
-    def local_shards(self) -> dict[str, Held]:
+    def local_shards(self, params: Iterable[tuple[str, Tensor]] | None = None, *,
+                     copy: bool = True) -> dict[str, Held]:
         """TP path: the whole stage state after the last optimizer step (what any member
-        of the TP group can hand on); no communication."""
+        of the TP group can hand on), always copied; no communication."""
         if not self.tp or self.module is None:
-            return super().local_shards()
-        import copy
+            return super().local_shards(params, copy=copy)
+        import copy as copying
 
         have = self._full.get(self.iteration)
         if have is None:
             raise RuntimeError(f"device {self.device}: no whole stage state for step {self.iteration}")
-        return {n: Held(h.param.clone(), {k: v.clone() for k, v in h.sharded.items()}, copy.deepcopy(h.other))
+        return {n: Held(h.param.clone(), {k: v.clone() for k, v in h.sharded.items()}, copying.deepcopy(h.other))
                 for n, h in have.items()}
 
     def full_state(self) -> dict[str, Held]:
