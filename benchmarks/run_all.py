@@ -405,7 +405,7 @@ SOURCES = [
     Source("peers-slow-m", "peers-slow-m.json", "peers.py",
            ("--reps", "3", "--jobs", "dp4", "--traces", "slow", "--size", "m", "--iterations", "30",
             "--run-timeout", "400", "--max-wall-s", "2000"),
-           "The slow trace on DP4 at the step times users have (size m, 1 s steps): ResiHP next to torchft "
+           "The slow trace on DP4 at the step times users have (size m, 0.8 s steps): ResiHP next to torchft "
            "and checkpoint-restart, three rounds on a quiet machine"),
     Source("peers-slow-pp2dp2-m", "peers-slow-pp2dp2-m.json", "peers.py",
            ("--reps", "3", "--jobs", "pp2dp2", "--traces", "slow", "--size", "m", "--iterations", "30",
@@ -465,6 +465,10 @@ SOURCES = [
            ("--controller-restart",), "Controller SIGKILLed and restarted with --resume: re-attach and first iteration"),
     Source("false-reports", "false-reports.json", "false_reports.py", ("--runs", "2"),
            "Fail-slow detector on a loaded machine: false reports and misses per case"),
+    Source("false-reports-hog-all", "false-reports-hog-all.json", "false_reports.py",
+           ("--cases", "hog-all", "--runs", "8"),
+           "No-fault runs with a busy loop on every core from iteration 12 (the load every rank shares): "
+           "fail-slow false reports"),
     Source("false-reports-nofault", "false-reports-nofault.json", "false_reports.py",
            ("--cases", "no-load,steady-load,cpu-burst", "--runs", "1"),
            "No-fault runs of the reference backend's TP1 x PP2 x DP2 job: fail-slow and SDC false reports"),
@@ -512,6 +516,10 @@ SOURCES = [
            ("--jobs", "dp4", "--sizes", "m,l", "--systems", "stock,resihp", "--rounds", "2", "--iterations", "12"),
            "The cost of being resilient at 0.9 s and 3.6 s steps: torch_native DP4 vs plain DDP, the two largest "
            "models, no checkpoints"),
+    Source("overhead-dp4-m", "overhead-dp4-m.json", "overhead.py",
+           ("--jobs", "dp4", "--sizes", "m", "--systems", "stock,resihp", "--rounds", "5", "--iterations", "14"),
+           "The cost of being resilient on DP4 with the step after the commit (no rollback snapshot): "
+           "torch_native DP4 vs plain DDP at 0.7 s steps, five alternating rounds, no checkpoints"),
     Source("overhead-m", "overhead-m.json", "overhead.py",
            ("--jobs", "dp4,pp2dp2,tp2pp2", "--sizes", "m", "--rounds", "2", "--iterations", "12"),
            "The cost of being resilient at 0.4-0.9 s steps, every job: torch_native DP4 vs plain DDP, torch_native "

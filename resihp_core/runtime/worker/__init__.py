@@ -70,9 +70,10 @@ class DeepRollback(Protocol):
 
 @runtime_checkable
 class DeferredStep(Protocol):
-    """An adapter whose iteration can stop before its optimizer step (torch_native): in
-    process mode the worker then votes on the commit with the gradients reduced and
-    steps only an iteration that committed everywhere, as torchft's ``should_commit``
+    """An adapter whose iteration can stop before its optimizer step (torch_native): a
+    worker that runs the adapter's iterations itself (:meth:`Worker.run`,
+    :meth:`Worker.step`) then votes on the commit with the gradients reduced and steps
+    only an iteration that committed everywhere, as torchft's ``should_commit``
     does. An iteration that does not commit has changed nothing but gradients, so no
     rollback snapshot is taken: the copy of the whole state every iteration is gone,
     for one commit round trip before the step (docs/worker-protocol.md, "The step after
@@ -295,7 +296,7 @@ class Worker:
         self.program: Program | None = None
         self._seen = -1
         self._pending: _Pending | None = None  # process mode: the commit in flight
-        self._may_defer = False  # process mode: the step may follow the commit (DeferredStep)
+        self._may_defer = False  # run() or step(): the step may follow the commit (DeferredStep)
         self.deferred = False  # this generation steps after the commit
         # The iteration whose rollback snapshot was taken right after the step before it,
         # with that step's fingerprint (:class:`SnapshotFingerprint`): its start takes none.
@@ -394,9 +395,11 @@ class Worker:
 
     def step(self) -> IterationResult | None:
         """Run until one more iteration commits everywhere (entering plan generations as
-        they come) and return its result; None when the job has stopped."""
+        they come) and return its result; None when the job has stopped. The step
+        follows the commit where the adapter can (:class:`DeferredStep`)."""
+        self._may_defer = self.peers is None
         while self.next_iteration() is not None:
-            result = self._one_iteration()
+            result = self._deferred_iteration() if self.deferred else self._one_iteration()
             if result is not None:
                 return result
         return None
@@ -495,17 +498,18 @@ class Worker:
         self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors,
                                                            fingerprint))
 
-    def _deferred_iteration(self) -> None:
+    def _deferred_iteration(self) -> IterationResult | None:
         """One iteration voted on before its optimizer step (:class:`DeferredStep`): the
         report, the SDC fingerprint of the state the step will read, and the commit;
         the step only once the iteration committed everywhere, then a due checkpoint
-        (of committed state: its failure leaves the generation with nothing to undo)."""
+        (of committed state: its failure leaves the generation with nothing to undo).
+        Its result once committed, else None."""
         a = self.adapter
         i = self.begin_iteration()
         result = self._run_adapter_iteration(i)
         if isinstance(result, str):
             self.abandon_iteration(result)  # drops the gradients: the state is i's start
-            return
+            return None
         g = self.msg.generation
         if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
             self.client.send_profile(self._with_cpu_wait(prof))
@@ -516,7 +520,7 @@ class Worker:
             a.rollback()
             a.release()
             self.active = False
-            return
+            return None
         a.apply_step()
         self.iteration = i + 1
         if self._checkpoint_due(i):
@@ -527,6 +531,7 @@ class Worker:
                 failed = f"{type(e).__name__}: {e}"
             if failed is not None:
                 self._left(g, failed, "checkpoint_failed", iteration=i)
+        return result
 
     def _superseded(self) -> bool:
         # Newer only: the watch starts at -1 before its first answer. A generation posted
