@@ -160,3 +160,21 @@ def test_a_slow_link_no_layout_moves_traffic_off_is_said_plainly() -> None:
                 "boundary of replica 0 between stages 0 and 1") in ev.text
     assert ev.text.count("every node the plan uses has a slow link") == 2, ev.text
     assert "nothing to reconfigure" in ev.text and dict(sup.state.link_speeds) == {d: 0.5 for d in DEVICES}
+
+
+def test_a_slow_link_whose_re_plan_does_not_pay_back_is_still_named() -> None:
+    """The planner answers a slow link with another layout (here: device 2's work moved,
+    as for a compute slowdown), but too few iterations are left for it to pay back: the
+    event still names the link and what the planner found about it."""
+    sup = job(iterations=8, clock=Clock())
+    link = FailureReport(generation=0, failure="fail-slow", devices=(2, 3), cause="communication",
+                         throughput={2: 0.05, 3: 0.05})
+    sup.handle(link)
+    (asked,) = of(sup.handle(tick()), PlanFailure)
+    said = PLANNER.plan(asked.state, asked.report)
+    other = PLANNER.plan(STATE, slow(0.3)).plan
+    assert other.layer_ranges != said.plan.layer_ranges or other.to_text() != said.plan.to_text()
+    acts = sup.handle(Planned(replace(said, plan=other, predicted_time=said.predicted_time * 0.98), 0.01))
+    assert not of(acts, Deploy)
+    (ev,) = replan_events(acts)
+    assert "does not pay back" in ev.text and "the link of node 1 (devices [2, 3]" in ev.text, ev.text

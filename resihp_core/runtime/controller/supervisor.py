@@ -617,11 +617,13 @@ class Supervisor:
         verdict = self.payback.judge(decision, self.state, self.meter, remaining)
         devices = list(report.devices)
         what = f"devices {devices} healthy again" if back else f"fail-slow of devices {devices} ({report.cause})"
-        if verdict.unchanged and report.cause == "communication" and not back:
-            # The planner says which link, what still crosses it and why (scheduler/links.py).
-            said = [n for n in decision.notes if n.startswith("the link of node")]
-            what += ": " + ("; ".join(said) if said else
-                            f"no layout the planner found moves traffic off the slow link of devices {devices}")
+        if report.cause == "communication" and not back:
+            # The planner says which link, what still crosses it and why (scheduler/links.py),
+            # whether its layout is deployed or not.
+            said = [n for n in decision.notes if "the link of node" in n]
+            if said or verdict.unchanged:
+                what += ": " + ("; ".join(said) if said else
+                                f"no layout the planner found moves traffic off the slow link of devices {devices}")
         if not verdict.pays:
             self.state = self.state.with_health(speeds=decision.state.speeds,
                                                 link_speeds=decision.state.link_speeds)
