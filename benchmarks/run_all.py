@@ -520,6 +520,10 @@ SOURCES = [
            ("--jobs", "dp4", "--sizes", "m", "--systems", "stock,resihp", "--rounds", "5", "--iterations", "14"),
            "The cost of being resilient on DP4 with the step after the commit (no rollback snapshot): "
            "torch_native DP4 vs plain DDP at 0.7 s steps, five alternating rounds, no checkpoints"),
+    Source("overhead-dp4-l", "overhead-dp4-l.json", "overhead.py",
+           ("--jobs", "dp4", "--sizes", "l", "--systems", "stock,resihp", "--rounds", "3", "--iterations", "10"),
+           "The cost of being resilient on DP4 with the step after the commit at 2.8 s steps: torch_native DP4 "
+           "vs plain DDP, three alternating rounds, no checkpoints"),
     Source("overhead-m", "overhead-m.json", "overhead.py",
            ("--jobs", "dp4,pp2dp2,tp2pp2", "--sizes", "m", "--rounds", "2", "--iterations", "12"),
            "The cost of being resilient at 0.4-0.9 s steps, every job: torch_native DP4 vs plain DDP, torch_native "

@@ -998,7 +998,8 @@ class TorchNativeEngine:
         res.loss = float(sum(float(x.detach()) for x in losses))
         if self.defer:
             self._deferred = it
-            res.iteration_s = time.perf_counter() - t_iter + self._step_s  # the step this iteration's needed
+            # with the step before it (applied after that commit): one step per iteration, as stock
+            res.iteration_s = time.perf_counter() - t_iter + self._step_s
         else:
             self._apply(it)
             res.iteration_s = time.perf_counter() - t_iter
@@ -1041,8 +1042,9 @@ class TorchNativeEngine:
         the state is the iteration's start. A stage a failed iteration left unsharded
         (FSDP swaps in its unsharded parameters for the forward and backward) is put
         back to its sharded parameters, which the forward and backward never write; if
-        that fails, the stage is dropped and its shards (read through the optimizer's
-        references) kept for the next generation, as :meth:`rollback_to` does."""
+        that fails, the stage is dropped and its shards (the sharded parameters taken at
+        the iteration's start, with their optimizer state) kept for the next generation,
+        as :meth:`rollback_to` does."""
         from torch.distributed.tensor import DTensor
 
         self._deferred = None
