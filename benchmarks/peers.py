@@ -366,6 +366,9 @@ def run_resihp(job: Job, trace: list[Event], iterations: int, work: Path, timeou
             run.commits[n:n] = redo
     run.extra["resumes"] = resumes
     run.extra["plans"] = [e.get("text", "")[:160] for e in res.events if e.get("kind") == "plan"]
+    # what the detector reported and what the payback rule decided: why a run did or did not re-plan
+    run.extra["decisions"] = [f"{e.get('iteration')} {e['kind']}: {e.get('text', '')[:300]}" for e in res.events
+                              if e.get("kind") in ("failure", "replan", "recovered")]
     return run
 
 

@@ -402,6 +402,10 @@ SOURCES = [
             "--run-timeout", "240", "--max-wall-s", "2400"),
            "ResiHP next to torchft and checkpoint-restart when one device computes 2.22x slower (the payback "
            "rule), three jobs, three rounds on a quiet machine"),
+    Source("peers-slow-tp2pp2", "peers-slow-tp2pp2.json", "peers.py",
+           ("--reps", "3", "--jobs", "tp2pp2", "--traces", "slow", "--iterations", "30", "--run-timeout", "240",
+            "--max-wall-s", "1200"),
+           "The slow trace on TP2 x PP2 at 0.13 s steps, with each ResiHP run's reports and payback decisions"),
     Source("peers-slow-m", "peers-slow-m.json", "peers.py",
            ("--reps", "3", "--jobs", "dp4", "--traces", "slow", "--size", "m", "--iterations", "30",
             "--run-timeout", "400", "--max-wall-s", "2000"),
