@@ -369,7 +369,7 @@ class TorchNativeEngine:
         self.defer = False
         self._deferred: int | None = None  # the iteration whose step is pending
         self._step_s = 0.0  # the last deferred step's seconds, counted in the next iteration
-        self._sharded: list[tuple[str, Tensor]] = []  # the stage's sharded parameters, for _discard
+        self._sharded: list[tuple[str, Tensor]] = []  # the stage's sharded parameters (_wrap), for _discard
         #: the user's loop mode (:mod:`.loop`): the stage is the user's whole model, no
         #: PipelineStage; pp = 1 only
         self.whole = False
@@ -394,6 +394,7 @@ class TorchNativeEngine:
         self.schedule = self.stage = self.optimizer = self.scheduler = self.module = self.mesh = None
         self._drop_reducer()
         self._copy_plans = {}  # they hold the stage's tensors: nothing may pin the old groups
+        self._sharded = []
         self.executors_group = self.checkpoint_group = None
         self.writes_checkpoint = True
         self._dcp_plan = None  # made over this generation's group: the next one plans again
@@ -508,8 +509,9 @@ class TorchNativeEngine:
             self._reducer = ReplicaReducer(module, replicas.get_group(),
                                            max(1, len(plan.work(place.replica, place.stage))))
         self.module = module
+        self._sharded = list(module.named_parameters())  # the optimizer's parameters, by name
         self._copy_plans = {}
-        self.optimizer = self.recipe.optimizer(list(module.parameters()))
+        self.optimizer = self.recipe.optimizer([p for _, p in self._sharded])
         # the factory's hyper-parameters: every scheduler built later starts from them
         self._base_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self._make_scheduler()
@@ -979,8 +981,6 @@ class TorchNativeEngine:
         kwargs = [{k: home(v) for k, v in b.kwargs().items()} for b in batches]  # every stage: positions and masks
         targets = [home(b.target) for b in batches] if place.stage == plan.pp - 1 else None
         losses: list[Tensor] = []
-        if self.defer:
-            self._sharded = list(self.module.named_parameters())
         self.stage.has_backward = True
         self.stage.clear_runtime_states()
         try:
@@ -1042,8 +1042,8 @@ class TorchNativeEngine:
         the state is the iteration's start. A stage a failed iteration left unsharded
         (FSDP swaps in its unsharded parameters for the forward and backward) is put
         back to its sharded parameters, which the forward and backward never write; if
-        that fails, the stage is dropped and its shards (the sharded parameters taken at
-        the iteration's start, with their optimizer state) kept for the next generation,
+        that fails, the stage is dropped and its shards (the sharded parameters the
+        optimizer was built over, with their optimizer state) kept for the next generation,
         as :meth:`rollback_to` does."""
         from torch.distributed.tensor import DTensor
 
