@@ -237,7 +237,8 @@ class SchedulerConfig(_Section):
     # The payback rule a fail-slow re-plan must pass (docs/detector.md, "Acting on a
     # slowdown"): the gain counted over this many iterations (capped by those left)...
     payback_horizon_iterations: int = _opt(100, _ge(1))
-    # ...against a reconfiguration's cost, this many seconds until one is measured.
+    # ...against a reconfiguration's cost: until one is measured, the workers' own timing
+    # plus one iteration, at most this many seconds (0: free until measured).
     payback_default_cost_s: float = _opt(2.0, _ge(0), _finite)
 
 

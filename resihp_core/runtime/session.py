@@ -523,10 +523,16 @@ def put_ready(store: KeyValueStore, generation: int, device: int, timings: dict[
 
 
 def get_ready(store: KeyValueStore, generation: int, device: int) -> dict[str, float | str] | None:
+    """The timings ``device`` posted on entering ``generation``; None if it has not, or
+    if what it posted is not a JSON object (a worker's bytes are not trusted)."""
     key = _ready(generation, device)
     if not store.check([key]):
         return None
-    return json.loads(store.get(key))
+    try:
+        got = json.loads(store.get(key))
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def put_pid(store: KeyValueStore, device: int, pid: int) -> None:

@@ -10,8 +10,10 @@ from dataclasses import replace
 import pytest
 
 from resihp_core.protocol import FailureReport
-from resihp_core.runtime.controller.payback import PaybackRule, ReconfigurationMeter, origin_candidate
-from resihp_core.runtime.controller.supervisor import Committed, Deploy, Deployed, Emit, Phase, PlanFailure, Planned, Supervisor
+from resihp_core.runtime.controller.payback import PaybackRule, ReconfigurationMeter, origin_candidate, worker_timing
+from resihp_core.runtime.controller.supervisor import (
+    Committed, Deploy, Deployed, Emit, Phase, PlanFailure, Planned, Reconfigured, Supervisor,
+)
 from resihp_core.scheduler.planner import Planner
 from test_supervisor import DEVICES, PLAN, STATE, Clock, of, tick
 
@@ -77,6 +79,39 @@ def test_a_re_plan_that_pays_back_over_the_horizon_is_deployed_and_says_why() ->
     (ev,) = replan_events(acts)
     assert ev.event.pays is True and ev.event.horizon == 100 and ev.event.gain_s > 2.0
     assert "pays back" in dep.decision.reason and "default" in dep.decision.reason
+
+
+def test_before_a_re_plan_is_measured_the_workers_own_timing_stands_in_for_the_default() -> None:
+    # The job of the first test (0.2 s/it, 14 iterations left, a re-plan saving under
+    # 1 s): its workers entered generation 0 in 0.05 s, so a re-plan is estimated at
+    # 0.05 s + the 0.2 s iteration it aborts, and it pays back.
+    sup = job(iterations=20, clock=Clock())
+    sup.handle(Reconfigured(0, 0.05))
+    acts = plan_report(sup, slow())
+    (ev,) = replan_events(acts)
+    assert of(acts, Deploy) and ev.event.pays is True
+    assert ev.event.cost_s == pytest.approx(0.25) and "estimated" in ev.text and "0.05 s" in ev.text
+
+    # The default caps the estimate: a timing above it changes nothing, and 0 stays free.
+    slow_workers = job(iterations=20, clock=Clock())
+    slow_workers.handle(Reconfigured(0, 30.0))
+    (ev,) = replan_events(plan_report(slow_workers, slow()))
+    assert ev.event.pays is False and ev.event.cost_s == pytest.approx(2.0) and "default" in ev.text
+    free = job(iterations=20, clock=Clock(), rule=PaybackRule(default_cost_s=0.0))
+    free.handle(Reconfigured(0, 0.05))
+    (ev,) = replan_events(plan_report(free, slow()))
+    assert ev.event.cost_s == 0.0 and ev.event.pays is True
+
+
+def test_the_workers_timing_is_the_fastest_rebuild_and_the_slowest_state_and_ignores_bad_fields() -> None:
+    ready = {0: {"rebuild_s": 0.43, "state_s": 0.007, "comm_path": "rebuild"},  # waited for device 1 to arrive
+             1: {"rebuild_s": 0.005, "state_s": 0.004},
+             2: {"rebuild_s": 0.06, "state_s": 0.02}}
+    assert worker_timing(ready) == pytest.approx(0.005 + 0.02)
+    hostile = {0: {"rebuild_s": "0.001", "state_s": float("nan")}, 1: {"rebuild_s": -1, "state_s": True},
+               2: {"rebuild_s": float("inf"), "state_s": [0.1]}, 3: {"rebuild_s": 0.2, "state_s": 0.3}}
+    assert worker_timing(hostile) == pytest.approx(0.5)
+    assert worker_timing({}) is None and worker_timing({0: {"rebuild_s": "x", "state_s": None}}) is None
 
 
 def test_the_reconfiguration_cost_is_measured_on_the_job_and_then_decides() -> None:
@@ -178,3 +213,16 @@ def test_a_slow_link_whose_re_plan_does_not_pay_back_is_still_named() -> None:
     assert not of(acts, Deploy)
     (ev,) = replan_events(acts)
     assert "does not pay back" in ev.text and "the link of node 1 (devices [2, 3]" in ev.text, ev.text
+
+
+def test_a_workers_ready_timings_that_are_not_a_json_object_are_not_read() -> None:
+    from resihp_core.runtime import session
+    from resihp_core.runtime.store import LocalStore, _Table
+
+    store = LocalStore(_Table())
+    session.put_ready(store, 0, 1, {"rebuild_s": 0.01, "state_s": 0.02})
+    store.set("ctl0/ready/2", b"\xff\xfe not json")
+    store.set("ctl0/ready/3", b"[0.1, 0.2]")
+    assert session.get_ready(store, 0, 1) == {"rebuild_s": 0.01, "state_s": 0.02}
+    assert session.get_ready(store, 0, 2) is None and session.get_ready(store, 0, 3) is None
+    assert session.get_ready(store, 0, 4) is None

@@ -37,12 +37,12 @@ from resihp_core.protocol import FailureReport, JobError, ScriptEnded
 from resihp_core.protocols import events as jev
 from resihp_core.protocols.metrics import IterationMetrics
 from resihp_core.runtime.controller.launcher import LocalJob, NoProgress
-from resihp_core.runtime.controller.payback import PaybackRule
+from resihp_core.runtime.controller.payback import PaybackRule, worker_timing
 from resihp_core.runtime.session import JobSession, WatchableStore, wait_news
 from resihp_core.runtime.controller.supervisor import (
     Action, Committed, Deploy, Deployed, DeployFailed, Emit, EndJob, Event, Fail, Finish, Kill, NotifyFailure,
     PlanFailure, Planned,
-    PlanRejoin, Ready, Rejoin, Relaunch, RelaunchFailed, Retry, Supervisor, Tick, needs_restore,
+    PlanRejoin, Ready, Reconfigured, Rejoin, Relaunch, RelaunchFailed, Retry, Supervisor, Tick, needs_restore,
 )
 from resihp_core.scheduler.planner import PlanDecision, Planner
 from resihp_core.scheduler.state import PlannerState
@@ -157,6 +157,7 @@ class ControlLoop:
         if self.sdc is None:
             self.sdc = SdcMonitor.from_plugins()
         self._polled = {"faults": 0.0, "left": 0.0}
+        self._timed: set[int] = set()  # generations whose workers' reconfiguration timings were read
         self._left_news = False  # the watcher saw a worker leave: read who now, not at the next throttle
         for q in (self.reports, self.repaired):
             if isinstance(q, Inbox):
@@ -312,6 +313,10 @@ class ControlLoop:
             self.on_iteration(rec)
             self.session.iteration(rec)
             self._feed(Committed(i, g))
+            if g not in self._timed:  # its workers have all entered it: their timings are in
+                self._timed.add(g)
+                if (seconds := worker_timing(self.job.ready_info(g))) is not None:
+                    self._feed(Reconfigured(g, seconds))
         return last_commit
 
     def _poll(self) -> None:

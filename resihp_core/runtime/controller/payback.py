@@ -11,7 +11,10 @@ to torchft and to checkpoint-restart that way).
 supervisor is given: for every generation started by a re-plan, the time from the last
 commit of the generation it replaced to its own first commit, less its steady
 iteration time (the median of its next iterations). Before a re-plan has been
-measured, :attr:`PaybackRule.default_cost_s` stands in.
+measured, the workers' own timing of the last generation they entered stands in
+(:func:`worker_timing`: the communicators and the state, plus the one iteration a
+re-plan aborts), capped by :attr:`PaybackRule.default_cost_s`; with no timing, the
+default itself.
 
 :class:`PaybackRule` compares, over a stated horizon, what the planner's decision saves
 with that cost. The saving per iteration is the measured iteration time of the current
@@ -37,7 +40,7 @@ from resihp_core.protocol import FailureReport
 from resihp_core.scheduler.planner import PlanDecision
 from resihp_core.scheduler.state import PlannerState
 
-__all__ = ["PaybackRule", "Payback", "ReconfigurationMeter", "is_recovery", "origin_candidate"]
+__all__ = ["PaybackRule", "Payback", "ReconfigurationMeter", "is_recovery", "origin_candidate", "worker_timing"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class ReconfigurationMeter:
     _replaced_at: float | None = None  # last commit before the current generation (a re-plan)
     _first: float | None = None  # first commit of the current generation
     _measuring = False
+    timed_s: float | None = None  # the workers' own timing of the last generation entered (worker_timing)
 
     def deployed(self, replan: bool) -> None:
         """A generation was posted; ``replan``: by a re-plan (measured), not the first."""
@@ -104,6 +108,29 @@ class ReconfigurationMeter:
         """The measured cost of a reconfiguration (median of the past ones), None before any."""
         return statistics.median(self.costs) if self.costs else None
 
+    def timed(self, seconds: float) -> None:
+        """The workers' own timing of the generation they entered last (:func:`worker_timing`)."""
+        self.timed_s = seconds
+
+
+def worker_timing(ready: Mapping[int, Mapping[str, object]]) -> float | None:
+    """Seconds a generation's reconfiguration took by its workers' own account
+    (``ctl<g>/ready/<device>``, docs/worker-protocol.md): the fastest device's
+    communicator rebuild (the rebuild waits for the last device to arrive, so the
+    others' include their wait) plus the slowest device's state install. None without
+    a usable timing; a field that is not a finite non-negative number is ignored."""
+    rebuild = [v for v in (_seconds(t.get("rebuild_s")) for t in ready.values()) if v is not None]
+    state = [v for v in (_seconds(t.get("state_s")) for t in ready.values()) if v is not None]
+    if not rebuild or not state:
+        return None
+    return min(rebuild) + max(state)
+
+
+def _seconds(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if 0.0 <= v < float("inf") else None
+
 
 @dataclass(frozen=True)
 class PaybackRule:
@@ -112,7 +139,9 @@ class PaybackRule:
     :param horizon_iterations: how many iterations the gain is counted over (capped by
         the iterations the job has left): the slowdown is assumed to last at least that
         long. Production slowdowns last minutes (tens to hundreds of iterations).
-    :param default_cost_s: a reconfiguration's cost before one was measured on this job.
+    :param default_cost_s: the most a reconfiguration is taken to cost before one was
+        measured on this job: the workers' timing of their last reconfiguration plus one
+        iteration when it is less (0: free until measured).
     :param recent_iterations: the measured iteration time is the median of this many
         newest intervals (the slowdown was verified over at least 3).
     :param healthy_iterations: ``k``, iterations a slowed device must be verified
@@ -152,17 +181,26 @@ class PaybackRule:
         it_s = measured if measured is not None else before
         rel = 1.0 - after / before if before > 0 else 0.0
         gain = it_s * rel * horizon
-        cost = meter.cost_s()
-        cost_text = (f"reconfiguration cost {cost:.2f} s (measured, median of {len(meter.costs)} on this job)"
-                     if cost is not None else f"reconfiguration cost {self.default_cost_s:.2f} s (default: "
-                                              "none measured on this job yet)")
-        cost = self.default_cost_s if cost is None else cost
+        cost, cost_text = self._cost(meter, it_s)
         left = f", {remaining} left" if remaining is not None else ""
         how = (f"predicted {before:.3g} -> {after:.3g} s/it ({100 * rel:+.0f} %) of {it_s:.3g} s/it "
                f"{'measured' if measured is not None else 'predicted'}, over {horizon} iterations "
                f"(horizon {self.horizon_iterations}{left}) saves {gain:.2f} s")
         pays = gain > cost
         return Payback(pays, f"{how} {'>' if pays else '<='} {cost_text}", gain, cost, horizon)
+
+    def _cost(self, meter: ReconfigurationMeter, it_s: float) -> tuple[float, str]:
+        """A reconfiguration's cost on this job and where the figure comes from."""
+        cost = meter.cost_s()
+        if cost is not None:
+            return cost, f"reconfiguration cost {cost:.2f} s (measured, median of {len(meter.costs)} on this job)"
+        if meter.timed_s is not None and meter.timed_s + it_s < self.default_cost_s:
+            est = meter.timed_s + it_s
+            return est, (f"reconfiguration cost {est:.2f} s (estimated: the workers' last reconfiguration "
+                         f"{meter.timed_s:.2f} s by their own timing + the iteration a re-plan aborts {it_s:.2f} s; "
+                         "none measured on this job yet)")
+        return self.default_cost_s, (f"reconfiguration cost {self.default_cost_s:.2f} s (default: none measured "
+                                     "on this job yet)")
 
 
 def _same_layout(a: ParallelPlan, b: ParallelPlan) -> bool:

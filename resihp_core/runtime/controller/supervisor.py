@@ -48,8 +48,8 @@ from resihp_core.scheduler.planner import PlanDecision
 from resihp_core.scheduler.state import PlannerState
 
 __all__ = ["Phase", "Supervisor", "Event", "Action", "Committed", "Rejoin", "Ready", "Planned", "Deployed",
-           "DeployFailed", "RelaunchFailed", "Tick", "Emit", "NotifyFailure", "Kill", "Relaunch", "PlanFailure",
-           "PlanRejoin", "Deploy", "Retry", "Fail", "EndJob", "Finish", "SdcDetected", "needs_restore",
+           "Reconfigured", "DeployFailed", "RelaunchFailed", "Tick", "Emit", "NotifyFailure", "Kill", "Relaunch",
+           "PlanFailure", "PlanRejoin", "Deploy", "Retry", "Fail", "EndJob", "Finish", "SdcDetected", "needs_restore",
            "JOB_ERROR_GRACE_S"]
 
 #: A job error waits this long for a device failure that would explain it (a peer's
@@ -107,6 +107,16 @@ class Deployed:
 
 
 @dataclass(frozen=True)
+class Reconfigured:
+    """Generation ``generation``'s workers entered it in ``seconds`` by their own timing
+    (:func:`~resihp_core.runtime.controller.payback.worker_timing`): what a re-plan's
+    reconfiguration is estimated at before one is measured."""
+
+    generation: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class DeployFailed:
     """The plan could not be posted: ``gone`` devices of it have no live worker."""
 
@@ -127,8 +137,8 @@ class Tick:
     dead: frozenset[int]
 
 
-Event = Union[Committed, FailureReport, WorkerLeft, StorageFault, Rejoin, Ready, Planned, Deployed, DeployFailed,
-              RelaunchFailed, Tick, JobError, ScriptEnded, SdcDetected]
+Event = Union[Committed, FailureReport, WorkerLeft, StorageFault, Rejoin, Ready, Planned, Deployed, Reconfigured,
+              DeployFailed, RelaunchFailed, Tick, JobError, ScriptEnded, SdcDetected]
 
 
 # ------------------------------------------------------------------ actions (what to do)
@@ -337,6 +347,9 @@ class Supervisor:
             return self._deployed(event)
         if isinstance(event, DeployFailed):
             return self._deploy_failed(event)
+        if isinstance(event, Reconfigured):
+            self.meter.timed(event.seconds)
+            return []
         if isinstance(event, RelaunchFailed):
             for d in event.devices:
                 self.joining.pop(d, None)
