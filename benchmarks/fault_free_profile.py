@@ -66,8 +66,8 @@ if os.environ.get("RESIHP_PROFILE_DIR") and _ID is not None:
 
 # (row, file suffix, function): cumulative wall time of that function per iteration.
 PARTS = [
-    ("iteration in the worker (Worker._one_iteration, _overlapped_iteration)", "runtime/worker/__init__.py",
-     "_one_iteration|_overlapped_iteration"),
+    ("iteration in the worker (Worker._one_iteration, _overlapped_iteration, _deferred_iteration)",
+     "runtime/worker/__init__.py", "_one_iteration|_overlapped_iteration|_deferred_iteration"),
     ("  adapter.run_iteration", "torch_native/adapter.py", "run_iteration"),
     ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
     ("      forward and backward chunks", "pipelining/stage.py", "forward_one_chunk|backward_one_chunk|"
@@ -81,10 +81,15 @@ PARTS = [
     ("  next iteration's snapshot after the step, SDC fingerprint read in its copy", "torch_native/adapter.py",
      "snapshot_fingerprint"),
     ("  SDC fingerprint and range signals to the store", "detector/sdc.py", "post"),
+    ("    the adapter's fingerprint pass", "torch_native/adapter.py", "fingerprint"),
+    ("    the post (one store round trip)", "runtime/session.py", "put_fingerprint"),
     ("  checkpoint: the training thread's share", "torch_native/adapter.py", "save_checkpoint"),
     ("  checkpoint status, seal", "runtime/worker/__init__.py", "_checkpoint_reports"),
     ("  iteration report to the store", "runtime/session.py", "put_report"),
     ("  commit: count + verdict", "runtime/session.py", "commit"),
+    ("  commit before the step: count + verdict (through the node agent)", "runtime/worker/__init__.py", "_commit"),
+    ("    the deciding executor's comparison of fingerprints", "detector/sdc.py", "check"),
+    ("  the step after the commit (optimizer step)", "torch_native/adapter.py", "apply_step"),
     ("  profile to the detector (queued)", "runtime/heartbeat.py", "send_profile"),
     ("superseded check between iterations", "runtime/worker/__init__.py", "_superseded"),
 ]

@@ -259,30 +259,43 @@ def test_recursive_fsdp_flags_reach_every_group_without_walking_the_stage():
 
 @pytest.mark.timeout(120)
 def test_optimizer_step_on_local_tensors_equals_the_dtensor_step_bitwise():
-    """The engine steps AdamW on the DTensors' local tensors once their state exists;
-    parameters and both moments equal an engine stepping the DTensors, bit for bit."""
+    """The engine steps AdamW on the DTensors' local tensors once their state exists,
+    on the host in groups of at most ``HOST_STEP_ELEMENTS`` (cut small here, so the
+    stage's tensors are stepped in several groups, one larger tensor alone); parameters
+    and both moments equal an engine stepping the DTensors, bit for bit."""
     import resihp_adapters.torch_native.engine as engine_mod
 
     runs = []
     for local in (True, False):
         eng, prog = _engine()
-        used = []
-        view = engine_mod._local_view
+        used: list[bool] = []
+        cuts: list[list[tuple[int, int]]] = []  # per step: (elements, tensors) of each group
+        view, chunks, limit = engine_mod._local_view, engine_mod._host_chunks, engine_mod.HOST_STEP_ELEMENTS
+
         def counted(opt):
             v = view(opt)
             used.append(v is not None)
             return v
 
+        def cut(ps):
+            out = chunks(ps)
+            cuts.append([(sum(p.numel() for p in c), len(c)) for c in out])
+            return out
+
         engine_mod._local_view = counted if local else (lambda opt: None)
+        engine_mod._host_chunks, engine_mod.HOST_STEP_ELEMENTS = cut, 100
         try:
             for i in range(4):
                 eng.run(prog, i)
             runs.append(_state(eng))
         finally:
-            engine_mod._local_view = view
+            engine_mod._local_view, engine_mod._host_chunks, engine_mod.HOST_STEP_ELEMENTS = view, chunks, limit
             eng.release()
         if local:
             assert used == [False, True, True, True]  # the first step makes the state (DTensors)
+            assert len(cuts) == 3 and cuts[0] == cuts[1] == cuts[2]
+            assert all(n <= 100 or k == 1 for n, k in cuts[0])  # over the limit only alone
+            assert any(k > 1 for _, k in cuts[0]) and any(n > 100 for n, _ in cuts[0]), cuts[0]
     _equal(runs[0], runs[1])
 
 

@@ -1117,23 +1117,26 @@ class TorchNativeEngine:
         tensor, the step counts), after its first step (its lazily created state must be
         DTensors). The foreach kernels then run on the same local tensors without DTensor
         dispatch per op (0.6-0.75 ms an iteration on the peers' dp4 stage;
-        docs/benchmarks.md, "Session 11"). Anything else steps the DTensors."""
+        docs/benchmarks.md, "Session 11"). On the host they run over groups of at most
+        :data:`HOST_STEP_ELEMENTS` elements (:func:`_host_chunks`): each foreach kernel
+        is one pass over all its tensors, so over a whole stage every pass reads its
+        memory back from DRAM; a chunk's passes find it in the cache. Element-wise, so
+        the same bits. Anything else steps the DTensors."""
         opt = self.optimizer
         view = _local_view(opt) if type(opt) in _ELEMENTWISE else None
         if view is None:
             opt.step()
             return
         groups, state, locals_ = view
-        saved = [g["params"] for g in opt.param_groups], opt.state
+        host = self.placement.device.type == "cpu"
+        saved = opt.param_groups, opt.state
         try:
-            for g, ps in zip(opt.param_groups, groups):
-                g["params"] = ps
+            opt.param_groups = [dict(g, params=c) for g, ps in zip(saved[0], groups)
+                                for c in (_host_chunks(ps) if host else [ps])]
             opt.state = state
             opt.step()
         finally:
-            for g, ps in zip(opt.param_groups, saved[0]):
-                g["params"] = ps
-            opt.state = saved[1]
+            opt.param_groups, opt.state = saved
             for lp in locals_:
                 lp.grad = None
 
@@ -1290,6 +1293,27 @@ class StepHeap:
 _STEP_HEAP = StepHeap()
 
 _ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+#: The most elements one foreach group of a host step holds (4 MiB of float32 per list):
+#: AdamW's five passes over a group of that size find it in the cache; over a whole
+#: stage each pass reads it from memory again (about 17 % of the step at size m).
+HOST_STEP_ELEMENTS = 1 << 20
+
+
+def _host_chunks(params: list[Tensor]) -> list[list[Tensor]]:
+    """``params`` in order, cut into runs of at most :data:`HOST_STEP_ELEMENTS` elements
+    (a larger tensor alone)."""
+    out: list[list[Tensor]] = []
+    run: list[Tensor] = []
+    n = 0
+    for p in params:
+        if run and n + p.numel() > HOST_STEP_ELEMENTS:
+            out.append(run)
+            run, n = [], 0
+        run.append(p)
+        n += p.numel()
+    if run:
+        out.append(run)
+    return out
 
 
 def _local_view(opt: torch.optim.Optimizer) -> tuple[list[list[Tensor]], dict, list[Tensor]] | None:
