@@ -568,13 +568,6 @@ class SdcGuard:
                             "but has no fingerprint() method")
         return cls(adapter, device)
 
-    def post(self, store: KeyValueStore, generation: int, iteration: int, loss: float = 0.0,
-             plan: ParallelPlan | None = None, taken: tuple[Fingerprint | None] | None = None) -> None:
-        """:meth:`prepare` and post what it gives (one job-store round trip)."""
-        text = self.prepare(iteration, loss, plan, taken)
-        if text is not None:
-            session.put_fingerprint(store, generation, iteration, self.device, text)
-
     def prepare(self, iteration: int, loss: float = 0.0, plan: ParallelPlan | None = None,
                 taken: tuple[Fingerprint | None] | None = None) -> str | None:
         """Post this device's fingerprint and range signals of ``iteration`` (before its
@@ -585,8 +578,9 @@ class SdcGuard:
         ``taken``: the fingerprint already taken with the rollback snapshot
         (:class:`SnapshotFingerprint`), in a 1-tuple (its None: no replica shares this
         shard); otherwise the adapter's :meth:`fingerprint` is called. Returns the text
-        to post before the iteration's commit (None: nothing to post); the worker's
-        overlapped commit posts it from its committer thread, off the training thread."""
+        to post before the iteration's commit (None: nothing to post); the worker sends
+        it with its commit, which sets it in the same store request as the report,
+        before the add (:func:`resihp_core.runtime.session.commit_batch`)."""
         if self._pending is not None and self._pending[0] < iteration:
             self.watch.commit(self._pending[1])
         if plan is not None and plan is not self._plan:

@@ -226,13 +226,16 @@ class CommitRequest(_Msg, tag="commit"):
     :class:`CommitVerdict` (docs/worker-protocol.md). ``check``: this executor must run
     its cross-replica check before a commit is decided (docs/sdc.md); ``hold_s``: hold
     the iteration up to that long while no controller steers the job; ``wait_s``: how
-    long to wait for the verdict before aborting the iteration."""
+    long to wait for the verdict before aborting the iteration; ``fingerprint``: this
+    executor's SDC fingerprint of the iteration, posted in the same store request as
+    the report, before the add (docs/sdc.md)."""
 
     report: IterationReport
     executors: Annotated[int, msgspec.Meta(ge=1)]
     check: bool = False
     hold_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 0.0
     wait_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 600.0  # then the iteration is aborted
+    fingerprint: Annotated[str, msgspec.Meta(max_length=1 << 16)] | None = None
 
 
 class CommitVerdict(_Msg, tag="verdict"):

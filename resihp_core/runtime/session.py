@@ -57,7 +57,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Literal, Mapping, Protocol, Sequence
 
 import msgspec
 
@@ -350,20 +350,28 @@ DECIDE = "decide"
 
 
 def commit_batch(store: KeyValueStore, generation: int, iteration: int, reports: Sequence[IterationReport],
-                 executors: int, *, may_decide: bool, timeout_s: float) -> str:
-    """Post ``reports`` (executors of one node), add them to the iteration's count and
-    wait for the verdict: in one store round trip where the store can (``add_and_await``).
-    The add that completes the count commits when ``may_decide`` (no executor of the
-    node has a check to run); otherwise that batch gets :data:`DECIDE`. A verdict that
-    does not come within ``timeout_s`` is written ``abort`` (the first verdict stands)."""
+                 executors: int, *, may_decide: bool, timeout_s: float,
+                 fingerprints: Mapping[int, str] | None = None) -> str:
+    """Post ``reports`` (executors of one node) and their devices' SDC ``fingerprints``,
+    add them to the iteration's count and wait for the verdict: in one store round trip
+    where the store can (``add_and_await``; the keys are set before the add, so the
+    executor that checks finds every fingerprint of a completed count). The add that
+    completes the count commits when ``may_decide`` (no executor of the node has a
+    check to run); otherwise that batch gets :data:`DECIDE`. A verdict that does not
+    come within ``timeout_s`` is written ``abort`` (the first verdict stands)."""
+    fps = sorted((fingerprints or {}).items())
     add_and_await = getattr(store, "add_and_await", None)  # ResiHP's store: one request
     if add_and_await is None:
+        for d, text in fps:
+            put_fingerprint(store, generation, iteration, d, text)
         count = add_commits(store, generation, iteration, reports)
         if count == executors:
             return decide(store, generation, iteration) if may_decide else DECIDE
         return await_verdict(store, generation, iteration, timeout_s)
-    count, got = add_and_await([_report(r.generation, r.iteration, r.device) for r in reports],
-                               [encode(r) for r in reports], _done(generation, iteration), len(reports),
+    count, got = add_and_await([_report(r.generation, r.iteration, r.device) for r in reports]
+                               + [_fingerprint(generation, iteration, d) for d, _ in fps],
+                               [encode(r) for r in reports] + [text.encode() for _, text in fps],
+                               _done(generation, iteration), len(reports),
                                executors, _verdict_key(generation, iteration), may_decide, timeout_s)
     if got is not None:
         return got.decode() if isinstance(got, bytes) else str(got)

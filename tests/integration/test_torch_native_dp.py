@@ -126,7 +126,8 @@ def _found_within_3(seen: list, slow: int, onset: int) -> None:
              and slow in d.report.devices and d.iteration >= onset]
     every = "; ".join(f"{d.iteration}:{d.action}" for d in seen)  # "none" too: which iterations it judged
     print("detector:", every)
-    assert found, (every, [(d.iteration, d.action, d.report) for d in seen if d.action != "none"])
+    assert found, (every, [(d.iteration, d.action, d.report, d.verdict.evidence[:400] if d.verdict else None)
+                           for d in seen if d.action != "none"])
     assert found[0].iteration - onset + 1 <= 3, found[0]  # onset included
 
 

@@ -51,11 +51,13 @@ def _report(g: int, i: int, d: int) -> IterationReport:
 
 
 def _commit_all(agent: NodeAgent, store: session.KeyValueStore, devices: list[int], executors: int,
-                g: int = 0, i: int = 0, check: dict[int, Callable[[], bool]] | None = None) -> dict[int, str]:
+                g: int = 0, i: int = 0, check: dict[int, Callable[[], bool]] | None = None,
+                fingerprints: dict[int, str] | None = None) -> dict[int, str]:
     clients = {d: NodeCommit(agent.worker_address or "", CRED, d, d) for d in devices}
-    check = check or {}
+    check, fps = check or {}, fingerprints or {}
     with ThreadPoolExecutor(len(devices)) as pool:
-        futs = {d: pool.submit(c.commit, store, _report(g, i, d), executors, timeout_s=20.0, check=check.get(d))
+        futs = {d: pool.submit(c.commit, store, _report(g, i, d), executors, timeout_s=20.0, check=check.get(d),
+                               fingerprint=fps.get(d))
                 for d, c in clients.items()}
         out = {d: f.result(timeout=30) for d, f in futs.items()}
     for c in clients.values():
@@ -81,6 +83,39 @@ def test_a_nodes_executors_commit_in_one_store_request_with_a_direct_one(node) -
         {9: 9.0, 0: 0.0, 1: 1.0, 2: 2.0}
     assert {d: r.loss for d, r in session.get_reports(store, 0, 0, [5, 2]).items()} == {2: 2.0}
     assert agent.commits.stats.requests == 3 and 1 <= agent.commits.stats.batches <= 3
+
+
+def test_fingerprints_ride_in_the_nodes_commit_request_and_the_deciding_check_reads_them_all(node) -> None:
+    """SDC fingerprints travel in the commit requests: the agent sets them in its one
+    store request, before the add, so the executor whose add completes the count finds
+    every one; the store serves no more requests than for a commit without them."""
+    agent, server, _ = node
+    agent.commits.use_store(server.address)
+    store = server.local()
+    seen: list[dict[int, str]] = []
+
+    def check() -> bool:
+        seen.append(session.get_fingerprints(store, 0, 1, [0, 1, 2]))
+        return True
+
+    every = {d: check for d in (0, 1, 2)}
+    before = server.served
+    assert _commit_all(agent, store, [0, 1, 2], executors=3, i=0, check=every) == dict.fromkeys((0, 1, 2), "commit")
+    bare = server.served - before
+    seen.clear()
+    before = server.served
+    fps = {d: f'{{"digest": "d{d}"}}' for d in (0, 1, 2)}
+    assert _commit_all(agent, store, [0, 1, 2], executors=3, i=1, check=every,
+                       fingerprints=fps) == dict.fromkeys((0, 1, 2), "commit")
+    assert server.served - before == bare
+    assert seen == [fps]  # one check, by the executor that completed the count, with all three
+    # Without ResiHP's store (no one-request commit): set one by one, still before the add.
+    import torch.distributed as dist
+
+    plain = dist.HashStore()
+    assert session.commit_batch(plain, 0, 0, [_report(0, 0, 4)], 2, may_decide=True, timeout_s=0.2,
+                                fingerprints={4: "fp4"}) == "abort"  # one of two: no verdict came
+    assert session.get_fingerprints(plain, 0, 0, [4, 5]) == {4: "fp4"}
 
 
 def test_an_abort_from_the_controller_reaches_every_waiting_executor(node) -> None:

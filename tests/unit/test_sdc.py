@@ -358,25 +358,31 @@ def test_the_guard_posts_signals_without_a_replica_and_learns_only_committed_ite
 
     a = Solo()
     guard = SdcGuard.for_adapter(a, 7)
+
+    def post(g: int, i: int, **kw) -> None:  # what the worker's commit sets before its add
+        text = guard.prepare(i, **kw)
+        assert text is not None
+        session.put_fingerprint(store, g, i, 7, text)
+
     for i in range(5):
-        guard.post(store, 0, i, loss=2.0)
+        post(0, i, loss=2.0)
     a.norm = 1e9
-    guard.post(store, 0, 5)
+    post(0, 5)
     got = Fingerprint.from_json(session.get_fingerprints(store, 0, 5, [7])[7])
     assert got.group == "" and got.signals == {"grad_norm": 1e9} and got.anomaly.startswith("grad_norm 1e+09")
-    guard.post(store, 0, 5)  # the re-execution: the aborted value was not learnt
+    post(0, 5)  # the re-execution: the aborted value was not learnt
     assert Fingerprint.from_json(session.get_fingerprints(store, 0, 5, [7])[7]).anomaly
     # A new layout restarts the history (a retry of the same layout keeps it).
     from resihp_core.plan import ParallelPlan
 
     one = ParallelPlan.uniform(tp=1, pp=1, dp=2, num_layers=2, num_microbatches=2, num_heads=4)
-    guard.post(store, 1, 5, plan=one)
+    post(1, 5, plan=one)
     assert Fingerprint.from_json(session.get_fingerprints(store, 1, 5, [7])[7]).anomaly == ""
     a.norm = 1.0
     for i in range(5, 10):
-        guard.post(store, 1, i, plan=one)
+        post(1, i, plan=one)
     a.norm = 1e9
-    guard.post(store, 2, 10, plan=one.with_(generation=1))
+    post(2, 10, plan=one.with_(generation=1))
     assert Fingerprint.from_json(session.get_fingerprints(store, 2, 10, [7])[7]).anomaly
 
 

@@ -1,5 +1,6 @@
-"""The node's commits: its executors' reports, their commit-counter add and their wait for
-the verdict reach the job store as one request per node and iteration.
+"""The node's commits: its executors' reports (with their SDC fingerprints), their
+commit-counter add and their wait for the verdict reach the job store as one request
+per node and iteration.
 
 Why: with every rank posting its report, adding to the counter and waiting for the
 verdict itself, the job store (one process) serves three requests per rank and
@@ -268,7 +269,8 @@ class NodeCommits:
                 session.decide(store, *key, check=lambda: False)  # abort, unless committed already
                 return None
             return session.commit_batch(store, *key, [r.report for r in reqs], executors, may_decide=may_decide,
-                                        timeout_s=wait_s)
+                                        timeout_s=wait_s, fingerprints={r.report.device: r.fingerprint for r in reqs
+                                                                        if r.fingerprint is not None})
 
         return self._with_store(run)
 

@@ -450,20 +450,21 @@ class Worker:
         self.iteration = p.iteration
         return False
 
-    def _commit_in_background(self, report: IterationReport, generation: int, iteration: int,
-                              executors: int, fingerprint: str | None = None) -> str:
-        if fingerprint is not None:  # posted before this device adds itself to the count (docs/sdc.md)
-            session.put_fingerprint(self._commit_store, generation, iteration, self.device, fingerprint)
-        return self._commit(self._commit_store, report, executors)
+    def _commit_in_background(self, report: IterationReport, executors: int, fingerprint: str | None) -> str:
+        return self._commit(self._commit_store, report, executors, fingerprint)
 
-    def _commit(self, store: KeyValueStore, report: IterationReport, executors: int) -> str:
-        """Post the report and commit (through the node agent where it takes commits)."""
+    def _commit(self, store: KeyValueStore, report: IterationReport, executors: int,
+                fingerprint: str | None = None) -> str:
+        """Post the report and the SDC ``fingerprint`` and commit, in one store request
+        (through the node agent where it takes commits): the fingerprint is posted
+        before this device adds itself to the count (docs/sdc.md)."""
         check = self._sdc_check(store, report.generation, report.iteration)
         timeout_s = self.job.timeout_s * 6
         if self.node_commit is not None:
             return self.node_commit.commit(store, report, executors, timeout_s=timeout_s, hold_s=self.hold_s,
-                                           check=check)
-        return direct_commit(store, report, executors, timeout_s=timeout_s, hold_s=self.hold_s, check=check)
+                                           check=check, fingerprint=fingerprint)
+        return direct_commit(store, report, executors, timeout_s=timeout_s, hold_s=self.hold_s, check=check,
+                             fingerprint=fingerprint)
 
     def _overlapped_iteration(self) -> None:
         """One iteration whose report and commit leave on the committer thread; the one
@@ -479,23 +480,23 @@ class Worker:
             return
         a = self.adapter
         ahead = self.sdc is not None and isinstance(a, SnapshotFingerprint)
-        report = self._before_commit(result, i, fingerprint=not ahead)
-        if report is None:
+        before = self._before_commit(result, i, fingerprint=not ahead)
+        if before is None:
             return
+        report, fingerprint = before
         if self._pending is not None and not self._settle():
             self.adapter.release()
             self.active = False
             return
-        g, executors = self.msg.generation, len(self.plan.devices())
-        fingerprint = None
+        executors = len(self.plan.devices())
         if ahead:
             # The next iteration's rollback snapshot now, with this step's fingerprint
             # read during its copy (the state is the same until that iteration starts;
-            # both snapshots kept cover a refusal of either commit). The committer posts it.
+            # both snapshots kept cover a refusal of either commit). It goes with the commit.
             taken = a.snapshot_fingerprint()
             self._snapped = i + 1
             fingerprint = self.sdc.prepare(i, loss=result.loss, plan=self.plan, taken=(taken,))
-        self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, g, i, executors,
+        self._pending = _Pending(i, self._committer.submit(self._commit_in_background, report, executors,
                                                            fingerprint))
 
     def _deferred_iteration(self) -> IterationResult | None:
@@ -514,9 +515,9 @@ class Worker:
         if self.client is not None and i > self.msg.resume and (prof := a.profile()) is not None:
             self.client.send_profile(self._with_cpu_wait(prof))
         self._checkpoint_reports()
-        if self.sdc is not None:
-            self.sdc.post(self.store, g, i, loss=result.loss, plan=self.plan)
-        if self._commit(self.store, self._report(result), len(self.plan.devices())) != session.CommitResult.COMMITTED:
+        fingerprint = self.sdc.prepare(i, loss=result.loss, plan=self.plan) if self.sdc is not None else None
+        if (self._commit(self.store, self._report(result), len(self.plan.devices()), fingerprint)
+                != session.CommitResult.COMMITTED):
             a.rollback()
             a.release()
             self.active = False
@@ -695,10 +696,10 @@ class Worker:
         """Profile, checkpoint, report and commit an iteration whose optimizer step this
         device applied; its result once committed everywhere, else None (rolled back)."""
         a, i = self.adapter, self.iteration
-        report = self._before_commit(result, i)
-        if report is None:
+        before = self._before_commit(result, i)
+        if before is None:
             return None
-        verdict = self._commit(self.store, report, len(self.plan.devices()))
+        verdict = self._commit(self.store, before[0], len(self.plan.devices()), before[1])
         if verdict != session.CommitResult.COMMITTED:
             a.rollback()
             a.release()
@@ -707,11 +708,13 @@ class Worker:
         self.iteration = i + 1
         return result
 
-    def _before_commit(self, result: IterationResult, i: int, fingerprint: bool = True) -> IterationReport | None:
-        """Profile and checkpoint an iteration that stepped; its report, or None if a
-        peer died while the checkpoint gathered (rolled back, generation left). A due
-        checkpoint waits for the commit in flight (it is written of committed state).
-        ``fingerprint``: post the SDC fingerprint here (the caller posts it otherwise)."""
+    def _before_commit(self, result: IterationResult, i: int, fingerprint: bool = True
+                       ) -> tuple[IterationReport, str | None] | None:
+        """Profile and checkpoint an iteration that stepped; its report and the SDC
+        fingerprint to commit with it, or None if a peer died while the checkpoint
+        gathered (rolled back, generation left). A due checkpoint waits for the commit
+        in flight (it is written of committed state). ``fingerprint``: take the SDC
+        fingerprint here (the caller takes it otherwise)."""
         a, g = self.adapter, self.msg.generation
         failed = None
         # The first iteration of a generation carries one-time costs (allocator, first
@@ -735,9 +738,8 @@ class Worker:
                 self._left(g, failed, "checkpoint_failed", iteration=i)
                 return None
         self._checkpoint_reports()
-        if self.sdc is not None and fingerprint:
-            self.sdc.post(self.store, g, i, loss=result.loss, plan=self.plan)
-        return self._report(result)
+        text = self.sdc.prepare(i, loss=result.loss, plan=self.plan) if self.sdc is not None and fingerprint else None
+        return self._report(result), text
 
     def _sdc_check(self, store: KeyValueStore, generation: int, iteration: int) -> Callable[[], bool] | None:
         """The fingerprint comparison the last executor runs before its verdict."""

@@ -39,13 +39,15 @@ ENV_NODE_COMMITS = "RESIHP_NODE_COMMITS"
 
 
 def direct_commit(store: KeyValueStore, report: IterationReport, executors: int, *, timeout_s: float,
-                  hold_s: float, check: Callable[[], bool] | None) -> str:
-    """This worker's own report, counter add and verdict wait (no agent in between), in
-    one store request where the store can (:func:`session.commit_batch`)."""
+                  hold_s: float, check: Callable[[], bool] | None, fingerprint: str | None = None) -> str:
+    """This worker's own report (and SDC ``fingerprint``), counter add and verdict wait
+    (no agent in between), in one store request where the store can
+    (:func:`session.commit_batch`)."""
     g, i = report.generation, report.iteration
     if hold_s > 0 and not session.wait_controller(store, hold_s):
         return session.decide(store, g, i, check=lambda: False)  # abort, unless committed already
-    got = session.commit_batch(store, g, i, [report], executors, may_decide=check is None, timeout_s=timeout_s)
+    got = session.commit_batch(store, g, i, [report], executors, may_decide=check is None, timeout_s=timeout_s,
+                               fingerprints=None if fingerprint is None else {report.device: fingerprint})
     return session.decide(store, g, i, check) if got == session.DECIDE else got
 
 
@@ -73,20 +75,25 @@ class NodeCommit:
                    int(env.get("RESIHP_RANK", str(device))))
 
     def commit(self, store: KeyValueStore, report: IterationReport, executors: int, *, timeout_s: float,
-               hold_s: float = 0.0, check: Callable[[], bool] | None = None) -> str:
+               hold_s: float = 0.0, check: Callable[[], bool] | None = None, fingerprint: str | None = None) -> str:
         """The iteration's verdict (``commit`` / ``abort``), through the agent where it
-        takes commits, else directly through ``store``."""
+        takes commits, else directly through ``store``; ``fingerprint`` (this executor's
+        SDC fingerprint) is posted with the report either way."""
         g, i = report.generation, report.iteration
+
+        def direct() -> str:
+            self.direct += 1
+            return direct_commit(store, report, executors, timeout_s=timeout_s, hold_s=hold_s, check=check,
+                                 fingerprint=fingerprint)
+
         sock = self._connection()
         if sock is None:
-            self.direct += 1
-            return direct_commit(store, report, executors, timeout_s=timeout_s, hold_s=hold_s, check=check)
+            return direct()
         try:
-            send_msg(sock, CommitRequest(report, executors, check is not None, hold_s, timeout_s))
+            send_msg(sock, CommitRequest(report, executors, check is not None, hold_s, timeout_s, fingerprint))
         except OSError as e:  # an incomplete frame is never served: commit directly
             self._drop(e)
-            self.direct += 1
-            return direct_commit(store, report, executors, timeout_s=timeout_s, hold_s=hold_s, check=check)
+            return direct()
         try:
             reply = recv_msg(sock, timeout=timeout_s + hold_s + 30.0)
         except (OSError, ProtocolError) as e:
@@ -96,8 +103,7 @@ class NodeCommit:
             logger.info("event=node_commit_unavailable agent=%s reason=%r", self.address, reply.detail)
             self.available = False
             self._drop(None)
-            self.direct += 1
-            return direct_commit(store, report, executors, timeout_s=timeout_s, hold_s=hold_s, check=check)
+            return direct()
         if not isinstance(reply, CommitVerdict) or (reply.generation, reply.iteration) != (g, i):
             # The agent may have added this executor before it went away: never add again.
             self._drop(None)
