@@ -59,7 +59,10 @@ def test_deepspeed_quarantines_a_replica_that_corrupts_its_gradient_and_trains_e
     assert [(f["cause"], f["devices"]) for f in failures] == [("sdc", [VICTIM])], failures
     assert VICTIM not in out.final_plan.devices()
     logs = "".join(p.read_text(errors="replace") for p in Path(work).rglob("*.log"))
-    assert logs.count("event=bit_flipped") == 1 and logs.count("event=sdc_detected") == 1
+    # The iteration after the flip runs while the flip's commit is decided (the commit
+    # overlaps the next iteration), so the victim may flip once more there before the
+    # abort reaches it; that iteration never commits (the comparison below is exact).
+    assert 1 <= logs.count("event=bit_flipped") <= 2 and logs.count("event=sdc_detected") == 1
     committed_in = {r.iteration: r.generation for r in out.records}
     assert committed_in[FLIP_AT] > committed_in[FLIP_AT - 1]  # iteration k committed only after the abort
     lj = jobs[0]
