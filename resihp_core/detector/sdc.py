@@ -570,11 +570,12 @@ class SdcGuard:
 
     def prepare(self, iteration: int, loss: float = 0.0, plan: ParallelPlan | None = None,
                 taken: tuple[Fingerprint | None] | None = None) -> str | None:
-        """Post this device's fingerprint and range signals of ``iteration`` (before its
-        commit). The signals of the iteration posted before are taken as committed once
-        a later iteration runs (an aborted one is run again under the same number). A
-        new layout (``plan`` other than the last one's, the generation aside) restarts
-        the history: what a device holds, and so its gradient's norm, changed with it.
+        """This device's fingerprint and range signals of ``iteration``, to be posted
+        before its commit. The signals of the iteration posted before are taken as
+        committed once a later iteration runs (an aborted one is run again under the
+        same number). A new layout (``plan`` other than the last one's, the generation
+        aside) restarts the history: what a device holds, and so its gradient's norm,
+        changed with it.
         ``taken``: the fingerprint already taken with the rollback snapshot
         (:class:`SnapshotFingerprint`), in a 1-tuple (its None: no replica shares this
         shard); otherwise the adapter's :meth:`fingerprint` is called. Returns the text

@@ -1294,8 +1294,8 @@ _STEP_HEAP = StepHeap()
 
 _ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 #: The most elements one foreach group of a host step holds (4 MiB of float32 per list):
-#: AdamW's five passes over a group of that size find it in the cache; over a whole
-#: stage each pass reads it from memory again (about 17 % of the step at size m).
+#: AdamW's passes over a group of that size find it in the cache; over a whole stage
+#: each pass reads it from memory again.
 HOST_STEP_ELEMENTS = 1 << 20
 
 
