@@ -495,3 +495,22 @@ def test_the_session_notifies_observers_once_per_failure() -> None:
     ctl._feed(Tick(alive=frozenset({0, 1, 2}), dead=frozenset({3})))
     assert [r.devices for r in seen] == [(3,)] and job.session.generation == 1
     assert 3 not in job.session.plan.devices()
+
+
+def test_the_control_loop_gives_the_payback_rule_the_workers_reconfiguration_timing_at_the_first_commit() -> None:
+    from resihp_core.runtime import session
+    from resihp_core.runtime.controller.control import ControlLoop
+
+    job = FakeJob()
+    store = job.session.store
+    job.session.post(PLAN, devices=DEVICES, iterations=20, resume=0)
+    for d in DEVICES:  # the first to arrive waited longest in the rebuild
+        session.put_ready(store, 0, d, {"seconds": 0.5, "rebuild_s": 0.4 - 0.1 * d, "state_s": 0.01 * (d + 1),
+                                        "bytes_received": 0})
+    ctl = ControlLoop(job, Planner(), STATE, 20)
+    ctl._feed(Deployed(0, DEVICES, 0))
+    assert ctl.core.meter.timed_s is None
+    assert session.commit(store, 0, 0, 1) == "commit"
+    ctl._commits(0.0)
+    fastest, slowest = min(0.4 - 0.1 * d for d in DEVICES), 0.01 * (max(DEVICES) + 1)
+    assert ctl.core.meter.timed_s is not None and abs(ctl.core.meter.timed_s - (fastest + slowest)) < 1e-9

@@ -157,7 +157,7 @@ class ControlLoop:
         if self.sdc is None:
             self.sdc = SdcMonitor.from_plugins()
         self._polled = {"faults": 0.0, "left": 0.0}
-        self._timed: set[int] = set()  # generations whose workers' reconfiguration timings were read
+        self._timed = -1  # the newest generation whose workers' reconfiguration timings were read
         self._left_news = False  # the watcher saw a worker leave: read who now, not at the next throttle
         for q in (self.reports, self.repaired):
             if isinstance(q, Inbox):
@@ -313,8 +313,8 @@ class ControlLoop:
             self.on_iteration(rec)
             self.session.iteration(rec)
             self._feed(Committed(i, g))
-            if g not in self._timed:  # its workers have all entered it: their timings are in
-                self._timed.add(g)
+            if g > self._timed:  # its first commit: its workers have all entered it, their timings are in
+                self._timed = g
                 if (seconds := worker_timing(self.job.ready_info(g))) is not None:
                     self._feed(Reconfigured(g, seconds))
         return last_commit

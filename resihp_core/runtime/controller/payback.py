@@ -108,10 +108,6 @@ class ReconfigurationMeter:
         """The measured cost of a reconfiguration (median of the past ones), None before any."""
         return statistics.median(self.costs) if self.costs else None
 
-    def timed(self, seconds: float) -> None:
-        """The workers' own timing of the generation they entered last (:func:`worker_timing`)."""
-        self.timed_s = seconds
-
 
 def worker_timing(ready: Mapping[int, Mapping[str, object]]) -> float | None:
     """Seconds a generation's reconfiguration took by its workers' own account

@@ -348,7 +348,7 @@ class Supervisor:
         if isinstance(event, DeployFailed):
             return self._deploy_failed(event)
         if isinstance(event, Reconfigured):
-            self.meter.timed(event.seconds)
+            self.meter.timed_s = event.seconds
             return []
         if isinstance(event, RelaunchFailed):
             for d in event.devices:
