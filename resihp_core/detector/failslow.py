@@ -556,6 +556,29 @@ class WorkloadAwareDetector(_Base):
         watch follows."""
         return {d for d, p in self.model.speeds.items() if p < self.recovery.slowest}
 
+    def _onset_past_blip(self, onset: int, devices: set[int]) -> int:
+        """``onset``, moved one iteration on when none of the flagged ``devices``
+        computed ``slow_threshold`` above its peers in that iteration (measured or its
+        own compute, against the healthy model) and all of them did in every later one
+        of the window: the per-device watch started its run on noise just before the
+        slowdown (it judges a device against its own healthy level). That iteration
+        carries none of the slowdown; rules that ask for it in every iteration verified
+        read it as the slowdown's absence and cleared a device that stayed slow, and the
+        device's speed came out too high."""
+        after, _ = self._window(onset)
+        if len(after) < 2:
+            return onset
+        bar, slow = math.log1p(self.slow_threshold), self._known_slow()
+        marks: list[set[int]] = []  # per iteration: the flagged devices above their peers
+        try:
+            for _, _, ps in after:
+                measured = peer_excess(ps, self.model.rank_compute, unreliable=slow)
+                own = peer_excess(ps, self.model.rank_compute, own_compute_of, slow)
+                marks.append({d for d in devices if max(measured.get(d, -math.inf), own.get(d, -math.inf)) > bar})
+        except ModelNotReady:
+            return onset
+        return after[1][0] if not marks[0] and all(m == devices for m in marks[1:]) else onset
+
     def _healthy_again(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection | None:
         """Known-slow devices back at full speed for ``healthy_iterations``: reported with
         throughput 1.0, their known speed dropped (docs/detector.md "Acting on a slowdown")."""
@@ -641,6 +664,16 @@ class WorkloadAwareDetector(_Base):
         if not found:
             return None
         onset = min(found.values())
+        later = self._onset_past_blip(onset, set(found))
+        if later != onset and len(self._window(later)[0]) < self.verify_window:
+            # Its first iteration was noise: the runs go on until the window from the
+            # real onset is full.
+            for d in found:
+                self.local.extend(d, self.local.flagged(d) + 1)
+                self.own.extend(d, self.own.flagged(d) + 1)
+            return Detection(iteration, measured, "pending", None, None, None, onset=later,
+                             notes=(f"iteration {onset} ran at its peers' speed: the slowdown began at {later}",))
+        onset = later
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
                                self._environment(onset), noise, own_noise, frozenset(self._known_slow()))

@@ -442,3 +442,35 @@ def test_unshared_waiting_is_evidence_chance_and_a_waiting_peer_do_not_give() ->
     # A ratio that swings 2.6x between iterations (the scheduler's luck), or under the bar once.
     assert seen([_pair(0, (1.5, 2.0), (0.6, 1.2)), *neighbour[1:2], _pair(2, (1.0, 3.5), (0.2, 2.7))]) is None
     assert seen([_pair(0, (1.5, 1.8), (0.6, 1.0)), *neighbour[1:]]) is None
+
+
+def test_a_run_the_watch_started_one_iteration_early_is_verified_from_the_slowdowns_first_iteration() -> None:
+    """Device 2 computes at 0.8x the healthy model's time from iteration 10 on (faster
+    than in the warm-up the model was fitted on: its watch's level is 0.8x). In
+    iteration 30 it computes at its peers' speed, above that level by the watch's bar
+    (noise, not above its peers), and from 31 it is slow (1.6x its peers): the watch's
+    run starts at 30. Verified over 30-32, rules that ask for the slowdown in every
+    iteration verified (a loaded, shared host) read 30 as the slowdown's absence and
+    cleared a device that stayed slow (a CI run of test_torch_native_dp), and its speed
+    came out too high. The window verified starts at 31, and the report keeps the
+    3-iteration latency from there."""
+    from resihp_core.detector import Verdict
+
+    windows: list[list[int]] = []
+
+    class Records:
+        def verify(self, ctx) -> Verdict:
+            windows.append([next(iter(ps.values())).iteration for ps in ctx.iterations])
+            return Verdict({2: 0.5}, "compute", "device 2")
+
+    job = Job(ranks=4, scale=0.3, noise=0.01, seed=3)
+    det = WorkloadAwareDetector(BOCPD(), Records(), clock=lambda: 0.0)
+    for it in range(30):
+        job.slow[2] = 1.0 if it < 10 else 0.8  # faster than the warm-up's fit from 10 on
+        assert det.observe(it, job.iteration(it)).report is None
+    job.slow[2] = 1.03
+    dets = [det.observe(30, job.iteration(30))]
+    job.slow[2] = 1.6
+    dets += [det.observe(it, job.iteration(it)) for it in range(31, 37)]
+    assert windows and windows[0][0] == 31, (windows, [(d.iteration, d.action, d.onset) for d in dets])
+    assert latency(dets, onset=31) == 3, [(d.iteration, d.action, d.onset) for d in dets]

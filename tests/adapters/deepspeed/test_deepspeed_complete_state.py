@@ -212,12 +212,16 @@ def test_a_killed_rank_leaves_the_fault_free_runs_complete_state(tmp_path):
         assert f"{ITERATIONS} iterations committed" in text, (v, kind, logs(w))
         assert ("fail-stop of devices [3]" in text) == (kind == "kill"), (v, kind, logs(w))
         # ZeRO 1: the dead rank's optimizer shard had no other holder, so the job resumed
-        # from the newest checkpoint (iteration KILL_AT - 1) at KILL_AT, redoing nothing.
-        restored = "resumed from the checkpoint of iteration" in text
-        assert restored == (kind == "kill"), (v, kind, logs(w))
+        # from the newest checkpoint (iteration KILL_AT - 1) at KILL_AT, redoing nothing;
+        # or, when the kill cut the dead rank's background write of that checkpoint, from
+        # the one before, having said why (the state comparison below is exact either way).
+        restored = re.search(r"resumed from the checkpoint of iteration (\d+) at iteration (\d+)", text)
+        assert bool(restored) == (kind == "kill"), (v, kind, logs(w))
         if restored:
-            assert f"resumed from the checkpoint of iteration {KILL_AT - 1} at iteration {KILL_AT}" in text, \
-                logs(w)
+            point = (int(restored[1]), int(restored[2]))
+            cut = re.search(rf"checkpoint of iteration {KILL_AT - 1} is not usable: \S*manifest\.json is missing"
+                            rf".*falling back to the checkpoint of iteration {KILL_AT - 2}\b", text)
+            assert point == (KILL_AT - 1, KILL_AT) or (cut and point == (KILL_AT - 2, KILL_AT)), (point, logs(w))
         if kind == "kill":  # every survivor busy: re-staged as PP3 x DP1, none idle or standby
             assert sorted(stages_after_kill(w).values(), key=str) == [0, 1, 2], (v, stages_after_kill(w), logs(w))
     for v, bounds in BOUNDS.items():
