@@ -557,27 +557,32 @@ class WorkloadAwareDetector(_Base):
         return {d for d, p in self.model.speeds.items() if p < self.recovery.slowest}
 
     def _onset_past_blip(self, onset: int, devices: set[int]) -> int:
-        """``onset``, moved one iteration on when none of the flagged ``devices``
-        computed ``slow_threshold`` above its peers in that iteration (measured or its
-        own compute, against the healthy model) and all of them did in every later one
-        of the window: the per-device watch started its run on noise just before the
-        slowdown (it judges a device against its own healthy level). That iteration
-        carries none of the slowdown; rules that ask for it in every iteration verified
-        read it as the slowdown's absence and cleared a device that stayed slow, and the
-        device's speed came out too high."""
+        """``onset``, moved one iteration on when each flagged device computed
+        ``slow_threshold`` above its peers in every later iteration of the window by some
+        measure (its measured compute, or its own without the waiting for a CPU, against
+        the healthy model) but not by all of those measures in that iteration: the
+        per-device watch started its run on noise just before the slowdown (it judges a
+        device against its own healthy level, and a small own compute on a loaded host
+        swings by 1.4x). That iteration carries none of the slowdown; rules that ask for
+        it in every iteration verified read it as the slowdown's absence and cleared a
+        device that stayed slow, and the device's speed came out too high."""
         after, _ = self._window(onset)
-        if len(after) < 2:
+        if len(after) < 2 or not devices:
             return onset
         bar, slow = math.log1p(self.slow_threshold), self._known_slow()
-        marks: list[set[int]] = []  # per iteration: the flagged devices above their peers
+        rows: list[dict[int, tuple[bool, bool]]] = []  # per iteration, per device: (measured, own) above
         try:
             for _, _, ps in after:
                 measured = peer_excess(ps, self.model.rank_compute, unreliable=slow)
                 own = peer_excess(ps, self.model.rank_compute, own_compute_of, slow)
-                marks.append({d for d in devices if max(measured.get(d, -math.inf), own.get(d, -math.inf)) > bar})
+                rows.append({d: (measured.get(d, -math.inf) > bar, own.get(d, -math.inf) > bar) for d in devices})
         except ModelNotReady:
             return onset
-        return after[1][0] if not marks[0] and all(m == devices for m in marks[1:]) else onset
+        for d in devices:
+            steady = [k for k in (0, 1) if all(row[d][k] for row in rows[1:])]  # its slowdown's measures
+            if not steady or all(rows[0][d][k] for k in steady):
+                return onset  # not steadily slow, or slow in the first iteration already
+        return after[1][0]
 
     def _healthy_again(self, iteration: int, measured: float, profiles: ProfileSet) -> Detection | None:
         """Known-slow devices back at full speed for ``healthy_iterations``: reported with

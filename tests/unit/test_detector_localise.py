@@ -453,7 +453,10 @@ def test_a_run_the_watch_started_one_iteration_early_is_verified_from_the_slowdo
     iteration verified (a loaded, shared host) read 30 as the slowdown's absence and
     cleared a device that stayed slow (a CI run of test_torch_native_dp), and its speed
     came out too high. The window verified starts at 31, and the report keeps the
-    3-iteration latency from there."""
+    3-iteration latency from there. A neighbour on its core instead (its measured
+    compute up by waiting for a CPU, its own compute not): iteration 30, 1.3x its
+    peers in measured compute as in the later ones, is the slowdown's first, and stays
+    in the window."""
     from resihp_core.detector import Verdict
 
     windows: list[list[int]] = []
@@ -463,14 +466,34 @@ def test_a_run_the_watch_started_one_iteration_early_is_verified_from_the_slowdo
             windows.append([next(iter(ps.values())).iteration for ps in ctx.iterations])
             return Verdict({2: 0.5}, "compute", "device 2")
 
-    job = Job(ranks=4, scale=0.3, noise=0.01, seed=3)
-    det = WorkloadAwareDetector(BOCPD(), Records(), clock=lambda: 0.0)
-    for it in range(30):
-        job.slow[2] = 1.0 if it < 10 else 0.8  # faster than the warm-up's fit from 10 on
-        assert det.observe(it, job.iteration(it)).report is None
-    job.slow[2] = 1.03
-    dets = [det.observe(30, job.iteration(30))]
-    job.slow[2] = 1.6
-    dets += [det.observe(it, job.iteration(it)) for it in range(31, 37)]
-    assert windows and windows[0][0] == 31, (windows, [(d.iteration, d.action, d.onset) for d in dets])
-    assert latency(dets, onset=31) == 3, [(d.iteration, d.action, d.onset) for d in dets]
+    from msgspec.structs import replace
+
+    def waiting(profiles: dict[int, IterationProfile], factor: float) -> dict[int, IterationProfile]:
+        """Device 2's compute stretched ``factor`` by waiting for a CPU (a neighbour on
+        its core): its measured compute rises, its own does not."""
+        p = profiles[2]
+        mbs = tuple(replace(m, forward_s=m.forward_s * factor, backward_s=m.backward_s * factor)
+                    for m in p.microbatches)
+        extra = sum(m.forward_s + m.backward_s for m in p.microbatches) * (factor - 1)
+        return {**profiles, 2: replace(p, microbatches=mbs, compute_wait_s=extra, cpu_wait_s=extra,
+                                       iteration_s=p.iteration_s + extra)}
+
+    for first, then, contention, verified_from in ((1.03, 1.6, False, 31), (1.3, 1.6, True, 30)):
+        windows.clear()
+        job = Job(ranks=4, scale=0.3, noise=0.01, seed=3)
+        det = WorkloadAwareDetector(BOCPD(), Records(), clock=lambda: 0.0)
+        for it in range(30):
+            job.slow[2] = 1.0 if it < 10 else 0.8  # faster than the warm-up's fit from 10 on
+            assert det.observe(it, job.iteration(it)).report is None
+        dets = []
+        for it in range(30, 37):
+            factor = first if it == 30 else then
+            if contention:  # the device's own speed unchanged, its waiting up
+                job.slow[2] = 0.8
+                dets.append(det.observe(it, waiting(job.iteration(it), factor / 0.8)))
+            else:
+                job.slow[2] = factor
+                dets.append(det.observe(it, job.iteration(it)))
+        seen = [(d.iteration, d.action, d.onset) for d in dets]
+        assert windows and windows[0][0] == verified_from, (contention, windows, seen)
+        assert latency(dets, onset=verified_from) == 3, (contention, seen)
