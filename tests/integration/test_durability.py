@@ -8,6 +8,7 @@ parameters as an uninterrupted run."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import shutil
@@ -35,13 +36,13 @@ from .test_chaos import DETECTOR, _planner_state, hooks_of
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def _run(spec, plan, iterations, repair_requests=None, **hooks):
+def _run(spec, plan, iterations, repair_requests=None, detector=DETECTOR, **hooks):
     from resihp_core.plan import Topology
 
     topology = Topology.uniform(2, len(plan.devices()) // 2)
     state, planner = _planner_state(plan, topology)
     return run_resilient(ResilientConfig(spec=spec, plan=plan, topology=topology, state=state, planner=planner,
-                                         detector=DETECTOR, iterations=iterations, workdir=Path(tmpdir()), timeout_s=200,
+                                         detector=detector, iterations=iterations, workdir=Path(tmpdir()), timeout_s=200,
                                          repair_requests=repair_requests, hooks=hooks_of(**hooks)))
 
 
@@ -160,7 +161,12 @@ def test_corrupt_newest_checkpoint_restore_falls_back_and_the_job_is_exact():
             threading.Thread(target=go, daemon=True).start()
 
         iterations = 40  # the relaunched worker must be up (seconds of imports) before the job ends
-        run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired, on_event=on_event)
+        # The relaunched worker's imports compete with the job for the two cores: a real
+        # contention the Detector may report and re-plan around (seen in CI: a re-plan,
+        # then no rejoin restore within the 40 iterations). This test is about the
+        # restore; a slowdown threshold of 100x keeps fail-slow out of it.
+        run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired, on_event=on_event,
+                   detector=dataclasses.replace(DETECTOR, slow_threshold=100.0))
     assert run.ok, f"{run.error}; logs in {run.logs}"
     assert len(run.records) == iterations
     notes = [e for e in run.events if e["kind"] == "checkpoint"]
