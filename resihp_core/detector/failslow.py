@@ -677,7 +677,8 @@ class WorkloadAwareDetector(_Base):
                 self.local.extend(d, self.local.flagged(d) + 1)
                 self.own.extend(d, self.own.flagged(d) + 1)
             return Detection(iteration, measured, "pending", None, None, None, onset=later,
-                             notes=(f"iteration {onset} ran at its peers' speed: the slowdown began at {later}",))
+                             notes=(f"iteration {onset} was not slow by the measures its later iterations are: "
+                                    f"the slowdown began at {later}",))
         onset = later
         after, before = self._window(onset)
         verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
