@@ -162,9 +162,9 @@ def test_corrupt_newest_checkpoint_restore_falls_back_and_the_job_is_exact():
 
         iterations = 40  # the relaunched worker must be up (seconds of imports) before the job ends
         # The relaunched worker's imports compete with the job for the two cores: a real
-        # contention the Detector may report and re-plan around (seen in CI: a re-plan,
-        # then no rejoin restore within the 40 iterations). This test is about the
-        # restore; a slowdown threshold of 100x keeps fail-slow out of it.
+        # contention the Detector may report and re-plan around, after which no rejoin
+        # restore need follow within the 40 iterations. This test is about the restore;
+        # a slowdown threshold of 100x keeps fail-slow out of it.
         run = _run(spec, plan, iterations, before_run=chaos, repair_requests=repaired, on_event=on_event,
                    detector=dataclasses.replace(DETECTOR, slow_threshold=100.0))
     assert run.ok, f"{run.error}; logs in {run.logs}"

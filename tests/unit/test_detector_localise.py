@@ -451,7 +451,7 @@ def test_a_run_the_watch_started_one_iteration_early_is_verified_from_the_slowdo
     (noise, not above its peers), and from 31 it is slow (1.6x its peers): the watch's
     run starts at 30. Verified over 30-32, rules that ask for the slowdown in every
     iteration verified (a loaded, shared host) read 30 as the slowdown's absence and
-    cleared a device that stayed slow (a CI run of test_torch_native_dp), and its speed
+    cleared a device that stayed slow (test_torch_native_dp's slowed worker), and its speed
     came out too high. The window verified starts at 31, and the report keeps the
     3-iteration latency from there. A neighbour on its core instead (its measured
     compute up by waiting for a CPU, its own compute not): iteration 30, 1.3x its
