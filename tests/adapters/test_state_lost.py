@@ -27,3 +27,22 @@ def test_torch_native_and_deepspeed_state_lost_are_the_contract_exception():
     from resihp_adapters.torch_native.reshard import StateLost as ShardLost
 
     assert issubclass(ShardLost, StateLost) and issubclass(LayersLost, StateLost)
+
+
+def test_torch_native_move_check_counts_a_live_device_the_new_plan_drops_as_a_sender():
+    """A fail-slow re-plan that drops a slow device from a sharded DP job: the device is
+    alive and in the new world (a standby), so its shard moves from it; only a dead
+    holder loses the state (then the job would restore from a checkpoint, or start over)."""
+    from types import SimpleNamespace
+
+    from resihp_adapters.torch_native.engine import TorchNativeEngine
+    from resihp_adapters.torch_native.reshard import StateLost as ShardLost
+
+    old = ParallelPlan.uniform(tp=1, pp=1, dp=4, num_layers=4, num_microbatches=2)
+    slow = old.group(2, 0)[0]
+    kept = [d for d in old.devices() if d != slow]
+    new = old.with_(tp_groups=tuple(((d,),) for d in kept))
+    engine = SimpleNamespace(iteration=5, wanted_shard=4, stage_names=lambda plan, s: ["w", "w.exp_avg"])
+    TorchNativeEngine.check_move(engine, old, new, set(old.devices()))  # the slow device sends its shard
+    with pytest.raises(ShardLost, match="shard 2/4 of stage 0 .* held only by dead devices"):
+        TorchNativeEngine.check_move(engine, old, new, set(kept))  # it died: its shard has no copy

@@ -261,3 +261,6 @@ def test_a_slowed_worker_is_found_within_3_iterations_and_runs_fewer_micro_batch
     assert final.generation >= 1, [(e["iteration"], e["kind"], e["text"][:300]) for e in run.events]
     # the slowed replica sheds micro-batches (to none when dropping it is predicted faster)
     assert work_of(final, slow) < M, final.to_text()
+    # its state moves from it, alive, to the new plan: no progress is lost to a restart
+    lost = [e["text"] for e in run.events if "StateLost" in e["text"] or "initial state" in e["text"]]
+    assert not lost, lost

@@ -844,11 +844,13 @@ class TorchNativeEngine:
 
     def check_move(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int]) -> None:
         """Raise :class:`~resihp_core.adapter.StateLost` before any rendezvous when
-        :meth:`move_state` would (the same plan arithmetic; ``alive``: the new world)."""
+        :meth:`move_state` would (the same plan arithmetic; ``alive``: the new world,
+        whose devices outside ``new_plan``, such as a slow device the plan drops, still
+        send the shards they hold)."""
         from resihp_adapters.torch_native.reshard import transfer_plan
 
         if self.iteration != 0:  # nothing trained yet: the initial weights are the state
-            transfer_plan(self, old_plan, new_plan, set(alive) & set(new_plan.devices()), self.wanted_shard)
+            transfer_plan(self, old_plan, new_plan, set(alive), self.wanted_shard)
 
     def move_state(self, old_plan: ParallelPlan, new_plan: ParallelPlan, alive: set[int],
                    step: int) -> int:
