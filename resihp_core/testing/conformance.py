@@ -29,8 +29,9 @@ Scenarios (``docs/adapters.md``): ``regeneration`` (a new generation of the same
 mid-iteration: rollback and an identity move; every adapter), ``killed_peer`` (a peer
 SIGKILLed mid-iteration; the survivors go on with a plan the adapter declares it can
 run, or restore), and one per declared capability: ``tp_resize``, ``layer_repartition``,
-``migration``, ``replica_drop``, ``restore``. A capability declared but failed is a
-:class:`ConformanceError`; a capability not declared is not run.
+``migration``, ``replica_drop``, ``slow_drop`` (the replica dropped alive, as a fail-slow
+re-plan drops it: state only it holds moves from it), ``restore``. A capability declared
+but failed is a :class:`ConformanceError`; a capability not declared is not run.
 
 A scenario with a killed device runs on the production path: the victims die by
 the workers' own fault injector (as a job's ``[[faults]]``), the controller reports
@@ -151,6 +152,9 @@ def scenarios(caps: Capabilities, base: ParallelPlan) -> list[Scenario]:
             Migration(s, 1, j, 0) for s in range(p.pp) for j in range(m - 1, m)))))
         out.append(Scenario("replica_drop", lambda p: _drop_replica(p, p.dp - 1),
                             kill=lambda p: [d for g in p.tp_groups[-1] for d in g]))
+        # What a fail-slow re-plan does: the slow replica's devices stay alive, stand by,
+        # and still hold state the new plan needs (a sharded stage's other half)
+        out.append(Scenario("slow_drop", lambda p: _drop_replica(p, p.dp - 1).with_(excluded=frozenset())))
     if caps.checkpoint and base.dp > 1:
         out.append(Scenario("restore", lambda p: _fewer_replicas(p, last(p)), kill=last, restore=True))
     if not (caps.uneven_dp or caps.checkpoint):
@@ -337,7 +341,7 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
     (:func:`_supervised`), the others post the scenario's plan themselves."""
     import torch
 
-    from resihp_core.runtime.controller.launcher import LocalJob
+    from resihp_core.runtime.controller.launcher import LocalJob, NoProgress
 
     dump = tempfile.mkdtemp(prefix="resihp-conformance-")
     ckpt = tempfile.mkdtemp(prefix="resihp-conformance-ckpt-")
@@ -359,7 +363,14 @@ def run_scenario(job: JobSpec, base: ParallelPlan, scenario: Scenario | None, *,
                 lj.wait(switch_at, timeout=timeout)
                 resume = lj.abort()
                 lj.post(scenario.change(base), iterations=iterations, resume=resume)
-            lj.wait(iterations, timeout=timeout)
+            try:
+                lj.wait(iterations, timeout=timeout)
+            except NoProgress as e:
+                left = lj.worker_failures()  # why the devices left the scenario's generation
+                if scenario is None or not left:
+                    raise
+                raise ConformanceError(f"{scenario.name}: the devices left the new plan's generation: " + "; ".join(
+                    f"device {d}: {why[:300]}" for d, why in sorted(left.items()))) from e
     losses, computed = [], []
     for i in range(iterations):
         rep = lj.report(i)

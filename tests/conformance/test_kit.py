@@ -46,7 +46,7 @@ def test_example_adapter_passes_for_what_it_declares(example_fault_free):
     said: list[str] = []
     got = check_adapter(_example_job("resihp_example_adapter.adapter:ExampleAdapter"), base, env=ENV,
                         progress=said.append, reference=example_fault_free)
-    assert set(got) == {"regeneration", "migration", "replica_drop", "restore"}
+    assert set(got) == {"regeneration", "migration", "replica_drop", "slow_drop", "restore"}
     assert max(got.values()) <= 1e-12
     # It reports no full_state(): the kit says it compares held_state() only.
     assert any("does not report full_state()" in line for line in said), said
@@ -106,7 +106,7 @@ def test_reference_backend_passes():
     said: list[str] = []
     got = check_adapter(job, base, progress=said.append)
     assert not any("full_state" in line for line in said), said  # the complete state was compared
-    assert {"regeneration", "layer_repartition", "migration", "replica_drop", "restore"} <= set(got)
+    assert {"regeneration", "layer_repartition", "migration", "replica_drop", "slow_drop", "restore"} <= set(got)
     assert max(got.values()) <= 1e-9
 
 

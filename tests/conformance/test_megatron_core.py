@@ -73,7 +73,7 @@ def test_megatron_core_distributed_optimizer_pp2_dp2():
     1.6e-4 seen, the plain optimizer's range), where a lost or misplaced moment shard
     would be off by O(1)."""
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=2)
-    names = ["regeneration", "layer_repartition", "migration", "replica_drop", "restore"]
+    names = ["regeneration", "layer_repartition", "migration", "replica_drop", "slow_drop", "restore"]
     ordered = ["layer_repartition", "migration"]
 
     def kit(dist_opt: bool, only: list[str]) -> dict[str, float]:

@@ -33,5 +33,5 @@ def _job() -> JobSpec:
 def test_deepspeed_adapter_passes_the_kit_for_what_it_declares():
     base = ParallelPlan.uniform(tp=1, pp=2, dp=2, num_layers=6, num_microbatches=2)
     got = check_adapter(_job(), base, env=ENV, iterations=3)
-    assert set(got) == {"regeneration", "layer_repartition", "migration", "replica_drop", "restore"}
+    assert set(got) == {"regeneration", "layer_repartition", "migration", "replica_drop", "slow_drop", "restore"}
     assert max(got.values()) <= 1e-9
