@@ -38,7 +38,9 @@ def test_torch_native_passes_for_what_it_declares_with_a_users_hf_model_optimize
     LambdaLR and clipping at 1.0 (``adapter_config.user``), pp2 x dp2 sharded FSDP2 (each
     replica half of each stage), 1F1B; uneven DP with pipelining (``migration``:
     pipelines of 3 and 1 micro-batches); the complete state (parameters, optimizer state,
-    learning rate, scheduler position) equals the fault-free run. ``replica_drop`` kills a
+    learning rate, scheduler position) equals the fault-free run. ``slow_drop`` drops
+    replica 1 with its devices alive, as a fail-slow re-plan does: they send their halves
+    of every shard to replica 0 (no restore). ``replica_drop`` kills a
     whole replica and expects its state in memory: under FSDP2 half of every shard dies
     with it (the supervisor restores it from a checkpoint, as
     tests/integration/test_torch_native_dp.py shows); under HSDP it passes (measured by
