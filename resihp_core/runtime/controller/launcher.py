@@ -191,8 +191,11 @@ class LocalJob:
 
     def wait(self, iteration: int, *, timeout: float = 120.0, on_death: str = "raise") -> list[int]:
         """Wait until ``iteration`` iterations are committed. Returns the devices that
-        died meanwhile (``on_death='return'``), or raises :class:`NoProgress`."""
+        died meanwhile (``on_death='return'``), or raises :class:`NoProgress`: at
+        ``timeout``, or as soon as every device of the generation has left it (with
+        their reasons)."""
         deadline = time.monotonic() + timeout
+        next_left = time.monotonic()
         while self.committed_through() < iteration:
             dead = [d for d in self.dead() if self.message and d in self.message.devices]
             if dead:
@@ -200,6 +203,14 @@ class LocalJob:
                     return dead
                 raise NoProgress(f"worker(s) {dead} died during generation {self.generation}:\n"
                                + "\n".join(self.log(d)[-2000:] for d in dead))
+            if time.monotonic() >= next_left:  # a few store reads: four times a second
+                next_left = time.monotonic() + 0.25
+                left = self.session.workers_left()
+                if self.message and left and set(self.message.devices) <= set(left):
+                    # every device gave the generation up (a state move they all refused):
+                    # nothing will commit, and no supervisor here posts another one
+                    raise NoProgress(f"every device left generation {self.generation}: " + "; ".join(
+                        f"device {d}: {w.reason[:300]}" for d, w in sorted(left.items())))
             if time.monotonic() > deadline:
                 raise NoProgress(f"iteration {self.committed} did not commit in {timeout:.0f}s "
                                f"(generation {self.generation}); logs in {self.workdir}")
