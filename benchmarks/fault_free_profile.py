@@ -70,6 +70,8 @@ PARTS = [
      "runtime/worker/__init__.py", "_one_iteration|_overlapped_iteration|_deferred_iteration"),
     ("  adapter.run_iteration", "torch_native/adapter.py", "run_iteration"),
     ("    pipeline schedule: forward, backward, FSDP collectives", "pipelining/schedules.py", "_step_microbatches"),
+    ("    one-stage program (pp = 1): the engine's own loop", "torch_native/engine.py", "_step_microbatches"),
+    ("      its forward and backward chunks", "torch_native/engine.py", "chunk"),
     ("      forward and backward chunks", "pipelining/stage.py", "forward_one_chunk|backward_one_chunk|"
      "backward_weight_one_chunk"),
     ("      FSDP post-backward (the gradient reduction where sharded)", "pipelining/stage.py",

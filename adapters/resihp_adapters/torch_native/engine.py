@@ -14,7 +14,8 @@ Per plan generation the engine builds, over the plan's devices only:
   replicate group holds a whole copy, so a dead rank's shard survives elsewhere); with
   shard degree 1 (nothing sharded) the stage alone is wrapped, one FSDP group;
 * a ``PipelineStage`` over the ``pp`` sub-mesh group and a ``_PipelineScheduleRuntime``
-  running the action lists lowered from the core's programs (:mod:`.lowering`).
+  running the action lists lowered from the core's programs (:mod:`.lowering`); a
+  one-stage program (pp = 1) runs on :class:`SingleStage` instead.
 
 Nothing of a generation can be re-pointed at new groups (stages, meshes and FSDP bind
 their groups at construction), so :meth:`TorchNativeEngine.rebuild` drops every object
@@ -59,7 +60,7 @@ from resihp_adapters.torch_native.unsharded import alias_unsharded
 from resihp_adapters.torch_native.replica_reduce import ReplicaReducer
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
-__all__ = ["TorchNativeEngine", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
+__all__ = ["TorchNativeEngine", "SingleStage", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
            "live_replicas", "IterationResult", "captured_groups", "adamw_recipe"]
 
 #: torch modules whose import, once a process group exists, binds that group for good
@@ -548,14 +549,7 @@ class TorchNativeEngine:
 
         def timed(fn, book):
             def run(mb, *args, **kwargs):
-                engine.before_action()
-                timer = engine.chunk_timer().start()  # CUDA events on a GPU
-                out = fn(mb, *args, **kwargs)
-                dt = engine.stretch(timer.stop())
-                res = engine._current
-                if res is not None:
-                    getattr(res, book)[mb] = getattr(res, book).get(mb, 0.0) + dt
-                return out
+                return engine.chunk(book, mb, fn, mb, *args, **kwargs)
             return run
 
         def delayed(fn):
@@ -572,6 +566,20 @@ class TorchNativeEngine:
         stage.perform_reduce_grad = delayed(stage.perform_reduce_grad)
 
     _current: IterationResult | None = None
+
+    def chunk(self, book: str, mb: int, fn: Callable[..., object], *args: object, **kwargs: object) -> object:
+        """One compute chunk of micro-batch ``mb``: ``before_action`` first, its time (after
+        an injected ``stretch``) added to the iteration's ``book`` (``forward_s`` or
+        ``backward_s``) for the profile."""
+        self.before_action()
+        timer = self.chunk_timer().start()  # CUDA events on a GPU
+        out = fn(*args, **kwargs)
+        dt = self.stretch(timer.stop())
+        res = self._current
+        if res is not None:
+            times = getattr(res, book)
+            times[mb] = times.get(mb, 0.0) + dt
+        return out
 
     def chunk_timer(self) -> ChunkTimer:
         """The timer of one compute chunk in the profiles (the TP engine times busy time)."""
@@ -939,8 +947,12 @@ class TorchNativeEngine:
         # (the same at every stage: migrations are whole).
         work = plan.work(place.replica, place.stage)
         index = {w: k for k, w in enumerate(work)}
+        own = lower_program(program, index)
+        if plan.pp == 1 and SingleStage.runs(own):
+            self.schedule, self._lowered = SingleStage(self, own), program
+            return
         actions = lower_pipeline(emit_programs(plan), place.replica, index)
-        actions[place.stage] = lower_program(program, index)
+        actions[place.stage] = own
         sched = _PipelineScheduleRuntime([self.stage], len(work), loss_fn=self._loss, scale_grads=False)
         sched._prepare_schedule_with_comms(actions, format="compute_comms")
         self.schedule, self._lowered = sched, program
@@ -1242,6 +1254,58 @@ _GROUPS = "param_groups."
 
 #: torch.optim classes whose step is element-wise per tensor: on the local tensors of
 #: same-layout DTensors it is the DTensor step's arithmetic (no norms across shards).
+class SingleStage:
+    """The runtime of a one-stage program (pp = 1: a data-parallel replica), in place of
+    torch's ``_PipelineScheduleRuntime``: the same actions in the same order on the
+    stage's module (forward, the loss, ``backward()``; FSDP's flags, gathers and
+    reduction as the runtime sets them), without its per-action bookkeeping, which on a
+    short step costs more than the engine's own work (docs/torch_native.md). Programs
+    with anything else (a split backward) keep torch's runtime (:meth:`runs`)."""
+
+    def __init__(self, engine: TorchNativeEngine, actions: list) -> None:
+        from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, REDUCE_GRAD, RESHARD, UNSHARD
+
+        self.engine = engine
+        self.actions = [(a.computation_type, a.microbatch_index) for a in actions]
+        self._kinds = (FORWARD, FULL_BACKWARD, REDUCE_GRAD, UNSHARD, RESHARD)
+
+    @staticmethod
+    def runs(actions: list) -> bool:
+        """Whether ``actions`` (one stage's lowered program) has only what this runs."""
+        from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, REDUCE_GRAD, RESHARD, UNSHARD
+
+        return all(a.computation_type in (FORWARD, FULL_BACKWARD, REDUCE_GRAD, UNSHARD, RESHARD) for a in actions)
+
+    def _step_microbatches(self, args: list, kwargs: list, targets: list, losses: list[Tensor],
+                           return_outputs: bool = False) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        forward, backward, reduce, unshard, reshard = self._kinds
+        engine = self.engine
+        module = engine.module
+        fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        pending: dict[int, Tensor] = {}
+        for kind, mb in self.actions:
+            if kind == forward:
+                out = engine.chunk("forward_s", mb, module, *args[mb], **kwargs[mb])
+                pending[mb] = engine._loss(out, targets[mb])
+                losses.append(pending[mb])
+            elif kind == backward:
+                if fsdp:  # gradients accumulate; REDUCE_GRAD reduces them once
+                    module.set_is_last_backward(False)
+                    module.set_reshard_after_backward(False)
+                    module.set_requires_gradient_sync(False)
+                engine.chunk("backward_s", mb, pending.pop(mb).backward)
+            elif kind == reduce:
+                engine.stage.perform_reduce_grad(1)  # FSDP's post-backward (delay_comm hooked)
+            elif kind == unshard:
+                for m in fsdp:
+                    m.unshard()
+            elif kind == reshard:
+                for m in fsdp:
+                    m.reshard()
+
+
 class StepHeap:
     """While the optimizer steps on the host, its temporaries come from glibc's heap
     and stay there for the next step once freed.
