@@ -1102,7 +1102,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--_worker":
         a = json.loads(argv[2])
         {"torchrun": _torchrun_worker, "torchft": _torchft_worker}[argv[1]](a)
-        return 0
+        # Every iteration is logged and the group destroyed: leave without the
+        # interpreter's teardown, where a gloo thread's destructor now and then aborts
+        # the process ("terminate called without an active exception", SIGABRT) and
+        # torchrun counts a finished run as failed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     ap = _parser()
     ap.add_argument("--from-json", help="print the report of a saved run (--json's file) with this code, run nothing")
     ap.add_argument("--check-ref", action="store_true", help="check that checkpoint-restart's tp2pp2 script trains "

@@ -1252,8 +1252,6 @@ class TorchNativeEngine:
 _GROUPS = "param_groups."
 
 
-#: torch.optim classes whose step is element-wise per tensor: on the local tensors of
-#: same-layout DTensors it is the DTensor step's arithmetic (no norms across shards).
 class SingleStage:
     """The runtime of a one-stage program (pp = 1: a data-parallel replica), in place of
     torch's ``_PipelineScheduleRuntime``: the same actions in the same order on the
@@ -1358,6 +1356,8 @@ class StepHeap:
 
 _STEP_HEAP = StepHeap()
 
+#: torch.optim classes whose step is element-wise per tensor: on the local tensors of
+#: same-layout DTensors it is the DTensor step's arithmetic (no norms across shards).
 _ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 #: The most elements one foreach group of a host step holds (4 MiB of float32 per list):
 #: AdamW's passes over a group of that size find it in the cache; over a whole stage
