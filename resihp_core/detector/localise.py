@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "confined", "machine_noise", "own_compute_of", "own_cores", "peer_excess",
+__all__ = ["PeerExcessWatch", "compute_of", "confined", "machine_noise", "median_without", "own_compute_of", "own_cores", "peer_excess",
            "peers_waiting", "robust_sigma", "unshared_waiting"]
 
 
@@ -211,14 +211,56 @@ def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], floa
         ex[p.device] = (p.replica, p.stage)
     if len(set(ex.values())) < 2:
         return {}
+    # Every device of an executor has the same peers: one median per executor, taken
+    # from the sorted values of the whole job less the executor's own (a few), so the
+    # cost grows as N log N with the job, not N^2 (docs/detector.md, "At scale").
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for d in logs:
+        groups[ex[d]].append(d)
+    every = sorted(logs.values())
+    trusted = sorted(x for d, x in logs.items() if d not in skip)
     out = {}
-    for d, x in logs.items():
-        others = [e for e in logs if ex[e] != ex[d]]
-        reliable = [e for e in others if e not in skip]
-        peers = [logs[e] for e in (reliable if reliable or d not in skip else others)]
-        if peers:
-            out[d] = x - statistics.median(peers)
+    for members in groups.values():
+        own_trusted = [logs[d] for d in members if d not in skip]
+        med = median_without(trusted, own_trusted)
+        fallback = None
+        for d in members:
+            if med is not None:
+                out[d] = logs[d] - med
+            elif d in skip:  # no trusted peer: a known-slow device is held to all the others
+                if fallback is None:
+                    fallback = median_without(every, [logs[e] for e in members])
+                if fallback is not None:
+                    out[d] = logs[d] - fallback
     return out
+
+
+def median_without(pool: Sequence[float], drop: Sequence[float]) -> float | None:
+    """``statistics.median`` of the sorted values ``pool`` less the values ``drop`` (a
+    sub-multiset of ``pool``), the same float; None when nothing is left. It costs a
+    few steps per dropped value instead of a copy of ``pool``."""
+    import bisect
+
+    n = len(pool) - len(drop)
+    if n <= 0:
+        return None
+    counts: dict[float, int] = {}
+    for v in drop:
+        counts[v] = counts.get(v, 0) + 1
+    # a dropped value takes the first places its value has in pool
+    spans = [(bisect.bisect_left(pool, v), c) for v, c in counts.items()]
+
+    def kth(k: int) -> float:  # the k-th smallest value left (0-based)
+        i = k
+        while True:  # k + the places dropped up to i: rises to the first fixed point, a kept place
+            j = k + sum(min(c, max(0, i + 1 - lo)) for lo, c in spans)
+            if j == i:
+                return pool[i]
+            i = j
+
+    if n % 2:
+        return kth(n // 2)
+    return (kth(n // 2 - 1) + kth(n // 2)) / 2
 
 
 class PeerExcessWatch:

@@ -10,7 +10,7 @@ import pytest
 
 from resihp_core.detector.changepoint import BOCPD
 from resihp_core.detector.failslow import WorkloadAwareDetector
-from resihp_core.detector.localise import PeerExcessWatch, peer_excess, robust_sigma
+from resihp_core.detector.localise import PeerExcessWatch, median_without, peer_excess, robust_sigma
 from resihp_core.detector.verify import ProfileVerifier
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 
@@ -497,3 +497,62 @@ def test_a_run_the_watch_started_one_iteration_early_is_verified_from_the_slowdo
         seen = [(d.iteration, d.action, d.onset) for d in dets]
         assert windows and windows[0][0] == verified_from, (contention, windows, seen)
         assert latency(dets, onset=verified_from) == 3, (contention, seen)
+
+
+def _peer_excess_by_definition(profiles, healthy, skip):
+    """The definition, one device at a time (what peer_excess computed before it was
+    made to scale): the median over the ranks of other executors, trusted ones where
+    there are any."""
+    import statistics
+
+    logs = {p.device: math.log(sum(m.forward_s + m.backward_s for m in p.microbatches) / healthy(p))
+            for p in profiles.values()}
+    ex = {p.device: (p.replica, p.stage) for p in profiles.values()}
+    if len(set(ex.values())) < 2:
+        return {}
+    out = {}
+    for d, x in logs.items():
+        others = [e for e in logs if ex[e] != ex[d]]
+        reliable = [e for e in others if e not in skip]
+        peers = [logs[e] for e in (reliable if reliable or d not in skip else others)]
+        if peers:
+            out[d] = x - statistics.median(peers)
+    return out
+
+
+def test_peer_excess_is_the_definitions_float_for_every_executor_shape() -> None:
+    """One median per executor from the job's sorted values gives the same floats as the
+    per-device definition: TP groups of 1-8 ranks, pipelines, ties, known-slow devices
+    (some executors with no trusted peer left), odd and even peer counts."""
+    rng = random.Random(7)
+    for case in range(300):
+        tp, pp, dp = rng.choice([1, 2, 8]), rng.choice([1, 2, 4]), rng.randint(1, 6)
+        values = [round(rng.uniform(0.5, 2.0), 1 if case % 3 == 0 else 9) for _ in range(5)]  # ties, often
+        profiles, device = {}, 0
+        for r in range(dp):
+            for s in range(pp):
+                for _ in range(tp):
+                    c = rng.choice(values) if case % 2 else rng.uniform(0.5, 2.0)
+                    mb = MicroBatchProfile(owner=r, mb=0, forward_s=c / 3, backward_s=2 * c / 3, doc_lengths=(8,))
+                    profiles[device] = IterationProfile(rank=device, device=device, generation=0, iteration=1,
+                                                        stage=s, replica=r, microbatches=(mb,), iteration_s=c,
+                                                        comm_s=0.0)
+                    device += 1
+        skip = set(rng.sample(range(device), rng.choice([0, 1, device // 2, device]))) if device else set()
+        healthy = lambda p: 1.0 + 0.1 * (p.device % 3)  # noqa: E731
+        got = peer_excess(profiles, healthy, unreliable=skip)
+        want = _peer_excess_by_definition(profiles, healthy, skip)
+        assert got == want, (case, tp, pp, dp, sorted(skip))
+
+
+def test_median_without_drops_values_as_a_multiset() -> None:
+    import statistics
+
+    rng = random.Random(3)
+    for _ in range(500):
+        pool = sorted(rng.choice([0.0, 1.0, 1.5, 2.0, 7.25]) for _ in range(rng.randint(1, 12)))
+        drop = rng.sample(pool, rng.randint(0, len(pool)))
+        rest = list(pool)
+        for v in drop:
+            rest.remove(v)
+        assert median_without(pool, drop) == (statistics.median(rest) if rest else None), (pool, drop)
