@@ -964,7 +964,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    out: dict[str, Any] = {"config": {"ranks": ranks, "commit": a.commit, "iterations": iters,
+    from benchstats import machine
+
+    out: dict[str, Any] = {"command": "python benchmarks/control_scale.py " + " ".join(
+                               sys.argv[1:] if argv is None else argv),
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+                           "config": {"ranks": ranks, "commit": a.commit, "iterations": iters,
                                       "iteration_s": a.iteration_s,
                                       "procs": a.procs, "heartbeat_s": a.heartbeat_s,
                                       "load_average_start": os.getloadavg()}, "runs": []}
