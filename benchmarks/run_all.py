@@ -509,6 +509,9 @@ SOURCES = [
            ("--ranks", "16384", "--emulation", "coroutines", "--iterations", "5", "--procs", "4"),
            "Control plane at 16,384 emulated ranks on this machine: what the controller and store cost per "
            "iteration while the emulators, short of cores, stretch the iterations"),
+    Source("detector-scale", "detector-scale.json", "detector_scale.py", (),
+           "The fail-slow detector's CPU per iteration against the job's ranks (1,024 to 16,384, TP 1 and 8), "
+           "in one process on synthetic healthy profiles: what the controller spends on it per iteration"),
     Source("scheduler-131072", "scheduler-131072.json", "scheduler.py",
            ("--jobs", "16", "--latency-jobs", "131072", "--runs", "3"),
            "Planning latency at 131,072 GPUs (TP8 PP16 DP1024), cold caches, and one simulated iteration there"),

@@ -69,6 +69,7 @@ from resihp_core.detector.localise import (
     machine_noise,
     own_compute_of,
     peer_excess,
+    per_executor,
     peers_waiting,
     unshared_waiting,
 )
@@ -465,8 +466,9 @@ class WorkloadAwareDetector(_Base):
         # ... and give each device's peer excess its first healthy values.
         try:
             for it, _, ps in self._hist:
-                self.local.update(it, peer_excess(ps, self.model.rank_compute, unreliable=self._known_slow()))
-                self.own.update(it, peer_excess(ps, self.model.rank_compute, own_compute_of, self._known_slow()))
+                healthy = per_executor(self.model.rank_compute)
+                self.local.update(it, peer_excess(ps, healthy, unreliable=self._known_slow()))
+                self.own.update(it, peer_excess(ps, healthy, own_compute_of, self._known_slow()))
         except ModelNotReady:
             pass
 
@@ -487,12 +489,13 @@ class WorkloadAwareDetector(_Base):
         for ps in rows:
             level: dict[tuple[int, int], list[float]] = {}
             skip: set[tuple[int, int]] = set()
+            compute = per_executor(self.model.rank_compute)
             for p in ps.values():
                 ex = (p.replica, p.stage)
                 if p.device in slow:
                     skip.add(ex)
                 share = self.model.wait_share.get(p.device, (0.0, 0.0))[0]
-                healthy = self.model.rank_compute(p) * (1.0 - min(share, 0.9))
+                healthy = compute(p) * (1.0 - min(share, 0.9))
                 if healthy > 0:
                     level.setdefault(ex, []).append(own_compute_of(p) / healthy)
             per_ex = {ex: statistics.median(v) for ex, v in level.items() if ex not in skip}
@@ -573,8 +576,9 @@ class WorkloadAwareDetector(_Base):
         rows: list[dict[int, tuple[bool, bool]]] = []  # per iteration, per device: (measured, own) above
         try:
             for _, _, ps in after:
-                measured = peer_excess(ps, self.model.rank_compute, unreliable=slow)
-                own = peer_excess(ps, self.model.rank_compute, own_compute_of, slow)
+                healthy = per_executor(self.model.rank_compute)
+                measured = peer_excess(ps, healthy, unreliable=slow)
+                own = peer_excess(ps, healthy, own_compute_of, slow)
                 rows.append({d: (measured.get(d, -math.inf) > bar, own.get(d, -math.inf) > bar) for d in devices})
         except ModelNotReady:
             return onset
@@ -593,7 +597,7 @@ class WorkloadAwareDetector(_Base):
         if not speeds:
             return None
         try:
-            excess = peer_excess(profiles, self.model.rank_compute, unreliable=self._known_slow())
+            excess = peer_excess(profiles, per_executor(self.model.rank_compute), unreliable=self._known_slow())
         except ModelNotReady:
             return None
         back = self.recovery.update(speeds, excess)
@@ -656,8 +660,9 @@ class WorkloadAwareDetector(_Base):
             # little off, or a device back at full speed, makes every peer look slow
             # (the CI run of the duty cycle that ends reported its healthy peer).
             slow = self._known_slow()
-            excess = peer_excess(profiles, self.model.rank_compute, unreliable=slow)
-            own = peer_excess(profiles, self.model.rank_compute, own_compute_of, slow)
+            healthy = per_executor(self.model.rank_compute)
+            excess = peer_excess(profiles, healthy, unreliable=slow)
+            own = peer_excess(profiles, healthy, own_compute_of, slow)
         except ModelNotReady:
             return None
         noise, own_noise = self.local.noise(), self.own.noise()

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from resihp_core.detector import ProfileSet
     from resihp_core.protocol import IterationProfile
 
-__all__ = ["PeerExcessWatch", "compute_of", "confined", "machine_noise", "median_without", "own_compute_of", "own_cores", "peer_excess",
-           "peers_waiting", "robust_sigma", "unshared_waiting"]
+__all__ = ["PeerExcessWatch", "compute_of", "confined", "machine_noise", "median_without", "own_compute_of", "own_cores",
+           "peer_excess", "per_executor", "peers_waiting", "robust_sigma", "unshared_waiting"]
 
 
 def compute_of(p: IterationProfile) -> float:
@@ -235,6 +235,23 @@ def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], floa
     return out
 
 
+def per_executor(healthy: Callable[[IterationProfile], float]) -> Callable[[IterationProfile], float]:
+    """``healthy`` (a rank's healthy compute) taken once per executor and work: the
+    ranks of an executor (its TP group) run the same micro-batches, and both peer
+    comparisons of an iteration ask for every rank. For one iteration's profiles and one
+    state of the model."""
+    seen: dict[tuple[object, ...], float] = {}
+
+    def of(p: IterationProfile) -> float:
+        key = (p.replica, p.stage, tuple((mb.owner, mb.mb, mb.doc_lengths) for mb in p.microbatches))
+        got = seen.get(key)
+        if got is None:
+            got = seen[key] = healthy(p)
+        return got
+
+    return of
+
+
 def median_without(pool: Sequence[float], drop: Sequence[float]) -> float | None:
     """``statistics.median`` of the sorted values ``pool`` less the values ``drop`` (a
     sub-multiset of ``pool``), the same float; None when nothing is left. It costs a
@@ -336,9 +353,10 @@ class PeerExcessWatch:
         weaker: docs/detector.md "False reports on a loaded machine"); its answer holds
         for the rest of the run."""
         found: dict[int, int] = {}
+        least = math.log1p(self.floor)  # every threshold's floor: below it no noise scale is needed
         for d, x in excess.items():
             h = self._healthy[d]
-            if len(h) >= self.min_history and x - self.level(d) > self.threshold(d):
+            if len(h) >= self.min_history and (gap := x - self.level(d)) > least and gap > self.threshold(d):
                 run = self._run.setdefault(d, [])
                 run.append((iteration, x))
                 if len(run) == self.window and longer is not None:

@@ -10,7 +10,7 @@ import pytest
 
 from resihp_core.detector.changepoint import BOCPD
 from resihp_core.detector.failslow import WorkloadAwareDetector
-from resihp_core.detector.localise import PeerExcessWatch, median_without, peer_excess, robust_sigma
+from resihp_core.detector.localise import PeerExcessWatch, median_without, peer_excess, per_executor, robust_sigma
 from resihp_core.detector.verify import ProfileVerifier
 from resihp_core.protocol import IterationProfile, MicroBatchProfile
 
@@ -543,6 +543,12 @@ def test_peer_excess_is_the_definitions_float_for_every_executor_shape() -> None
         got = peer_excess(profiles, healthy, unreliable=skip)
         want = _peer_excess_by_definition(profiles, healthy, skip)
         assert got == want, (case, tp, pp, dp, sorted(skip))
+        # the healthy compute taken once per executor (the TP group runs the same work)
+        calls = []
+        once = per_executor(lambda p: calls.append(p.device) or 1.0 + 0.1 * (p.replica % 3))
+        by_executor = lambda p: 1.0 + 0.1 * (p.replica % 3)  # noqa: E731
+        assert peer_excess(profiles, once, unreliable=skip) == peer_excess(profiles, by_executor, unreliable=skip)
+        assert len(calls) == dp * pp  # every executor asked once, whatever its TP degree
 
 
 def test_median_without_drops_values_as_a_multiset() -> None:
