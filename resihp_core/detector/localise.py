@@ -22,6 +22,7 @@ not on how long an iteration takes.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import defaultdict, deque
@@ -256,8 +257,6 @@ def median_without(pool: Sequence[float], drop: Sequence[float]) -> float | None
     """``statistics.median`` of the sorted values ``pool`` less the values ``drop`` (a
     sub-multiset of ``pool``), the same float; None when nothing is left. It costs a
     few steps per dropped value instead of a copy of ``pool``."""
-    import bisect
-
     n = len(pool) - len(drop)
     if n <= 0:
         return None

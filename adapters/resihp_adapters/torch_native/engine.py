@@ -60,8 +60,8 @@ from resihp_adapters.torch_native.unsharded import alias_unsharded
 from resihp_adapters.torch_native.replica_reduce import ReplicaReducer
 from resihp_adapters.torchkit.device import CPU, ChunkTimer, Placement, release_world
 
-__all__ = ["TorchNativeEngine", "SingleStage", "Place", "Held", "Recipe", "StageSource", "shard_degree_for", "place_of",
-           "live_replicas", "IterationResult", "captured_groups", "adamw_recipe"]
+__all__ = ["TorchNativeEngine", "SingleStage", "Place", "Held", "Recipe", "StageSource", "shard_degree_for",
+           "place_of", "live_replicas", "IterationResult", "captured_groups", "adamw_recipe"]
 
 #: torch modules whose import, once a process group exists, binds that group for good
 #: (as a default argument): imported here, before this process creates any group.
