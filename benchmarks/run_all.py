@@ -511,7 +511,7 @@ SOURCES = [
            "iteration while the emulators, short of cores, stretch the iterations"),
     Source("detector-scale", "detector-scale.json", "detector_scale.py", (),
            "The fail-slow detector's CPU per iteration against the job's ranks (1,024 to 16,384, TP 1 and 8), "
-           "in one process on synthetic healthy profiles: what the controller spends on it per iteration"),
+           "in one process on synthetic profiles, then one TP group slowed 2x: its latency and the verification's CPU"),
     Source("scheduler-131072", "scheduler-131072.json", "scheduler.py",
            ("--jobs", "16", "--latency-jobs", "131072", "--runs", "3"),
            "Planning latency at 131,072 GPUs (TP8 PP16 DP1024), cold caches, and one simulated iteration there"),
