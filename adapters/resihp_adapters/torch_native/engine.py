@@ -1261,24 +1261,28 @@ class SingleStage:
     with anything else (a split backward) keep torch's runtime (:meth:`runs`)."""
 
     def __init__(self, engine: TorchNativeEngine, actions: list) -> None:
-        from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, REDUCE_GRAD, RESHARD, UNSHARD
-
         self.engine = engine
         self.actions = [(a.computation_type, a.microbatch_index) for a in actions]
-        self._kinds = (FORWARD, FULL_BACKWARD, REDUCE_GRAD, UNSHARD, RESHARD)
+
+    @staticmethod
+    def kinds() -> tuple:
+        """torch's action types this runs: forward, full backward, gradient reduction,
+        unshard, reshard (in that order)."""
+        from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, REDUCE_GRAD, RESHARD, UNSHARD
+
+        return FORWARD, FULL_BACKWARD, REDUCE_GRAD, UNSHARD, RESHARD
 
     @staticmethod
     def runs(actions: list) -> bool:
         """Whether ``actions`` (one stage's lowered program) has only what this runs."""
-        from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, REDUCE_GRAD, RESHARD, UNSHARD
-
-        return all(a.computation_type in (FORWARD, FULL_BACKWARD, REDUCE_GRAD, UNSHARD, RESHARD) for a in actions)
+        kinds = SingleStage.kinds()
+        return all(a.computation_type in kinds for a in actions)
 
     def _step_microbatches(self, args: list, kwargs: list, targets: list, losses: list[Tensor],
                            return_outputs: bool = False) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        forward, backward, reduce, unshard, reshard = self._kinds
+        forward, backward, reduce, unshard, reshard = self.kinds()
         engine = self.engine
         module = engine.module
         fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
