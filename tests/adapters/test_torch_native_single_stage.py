@@ -70,3 +70,33 @@ def test_a_split_backward_keeps_torchs_runtime():
     split = one_stage("zbh1")  # input and weight gradients apart: I0 W0
     assert [str(a) for a in split][2:4] == ["0I0", "0W0"]
     assert not SingleStage.runs(split)
+
+
+@pytest.mark.timeout(120)
+def test_the_users_exception_in_a_one_stage_forward_is_raised_as_theirs():
+    """Their error as they raised it, of the job kind, with the line of their code the
+    console names; the failed iteration is discarded."""
+    from resihp_core.errors import classify, user_frame
+
+    cfg = LlamaConfig(vocab_size=32, dim=8, n_layers=2, n_heads=2, ffn_dim=16, dtype="float64")
+    job = JobSpec(adapter="torch_native", adapter_config={}, data={"source": "synthetic", "token_budget": 16},
+                  dp=1, num_microbatches=3)
+    eng = TorchNativeEngine(0, cfg, Batches(job_source(job, 32), torch.float64), dist.HashStore(),
+                            shard_degree=1, lr=0.01, weight_decay=0.0)
+    plan = ParallelPlan.uniform(tp=1, pp=1, dp=1, num_layers=2, num_microbatches=3)
+
+    def their_forward(*args, **kwargs):
+        raise ValueError("their bug")
+
+    try:
+        eng.rebuild(plan, 0, [0])
+        eng.start_fresh()
+        eng.defer_steps(True)  # as the worker runs a DP replica: a failed iteration is discarded
+        eng.module.forward = their_forward
+        with pytest.raises(ValueError, match="their bug") as got:
+            eng.run(emit_programs(plan)[0], 0)
+        assert classify(got.value) == "job"
+        assert "test_torch_native_single_stage.py" in user_frame(got.value)
+        eng.rollback()
+    finally:
+        eng.release()
