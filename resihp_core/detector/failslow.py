@@ -262,6 +262,9 @@ class WorkloadAwareDetector(_Base):
     :param settle_iterations: iterations after a generation's fit during which its
         warm-up may still be found unhealthy and refitted (:meth:`_resettle`: a worker
         that resumed or restored cold ran slower than its peers through the warm-up).
+    :param since_window: iterations past the fit a device slower than its peers through
+        the whole warm-up (:attr:`WorkloadModel.slower_than_peers`) must stay slow before
+        it is verified: a worker resumed cold runs so for a few.
 
     A change judged benign is removed from the series (the detector is rebased) but
     stays under watch for ``min_gap`` iterations: if the median ratio since its onset
@@ -297,6 +300,7 @@ class WorkloadAwareDetector(_Base):
         neighbour_share: float = 0.5,
         healthy_iterations: int = 5,
         settle_iterations: int = 10,
+        since_window: int = 5,
     ) -> None:
         if (not slow_threshold > 0 or min_gap < 1 or verify_window < 1 or loaded_window < verify_window
                 or unpinned_window < loaded_window):
@@ -311,6 +315,7 @@ class WorkloadAwareDetector(_Base):
         if settle_iterations < 0:
             raise ValueError(f"settle_iterations must be >= 0, got {settle_iterations}")
         self.settle_iterations = settle_iterations
+        self.since_window = max(since_window, verify_window)
         self.local = local if local is not None else PeerExcessWatch(window=verify_window, floor=slow_threshold)
         # The same watch on each rank's own compute (without its waiting for a CPU):
         # steady where the host is loaded, so a slow DP replica is found in time there
@@ -323,6 +328,7 @@ class WorkloadAwareDetector(_Base):
             raise ValueError(f"series must be 'normalised' or 'raw', got {series!r}")
         self.slow_threshold, self.min_gap, self.series = slow_threshold, min_gap, series
         self.model = model if model is not None else WorkloadModel(plan=plan, warmup_iterations=warmup_iterations)
+        self.model.peer_margin = 1.0 + slow_threshold  # slow since the warm-up began: as slow as slow is
         self._predict = predict_healthy
         self._said_resolution = False  # once per detector, not per generation
         super().__init__(changepoint, verifier, prober=prober, generation=generation, plan=plan,
@@ -336,6 +342,7 @@ class WorkloadAwareDetector(_Base):
         self._opening: list[float] = []  # the normalised series' first values: its healthy level
         self._fit_at: int | None = None  # the iteration whose warm-up fit the model holds
         self._settle_until = -1  # last iteration at which that warm-up may be found unhealthy
+        self._since_unjudged: set[int] = set()  # slow since the warm-up began, not verified yet
         if hasattr(self, "local"):
             self.local.reset()
             self.own.reset()
@@ -463,12 +470,16 @@ class WorkloadAwareDetector(_Base):
                         self.changepoint.rebase(cp.index)
             except ModelNotReady:
                 pass
-        # ... and give each device's peer excess its first healthy values.
+        # ... and give each device's peer excess its first healthy values. A device slow
+        # since the warm-up began (fitted to its peers' cost) was never healthy here: it
+        # gets its peers' typical values, so its slowdown is judged as one.
+        since = self._slow_since_warmup()
+        self._since_unjudged = set(since)
         try:
             for it, _, ps in self._hist:
                 healthy = per_executor(self.model.rank_compute)
-                self.local.update(it, peer_excess(ps, healthy, unreliable=self._known_slow()))
-                self.own.update(it, peer_excess(ps, healthy, own_compute_of, self._known_slow()))
+                self.local.update(it, _as_peers(peer_excess(ps, healthy, unreliable=self._known_slow()), since))
+                self.own.update(it, _as_peers(peer_excess(ps, healthy, own_compute_of, self._known_slow()), since))
         except ModelNotReady:
             pass
 
@@ -556,8 +567,15 @@ class WorkloadAwareDetector(_Base):
 
     def _known_slow(self) -> set[int]:
         """Devices the model knows slow (a report, or the plan's speeds) and the recovery
-        watch follows."""
-        return {d for d, p in self.model.speeds.items() if p < self.recovery.slowest}
+        watch follows, and those slow since this generation's warm-up: no reference for
+        their peers."""
+        return ({d for d, p in self.model.speeds.items() if p < self.recovery.slowest}
+                | self._slow_since_warmup())
+
+    def _slow_since_warmup(self) -> set[int]:
+        """Devices of the executors the model found slower than their peers throughout
+        its warm-up (:attr:`WorkloadModel.slower_than_peers`)."""
+        return {d for ex in self.model.slower_than_peers for d in self.model.group_of(ex)}
 
     def _onset_past_blip(self, onset: int, devices: set[int]) -> int:
         """``onset``, moved one iteration on when each flagged device computed
@@ -671,8 +689,16 @@ class WorkloadAwareDetector(_Base):
         for d, at in own_found.items():
             found[d] = min(at, found.get(d, at))
             excess[d] = max(excess.get(d, own[d]), own[d])
+        for d in [d for d in found if d in self._since_unjudged]:
+            if max(self.local.flagged(d), self.own.flagged(d)) < self.since_window:
+                # Slow since the warm-up began: a worker resumed cold runs so for a few
+                # iterations; it must stay slow past the fit for since_window.
+                self.local.extend(d, self.since_window)
+                self.own.extend(d, self.since_window)
+                del found[d]
         if not found:
             return None
+        self._since_unjudged -= set(found)
         onset = min(found.values())
         later = self._onset_past_blip(onset, set(found))
         if later != onset and len(self._window(later)[0]) < self.verify_window:
@@ -908,6 +934,15 @@ class ChangePointOnlyDetector(_Base):
             return Detection(iteration, measured, "known", cp, verdict=verdict, onset=onset)
         report = self._report(verdict)
         return Detection(iteration, measured, "reported", cp, verdict=verdict, report=report, onset=onset)
+
+
+def _as_peers(excess: dict[int, float], devices: set[int]) -> dict[int, float]:
+    """``excess`` with each of ``devices`` given the median of the others' values."""
+    rest = [x for d, x in excess.items() if d not in devices]
+    if not devices or not rest:
+        return excess
+    typical = statistics.median(rest)
+    return {d: typical if d in devices else x for d, x in excess.items()}
 
 
 # ------------------------------------------------------------------ construction

@@ -28,6 +28,10 @@ its stage's executors with no known-slow device (DP replicas do the same work pe
 micro-batch) times its own speed relative to them when it was last fitted healthy. A
 stage with no such executor keeps the first.
 
+An executor that ran ``peer_margin`` times slower than its stage's other executors in
+every warm-up iteration was slow before the generation began (:meth:`WorkloadModel._slow_from_start`):
+its own warm-up is no healthy speed, and its peers' cost stands in for it.
+
 numpy is needed (the fit and the simulator); import this module lazily.
 """
 
@@ -122,6 +126,9 @@ class WorkloadModel:
     :param warmup_iterations: iterations fitted before predictions are available.
     :param speeds: known normalised throughput of slow devices (device -> p).
     :param calibrate: multiply predictions by median(measured / raw) over the warm-up.
+    :param peer_margin: an executor that computed this much slower than its stage's
+        other executors in every warm-up iteration is slow since the warm-up began
+        (:attr:`slower_than_peers`): its healthy cost is theirs.
     """
 
     def __init__(
@@ -135,6 +142,7 @@ class WorkloadModel:
         warmup_iterations: int = 3,
         speeds: Mapping[int, float] | None = None,
         calibrate: bool = True,
+        peer_margin: float = 1.25,
     ) -> None:
         if warmup_iterations < 1:
             raise ValueError(f"warmup_iterations must be >= 1, got {warmup_iterations}")
@@ -143,6 +151,9 @@ class WorkloadModel:
         self.topology, self.shape, self.links = topology, shape, links
         self.warmup_iterations = warmup_iterations
         self.calibrate = calibrate
+        if not peer_margin > 1.0:
+            raise ValueError(f"peer_margin must be > 1, got {peer_margin}")
+        self.peer_margin = peer_margin
         # device group -> its healthy compute relative to its stage's other executors at
         # the last fit where none of them was known slow (kept across generations)
         self.relative: dict[tuple[int, ...], float] = {}
@@ -169,6 +180,9 @@ class WorkloadModel:
         # device -> share of compute / of time outside compute spent waiting for a CPU
         # in the warm-up: the waiting the healthy predictions contain (detector/environment.py)
         self.wait_share: dict[int, tuple[float, float]] = {}
+        # executor -> its pace over its peers' (median over the warm-up), where at least
+        # peer_margin in every warm-up iteration: slow since the generation began
+        self.slower_than_peers: dict[Executor, float] = {}
 
     def set_speeds(self, speeds: Mapping[int, float]) -> None:
         """Known slow devices changed (a report): predictions include them from now on."""
@@ -197,6 +211,10 @@ class WorkloadModel:
         if self.plan is not None and r < self.plan.dp and s < self.plan.pp and self.plan.group(r, s):
             return self.plan.group(r, s)
         return self._group.get(ex, ())
+
+    def group_of(self, ex: Executor) -> tuple[int, ...]:
+        """The devices of executor ``ex`` (replica, stage)."""
+        return self._executor_group(ex)
 
     def _degree(self, ex: Executor) -> int:
         r, s = ex
@@ -238,6 +256,7 @@ class WorkloadModel:
             self.fit_error = "no micro-batch profiles with document lengths in the warm-up"
             self._warm.clear()
             return
+        self.slower_than_peers = self._slow_from_start(costs)
         self._from_peers(costs, samples)
         self.costs = costs
         self.fit_error = "; ".join(problems) or None
@@ -260,6 +279,42 @@ class WorkloadModel:
         kw = dict(layers=self._layers(ex[1]), tp=self._degree(ex))
         return sum(cost.forward(l, **kw) + cost.backward(l, **kw) for l, _, _ in samples)
 
+    def _slow_from_start(self, costs: Mapping[Executor, StageCost]) -> dict[Executor, float]:
+        """Executors with no known-slow device that computed at least :attr:`peer_margin`
+        times as slowly as the median of their stage's other such executors, in every
+        warm-up iteration: slow since the generation began. Each executor's pace in an
+        iteration is its compute over what its stage's mean fit gives its micro-batches
+        (so uneven work compares). Fitted to their own warm-up they would look healthy
+        for good (a device slowed before a restore, or from the job's start); their
+        healthy cost is their peers' instead (:meth:`_from_peers`), so the detector sees
+        the slowdown. The same iteration's peers, and every iteration: load the host
+        shares, or one iteration's burst of it, is no slowdown. It takes two peers at
+        least: with one, which of the two is slow is a guess. Returns executor -> its
+        median ratio."""
+        from resihp_core.detector.localise import median_without
+
+        candidates = {ex for ex in costs if self._group_speed(ex) >= 1.0}
+        mean = {s: _mean_stage_cost([costs[e] for e in candidates if e[1] == s]) for s in {e[1] for e in candidates}}
+        ratios: dict[Executor, list[float]] = defaultdict(list)
+        for profiles in self._warm:
+            mine: dict[Executor, list[Sample]] = defaultdict(list)
+            for p in profiles.values():
+                if (p.replica, p.stage) in candidates:
+                    mine[(p.replica, p.stage)] += [(tuple(mb.doc_lengths), mb.forward_s, mb.backward_s)
+                                                   for mb in p.microbatches if mb.doc_lengths]
+            pace: dict[int, dict[Executor, float]] = defaultdict(dict)  # stage -> executor -> pace
+            for ex, ss in mine.items():
+                if (want := self._samples_cost(mean[ex[1]], ex, ss)) > 0:
+                    pace[ex[1]][ex] = sum(f + b for _, f, b in ss) / want
+            for paces in pace.values():
+                pool = sorted(paces.values())
+                for ex, x in paces.items():
+                    base = median_without(pool, [x]) if len(pool) >= 3 else None
+                    if base:
+                        ratios[ex].append(x / base)
+        return {ex: statistics.median(rs) for ex, rs in ratios.items()
+                if len(rs) == len(self._warm) and min(rs) >= self.peer_margin}
+
     def _from_peers(self, costs: dict[Executor, StageCost], samples: Mapping[Executor, list[Sample]]) -> None:
         """A known-slow executor's healthy cost: its own warm-up with ``p`` divided out,
         or, where that is less, its stage's executors with no known-slow device times its
@@ -271,9 +326,10 @@ class WorkloadModel:
         with ``p`` divided out fit a level it does not return to (module docstring);
         where it ran at ``p`` its own samples are the better measure: they hold what the
         new layout costs it (left with fewer micro-batches than its peer, the duty-cycle
-        test's worker computes each about 1.3x slower). Healthy executors update
-        :attr:`relative`."""
-        healthy = [ex for ex in costs if self._group_speed(ex) >= 1.0]
+        test's worker computes each about 1.3x slower). An executor slow since the
+        warm-up began (:meth:`_slow_from_start`) gets its peers' cost the same way.
+        Healthy executors update :attr:`relative`."""
+        healthy = [ex for ex in costs if self._group_speed(ex) >= 1.0 and ex not in self.slower_than_peers]
         for ex in healthy:
             others = [costs[e] for e in healthy if e[1] == ex[1] and e != ex]
             if others and samples.get(ex):
@@ -286,7 +342,8 @@ class WorkloadModel:
                 continue
             peers = _mean_stage_cost(others, self.relative.get(self._executor_group(ex), 1.0))
             own = samples.get(ex, [])
-            if self._samples_cost(peers, ex, own) >= self._samples_cost(costs[ex], ex, own):
+            if (ex in self.slower_than_peers
+                    or self._samples_cost(peers, ex, own) >= self._samples_cost(costs[ex], ex, own)):
                 costs[ex] = peers
 
     # ------------------------------------------------------------ predictions

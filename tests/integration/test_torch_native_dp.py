@@ -269,3 +269,25 @@ def test_a_slowed_worker_is_found_within_3_iterations_and_runs_fewer_micro_batch
     # its state moves from it, alive, to the new plan: no progress is lost to a restart
     lost = [e["text"] for e in run.events if "StateLost" in e["text"] or "initial state" in e["text"]]
     assert not lost, lost
+
+
+@pytest.mark.timeout(480)
+def test_a_worker_slow_from_the_jobs_start_is_found_against_its_peers_and_sheds_micro_batches_exact(tmp_path):
+    """Device 2 slowed 5x from iteration 0 (a degraded device the job starts on): its own
+    warm-up is all slow, so only its peers, doing the same work in the same iterations,
+    show it. It is reported (compute) once it stayed slow for the detector's
+    ``since_window`` (5) iterations past the warm-up's fit, the plan moves micro-batches
+    off it, and the run stays exact."""
+    iterations, slow = 12, 2
+    seen: list = []
+    run, dumps = run_job(tmp_path, iterations, [{"device": slow, "iteration": 0, "kind": "slow", "factor": 5.0}],
+                         dim=64, checkpoint_every=0, on_detection=seen.append)
+    check_exact(run, dumps, iterations, dim=64)
+    fitted = next(d.iteration for d in seen if d.action != "warmup")  # the first judged with the fitted model
+    if _other_device_reported_first(seen, slow, fitted):
+        return
+    found = next((d for d in seen if d.report is not None and slow in d.report.devices), None)
+    assert found is not None, "; ".join(f"{d.iteration}:{d.action}" for d in seen)
+    assert found.iteration - fitted + 1 <= 5, (found.iteration, fitted)
+    assert found.report.cause == "compute" and found.report.throughput[slow] < 0.8, found.report
+    assert work_of(run.final_plan, slow) < M, run.final_plan.to_text()

@@ -562,3 +562,56 @@ def test_median_without_drops_values_as_a_multiset() -> None:
         for v in drop:
             rest.remove(v)
         assert median_without(pool, drop) == (statistics.median(rest) if rest else None), (pool, drop)
+
+
+@pytest.mark.parametrize("factor", [1.5, 3.0])
+def test_a_device_slow_since_the_warm_up_began_is_judged_against_its_peers(factor: float) -> None:
+    # Device 2 is slow from the generation's first iteration (a degraded device the job
+    # starts on, or one still slow after a restore): its own warm-up is all slow. It is
+    # verified once it stayed slow for since_window (5) iterations past the fit.
+    for seed in range(3):
+        job = Job(ranks=4, scale=0.3, seed=seed)
+        job.slow[2] = factor
+        det = detector()
+        dets = [det.observe(it, job.iteration(it)) for it in range(12)]
+        assert det.model.slower_than_peers.keys() == {(2, 0)}
+        assert det.model.slower_than_peers[(2, 0)] == pytest.approx(factor, rel=0.1)
+        fitted = next(d.iteration for d in dets if d.action != "warmup")
+        reps = [d for d in dets if d.report is not None]
+        assert reps and reps[0].report.devices == (2,) and reps[0].report.cause == "compute", [d.action for d in dets]
+        assert reps[0].iteration - fitted + 1 == det.since_window == 5
+        assert reps[0].report.throughput[2] == pytest.approx(1 / factor, abs=0.05)
+    # A new generation (the restore after a kill) starts its warm-up with the device
+    # still slow: found again the same way.
+    det.reset(1)
+    job.slow[2] = 2.0
+    again = [det.observe(it, job.iteration(it)) for it in range(12, 24)]
+    assert [d.report.devices for d in again if d.report is not None] == [(2,)]
+
+
+def test_what_is_not_a_device_slow_since_the_warm_up() -> None:
+    # Every device slow alike (the whole machine): no peer is faster.
+    job = Job(ranks=4, scale=0.3, seed=1)
+    job.slow = {r: 2.0 for r in range(4)}
+    det = detector()
+    assert not [d for d in (det.observe(it, job.iteration(it)) for it in range(20)) if d.report is not None]
+    assert det.model.slower_than_peers == {}
+    # One peer only: which of two is slow is a guess, so neither is judged so.
+    job = Job(ranks=2, scale=0.3, seed=1)
+    job.slow[1] = 2.0
+    det = detector()
+    for it in range(8):
+        det.observe(it, job.iteration(it))
+    assert det.model.slower_than_peers == {}
+    # A worker resumed cold, 1.5x slow through the warm-up and 4 iterations past it,
+    # among three warm peers: not reported (nor in DP2: the rejoin tests above).
+    for seed in range(5):
+        dets = _rejoin(Job(ranks=4, seed=seed), {1: 1.5}, 8)
+        assert not [(d.iteration, d.report.devices) for d in dets if d.report is not None], seed
+    # A burst of load on one device in one warm-up iteration is no slowdown since the start.
+    job = Job(ranks=4, scale=0.3, seed=2)
+    det = detector()
+    for it in range(12):
+        job.slow = {1: 4.0} if it == 2 else {}
+        assert det.observe(it, job.iteration(it)).report is None
+    assert det.model.slower_than_peers == {}
