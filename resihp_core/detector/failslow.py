@@ -683,7 +683,11 @@ class WorkloadAwareDetector(_Base):
             own = peer_excess(profiles, healthy, own_compute_of, slow)
         except ModelNotReady:
             return None
-        noise, own_noise = self.local.noise(), self.own.noise()
+        # The noise verification reads is each device's before this iteration; only an
+        # iteration that can find a device needs it (a robust sigma of every device's
+        # history, the watches' largest cost at thousands of ranks).
+        may = self.local.may_find() or self.own.may_find()
+        noise, own_noise = (self.local.noise(), self.own.noise()) if may else ({}, {})
         own_found = self.own.update(iteration, own)
         found = self.local.update(iteration, excess, self._evidence_needed(own_found))
         for d, at in own_found.items():

@@ -336,6 +336,13 @@ class PeerExcessWatch:
         """Healthy values ``device``'s noise is measured on."""
         return len(self._healthy.get(device, ()))
 
+    def may_find(self) -> bool:
+        """Whether the next :meth:`update` can return a device: a run is found when it
+        reaches ``window`` iterations or more, so only a run already ``window - 1`` long
+        can. Lets a caller skip work for what a find needs (:meth:`noise` of every device
+        before the update) on the iterations that cannot find anything."""
+        return self.window <= 1 or any(len(r) >= self.window - 1 for r in self._run.values())
+
     def noise(self) -> dict[int, float]:
         """Device -> healthy noise, for devices with enough history."""
         return {d: self.sigma(d) for d, h in self._healthy.items() if len(h) >= self.min_history}

@@ -160,6 +160,10 @@ class WorkloadModel:
         # The detector's thread changes the model; the supervisor's reads it through
         # fitted_predictor() only: the lock gives that one reader a whole fit.
         self._lock = threading.RLock()
+        # rank_compute's memo, (replica, stage, work) -> seconds, for the model as it
+        # stands: emptied by every change of what it answers from (the fit, the known
+        # speeds, the plan) and when it holds more than a few iterations' executors.
+        self._computed: dict[tuple[object, ...], float] = {}
         self.reset(plan=plan, speeds=speeds)
 
     # ------------------------------------------------------------ state
@@ -169,6 +173,7 @@ class WorkloadModel:
             self._reset(plan, speeds)
 
     def _reset(self, plan: ParallelPlan | None, speeds: Mapping[int, float] | None) -> None:
+        self._computed.clear()
         self.plan = plan
         self.speeds: dict[int, float] = dict(speeds or {})
         self._warm: list[ProfileSet] = []
@@ -189,6 +194,7 @@ class WorkloadModel:
         with self._lock:
             self.speeds.update(speeds)
             self._predictor = None
+            self._computed.clear()
 
     @property
     def ready(self) -> bool:
@@ -259,6 +265,7 @@ class WorkloadModel:
         self.slower_than_peers = self._slow_from_start(costs)
         self._from_peers(costs, samples)
         self.costs = costs
+        self._computed.clear()
         self.fit_error = "; ".join(problems) or None
         self.wait_share = wait_shares(self._warm)
         if self.calibrate:
@@ -371,8 +378,17 @@ class WorkloadModel:
         return out
 
     def rank_compute(self, profile: IterationProfile) -> float:
-        """Healthy compute seconds (all forward + backward) of this rank's micro-batches."""
-        return sum(f + b for f, b in self.rank_chunks(profile))
+        """Healthy compute seconds (all forward + backward) of this rank's micro-batches.
+        Taken once per executor and work while the model stands: every rank of a TP
+        group runs the same micro-batches, and an iteration's ranks are asked again by
+        the peer comparisons, the settle check and verification."""
+        key = (profile.replica, profile.stage, tuple((mb.owner, mb.mb, mb.doc_lengths) for mb in profile.microbatches))
+        got = self._computed.get(key)
+        if got is None:
+            if len(self._computed) > 16 * max(1, len(self.costs)):
+                self._computed.clear()
+            got = self._computed[key] = sum(f + b for f, b in self.rank_chunks(profile))
+        return got
 
     def fitted_predictor(self) -> IterationPredictor | None:
         """The iteration predictor with this job's own fitted per-stage costs (for the

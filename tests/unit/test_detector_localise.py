@@ -615,3 +615,36 @@ def test_what_is_not_a_device_slow_since_the_warm_up() -> None:
         job.slow = {1: 4.0} if it == 2 else {}
         assert det.observe(it, job.iteration(it)).report is None
     assert det.model.slower_than_peers == {}
+
+
+def test_a_watch_finds_a_device_only_when_it_said_it_may() -> None:
+    # The detector skips every device's noise scale on iterations may_find() rules out;
+    # on random excess sequences (slow runs, extended runs) no find is ever ruled out.
+    rng = random.Random(7)
+    for window in (1, 2, 3, 5):
+        watch, finds, ruled_out = PeerExcessWatch(window=window), 0, 0
+        for it in range(400):
+            excess = {d: rng.gauss(0.0, 0.05) + (0.8 if rng.random() < 0.3 and d % 3 == 0 else 0.0) for d in range(9)}
+            may = watch.may_find()
+            ruled_out += not may
+            found = watch.update(it, excess)
+            finds += bool(found)
+            assert may or not found, (window, it, found)
+            if found and rng.random() < 0.5:
+                watch.extend(next(iter(found)), window + 2)
+        assert finds > 0
+        assert ruled_out == 0 if window == 1 else ruled_out > 40, (window, ruled_out)
+
+
+def test_the_models_healthy_compute_follows_its_known_speeds() -> None:
+    # rank_compute is taken once per executor and work while the model stands; a new
+    # known speed changes the answer for the very same profile.
+    job = Job(ranks=4, seed=3)
+    det = detector()
+    for it in range(6):
+        det.observe(it, job.iteration(it))
+    p = job.iteration(6)[1]
+    before = det.model.rank_compute(p)
+    assert det.model.rank_compute(p) == before
+    det.model.set_speeds({1: 0.5})
+    assert det.model.rank_compute(p) == pytest.approx(2 * before)
