@@ -288,8 +288,8 @@ class WorkloadModel:
 
     def _slow_from_start(self, costs: Mapping[Executor, StageCost]) -> dict[Executor, float]:
         """Executors with no known-slow device that computed at least :attr:`peer_margin`
-        times as slowly as the median of their stage's other such executors, in every
-        warm-up iteration: slow since the generation began. Each executor's pace in an
+        times as slowly as the median of their stage's other such executors of the same
+        TP degree, in every warm-up iteration: slow since the generation began. Each executor's pace in an
         iteration is its compute over what its stage's mean fit gives its micro-batches
         (so uneven work compares). Fitted to their own warm-up they would look healthy
         for good (a device slowed before a restore, or from the job's start); their
@@ -309,10 +309,12 @@ class WorkloadModel:
                 if (p.replica, p.stage) in candidates:
                     mine[(p.replica, p.stage)] += [(tuple(mb.doc_lengths), mb.forward_s, mb.backward_s)
                                                    for mb in p.microbatches if mb.doc_lengths]
-            pace: dict[int, dict[Executor, float]] = defaultdict(dict)  # stage -> executor -> pace
+            # (stage, TP degree) -> executor -> pace: a group of another degree is not
+            # held to how the fit scales with the degree
+            pace: dict[tuple[int, int], dict[Executor, float]] = defaultdict(dict)
             for ex, ss in mine.items():
                 if (want := self._samples_cost(mean[ex[1]], ex, ss)) > 0:
-                    pace[ex[1]][ex] = sum(f + b for _, f, b in ss) / want
+                    pace[(ex[1], self._degree(ex))][ex] = sum(f + b for _, f, b in ss) / want
             for paces in pace.values():
                 pool = sorted(paces.values())
                 for ex, x in paces.items():
