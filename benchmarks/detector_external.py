@@ -23,7 +23,11 @@ are more replicas than cores). Cases:
 * **small / large model** — the injector's way (``--slow-compute 1.5``): 1.5x slower
   compute of worker 1, iterations of ~0.05 s and ~0.5 s of compute;
 * **DP-only** — four replicas, one 3x slower (injected);
-* **no fault** — nothing slowed: any report is false.
+* **DP-only from the start** — four replicas, one 3x slower from the job's first
+  iteration (injected): its warm-up is slow too, so only its peers show it; its onset
+  (for the latency) is the first iteration the fitted model judges;
+* **no fault** — nothing slowed: any report is false (two replicas, and four, whose
+  warm-up is compared among peers).
 
 ``--outside-load 0,1,2`` runs every case at each outside load, given as busy processes
 per core (not pinned: the scheduler places them, as other users' jobs on a shared
@@ -76,6 +80,7 @@ from resihp_core.testing.outside_load import OutsideLoad  # noqa: E402
 from resihp_core.testing.synthetic import SyntheticCluster  # noqa: E402
 
 ONSET = 12  # warm-up (1 skipped + 3 fitted) and healthy per-device history before it
+JUDGED = 4  # the first iteration the fitted model judges (1 skipped + 3 fitted)
 AFTER = 10  # iterations watched after the onset
 # The detector's defaults, but beats may lapse for long: a busy worker's beat thread
 # starved on a loaded core must not be taken for a hang (this measures fail-slow only;
@@ -89,8 +94,9 @@ class Case:
     replicas: int
     compute_s: float  # per iteration, healthy
     external: str = ""  # "hog", "neighbour", "neighbour-onset", "hog-all", "duty" or "" (injected or none)
-    inject: float = 1.0  # compute factor of ``target`` from ONSET (the injector's way)
+    inject: float = 1.0  # compute factor of ``target`` from ``slow_from`` (the injector's way)
     target: int | None = None  # the device that must be reported (None: nothing)
+    slow_from: int = ONSET  # 0: from the job's start (its latency counts from JUDGED)
 
 
 CASES = (
@@ -102,7 +108,9 @@ CASES = (
     Case("small model, 1.5x (injected)", 2, 0.05, inject=1.5, target=1),
     Case("large model, 1.5x (injected)", 2, 0.5, inject=1.5, target=1),
     Case("DP-only 4 replicas, one 3x (inj.)", 4, 0.15, inject=3.0, target=3),
+    Case("DP-only 4 replicas; one 3x from start", 4, 0.15, inject=3.0, target=3, slow_from=0),
     Case("no fault", 2, 0.15),
+    Case("no fault (4 replicas)", 4, 0.15),
 )
 
 
@@ -186,7 +194,7 @@ def _run_case(case: Case, timeout_s: float, cores: list[int], trace: Path | None
         args = ["--busy", "--alpha", f"{alpha:.3g}", "--beta", "0", "--microbatches", "4", "--comm", "0.005",
                 "--seed", "0"]
         if case.inject != 1.0 and d == case.target:
-            args += ["--slow-compute", str(case.inject), "--slow-from", str(ONSET)]
+            args += ["--slow-compute", str(case.inject), "--slow-from", str(case.slow_from)]
         workers[d] = args
     # The hogs are started (and held) before the job: each busy process takes seconds to
     # start on a loaded machine, and they must begin at the onset, on every core at once.
@@ -196,7 +204,7 @@ def _run_case(case: Case, timeout_s: float, cores: list[int], trace: Path | None
     hogs = CpuHogs(hog_cores, per_core=2 if case.external == "neighbour-onset" else 3)
     stop = threading.Event()
     threads: list[threading.Thread] = []
-    onset = ONSET
+    onset = case.slow_from if case.slow_from > 0 else JUDGED
     loads = []
     outside = OutsideLoad()  # CPU other processes (not this benchmark's tree) took
     rows: list[dict[str, Any]] = []
@@ -344,12 +352,12 @@ def _span(load: list[float]) -> str:
 def table(r: dict[str, Any]) -> str:
     lines = [f"externally made slowdowns (real busy workers pinned to cores, {r['runs']} run(s) per case, "
              f"onset at iteration {ONSET}, watched {AFTER} after):",
-             f"  {'case':<36} {'expect':<8} {'misses':>6} {'false reports':>13} {'latency max':>11}  cause         "
+             f"  {'case':<38} {'expect':<8} {'misses':>6} {'false reports':>13} {'latency max':>11}  cause         "
              "load avg   outside  target/peers"]
     for name, v in r["cases"].items():
         lat = "-" if v["latency_max"] is None else f"{v['latency_max']} it"
         tvp = ",".join("-" if x is None else f"{x:.2f}" for x in v.get("target_vs_peers", []))
-        lines.append(f"  {name:<36} {v['expect']:<8} {v['misses']:>6} {v['false_reports']:>13} {lat:>11}  "
+        lines.append(f"  {name:<38} {v['expect']:<8} {v['misses']:>6} {v['false_reports']:>13} {lat:>11}  "
                      f"{','.join(v['causes']) or '-':<13} {_span(v['load']):<10} {v.get('outside_cores', 0.0):.2f}     "
                      f"{tvp}")
     lines.append("  (outside: cores' time other processes than this benchmark's took, worst run; "
