@@ -693,7 +693,8 @@ def test_a_slowdown_that_fades_within_its_verification_window_is_not_verified() 
 
 
 def test_environment_change_the_probe_and_the_run_delay() -> None:
-    from resihp_core.detector.environment import CpuWaitMeter, EnvironmentProbe, environment_change, run_delay_s
+    from resihp_core.detector.environment import (CpuWaitMeter, EnvironmentProbe, environment_change, is_running,
+                                                  run_delay_s, runnable_tasks)
 
     before = [{1: 1.2, 2: 1.0}, {1: 1.4, 2: 0.0}]
     after = [{1: 2.6, 2: 2.0, 3: 5.0}]
@@ -708,8 +709,12 @@ def test_environment_change_the_probe_and_the_run_delay() -> None:
     # the job's do not.
     code = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
     burners = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2 * probe.cores)]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         _t.sleep(0.5)
+        # The process states and the machine's runnable count the probe reads.
+        assert sum(is_running(b.pid) for b in burners) >= 1 and not is_running(sleeper.pid)
+        assert runnable_tasks() >= 1  # this thread, reading, is one
         outside = EnvironmentProbe(reads=20).sample(_t.sleep)
         inside = EnvironmentProbe(job_pids=lambda: [b.pid for b in burners], reads=20).sample(_t.sleep)
         # This thread, busy among them, waits for a CPU (run delay) for a good part of
@@ -727,7 +732,7 @@ def test_environment_change_the_probe_and_the_run_delay() -> None:
         meter.end_chunk()
         asleep_wait = meter.compute_s - busy_wait
     finally:
-        for b in burners:
+        for b in [*burners, sleeper]:
             b.kill()
             b.wait()
     assert outside > inside and outside >= 1.5, (outside, inside)
