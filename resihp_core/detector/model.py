@@ -289,9 +289,9 @@ class WorkloadModel:
     def _slow_from_start(self, costs: Mapping[Executor, StageCost]) -> dict[Executor, float]:
         """Executors with no known-slow device that computed at least :attr:`peer_margin`
         times as slowly as the median of their stage's other such executors of the same
-        TP degree, in every warm-up iteration: slow since the generation began. Each executor's pace in an
-        iteration is its compute over what its stage's mean fit gives its micro-batches
-        (so uneven work compares). Fitted to their own warm-up they would look healthy
+        TP degree, in every warm-up iteration: slow since the generation began. Each
+        executor's pace in an iteration is its compute over what its stage's mean fit
+        gives its micro-batches (so uneven work compares). Fitted to their own warm-up they would look healthy
         for good (a device slowed before a restore, or from the job's start); their
         healthy cost is their peers' instead (:meth:`_from_peers`), so the detector sees
         the slowdown. The same iteration's peers, and every iteration: load the host
