@@ -69,7 +69,6 @@ from resihp_core.detector.localise import (
     machine_noise,
     own_compute_of,
     peer_excess,
-    per_executor,
     peers_waiting,
     unshared_waiting,
 )
@@ -477,7 +476,7 @@ class WorkloadAwareDetector(_Base):
         self._since_unjudged = set(since)
         try:
             for it, _, ps in self._hist:
-                healthy = per_executor(self.model.rank_compute)
+                healthy = self.model.rank_compute
                 self.local.update(it, _as_peers(peer_excess(ps, healthy, unreliable=self._known_slow()), since))
                 self.own.update(it, _as_peers(peer_excess(ps, healthy, own_compute_of, self._known_slow()), since))
         except ModelNotReady:
@@ -500,7 +499,7 @@ class WorkloadAwareDetector(_Base):
         for ps in rows:
             level: dict[tuple[int, int], list[float]] = {}
             skip: set[tuple[int, int]] = set()
-            compute = per_executor(self.model.rank_compute)
+            compute = self.model.rank_compute
             for p in ps.values():
                 ex = (p.replica, p.stage)
                 if p.device in slow:
@@ -594,7 +593,7 @@ class WorkloadAwareDetector(_Base):
         rows: list[dict[int, tuple[bool, bool]]] = []  # per iteration, per device: (measured, own) above
         try:
             for _, _, ps in after:
-                healthy = per_executor(self.model.rank_compute)
+                healthy = self.model.rank_compute
                 measured = peer_excess(ps, healthy, unreliable=slow)
                 own = peer_excess(ps, healthy, own_compute_of, slow)
                 rows.append({d: (measured.get(d, -math.inf) > bar, own.get(d, -math.inf) > bar) for d in devices})
@@ -615,7 +614,7 @@ class WorkloadAwareDetector(_Base):
         if not speeds:
             return None
         try:
-            excess = peer_excess(profiles, per_executor(self.model.rank_compute), unreliable=self._known_slow())
+            excess = peer_excess(profiles, self.model.rank_compute, unreliable=self._known_slow())
         except ModelNotReady:
             return None
         back = self.recovery.update(speeds, excess)
@@ -678,7 +677,7 @@ class WorkloadAwareDetector(_Base):
             # little off, or a device back at full speed, makes every peer look slow
             # (the CI run of the duty cycle that ends reported its healthy peer).
             slow = self._known_slow()
-            healthy = per_executor(self.model.rank_compute)
+            healthy = self.model.rank_compute
             excess = peer_excess(profiles, healthy, unreliable=slow)
             own = peer_excess(profiles, healthy, own_compute_of, slow)
         except ModelNotReady:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from resihp_core.protocol import IterationProfile
 
 __all__ = ["PeerExcessWatch", "compute_of", "confined", "machine_noise", "median_without", "own_compute_of", "own_cores",
-           "peer_excess", "per_executor", "peers_waiting", "robust_sigma", "unshared_waiting"]
+           "peer_excess", "peers_waiting", "robust_sigma", "unshared_waiting"]
 
 
 def compute_of(p: IterationProfile) -> float:
@@ -234,23 +234,6 @@ def peer_excess(profiles: ProfileSet, healthy: Callable[[IterationProfile], floa
                 if fallback is not None:
                     out[d] = logs[d] - fallback
     return out
-
-
-def per_executor(healthy: Callable[[IterationProfile], float]) -> Callable[[IterationProfile], float]:
-    """``healthy`` (a rank's healthy compute) taken once per executor and work: the
-    ranks of an executor (its TP group) run the same micro-batches, and both peer
-    comparisons of an iteration ask for every rank. For one iteration's profiles and one
-    state of the model."""
-    seen: dict[tuple[object, ...], float] = {}
-
-    def of(p: IterationProfile) -> float:
-        key = (p.replica, p.stage, tuple((mb.owner, mb.mb, mb.doc_lengths) for mb in p.microbatches))
-        got = seen.get(key)
-        if got is None:
-            got = seen[key] = healthy(p)
-        return got
-
-    return of
 
 
 def median_without(pool: Sequence[float], drop: Sequence[float]) -> float | None:
