@@ -62,6 +62,11 @@ if os.environ.get("RESIHP_PROFILE_DIR") and _ID is not None:
         _p.disable()
         _p.dump_stats(os.path.join(os.environ["RESIHP_PROFILE_DIR"], f"worker{_ID}-{os.getpid()}.prof"))
     atexit.register(_dump)
+    _exit = os._exit
+    def _dump_and_exit(code):  # peers.py's torchrun workers leave by os._exit: no atexit
+        _dump()
+        _exit(code)
+    os._exit = _dump_and_exit
 '''
 
 # (row, file suffix, function): cumulative wall time of that function per iteration.

@@ -516,6 +516,10 @@ SOURCES = [
     Source("detector-scale", "detector-scale.json", "detector_scale.py", (),
            "The fail-slow detector's CPU per iteration against the job's ranks (1,024 to 16,384, TP 1 and 8), "
            "in one process on synthetic profiles, then one TP group slowed 2x: its latency and the verification's CPU"),
+    Source("store-fanout", "store-fanout.json", "store_fanout.py", ("--nodes", "128,512,2048", "--iterations", "20"),
+           "The job store's commit fan-out against the job's nodes (128 to 2,048 node agents, 1,024 to 16,384 "
+           "ranks): the completing add to the verdict at every node, the store's CPU per node; torch's TCPStore "
+           "(libuv) on the same pattern"),
     Source("scheduler-131072", "scheduler-131072.json", "scheduler.py",
            ("--jobs", "16", "--latency-jobs", "131072", "--runs", "3"),
            "Planning latency at 131,072 GPUs (TP8 PP16 DP1024), cold caches, and one simulated iteration there"),

@@ -363,15 +363,24 @@ _ARG_TYPES = {
 
 # ------------------------------------------------------------------ server
 class _LoopWaiter:
-    """A waiter of the server's loop: a write (from any thread) completes its future."""
+    """A waiter of the server's loop: a write (from any thread) completes its future.
 
-    __slots__ = ("loop", "fut")
+    A write made on the loop's own thread (a request's, such as the add that completes
+    an iteration's count and wakes every parked commit) completes it at once: handing
+    each wake through ``call_soon_threadsafe`` costs a write to the loop's wake-up pipe
+    per waiter, thousands per iteration at thousands of nodes (benchmarks/store_fanout.py)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("loop", "fut", "thread")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
         self.loop = loop
+        self.thread = thread  # the loop's thread
         self.fut: asyncio.Future[None] = loop.create_future()
 
     def set(self) -> None:
+        if threading.get_ident() == self.thread:
+            self._wake()
+            return
         try:
             self.loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the server closed: nobody waits any more, the write stands
@@ -380,6 +389,14 @@ class _LoopWaiter:
     def _wake(self) -> None:
         if not self.fut.done():
             self.fut.set_result(None)
+
+
+def _reply(writer: asyncio.StreamWriter, reply: list[Any]) -> None:
+    """Write one reply frame (a reply over the frame limit is refused in its place)."""
+    payload = _ENC.encode(reply)
+    if len(payload) > MAX_FRAME_BYTES:
+        payload = _ENC.encode([False, f"reply of {len(payload)} bytes exceeds the frame limit"])
+    writer.write(_HEADER.pack(len(payload)) + payload)
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
@@ -559,10 +576,7 @@ class StoreServer:
                     reply = [True, value]
                 except (StoreError, IndexError, TypeError, ValueError) as e:
                     reply = [False, str(e)]
-            payload = _ENC.encode(reply)
-            if len(payload) > MAX_FRAME_BYTES:
-                payload = _ENC.encode([False, f"reply of {len(payload)} bytes exceeds the frame limit"])
-            writer.write(_HEADER.pack(len(payload)) + payload)
+            _reply(writer, reply)
             await writer.drain()
 
     async def _commit(self, args: list[Any]) -> list[Any]:
@@ -593,13 +607,15 @@ class StoreServer:
                     if op == "any":
                         return -1
                     raise StoreError(f"timed out after {timeout_s:.1f} s waiting for keys {value[:4]}")
-                waiter = _LoopWaiter(self._loop)
+                waiter = _LoopWaiter(self._loop, self._thread.ident)
                 table.register(value, waiter)
+            # One timer that ends the wait, not ``asyncio.wait_for`` (a second future and
+            # its callbacks per parked request: the verdict wakes thousands at once).
+            timer = self._loop.call_later(left, waiter._wake)
             try:
-                await asyncio.wait_for(waiter.fut, left)
-            except asyncio.TimeoutError:
-                pass
+                await waiter.fut
             finally:
+                timer.cancel()
                 with table.lock:
                     table.unregister(value, waiter)
 

@@ -180,6 +180,34 @@ def test_connections_hold_no_thread_and_a_write_wakes_only_its_key(hosted) -> No
         c.close()
 
 
+def test_a_write_from_a_peer_wakes_its_parked_readers_and_a_read_out_of_time_leaves_no_waiter(hosted) -> None:
+    """A write that arrives over the network (served on the store's own loop, as the
+    add that completes an iteration's count is) wakes the reads parked under its key;
+    a parked read whose time runs out fails and leaves nothing registered."""
+    store, address = hosted
+    readers = [worker(address, device=d) for d in range(3)]
+    writer = worker(address, device=3)
+    got: dict[int, bytes] = {}
+    threads = [threading.Thread(target=lambda d=d: got.__setitem__(d, readers[d].get_within("verdict", 20)))
+               for d in range(3)]
+    for t in threads:
+        t.start()
+    until(lambda: store.server.table.waiting() >= 3)
+    writer.set("verdict", "commit")
+    for t in threads:
+        t.join(10)
+    assert got == {d: b"commit" for d in range(3)} and store.server.table.waiting() == 0
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="timed out"):
+        readers[0].get_within("never", 0.3)
+    assert 0.25 <= time.monotonic() - t0 < 5
+    assert store.server.table.waiting() == 0
+    readers[1].set("later", "x")  # the connection that timed out serves on
+    assert readers[0].get("later") == b"x"
+    for c in (*readers, writer):
+        c.close()
+
+
 def test_a_hostile_frame_ends_only_its_own_connection(hosted) -> None:
     """An authenticated peer announcing a frame over the limit, or sending bytes that
     are not msgpack, loses its connection; the server and other connections go on."""
