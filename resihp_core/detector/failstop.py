@@ -86,10 +86,12 @@ class HangTimeout:
             raise ValueError("need factor > 1, min_timeout > 0, window >= 1, max_gap_margin >= 1")
         self.factor, self.min_timeout, self.max_gap_margin = factor, min_timeout, max_gap_margin
         self._gaps: deque[float] = deque(maxlen=window)
+        self._timeout: float | None = None  # until the next gap: the agent asks many times per beat
 
     def observe(self, gap: float) -> None:
         if gap >= 0:
             self._gaps.append(gap)
+            self._timeout = None
 
     @property
     def samples(self) -> int:
@@ -105,7 +107,9 @@ class HangTimeout:
     def timeout(self) -> float:
         if not self._gaps:
             return self.min_timeout
-        return max(self.min_timeout, self.factor * self.typical(), self.max_gap_margin * max(self._gaps))
+        if self._timeout is None:
+            self._timeout = max(self.min_timeout, self.factor * self.typical(), self.max_gap_margin * max(self._gaps))
+        return self._timeout
 
 
 @dataclass

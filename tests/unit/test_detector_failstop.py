@@ -128,6 +128,22 @@ def test_a_gap_seen_before_does_not_trigger() -> None:
     assert ht.timeout() >= 6.0
 
 
+def test_the_hang_timeout_follows_every_new_gap() -> None:
+    """The timeout is asked for many times per beat and kept until the next gap: it is
+    what the gaps seen so far give, after every one (the window forgets the oldest)."""
+    import random
+
+    rng = random.Random(3)
+    ht = HangTimeout(factor=4, min_timeout=0.05, window=8)
+    seen: list[float] = []
+    for _ in range(200):
+        g = rng.choice([0.01, 0.02, 0.5, rng.uniform(0, 2)])
+        ht.observe(g)
+        seen = (seen + [g])[-8:]
+        want = max(0.05, 4 * sorted(seen)[len(seen) // 2], 2 * max(seen))
+        assert ht.timeout() == want and ht.timeout() == want
+
+
 def test_no_hang_before_any_progress() -> None:
     m = monitor(hang_min_timeout=0.2)
     m.add(0, 0, 0.0)

@@ -159,11 +159,14 @@ class WorkerMonitor:
         Heartbeats that arrived while this agent was not scheduled (a loaded machine)
         sit unread in socket buffers; the readers get to run first, and a round that
         woke up more than an interval late gives no missed-beat verdict at all, so a
-        starved *agent* never declares its workers silent."""
+        starved *agent* never declares its workers silent. A round on time yields to
+        the readers once (a beat read in the same wake-up as this round's timer is
+        handled then); a late one three times, for the backlog. The rounds run a few
+        times per heartbeat interval all job long: each yield is a turn of the loop."""
         assert self._closed is not None
         wake = self.clock()
         while not self._closed.is_set():
-            for _ in range(3):
+            for _ in range(3 if self.clock() - wake > self.monitor.interval / 4 else 1):
                 await asyncio.sleep(0)  # let queued worker messages in
             now = self.clock()
             self._poll_children()
