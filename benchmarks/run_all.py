@@ -381,6 +381,10 @@ SOURCES = [
            "Fail-slow detector: issue #33's noisy neighbour (a worker pinned to a core shared with busy loops, "
            "its peer unpinned; pinned from the start, and pinned at the onset as users did) next to whole-machine "
            "load and no fault, at outside load 0, 1x and 2x the cores"),
+    Source("detector-external-neighbour-quiet", "detector-external-neighbour-quiet.json", "detector_external.py",
+           ("--runs", "2", "--outside-load", "0,1,2", "--cases", "noisy neighbour,whole-machine,no fault"),
+           "Fail-slow detector: the noisy neighbour cases, whole-machine load and no fault (2 and 4 replicas) at "
+           "unpinned outside load 0, 1x and 2x the cores, on a machine with nothing else running"),
     Source("detector-external-start", "detector-external-start.json", "detector_external.py",
            ("--runs", "2", "--cases", "from start,fault (4", "--outside-load", "0,1,2"),
            "Fail-slow detector: one of four DP replicas 3x slower from the job's first iteration (its warm-up "
