@@ -571,6 +571,20 @@ class WorkloadAwareDetector(_Base):
         return ({d for d, p in self.model.speeds.items() if p < self.recovery.slowest}
                 | self._slow_since_warmup())
 
+    def _past_known(self, verdict: Verdict) -> Verdict:
+        """A device known slow that ran slower than its known speed since the warm-up
+        (:attr:`WorkloadModel.slower_than_peers`) is verified against its prediction at
+        that speed: the verdict's ``p`` is relative to it, the device's speed is ``p``
+        times the known one (the report and the plan need the latter)."""
+        speeds = self.model.speeds
+        past = {d for d in self._slow_since_warmup() if speeds.get(d, 1.0) < 1.0}
+        if not past & set(verdict.slow):
+            return verdict
+        known = "; ".join(f"device {d} known at p={speeds[d]:.2f}: p={p:.2f} of that is {p * speeds[d]:.2f} "
+                          "of full speed" for d, p in sorted(verdict.slow.items()) if d in past)
+        return replace(verdict, slow={d: p * speeds[d] if d in past else p for d, p in verdict.slow.items()},
+                       evidence=f"{verdict.evidence} ({known})")
+
     def _slow_since_warmup(self) -> set[int]:
         """Devices of the executors the model found slower than their peers throughout
         its warm-up (:attr:`WorkloadModel.slower_than_peers`)."""
@@ -715,8 +729,9 @@ class WorkloadAwareDetector(_Base):
                                     f"the slowdown began at {later}",))
         onset = later
         after, before = self._window(onset)
-        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
-                               self._environment(onset), noise, own_noise, frozenset(self._known_slow()))
+        verdict = self._past_known(self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
+                                                self._environment(onset), noise, own_noise,
+                                                frozenset(self._known_slow())))
         if verdict.more > len(after):
             # Too few iterations for this evidence: the runs must go on that long.
             for d in found:

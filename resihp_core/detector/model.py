@@ -129,6 +129,10 @@ class WorkloadModel:
     :param peer_margin: an executor that computed this much slower than its stage's
         other executors in every warm-up iteration is slow since the warm-up began
         (:attr:`slower_than_peers`): its healthy cost is theirs.
+    :param known_margin: the same for an executor with a known-slow device, its known
+        speed divided out: above ``peer_margin`` by how much slower than its peers'
+        estimate a device left with fewer micro-batches computes each (the recovery
+        watch's allowance, detector/recovery.py).
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class WorkloadModel:
         speeds: Mapping[int, float] | None = None,
         calibrate: bool = True,
         peer_margin: float = 1.25,
+        known_margin: float = 1.25 * 1.3,
     ) -> None:
         if warmup_iterations < 1:
             raise ValueError(f"warmup_iterations must be >= 1, got {warmup_iterations}")
@@ -154,6 +159,9 @@ class WorkloadModel:
         if not peer_margin > 1.0:
             raise ValueError(f"peer_margin must be > 1, got {peer_margin}")
         self.peer_margin = peer_margin
+        if not known_margin >= peer_margin:
+            raise ValueError(f"known_margin must be >= peer_margin, got {known_margin}")
+        self.known_margin = known_margin
         # device group -> its healthy compute relative to its stage's other executors at
         # the last fit where none of them was known slow (kept across generations)
         self.relative: dict[tuple[int, ...], float] = {}
@@ -296,33 +304,47 @@ class WorkloadModel:
         healthy cost is their peers' instead (:meth:`_from_peers`), so the detector sees
         the slowdown. The same iteration's peers, and every iteration: load the host
         shares, or one iteration's burst of it, is no slowdown. It takes two peers at
-        least: with one, which of the two is slow is a guess. Returns executor -> its
-        median ratio."""
+        least: with one, which of the two is slow is a guess.
+
+        An executor with a known-slow device is held to its known speed ``p``: it is
+        slow since the warm-up began where its pace at ``p = 1`` (its pace times ``p``)
+        was at least :attr:`known_margin` times its healthy peers' in every warm-up
+        iteration. Fitted to its own warm-up it would be predicted at its new, lower
+        speed and never reported again: a device more slowed than its report said (or
+        slowed further before a restore) would keep the plan its old estimate made.
+        One healthy peer is enough: the device is known slow already, the question is
+        only by how much. Returns executor -> its median ratio (at ``p = 1``)."""
         from resihp_core.detector.localise import median_without
 
         candidates = {ex for ex in costs if self._group_speed(ex) >= 1.0}
+        known = {ex for ex in costs if ex not in candidates}
         mean = {s: _mean_stage_cost([costs[e] for e in candidates if e[1] == s]) for s in {e[1] for e in candidates}}
         ratios: dict[Executor, list[float]] = defaultdict(list)
         for profiles in self._warm:
             mine: dict[Executor, list[Sample]] = defaultdict(list)
             for p in profiles.values():
-                if (p.replica, p.stage) in candidates:
-                    mine[(p.replica, p.stage)] += [(tuple(mb.doc_lengths), mb.forward_s, mb.backward_s)
-                                                   for mb in p.microbatches if mb.doc_lengths]
-            # (stage, TP degree) -> executor -> pace: a group of another degree is not
-            # held to how the fit scales with the degree
+                ex = (p.replica, p.stage)
+                if ex in candidates or (ex in known and ex[1] in mean):
+                    mine[ex] += [(tuple(mb.doc_lengths), mb.forward_s, mb.backward_s)
+                                 for mb in p.microbatches if mb.doc_lengths]
+            # (stage, TP degree) -> executor -> pace (at p = 1): a group of another
+            # degree is not held to how the fit scales with the degree
             pace: dict[tuple[int, int], dict[Executor, float]] = defaultdict(dict)
             for ex, ss in mine.items():
                 if (want := self._samples_cost(mean[ex[1]], ex, ss)) > 0:
-                    pace[(ex[1], self._degree(ex))][ex] = sum(f + b for _, f, b in ss) / want
+                    pace[(ex[1], self._degree(ex))][ex] = sum(f + b for _, f, b in ss) * self._group_speed(ex) / want
             for paces in pace.values():
-                pool = sorted(paces.values())
+                pool = sorted(x for ex, x in paces.items() if ex in candidates)
                 for ex, x in paces.items():
-                    base = median_without(pool, [x]) if len(pool) >= 3 else None
+                    if ex in candidates:
+                        base = median_without(pool, [x]) if len(pool) >= 3 else None
+                    else:
+                        base = statistics.median(pool) if pool else None
                     if base:
                         ratios[ex].append(x / base)
         return {ex: statistics.median(rs) for ex, rs in ratios.items()
-                if len(rs) == len(self._warm) and min(rs) >= self.peer_margin}
+                if len(rs) == len(self._warm)
+                and min(rs) >= (self.peer_margin if ex in candidates else self.known_margin)}
 
     def _from_peers(self, costs: dict[Executor, StageCost], samples: Mapping[Executor, list[Sample]]) -> None:
         """A known-slow executor's healthy cost: its own warm-up with ``p`` divided out,

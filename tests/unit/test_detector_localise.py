@@ -583,6 +583,38 @@ def test_a_device_slow_since_the_warm_up_began_is_judged_against_its_peers(facto
     assert [d.report.devices for d in again if d.report is not None] == [(2,)]
 
 
+def test_a_known_slow_device_slower_than_known_since_the_warm_up_is_reported_at_its_speed() -> None:
+    # A new generation planned around device 2 at p = 0.6 (its report), but the device
+    # computes 3x slower than its peers (slowed further before the restore, or more
+    # slowed than its report said). Fitted to its own warm-up it would be predicted at
+    # that speed and never reported again. Held to its known speed, it is reported once
+    # it stayed so for since_window past the fit, at its own speed (1/3), not at its
+    # speed relative to the known one (0.55).
+    for seed in range(3):
+        job = Job(ranks=4, scale=0.3, seed=seed)
+        job.slow[2] = 3.0
+        det = detector()
+        det.reset(1, speeds={2: 0.6})
+        dets = [det.observe(it, job.iteration(it)) for it in range(16)]
+        assert det.model.slower_than_peers.keys() == {(2, 0)}
+        reps = [d for d in dets if d.report is not None]
+        fitted = next(d.iteration for d in dets if d.action != "warmup")
+        assert [r.report.devices for r in reps] == [(2,)], [d.action for d in dets]
+        assert reps[0].iteration - fitted + 1 == det.since_window
+        assert reps[0].report.throughput[2] == pytest.approx(1 / 3, abs=0.03)
+        assert det.model.speeds[2] == pytest.approx(1 / 3, abs=0.03)  # planned around from now on
+    # As slow as known, or slower by what a device left with fewer micro-batches
+    # computes each (up to the recovery watch's 1.3x allowance): nothing to report.
+    for actual in (1 / 0.6, 1.3 / 0.6):
+        for seed in range(3):
+            job = Job(ranks=4, scale=0.3, seed=seed)
+            job.slow[2] = actual
+            det = detector()
+            det.reset(1, speeds={2: 0.6})
+            assert not [d for d in (det.observe(it, job.iteration(it)) for it in range(16)) if d.report is not None]
+            assert det.model.slower_than_peers == {}
+
+
 def test_what_is_not_a_device_slow_since_the_warm_up() -> None:
     # Every device slow alike (the whole machine): no peer is faster.
     job = Job(ranks=4, scale=0.3, seed=1)
