@@ -1038,6 +1038,13 @@ class ProfileVerifier:
                 for o in sorted(slower):
                     groups[t.executor[o]].append(o)
                 v = self._compute(ctx, t, dict(groups))
+                # A peer slower than the ranks that waited (which ran faster than their
+                # fit while it lagged) but at its peers' speed (p 1 by this measure) is
+                # not slow: a report naming it at full speed plans around a healthy device.
+                full = {d for d, p in v.slow.items() if p >= 1.0 / (1.0 + self.compute_margin)}
+                if full and v.confirmed:
+                    v = replace(v, slow={d: p for d, p in v.slow.items() if d not in full},
+                                evidence=f"{v.evidence}; devices {sorted(full)} left out: at their peers' speed")
                 if v.confirmed:
                     return replace(v, evidence=f"ranks {sorted(heavy)} waited outside compute for slower peers "
                                                   f"({lines}); {v.evidence}", rule="compute-waited-for")

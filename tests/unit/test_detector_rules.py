@@ -384,6 +384,15 @@ def test_a_rank_waiting_for_a_slower_peers_compute_is_never_the_slow_one() -> No
     ctx = VerificationContext(generation=0, iterations=its, model=_Model(), noise=noise)  # type: ignore[arg-type]
     v = ProfileVerifier().verify(ctx)
     assert v.rule == "compute-waited-for" and v.cause == "compute" and set(v.slow) == {1}, v
+    # DP5 on a 2-core host, one device slowed: rank 0, which waited, ran faster than its
+    # fit while the slow device freed a CPU, so every peer computed longer than it. Those
+    # at their peers' speed (p 1) are left out of the report (a user's run named one).
+    noise5 = {d: 0.3 for d in range(5)}
+    its = [_iteration(i, [0.55, 1.32, 1.16, 0.82, 0.84], outside=[0.45, 0.1, 0.1, 0.1, 0.1]) for i in range(3)]
+    ctx = VerificationContext(generation=0, iterations=its, model=_Model(), noise=noise5)  # type: ignore[arg-type]
+    v = ProfileVerifier().verify(ctx)
+    assert v.rule == "compute-waited-for" and set(v.slow) == {1, 2} and max(v.slow.values()) < 0.8, v
+    assert "devices [3, 4] left out" in v.evidence, v.evidence
     # The peer slower only by waiting for a CPU on a loaded machine: neither is blamed.
     share = {d: (0.3, 0.0) for d in range(2)}
     its = [_iteration(i, [1.0, 1.5], wait=[0.3, 0.8], outside=[0.6, 0.1]) for i in range(3)]
