@@ -572,13 +572,20 @@ class WorkloadAwareDetector(_Base):
                 | self._slow_since_warmup())
 
     def _past_known(self, verdict: Verdict) -> Verdict:
-        """A device known slow that ran slower than its known speed since the warm-up
-        (:attr:`WorkloadModel.slower_than_peers`) is verified against its prediction at
-        that speed: the verdict's ``p`` is relative to it, the device's speed is ``p``
-        times the known one (the report and the plan need the latter)."""
-        speeds = self.model.speeds
-        past = {d for d in self._slow_since_warmup() if speeds.get(d, 1.0) < 1.0}
-        if not past & set(verdict.slow):
+        """Known-slow devices found slower than their known speed ``p``. Their
+        predictions carry ``p``, so the verdict's ``p`` is relative to it: the device's
+        own speed is that times the known one, what the report and the plan need. That
+        holds for a device slower than known since the warm-up
+        (:attr:`WorkloadModel.slower_than_peers`) and for one that slowed further
+        during the generation by the model's ``known_margin`` (relative ``p`` at most its
+        inverse). Less than that is left relative, as known (the comparison with the
+        known speed takes it for the same slowdown): a device left with fewer
+        micro-batches computes each up to the recovery watch's allowance slower than
+        its estimate, and re-reporting it would shrink its work again."""
+        speeds, bar = self.model.speeds, 1.0 / self.model.known_margin
+        past = {d for d, p in verdict.slow.items() if speeds.get(d, 1.0) < 1.0
+                and (p <= bar or d in self._slow_since_warmup())}
+        if not past:
             return verdict
         known = "; ".join(f"device {d} known at p={speeds[d]:.2f}: p={p:.2f} of that is {p * speeds[d]:.2f} "
                           "of full speed" for d, p in sorted(verdict.slow.items()) if d in past)
@@ -897,8 +904,9 @@ class WorkloadAwareDetector(_Base):
                 return Detection(iteration, measured, "faded", cp, predicted, ratio, onset=onset,
                                  notes=(f"iteration {it} ran at {last:.2f}x healthy again: the slowdown faded",))
         env = self._environment(onset)
-        verdict = self._verify([h[2] for h in after], before, self.model, self.slow_threshold, env,
-                               self.local.noise(), self.own.noise(), frozenset(self._known_slow()))
+        verdict = self._past_known(self._verify([h[2] for h in after], before, self.model, self.slow_threshold,
+                                                env, self.local.noise(), self.own.noise(),
+                                                frozenset(self._known_slow())))
         if verdict.more > len(after):
             # Not enough iterations for this evidence yet: verify again when there are.
             self._watch = (onset, iteration + max(self.min_gap, verdict.more))

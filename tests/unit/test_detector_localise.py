@@ -613,6 +613,27 @@ def test_a_known_slow_device_slower_than_known_since_the_warm_up_is_reported_at_
             det.reset(1, speeds={2: 0.6})
             assert not [d for d in (det.observe(it, job.iteration(it)) for it in range(16)) if d.report is not None]
             assert det.model.slower_than_peers == {}
+    # Slowed further during the generation (as known through the warm-up, 3x its peers
+    # from iteration 12): reported at its own speed within 3 iterations; 1.3x slower
+    # than known from then on is not news.
+    for actual, news in ((3.0, True), (1.3 / 0.6, False)):
+        for seed in range(3):
+            job = Job(ranks=4, scale=0.3, seed=seed)
+            job.slow[2] = 1 / 0.6
+            det = detector()
+            det.reset(1, speeds={2: 0.6})
+            reps = []
+            for it in range(30):
+                if it == 12:
+                    job.slow[2] = actual
+                d = det.observe(it, job.iteration(it))
+                if d.report is not None:
+                    reps.append((d.iteration, d.report.devices, d.report.throughput[2]))
+            if news:
+                assert [r[:2] for r in reps] == [(14, (2,))], reps
+                assert reps[0][2] == pytest.approx(1 / 3, abs=0.03)
+            else:
+                assert reps == [], reps
 
 
 def test_what_is_not_a_device_slow_since_the_warm_up() -> None:
