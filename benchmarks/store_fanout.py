@@ -108,13 +108,18 @@ class _Timed:
         from resihp_core.runtime import store
 
         self.done: list[float] = []
-        inner = store._reply
+        self._inner = inner = store._reply
 
         def reply(writer, value) -> None:
             inner(writer, value)
             self.done.append(time.monotonic())
 
         store._reply = reply
+
+    def undo(self) -> None:
+        from resihp_core.runtime import store
+
+        store._reply = self._inner
 
 
 class _Ours:
@@ -127,8 +132,8 @@ class _Ours:
 
         self.server = StoreServer("127.0.0.1", SECRET, 0)
         self.address = self.server.address
-        self._closer = lambda nodes: WireStore(self.address, node_credential(SECRET, nodes - 1),
-                                               f"agent:{nodes - 1}", timeout_s=120.0)
+        self._connect = lambda node: WireStore(self.address, node_credential(SECRET, node), f"agent:{node}",
+                                               timeout_s=120.0)
         self.timed = _Timed()
         self.cpu_clock = time.pthread_getcpuclockid(self.server._thread.ident)
 
@@ -138,10 +143,16 @@ class _Ours:
     def parked(self, it: int, others: int) -> bool:
         return self.server.table.waiting() >= others
 
+    def closer(self, nodes: int):
+        """The closing (last) node's connection: this process's own."""
+        return self._connect(nodes - 1)
+
     def close_count(self, store, it: int, nodes: int) -> None:
         store.add_and_await([f"r/{it}/{nodes - 1}"], [b"x"], f"c/{it}", 1, nodes, f"v/{it}", True, 60.0)
 
-    def close(self) -> None:
+    def close(self, closer) -> None:
+        closer.close()
+        self.timed.undo()
         self.server.close()
 
 
@@ -159,7 +170,6 @@ class _Torch:
         self.master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                timeout=datetime.timedelta(seconds=120))
         self.address = f"127.0.0.1:{self.master.port}"
-        self._closer = lambda nodes: self.master
         self.timed = None
 
     def cpu(self) -> float:  # the whole process: the store's own threads, this one mostly waiting
@@ -171,12 +181,16 @@ class _Torch:
         time.sleep(0.05)
         return True
 
+    def closer(self, nodes: int):
+        """The closing node's client: the server's own."""
+        return self.master
+
     def close_count(self, store, it: int, nodes: int) -> None:
         if store.add(f"c/{it}", 1) == nodes:
             store.set(f"v/{it}", "commit")
 
-    def close(self) -> None:
-        pass
+    def close(self, closer) -> None:
+        pass  # the server goes with its object
 
 
 def run(nodes: int, iterations: int, procs: int, kind: str = "resihp") -> dict:
@@ -187,7 +201,7 @@ def run(nodes: int, iterations: int, procs: int, kind: str = "resihp") -> dict:
     clients = [subprocess.Popen([sys.executable, __file__, "--_client", store.address, str(a), str(b - a)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                for a, b in per if b > a]
-    closer = store._closer(nodes)
+    closer = store.closer(nodes)
     rows = []
     try:
         t0 = time.monotonic()
@@ -229,9 +243,7 @@ def run(nodes: int, iterations: int, procs: int, kind: str = "resihp") -> dict:
             except subprocess.TimeoutExpired:
                 c.kill()
                 c.wait()
-        if closer is not getattr(store, "master", None):
-            closer.close()
-        store.close()
+        store.close(closer)
     steady = rows[2:] or rows
     out = {"store": kind, "nodes": nodes, "ranks_at_8_per_node": 8 * nodes, "iterations": iterations, "rows": rows}
     for k in ("server_ms", "client_ms", "store_cpu_ms"):
