@@ -582,9 +582,8 @@ class WorkloadAwareDetector(_Base):
         known speed takes it for the same slowdown): a device left with fewer
         micro-batches computes each up to the recovery watch's allowance slower than
         its estimate, and re-reporting it would shrink its work again."""
-        speeds, bar = self.model.speeds, 1.0 / self.model.known_margin
-        past = {d for d, p in verdict.slow.items() if speeds.get(d, 1.0) < 1.0
-                and (p <= bar or d in self._slow_since_warmup())}
+        speeds, bar, since = self.model.speeds, 1.0 / self.model.known_margin, self._slow_since_warmup()
+        past = {d for d, p in verdict.slow.items() if speeds.get(d, 1.0) < 1.0 and (p <= bar or d in since)}
         if not past:
             return verdict
         known = "; ".join(f"device {d} known at p={speeds[d]:.2f}: p={p:.2f} of that is {p * speeds[d]:.2f} "
